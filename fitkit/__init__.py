@@ -1,0 +1,17 @@
+"""fitkit: Keras-style ``compile`` / ``fit`` / ``evaluate`` / ``predict`` for any PyTorch module.
+
+Example:
+    >>> import torch, fitkit
+    >>> model = fitkit.Model(torch.nn.Linear(3, 2), device="cpu")
+    >>> model.compile(optimizer="adam", loss="cross_entropy", metrics=["accuracy"])
+    >>> sorted(model.evaluate(torch.zeros(4, 3), torch.zeros(4, dtype=torch.long), verbose=0))
+    ['accuracy', 'loss']
+"""
+
+__version__ = "0.1.0"
+
+from fitkit import callbacks, data, layers
+from fitkit.callbacks import Callback, History
+from fitkit.model import Model
+
+__all__ = ["Model", "Callback", "History", "callbacks", "data", "layers", "__version__"]

@@ -1,0 +1,249 @@
+"""The callback protocol: ``Callback``, the fan-out ``CallbackList``, and ``History``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, MutableMapping
+from typing import Any
+
+import torch
+
+__all__ = ["Callback", "CallbackList", "History", "BatchLogs", "HOOKS"]
+
+HOOKS = (
+    "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+    "on_train_batch_begin", "on_train_batch_end", "on_backward_end",
+    "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
+    "on_predict_begin", "on_predict_end", "on_predict_batch_begin", "on_predict_batch_end",
+)  # fmt: skip
+
+
+class Callback:
+    """Base class of fitkit callbacks: override the hooks you need (Keras names, 0-based).
+
+    ``self.model`` is the :class:`fitkit.Model` and ``self.params`` holds ``epochs``, ``steps``
+    (batches per epoch, ``None`` when unknown) and ``verbose``. Epoch logs hold Python floats;
+    batch logs hold detached 0-dim tensors (running epoch means), computed only when read, so
+    a callback that does not read them costs no host sync.
+
+    ``state_dict()`` / ``load_state_dict()`` carry what a callback needs to resume; they are
+    saved in checkpoints.
+
+    Example:
+        >>> class PrintLoss(Callback):
+        ...     def on_epoch_end(self, epoch, logs=None):
+        ...         print(f"epoch {epoch}: loss {logs['loss']:.3f}")
+        >>> PrintLoss().on_epoch_end(0, {"loss": 0.5})
+        epoch 0: loss 0.500
+    """
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.params: dict[str, Any] = {}
+
+    def set_model(self, model: Any) -> None:
+        self.model = model
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        self.params = params
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this callback needs to resume (plain Python values and tensors)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def on_train_begin(self, logs=None): ...
+    def on_train_end(self, logs=None): ...
+    def on_epoch_begin(self, epoch, logs=None): ...
+    def on_epoch_end(self, epoch, logs=None): ...
+    def on_train_batch_begin(self, batch, logs=None): ...
+    def on_train_batch_end(self, batch, logs=None): ...
+    def on_backward_end(self, batch): ...
+    def on_test_begin(self, logs=None): ...
+    def on_test_end(self, logs=None): ...
+    def on_test_batch_begin(self, batch, logs=None): ...
+    def on_test_batch_end(self, batch, logs=None): ...
+    def on_predict_begin(self, logs=None): ...
+    def on_predict_end(self, logs=None): ...
+    def on_predict_batch_begin(self, batch, logs=None): ...
+    def on_predict_batch_end(self, batch, logs=None): ...
+
+
+class BatchLogs(MutableMapping):
+    """Batch-level logs whose values are computed on first read.
+
+    The running epoch means are 0-dim tensors on the model's device; computing them costs a
+    few kernel launches, so they are computed once per event, and only if a callback reads a
+    key. Keys a callback sets are kept as they are.
+
+    Example:
+        >>> logs = BatchLogs(lambda: {"loss": torch.tensor(0.25)})
+        >>> logs["lr_x10"] = 1.0
+        >>> sorted(logs), float(logs["loss"])
+        (['loss', 'lr_x10'], 0.25)
+    """
+
+    __slots__ = ("_compute", "_data")
+
+    def __init__(self, compute: Callable[[], dict[str, torch.Tensor]]):
+        self._compute: Callable[[], dict[str, torch.Tensor]] | None = compute
+        self._data: dict[str, Any] = {}
+
+    def _resolved(self) -> dict[str, Any]:
+        if self._compute is not None:
+            extra, self._data = self._data, self._compute()
+            self._data.update(extra)
+            self._compute = None
+        return self._data
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._data:
+            return self._data[key]
+        return self._resolved()[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._data[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._resolved()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._resolved())
+
+    def __len__(self) -> int:
+        return len(self._resolved())
+
+    def __repr__(self) -> str:
+        return f"BatchLogs({self._resolved()!r})"
+
+
+class History(Callback):
+    """Records epoch logs: ``history.history[key]`` is a list of floats, one per epoch run.
+
+    Added to every ``fit`` and returned by it (also ``model.history``).
+
+    Example:
+        >>> h = History()
+        >>> h.on_epoch_end(0, {"loss": 1.0}); h.on_epoch_end(1, {"loss": 0.5})
+        >>> h.history, h.epoch
+        ({'loss': [1.0, 0.5]}, [0, 1])
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: dict[str, list[float]] = {}
+        self.epoch: list[int] = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch.append(epoch)
+        for key, value in (logs or {}).items():
+            self.history.setdefault(key, []).append(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": {k: list(v) for k, v in self.history.items()}, "epoch": list(self.epoch)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = {k: list(v) for k, v in state["history"].items()}
+        self.epoch = list(state["epoch"])
+
+    def plot(self, keys: list[str] | None = None, path: str | None = None):
+        """Draw learning curves with matplotlib (``pip install fitkit[plot]``).
+
+        Args:
+            keys: history keys to draw; default: every key but ``learning_rate``, a ``val_``
+                key on the same axes as its training key.
+            path: if given, the figure is saved there as a PNG.
+
+        Returns:
+            The matplotlib ``Figure``.
+
+        Raises:
+            ImportError: matplotlib is not installed.
+            ValueError: a key that the history does not hold.
+
+        Example:
+            >>> h = History(); h.on_epoch_end(0, {"loss": 1.0}); h.on_epoch_end(1, {"loss": 0.5})
+            >>> fig = h.plot()
+            >>> [ax.get_title() for ax in fig.axes]
+            ['loss']
+        """
+        try:
+            import matplotlib
+
+            if path is not None or matplotlib.get_backend().lower() == "agg":
+                matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError(
+                "History.plot needs matplotlib. Install it with `pip install fitkit[plot]`."
+            ) from None
+        if keys is None:
+            keys = [k for k in self.history if not k.startswith("val_") and k != "learning_rate"]
+        unknown = [k for k in keys if k not in self.history]
+        if unknown:
+            raise ValueError(f"Unknown history keys {unknown}. Available: {sorted(self.history)}.")
+        fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(4 * max(len(keys), 1), 3), squeeze=False)
+        epochs = [e + 1 for e in self.epoch]
+        for ax, key in zip(axes[0], keys):
+            ax.plot(epochs, self.history[key], marker="o", label=key)
+            if f"val_{key}" in self.history:
+                ax.plot(epochs, self.history[f"val_{key}"], marker="o", label=f"val_{key}")
+            ax.set_title(key)
+            ax.set_xlabel("epoch")
+            ax.legend()
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, format="png")
+        plt.close(fig)
+        return fig
+
+
+def _overrides(cb: Callback, hook: str) -> bool:
+    return getattr(type(cb), hook, None) is not getattr(Callback, hook)
+
+
+class CallbackList:
+    """Fan a hook out to callbacks in list order.
+
+    For each hook only the callbacks that override it are called, so a batch hook nobody
+    listens to costs nothing, and :meth:`wants` lets the loop skip building batch logs.
+
+    Example:
+        >>> h = History()
+        >>> cl = CallbackList([h], model=None, params={"epochs": 1})
+        >>> cl.on_epoch_end(0, {"loss": 2.0}); h.history
+        {'loss': [2.0]}
+    """
+
+    def __init__(self, callbacks: list[Callback], model: Any, params: dict[str, Any]):
+        self.callbacks = list(callbacks)
+        for cb in self.callbacks:
+            cb.set_model(model)
+            cb.set_params(params)
+        self._hooks: dict[str, list[Callable[..., Any]]] = {
+            hook: [getattr(cb, hook) for cb in self.callbacks if _overrides(cb, hook)] for hook in HOOKS
+        }
+
+    def wants(self, hook: str) -> bool:
+        return bool(self._hooks[hook])
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for fn in self._hooks[hook]:
+            fn(*args)
+
+    def on_train_begin(self, logs=None): self._call("on_train_begin", logs)
+    def on_train_end(self, logs=None): self._call("on_train_end", logs)
+    def on_epoch_begin(self, epoch, logs=None): self._call("on_epoch_begin", epoch, logs)
+    def on_epoch_end(self, epoch, logs=None): self._call("on_epoch_end", epoch, logs)
+    def on_train_batch_begin(self, batch, logs=None): self._call("on_train_batch_begin", batch, logs)
+    def on_train_batch_end(self, batch, logs=None): self._call("on_train_batch_end", batch, logs)
+    def on_backward_end(self, batch): self._call("on_backward_end", batch)
+    def on_test_begin(self, logs=None): self._call("on_test_begin", logs)
+    def on_test_end(self, logs=None): self._call("on_test_end", logs)
+    def on_test_batch_begin(self, batch, logs=None): self._call("on_test_batch_begin", batch, logs)
+    def on_test_batch_end(self, batch, logs=None): self._call("on_test_batch_end", batch, logs)
+    def on_predict_begin(self, logs=None): self._call("on_predict_begin", logs)
+    def on_predict_end(self, logs=None): self._call("on_predict_end", logs)
+    def on_predict_batch_begin(self, batch, logs=None): self._call("on_predict_batch_begin", batch, logs)
+    def on_predict_batch_end(self, batch, logs=None): self._call("on_predict_batch_end", batch, logs)

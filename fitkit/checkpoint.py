@@ -1,0 +1,290 @@
+"""Weights and full training checkpoints: atomic writes, ``weights_only`` loads, exact resume.
+
+A checkpoint is one file that ``torch.load(path, weights_only=True)`` reads: plain containers
+of tensors, numbers and strings. fitkit itself only ever loads with ``weights_only=True``, so
+a file carrying pickled code is refused before that code can run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["atomic_save", "safe_load", "CheckpointMixin"]
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to a temp file in the same folder, fsync, then rename over ``path``.
+
+    A reader (or a crash) never sees a partial file: it sees the old file or the new one.
+
+    Example:
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); p = os.path.join(d, "w.pt")
+        >>> atomic_save({"a": torch.ones(1)}, p)
+        >>> torch.load(p, weights_only=True)
+        {'a': tensor([1.])}
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress():
+            os.unlink(tmp)
+        raise
+    with _suppress():  # make the rename itself durable
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], OSError)
+
+
+def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
+    """``torch.load(..., weights_only=True)`` with a clear error for unsafe or missing files.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        RuntimeError: the file holds pickled code or objects (refused; nothing ran).
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"No checkpoint file at {str(path)!r}.")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        if "weights_only" in str(e) or "Unsupported global" in str(e) or "Weights only load failed" in str(e):
+            raise RuntimeError(
+                f"Refused to load {str(path)!r}: it holds pickled objects that could run code, and "
+                "fitkit loads with weights_only=True. Fix: save with model.save_weights / "
+                "save_checkpoint, or re-save a plain state dict from code you trust."
+            ) from None
+        raise
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_tuples(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.cpu().numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"].cpu())
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def _tuples(obj: Any) -> Any:
+    # random.setstate wants tuples; a round trip may hand back lists.
+    if isinstance(obj, (list, tuple)):
+        return tuple(_tuples(o) for o in obj)
+    return obj
+
+
+def _callback_key(cb: Any, seen: dict[str, int]) -> str:
+    name = type(cb).__name__
+    n = seen.get(name, 0)
+    seen[name] = n + 1
+    return name if n == 0 else f"{name}_{n}"
+
+
+class CheckpointMixin:
+    """``save_weights`` / ``load_weights`` / ``save_checkpoint`` / ``load_checkpoint``."""
+
+    _resume: dict[str, Any] | None = None
+
+    def save_weights(self, path: str | os.PathLike) -> None:
+        """Write the module's state dict to ``path`` atomically."""
+        atomic_save(self.module.state_dict(), path)
+
+    def load_weights(self, path: str | os.PathLike, strict: bool = True) -> None:
+        """Load a state dict saved by :meth:`save_weights` (or a checkpoint) onto ``model.device``.
+
+        Raises:
+            RuntimeError: an unsafe file (pickled code), or keys that do not match.
+        """
+        state = safe_load(path, self.device)
+        if isinstance(state, dict) and "module" in state and "fitkit_version" in state:
+            state = state["module"]
+        self.module.load_state_dict(state, strict=strict)
+
+    # -- full training state -----------------------------------------------------------------
+    def _position(self) -> tuple[int, int]:
+        """(epoch to run next, batches of it already done)."""
+        if getattr(self, "_in_epoch", False):
+            return self._epoch, self._step_index + 1
+        return getattr(self, "_epochs_done", 0), 0
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The full training state as a ``weights_only``-loadable dict."""
+        from fitkit import __version__
+
+        epoch, step = self._position()
+        callbacks, seen = {}, {}
+        for cb in self._callbacks.callbacks:
+            if type(cb).__name__ in ("History", "ProgressBar"):
+                continue
+            callbacks[_callback_key(cb, seen)] = cb.state_dict()
+        state: dict[str, Any] = {
+            "fitkit_version": __version__,
+            "module": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "epoch": epoch,
+            "step_in_epoch": step,
+            "global_step": self._global_step,
+            "rng": _rng_state(),
+            "callbacks": callbacks,
+            "history": self.history.state_dict() if self.history is not None else None,
+        }
+        if step:
+            state["epoch_rng"] = self._epoch_rng
+            state["trackers"] = self._tracker_state()
+        return state
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write the full training state to ``path`` atomically (see API.md, Checkpoints)."""
+        atomic_save(self.checkpoint_state(), path)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> int:
+        """Restore a checkpoint; the next ``fit(..., initial_epoch=k)`` continues from it.
+
+        Tensors are mapped onto ``model.device``. RNG states, the position inside the epoch
+        and callback states are applied when ``fit`` reaches that point, so code run in
+        between does not change the result.
+
+        Returns:
+            ``k``: the epoch to pass as ``initial_epoch``.
+
+        Raises:
+            RuntimeError: the model is not compiled (the optimizer must exist), or the file
+                is unsafe.
+        """
+        self._require_compiled("load_checkpoint")
+        state = safe_load(path, self.device)
+        if not isinstance(state, dict) or "fitkit_version" not in state:
+            raise ValueError(
+                f"{str(path)!r} is not a fitkit checkpoint. Fix: use load_weights for a state dict."
+            )
+        self.module.load_state_dict(state["module"])
+        if state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if state["scheduler"] is not None and self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"] is not None and self._scaler is not None:
+            self._scaler.load_state_dict(state["scaler"])
+        self._global_step = state["global_step"]
+        self._resume = state
+        return int(state["epoch"])
+
+    # -- applying a resume inside fit ----------------------------------------------------------
+    def _apply_resume_at_train_begin(self) -> None:
+        state = self._resume
+        if state is None:
+            return
+        seen: dict[str, int] = {}
+        for cb in self._callbacks.callbacks:
+            if type(cb).__name__ in ("History", "ProgressBar"):
+                continue
+            key = _callback_key(cb, seen)
+            if key in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][key])
+        if state["history"] is not None and self.history is not None:
+            self.history.load_state_dict(state["history"])
+        if state["epoch"] != self._initial_epoch:
+            warnings.warn(
+                f"The loaded checkpoint continues at epoch {state['epoch']}, but fit starts at "
+                f"initial_epoch={self._initial_epoch}; its position and RNG state are not used. "
+                f"Fix: fit(..., initial_epoch={state['epoch']}).",
+                stacklevel=4,
+            )
+            self._resume = None
+
+    def _resume_epoch_begin(self, epoch: int) -> None:
+        """At the start of the resumed epoch: RNG states for an epoch-boundary checkpoint."""
+        state = self._resume
+        if state is None or state["epoch"] != epoch:
+            return
+        if not state["step_in_epoch"]:
+            _set_rng_state(state["rng"])
+            self._resume = None
+
+    def _take_resume_point(self):
+        state = self._resume
+        if state is None or state["epoch"] != self._epoch or not state["step_in_epoch"]:
+            return None
+        self._resume = None
+
+        def resume(loader):
+            # Replay the epoch's data order from the RNG state it started with, skip what was
+            # done, then continue from the RNG state of the moment the checkpoint was taken.
+            skip = state["step_in_epoch"]
+            torch.set_rng_state(state["epoch_rng"].cpu())
+            loader.skip = skip
+            it = iter(loader)
+            first = next(it, None)
+            _set_rng_state(state["rng"])
+            self._load_tracker_state(state["trackers"])
+            rest = it if first is None else _chain(first, it)
+            return rest, skip
+
+        return resume
+
+    def _tracker_state(self) -> dict[str, Any]:
+        metrics = {}
+        for e in self.metrics.entries or []:
+            metrics[e.key] = {k: (list(v) if isinstance(v, list) else v) for k, v in e.metric.metric_state.items()}
+            metrics[e.key]["_update_count"] = e.metric._update_count
+        return {
+            "loss_total": self._loss_total,
+            "loss_count": self._loss_count,
+            "loss_wsum": self._loss_wsum,
+            "metrics": metrics,
+        }
+
+    def _load_tracker_state(self, state: dict[str, Any]) -> None:
+        self._loss_total = state["loss_total"].to(self.device)
+        self._loss_count = state["loss_count"]
+        self._loss_wsum = state["loss_wsum"]
+        for e in self.metrics.entries or []:
+            saved = state["metrics"].get(e.key)
+            if saved is None:
+                continue
+            for k, v in saved.items():
+                if k == "_update_count":
+                    e.metric._update_count = v
+                else:
+                    setattr(e.metric, k, v)
+
+
+def _chain(first: Any, it: Any):
+    yield first
+    yield from it

@@ -1,0 +1,530 @@
+"""Data: anything in, ``(x, y, sample_weight)`` batches on the device out.
+
+:func:`as_loader` is the one entry point. In-memory tensors and numpy arrays take a fast path
+(one ``randperm`` per epoch and index slicing, no per-sample collate); map-style ``Dataset``
+objects get a ``DataLoader``; ``DataLoader`` objects and any other iterable of batches are
+iterated as they are. :class:`DeviceLoader` is the only place where a batch changes device.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
+
+from fitkit.devices import move_to_device
+
+__all__ = [
+    "as_loader",
+    "DeviceLoader",
+    "TensorBatches",
+    "is_in_memory",
+    "split_validation",
+    "unpack_batch",
+    "batch_size_of",
+    "CharTokenizer",
+    "NextTokenDataset",
+]
+
+Batch = tuple[Any, Any, Any]
+
+
+def is_in_memory(x: Any) -> bool:
+    """Whether ``x`` is a tensor, a numpy array, or a tuple / list / dict whose leaves all are.
+
+    Example:
+        >>> is_in_memory((torch.zeros(3), np.zeros(3))), is_in_memory([1, 2, 3])
+        (True, False)
+    """
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(x, (tuple, list)):
+        return len(x) > 0 and all(is_in_memory(v) for v in x)
+    if isinstance(x, Mapping):
+        return len(x) > 0 and all(is_in_memory(v) for v in x.values())
+    return False
+
+
+def _to_tensor(a: Any) -> Any:
+    """numpy -> torch (float64 becomes the default float dtype, as Keras casts to floatx)."""
+    if isinstance(a, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t.to(torch.get_default_dtype()) if t.dtype == torch.float64 else t
+    if isinstance(a, torch.Tensor):
+        return a
+    if isinstance(a, (tuple, list)):
+        return type(a)(_to_tensor(v) for v in a)
+    return {k: _to_tensor(v) for k, v in a.items()}
+
+
+def _leaves(a: Any) -> list[torch.Tensor]:
+    if isinstance(a, torch.Tensor):
+        return [a]
+    if isinstance(a, (tuple, list)):
+        return [t for v in a for t in _leaves(v)]
+    if isinstance(a, Mapping):
+        return [t for v in a.values() for t in _leaves(v)]
+    return []
+
+
+def _index(a: Any, idx: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return a[idx]
+    if isinstance(a, (tuple, list)):
+        return type(a)(_index(v, idx) for v in a)
+    if isinstance(a, Mapping):
+        return {k: _index(v, idx) for k, v in a.items()}
+    return a
+
+
+def batch_size_of(x: Any) -> int:
+    """Number of samples in a batch: the first dimension of its first tensor (1 if none).
+
+    Example:
+        >>> batch_size_of({"a": torch.zeros(5, 2)})
+        5
+    """
+    leaves = _leaves(x)
+    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 1
+
+
+def unpack_batch(batch: Any) -> Batch:
+    """Split a batch into ``(x, y, sample_weight)``.
+
+    A batch is ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``; a dict or a tensor is
+    ``x`` alone. Missing parts are ``None``.
+
+    Raises:
+        ValueError: a tuple / list batch with more than 3 elements.
+
+    Example:
+        >>> x, y, w = unpack_batch((torch.zeros(2, 3), torch.ones(2)))
+        >>> x.shape, y.shape, w
+        (torch.Size([2, 3]), torch.Size([2]), None)
+    """
+    if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
+        if len(batch) == 1:
+            return batch[0], None, None
+        if len(batch) == 2:
+            return batch[0], batch[1], None
+        if len(batch) == 3:
+            return batch[0], batch[1], batch[2]
+        raise ValueError(
+            "Expected each batch to be `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`. "
+            f"Received a {type(batch).__name__} of {len(batch)} elements. For a model with "
+            "several inputs, yield `((x1, x2), y)`."
+        )
+    return batch, None, None
+
+
+def _check_lengths(named: dict[str, Any]) -> int:
+    lengths: dict[str, int] = {}
+    for name, value in named.items():
+        if value is None:
+            continue
+        for leaf in _leaves(value):
+            if leaf.dim() == 0:
+                raise ValueError(
+                    f"Expected `{name}` to have a batch dimension. Received a 0-dim tensor. "
+                    f"Fix: pass `{name}` with shape (N, ...)."
+                )
+            lengths.setdefault(name, int(leaf.shape[0]))
+            if int(leaf.shape[0]) != lengths[name]:
+                raise ValueError(
+                    f"All arrays inside `{name}` must have the same length. Received lengths "
+                    f"{[int(t.shape[0]) for t in _leaves(value)]}."
+                )
+    if len(set(lengths.values())) > 1:
+        got = ", ".join(f"{k}: {v}" for k, v in lengths.items())
+        raise ValueError(
+            f"`x`, `y` and `sample_weight` must have the same number of samples. Received {got}. "
+            "Fix: make the first dimensions match."
+        )
+    return next(iter(lengths.values()), 0)
+
+
+class ClassWeights:
+    """Turn class labels into per-sample weights with a lookup table.
+
+    Args:
+        class_weight: ``{class_index: weight}`` with non-negative integer keys.
+
+    Raises:
+        TypeError: ``class_weight`` is not a dict of int -> number.
+        ValueError: a key is negative, or (in :meth:`__call__`) a label has no key.
+
+    Example:
+        >>> cw = ClassWeights({0: 1.0, 1: 3.0})
+        >>> cw(torch.tensor([0, 1, 1]))
+        tensor([1., 3., 3.])
+    """
+
+    def __init__(self, class_weight: Mapping[Any, float]):
+        if not isinstance(class_weight, Mapping) or not class_weight:
+            raise TypeError(
+                "Expected `class_weight` to be a non-empty dict {class_index: weight}. "
+                f"Received: class_weight={class_weight!r}."
+            )
+        keys = []
+        for k, v in class_weight.items():
+            if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 0:
+                raise ValueError(
+                    "Expected `class_weight` keys to be class indices (non-negative ints). "
+                    f"Received key {k!r}."
+                )
+            if not isinstance(v, (int, float, np.number)) or isinstance(v, bool):
+                raise TypeError(f"Expected `class_weight[{k}]` to be a number. Received: {v!r}.")
+            keys.append(int(k))
+        self.keys = sorted(keys)
+        self.table = torch.full((max(keys) + 1,), float("nan"))
+        for k, v in class_weight.items():
+            self.table[int(k)] = float(v)
+
+    def labels(self, y: torch.Tensor) -> torch.Tensor:
+        """Class index per sample: ``y`` itself, the argmax of one-hot rows, or rounded 0/1."""
+        if y.is_floating_point():
+            if y.dim() >= 2 and y.shape[-1] > 1:
+                return y.argmax(-1)
+            return y.reshape(y.shape[0], -1)[:, 0].round().long()
+        return y.reshape(y.shape[0], -1)[:, 0].long() if y.dim() > 1 else y.long()
+
+    def check(self, y: torch.Tensor) -> None:
+        """Raise ``ValueError`` if a label of ``y`` (on the CPU) has no weight."""
+        labels = self.labels(y)
+        present = torch.unique(labels).tolist()
+        missing = [c for c in present if c < 0 or c >= len(self.table) or math.isnan(self.table[c])]
+        if missing:
+            raise ValueError(
+                f"`class_weight` has no entry for class {missing[0]} found in the targets. "
+                f"Received keys: {self.keys}. Fix: add a weight for every class."
+            )
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        labels = self.labels(y)
+        table = self.table if self.table.device == labels.device else self.table.to(labels.device)
+        self.table = table
+        return table[labels]
+
+
+class TensorBatches:
+    """Batches sliced from in-memory tensors: the fast path.
+
+    Each epoch draws one ``torch.randperm(N)`` from the global generator (exactly what a
+    hand-written loop does, so results match it) and yields index slices; no per-sample
+    collate. Without shuffling, batches are contiguous views.
+
+    Args:
+        x: inputs, a tensor or a tuple / list / dict of tensors with ``N`` rows.
+        y: targets with ``N`` rows, or ``None``.
+        sample_weight: ``(N,)`` weights, or ``None``.
+        batch_size: samples per batch; the last batch may be smaller.
+        shuffle: reshuffle every epoch.
+
+    Example:
+        >>> tb = TensorBatches(torch.arange(5.0), None, None, batch_size=2, shuffle=False)
+        >>> [b[0].tolist() for b in tb.iterate(0)]
+        [[0.0, 1.0], [2.0, 3.0], [4.0]]
+    """
+
+    def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int, shuffle: bool):
+        self.x, self.y, self.w = x, y, sample_weight
+        self.n = _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+
+    @property
+    def num_batches(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def to(self, device: torch.device) -> TensorBatches:
+        """Keep the data on ``device`` (done once, for small data sets on an accelerator)."""
+        self.x, self.y, self.w = (move_to_device(a, device) for a in (self.x, self.y, self.w))
+        return self
+
+    def iterate(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
+        bs = self.batch_size
+        x, y, w = self.x, self.y, self.w
+        if self.shuffle:
+            perm = torch.randperm(self.n)
+            leaves = _leaves(x)
+            if leaves and leaves[0].device != perm.device:
+                perm = perm.to(leaves[0].device)
+            for i in range(skip * bs, self.n, bs):
+                idx = perm[i : i + bs]
+                yield (
+                    x[idx] if isinstance(x, torch.Tensor) else _index(x, idx),
+                    None if y is None else (y[idx] if isinstance(y, torch.Tensor) else _index(y, idx)),
+                    None if w is None else w[idx],
+                )
+        else:
+            for i in range(skip * bs, self.n, bs):
+                sl = slice(i, i + bs)
+                yield _index(x, sl), _index(y, sl), None if w is None else w[sl]
+
+
+class _WeightedDataset(Dataset):
+    """A map-style dataset with a per-sample weight appended to each item."""
+
+    def __init__(self, dataset: Dataset, sample_weight: torch.Tensor):
+        self.dataset, self.w = dataset, sample_weight
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int):
+        x, y, _ = unpack_batch(self.dataset[i])
+        return x, y, self.w[i]
+
+
+class _IterableBatches:
+    """Any re-iterable or one-shot iterable of batches (DataLoader, list, generator)."""
+
+    def __init__(self, source: Iterable):
+        self.source = source
+
+    @property
+    def num_batches(self) -> int | None:
+        try:
+            return len(self.source)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    def iterate(self, epoch: int, skip: int = 0) -> Iterator[Any]:
+        if isinstance(self.source, DataLoader):
+            for s in (self.source.sampler, getattr(self.source.batch_sampler, "sampler", None)):
+                if hasattr(s, "set_epoch"):
+                    s.set_epoch(epoch)
+        it = iter(self.source)
+        for _ in range(skip):
+            next(it, None)
+        return it
+
+    @property
+    def one_shot(self) -> bool:
+        return iter(self.source) is self.source
+
+
+class DeviceLoader:
+    """Iterate ``(x, y, sample_weight)`` batches on ``device``: the only place batches move.
+
+    Args:
+        source: a :class:`TensorBatches` or any iterable of batches.
+        device: where the batches go.
+        class_weight: optional :class:`ClassWeights`, folded into ``sample_weight``.
+        steps: batches per epoch; the underlying iterator then persists across epochs and
+            restarts when a re-iterable source runs out (Keras' ``steps_per_epoch``).
+
+    Example:
+        >>> dl = DeviceLoader([(torch.ones(2, 1), torch.zeros(2))], torch.device("cpu"))
+        >>> [tuple(t.shape if t is not None else None for t in b) for b in dl]
+        [(torch.Size([2, 1]), torch.Size([2]), None)]
+    """
+
+    def __init__(
+        self,
+        source: TensorBatches | Iterable,
+        device: torch.device,
+        class_weight: ClassWeights | None = None,
+        steps: int | None = None,
+    ):
+        self.batches = source if isinstance(source, TensorBatches) else _IterableBatches(source)
+        self.device = device
+        self.class_weight = class_weight
+        self.steps = steps
+        self.epoch = 0
+        self.skip = 0
+        self._persistent: Iterator | None = None
+
+    @property
+    def num_batches(self) -> int | None:
+        """Batches per epoch, ``None`` when the source has no length."""
+        if self.steps is not None:
+            return self.steps
+        return self.batches.num_batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        skip, self.skip = self.skip, 0
+        if self.steps is None:
+            yield from self._prepare(self.batches.iterate(self.epoch, skip))
+            return
+        remaining = self.steps - skip
+        while remaining > 0:
+            if self._persistent is None:
+                self._persistent = self._prepare(self.batches.iterate(self.epoch, 0))
+            got = False
+            for batch in self._persistent:
+                got = True
+                yield batch
+                remaining -= 1
+                if remaining == 0:
+                    return
+            self._persistent = None
+            # A one-shot iterator cannot restart; an empty re-iterable would loop forever.
+            if not got or getattr(self.batches, "one_shot", False):
+                return
+
+    def _prepare(self, it: Iterator[Any]) -> Iterator[Batch]:
+        tensor_path = isinstance(self.batches, TensorBatches)
+        device, cw = self.device, self.class_weight
+        for batch in it:
+            x, y, w = batch if tensor_path else unpack_batch(batch)
+            if cw is not None and not tensor_path:
+                if y is None:
+                    raise ValueError(
+                        "`class_weight` needs targets, but a batch had no `y`. "
+                        "Fix: yield `(x, y)` batches."
+                    )
+                y = _to_tensor(y) if isinstance(y, np.ndarray) else y
+                if y.device.type == "cpu":  # checked before it moves: no device sync
+                    cw.check(y)
+                cw_w = cw(y)
+                w = cw_w if w is None else cw_w * torch.as_tensor(w, dtype=cw_w.dtype)
+            if not tensor_path:
+                x, y, w = (_to_tensor(a) if is_in_memory(a) else a for a in (x, y, w))
+            yield move_to_device(x, device), move_to_device(y, device), move_to_device(w, device)
+
+
+def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float):
+    """Split off the last ``validation_split`` fraction (before any shuffling; Keras' rule).
+
+    Returns:
+        ``((x, y, w) for training, (x, y, w) for validation)``; for a ``Dataset`` ``x`` the
+        parts are ``Subset`` objects.
+
+    Raises:
+        ValueError: ``validation_split`` outside ``[0, 1)``, a split that leaves no training or
+            no validation sample, or an input that cannot be split (a DataLoader or iterable).
+
+    Example:
+        >>> (xt, _, _), (xv, _, _) = split_validation(torch.arange(10), None, None, 0.2)
+        >>> xt.tolist(), xv.tolist()
+        ([0, 1, 2, 3, 4, 5, 6, 7], [8, 9])
+    """
+    if isinstance(x, DataLoader) or not (is_in_memory(x) or _is_map_dataset(x)):
+        raise ValueError(
+            "`validation_split` works with tensors, numpy arrays and map-style Datasets only. "
+            f"Received x of type {type(x).__name__}. Fix: pass `validation_data=` instead."
+        )
+    n = len(x) if _is_map_dataset(x) else _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
+    split_at = int(math.floor(n * (1.0 - validation_split)))
+    if split_at <= 0 or split_at >= n:
+        raise ValueError(
+            f"`validation_split={validation_split}` on {n} samples leaves "
+            f"{split_at} for training and {n - split_at} for validation; both need at least one. "
+            "Fix: use a split in (0, 1) that keeps samples on both sides."
+        )
+    if _is_map_dataset(x):
+        return (Subset(x, range(split_at)), None, None), (Subset(x, range(split_at, n)), None, None)
+
+    def part(a, sl):
+        return None if a is None else _index(a, sl)
+
+    head, tail = slice(0, split_at), slice(split_at, n)
+    return tuple(part(a, head) for a in (x, y, sample_weight)), tuple(part(a, tail) for a in (x, y, sample_weight))
+
+
+def _is_map_dataset(x: Any) -> bool:
+    return isinstance(x, Dataset) and not isinstance(x, IterableDataset) and hasattr(x, "__len__")
+
+
+def as_loader(
+    x: Any,
+    y: Any = None,
+    sample_weight: Any = None,
+    *,
+    batch_size: int = 32,
+    shuffle: bool = False,
+    class_weight: Mapping | None = None,
+    steps: int | None = None,
+    device: torch.device = torch.device("cpu"),
+) -> DeviceLoader:
+    """Turn any supported input into a :class:`DeviceLoader`. Checks everything it can first.
+
+    Args:
+        x: tensors / arrays (or tuples, lists, dicts of them), a ``Dataset``, a ``DataLoader``
+            or any iterable of batches.
+        y: targets, for in-memory ``x`` only (other inputs carry their targets in batches).
+        sample_weight: ``(N,)`` per-sample weights for in-memory ``x`` or a map-style Dataset.
+        batch_size: samples per batch for in-memory ``x`` and Datasets.
+        shuffle: reshuffle each epoch (in-memory ``x`` and Datasets).
+        class_weight: ``{class_index: weight}``, folded into the sample weights.
+        steps: batches per epoch (needed for infinite iterables).
+        device: where batches go.
+
+    Raises:
+        TypeError: ``x`` is none of the supported kinds.
+        ValueError: lengths differ, ``y`` or ``sample_weight`` given with a loader or
+            iterable, a label has no class weight.
+
+    Example:
+        >>> dl = as_loader(np.zeros((5, 2)), np.arange(5), batch_size=2)
+        >>> [b[0].shape[0] for b in dl], dl.num_batches
+        ([2, 2, 1], 3)
+    """
+    cw = ClassWeights(class_weight) if class_weight is not None else None
+    if is_in_memory(x):
+        x, y, w = _to_tensor(x), _to_tensor(y) if y is not None else None, None
+        if sample_weight is not None:
+            w = _sample_weight_tensor(sample_weight)
+        source = TensorBatches(x, y, w, batch_size, shuffle)
+        if cw is not None:
+            if y is None:
+                raise ValueError("`class_weight` needs targets. Received y=None. Fix: pass `y`.")
+            cw.check(y.cpu())
+            cw_w = cw(y)
+            source.w = cw_w if w is None else cw_w * w.to(cw_w.dtype)
+        if device.type == "cuda" and sum(t.numel() * t.element_size() for t in _leaves((x, y))) < 2**30:
+            source.to(device)  # one copy up front beats one per batch for data that fits
+        return DeviceLoader(source, device, None, steps)
+    if y is not None:
+        raise ValueError(
+            f"`y` must be None when `x` is a {type(x).__name__}: the targets come from its "
+            "batches. Fix: have it yield `(x, y)` batches and drop `y=`."
+        )
+    if isinstance(x, (str, bytes)) or not isinstance(x, Iterable) and not _is_map_dataset(x):
+        raise TypeError(
+            "Expected `x` to be tensors, numpy arrays (or tuples / lists / dicts of them), a "
+            f"Dataset, a DataLoader or an iterable of batches. Received: {type(x).__name__}."
+        )
+    if _is_map_dataset(x):
+        if sample_weight is not None:
+            w = _sample_weight_tensor(sample_weight)
+            if len(w) != len(x):
+                raise ValueError(
+                    f"`sample_weight` has {len(w)} entries but the Dataset has {len(x)} samples. "
+                    "Fix: pass one weight per sample."
+                )
+            x = _WeightedDataset(x, w)
+        x = DataLoader(x, batch_size=batch_size, shuffle=shuffle)
+    elif isinstance(x, IterableDataset):
+        x = DataLoader(x, batch_size=batch_size)
+    elif sample_weight is not None:
+        raise ValueError(
+            f"`sample_weight` cannot be combined with x of type {type(x).__name__}. "
+            "Fix: yield `(x, y, sample_weight)` batches instead."
+        )
+    return DeviceLoader(x, device, cw, steps)
+
+
+def _sample_weight_tensor(sample_weight: Any) -> torch.Tensor:
+    w = _to_tensor(sample_weight) if is_in_memory(sample_weight) else torch.as_tensor(sample_weight)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+        raise ValueError(
+            "Expected `sample_weight` to be a 1-D array with one weight per sample. "
+            f"Received shape {tuple(getattr(w, 'shape', ()))}. Fix: pass shape (N,)."
+        )
+    return w if w.is_floating_point() else w.to(torch.get_default_dtype())
+
+
+def __getattr__(name: str):
+    # The text helpers live in fitkit.text; they are re-exported here lazily.
+    if name in ("CharTokenizer", "NextTokenDataset"):
+        from fitkit import text
+
+        return getattr(text, name)
+    raise AttributeError(f"module 'fitkit.data' has no attribute {name!r}")

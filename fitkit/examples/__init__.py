@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m fitkit.examples.digits`` and ``python -m fitkit.examples.shakespeare``."""

@@ -1,0 +1,515 @@
+"""Transformer presets over ``torch.nn``: FFN, attention, blocks, embeddings and a small GPT.
+
+Shape letters used throughout fitkit: ``B`` batch, ``T`` time/sequence, ``C`` channels or
+embedding, ``V`` vocabulary, ``F`` features, ``H`` heads.
+
+The layouts follow GPT-2 (Radford et al., 2019, "Language Models are Unsupervised Multitask
+Learners") as re-implemented in Karpathy's nanoGPT (``model.py``); the constructor argument
+names follow timm (``in_features``, ``act_layer``, ``norm_layer``, ``drop``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["FFN", "MultiHeadSelfAttention", "TransformerBlock", "Embedding", "GPT",
+           "param_groups_weight_decay"]
+
+# Factories rather than classes, so that "gelu_tanh" can carry its keyword argument.
+_ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+                "identity": nn.Identity, "relu": nn.ReLU, "sigmoid": nn.Sigmoid,
+                "silu": nn.SiLU, "tanh": nn.Tanh}
+_NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    # bool is an int subclass; True as a width is always a mistake.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"Expected `{name}` to be an int. Received: {name}={value!r} "
+                        f"of type {type(value).__name__}.")
+    if value < 1:
+        raise ValueError(f"Expected `{name}` >= 1. Received: {name}={value}.")
+
+
+def _check_dropout(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        raise ValueError(f"Expected `{name}` to be a probability in [0, 1). "
+                         f"Received: {name}={value!r}.")
+
+
+def _check_idx(idx: torch.Tensor) -> None:
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise TypeError(f"Expected `idx` to hold integer token ids. Received dtype {idx.dtype}. "
+                        "Convert it, e.g. idx.long().")
+    if idx.dim() != 2 or idx.size(1) < 1:
+        raise ValueError(f"Expected `idx` of shape (B, T) with T >= 1. Received: shape "
+                         f"{tuple(idx.shape)}. Add a batch dimension, e.g. idx[None].")
+
+
+def _lookup(arg: str, kind: str, value: object, table: dict, example: str):
+    """Resolve a layer given by name (case-insensitive) or as an nn.Module class."""
+    if isinstance(value, str):
+        if value.lower() not in table:
+            raise ValueError(f"Unknown {kind} {value!r} for `{arg}`. Valid names: "
+                             f"{', '.join(sorted(table))}. Or pass an nn.Module class, "
+                             f"e.g. {arg}=nn.{example}.")
+        return table[value.lower()]
+    if isinstance(value, type) and issubclass(value, nn.Module):
+        return value
+    raise TypeError(f"Expected `{arg}` to be a name or an nn.Module class. Received: "
+                    f"{arg}={value!r}. Pass e.g. {arg}={sorted(table)[0]!r}.")
+
+
+def _make_norm(norm_layer: str | type[nn.Module], dim: int, bias: bool) -> nn.Module:
+    cls = _lookup("norm_layer", "norm", norm_layer, _NORMS, "LayerNorm")
+    # Only LayerNorm has a bias to drop; RMSNorm and custom classes get the width alone.
+    return cls(dim, bias=bias) if issubclass(cls, nn.LayerNorm) else cls(dim)
+
+
+class FFN(nn.Module):
+    """Position-wise feed-forward network: Linear, activation, Linear, Dropout.
+
+    The transformer MLP of Vaswani et al. (2017), "Attention Is All You Need", with the GELU
+    of GPT-2 by default; timm's ``Mlp`` argument names, nanoGPT's single output dropout.
+
+    Args:
+        in_features: Input width ``F_in``.
+        hidden_features: Width of the expansion; defaults to ``in_features``.
+        out_features: Output width ``F_out``; defaults to ``in_features``.
+        act_layer: Activation name (gelu, gelu_tanh, identity, relu, sigmoid, silu, tanh) or
+            an ``nn.Module`` class built with no arguments.
+        drop: Dropout probability on the output.
+        bias: Whether both Linear layers have a bias.
+
+    Raises:
+        ValueError: Unknown activation name, a width below 1, or ``drop`` outside [0, 1).
+        TypeError: ``act_layer`` is neither a name nor an ``nn.Module`` class.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> ffn = FFN(16, hidden_features=64, out_features=8, act_layer="relu")
+        >>> ffn(torch.randn(2, 5, 16)).shape
+        torch.Size([2, 5, 8])
+    """
+
+    def __init__(self, in_features: int, hidden_features: int | None = None,
+                 out_features: int | None = None, act_layer: str | type[nn.Module] = "gelu",
+                 drop: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        hidden_features = in_features if hidden_features is None else hidden_features
+        out_features = in_features if out_features is None else out_features
+        for name, value in [("in_features", in_features), ("hidden_features", hidden_features),
+                            ("out_features", out_features)]:
+            _check_positive_int(name, value)
+        _check_dropout("drop", drop)
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
+        self.act = _lookup("act_layer", "activation", act_layer, _ACTIVATIONS, "GELU")()
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the network to the last dimension.
+
+        Args:
+            x: Input of shape ``(*, F_in)``.
+
+        Returns:
+            Output of shape ``(*, F_out)``.
+        """
+        return self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Multi-head self-attention with a fused QKV projection.
+
+    Scaled dot-product attention of Vaswani et al. (2017) computed by
+    ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels where available), laid
+    out as nanoGPT's ``CausalSelfAttention``: one Linear for Q, K and V, one output projection,
+    dropout on the attention weights and on the output.
+
+    Args:
+        n_embd: Embedding width ``C``.
+        n_head: Number of heads ``H``; must divide ``n_embd``.
+        causal: If True, position ``t`` attends only to positions ``<= t``.
+        dropout: Dropout probability on the attention weights and on the output (training only).
+        bias: Whether the projections have a bias.
+
+    Raises:
+        ValueError: ``n_embd`` is not divisible by ``n_head``, or a bad width or dropout.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> attn = MultiHeadSelfAttention(n_embd=32, n_head=4, causal=True)
+        >>> attn(torch.randn(2, 10, 32)).shape
+        torch.Size([2, 10, 32])
+    """
+
+    def __init__(self, n_embd: int, n_head: int, causal: bool = False, dropout: float = 0.0,
+                 bias: bool = True) -> None:
+        super().__init__()
+        _check_positive_int("n_embd", n_embd)
+        _check_positive_int("n_head", n_head)
+        _check_dropout("dropout", dropout)
+        if n_embd % n_head:
+            hint = max(h for h in range(1, n_head + 1) if n_embd % h == 0)
+            raise ValueError(f"Expected `n_embd` to be divisible by `n_head`. Received: "
+                             f"n_embd={n_embd}, n_head={n_head}. Pick a divisor of n_embd, "
+                             f"e.g. n_head={hint}.")
+        self.n_embd, self.n_head, self.causal, self.dropout = n_embd, n_head, causal, dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.proj_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attend over the sequence.
+
+        Args:
+            x: Input of shape ``(B, T, C)``.
+            attn_mask: Optional mask broadcastable to ``(B, H, T, T)`` (query by key), with
+                ``F.scaled_dot_product_attention`` semantics: a bool mask where True means
+                "may attend", or a float mask added to the attention scores. Combined with the
+                causal mask when ``causal=True``. Leave every query at least one key: a row
+                with none gives NaN or zeros, depending on the torch version and kernel.
+
+        Returns:
+            Output of shape ``(B, T, C)``.
+
+        Raises:
+            ValueError: ``x`` is not 3-D or its last dimension is not ``n_embd``.
+            TypeError: ``attn_mask`` is neither bool nor floating point.
+        """
+        if x.dim() != 3 or x.size(-1) != self.n_embd:
+            raise ValueError(f"Expected `x` of shape (B, T, {self.n_embd}). Received: "
+                             f"x of shape {tuple(x.shape)}.")
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, C/H)
+                   for t in self.qkv(x).split(C, dim=-1))
+        is_causal = self.causal
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+                raise TypeError("Expected `attn_mask` of dtype bool (True = attend) or floating "
+                                f"point (added to the scores). Received: {attn_mask.dtype}. "
+                                "Convert it, e.g. attn_mask.bool().")
+            if attn_mask.is_floating_point():
+                # SDPA wants a float mask in the query's dtype (bf16 under autocast).
+                attn_mask = attn_mask.to(q.dtype)
+            if self.causal:
+                # SDPA refuses is_causal together with a mask, so fold causality into it.
+                allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+                if attn_mask.dtype == torch.bool:
+                    attn_mask = attn_mask & allowed
+                else:
+                    attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
+                is_causal = False
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, C/H)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.proj_drop(self.proj(y))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    The pre-norm ordering of GPT-2 (Radford et al., 2019) and nanoGPT's ``Block``.
+
+    Args:
+        n_embd: Embedding width ``C``.
+        n_head: Number of attention heads ``H``; must divide ``n_embd``.
+        mlp_ratio: Hidden width of the MLP as a multiple of ``n_embd`` (4 in GPT-2).
+        causal: Whether the attention is causal.
+        dropout: Dropout probability in the attention and after the MLP.
+        bias: Whether Linear layers and LayerNorms have a bias.
+        act_layer: MLP activation, as in :class:`FFN`.
+        norm_layer: "layernorm", "rmsnorm" (``nn.RMSNorm``, Zhang & Sennrich 2019) or an
+            ``nn.Module`` class built as ``norm_layer(n_embd)``.
+
+    Raises:
+        ValueError: Unknown norm or activation name, or a bad width, ratio or dropout.
+        TypeError: ``norm_layer`` or ``act_layer`` is neither a name nor a class.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> block = TransformerBlock(n_embd=32, n_head=4, causal=True, norm_layer="rmsnorm")
+        >>> block(torch.randn(2, 10, 32)).shape
+        torch.Size([2, 10, 32])
+    """
+
+    def __init__(self, n_embd: int, n_head: int, mlp_ratio: float = 4.0, causal: bool = False,
+                 dropout: float = 0.0, bias: bool = True, act_layer: str | type[nn.Module] = "gelu",
+                 norm_layer: str | type[nn.Module] = "layernorm") -> None:
+        super().__init__()
+        _check_positive_int("n_embd", n_embd)
+        if not isinstance(mlp_ratio, (int, float)) or isinstance(mlp_ratio, bool) \
+                or int(mlp_ratio * n_embd) < 1:
+            raise ValueError("Expected `mlp_ratio` > 0 with mlp_ratio * n_embd >= 1. "
+                             f"Received: mlp_ratio={mlp_ratio!r}, n_embd={n_embd}.")
+        self.ln_1 = _make_norm(norm_layer, n_embd, bias)
+        self.attn = MultiHeadSelfAttention(n_embd, n_head, causal=causal, dropout=dropout,
+                                           bias=bias)
+        self.ln_2 = _make_norm(norm_layer, n_embd, bias)
+        self.mlp = FFN(n_embd, int(mlp_ratio * n_embd), act_layer=act_layer, drop=dropout,
+                       bias=bias)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the block.
+
+        Args:
+            x: Input of shape ``(B, T, C)``.
+            attn_mask: Optional attention mask, as in :meth:`MultiHeadSelfAttention.forward`.
+
+        Returns:
+            Output of shape ``(B, T, C)``.
+        """
+        x = x + self.attn(self.ln_1(x), attn_mask=attn_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Embedding(nn.Module):
+    """Token embedding plus learned absolute position embedding, then dropout (GPT-2).
+
+    Args:
+        vocab_size: Vocabulary size ``V``.
+        n_embd: Embedding width ``C``.
+        block_size: Longest sequence ``T`` that has a position embedding.
+        dropout: Dropout probability on the sum.
+
+    Raises:
+        ValueError: A size below 1 or ``dropout`` outside [0, 1).
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> emb = Embedding(vocab_size=65, n_embd=32, block_size=8)
+        >>> emb(torch.randint(0, 65, (2, 8))).shape
+        torch.Size([2, 8, 32])
+    """
+
+    def __init__(self, vocab_size: int, n_embd: int, block_size: int,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        for name, value in [("vocab_size", vocab_size), ("n_embd", n_embd),
+                            ("block_size", block_size)]:
+            _check_positive_int(name, value)
+        _check_dropout("dropout", dropout)
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Embed token ids.
+
+        Args:
+            idx: Token ids of shape ``(B, T)``, integer dtype, ``T <= block_size``.
+
+        Returns:
+            Embeddings of shape ``(B, T, C)``.
+
+        Raises:
+            TypeError: ``idx`` is not an integer tensor.
+            ValueError: ``idx`` is not 2-D, ``T == 0`` or ``T > block_size``.
+        """
+        _check_idx(idx)
+        T = idx.size(1)
+        if T > self.block_size:
+            raise ValueError(f"Expected a sequence length T <= block_size={self.block_size}. "
+                             f"Received: idx of shape {tuple(idx.shape)}. Crop the input, e.g. "
+                             f"idx[:, -{self.block_size}:], or use a larger block_size.")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: GPT-2 (Radford et al., 2019) in nanoGPT's layout.
+
+    :class:`Embedding`, ``n_layer`` causal pre-norm blocks (:class:`TransformerBlock`), a final
+    LayerNorm and a bias-free ``lm_head`` whose weight is tied to the token embedding (Press &
+    Wolf, 2017). Initialisation as in nanoGPT: weights normal(0, 0.02), biases zero, and the two
+    residual projections of each block (``attn.proj``, ``mlp.fc2``) normal(0,
+    0.02 / sqrt(2 * n_layer)) (GPT-2 paper, section 2.3).
+
+    The forward pass returns logits only; train it with cross-entropy over ``(B*T, V)``
+    logits and ``(B*T,)`` targets.
+
+    Args:
+        vocab_size: Vocabulary size ``V``.
+        block_size: Context length: the longest ``T`` the model accepts.
+        n_layer: Number of transformer blocks.
+        n_head: Attention heads ``H`` per block; must divide ``n_embd``.
+        n_embd: Embedding width ``C``.
+        dropout: Dropout probability everywhere (nanoGPT uses 0.0 for GPT-2 pre-training and
+            0.2 in its Shakespeare-char recipe).
+        bias: Whether Linear layers and LayerNorms have biases (False is slightly better
+            and faster, as noted in nanoGPT).
+
+    Raises:
+        ValueError: Bad sizes or dropout, e.g. ``n_embd`` not divisible by ``n_head``.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> gpt = GPT(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
+        >>> idx = torch.randint(0, 65, (2, 16))
+        >>> gpt(idx).shape
+        torch.Size([2, 16, 65])
+        >>> gpt.generate(idx[:, :4], max_new_tokens=20, top_k=10).shape
+        torch.Size([2, 24])
+        >>> gpt.num_parameters()
+        27552
+    """
+
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int,
+                 n_embd: int, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        _check_positive_int("n_layer", n_layer)
+        self.vocab_size, self.block_size, self.n_layer = vocab_size, block_size, n_layer
+        self.embed = Embedding(vocab_size, n_embd, block_size, dropout=dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(n_embd, n_head, causal=True, dropout=dropout, bias=bias)
+            for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        # Weight tying saves V*C parameters and helps small models (Press & Wolf, 2017).
+        self.embed.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        # Each block adds two residual branches; scaling keeps the residual stream's variance
+        # from growing with depth (GPT-2 paper, section 2.3).
+        residual_std = 0.02 / math.sqrt(2 * n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.fc2.weight, mean=0.0, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Compute next-token logits.
+
+        Args:
+            idx: Token ids of shape ``(B, T)``, integer dtype, ``T <= block_size``.
+
+        Returns:
+            Logits of shape ``(B, T, V)``; position ``t`` scores token ``t + 1``.
+
+        Raises:
+            TypeError: ``idx`` is not an integer tensor.
+            ValueError: ``idx`` is not 2-D, ``T == 0`` or ``T > block_size``.
+        """
+        x = self.embed(idx)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, *,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample tokens autoregressively (nanoGPT's ``generate``).
+
+        Runs in eval mode without autograd and restores every submodule's ``training`` flag
+        afterwards. The context is cropped to the last ``block_size`` tokens at each step. Each
+        step recomputes the whole context (no KV cache): cost grows as ``max_new_tokens * T``.
+
+        Args:
+            idx: Prompt token ids of shape ``(B, T)``, integer dtype, ``T >= 1``.
+            max_new_tokens: Number of tokens ``n`` to append.
+            temperature: Divides the logits; below 1 sharpens, above 1 flattens.
+            top_k: If given, sample only among the ``top_k`` most likely tokens
+                (``top_k=1`` is greedy decoding).
+            generator: Optional random generator for ``torch.multinomial``, on the model's
+                device; the global RNG otherwise.
+
+        Returns:
+            Token ids of shape ``(B, T + n)``, int64, on the model's device: the prompt
+            followed by the samples.
+
+        Raises:
+            TypeError: ``idx`` is not an integer tensor.
+            ValueError: Bad ``idx`` shape, ``max_new_tokens < 0``, ``temperature <= 0`` or
+                ``top_k < 1``.
+        """
+        _check_idx(idx)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError("Expected `max_new_tokens` to be an int >= 0. "
+                             f"Received: max_new_tokens={max_new_tokens!r}.")
+        if not temperature > 0:
+            raise ValueError(f"Expected `temperature` > 0. Received: temperature={temperature}."
+                             " For greedy decoding use top_k=1.")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"Expected `top_k` to be None or an int >= 1. "
+                             f"Received: top_k={top_k!r}.")
+        idx = idx.to(self.lm_head.weight.device, torch.long)
+        flags = [(m, m.training) for m in self.modules()]
+        self.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(max_new_tokens):
+                    logits = self(idx[:, -self.block_size:])  # (B, T', V)
+                    logits = logits[:, -1, :] / temperature  # (B, V)
+                    if top_k is not None:
+                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    probs = F.softmax(logits, dim=-1)  # (B, V)
+                    idx_next = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+                    idx = torch.cat((idx, idx_next), dim=1)
+        finally:
+            for module, training in flags:
+                module.training = training
+        return idx
+
+    def num_parameters(self, non_embedding: bool = True) -> int:
+        """Count parameters (nanoGPT's ``get_num_params``).
+
+        Args:
+            non_embedding: If True, leave out the position embeddings. The token embeddings
+                stay counted: they are tied to ``lm_head`` and act as its weight.
+
+        Returns:
+            The number of parameters; tied weights count once.
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.embed.wpe.weight.numel()
+        return n
+
+
+def param_groups_weight_decay(module: nn.Module, weight_decay: float) -> list[dict]:
+    """Split trainable parameters into a decayed and a non-decayed optimizer group.
+
+    nanoGPT's ``configure_optimizers`` rule: parameters with ``dim >= 2`` (matmul weights and
+    embeddings) get ``weight_decay``; biases and norm weights (``dim < 2``) get none. Frozen
+    parameters (``requires_grad=False``) are left out; tied parameters appear once.
+
+    Args:
+        module: The module whose parameters to group.
+        weight_decay: Decay for the first group (e.g. 0.1 in nanoGPT's GPT-2 recipe).
+
+    Returns:
+        ``[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay,
+        "weight_decay": 0.0}]``, ready for any ``torch.optim`` optimizer; either list may be
+        empty.
+
+    Raises:
+        ValueError: ``weight_decay`` is negative or not a number.
+
+    Example:
+        >>> gpt = GPT(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
+        >>> groups = param_groups_weight_decay(gpt, weight_decay=0.1)
+        >>> [(len(g["params"]), g["weight_decay"]) for g in groups]
+        [(10, 0.1), (18, 0.0)]
+
+        Then, as in nanoGPT: ``torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95))``.
+    """
+    if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) \
+            or not weight_decay >= 0:
+        raise ValueError("Expected `weight_decay` to be a number >= 0. "
+                         f"Received: weight_decay={weight_decay!r}.")
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

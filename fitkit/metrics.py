@@ -1,0 +1,285 @@
+"""Metrics: names resolved to torchmetrics, with the task inferred from the first batch.
+
+``"accuracy"`` is the fraction of correct predictions (micro average, as in Keras; torchmetrics'
+multiclass default is macro). Classification metrics that only need labels are fed integer
+labels (argmax or a threshold computed here), which keeps torchmetrics from checking the range
+of the predictions, a host sync on every step. Metrics are unweighted per-sample means, as
+Keras' ``metrics=`` are (sample weights apply to the loss).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torchmetrics
+from torchmetrics import classification as tmc
+from torchmetrics import regression as tmr
+
+__all__ = ["MetricSet", "infer_task", "METRIC_NAMES"]
+
+# name -> {task: factory(num_classes)}; "score" metrics want probabilities, the rest labels.
+_CLASSIFICATION: dict[str, dict[str, Any]] = {
+    "accuracy": {
+        "binary": lambda n: tmc.BinaryAccuracy(validate_args=False),
+        "multiclass": lambda n: tmc.MulticlassAccuracy(n, average="micro", validate_args=False),
+        "multilabel": lambda n: tmc.MultilabelAccuracy(n, average="micro", validate_args=False),
+    },
+    "precision": {
+        "binary": lambda n: tmc.BinaryPrecision(validate_args=False),
+        "multiclass": lambda n: tmc.MulticlassPrecision(n, validate_args=False),
+        "multilabel": lambda n: tmc.MultilabelPrecision(n, validate_args=False),
+    },
+    "recall": {
+        "binary": lambda n: tmc.BinaryRecall(validate_args=False),
+        "multiclass": lambda n: tmc.MulticlassRecall(n, validate_args=False),
+        "multilabel": lambda n: tmc.MultilabelRecall(n, validate_args=False),
+    },
+    "f1": {
+        "binary": lambda n: tmc.BinaryF1Score(validate_args=False),
+        "multiclass": lambda n: tmc.MulticlassF1Score(n, validate_args=False),
+        "multilabel": lambda n: tmc.MultilabelF1Score(n, validate_args=False),
+    },
+    "auroc": {
+        "binary": lambda n: tmc.BinaryAUROC(validate_args=False),
+        "multiclass": lambda n: tmc.MulticlassAUROC(n, validate_args=False),
+        "multilabel": lambda n: tmc.MultilabelAUROC(n, validate_args=False),
+    },
+    "average_precision": {
+        "binary": lambda n: tmc.BinaryAveragePrecision(validate_args=False),
+        "multiclass": lambda n: tmc.MulticlassAveragePrecision(n, validate_args=False),
+        "multilabel": lambda n: tmc.MultilabelAveragePrecision(n, validate_args=False),
+    },
+}
+_SCORE_METRICS = {"auroc", "average_precision"}
+_REGRESSION: dict[str, Any] = {
+    "mae": lambda: tmr.MeanAbsoluteError(),
+    "mse": lambda: tmr.MeanSquaredError(),
+    "rmse": lambda: tmr.MeanSquaredError(squared=False),
+    "r2": lambda: tmr.R2Score(),
+    "mape": lambda: tmr.MeanAbsolutePercentageError(),
+}
+METRIC_NAMES = tuple(_CLASSIFICATION) + tuple(_REGRESSION)
+
+
+def snake_case(name: str) -> str:
+    """``MulticlassAccuracy`` -> ``multiclass_accuracy``.
+
+    Example:
+        >>> snake_case("MeanAbsoluteError")
+        'mean_absolute_error'
+    """
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def infer_task(y_pred: torch.Tensor, y: torch.Tensor, loss_kind: str | None = None) -> tuple[str, int, bool]:
+    """Infer ``(task, num_classes, class_last)`` from one batch's shapes and dtypes.
+
+    ``task`` is ``"binary"``, ``"multiclass"``, ``"multilabel"`` or ``"regression"``;
+    ``class_last`` marks language-model logits ``(B, T, V)`` with targets ``(B, T)``.
+
+    Example:
+        >>> infer_task(torch.zeros(4, 10), torch.zeros(4, dtype=torch.long))
+        ('multiclass', 10, False)
+        >>> infer_task(torch.zeros(4, 1), torch.zeros(4))
+        ('regression', 0, False)
+        >>> infer_task(torch.zeros(4, 1), torch.zeros(4), "binary")
+        ('binary', 2, False)
+    """
+    integer = not y.is_floating_point()
+    binary_like = integer or loss_kind == "binary"
+    if y_pred.dim() == y.dim() + 1 and integer:
+        # Same preference as the loss: PyTorch's layout (classes on dim 1) first, then the
+        # language-model layout (B, T, V) with targets (B, T).
+        if y.shape != y_pred.shape[:1] + y_pred.shape[2:] and y.shape == y_pred.shape[:-1]:
+            return "multiclass", int(y_pred.shape[-1]), True
+        if y_pred.shape[1] == 1:
+            return "binary", 2, False
+        return "multiclass", int(y_pred.shape[1]), False
+    same = y_pred.shape == y.shape or y_pred.numel() == y.numel() and y_pred.reshape(-1).shape[0] == y.shape[0]
+    if same and binary_like:
+        if y_pred.dim() >= 2 and y_pred.shape[-1] > 1 and y_pred.shape == y.shape:
+            return "multilabel", int(y_pred.shape[-1]), False
+        return "binary", 2, False
+    if y_pred.shape == y.shape and loss_kind == "class_index" and y_pred.dim() == 2:
+        return "multiclass", int(y_pred.shape[1]), False  # class-probability targets
+    return "regression", 0, False
+
+
+class _Entry:
+    __slots__ = ("key", "metric", "kind")
+
+    def __init__(self, key: str, metric: torchmetrics.Metric, kind: str):
+        self.key, self.metric, self.kind = key, metric, kind  # kind: labels | scores | raw
+
+
+class MetricSet:
+    """The compiled metrics of a model: built on the first batch, updated every step.
+
+    Args:
+        metrics: names, ``torchmetrics.Metric`` objects, or a dict ``{log_name: metric}``.
+
+    Raises:
+        ValueError: an unknown name (listing valid names), or, on the first batch, a
+            classification metric asked of regression targets.
+        TypeError: an entry that is neither a name nor a ``torchmetrics.Metric``.
+
+    Example:
+        >>> ms = MetricSet(["accuracy"])
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0]])
+        >>> ms.update(logits, torch.tensor([0, 1, 1]))
+        >>> {k: round(float(v), 4) for k, v in ms.compute().items()}
+        {'accuracy': 0.6667}
+    """
+
+    def __init__(self, metrics: Any = None):
+        if metrics is None:
+            metrics = []
+        if isinstance(metrics, (str, torchmetrics.Metric)):
+            metrics = [metrics]
+        if isinstance(metrics, Mapping):
+            items = list(metrics.items())
+        elif isinstance(metrics, (list, tuple)):
+            items = [(None, m) for m in metrics]
+        else:
+            raise TypeError(
+                "Expected `metrics` to be a list of names / torchmetrics.Metric objects or a dict "
+                f"{{log_name: metric}}. Received: {type(metrics).__name__}."
+            )
+        self.specs: list[tuple[str, Any]] = []
+        for key, m in items:
+            if isinstance(m, str):
+                if m not in METRIC_NAMES:
+                    raise ValueError(f"Unknown metric '{m}'. Valid names: {', '.join(METRIC_NAMES)}.")
+                self.specs.append((key or m, m))
+            elif isinstance(m, torchmetrics.Metric):
+                self.specs.append((key or snake_case(type(m).__name__), m))
+            else:
+                raise TypeError(
+                    "Expected each metric to be a name or a torchmetrics.Metric. "
+                    f"Received: {m!r} of type {type(m).__name__}."
+                )
+        keys = [k for k, _ in self.specs]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"Metric log names must be unique. Received: {keys}. Fix: pass a dict.")
+        self.entries: list[_Entry] | None = None if self.specs else []
+        self.loss_kind: str | None = None
+        self.device: torch.device | None = None
+        self._logits: bool = True
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for k, _ in self.specs]
+
+    def higher_is_better(self, key: str) -> bool | None:
+        """The direction of the metric logged as ``key`` (``None`` when unknown)."""
+        for entry in self.entries or []:
+            if entry.key == key:
+                return entry.metric.higher_is_better
+        for k, m in self.specs:
+            if k == key and isinstance(m, torchmetrics.Metric):
+                return m.higher_is_better
+            if k == key and m in _REGRESSION:
+                return m == "r2"
+            if k == key and m in _CLASSIFICATION:
+                return True
+        return None
+
+    def build(self, y_pred: torch.Tensor, y: torch.Tensor) -> None:
+        """Create the metrics for the task the first batch shows (a one-time host sync)."""
+        task, n, self.class_last = infer_task(y_pred, y, self.loss_kind)
+        self.task = task
+        if task == "binary":
+            if self.loss_kind == "binary":
+                self._logits = getattr(self, "_loss_name", "") != "bce"
+            else:
+                self._logits = not bool(((y_pred >= 0) & (y_pred <= 1)).all())
+        entries = []
+        for key, m in self.specs:
+            if isinstance(m, torchmetrics.Metric):
+                entries.append(_Entry(key, m, "raw"))
+            elif m in _REGRESSION:
+                entries.append(_Entry(key, _REGRESSION[m](), "regression"))
+            elif task == "regression":
+                raise ValueError(
+                    f"Metric '{m}' needs class targets, but the first batch looks like regression: "
+                    f"y_pred {tuple(y_pred.shape)} {y_pred.dtype}, y {tuple(y.shape)} {y.dtype}. "
+                    "Fix: pass integer class labels, or use a regression metric such as 'mae'."
+                )
+            else:
+                kind = "scores" if m in _SCORE_METRICS else "labels"
+                entries.append(_Entry(key, _CLASSIFICATION[m][task](n), kind))
+        for e in entries:
+            e.metric.to(self.device or y_pred.device)
+        self.entries = entries
+
+    @torch.no_grad()
+    def update(self, y_pred: Any, y: Any) -> None:
+        """Add one batch (``y_pred`` detached here) to every metric's state."""
+        if self.entries is None:
+            self.build(y_pred, y)
+        if not self.entries:
+            return
+        y_pred = y_pred.detach()
+        labels = scores = None
+        task = self.task
+        if self.class_last:
+            y_pred = y_pred.reshape(-1, y_pred.shape[-1])  # (B*T, V)
+            y = y.reshape(-1)
+        if task != "regression" and not y.is_floating_point() and y.dtype != torch.long:
+            y = y.long()
+        for e in self.entries:
+            if e.kind == "raw":
+                e.metric.update(y_pred, y)
+            elif e.kind == "regression":
+                p = y_pred.reshape(y.shape) if y_pred.shape != y.shape and y_pred.numel() == y.numel() else y_pred
+                e.metric.update(p, y.to(p.dtype))
+            elif e.kind == "labels":
+                if labels is None:
+                    labels, target = self._labels(y_pred, y)
+                e.metric.update(labels, target)
+            else:
+                if scores is None:
+                    scores, target = self._scores(y_pred, y)
+                e.metric.update(scores, target)
+
+    def _target(self, y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.task == "multiclass" and y.shape == y_pred.shape:
+            return y.argmax(1)  # class-probability targets
+        if self.task in ("binary", "multilabel"):
+            y = y.reshape(y_pred.shape) if y.shape != y_pred.shape else y
+            return y.long() if y.is_floating_point() else y
+        return y
+
+    def _labels(self, y_pred: torch.Tensor, y: torch.Tensor):
+        target = self._target(y_pred, y)
+        if self.task == "multiclass":
+            return y_pred.argmax(1), target
+        threshold = 0.0 if self._logits else 0.5
+        return (y_pred > threshold).long().reshape(target.shape), target
+
+    def _scores(self, y_pred: torch.Tensor, y: torch.Tensor):
+        target = self._target(y_pred, y)
+        if self.task == "multiclass":
+            return y_pred.float().softmax(1), target
+        p = y_pred.float().sigmoid() if self._logits else y_pred.float()
+        return p.reshape(target.shape), target
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        """Epoch values (0-dim tensors) of every metric updated since the last reset."""
+        out = {}
+        for e in self.entries or []:
+            if e.metric.update_count:
+                out[e.key] = e.metric.compute()
+        return out
+
+    def reset(self) -> None:
+        for e in self.entries or []:
+            e.metric.reset()
+
+    def to(self, device: torch.device) -> None:
+        self.device = device
+        for e in self.entries or []:
+            e.metric.to(device)

@@ -1,0 +1,501 @@
+"""The ``Model``: compile, fit, evaluate, predict around any ``nn.Module``.
+
+The data flow, in the order a batch meets it::
+
+    fit(x, y) -> as_loader(...) -> DeviceLoader.__iter__  (the only place a batch moves)
+              -> _run_epoch -> train_step(batch) -> CallbackList.on_train_batch_end -> History
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fitkit import compile as _compile
+from fitkit import data as _data
+from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
+from fitkit.callbacks.progress import ProgressBar, resolve_verbose
+from fitkit.checkpoint import CheckpointMixin
+from fitkit.devices import PRECISIONS, optimizer_to, resolve_device
+from fitkit.losses import resolve_loss
+from fitkit.metrics import MetricSet
+from fitkit.optim import current_lr, resolve_optimizer, resolve_scheduler
+from fitkit.summary import summary_table
+from fitkit.training import StepMixin
+
+__all__ = ["Model"]
+
+
+def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"Expected `{name}` to be an int. Received: {name}={value!r}.")
+    if value < minimum:
+        raise ValueError(f"Expected `{name}` >= {minimum}. Received: {name}={value}.")
+
+
+@contextlib.contextmanager
+def _modes(module: nn.Module, training: bool | None, grad: bool) -> Iterator[None]:
+    """Set modes for a phase and restore every submodule's own flag and the grad mode.
+
+    ``training=None`` keeps the user's flags (training runs frozen ``.eval()`` parts frozen);
+    ``False`` puts every submodule in eval mode.
+    """
+    flags = [(m, m.training) for m in module.modules()]
+    grad_before = torch.is_grad_enabled()
+    try:
+        if training is False:
+            module.eval()
+        torch.set_grad_enabled(grad)
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+        torch.set_grad_enabled(grad_before)
+
+
+class Model(StepMixin, CheckpointMixin):
+    """Keras-style training for any ``nn.Module``.
+
+    Args:
+        module: the network. Moved to ``device`` at once.
+        device: ``"auto"`` (``FITKIT_DEVICE`` env, else cuda, else mps, else cpu), a device
+            string or a ``torch.device``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> x = torch.linspace(-1, 1, 64).unsqueeze(1)
+        >>> y = 3 * x + 2
+        >>> model = Model(nn.Linear(1, 1), device="cpu")
+        >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss="mse")
+        >>> history = model.fit(x, y, epochs=20, batch_size=16, verbose=0)
+        >>> [round(v, 2) for v in (model.module.weight.item(), model.module.bias.item())]
+        [3.0, 2.0]
+    """
+
+    def __init__(self, module: nn.Module, *, device: str | torch.device = "auto"):
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"Expected `module` to be a torch.nn.Module. Received: {type(module).__name__}. "
+                "Fix: wrap your network, e.g. fitkit.Model(nn.Sequential(...))."
+            )
+        self.device = resolve_device(device)
+        self.module = module.to(self.device)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.loss = None
+        self.metrics = MetricSet()
+        self.stop_training = False
+        self.history: History | None = None
+        self._compiled = False
+        self._callbacks = CallbackList([], self, {})
+        self._global_step = 0
+        self._init_step_state()
+
+    # -- the module ------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def to(self, device: str | torch.device) -> Model:
+        """Move the module, the optimizer state and the metric state to ``device``."""
+        self.device = resolve_device(device)
+        self.module.to(self.device)
+        if self.optimizer is not None:
+            optimizer_to(self.optimizer, self.device)
+        self.metrics.to(self.device)
+        self._forward_module = None if self._forward_module is None else self._wrap_forward()
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict (never with ``_orig_mod.`` or ``module.`` prefixes)."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
+        """Load a module state dict (as ``nn.Module.load_state_dict``)."""
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    # -- compile ---------------------------------------------------------------------------
+    def compile(
+        self,
+        optimizer: Any = "adam",
+        loss: Any = None,
+        metrics: Any = None,
+        *,
+        loss_weights: Any = None,
+        scheduler: Any = None,
+        scheduler_interval: str = "epoch",
+        precision: str = "32",
+        gradient_accumulation_steps: int = 1,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+        jit_compile: bool | str | dict = "auto",
+    ) -> None:
+        """Set the optimizer, loss, metrics and step options. Checks everything first.
+
+        Args:
+            optimizer: a name (``"adam"``, ``"adamw"``, ``"sgd"``, ...; torch's defaults), an
+                ``Optimizer`` on ``model.module.parameters()``, or a factory ``params -> Optimizer``.
+            loss: a name (``"mse"``, ``"cross_entropy"``, ...), an ``nn.Module`` or a callable,
+                called as ``loss(y_pred, y_true)``.
+            metrics: names, ``torchmetrics.Metric`` objects or ``{log_name: metric}``.
+            loss_weights: for a module with several outputs and as many losses: one weight per
+                loss (``loss`` is then a list or dict like the outputs).
+            scheduler: a ``torch.optim.lr_scheduler`` object or a factory ``optimizer ->
+                scheduler``.
+            scheduler_interval: ``"epoch"`` or ``"step"`` (per optimizer step).
+            precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (with a GradScaler).
+            gradient_accumulation_steps: micro-batches per optimizer step (sample-exact).
+            clip_grad_norm: clip the global gradient 2-norm to this value before each step.
+            clip_grad_value: clip each gradient element to ``[-v, v]`` before each step.
+            jit_compile: ``"auto"`` (torch.compile on CUDA only), True, False, or a dict of
+                ``torch.compile`` kwargs.
+
+        Raises:
+            ValueError: unknown names (the message lists valid ones), bad values.
+            TypeError: wrong types.
+        """
+        if precision not in PRECISIONS:
+            raise ValueError(f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)}.")
+        _check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1)
+        for name, v in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ValueError(f"Expected `{name}` to be a positive number or None. Received: {name}={v!r}.")
+        jit = _compile.resolve_jit_compile(jit_compile, self.device)
+        loss_fn = resolve_loss(loss) if loss_weights is None else _multi_loss(loss, loss_weights)
+        metric_set = MetricSet(metrics)
+        opt = resolve_optimizer(optimizer, self.module, self.device)
+        sched = resolve_scheduler(scheduler, opt, scheduler_interval)
+        if precision == "16-mixed" and self.device.type not in ("cuda", "cpu", "mps"):
+            raise ValueError(f"precision='16-mixed' is not supported on {self.device.type}.")
+        # Everything is valid: only now does the model change.
+        self.optimizer, self.scheduler, self.scheduler_interval = opt, sched, scheduler_interval
+        self.loss = loss_fn
+        self.metrics = metric_set
+        self.metrics.loss_kind = getattr(loss_fn, "kind", None)
+        self.metrics._loss_name = getattr(loss_fn, "name", "")
+        self.metrics.device = self.device
+        self.precision = precision
+        self.gradient_accumulation_steps = int(gradient_accumulation_steps)
+        self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
+        self._scaler = torch.amp.GradScaler(self.device.type) if precision == "16-mixed" else None
+        self._jit = jit
+        self._forward_module = self._wrap_forward()
+        self._watch_optimizer_steps()
+        self._compiled = True
+
+    def _require_compiled(self, verb: str) -> None:
+        if not self._compiled:
+            raise RuntimeError(
+                f"`{verb}` needs a compiled model. Call `model.compile(optimizer=..., loss=...)` "
+                f"before `model.{verb}(...)`."
+            )
+
+    # -- fit -------------------------------------------------------------------------------
+    def fit(
+        self,
+        x: Any = None,
+        y: Any = None,
+        *,
+        batch_size: int | None = 32,
+        epochs: int = 1,
+        verbose: int | str = "auto",
+        callbacks: list[Callback] | None = None,
+        validation_split: float = 0.0,
+        validation_data: Any = None,
+        shuffle: bool = True,
+        class_weight: Mapping[int, float] | None = None,
+        sample_weight: Any = None,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int | list[int] = 1,
+    ) -> History:
+        """Train for ``range(initial_epoch, epochs)`` and return the :class:`History`.
+
+        ``epochs`` is the index of the last epoch (Keras): ``fit(..., initial_epoch=2,
+        epochs=5)`` runs 3 epochs. See the module docs of :mod:`fitkit.data` for the inputs.
+
+        Raises:
+            RuntimeError: ``compile`` was not called.
+            TypeError / ValueError: bad arguments or data, raised before the first step.
+        """
+        self._require_compiled("fit")
+        batch_size = 32 if batch_size is None else batch_size
+        _check_int("batch_size", batch_size, 1)
+        _check_int("epochs", epochs, 0)
+        _check_int("initial_epoch", initial_epoch, 0)
+        _check_int("steps_per_epoch", steps_per_epoch, 1, allow_none=True)
+        _check_int("validation_steps", validation_steps, 1, allow_none=True)
+        _check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"Expected `shuffle` to be a bool. Received: shuffle={shuffle!r}.")
+        if isinstance(validation_split, bool) or not isinstance(validation_split, (int, float)) or not 0 <= validation_split < 1:
+            raise ValueError(f"Expected `validation_split` in [0, 1). Received: validation_split={validation_split!r}.")
+        val_epochs = _validation_epochs(validation_freq)
+        verbose = resolve_verbose(verbose)
+        callbacks = _check_callbacks(callbacks)
+        if x is None:
+            raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")
+        if validation_split:
+            if validation_data is not None:
+                warnings.warn("`validation_data` is given, so `validation_split` is ignored.", stacklevel=2)
+            else:
+                (x, y, sample_weight), validation_data = _data.split_validation(x, y, sample_weight, validation_split)
+        train = _data.as_loader(
+            x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+            class_weight=class_weight, steps=steps_per_epoch, device=self.device,
+        )  # fmt: skip
+        val = None
+        if validation_data is not None:
+            val = self._validation_loader(validation_data, validation_batch_size or batch_size, validation_steps)
+        self._preflight(train)
+        if val is not None:
+            self._preflight(val)
+        cbs = self._make_callbacks(callbacks, verbose, epochs, train.num_batches)
+        self._fit_loop(train, val, cbs, initial_epoch, epochs, val_epochs)
+        return self.history
+
+    def _fit_loop(self, train, val, cbs: CallbackList, initial_epoch: int, epochs: int, val_epochs) -> None:
+        self._callbacks, self.stop_training = cbs, False
+        self._initial_epoch = initial_epoch  # a callback (BackupAndRestore) may move it
+        logs: dict[str, float] = {}
+        try:
+            with _modes(self.module, training=None, grad=True):
+                self._warn_if_all_eval()
+                self.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
+                cbs.on_train_begin({})
+                self._apply_resume_at_train_begin()
+                for epoch in range(self._initial_epoch, epochs):
+                    logs = self._run_epoch(epoch, train, cbs)
+                    if val is not None and val_epochs(epoch):
+                        val_logs = self._run_eval(val, cbs, self._callbacks_val_steps)
+                        logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                    self._step_scheduler_epoch(logs)
+                    self._epochs_done = epoch + 1
+                    cbs.on_epoch_end(epoch, logs)
+                    if self.stop_training:
+                        break
+                cbs.on_train_end(logs)
+        finally:
+            self._callbacks = CallbackList([], self, {})
+            self._in_epoch = False
+
+    def _run_epoch(self, epoch: int, loader: _data.DeviceLoader, cbs: CallbackList) -> dict[str, float]:
+        self._reset_trackers()
+        loader.epoch = epoch
+        self._epoch = epoch
+        self._resume_epoch_begin(epoch)
+        cbs.on_epoch_begin(epoch, {})
+        self._lr_used = current_lr(self.optimizer)
+        self._epoch_rng = torch.get_rng_state()  # replays this epoch's data order on resume
+        self._in_epoch = True
+        want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
+        steps = 0
+        for step, batch in self._micro_batches(loader):
+            if want_begin:
+                cbs.on_train_batch_begin(step, {})
+            self.train_step(batch)
+            steps = step + 1
+            if want_end:
+                cbs.on_train_batch_end(step, BatchLogs(self._running_logs))
+            if self.stop_training:
+                break
+        if steps == 0 or (loader.steps is not None and steps < loader.steps and not self.stop_training):
+            warnings.warn(
+                "The training data ran out before the epoch ended; training stops here. Fix: "
+                "pass data that can be iterated again, or lower `steps_per_epoch`.",
+                stacklevel=3,
+            )
+            self.stop_training = True
+        self._in_epoch = False
+        logs = self._epoch_logs()
+        lr = self._lr_used
+        logs["learning_rate"] = float(lr)
+        return logs
+
+    # -- evaluate / predict ----------------------------------------------------------------
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        *,
+        batch_size: int | None = 32,
+        verbose: int | str = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: list[Callback] | None = None,
+    ) -> dict[str, float]:
+        """Loss and metrics over the data, as exact per-sample means: ``{"loss": ..., ...}``.
+
+        Runs every submodule in eval mode with autograd off and restores both afterwards.
+
+        Raises:
+            RuntimeError: ``compile`` was not called.
+            TypeError / ValueError: bad arguments or data.
+        """
+        self._require_compiled("evaluate")
+        batch_size = 32 if batch_size is None else batch_size
+        _check_int("batch_size", batch_size, 1)
+        _check_int("steps", steps, 1, allow_none=True)
+        verbose = resolve_verbose(verbose)
+        loader = _data.as_loader(x, y, sample_weight, batch_size=batch_size, device=self.device, steps=steps)
+        self._preflight(loader)
+        cbs = self._make_callbacks(_check_callbacks(callbacks), verbose, None, loader.num_batches, history=False)
+        return self._run_eval(loader, cbs, steps)
+
+    def _run_eval(self, loader, cbs: CallbackList, steps: int | None) -> dict[str, float]:
+        self._reset_trackers()
+        want = cbs.wants("on_test_batch_end")
+        with _modes(self.module, training=False, grad=False):
+            cbs.on_test_begin({})
+            for step, batch in enumerate(loader):
+                cbs.on_test_batch_begin(step, {})
+                self.test_step(batch)
+                if want:
+                    cbs.on_test_batch_end(step, BatchLogs(self._running_logs))
+                if steps is not None and step + 1 >= steps:
+                    break
+            logs = self._epoch_logs()
+            cbs.on_test_end(logs)
+        return logs
+
+    def predict(
+        self,
+        x: Any,
+        *,
+        batch_size: int | None = 32,
+        verbose: int | str = "auto",
+        steps: int | None = None,
+        callbacks: list[Callback] | None = None,
+    ) -> Any:
+        """Outputs for every input row, in input order, on the CPU.
+
+        Returns:
+            The module's output structure (a tensor, or a tuple / list / dict of them) with
+            every batch concatenated on dim 0.
+
+        Raises:
+            TypeError / ValueError: bad arguments or data.
+        """
+        batch_size = 32 if batch_size is None else batch_size
+        _check_int("batch_size", batch_size, 1)
+        _check_int("steps", steps, 1, allow_none=True)
+        verbose = resolve_verbose(verbose)
+        loader = _data.as_loader(x, batch_size=batch_size, device=self.device, steps=steps)
+        if self._forward_module is None:
+            self._forward_module = self._wrap_forward()
+        cbs = self._make_callbacks(_check_callbacks(callbacks), verbose, None, loader.num_batches, history=False)
+        outputs: list[Any] = []
+        with _modes(self.module, training=False, grad=False):
+            cbs.on_predict_begin({})
+            for step, batch in enumerate(loader):
+                cbs.on_predict_batch_begin(step, {})
+                out = self.predict_step(batch)
+                outputs.append(out)
+                cbs.on_predict_batch_end(step, {"outputs": out})
+                if steps is not None and step + 1 >= steps:
+                    break
+            cbs.on_predict_end({})
+        return _concat(outputs)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _validation_loader(self, validation_data: Any, batch_size: int, steps: int | None):
+        self._callbacks_val_steps = steps
+        if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3) and all(
+            v is None or _data.is_in_memory(v) for v in validation_data
+        ):
+            vx, vy, vw = (*validation_data, None)[:3]
+            return _data.as_loader(vx, vy, vw, batch_size=batch_size, device=self.device)
+        if isinstance(validation_data, (tuple, list)) and not _data.is_in_memory(validation_data):
+            raise ValueError(
+                "Expected `validation_data` to be `(x_val, y_val)`, `(x_val, y_val, sample_weight)`,"
+                f" a Dataset, a DataLoader or an iterable. Received a {type(validation_data).__name__}"
+                f" of {len(validation_data)} elements."
+            )
+        return _data.as_loader(validation_data, batch_size=batch_size, device=self.device)
+
+    def _make_callbacks(self, callbacks, verbose, epochs, steps, history: bool = True) -> CallbackList:
+        cbs = list(callbacks)
+        if history:
+            self.history = History()
+            cbs.append(self.history)
+        if verbose and not any(isinstance(c, ProgressBar) for c in cbs):
+            cbs.append(ProgressBar(verbose))
+        params = {"verbose": verbose, "epochs": epochs, "steps": steps}
+        if self.history is not None and history:
+            self.history.params = params
+        return CallbackList(cbs, self, params)
+
+    def _warn_if_all_eval(self) -> None:
+        if not any(m.training for m in self.module.modules()):
+            warnings.warn(
+                "Every submodule is in eval mode, so fit trains with dropout off and BatchNorm "
+                "statistics frozen. If that is not intended, call `model.module.train()` first.",
+                stacklevel=4,
+            )
+
+    def summary(self, print_fn: Any = None) -> Any:
+        """Print a rich table of layers: type, output shape (where known), parameters.
+
+        Output shapes come from the last batch fit / evaluate saw; ``?`` before that.
+
+        Returns:
+            The ``rich.table.Table``.
+        """
+        return summary_table(self, print_fn)
+
+
+def _multi_loss(loss: Any, loss_weights: Any):
+    from fitkit.losses import MultiLoss
+
+    return MultiLoss(loss, loss_weights)
+
+
+def _validation_epochs(validation_freq: Any):
+    if isinstance(validation_freq, (list, tuple, set)):
+        epochs = set()
+        for v in validation_freq:
+            _check_int("validation_freq", v, 1)
+            epochs.add(int(v))
+        return lambda epoch: epoch + 1 in epochs
+    _check_int("validation_freq", validation_freq, 1)
+    return lambda epoch: (epoch + 1) % validation_freq == 0
+
+
+def _check_callbacks(callbacks: Any) -> list[Callback]:
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"Expected `callbacks` to be a list of Callback objects. Received: {type(callbacks).__name__}.")
+    for cb in callbacks:
+        if not isinstance(cb, Callback):
+            raise TypeError(
+                f"Expected every callback to subclass fitkit.callbacks.Callback. Received: {cb!r}."
+            )
+    return list(callbacks)
+
+
+def _concat(outputs: list[Any]) -> Any:
+    if not outputs:
+        return torch.empty(0)
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs).cpu()
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat([o[i] for o in outputs]) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return {k: _concat([o[k] for o in outputs]) for k in first}
+    return outputs
+

@@ -1,0 +1,140 @@
+"""Optimizers and LR schedulers for ``Model.compile``: names, instances and factories."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import lr_scheduler
+
+__all__ = ["OPTIMIZERS", "resolve_optimizer", "resolve_scheduler", "current_lr"]
+
+#: Optimizer names accepted by ``compile(optimizer=...)``, each with torch's default
+#: hyper-parameters.
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+    "rmsprop": torch.optim.RMSprop,
+    "adagrad": torch.optim.Adagrad,
+    "adadelta": torch.optim.Adadelta,
+    "adamax": torch.optim.Adamax,
+    "nadam": torch.optim.NAdam,
+    "radam": torch.optim.RAdam,
+}
+
+
+def _fast_kwargs(cls: type[torch.optim.Optimizer], device: torch.device) -> dict[str, Any]:
+    """The fastest correct implementation torch offers for ``device``.
+
+    ``fused`` kernels (one launch for all parameters) exist for Adam / AdamW / SGD on CUDA and
+    CPU; elsewhere torch already picks ``foreach`` by itself on CUDA. On the CPU fused Adam is
+    measured by ``benchmarks/overhead.py``; torch's default is kept there.
+    """
+    if device.type == "cuda" and cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        return {"fused": True}
+    return {}
+
+
+def resolve_optimizer(optimizer: Any, module: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """Build the optimizer of ``compile`` from a name, an instance or a factory.
+
+    Args:
+        optimizer: a name of :data:`OPTIMIZERS`, an ``Optimizer`` built on
+            ``module.parameters()``, or a factory ``params -> Optimizer`` such as
+            ``functools.partial(torch.optim.AdamW, lr=3e-4)``.
+        module: the wrapped module (already on its device).
+        device: its device.
+
+    Raises:
+        ValueError: an unknown name, or an optimizer that holds none of the module's
+            parameters.
+        TypeError: anything else, or a factory that does not return an ``Optimizer``.
+
+    Example:
+        >>> opt = resolve_optimizer("sgd", nn.Linear(2, 1), torch.device("cpu"))
+        >>> type(opt).__name__, opt.param_groups[0]["lr"]
+        ('SGD', 0.001)
+    """
+    if isinstance(optimizer, str):
+        cls = OPTIMIZERS.get(optimizer.lower())
+        if cls is None:
+            raise ValueError(
+                f"Unknown optimizer '{optimizer}'. Valid names: {', '.join(OPTIMIZERS)}. "
+                "Or pass an Optimizer or a factory params -> Optimizer."
+            )
+        return cls(module.parameters(), **_fast_kwargs(cls, device))
+    if isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+    elif callable(optimizer):
+        opt = optimizer(module.parameters())
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                "The `optimizer` factory must return a torch.optim.Optimizer. "
+                f"Received: {type(opt).__name__}."
+            )
+    else:
+        raise TypeError(
+            "Expected `optimizer` to be a name, a torch.optim.Optimizer or a factory "
+            f"params -> Optimizer. Received: {optimizer!r} of type {type(optimizer).__name__}."
+        )
+    own = {id(p) for p in module.parameters()}
+    held = [p for g in opt.param_groups for p in g["params"]]
+    if held and not any(id(p) in own for p in held):
+        raise ValueError(
+            "The optimizer holds none of the module's parameters. Fix: build it on "
+            "`model.module.parameters()` (after `fitkit.Model(...)` moved the module), or pass a "
+            "factory such as functools.partial(torch.optim.Adam, lr=1e-3)."
+        )
+    return opt
+
+
+def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval: str):
+    """Build the LR scheduler of ``compile`` from an instance or a factory.
+
+    Args:
+        scheduler: ``None``, a ``torch.optim.lr_scheduler`` object built on ``optimizer``, or a
+            factory ``optimizer -> scheduler``.
+        optimizer: the compiled optimizer.
+        interval: ``"epoch"`` or ``"step"`` (one step per optimizer step).
+
+    Raises:
+        ValueError: a bad ``interval``, or a scheduler built on another optimizer.
+        TypeError: anything that is not a scheduler.
+
+    Example:
+        >>> opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0)
+        >>> sched = resolve_scheduler(lambda o: lr_scheduler.StepLR(o, 1, 0.5), opt, "epoch")
+        >>> type(sched).__name__
+        'StepLR'
+    """
+    if interval not in ("epoch", "step"):
+        raise ValueError(
+            f"Expected `scheduler_interval` to be 'epoch' or 'step'. Received: {interval!r}."
+        )
+    if scheduler is None:
+        return None
+    kinds = (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau)
+    if not isinstance(scheduler, kinds) and callable(scheduler):
+        scheduler = scheduler(optimizer)
+    if not isinstance(scheduler, kinds):
+        raise TypeError(
+            "Expected `scheduler` to be a torch.optim.lr_scheduler object or a factory "
+            f"optimizer -> scheduler. Received: {type(scheduler).__name__}."
+        )
+    if scheduler.optimizer is not optimizer:
+        raise ValueError(
+            "The scheduler was built on another optimizer than the model's. Fix: pass a factory "
+            "such as `lambda opt: StepLR(opt, 10)`, or build it on `model.optimizer` after compile."
+        )
+    return scheduler
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float | torch.Tensor:
+    """The learning rate of the first parameter group (a float, or a tensor for capturable LRs)."""
+    return optimizer.param_groups[0]["lr"]
+
+
+Factory = Callable[..., Any]

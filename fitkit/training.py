@@ -1,0 +1,383 @@
+"""The step: ``train_step`` / ``test_step`` / ``predict_step`` and what they share.
+
+Nothing here reads a device value on the host during a step: the loss and the metric states
+accumulate on the device and are read at the end of an epoch, or when a callback reads a
+batch log. Gradient accumulation groups ``k`` micro-batches and weights each by its share of
+the group's samples (or sample weights), so the step equals one step on the whole group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitkit import compile as _compile
+from fitkit import data as _data
+from fitkit.devices import autocast, move_to_device
+
+__all__ = ["StepMixin"]
+
+
+def _call(module: nn.Module, x: Any) -> Any:
+    # A tuple x is several positional inputs, a dict x keyword inputs (API.md).
+    if isinstance(x, tuple):
+        return module(*x)
+    if isinstance(x, dict):
+        return module(**x)
+    return module(x)
+
+
+class StepMixin:
+    """Steps and trackers of :class:`fitkit.Model` (a mixin; see the Model for the API)."""
+
+    # -- state -----------------------------------------------------------------------------
+    def _init_step_state(self) -> None:
+        self.precision = "32"
+        self.gradient_accumulation_steps = 1
+        self.clip_grad_norm = self.clip_grad_value = None
+        self.scheduler_interval = "epoch"
+        self.grad_norm: torch.Tensor | None = None
+        self._scaler: torch.amp.GradScaler | None = None
+        self._jit: Any = False
+        self._forward_module: nn.Module | None = None
+        self._micro_last, self._micro_scale = True, None
+        self._step_index = 0
+        self._stepped = True
+        self._skip_step = False
+        self._step_hook = None
+        self._callbacks_val_steps = None
+        self._epoch = 0
+        self._lr_used: Any = None
+        self._example_x: Any = None
+        self._reset_trackers()
+
+    def _reset_trackers(self) -> None:
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self._loss_total = torch.zeros((), dtype=dtype, device=self.device)
+        self._loss_count: float = 0
+        self._loss_wsum: torch.Tensor | None = None
+        self.metrics.reset()
+
+    # -- the forward -----------------------------------------------------------------------
+    def _wrap_forward(self) -> nn.Module | None:
+        return _compile.maybe_compile(self.module, self._jit)
+
+    def _call_module(self, x: Any) -> Any:
+        m = self._forward_module
+        if m is None:
+            return _call(self.module, x)
+        try:
+            return _call(m, x)
+        except Exception as e:
+            if not _compile.is_compile_error(e):
+                raise
+            _compile.warn_fallback(e)  # once: the eager module is used from now on
+            self._forward_module = None
+            return _call(self.module, x)
+
+    def _call_module_eager(self, x: Any) -> Any:
+        return _call(self.module, x)
+
+    def _autocast(self):
+        if self.precision == "32":
+            return contextlib.nullcontext()
+        return autocast(self.device, self.precision)
+
+    # -- override points -------------------------------------------------------------------
+    def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: torch.Tensor | None) -> torch.Tensor:
+        """The batch's training objective: ``sum(w * l) / sum(w)``, or the plain mean.
+
+        Override it to add terms (e.g. a regularizer); ``x`` is there for losses that need it.
+
+        Args:
+            x: the batch's inputs.
+            y: its targets (``None`` if the batches have none).
+            y_pred: the module's output.
+            sample_weight: ``(B,)`` weights or ``None``.
+
+        Returns:
+            A 0-dim tensor.
+
+        Raises:
+            RuntimeError: no loss was compiled.
+            ValueError: no targets, or targets that do not fit the prediction.
+        """
+        if self.loss is None:
+            raise RuntimeError(
+                "No loss to compute. Fix: `model.compile(loss=...)`, or override `compute_loss`."
+            )
+        if y is None:
+            raise ValueError(
+                "The loss needs targets, but the batch has no `y`. Fix: pass `y=` or yield "
+                "`(x, y)` batches, or override `compute_loss`."
+            )
+        if sample_weight is None:
+            return self.loss(y_pred, y)
+        per_sample = self.loss(y_pred, y, per_sample=True)
+        w = sample_weight.to(per_sample.dtype)
+        if w.shape != per_sample.shape:
+            raise ValueError(
+                f"Expected `sample_weight` of shape {tuple(per_sample.shape)} (one per sample). "
+                f"Received shape {tuple(w.shape)}."
+            )
+        total = w.sum()
+        # A batch whose weights are all zero contributes a zero loss, not 0/0.
+        return (per_sample * w).sum() / torch.where(total == 0, torch.ones_like(total), total)
+
+    def update_metrics(self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None) -> None:
+        """Add a batch to the epoch's running loss and metrics (on the device, no sync).
+
+        Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch.
+        """
+        if loss is not None:
+            if sample_weight is None:
+                n = _data.batch_size_of(y if y is not None else y_pred)
+                self._loss_total.add_(loss.detach(), alpha=n)
+                self._loss_count += n
+            else:
+                ws = sample_weight.detach().sum()
+                self._loss_total.add_(loss.detach() * ws)
+                self._loss_wsum = ws if self._loss_wsum is None else self._loss_wsum + ws
+        if self.metrics.entries != [] and y is not None:
+            self.metrics.update(y_pred, y)
+
+    def train_step(self, batch: tuple[Any, Any, Any]) -> None:
+        """One (micro-)batch of training: forward, loss, backward, and the optimizer step.
+
+        ``batch`` is ``(x, y, sample_weight)`` on the device (``y`` / ``sample_weight`` may be
+        ``None``). With gradient accumulation the optimizer steps on the last micro-batch of
+        each group only. Override for custom training (call :meth:`update_metrics`).
+        """
+        x, y, sample_weight = batch
+        with self._no_sync():
+            with self._autocast():
+                y_pred = self._call_module(x)
+                loss = self.compute_loss(x, y, y_pred, sample_weight)
+            self._step_loss = loss
+            self._backward(loss)
+        self._optimizer_step()
+        self.update_metrics(loss, y_pred, y, sample_weight)
+
+    def test_step(self, batch: tuple[Any, Any, Any]) -> None:
+        """One batch of evaluation (eval mode, no grad): loss and metrics."""
+        x, y, sample_weight = batch
+        with self._autocast():
+            y_pred = self._call_module(x)
+            has_loss = self.loss is not None or type(self).compute_loss is not StepMixin.compute_loss
+            loss = self.compute_loss(x, y, y_pred, sample_weight) if has_loss and y is not None else None
+        self.update_metrics(loss, y_pred, y, sample_weight)
+
+    def predict_step(self, batch: tuple[Any, Any, Any]) -> Any:
+        """One batch of prediction: the module's output for ``x`` (``y`` is ignored)."""
+        with self._autocast():
+            return self._call_module(batch[0])
+
+    # -- backward and step -----------------------------------------------------------------
+    def _no_sync(self):
+        return contextlib.nullcontext()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self._micro_scale is not None:  # share of the accumulation group
+            loss = loss * self._micro_scale
+        if self._scaler is not None:
+            self._scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def _watch_optimizer_steps(self) -> None:
+        # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
+        # it ran, so a skipped step does not advance the scheduler (no extra host sync).
+        if self._step_hook is not None:
+            self._step_hook.remove()
+
+        def mark(*_: Any) -> None:
+            self._stepped = True
+
+        self._step_hook = self.optimizer.register_step_post_hook(mark)
+
+    def _optimizer_step(self) -> None:
+        if not self._micro_last:
+            return
+        opt = self.optimizer
+        if self._scaler is not None:
+            self._scaler.unscale_(opt)
+        self._callbacks.on_backward_end(self._step_index)
+        if self._skip_step:  # a callback (e.g. TerminateOnNaN) vetoed this step
+            self._skip_step = False
+            opt.zero_grad(set_to_none=True)
+            if self._scaler is not None:
+                self._scaler.update()
+            return
+        if self.clip_grad_norm is not None:
+            self.grad_norm = nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
+        if self.clip_grad_value is not None:
+            nn.utils.clip_grad_value_(self.module.parameters(), self.clip_grad_value)
+        if self._scaler is not None:
+            self._stepped = False
+            self._scaler.step(opt)
+            self._scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        self._global_step += 1
+        if self.scheduler is not None and self.scheduler_interval == "step" and self._stepped:
+            self._lr_used = opt.param_groups[0]["lr"]
+            self.scheduler.step()
+
+    def _step_scheduler_epoch(self, logs: dict[str, float]) -> None:
+        if self.scheduler is None or self.scheduler_interval != "epoch":
+            return
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            key = "val_loss" if "val_loss" in logs else "loss"
+            self.scheduler.step(logs[key])
+        else:
+            self.scheduler.step()
+
+    # -- batches of an epoch ---------------------------------------------------------------
+    def _batch_weight(self, batch: tuple[Any, Any, Any]) -> Any:
+        x, y, w = batch
+        if w is not None:
+            return w.sum()
+        return _data.batch_size_of(y if y is not None else x)
+
+    def _micro_batches(self, loader: _data.DeviceLoader) -> Iterator[tuple[int, Any]]:
+        """Yield ``(batch_index, batch)``, setting the micro-step flags of each batch."""
+        it = iter(loader)
+        start = 0
+        resume = self._take_resume_point()
+        if resume is not None:
+            it, start = resume(loader)
+        k = self.gradient_accumulation_steps
+        if k == 1:
+            self._micro_last, self._micro_scale = True, None
+            for step, batch in enumerate(it, start):
+                self._step_index = step
+                yield step, batch
+            return
+        step = start
+        while True:
+            group = list(itertools.islice(it, k))
+            if not group:
+                return
+            sizes = [self._batch_weight(b) for b in group]
+            total = sum(sizes)
+            for i, batch in enumerate(group):
+                self._micro_scale = sizes[i] / total
+                self._micro_last = i == len(group) - 1
+                self._step_index = step
+                yield step, batch
+                step += 1
+                if self.stop_training:
+                    return
+
+    # -- logs ------------------------------------------------------------------------------
+    def _running_logs(self) -> dict[str, torch.Tensor]:
+        logs: dict[str, torch.Tensor] = {}
+        denom = self._loss_count if self._loss_wsum is None else self._loss_wsum + self._loss_count
+        if self._loss_count or self._loss_wsum is not None:
+            logs["loss"] = (self._loss_total / denom).float()
+        for e in self.metrics.entries or []:
+            if e.metric.update_count:
+                # Batch logs are rank-local: a distributed sync here could deadlock when only
+                # rank 0 reads them (the progress bar).
+                with e.metric.sync_context(should_sync=False, should_unsync=False):
+                    logs[e.key] = e.metric.compute()
+        return logs
+
+    def _epoch_logs(self) -> dict[str, float]:
+        logs = self._reduced_logs()
+        if not logs:
+            return {}
+        values = torch.stack([v.detach().float().reshape(()) for v in logs.values()]).tolist()  # one sync
+        return dict(zip(logs.keys(), values))
+
+    def _reduced_logs(self) -> dict[str, torch.Tensor]:
+        logs: dict[str, torch.Tensor] = {}
+        denom = self._loss_count if self._loss_wsum is None else self._loss_wsum + self._loss_count
+        if self._loss_count or self._loss_wsum is not None:
+            logs["loss"] = self._loss_total / denom
+        logs.update(self.metrics.compute())
+        return logs
+
+    # -- checks before the first step ------------------------------------------------------
+    def _preflight(self, loader: _data.DeviceLoader) -> None:
+        """Run the first batch of in-memory data through module and loss, changing nothing.
+
+        Shape, dtype and class-range errors then surface before any callback or step.
+        """
+        src = loader.batches
+        if not isinstance(src, _data.TensorBatches) or src.n == 0:
+            return
+        sl = slice(0, min(src.batch_size, src.n))
+        x, y = _data._index(src.x, sl), _data._index(src.y, sl)
+        w = None if src.w is None else src.w[sl]
+        x, y, w = (move_to_device(a, self.device) for a in (x, y, w))
+        self._example_x = x
+        if y is None:
+            return
+        flags = [(m, m.training) for m in self.module.modules()]
+        try:
+            self.module.eval()
+            with torch.no_grad(), self._autocast():
+                y_pred = self._call_module(x)
+                if self.loss is not None:
+                    self.compute_loss(x, y, y_pred, w)
+                    self._check_class_range(y_pred, src.y)
+                if self.metrics.entries is None:
+                    self.metrics.build(y_pred, y)
+        finally:
+            for m, flag in flags:
+                m.training = flag
+
+    def _check_class_range(self, y_pred: Any, y_all: Any) -> None:
+        loss = self.loss
+        if getattr(loss, "kind", None) != "class_index" or not isinstance(y_all, torch.Tensor):
+            return
+        if y_all.is_floating_point() or y_all.numel() == 0:
+            return
+        n_classes = y_pred.shape[-1] if loss.class_last else y_pred.shape[1]
+        lo, hi = int(y_all.min()), int(y_all.max())
+        if lo < 0 and lo != -100 or hi >= n_classes:
+            raise ValueError(
+                f"Class labels must lie in [0, {n_classes - 1}] for a module with {n_classes} "
+                f"outputs. Received labels from {lo} to {hi}. Fix: remap the labels, or give the "
+                "module one output per class."
+            )
+
+    # -- single batches --------------------------------------------------------------------
+    def _as_batch(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+        conv = [(_data._to_tensor(a) if _data.is_in_memory(a) else a) for a in (x, y, sample_weight)]
+        return tuple(move_to_device(a, self.device) for a in conv)  # type: ignore[return-value]
+
+    def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
+        """One optimizer step on one batch; returns that batch's loss and metrics."""
+        self._require_compiled("train_on_batch")
+        from fitkit.model import _modes
+
+        self._reset_trackers()
+        self._micro_last, self._micro_scale = True, None
+        with _modes(self.module, training=None, grad=True):
+            self.train_step(self._as_batch(x, y, sample_weight))
+        return self._epoch_logs()
+
+    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
+        """Loss and metrics of one batch in eval mode, without training."""
+        self._require_compiled("test_on_batch")
+        from fitkit.model import _modes
+
+        self._reset_trackers()
+        with _modes(self.module, training=False, grad=False):
+            self.test_step(self._as_batch(x, y, sample_weight))
+        return self._epoch_logs()
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """The module's output for one batch in eval mode, on the CPU."""
+        from fitkit.model import _concat, _modes
+
+        with _modes(self.module, training=False, grad=False):
+            return _concat([self.predict_step(self._as_batch(x, None, None))])
