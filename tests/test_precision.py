@@ -1,0 +1,111 @@
+"""Mixed precision: bf16 / fp16 autocast on the CPU, GradScaler skipped steps and checkpoints."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fitkit
+from fitkit.callbacks import Callback
+
+
+class DtypeProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.seen = []
+
+    def forward(self, x):
+        out = self.lin(x)
+        self.seen.append(out.dtype)
+        return out
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16), ("32", torch.float32)])
+def test_autocast_dtype_and_float32_weights(precision, dtype):
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    net = DtypeProbe()
+    model = fitkit.Model(net, device="cpu")
+    model.compile(loss="cross_entropy", metrics=["accuracy"], precision=precision)
+    hist = model.fit(x, y, epochs=2, batch_size=8, verbose=0, validation_data=(x, y))
+    assert set(net.seen) == {dtype}  # training, validation and the pre-flight check all autocast
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in hist.history["loss"])
+    assert (model._scaler is not None) == (precision == "16-mixed")
+
+
+class InfOnFirstBatch(nn.Module):
+    """Gradients are inf for the first batch (input holds inf), finite afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_fp16_skipped_step_keeps_weights_and_scheduler_without_warning():
+    x = torch.tensor([[float("inf")], [1.0], [2.0]])
+    y = torch.tensor([[0.0], [0.0], [0.0]])
+    model = fitkit.Model(InfOnFirstBatch(), device="cpu")
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        loss="mse",
+        precision="16-mixed",
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
+        scheduler_interval="step",
+    )
+    steps_taken = []
+
+    class Watch(Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps_taken.append(self.model.module.w.item())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # PyTorch's "scheduler.step() before optimizer.step()" too
+        model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0, callbacks=[Watch()])
+    # Batch 0 has an inf gradient: skipped, weight unchanged, scheduler not advanced.
+    assert steps_taken[0] == 1.0
+    assert model.scheduler.last_epoch == 2  # two real steps out of three batches
+    # Real steps: w <- w - lr * 2*w*x^2 with lr 0.1 then 0.05 (scheduler advanced once).
+    w1 = 1.0 - 0.1 * 2 * 1.0 * 1.0
+    w2 = w1 - 0.05 * 2 * w1 * 4.0
+    assert steps_taken[1:] == pytest.approx([w1, w2], abs=1e-6)
+    assert model._scaler.get_scale() == 65536.0 * 0.5  # backed off once
+
+
+def test_bf16_matches_fp32_within_bf16_precision():
+    # bf16 needs no scaler (its exponent range is fp32's); it should land where fp32 lands.
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    net = nn.Linear(4, 1)
+    a, b = fitkit.Model(copy.deepcopy(net), device="cpu"), fitkit.Model(copy.deepcopy(net), device="cpu")
+    a.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse", precision="bf16-mixed")
+    b.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
+    a.fit(x, y, epochs=3, batch_size=8, shuffle=False, verbose=0)
+    b.fit(x, y, epochs=3, batch_size=8, shuffle=False, verbose=0)
+    for pa, pb in zip(a.module.parameters(), b.module.parameters()):
+        torch.testing.assert_close(pa, pb, atol=3e-2, rtol=0)  # bf16 has ~3 significant digits
+
+
+def test_scaler_state_round_trips_through_checkpoint(tmp_path):
+    x, y = torch.tensor([[float("inf")], [1.0]]), torch.zeros(2, 1)
+    model = fitkit.Model(InfOnFirstBatch(), device="cpu")
+    model.compile(optimizer="sgd", loss="mse", precision="16-mixed")
+    model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0)
+    model.save_checkpoint(tmp_path / "ckpt.pt")
+    other = fitkit.Model(InfOnFirstBatch(), device="cpu")
+    other.compile(optimizer="sgd", loss="mse", precision="16-mixed")
+    other.load_checkpoint(tmp_path / "ckpt.pt")
+    assert other._scaler.get_scale() == model._scaler.get_scale() == 32768.0
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["scaler"]["scale"] == 32768.0
+
+
+def test_unknown_precision():
+    model = fitkit.Model(nn.Linear(1, 1), device="cpu")
+    with pytest.raises(ValueError, match="Unknown precision 'fp16'. Valid values: 32, bf16-mixed, 16-mixed"):
+        model.compile(loss="mse", precision="fp16")
