@@ -37,14 +37,21 @@ Batch = tuple[Any, Any, Any]
 def is_in_memory(x: Any) -> bool:
     """Whether ``x`` is a tensor, a numpy array, or a tuple / list / dict whose leaves all are.
 
+    A list of ``(x, y)`` tuples is not in memory in this sense: it is an iterable of batches.
+
     Example:
         >>> is_in_memory((torch.zeros(3), np.zeros(3))), is_in_memory([1, 2, 3])
         (True, False)
+        >>> is_in_memory([(torch.zeros(2, 3), torch.zeros(2))])
+        False
     """
     if isinstance(x, (torch.Tensor, np.ndarray)):
         return True
     if isinstance(x, (tuple, list)):
-        return len(x) > 0 and all(is_in_memory(v) for v in x)
+        # (x1, x2) of arrays is several inputs; a list of (x, y) tuples is a list of batches.
+        return len(x) > 0 and all(
+            is_in_memory(v) and not isinstance(v, (tuple, list)) for v in x
+        )
     if isinstance(x, Mapping):
         return len(x) > 0 and all(is_in_memory(v) for v in x.values())
     return False
@@ -296,7 +303,9 @@ class _IterableBatches:
 
     def iterate(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         if isinstance(self.source, DataLoader):
-            for s in (self.source.sampler, getattr(self.source.batch_sampler, "sampler", None)):
+            sampler, inner = self.source.sampler, getattr(self.source.batch_sampler, "sampler", None)
+            # A default batch sampler wraps the same sampler: set its epoch once, not twice.
+            for s in (sampler,) if inner is sampler else (sampler, inner):
                 if hasattr(s, "set_epoch"):
                     s.set_epoch(epoch)
         it = iter(self.source)
@@ -418,13 +427,23 @@ def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float
             f"{split_at} for training and {n - split_at} for validation; both need at least one. "
             "Fix: use a split in (0, 1) that keeps samples on both sides."
         )
-    if _is_map_dataset(x):
-        return (Subset(x, range(split_at)), None, None), (Subset(x, range(split_at, n)), None, None)
-
     def part(a, sl):
         return None if a is None else _index(a, sl)
 
     head, tail = slice(0, split_at), slice(split_at, n)
+    if _is_map_dataset(x):
+        if y is not None:
+            raise ValueError(
+                f"`y` must be None when `x` is a {type(x).__name__}: the targets come from its "
+                "items. Fix: have it return `(x, y)` items and drop `y=`."
+            )
+        w = None if sample_weight is None else _sample_weight_tensor(sample_weight)
+        if w is not None and len(w) != n:
+            raise ValueError(
+                f"`sample_weight` has {len(w)} entries but the Dataset has {n} samples. "
+                "Fix: pass one weight per sample."
+            )
+        return (Subset(x, range(split_at)), None, part(w, head)), (Subset(x, range(split_at, n)), None, part(w, tail))
     return tuple(part(a, head) for a in (x, y, sample_weight)), tuple(part(a, tail) for a in (x, y, sample_weight))
 
 
@@ -468,6 +487,12 @@ def as_loader(
     """
     cw = ClassWeights(class_weight) if class_weight is not None else None
     if is_in_memory(x):
+        if y is not None and not is_in_memory(y):
+            raise TypeError(
+                "Expected `y` to be a tensor or numpy array (or a tuple / list / dict of them) "
+                f"with one row per sample. Received: y of type {type(y).__name__}. "
+                "Fix: pass `torch.as_tensor(y)`."
+            )
         x, y, w = _to_tensor(x), _to_tensor(y) if y is not None else None, None
         if sample_weight is not None:
             w = _sample_weight_tensor(sample_weight)
