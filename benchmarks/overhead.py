@@ -8,7 +8,8 @@ are compared:
 - ``fit(tensors)`` vs a plain loop with one ``randperm`` per epoch and index slicing;
 - ``fit(DataLoader)`` vs a plain loop over the same ``DataLoader``;
 - ``fit(verbose=1)`` (rich bar, throttled) vs ``fit(verbose=0)``;
-- Lightning, Keras (torch backend) and Poutyne on the slicing work, if installed.
+- Lightning, Keras (torch backend, run with ``KERAS_BACKEND=torch``) and Poutyne on the same
+  work, if installed.
 
 Run: ``python benchmarks/overhead.py [--repeats 7] [--epochs 3]``. Prints a table of the ratios.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import io
+import os
 import statistics
 import time
 
@@ -109,6 +111,24 @@ def lightning_run(net, x, y, epochs, bs):
     trainer.fit(Module(), loader)
 
 
+def poutyne_run(net, x, y, epochs, bs):
+    import poutyne
+
+    model = poutyne.Model(net, torch.optim.Adam(net.parameters(), lr=1e-3), "mse")
+    model.fit(x, y, epochs=epochs, batch_size=bs, verbose=False)
+
+
+def keras_run(net, x, y, epochs, bs):
+    # Keras 3 on its torch backend, wrapping the same torch module (keras.layers.TorchModuleWrapper).
+    import keras
+
+    inputs = keras.Input(shape=(x.shape[1],))
+    outputs = keras.layers.TorchModuleWrapper(net)(inputs)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    model.fit(x.numpy(), y.numpy(), epochs=epochs, batch_size=bs, verbose=0)
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -143,6 +163,20 @@ def main() -> None:
     except ImportError:
         pass
 
+    try:
+        import poutyne  # noqa: F401
+
+        contenders["poutyne (tensors)"] = lambda: poutyne_run(copy.deepcopy(base), x, y, ep, bs)
+    except ImportError:
+        pass
+    if os.environ.get("KERAS_BACKEND") == "torch":
+        try:
+            import keras  # noqa: F401
+
+            contenders["keras (torch backend)"] = lambda: keras_run(copy.deepcopy(base), x, y, ep, bs)
+        except ImportError:
+            pass
+
     for fn in contenders.values():  # warm-up: imports, allocator, first-call costs
         fn()
     times: dict[str, list[float]] = {k: [] for k in contenders}
@@ -161,6 +195,8 @@ def main() -> None:
         "fitkit fit(DataLoader)": "plain DataLoader loop",
         "fitkit fit(tensors, verbose=1)": "fitkit fit(tensors)",
         "lightning (DataLoader)": "plain slicing loop",
+        "poutyne (tensors)": "plain slicing loop",
+        "keras (torch backend)": "plain slicing loop",
     }
     for name, t in med.items():
         ref = pairs.get(name)

@@ -10,14 +10,14 @@ weights give ``sum(w * l) / sum(w)``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Loss", "resolve_loss", "LOSSES"]
+__all__ = ["Loss", "MultiLoss", "resolve_loss", "LOSSES"]
 
 # name -> (functional, kind). kind says how targets are matched to predictions.
 LOSSES: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
@@ -141,21 +141,33 @@ class Loss:
             per = out.reshape(out.shape[0], -1).mean(1)
             return per if per_sample else per.mean()
         reduction = "none" if per_sample else "mean"
-        if self.kind == "class_index" and self.class_last:
-            v = y_pred.shape[-1]
-            out = self.fn(y_pred.reshape(-1, v), y.reshape(-1), reduction=reduction)
-            return out.reshape(y.shape[0], -1).mean(1) if per_sample else out
-        out = self.fn(y_pred, y, reduction=reduction)
+        try:
+            if self.kind == "class_index" and self.class_last:
+                v = y_pred.shape[-1]
+                out = self.fn(y_pred.reshape(-1, v), y.reshape(-1), reduction=reduction)
+                return out.reshape(y.shape[0], -1).mean(1) if per_sample else out
+            out = self.fn(y_pred, y, reduction=reduction)
+        except IndexError as e:
+            # torch's CPU kernels raise IndexError for a class label out of range (no sync is
+            # spent checking it here; in-memory data is range-checked before the first step).
+            if self.kind != "class_index":
+                raise
+            n = y_pred.shape[-1] if self.class_last else y_pred.shape[1]
+            raise ValueError(
+                f"Loss '{self.name}' got a class label outside [0, {n - 1}] for logits "
+                f"{_shape(y_pred)} ({e}). Fix: remap the labels, or give the module one output "
+                "per class."
+            ) from None
         return out.reshape(out.shape[0], -1).mean(1) if per_sample else out
 
 
-def resolve_loss(loss: Any) -> Loss | None:
+def resolve_loss(loss: Any) -> Loss | MultiLoss | None:
     """Build a :class:`Loss` from a name, an ``nn.Module`` loss or a callable.
 
     Args:
         loss: a name of :data:`LOSSES`, an ``nn.Module`` such as ``nn.CrossEntropyLoss()``, a
-            callable ``loss(y_pred, y)``, or ``None`` (for evaluate-free use or a custom
-            ``compute_loss``).
+            callable ``loss(y_pred, y)``, a list / dict of those for a module with several
+            outputs (see :class:`MultiLoss`), or ``None`` (for a custom ``compute_loss``).
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones).
@@ -165,8 +177,10 @@ def resolve_loss(loss: Any) -> Loss | None:
         >>> resolve_loss("cross_entropy").kind
         'class_index'
     """
-    if loss is None or isinstance(loss, Loss):
+    if loss is None or isinstance(loss, (Loss, MultiLoss)):
         return loss
+    if isinstance(loss, (list, tuple, Mapping)):
+        return MultiLoss(loss)
     if isinstance(loss, str):
         if loss not in LOSSES:
             raise ValueError(
@@ -195,3 +209,67 @@ def resolve_loss(loss: Any) -> Loss | None:
         "Expected `loss` to be a name, an nn.Module or a callable loss(y_pred, y). "
         f"Received: loss={loss!r} of type {type(loss).__name__}."
     )
+
+
+class MultiLoss:
+    """One loss per output of a module with several outputs, summed with weights (Keras).
+
+    ``y_pred`` and ``y`` are tuples / lists (matched by position) or dicts (matched by key) with
+    one entry per loss; the objective is ``sum(weight_i * loss_i(y_pred_i, y_i))``.
+
+    Args:
+        losses: a list / tuple or dict of losses (names, modules or callables).
+        loss_weights: one weight per loss (same structure); default 1 each.
+
+    Raises:
+        ValueError: weights that do not match the losses, or predictions / targets of another
+            structure.
+
+    Example:
+        >>> loss = MultiLoss(["mse", "mae"], loss_weights=[1.0, 0.5])
+        >>> loss((torch.zeros(2), torch.zeros(2)), (torch.ones(2), torch.full((2,), 4.0)))
+        tensor(3.)
+    """
+
+    kind = "multi"
+    name = "multi"
+
+    def __init__(self, losses: Any, loss_weights: Any = None):
+        self.keys = list(losses) if isinstance(losses, Mapping) else list(range(len(losses)))
+        if not self.keys:
+            raise ValueError("Expected at least one loss. Received an empty list or dict.")
+        items = losses if isinstance(losses, Mapping) else dict(enumerate(losses))
+        self.losses = {k: resolve_loss(items[k]) for k in self.keys}
+        if loss_weights is None:
+            self.weights = {k: 1.0 for k in self.keys}
+        else:
+            w = loss_weights if isinstance(loss_weights, Mapping) else dict(enumerate(loss_weights))
+            if sorted(map(str, w)) != sorted(map(str, self.keys)):
+                raise ValueError(
+                    f"Expected `loss_weights` to match the losses ({self.keys}). Received: "
+                    f"{loss_weights!r}. Fix: one weight per loss, as a list or a dict."
+                )
+            self.weights = {k: float(w[k]) for k in self.keys}
+
+    def _parts(self, out: Any, what: str) -> dict:
+        if isinstance(out, Mapping):
+            parts = dict(out)
+        elif isinstance(out, (list, tuple)):
+            parts = dict(enumerate(out))
+        else:
+            raise ValueError(
+                f"Several losses need `{what}` with one entry per loss ({self.keys}). "
+                f"Received a {type(out).__name__}."
+            )
+        missing = [k for k in self.keys if k not in parts]
+        if missing:
+            raise ValueError(f"`{what}` has no entry for losses {missing}. Received keys: {list(parts)}.")
+        return parts
+
+    def __call__(self, y_pred: Any, y: Any, per_sample: bool = False) -> torch.Tensor:
+        preds, targets = self._parts(y_pred, "y_pred"), self._parts(y, "y")
+        total = None
+        for k in self.keys:
+            term = self.losses[k](preds[k], targets[k], per_sample=per_sample) * self.weights[k]
+            total = term if total is None else total + term
+        return total

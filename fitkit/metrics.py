@@ -189,6 +189,12 @@ class MetricSet:
 
     def build(self, y_pred: torch.Tensor, y: torch.Tensor) -> None:
         """Create the metrics for the task the first batch shows (a one-time host sync)."""
+        if not isinstance(y_pred, torch.Tensor) or not isinstance(y, torch.Tensor):
+            raise ValueError(
+                "Compiled metrics need a module with one tensor output and tensor targets. "
+                f"Received y_pred of type {type(y_pred).__name__} and y of type {type(y).__name__}. "
+                "Fix: for several outputs, compute metrics in a callback or a custom test_step."
+            )
         task, n, self.class_last = infer_task(y_pred, y, self.loss_kind)
         self.task = task
         if task == "binary":
@@ -232,7 +238,9 @@ class MetricSet:
             y = y.long()
         for e in self.entries:
             if e.kind == "raw":
-                e.metric.update(y_pred, y)
+                # (B, 1) predictions meet (B,) targets as they do in the loss (no broadcast).
+                same = y_pred.shape == y.shape or y_pred.numel() != y.numel()
+                e.metric.update(y_pred if same else y_pred.reshape(y.shape), y)
             elif e.kind == "regression":
                 p = y_pred.reshape(y.shape) if y_pred.shape != y.shape and y_pred.numel() == y.numel() else y_pred
                 e.metric.update(p, y.to(p.dtype))

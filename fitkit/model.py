@@ -23,7 +23,7 @@ from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.checkpoint import CheckpointMixin
 from fitkit.devices import PRECISIONS, optimizer_to, resolve_device
-from fitkit.losses import resolve_loss
+from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
 from fitkit.optim import current_lr, resolve_optimizer, resolve_scheduler
 from fitkit.summary import summary_table
@@ -270,6 +270,7 @@ class Model(StepMixin, CheckpointMixin):
     def _fit_loop(self, train, val, cbs: CallbackList, initial_epoch: int, epochs: int, val_epochs) -> None:
         self._callbacks, self.stop_training = cbs, False
         self._initial_epoch = initial_epoch  # a callback (BackupAndRestore) may move it
+        cbs.params["do_validation"] = val is not None  # a `val_` monitor is checked before step 1
         logs: dict[str, float] = {}
         try:
             with _modes(self.module, training=None, grad=True):
@@ -291,6 +292,7 @@ class Model(StepMixin, CheckpointMixin):
         finally:
             self._callbacks = CallbackList([], self, {})
             self._in_epoch = False
+            self._resume = None  # a loaded resume point serves one fit only
 
     def _run_epoch(self, epoch: int, loader: _data.DeviceLoader, cbs: CallbackList) -> dict[str, float]:
         self._reset_trackers()
@@ -312,6 +314,7 @@ class Model(StepMixin, CheckpointMixin):
                 cbs.on_train_batch_end(step, BatchLogs(self._running_logs))
             if self.stop_training:
                 break
+        steps = max(steps, self._resumed_steps)  # a resume may have skipped the whole epoch
         if steps == 0 or (loader.steps is not None and steps < loader.steps and not self.stop_training):
             warnings.warn(
                 "The training data ran out before the epoch ended; training stops here. Fix: "
@@ -414,7 +417,8 @@ class Model(StepMixin, CheckpointMixin):
     def _validation_loader(self, validation_data: Any, batch_size: int, steps: int | None):
         self._callbacks_val_steps = steps
         if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3) and all(
-            v is None or _data.is_in_memory(v) for v in validation_data
+            v is None or _data.is_in_memory(v) or i == 0 and _data._is_map_dataset(v)  # Dataset: validation_split
+            for i, v in enumerate(validation_data)
         ):
             vx, vy, vw = (*validation_data, None)[:3]
             return _data.as_loader(vx, vy, vw, batch_size=batch_size, device=self.device)
@@ -458,8 +462,11 @@ class Model(StepMixin, CheckpointMixin):
 
 
 def _multi_loss(loss: Any, loss_weights: Any):
-    from fitkit.losses import MultiLoss
-
+    if not isinstance(loss, (list, tuple, Mapping)):
+        raise TypeError(
+            "`loss_weights` needs one loss per output: pass `loss` as a list or dict. "
+            f"Received: loss={loss!r}."
+        )
     return MultiLoss(loss, loss_weights)
 
 
