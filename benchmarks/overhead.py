@@ -122,9 +122,15 @@ def keras_run(net, x, y, epochs, bs):
     # Keras 3 on its torch backend, wrapping the same torch module (keras.layers.TorchModuleWrapper).
     import keras
 
-    inputs = keras.Input(shape=(x.shape[1],))
-    outputs = keras.layers.TorchModuleWrapper(net)(inputs)
-    model = keras.Model(inputs, outputs)
+    class Wrapped(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.net = keras.layers.TorchModuleWrapper(net)
+
+        def call(self, inputs):
+            return self.net(inputs)
+
+    model = Wrapped()
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     model.fit(x.numpy(), y.numpy(), epochs=epochs, batch_size=bs, verbose=0)
 
