@@ -17,7 +17,20 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["atomic_save", "safe_load", "CheckpointMixin"]
+__all__ = ["atomic_save", "safe_load", "is_rank_zero", "CheckpointMixin"]
+
+
+def is_rank_zero() -> bool:
+    """Whether this process writes files: rank 0 of ``torch.distributed``, or not distributed.
+
+    Callbacks that write files or print check it, so a ``torchrun`` job writes each file once.
+
+    Example:
+        >>> is_rank_zero()
+        True
+    """
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
@@ -119,10 +132,16 @@ class CheckpointMixin:
     """``save_weights`` / ``load_weights`` / ``save_checkpoint`` / ``load_checkpoint``."""
 
     _resume: dict[str, Any] | None = None
+    _resumed_steps = 0  # batches of the current epoch a mid-epoch resume skipped
 
     def save_weights(self, path: str | os.PathLike) -> None:
-        """Write the module's state dict to ``path`` atomically."""
-        atomic_save(self.module.state_dict(), path)
+        """Write the module's state dict to ``path`` atomically (under torchrun: rank 0 writes).
+
+        With ``strategy="fsdp"`` gathering the state is a collective: call it on every rank.
+        """
+        state = self.state_dict()  # unwrapped: no `module.` prefixes, full tensors under FSDP
+        if is_rank_zero():
+            atomic_save(state, path)
 
     def load_weights(self, path: str | os.PathLike, strict: bool = True) -> None:
         """Load a state dict saved by :meth:`save_weights` (or a checkpoint) onto ``model.device``.
@@ -133,7 +152,7 @@ class CheckpointMixin:
         state = safe_load(path, self.device)
         if isinstance(state, dict) and "module" in state and "fitkit_version" in state:
             state = state["module"]
-        self.module.load_state_dict(state, strict=strict)
+        self.load_state_dict(state, strict=strict)
 
     # -- full training state -----------------------------------------------------------------
     def _position(self) -> tuple[int, int]:
@@ -154,8 +173,8 @@ class CheckpointMixin:
             callbacks[_callback_key(cb, seen)] = cb.state_dict()
         state: dict[str, Any] = {
             "fitkit_version": __version__,
-            "module": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "module": self.state_dict(),
+            "optimizer": self._optimizer_state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "epoch": epoch,
@@ -171,8 +190,20 @@ class CheckpointMixin:
         return state
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write the full training state to ``path`` atomically (see API.md, Checkpoints)."""
-        atomic_save(self.checkpoint_state(), path)
+        """Write the full training state to ``path`` atomically (see API.md, Checkpoints).
+
+        Under torchrun rank 0 writes (its RNG states); the state is unwrapped, so the file
+        resumes at any world size. With ``strategy="fsdp"`` call it on every rank (gathering
+        the shards is a collective).
+        """
+        state = self.checkpoint_state()
+        if is_rank_zero():
+            atomic_save(state, path)
+
+    def _optimizer_state_dict(self) -> dict[str, Any]:
+        if self._parallel is not None:  # FSDP: gathered, in the plain optimizer's format
+            return self._parallel.optimizer_state_dict(self.module, self.optimizer)
+        return self.optimizer.state_dict()
 
     def load_checkpoint(self, path: str | os.PathLike) -> int:
         """Restore a checkpoint; the next ``fit(..., initial_epoch=k)`` continues from it.
@@ -194,14 +225,22 @@ class CheckpointMixin:
             raise ValueError(
                 f"{str(path)!r} is not a fitkit checkpoint. Fix: use load_weights for a state dict."
             )
-        self.module.load_state_dict(state["module"])
+        self.load_state_dict(state["module"])
         if state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self._parallel is not None:
+                self._parallel.load_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
         if state["scheduler"] is not None and self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"] is not None and self._scaler is not None:
             self._scaler.load_state_dict(state["scaler"])
         self._global_step = state["global_step"]
+        if self._global_step and self.scheduler is not None:
+            # The optimizer did step, in another process: tell torch's scheduler so, or its
+            # "scheduler.step() before optimizer.step()" check warns when the resumed epoch
+            # has no batch left to run.
+            self.optimizer._opt_called = True
         self._resume = state
         return int(state["epoch"])
 
@@ -217,6 +256,10 @@ class CheckpointMixin:
             key = _callback_key(cb, seen)
             if key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][key])
+                # Loaded after on_train_begin, so the state is this fit's: the flag that asks
+                # the next on_train_begin to keep a loaded state is consumed here.
+                if getattr(cb, "_restored", False):
+                    cb._restored = False
         if state["history"] is not None and self.history is not None:
             self.history.load_state_dict(state["history"])
         if state["epoch"] != self._initial_epoch:
@@ -238,6 +281,7 @@ class CheckpointMixin:
             self._resume = None
 
     def _take_resume_point(self):
+        self._resumed_steps = 0
         state = self._resume
         if state is None or state["epoch"] != self._epoch or not state["step_in_epoch"]:
             return None
@@ -247,7 +291,10 @@ class CheckpointMixin:
             # Replay the epoch's data order from the RNG state it started with, skip what was
             # done, then continue from the RNG state of the moment the checkpoint was taken.
             skip = state["step_in_epoch"]
-            torch.set_rng_state(state["epoch_rng"].cpu())
+            self._resumed_steps = skip
+            # A later checkpoint in this epoch must replay the same order: keep its RNG state.
+            self._epoch_rng = state["epoch_rng"].cpu()
+            torch.set_rng_state(self._epoch_rng)
             loader.skip = skip
             it = iter(loader)
             first = next(it, None)

@@ -69,6 +69,12 @@ class Callback:
     def on_predict_batch_begin(self, batch, logs=None): ...
     def on_predict_batch_end(self, batch, logs=None): ...
 
+    # Internal: run after every callback's on_train_batch_end / on_epoch_end for the same
+    # event, so a checkpoint written here holds every callback's updated state and the
+    # history of that epoch (ModelCheckpoint, BackupAndRestore).
+    def _save_on_batch_end(self, batch, logs=None): ...
+    def _save_on_epoch_end(self, epoch, logs=None): ...
+
 
 class BatchLogs(MutableMapping):
     """Batch-level logs whose values are computed on first read.
@@ -200,7 +206,11 @@ class History(Callback):
 
 
 def _overrides(cb: Callback, hook: str) -> bool:
-    return getattr(type(cb), hook, None) is not getattr(Callback, hook)
+    # An instance attribute counts too: LambdaCallback sets only the hooks it was given.
+    return hook in vars(cb) or getattr(type(cb), hook, None) is not getattr(Callback, hook)
+
+
+_SAVE_HOOKS = {"on_train_batch_end": "_save_on_batch_end", "on_epoch_end": "_save_on_epoch_end"}
 
 
 class CallbackList:
@@ -218,15 +228,21 @@ class CallbackList:
 
     def __init__(self, callbacks: list[Callback], model: Any, params: dict[str, Any]):
         self.callbacks = list(callbacks)
+        self.params = params  # shared: every callback's `self.params` is this dict
         for cb in self.callbacks:
             cb.set_model(model)
             cb.set_params(params)
         self._hooks: dict[str, list[Callable[..., Any]]] = {
             hook: [getattr(cb, hook) for cb in self.callbacks if _overrides(cb, hook)] for hook in HOOKS
         }
+        # Checkpoint writers, in list order but backups last: a backup then never records a
+        # file that another callback has yet to write.
+        writers = sorted(self.callbacks, key=lambda cb: bool(getattr(cb, "_is_backup", False)))
+        for save in _SAVE_HOOKS.values():
+            self._hooks[save] = [getattr(cb, save) for cb in writers if _overrides(cb, save)]
 
     def wants(self, hook: str) -> bool:
-        return bool(self._hooks[hook])
+        return bool(self._hooks[hook]) or (hook in _SAVE_HOOKS and bool(self._hooks[_SAVE_HOOKS[hook]]))
 
     def _call(self, hook: str, *args: Any) -> None:
         for fn in self._hooks[hook]:
@@ -235,9 +251,7 @@ class CallbackList:
     def on_train_begin(self, logs=None): self._call("on_train_begin", logs)
     def on_train_end(self, logs=None): self._call("on_train_end", logs)
     def on_epoch_begin(self, epoch, logs=None): self._call("on_epoch_begin", epoch, logs)
-    def on_epoch_end(self, epoch, logs=None): self._call("on_epoch_end", epoch, logs)
     def on_train_batch_begin(self, batch, logs=None): self._call("on_train_batch_begin", batch, logs)
-    def on_train_batch_end(self, batch, logs=None): self._call("on_train_batch_end", batch, logs)
     def on_backward_end(self, batch): self._call("on_backward_end", batch)
     def on_test_begin(self, logs=None): self._call("on_test_begin", logs)
     def on_test_end(self, logs=None): self._call("on_test_end", logs)
@@ -247,3 +261,11 @@ class CallbackList:
     def on_predict_end(self, logs=None): self._call("on_predict_end", logs)
     def on_predict_batch_begin(self, batch, logs=None): self._call("on_predict_batch_begin", batch, logs)
     def on_predict_batch_end(self, batch, logs=None): self._call("on_predict_batch_end", batch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._call("on_train_batch_end", batch, logs)
+        self._call("_save_on_batch_end", batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._call("on_epoch_end", epoch, logs)
+        self._call("_save_on_epoch_end", epoch, logs)

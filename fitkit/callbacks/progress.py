@@ -18,6 +18,7 @@ from rich.progress import (
 )
 
 from fitkit.callbacks.base import Callback
+from fitkit.checkpoint import is_rank_zero
 
 __all__ = ["ProgressBar", "resolve_verbose", "format_logs"]
 
@@ -98,7 +99,7 @@ class ProgressBar(Callback):
     # -- live bar helpers ---------------------------------------------------------------
     def _open(self, description: str, total: int | None) -> None:
         self._start = self._last = time.perf_counter()
-        if self.verbose != 1 or not (self.console.is_terminal or self.console.is_jupyter):
+        if self.verbose != 1 or not is_rank_zero() or not (self.console.is_terminal or self.console.is_jupyter):
             return  # a live bar in a log file is noise: the summary line is enough
         self._progress = Progress(
             TextColumn("{task.description}"),
@@ -130,6 +131,8 @@ class ProgressBar(Callback):
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        if not is_rank_zero():
+            return  # under torchrun only rank 0 prints
         seconds = time.perf_counter() - self._start
         steps = f" - {self._seen} steps" if self._seen else ""
         text = format_logs(logs or {})

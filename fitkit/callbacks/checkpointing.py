@@ -1,0 +1,344 @@
+"""Callbacks that write checkpoints: ``ModelCheckpoint`` and ``BackupAndRestore``.
+
+Both decide in ``on_train_batch_end`` / ``on_epoch_end`` (updating their own state) and write
+in the internal ``_save_on_*_end`` hooks, which run after every callback has seen the batch or
+epoch: a full checkpoint then holds every callback's updated state and the history of that
+epoch. A backup is written after the other files, so it never records a file that does not
+exist yet. Every write is atomic (:func:`fitkit.checkpoint.atomic_save`), and only rank 0
+writes when ``torch.distributed`` is initialized.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import string
+from pathlib import Path
+from typing import Any
+
+from fitkit.callbacks.monitor import (
+    StatefulCallback,
+    _check_int,
+    _check_mode,
+    _say,
+    check_validation_monitor,
+    is_improvement,
+    monitor_value,
+    resolve_mode,
+)
+from fitkit.checkpoint import is_rank_zero
+
+__all__ = ["ModelCheckpoint", "BackupAndRestore"]
+
+
+def _field_names(template: str) -> set[str]:
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ValueError(f"`filepath` is not a valid format string: {e}. Received: {template!r}.") from None
+    names = set()
+    for f in fields:
+        name = f.split(".")[0].split("[")[0]
+        if not name or name.isdigit():
+            raise ValueError(
+                f"`filepath` fields need names, e.g. '{{epoch:02d}}' or '{{val_loss:.2f}}'. Received: {template!r}."
+            )
+        names.add(name)
+    return names
+
+
+def _check_save_freq(save_freq: Any) -> None:
+    if save_freq == "epoch":
+        return
+    if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
+        raise ValueError(
+            f"Expected `save_freq` to be 'epoch' or a positive int (batches). Received: save_freq={save_freq!r}."
+        )
+
+
+class ModelCheckpoint(StatefulCallback):
+    """Save the model (or only its weights) at the end of epochs or every N batches.
+
+    ``filepath`` is a format string: ``{epoch}`` is the 1-based epoch, ``{batch}`` the 1-based
+    batch (with an int ``save_freq``), and any log key formats too, e.g.
+    ``"ckpt/{epoch:02d}-{val_loss:.2f}.pt"``. A full checkpoint is
+    ``model.save_checkpoint``'s file (resumable with ``load_checkpoint``); ``save_weights_only``
+    writes the module's state dict. ``{epoch}`` keeps counting after a resume, and the best
+    value is part of the checkpoint, so a resumed run never overwrites a better "best" file
+    with a worse one.
+
+    Args:
+        filepath: where to write; a format string.
+        monitor: the log key that ranks checkpoints (with ``save_best_only`` / ``save_top_k``).
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (see :func:`fitkit.callbacks.monitor.resolve_mode`).
+        save_best_only: write only when ``monitor`` improves on the best so far (Keras).
+        save_weights_only: write the module's state dict instead of the full training state.
+        save_top_k: keep exactly the ``k`` best files: a better one is written, then the worst
+            beyond ``k`` is deleted. ``filepath`` must then differ per save (``{epoch}``).
+        save_freq: ``"epoch"``, or an int: every that many batches (full checkpoints wait for
+            the end of a gradient accumulation group).
+        verbose: 1 prints a line at each save.
+
+    Raises:
+        ValueError: a bad ``filepath``, ``mode``, ``save_freq`` or ``save_top_k``, or both
+            ``save_best_only`` and ``save_top_k``; at ``on_train_begin``, a direction ``auto``
+            cannot infer; when saving, a key the logs do not hold.
+
+    Example:
+        >>> import os, tempfile, torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> folder = tempfile.mkdtemp()
+        >>> ckpt = ModelCheckpoint(os.path.join(folder, "ep{epoch:02d}.pt"), save_weights_only=True)
+        >>> _ = model.fit(torch.zeros(4, 1), torch.zeros(4, 1), epochs=2, callbacks=[ckpt], verbose=0)
+        >>> sorted(os.listdir(folder))
+        ['ep01.pt', 'ep02.pt']
+    """
+
+    def __init__(
+        self,
+        filepath: str | os.PathLike,
+        monitor: str = "val_loss",
+        mode: str = "auto",
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        save_top_k: int | None = None,
+        save_freq: str | int = "epoch",
+        verbose: int = 0,
+    ):
+        super().__init__()
+        self.filepath = os.fspath(filepath)
+        self._fields = _field_names(self.filepath)
+        _check_mode(mode)
+        _check_save_freq(save_freq)
+        if save_top_k is not None:
+            _check_int("save_top_k", save_top_k, 1)
+            if save_best_only:
+                raise ValueError(
+                    "Pass either `save_best_only=True` (write each new best) or `save_top_k=k` "
+                    "(keep the k best files), not both."
+                )
+            if save_top_k > 1 and not self._fields:
+                raise ValueError(
+                    f"`save_top_k={save_top_k}` keeps several files, so `filepath` must differ per "
+                    f"save. Received: {self.filepath!r}. Fix: add '{{epoch:02d}}' to it."
+                )
+        self.monitor, self.mode = monitor, mode
+        self.save_best_only, self.save_weights_only = bool(save_best_only), bool(save_weights_only)
+        self.save_top_k, self.save_freq, self.verbose = save_top_k, save_freq, verbose
+        self._mode = mode if mode != "auto" else None
+        self._reset()
+
+    @property
+    def _ranked(self) -> bool:
+        return self.save_best_only or self.save_top_k is not None
+
+    def _reset(self) -> None:
+        self.best: float | None = None
+        self.best_path: str | None = None
+        self.kept: list[tuple[float, str]] = []  # (value, path) of the files save_top_k keeps
+        self._batches_seen = 0
+        self._pending: tuple[str, list[str], int] | None = None  # (path, evicted, epoch) to write
+
+    def _get_state(self) -> dict[str, Any]:
+        return {
+            "best": self.best, "best_path": self.best_path,
+            "kept": [[v, p] for v, p in self.kept], "batches_seen": self._batches_seen,
+        }  # fmt: skip
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self.best, self.best_path = state["best"], state["best_path"]
+        self.kept = [(float(v), str(p)) for v, p in state["kept"]]
+        self._batches_seen = state["batches_seen"]
+
+    def on_train_begin(self, logs=None):
+        if self._ranked:
+            check_validation_monitor(self.monitor, self.params, "ModelCheckpoint")
+            self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
+        super().on_train_begin(logs)
+        self._pending = None  # never a file decided by a fit that raised
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._decide(epoch, None, logs or {})
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq == "epoch":
+            return
+        self._batches_seen += 1
+        # A full checkpoint inside an accumulation group would lose its gradients: wait.
+        if self._batches_seen >= self.save_freq and (self.save_weights_only or self.model._micro_last):
+            self._batches_seen = 0
+            self._decide(self.model._epoch, batch, logs or {})
+
+    def _save_on_epoch_end(self, epoch, logs=None):
+        self._write()
+
+    def _save_on_batch_end(self, batch, logs=None):
+        self._write()
+
+    def _path(self, epoch: int, batch: int | None, logs: Any) -> str:
+        values: dict[str, Any] = {"epoch": epoch + 1}
+        if batch is not None:
+            values["batch"] = batch + 1
+        for name in self._fields - values.keys():
+            if name not in logs:
+                raise ValueError(
+                    f"ModelCheckpoint's filepath {self.filepath!r} uses {{{name}}}, which the logs "
+                    f"do not hold. Available keys: epoch, {'batch, ' if batch is not None else ''}"
+                    f"{', '.join(sorted(logs))}."
+                )
+            values[name] = monitor_value(logs, name, "ModelCheckpoint")
+        return self.filepath.format(**values)
+
+    def _decide(self, epoch: int, batch: int | None, logs: Any) -> None:
+        """Update the best / kept files and set the file to write, if any."""
+        current = None
+        if self._ranked:
+            current = monitor_value(logs, self.monitor, "ModelCheckpoint", self.params)
+            if current is None:  # no validation this epoch
+                return
+            if self._mode is None:  # hooks called directly, without on_train_begin
+                self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
+        path = self._path(epoch, batch, logs)
+        evicted: list[str] = []
+        if self.save_top_k is not None:
+            if math.isnan(current):
+                return
+            same = [v for v, p in self.kept if p == path]
+            if same and not is_improvement(current, same[0], self._mode):
+                return  # never overwrite a better file of the same name
+            others = [(v, p) for v, p in self.kept if p != path]
+            if len(others) >= self.save_top_k and not is_improvement(current, self._worst(others)[0], self._mode):
+                return
+            ranked = sorted(others + [(current, path)], key=lambda vp: vp[0], reverse=self._mode == "max")
+            self.kept, evicted = ranked[: self.save_top_k], [p for _, p in ranked[self.save_top_k :]]
+            if self.best is None or is_improvement(current, self.best, self._mode):
+                self.best, self.best_path = current, path
+        elif self.save_best_only:
+            if self.best is not None and not is_improvement(current, self.best, self._mode):
+                return
+            if math.isnan(current):
+                return
+            self.best, self.best_path = current, path
+        self._pending = (path, evicted, epoch)
+
+    def _write(self) -> None:
+        if self._pending is None:
+            return
+        path, evicted, epoch = self._pending
+        self._pending = None
+        # Every rank calls save (gathering FSDP shards is a collective); rank 0 writes. The
+        # file first, then the eviction: a crash in between leaves k + 1 files, never k - 1.
+        if self.save_weights_only:
+            self.model.save_weights(path)
+        else:
+            self.model.save_checkpoint(path)
+        if is_rank_zero():
+            for p in evicted:
+                Path(p).unlink(missing_ok=True)
+        _say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
+
+    def _worst(self, kept: list[tuple[float, str]]) -> tuple[float, str]:
+        pick = max if self._mode == "min" else min
+        return pick(kept, key=lambda vp: vp[0])
+
+
+class BackupAndRestore(StatefulCallback):
+    """Back up the training state so that a crashed ``fit``, run again, continues exactly.
+
+    The backup is one full checkpoint, ``backup_dir/backup.pt``, replaced atomically at the end
+    of each epoch or every ``save_freq`` batches. When ``fit`` starts and a backup exists, the
+    model, optimizer, scheduler, RNG states, history and callback states are restored and
+    training continues from where the backup was taken, inside an epoch included (the rest
+    of that epoch sees the same batches in the same order). The resumed run ends with the same
+    weights as an uninterrupted one (CPU, same seed). The backup is deleted after a ``fit``
+    that ends normally (``delete_checkpoint``) and kept when ``fit`` raises.
+
+    Args:
+        backup_dir: the folder of the backup; one per training job.
+        save_freq: ``"epoch"``, or an int: every that many batches (at the end of a gradient
+            accumulation group).
+        delete_checkpoint: delete the backup when ``fit`` ends normally.
+
+    Raises:
+        ValueError: a bad ``save_freq``.
+
+    Example:
+        >>> import os, tempfile, torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> backup = BackupAndRestore(tempfile.mkdtemp(), delete_checkpoint=False)
+        >>> _ = model.fit(torch.zeros(4, 1), torch.zeros(4, 1), epochs=2, callbacks=[backup], verbose=0)
+        >>> history = model.fit(torch.zeros(4, 1), torch.zeros(4, 1), epochs=3, callbacks=[backup], verbose=0)
+        >>> history.epoch  # epochs 0 and 1 came from the backup
+        [0, 1, 2]
+    """
+
+    _is_backup = True  # written after the other checkpoint files of the same event
+
+    def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch", delete_checkpoint: bool = True):
+        super().__init__()
+        _check_save_freq(save_freq)
+        self.backup_dir = Path(backup_dir)
+        self.save_freq, self.delete_checkpoint = save_freq, bool(delete_checkpoint)
+        self._reset()
+
+    @property
+    def path(self) -> Path:
+        """The backup file."""
+        return self.backup_dir / "backup.pt"
+
+    def _reset(self) -> None:
+        self._batches_seen = 0
+        self._due = False
+
+    def _get_state(self) -> dict[str, Any]:
+        return {"batches_seen": self._batches_seen}
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self._batches_seen = state["batches_seen"]
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self._due = False
+        # Temp files of a write a crash interrupted are never a backup: clear them.
+        if is_rank_zero() and self.backup_dir.is_dir():
+            for tmp in self.backup_dir.glob(f".{self.path.name}.*.tmp"):
+                tmp.unlink(missing_ok=True)
+        if self.path.is_file():
+            # Restores module / optimizer / scheduler now; fit applies the RNG states, the
+            # position in the epoch, the history and the callback states (this one's too).
+            self.model._initial_epoch = self.model.load_checkpoint(self.path)
+
+    def _save_on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._write()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq == "epoch":
+            return
+        self._batches_seen += 1
+        # Inside an accumulation group the gradients are not in the checkpoint: wait for its end.
+        if self._batches_seen >= self.save_freq and self.model._micro_last:
+            self._batches_seen, self._due = 0, True
+
+    def _save_on_batch_end(self, batch, logs=None):
+        if self._due:
+            self._due = False
+            self._write()
+
+    def _write(self) -> None:
+        # A run that a callback stopped is about to end: a crash from here on replays from
+        # the previous backup and stops at the same point, while a backup written now would
+        # resume past the stop. Every rank calls save_checkpoint; rank 0 writes.
+        if not self.model.stop_training:
+            self.model.save_checkpoint(self.path)
+
+    def on_train_end(self, logs=None):
+        if self.delete_checkpoint and is_rank_zero():
+            self.path.unlink(missing_ok=True)
+            try:
+                self.backup_dir.rmdir()  # only if nothing else is in it
+            except OSError:
+                pass

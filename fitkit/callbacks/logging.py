@@ -1,0 +1,199 @@
+"""Callbacks that log epochs to files: ``CSVLogger`` and ``TensorBoard``.
+
+Both write on rank 0 only when ``torch.distributed`` is initialized, and both open their
+files at the first write, so a ``fit`` that fails its checks before the first step leaves
+no file behind.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fitkit.callbacks.monitor import StatefulCallback
+from fitkit.checkpoint import is_rank_zero
+
+__all__ = ["CSVLogger", "TensorBoard"]
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    return str(value)
+
+
+class CSVLogger(StatefulCallback):
+    """Write one row per epoch to a CSV file: ``epoch`` then the log keys in sorted order.
+
+    The header is written once. The columns are the keys of the first epoch logged (later
+    new keys are left out; a key missing from an epoch is written as ``NA``, as in Keras).
+    With ``append=True`` an existing file is continued under its own header. A resumed
+    ``fit`` (``BackupAndRestore`` or ``load_checkpoint``) always appends: it first cuts the
+    file back to the rows its checkpoint had seen, so a crash never leaves a row twice.
+
+    Args:
+        filename: the CSV file.
+        separator: the field separator.
+        append: continue an existing file instead of overwriting it.
+
+    Raises:
+        ValueError: ``separator`` is not one character.
+
+    Example:
+        >>> import os, tempfile, torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
+        >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss="mse")
+        >>> path = os.path.join(tempfile.mkdtemp(), "log.csv")
+        >>> _ = model.fit(torch.zeros(4, 1), torch.zeros(4, 1), epochs=2, callbacks=[CSVLogger(path)], verbose=0)
+        >>> print(open(path).read().splitlines()[0])
+        epoch,learning_rate,loss
+    """
+
+    def __init__(self, filename: str | os.PathLike, separator: str = ",", append: bool = False):
+        super().__init__()
+        if not isinstance(separator, str) or len(separator) != 1:
+            raise ValueError(f"Expected `separator` to be one character. Received: separator={separator!r}.")
+        self.filename, self.separator, self.append = Path(filename), separator, bool(append)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.keys: list[str] | None = None
+        self._size: int | None = None  # bytes of the file after the last row written
+        self._opened = False  # whether this fit has prepared the file
+        self._resumed = False  # whether this fit continues a checkpoint's rows
+
+    def _get_state(self) -> dict[str, Any]:
+        return {"keys": self.keys, "size": self._size}
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self.keys, self._size = state["keys"], state["size"]
+        self._opened, self._resumed = False, True
+
+    def _open(self) -> bool:
+        """Prepare the file for this fit's first row; return whether a header is needed."""
+        self._opened = True
+        path = self.filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        exists = path.is_file() and path.stat().st_size > 0
+        if self._resumed and self._size is not None and exists:
+            os.truncate(path, min(self._size, path.stat().st_size))  # rows after the checkpoint go
+            return False
+        if self.append and exists:
+            with open(path, newline="") as f:
+                header = next(csv.reader(f, delimiter=self.separator), None)
+            if header and self.keys is None:
+                self.keys = [k for k in header if k != "epoch"]
+            return not header
+        path.write_text("")
+        return True
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        if self.keys is None:
+            self.keys = sorted(logs)
+        if not is_rank_zero():
+            return
+        header = self._open() if not self._opened else False
+        with open(self.filename, "a", newline="") as f:
+            writer = csv.writer(f, delimiter=self.separator, lineterminator="\n")
+            if header:
+                writer.writerow(["epoch", *self.keys])
+            writer.writerow([epoch, *(_cell(logs[k]) if k in logs else "NA" for k in self.keys)])
+            f.flush()
+            self._size = f.tell()
+
+
+class TensorBoard(StatefulCallback):
+    """Write the logs as TensorBoard scalars with ``torch.utils.tensorboard`` (no TensorFlow).
+
+    As in Keras, training values go to ``log_dir/train`` and ``val_`` values to
+    ``log_dir/validation`` under the same tag, so TensorBoard overlays them: ``epoch_loss``
+    at step ``epoch``. With an int ``update_freq``, batch logs (running epoch means) are also
+    written every that many batches as ``batch_<key>`` at the optimizer step; reading them
+    syncs with the device, once per write.
+
+    Args:
+        log_dir: the folder TensorBoard reads (``tensorboard --logdir log_dir``).
+        update_freq: ``"epoch"``, or an int number of batches.
+
+    Raises:
+        ImportError: the ``tensorboard`` package is missing (``pip install fitkit[tensorboard]``).
+        ValueError: a bad ``update_freq``.
+
+    Example:
+        >>> import tempfile, torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> log_dir = tempfile.mkdtemp()
+        >>> _ = model.fit(torch.zeros(4, 1), torch.zeros(4, 1), callbacks=[TensorBoard(log_dir)], verbose=0)
+        >>> sorted(p.name for p in Path(log_dir).iterdir())
+        ['train']
+    """
+
+    def __init__(self, log_dir: str | os.PathLike, update_freq: str | int = "epoch"):
+        super().__init__()
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ImportError(
+                "The TensorBoard callback needs the `tensorboard` package. Install it with "
+                "`pip install fitkit[tensorboard]` (TensorFlow is not needed)."
+            ) from None
+        if update_freq != "epoch" and (isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1):
+            raise ValueError(
+                f"Expected `update_freq` to be 'epoch' or a positive int. Received: update_freq={update_freq!r}."
+            )
+        self._writer_cls = SummaryWriter
+        self.log_dir, self.update_freq = Path(log_dir), update_freq
+        self._writers: dict[str, Any] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._batches_seen = 0
+
+    def _get_state(self) -> dict[str, Any]:
+        return {"batches_seen": self._batches_seen}
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self._batches_seen = state["batches_seen"]
+
+    def _writer(self, name: str):
+        if name not in self._writers:
+            self._writers[name] = self._writer_cls(log_dir=str(self.log_dir / name))
+        return self._writers[name]
+
+    def _write(self, prefix: str, logs: Any, step: int) -> None:
+        for key in list(logs):
+            value = logs[key]
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    continue
+                value = value.item()
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            run, tag = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
+            self._writer(run).add_scalar(f"{prefix}_{tag}", value, step)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.update_freq == "epoch":
+            return
+        self._batches_seen += 1
+        if self._batches_seen >= self.update_freq:
+            self._batches_seen = 0
+            if is_rank_zero():
+                self._write("batch", logs or {}, self.model._global_step)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if is_rank_zero():
+            self._write("epoch", logs or {}, epoch)
+            for w in self._writers.values():
+                w.flush()
+
+    def on_train_end(self, logs=None):
+        for w in self._writers.values():
+            w.close()
+        self._writers = {}

@@ -1,0 +1,407 @@
+"""Callbacks that watch a logged value: ``EarlyStopping`` and ``ReduceLROnPlateau``.
+
+Also the pieces every monitoring callback shares: which direction is better
+(:func:`resolve_mode`), reading the value with an error that lists the keys
+(:func:`monitor_value`), and the reset-unless-restored state protocol (:class:`StatefulCallback`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fitkit.callbacks.base import Callback
+from fitkit.checkpoint import is_rank_zero
+
+__all__ = [
+    "EarlyStopping",
+    "ReduceLROnPlateau",
+    "StatefulCallback",
+    "resolve_mode",
+    "monitor_value",
+    "is_improvement",
+]
+
+# Keys (without ``val_``) whose smaller values are better, besides anything ending in
+# "loss" or "error".
+_MIN_KEYS = {"mae", "mse", "rmse", "msle", "mape", "smape", "wmape", "perplexity", "huber", "hinge"}
+
+
+def resolve_mode(monitor: str, mode: str, model: Any = None, who: str = "The callback") -> str:
+    """``"min"`` or ``"max"`` for ``monitor``; ``mode="auto"`` infers it.
+
+    ``auto`` is ``min`` for loss / error keys (``loss``, ``val_loss``, ``mae``, ``rmse``, any
+    key ending in ``loss`` or ``error``), follows the compiled torchmetrics metric's
+    ``higher_is_better`` otherwise (``val_auroc`` -> ``max``), and refuses to guess the rest.
+
+    Raises:
+        ValueError: ``mode`` is not ``"auto"``, ``"min"`` or ``"max"``, or ``auto`` cannot tell.
+
+    Example:
+        >>> resolve_mode("val_loss", "auto"), resolve_mode("val_rmse", "auto"), resolve_mode("f1", "max")
+        ('min', 'min', 'max')
+    """
+    if mode not in ("auto", "min", "max"):
+        raise ValueError(f"Expected `mode` to be 'auto', 'min' or 'max'. Received: mode={mode!r}.")
+    if mode != "auto":
+        return mode
+    key = monitor[4:] if monitor.startswith("val_") else monitor
+    if key in _MIN_KEYS or key.endswith("loss") or key.endswith("error"):
+        return "min"
+    metrics = getattr(model, "metrics", None)
+    higher = metrics.higher_is_better(key) if metrics is not None else None
+    if higher is not None:
+        return "max" if higher else "min"
+    raise ValueError(
+        f"{who} cannot tell whether a larger or smaller {monitor!r} is better. "
+        "Fix: pass mode='min' or mode='max'."
+    )
+
+
+def is_improvement(current: float, reference: float, mode: str, min_delta: float = 0.0) -> bool:
+    """Whether ``current`` beats ``reference`` by more than ``min_delta`` (NaN never does).
+
+    Example:
+        >>> is_improvement(0.5, 1.0, "min"), is_improvement(0.95, 1.0, "min", min_delta=0.1)
+        (True, False)
+    """
+    if math.isnan(current):
+        return False
+    if mode == "min":
+        return current + abs(min_delta) < reference
+    return current - abs(min_delta) > reference
+
+
+def monitor_value(
+    logs: Mapping[str, Any] | None, monitor: str, who: str, params: Mapping[str, Any] | None = None
+) -> float | None:
+    """The monitored value as a float, ``None`` on an epoch that ran no validation.
+
+    Raises:
+        ValueError: ``monitor`` is not in ``logs`` (the message lists the keys there are).
+
+    Example:
+        >>> monitor_value({"loss": 0.5, "val_loss": torch.tensor(0.25)}, "val_loss", "EarlyStopping")
+        0.25
+        >>> monitor_value({"loss": 0.5}, "val_acc", "EarlyStopping")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: EarlyStopping monitors 'val_acc', which the logs do not hold. Available keys: loss. ...
+    """
+    logs = logs or {}
+    if monitor not in logs:
+        # With validation_freq > 1 some epochs run no validation: skip those.
+        validates = (params or {}).get("do_validation", False)
+        if monitor.startswith("val_") and validates and not any(k.startswith("val_") for k in logs):
+            return None
+        raise ValueError(
+            f"{who} monitors {monitor!r}, which the logs do not hold. Available keys: "
+            f"{', '.join(sorted(logs)) or '(none)'}. Fix: set `monitor` to one of them."
+        )
+    value = logs[monitor]
+    return float(value.item() if isinstance(value, torch.Tensor) else value)  # a batch log: syncs
+
+
+def check_validation_monitor(monitor: str, params: Mapping[str, Any], who: str) -> None:
+    """Before the first step: a ``val_`` monitor needs validation data."""
+    if monitor.startswith("val_") and params.get("do_validation") is False:
+        raise ValueError(
+            f"{who} monitors {monitor!r}, but fit has no validation data. Fix: pass "
+            "`validation_data=` or `validation_split=` to fit, or monitor a training key such as 'loss'."
+        )
+
+
+class StatefulCallback(Callback):
+    """A callback whose state resets at ``on_train_begin`` unless a checkpoint restored it.
+
+    Subclasses implement ``_reset()``, ``_get_state()`` and ``_set_state(state)``; an instance
+    can then be reused across ``fit`` calls, and ``load_state_dict`` before ``fit`` (or a
+    checkpoint fit resumes from) carries the state into the next fit.
+
+    Example:
+        >>> class Count(StatefulCallback):
+        ...     def _reset(self): self.n = 0
+        ...     def _get_state(self): return {"n": self.n}
+        ...     def _set_state(self, state): self.n = state["n"]
+        >>> c = Count(); c.load_state_dict({"n": 3}); c.on_train_begin(); c.n
+        3
+        >>> c.on_train_begin(); c.n
+        0
+    """
+
+    _restored = False
+
+    def _reset(self) -> None: ...
+
+    def _get_state(self) -> dict[str, Any]:
+        return {}
+
+    def _set_state(self, state: dict[str, Any]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._get_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._set_state(state)
+        self._restored = True  # consumed by the next on_train_begin
+
+    def on_train_begin(self, logs=None):
+        if self._restored:
+            self._restored = False
+        else:
+            self._reset()
+
+
+def _check_number(name: str, value: Any, minimum: float = 0.0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Expected `{name}` to be a number. Received: {name}={value!r}.")
+    if value < minimum:
+        raise ValueError(f"Expected `{name}` >= {minimum}. Received: {name}={value!r}.")
+
+
+def _check_int(name: str, value: Any, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Expected `{name}` to be an int. Received: {name}={value!r}.")
+    if value < minimum:
+        raise ValueError(f"Expected `{name}` >= {minimum}. Received: {name}={value!r}.")
+
+
+def _check_mode(mode: Any) -> None:
+    if mode not in ("auto", "min", "max"):
+        raise ValueError(f"Expected `mode` to be 'auto', 'min' or 'max'. Received: mode={mode!r}.")
+
+
+def _say(verbose: int, message: str) -> None:
+    if verbose and is_rank_zero():
+        print(message)
+
+
+class EarlyStopping(StatefulCallback):
+    """Stop training when ``monitor`` has stopped improving (Keras semantics).
+
+    Each epoch from ``start_from_epoch`` on, a value better than the best by more than
+    ``min_delta`` becomes the best; training stops once ``patience`` epochs in a row brought
+    none. With a ``baseline``, the wait only restarts on values that also beat the baseline,
+    so a baseline never beaten stops training after ``patience`` epochs. With
+    ``restore_best_weights``, the weights of the best epoch (a deep copy, taken when it ended)
+    are put back when training ends, whatever ended it.
+
+    Args:
+        monitor: the epoch log key to watch, e.g. ``"val_loss"``.
+        min_delta: the smallest change that counts as an improvement.
+        patience: epochs without improvement before stopping.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (see :func:`resolve_mode`).
+        baseline: a value the monitor must beat for the wait to restart.
+        restore_best_weights: restore the best epoch's weights at the end of training.
+        start_from_epoch: epochs to ignore at the start (warm-up).
+        verbose: 1 prints a line when it stops or restores.
+
+    Raises:
+        ValueError: bad arguments; at ``on_train_begin``, a direction ``auto`` cannot infer or
+            a ``val_`` monitor without validation data; at an epoch end, a monitor key the
+            logs do not hold (the message lists them).
+
+    Example:
+        >>> import torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1, bias=False), device="cpu")
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x = torch.zeros(4, 1)  # the loss stays 0: no improvement after epoch 0
+        >>> stop = EarlyStopping(monitor="loss", patience=1)
+        >>> history = model.fit(x, x, epochs=10, callbacks=[stop], verbose=0)
+        >>> stop.stopped_epoch, len(history.epoch)
+        (1, 2)
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        min_delta: float = 0.0,
+        patience: int = 0,
+        mode: str = "auto",
+        baseline: float | None = None,
+        restore_best_weights: bool = False,
+        start_from_epoch: int = 0,
+        verbose: int = 0,
+    ):
+        super().__init__()
+        if not isinstance(monitor, str):
+            raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
+        _check_number("min_delta", min_delta, -math.inf)
+        _check_int("patience", patience)
+        _check_mode(mode)
+        if baseline is not None:
+            _check_number("baseline", baseline, -math.inf)
+        _check_int("start_from_epoch", start_from_epoch)
+        self.monitor, self.min_delta, self.patience = monitor, abs(min_delta), patience
+        self.mode, self.baseline, self.verbose = mode, baseline, verbose
+        self.restore_best_weights, self.start_from_epoch = restore_best_weights, start_from_epoch
+        self._mode = mode if mode != "auto" else None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.wait = 0
+        self.stopped_epoch = 0
+        self.best: float | None = None
+        self.best_epoch = 0
+        self.best_weights: dict[str, torch.Tensor] | None = None
+
+    def _get_state(self) -> dict[str, Any]:
+        return {
+            "wait": self.wait, "stopped_epoch": self.stopped_epoch, "best": self.best,
+            "best_epoch": self.best_epoch, "best_weights": self.best_weights,
+        }  # fmt: skip
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self.wait, self.stopped_epoch = state["wait"], state["stopped_epoch"]
+        self.best, self.best_epoch = state["best"], state["best_epoch"]
+        self.best_weights = state["best_weights"]
+
+    def on_train_begin(self, logs=None):
+        check_validation_monitor(self.monitor, self.params, "EarlyStopping")
+        self._mode = resolve_mode(self.monitor, self.mode, self.model, "EarlyStopping")
+        super().on_train_begin(logs)
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        # A deep copy: the live parameters keep changing after this epoch.
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def on_epoch_end(self, epoch, logs=None):
+        current = monitor_value(logs, self.monitor, "EarlyStopping", self.params)
+        if current is None or epoch < self.start_from_epoch:
+            return
+        if self._mode is None:  # hooks called directly, without on_train_begin
+            self._mode = resolve_mode(self.monitor, self.mode, self.model, "EarlyStopping")
+        if self.restore_best_weights and self.best_weights is None:
+            self.best_weights, self.best_epoch = self._snapshot(), epoch  # nothing better yet
+        self.wait += 1
+        if not math.isnan(current) and (self.best is None or is_improvement(current, self.best, self._mode, self.min_delta)):
+            self.best, self.best_epoch = current, epoch
+            if self.restore_best_weights:
+                self.best_weights = self._snapshot()
+            # The wait restarts only on a value that beats the baseline too.
+            if self.baseline is None or is_improvement(current, self.baseline, self._mode, self.min_delta):
+                self.wait = 0
+            return
+        if self.wait >= self.patience and epoch > 0:
+            self.stopped_epoch = epoch
+            self.model.stop_training = True
+
+    def on_train_end(self, logs=None):
+        if self.stopped_epoch:
+            _say(self.verbose, f"Epoch {self.stopped_epoch + 1}: early stopping.")
+        if self.restore_best_weights and self.best_weights is not None:
+            _say(self.verbose, f"Restoring the weights of epoch {self.best_epoch + 1}, the best one.")
+            self.model.load_state_dict(self.best_weights)
+
+
+def _set_lr(group: dict[str, Any], lr: float) -> None:
+    if isinstance(group["lr"], torch.Tensor):  # capturable / fused optimizers keep a tensor
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
+
+
+class ReduceLROnPlateau(StatefulCallback):
+    """Multiply the learning rate by ``factor`` when ``monitor`` stops improving (Keras).
+
+    After ``patience`` epochs without an improvement larger than ``min_delta``, each parameter
+    group's learning rate becomes ``max(lr * factor, min_lr)``; then ``cooldown`` epochs pass
+    before the wait starts again. The learning rates live in the optimizer, so a checkpoint
+    carries them; this callback's own counters are in its ``state_dict``.
+
+    Args:
+        monitor: the epoch log key to watch.
+        factor: the multiplier, in ``[0, 1)``.
+        patience: epochs without improvement before a reduction.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (see :func:`resolve_mode`).
+        min_delta: the smallest change that counts as an improvement.
+        cooldown: epochs to wait after a reduction before counting again.
+        min_lr: the lower bound of the learning rate.
+        verbose: 1 prints a line at each reduction.
+
+    Raises:
+        ValueError: ``factor`` not in ``[0, 1)``, bad arguments; an unknown direction or a
+            ``val_`` monitor without validation at ``on_train_begin``; a missing key at an epoch end.
+
+    Example:
+        >>> import torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1, bias=False), device="cpu")
+        >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss="mse")
+        >>> x = torch.zeros(4, 1)  # the loss stays 0: no improvement after epoch 0
+        >>> reduce = ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1)
+        >>> model.fit(x, x, epochs=4, callbacks=[reduce], verbose=0).history["learning_rate"]
+        [1.0, 1.0, 0.5, 0.25]
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        factor: float = 0.1,
+        patience: int = 10,
+        mode: str = "auto",
+        min_delta: float = 1e-4,
+        cooldown: int = 0,
+        min_lr: float = 0.0,
+        verbose: int = 0,
+    ):
+        super().__init__()
+        _check_number("factor", factor)
+        if not factor < 1.0:
+            raise ValueError(f"Expected `factor` in [0, 1): it multiplies the learning rate. Received: factor={factor!r}.")
+        _check_int("patience", patience)
+        _check_mode(mode)
+        _check_number("min_delta", min_delta, -math.inf)
+        _check_int("cooldown", cooldown)
+        _check_number("min_lr", min_lr)
+        self.monitor, self.factor, self.patience, self.mode = monitor, float(factor), patience, mode
+        self.min_delta, self.cooldown, self.min_lr = abs(min_delta), cooldown, float(min_lr)
+        self.verbose = verbose
+        self._mode = mode if mode != "auto" else None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.best: float | None = None
+        self.wait = 0
+        self.cooldown_counter = 0
+
+    def _get_state(self) -> dict[str, Any]:
+        return {"best": self.best, "wait": self.wait, "cooldown_counter": self.cooldown_counter}
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self.best, self.wait, self.cooldown_counter = state["best"], state["wait"], state["cooldown_counter"]
+
+    def on_train_begin(self, logs=None):
+        check_validation_monitor(self.monitor, self.params, "ReduceLROnPlateau")
+        self._mode = resolve_mode(self.monitor, self.mode, self.model, "ReduceLROnPlateau")
+        super().on_train_begin(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        current = monitor_value(logs, self.monitor, "ReduceLROnPlateau", self.params)
+        if current is None:
+            return
+        if self._mode is None:  # hooks called directly, without on_train_begin
+            self._mode = resolve_mode(self.monitor, self.mode, self.model, "ReduceLROnPlateau")
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if not math.isnan(current) and (self.best is None or is_improvement(current, self.best, self._mode, self.min_delta)):
+            self.best, self.wait = current, 0
+            return
+        if self.cooldown_counter > 0:
+            return
+        self.wait += 1
+        if self.wait < self.patience:
+            return
+        reduced = False
+        for group in self.model.optimizer.param_groups:
+            old = float(group["lr"])
+            if old > self.min_lr:
+                _set_lr(group, max(old * self.factor, self.min_lr))
+                reduced = True
+        if reduced:
+            lr = float(self.model.optimizer.param_groups[0]["lr"])
+            _say(self.verbose, f"Epoch {epoch + 1}: ReduceLROnPlateau reduced the learning rate to {lr:.4g}.")
+            self.cooldown_counter, self.wait = self.cooldown, 0

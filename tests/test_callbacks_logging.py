@@ -1,0 +1,128 @@
+"""CSVLogger, TensorBoard and History.plot: what lands in the files."""
+
+from __future__ import annotations
+
+import csv
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fitkit
+from fitkit.callbacks import BackupAndRestore, CSVLogger, LambdaCallback, TensorBoard
+
+
+def _data(n: int = 16):
+    x = torch.linspace(-1, 1, n).unsqueeze(1)
+    return x, 3 * x + 1
+
+
+def _model() -> fitkit.Model:
+    model = fitkit.Model(nn.Linear(1, 1), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+def _rows(path) -> list[list[str]]:
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crash_at(epoch: int) -> LambdaCallback:
+    def fn(e, logs):
+        if e == epoch:
+            raise _Crash
+
+    return LambdaCallback(on_epoch_end=fn)
+
+
+def test_csv_logger_writes_the_header_once_and_one_row_per_epoch(tmp_path):
+    x, y = _data()
+    path = tmp_path / "log.csv"
+    h = _model().fit(x, y, epochs=3, validation_data=(x, y), verbose=0, callbacks=[CSVLogger(path)])
+    rows = _rows(path)
+    assert rows[0] == ["epoch", "learning_rate", "loss", "mae", "val_loss", "val_mae"]
+    assert [r[0] for r in rows[1:]] == ["0", "1", "2"]
+    assert [float(r[2]) for r in rows[1:]] == h.history["loss"]  # str(float) round-trips exactly
+
+
+def test_csv_logger_overwrites_or_appends(tmp_path):
+    x, y = _data()
+    path = tmp_path / "log.csv"
+    model = _model()
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[CSVLogger(path, separator=";")])
+    model.fit(x, y, epochs=1, verbose=0, callbacks=[CSVLogger(path, separator=";")])
+    assert len(_rows(path)) == 2  # overwritten: header + 1 row
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[CSVLogger(path, separator=";", append=True)])
+    rows = [r[0].split(";")[0] for r in _rows(path)]
+    assert rows == ["epoch", "0", "0", "1"]
+
+
+def test_csv_logger_appends_on_resume_without_duplicate_rows(tmp_path):
+    x, y = _data()
+    path, backup = tmp_path / "log.csv", tmp_path / "backup"
+    ref = tmp_path / "ref.csv"
+    _model().fit(x, y, epochs=4, verbose=0, callbacks=[CSVLogger(ref)])
+    torch.manual_seed(0)
+    model = _model()
+    # The crash comes after CSVLogger wrote epoch 2's row but before the backup of epoch 2.
+    with pytest.raises(_Crash):
+        model.fit(x, y, epochs=4, verbose=0, callbacks=[CSVLogger(path), _crash_at(2), BackupAndRestore(backup)])
+    assert [r[0] for r in _rows(path)] == ["epoch", "0", "1", "2"]
+    torch.manual_seed(0)
+    model = _model()
+    model.fit(x, y, epochs=4, verbose=0, callbacks=[CSVLogger(path), BackupAndRestore(backup)])
+    assert _rows(path) == _rows(ref)  # epoch 2's row was cut, then written once, from the backup
+
+
+def test_tensorboard_scalars_read_back_equal_history(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x, y = _data()
+    h = _model().fit(x, y, epochs=3, validation_data=(x, y), verbose=0, callbacks=[TensorBoard(tmp_path)])
+    found = {}
+    for run, prefix in (("train", ""), ("validation", "val_")):
+        acc = EventAccumulator(str(tmp_path / run))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            events = acc.Scalars(tag)
+            assert [e.step for e in events] == [0, 1, 2]
+            found[prefix + tag.removeprefix("epoch_")] = [e.value for e in events]
+    assert sorted(found) == sorted(h.history)
+    for key, values in h.history.items():
+        assert found[key] == [float(np.float32(v)) for v in values], key  # stored as float32
+
+
+def test_tensorboard_batch_scalars_every_n_batches(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x, y = _data()
+    _model().fit(x, y, epochs=2, batch_size=4, verbose=0, callbacks=[TensorBoard(tmp_path, update_freq=3)])
+    acc = EventAccumulator(str(tmp_path / "train"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("batch_loss")] == [3, 6]  # optimizer steps 3 and 6 of 8
+
+
+def test_tensorboard_missing_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match=r"pip install fitkit\[tensorboard\]"):
+        TensorBoard("unused")
+
+
+def test_history_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    x, y = _data()
+    h = _model().fit(x, y, epochs=2, validation_data=(x, y), verbose=0)
+    fig = h.plot(path=tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [ax.get_title() for ax in fig.axes] == ["loss", "mae"]
+    with pytest.raises(ValueError, match="Unknown history keys"):
+        h.plot(keys=["accuracy"])

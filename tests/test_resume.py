@@ -1,0 +1,209 @@
+"""Exact resume: save_checkpoint / load_checkpoint and BackupAndRestore, in-process."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fitkit
+from fitkit.callbacks import BackupAndRestore, EarlyStopping, LambdaCallback, ModelCheckpoint
+
+
+def _data(n: int = 12):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 3, generator=g)
+    return x, x @ torch.tensor([[1.0], [-2.0], [0.5]]) + 0.1 * torch.randn(n, 1, generator=g)
+
+
+def _model(seed: int = 0, **compile_kwargs) -> fitkit.Model:
+    torch.manual_seed(seed)
+    module = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.25), nn.Tanh(), nn.Linear(8, 1))  # dropout: RNG matters
+    model = fitkit.Model(module, device="cpu")
+    model.compile(
+        optimizer=lambda p: torch.optim.Adam(p, lr=0.1), loss="mse",
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), **compile_kwargs,
+    )  # fmt: skip
+    return model
+
+
+def _disturb_rngs() -> None:
+    torch.rand(7)
+    random.random()
+    np.random.rand(3)
+
+
+def _assert_same_run(model: fitkit.Model, ref: fitkit.Model) -> None:
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=1e-6)
+    assert model.history.epoch == ref.history.epoch
+    for key, values in ref.history.history.items():
+        assert model.history.history[key] == pytest.approx(values, rel=1e-6), key
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crash_at_step(model_ref: list, step: int) -> LambdaCallback:
+    def fn(batch, logs):
+        if model_ref[0]._global_step == step:
+            raise _Crash
+
+    return LambdaCallback(on_train_batch_end=fn)
+
+
+# -- save_checkpoint / load_checkpoint ------------------------------------------------------------
+def test_resume_at_an_epoch_boundary_equals_the_uninterrupted_run(tmp_path):
+    x, y = _data()
+    ref = _model()
+    ref.fit(x, y, batch_size=4, epochs=4, shuffle=True, verbose=0)
+
+    first = _model()
+    first.fit(x, y, batch_size=4, epochs=2, shuffle=True, verbose=0)
+    first.save_checkpoint(tmp_path / "c.pt")
+    resumed = _model(seed=1)  # other initial weights: all of them come from the file
+    initial_epoch = resumed.load_checkpoint(tmp_path / "c.pt")
+    _disturb_rngs()  # between load and fit: fit restores the RNG states itself
+    resumed.fit(x, y, batch_size=4, epochs=4, initial_epoch=initial_epoch, shuffle=True, verbose=0)
+
+    assert initial_epoch == 2
+    _assert_same_run(resumed, ref)
+    assert resumed.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**4
+    assert all(s["step"].item() == 12 for s in resumed.optimizer.state_dict()["state"].values())
+    assert resumed._global_step == 12
+
+
+def test_resume_inside_an_epoch_equals_the_uninterrupted_run(tmp_path):
+    x, y = _data()
+    ref = _model()
+    path = tmp_path / "mid.pt"
+    save = LambdaCallback(on_train_batch_end=lambda b, logs: ref._epoch == 1 and b == 1 and ref.save_checkpoint(path))
+    ref.fit(x, y, batch_size=4, epochs=4, verbose=0, callbacks=[save])
+
+    resumed = _model(seed=1)
+    initial_epoch = resumed.load_checkpoint(path)
+    _disturb_rngs()
+    resumed.fit(x, y, batch_size=4, epochs=4, initial_epoch=initial_epoch, verbose=0, callbacks=[save])
+
+    assert initial_epoch == 1 and torch.load(path, weights_only=True)["step_in_epoch"] == 2
+    _assert_same_run(resumed, ref)  # the epoch-1 logs too: the running loss was restored
+    assert all(s["step"].item() == 12 for s in resumed.optimizer.state_dict()["state"].values())
+
+
+def test_a_checkpoint_from_the_last_batch_of_an_epoch_resumes_at_its_end(tmp_path):
+    x, y = _data()
+    ref = _model()
+    path = tmp_path / "last.pt"
+    save = LambdaCallback(on_train_batch_end=lambda b, logs: ref._epoch == 1 and b == 2 and ref.save_checkpoint(path))
+    ref.fit(x, y, batch_size=4, epochs=3, validation_data=(x, y), verbose=0, callbacks=[save])
+    resumed = _model(seed=1)
+    resumed.fit(x, y, batch_size=4, epochs=3, initial_epoch=resumed.load_checkpoint(path),
+                validation_data=(x, y), verbose=0, callbacks=[save])  # fmt: skip
+    _assert_same_run(resumed, ref)
+
+
+def test_a_resume_point_serves_one_fit_only(tmp_path):
+    x, y = _data()
+    model = _model()
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    model.save_checkpoint(tmp_path / "c.pt")
+    model.load_checkpoint(tmp_path / "c.pt")
+    with pytest.warns(UserWarning, match=r"continues at epoch 2, but fit starts at initial_epoch=0.*initial_epoch=2"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)  # no second warning
+    assert model._resume is None
+
+
+# -- BackupAndRestore ---------------------------------------------------------------------------
+def _crash_at_train_end() -> LambdaCallback:
+    def fn(logs):
+        raise _Crash
+
+    return LambdaCallback(on_train_end=fn)
+
+
+def _backup_run(tmp_path, crash_step=None, save_freq="epoch", epochs=5, accumulation=1, stop=False, crash_at_end=False):
+    x, y = _data(20)
+    holder: list = []
+    model = _model(gradient_accumulation_steps=accumulation)
+    holder.append(model)
+    callbacks = [
+        _crash_at_train_end() if crash_at_end else _crash_at_step(holder, -1 if crash_step is None else crash_step),
+        EarlyStopping(monitor="loss", patience=0, min_delta=0.05) if stop else LambdaCallback(),
+        ModelCheckpoint(tmp_path / "ckpt" / "ep{epoch}.pt", monitor="loss", save_top_k=2),
+        BackupAndRestore(tmp_path / "backup", save_freq=save_freq),
+    ]
+    model.fit(x, y, batch_size=4, epochs=epochs, validation_data=(x[:8], y[:8]), verbose=0, callbacks=callbacks)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("save_freq", "crash_step", "accumulation", "position"),
+    [("epoch", 12, 1, (2, 0)), (2, 7, 1, (1, 1)), (3, 16, 1, (2, 5)), (2, 8, 2, (2, 2))],
+    ids=["epoch-backup", "every-2-batches", "every-3-batches-at-epoch-end", "accumulation-2"],
+)
+def test_backup_and_restore_after_a_crash_equals_the_uninterrupted_run(
+    tmp_path, save_freq, crash_step, accumulation, position
+):
+    # 20 samples, batch 4: 5 batches per epoch (3 optimizer steps with accumulation 2).
+    ref = _backup_run(tmp_path / "ref", save_freq=save_freq, accumulation=accumulation)
+    with pytest.raises(_Crash):
+        _backup_run(tmp_path / "run", crash_step, save_freq, accumulation=accumulation)
+    backup = torch.load(tmp_path / "run" / "backup" / "backup.pt", weights_only=True)  # kept when fit raises
+    assert (backup["epoch"], backup["step_in_epoch"]) == position
+    resumed = _backup_run(tmp_path / "run", save_freq=save_freq, accumulation=accumulation)
+    _assert_same_run(resumed, ref)
+    assert not (tmp_path / "run" / "backup").exists()  # deleted after a fit that ended normally
+    assert sorted(p.name for p in (tmp_path / "run" / "ckpt").iterdir()) == sorted(
+        p.name for p in (tmp_path / "ref" / "ckpt").iterdir()
+    )
+
+
+@pytest.mark.parametrize("save_freq", ["epoch", 2])
+def test_backup_and_restore_keeps_the_early_stopping_epoch_count(tmp_path, save_freq):
+    ref = _backup_run(tmp_path / "ref", save_freq=save_freq, epochs=30, stop=True)
+    assert 2 < len(ref.history.epoch) < 30
+    crash = 5 * len(ref.history.epoch) - 3  # inside the last epoch: 5 batches per epoch
+    with pytest.raises(_Crash):
+        _backup_run(tmp_path / "run", crash, save_freq=save_freq, epochs=30, stop=True)
+    _assert_same_run(_backup_run(tmp_path / "run", save_freq=save_freq, epochs=30, stop=True), ref)
+    # A crash after EarlyStopping stopped the run, before the backup was deleted: the rerun
+    # stops at the same epoch (the stopping epoch was not backed up; it is replayed).
+    with pytest.raises(_Crash):
+        _backup_run(tmp_path / "end", save_freq=save_freq, epochs=30, stop=True, crash_at_end=True)
+    assert torch.load(tmp_path / "end" / "backup" / "backup.pt", weights_only=True)["epoch"] < len(ref.history.epoch)
+    _assert_same_run(_backup_run(tmp_path / "end", save_freq=save_freq, epochs=30, stop=True), ref)
+
+
+def test_a_second_crash_inside_the_resumed_epoch_still_resumes_exactly(tmp_path):
+    ref = _backup_run(tmp_path / "ref", save_freq=1)
+    for crash, position in ((7, (1, 1)), (9, (1, 3))):  # the second backup is from the resumed epoch
+        with pytest.raises(_Crash):
+            _backup_run(tmp_path / "run", crash, save_freq=1)
+        backup = torch.load(tmp_path / "run" / "backup" / "backup.pt", weights_only=True)
+        assert (backup["epoch"], backup["step_in_epoch"]) == position
+    _assert_same_run(_backup_run(tmp_path / "run", save_freq=1), ref)
+
+
+def test_a_relative_lr_schedule_is_not_applied_twice_by_a_resume_inside_an_epoch(tmp_path):
+    from fitkit.callbacks import LearningRateScheduler
+
+    x, y = _data(20)
+    halve = lambda epoch, lr: lr * 0.5  # noqa: E731
+
+    def run(folder, crash_step=None):
+        holder = [_model()]
+        holder[0].scheduler = None  # only the callback moves the rate
+        callbacks = [_crash_at_step(holder, -1 if crash_step is None else crash_step),
+                     LearningRateScheduler(halve), BackupAndRestore(folder, save_freq=2)]  # fmt: skip
+        return holder[0].fit(x, y, batch_size=4, epochs=4, verbose=0, callbacks=callbacks)
+
+    ref = run(tmp_path / "ref")
+    with pytest.raises(_Crash):
+        run(tmp_path / "run", crash_step=8)  # the backup is from batch 2 of epoch 1
+    assert ref.history["learning_rate"] == [0.05, 0.025, 0.0125, 0.00625]
+    assert run(tmp_path / "run").history["learning_rate"] == ref.history["learning_rate"]
