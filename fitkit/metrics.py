@@ -10,57 +10,68 @@ Keras' ``metrics=`` are (sample weights apply to the loss).
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torchmetrics
-from torchmetrics import classification as tmc
-from torchmetrics import regression as tmr
+
+if TYPE_CHECKING:
+    import torchmetrics
 
 __all__ = ["MetricSet", "infer_task", "METRIC_NAMES"]
 
-# name -> {task: factory(num_classes)}; "score" metrics want probabilities, the rest labels.
-_CLASSIFICATION: dict[str, dict[str, Any]] = {
-    "accuracy": {
-        "binary": lambda n: tmc.BinaryAccuracy(validate_args=False),
-        "multiclass": lambda n: tmc.MulticlassAccuracy(n, average="micro", validate_args=False),
-        "multilabel": lambda n: tmc.MultilabelAccuracy(n, average="micro", validate_args=False),
-    },
-    "precision": {
-        "binary": lambda n: tmc.BinaryPrecision(validate_args=False),
-        "multiclass": lambda n: tmc.MulticlassPrecision(n, validate_args=False),
-        "multilabel": lambda n: tmc.MultilabelPrecision(n, validate_args=False),
-    },
-    "recall": {
-        "binary": lambda n: tmc.BinaryRecall(validate_args=False),
-        "multiclass": lambda n: tmc.MulticlassRecall(n, validate_args=False),
-        "multilabel": lambda n: tmc.MultilabelRecall(n, validate_args=False),
-    },
-    "f1": {
-        "binary": lambda n: tmc.BinaryF1Score(validate_args=False),
-        "multiclass": lambda n: tmc.MulticlassF1Score(n, validate_args=False),
-        "multilabel": lambda n: tmc.MultilabelF1Score(n, validate_args=False),
-    },
-    "auroc": {
-        "binary": lambda n: tmc.BinaryAUROC(validate_args=False),
-        "multiclass": lambda n: tmc.MulticlassAUROC(n, validate_args=False),
-        "multilabel": lambda n: tmc.MultilabelAUROC(n, validate_args=False),
-    },
-    "average_precision": {
-        "binary": lambda n: tmc.BinaryAveragePrecision(validate_args=False),
-        "multiclass": lambda n: tmc.MulticlassAveragePrecision(n, validate_args=False),
-        "multilabel": lambda n: tmc.MultilabelAveragePrecision(n, validate_args=False),
-    },
+# name -> {task: (torchmetrics class name, kwargs)}; "score" metrics want probabilities, the
+# rest labels. Names, not classes: torchmetrics (and the scipy it pulls in) is imported only
+# when a model compiles metrics, which keeps `import fitkit` fast.
+_ACC, _MICRO = "Accuracy", {"average": "micro"}
+_CLASSIFICATION: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
+    name: {
+        task: (f"{task.capitalize()}{cls}", _MICRO if name == "accuracy" and task != "binary" else {})
+        for task in ("binary", "multiclass", "multilabel")
+    }
+    for name, cls in (
+        ("accuracy", _ACC),
+        ("precision", "Precision"),
+        ("recall", "Recall"),
+        ("f1", "F1Score"),
+        ("auroc", "AUROC"),
+        ("average_precision", "AveragePrecision"),
+    )
 }
 _SCORE_METRICS = {"auroc", "average_precision"}
-_REGRESSION: dict[str, Any] = {
-    "mae": lambda: tmr.MeanAbsoluteError(),
-    "mse": lambda: tmr.MeanSquaredError(),
-    "rmse": lambda: tmr.MeanSquaredError(squared=False),
-    "r2": lambda: tmr.R2Score(),
-    "mape": lambda: tmr.MeanAbsolutePercentageError(),
+_REGRESSION: dict[str, tuple[str, dict[str, Any]]] = {
+    "mae": ("MeanAbsoluteError", {}),
+    "mse": ("MeanSquaredError", {}),
+    "rmse": ("MeanSquaredError", {"squared": False}),
+    "r2": ("R2Score", {}),
+    "mape": ("MeanAbsolutePercentageError", {}),
 }
+
+
+def _is_metric(obj: Any) -> bool:
+    """``isinstance(obj, torchmetrics.Metric)`` without importing torchmetrics for it."""
+    tm = sys.modules.get("torchmetrics")
+    return tm is not None and isinstance(obj, tm.Metric)
+
+
+def _make_classification(name: str, task: str, n: int) -> Any:
+    from torchmetrics import classification
+
+    cls_name, kwargs = _CLASSIFICATION[name][task]
+    cls = getattr(classification, cls_name)
+    if task == "binary":
+        return cls(validate_args=False, **kwargs)
+    return cls(n, validate_args=False, **kwargs)
+
+
+def _make_regression(name: str) -> Any:
+    from torchmetrics import regression
+
+    cls_name, kwargs = _REGRESSION[name]
+    return getattr(regression, cls_name)(**kwargs)
+
+
 METRIC_NAMES = tuple(_CLASSIFICATION) + tuple(_REGRESSION)
 
 
@@ -137,7 +148,7 @@ class MetricSet:
     def __init__(self, metrics: Any = None):
         if metrics is None:
             metrics = []
-        if isinstance(metrics, (str, torchmetrics.Metric)):
+        if isinstance(metrics, str) or _is_metric(metrics):
             metrics = [metrics]
         if isinstance(metrics, Mapping):
             items = list(metrics.items())
@@ -154,7 +165,7 @@ class MetricSet:
                 if m not in METRIC_NAMES:
                     raise ValueError(f"Unknown metric '{m}'. Valid names: {', '.join(METRIC_NAMES)}.")
                 self.specs.append((key or m, m))
-            elif isinstance(m, torchmetrics.Metric):
+            elif _is_metric(m):
                 self.specs.append((key or snake_case(type(m).__name__), m))
             else:
                 raise TypeError(
@@ -179,7 +190,7 @@ class MetricSet:
             if entry.key == key:
                 return entry.metric.higher_is_better
         for k, m in self.specs:
-            if k == key and isinstance(m, torchmetrics.Metric):
+            if k == key and _is_metric(m):
                 return m.higher_is_better
             if k == key and m in _REGRESSION:
                 return m == "r2"
@@ -204,10 +215,10 @@ class MetricSet:
                 self._logits = not bool(((y_pred >= 0) & (y_pred <= 1)).all())
         entries = []
         for key, m in self.specs:
-            if isinstance(m, torchmetrics.Metric):
+            if _is_metric(m):
                 entries.append(_Entry(key, m, "raw"))
             elif m in _REGRESSION:
-                entries.append(_Entry(key, _REGRESSION[m](), "regression"))
+                entries.append(_Entry(key, _make_regression(m), "regression"))
             elif task == "regression":
                 raise ValueError(
                     f"Metric '{m}' needs class targets, but the first batch looks like regression: "
@@ -216,7 +227,7 @@ class MetricSet:
                 )
             else:
                 kind = "scores" if m in _SCORE_METRICS else "labels"
-                entries.append(_Entry(key, _CLASSIFICATION[m][task](n), kind))
+                entries.append(_Entry(key, _make_classification(m, task, n), kind))
         for e in entries:
             e.metric.to(self.device or y_pred.device)
         self.entries = entries
