@@ -464,6 +464,9 @@ def as_loader(
 ) -> DeviceLoader:
     """Turn any supported input into a :class:`DeviceLoader`. Checks everything it can first.
 
+    Under torchrun the batches are this rank's share (:func:`fitkit.distributed.shard`), unless
+    ``x`` is wrapped in :func:`fitkit.distributed.already_sharded`.
+
     Args:
         x: tensors / arrays (or tuples, lists, dicts of them), a ``Dataset``, a ``DataLoader``
             or any iterable of batches.
@@ -478,13 +481,17 @@ def as_loader(
     Raises:
         TypeError: ``x`` is none of the supported kinds.
         ValueError: lengths differ, ``y`` or ``sample_weight`` given with a loader or
-            iterable, a label has no class weight.
+            iterable, a label has no class weight; under torchrun, an input that cannot be
+            sharded per rank (see :func:`fitkit.distributed.shard`).
 
     Example:
         >>> dl = as_loader(np.zeros((5, 2)), np.arange(5), batch_size=2)
         >>> [b[0].shape[0] for b in dl], dl.num_batches
         ([2, 2, 1], 3)
     """
+    from fitkit import distributed
+
+    x, already = distributed.unwrap(x)  # `already_sharded(data)`: this rank's own share
     cw = ClassWeights(class_weight) if class_weight is not None else None
     if is_in_memory(x):
         if y is not None and not is_in_memory(y):
@@ -505,7 +512,7 @@ def as_loader(
             source.w = cw_w if w is None else cw_w * w.to(cw_w.dtype)
         if device.type == "cuda" and sum(t.numel() * t.element_size() for t in _leaves((x, y))) < 2**30:
             source.to(device)  # one copy up front beats one per batch for data that fits
-        return DeviceLoader(source, device, None, steps)
+        return distributed.shard(DeviceLoader(source, device, None, steps), already)
     if y is not None:
         raise ValueError(
             f"`y` must be None when `x` is a {type(x).__name__}: the targets come from its "
@@ -533,7 +540,7 @@ def as_loader(
             f"`sample_weight` cannot be combined with x of type {type(x).__name__}. "
             "Fix: yield `(x, y, sample_weight)` batches instead."
         )
-    return DeviceLoader(x, device, cw, steps)
+    return distributed.shard(DeviceLoader(x, device, cw, steps), already)
 
 
 def _sample_weight_tensor(sample_weight: Any) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 
 from fitkit import compile as _compile
 from fitkit import data as _data
+from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.checkpoint import CheckpointMixin
@@ -67,10 +68,15 @@ class Model(StepMixin, CheckpointMixin):
     Args:
         module: the network. Moved to ``device`` at once.
         device: ``"auto"`` (``FITKIT_DEVICE`` env, else cuda, else mps, else cpu), a device
-            string or a ``torch.device``.
+            string or a ``torch.device``. Under torchrun a bare cuda is ``cuda:LOCAL_RANK``.
+        strategy: under torchrun (``WORLD_SIZE`` > 1): ``"auto"`` or ``"ddp"`` wraps the
+            module in DDP at ``compile()``, ``"fsdp"`` shards it with FSDP2 ``fully_shard``;
+            the process group starts here if needed (see :mod:`fitkit.distributed`). On one
+            process every strategy trains plainly, so the same script runs both ways.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
+        TypeError: ``module`` is not an ``nn.Module``, ``strategy`` not a string.
+        ValueError: an unknown ``strategy``.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -84,13 +90,15 @@ class Model(StepMixin, CheckpointMixin):
         [3.0, 2.0]
     """
 
-    def __init__(self, module: nn.Module, *, device: str | torch.device = "auto"):
+    def __init__(self, module: nn.Module, *, device: str | torch.device = "auto", strategy: str = "auto"):
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"Expected `module` to be a torch.nn.Module. Received: {type(module).__name__}. "
                 "Fix: wrap your network, e.g. fitkit.Model(nn.Sequential(...))."
             )
+        _distributed.check_strategy(strategy)
         self.device = resolve_device(device)
+        _distributed.init_if_needed(self.device)  # under torchrun: nccl on CUDA, gloo on CPU
         self.module = module.to(self.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
@@ -102,6 +110,8 @@ class Model(StepMixin, CheckpointMixin):
         self._callbacks = CallbackList([], self, {})
         self._global_step = 0
         self._init_step_state()
+        self.strategy = strategy
+        self._parallel = _distributed.Parallel(strategy, self.device) if _distributed.is_distributed() else None
 
     # -- the module ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -118,11 +128,19 @@ class Model(StepMixin, CheckpointMixin):
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's state dict (never with ``_orig_mod.`` or ``module.`` prefixes)."""
+        """The module's state dict (never with ``_orig_mod.`` or ``module.`` prefixes).
+
+        With ``strategy="fsdp"`` under torchrun it is the full, unsharded state: a collective
+        that every rank calls; rank 0 gets the tensors on the CPU, other ranks an empty dict.
+        """
+        if self._parallel is not None:
+            return self._parallel.state_dict(self.module)
         return self.module.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
-        """Load a module state dict (as ``nn.Module.load_state_dict``)."""
+        """Load a module state dict (as ``nn.Module.load_state_dict``; a full one under FSDP)."""
+        if self._parallel is not None:
+            return self._parallel.load_state_dict(self.module, state_dict, strict=strict)
         return self.module.load_state_dict(state_dict, strict=strict)
 
     # -- compile ---------------------------------------------------------------------------
@@ -174,6 +192,8 @@ class Model(StepMixin, CheckpointMixin):
         jit = _compile.resolve_jit_compile(jit_compile, self.device)
         loss_fn = resolve_loss(loss) if loss_weights is None else _multi_loss(loss, loss_weights)
         metric_set = MetricSet(metrics)
+        if self._parallel is not None:
+            self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
         opt = resolve_optimizer(optimizer, self.module, self.device)
         sched = resolve_scheduler(scheduler, opt, scheduler_interval)
         if precision == "16-mixed" and self.device.type not in ("cuda", "cpu", "mps"):
@@ -286,7 +306,7 @@ class Model(StepMixin, CheckpointMixin):
                     self._step_scheduler_epoch(logs)
                     self._epochs_done = epoch + 1
                     cbs.on_epoch_end(epoch, logs)
-                    if self.stop_training:
+                    if self._stop_now(epoch_end=True):
                         break
                 cbs.on_train_end(logs)
         finally:
@@ -312,7 +332,7 @@ class Model(StepMixin, CheckpointMixin):
             steps = step + 1
             if want_end:
                 cbs.on_train_batch_end(step, BatchLogs(self._running_logs))
-            if self.stop_training:
+            if self._stop_now():
                 break
         steps = max(steps, self._resumed_steps)  # a resume may have skipped the whole epoch
         if steps == 0 or (loader.steps is not None and steps < loader.steps and not self.stop_training):
@@ -322,6 +342,8 @@ class Model(StepMixin, CheckpointMixin):
                 stacklevel=3,
             )
             self.stop_training = True
+        if self._parallel is not None:
+            self._parallel.sync_buffers(self.module)  # rank 0's BatchNorm statistics on every rank
         self._in_epoch = False
         logs = self._epoch_logs()
         lr = self._lr_used
@@ -411,18 +433,22 @@ class Model(StepMixin, CheckpointMixin):
                 if steps is not None and step + 1 >= steps:
                     break
             cbs.on_predict_end({})
-        return _concat(outputs)
+        return _distributed.gather_predictions(_concat(outputs), loader)  # torchrun: all rows, every rank
 
     # -- helpers ---------------------------------------------------------------------------
     def _validation_loader(self, validation_data: Any, batch_size: int, steps: int | None):
         self._callbacks_val_steps = steps
-        if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3) and all(
+        # A tuple / list whose every element is a tuple / list is a list of batches (as for `x`).
+        arrays = isinstance(validation_data, (tuple, list)) and not all(
+            isinstance(b, (tuple, list)) for b in validation_data
+        )
+        if arrays and len(validation_data) in (2, 3) and all(
             v is None or _data.is_in_memory(v) or i == 0 and _data._is_map_dataset(v)  # Dataset: validation_split
             for i, v in enumerate(validation_data)
         ):
             vx, vy, vw = (*validation_data, None)[:3]
             return _data.as_loader(vx, vy, vw, batch_size=batch_size, device=self.device)
-        if isinstance(validation_data, (tuple, list)) and not _data.is_in_memory(validation_data):
+        if arrays and (len(validation_data) > 3 or not _data.is_in_memory(validation_data)):
             raise ValueError(
                 "Expected `validation_data` to be `(x_val, y_val)`, `(x_val, y_val, sample_weight)`,"
                 f" a Dataset, a DataLoader or an iterable. Received a {type(validation_data).__name__}"
@@ -431,6 +457,7 @@ class Model(StepMixin, CheckpointMixin):
         return _data.as_loader(validation_data, batch_size=batch_size, device=self.device)
 
     def _make_callbacks(self, callbacks, verbose, epochs, steps, history: bool = True) -> CallbackList:
+        verbose = verbose if _distributed.is_rank_zero() else 0  # torchrun: rank 0 prints
         cbs = list(callbacks)
         if history:
             self.history = History()

@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from fitkit.checkpoint import is_rank_zero
+
 __all__ = ["summary_table"]
 
 
@@ -87,7 +89,8 @@ def summary_table(model: Any, print_fn: Any = None) -> Table:
     table.add_row("Total", "", shapes.get("", "?"), f"{total:,}", f"{trainable:,}")
     table.caption = f"Frozen parameters: {total - trainable:,}"
     if print_fn is None:
-        Console().print(table)
+        if is_rank_zero():  # under torchrun only rank 0 prints
+            Console().print(table)
     else:
         print_fn(table)
     return table

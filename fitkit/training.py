@@ -18,6 +18,7 @@ from torch import nn
 
 from fitkit import compile as _compile
 from fitkit import data as _data
+from fitkit import distributed as _distributed
 from fitkit.devices import autocast, move_to_device
 
 __all__ = ["StepMixin"]
@@ -34,6 +35,9 @@ def _call(module: nn.Module, x: Any) -> Any:
 
 class StepMixin:
     """Steps and trackers of :class:`fitkit.Model` (a mixin; see the Model for the API)."""
+
+    _parallel: Any = None  # a fitkit.distributed.Parallel under torchrun (set by the Model)
+    _stop_agreed = False  # under torchrun: a stop every rank agreed on during this epoch
 
     # -- state -----------------------------------------------------------------------------
     def _init_step_state(self) -> None:
@@ -62,10 +66,20 @@ class StepMixin:
         self._loss_count: float = 0
         self._loss_wsum: torch.Tensor | None = None
         self.metrics.reset()
+        self._stop_agreed = False
 
     # -- the forward -----------------------------------------------------------------------
     def _wrap_forward(self) -> nn.Module | None:
-        return _compile.maybe_compile(self.module, self._jit)
+        eager = self._eager_forward()
+        compiled = _compile.maybe_compile(self.module if eager is None else eager, self._jit)
+        return eager if compiled is None else compiled
+
+    def _eager_forward(self) -> nn.Module | None:
+        # Under torchrun the training forward is DDP's (built once the optimizer exists);
+        # None means the module itself (also an FSDP-sharded one).
+        if self._parallel is None or self.optimizer is None:
+            return None
+        return self._parallel.wrap(self.module)
 
     def _call_module(self, x: Any) -> Any:
         m = self._forward_module
@@ -77,8 +91,8 @@ class StepMixin:
             if not _compile.is_compile_error(e):
                 raise
             _compile.warn_fallback(e)  # once: the eager module is used from now on
-            self._forward_module = None
-            return _call(self.module, x)
+            self._forward_module = self._eager_forward()
+            return _call(self.module if self._forward_module is None else self._forward_module, x)
 
     def _call_module_eager(self, x: Any) -> Any:
         return _call(self.module, x)
@@ -137,8 +151,9 @@ class StepMixin:
         if loss is not None:
             if sample_weight is None:
                 n = _data.batch_size_of(y if y is not None else y_pred)
-                self._loss_total.add_(loss.detach(), alpha=n)
-                self._loss_count += n
+                if n:  # an empty batch (a rank's share of a short last batch) adds nothing, not 0/0
+                    self._loss_total.add_(loss.detach(), alpha=n)
+                    self._loss_count += n
             else:
                 ws = sample_weight.detach().sum()
                 self._loss_total.add_(loss.detach() * ws)
@@ -158,10 +173,13 @@ class StepMixin:
             with self._autocast():
                 y_pred = self._call_module(x)
                 loss = self.compute_loss(x, y, y_pred, sample_weight)
-            self._step_loss = loss
+            if self._parallel is not None and _data.batch_size_of(y if y is not None else x) == 0:
+                loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
+            self._step_loss = loss.detach()  # detached: a past step's graph is never kept alive
             self._backward(loss)
-        self._optimizer_step()
+        # Metrics first: a metric that rejects the batch then fails before the weights change.
         self.update_metrics(loss, y_pred, y, sample_weight)
+        self._optimizer_step()
 
     def test_step(self, batch: tuple[Any, Any, Any]) -> None:
         """One batch of evaluation (eval mode, no grad): loss and metrics."""
@@ -169,7 +187,9 @@ class StepMixin:
         with self._autocast():
             y_pred = self._call_module(x)
             has_loss = self.loss is not None or type(self).compute_loss is not StepMixin.compute_loss
-            loss = self.compute_loss(x, y, y_pred, sample_weight) if has_loss and y is not None else None
+            # y=None still reaches compute_loss: an override may not need targets (autoencoders),
+            # and the default one says that a compiled loss does.
+            loss = self.compute_loss(x, y, y_pred, sample_weight) if has_loss else None
         self.update_metrics(loss, y_pred, y, sample_weight)
 
     def predict_step(self, batch: tuple[Any, Any, Any]) -> Any:
@@ -179,7 +199,10 @@ class StepMixin:
 
     # -- backward and step -----------------------------------------------------------------
     def _no_sync(self):
-        return contextlib.nullcontext()
+        # Non-final accumulation micro-steps skip DDP's / FSDP's gradient all-reduce.
+        if self._parallel is None or self._micro_last:
+            return contextlib.nullcontext()
+        return self._parallel.no_sync(self.module)
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self._micro_scale is not None:  # share of the accumulation group
@@ -207,6 +230,11 @@ class StepMixin:
         if self._scaler is not None:
             self._scaler.unscale_(opt)
         self._callbacks.on_backward_end(self._step_index)
+        if self._parallel is not None and self._callbacks.wants("on_backward_end"):
+            # A veto or a stop on one rank holds for all: the ranks step and stop together.
+            # (Such callbacks read the loss on the host anyway; this adds one tiny all-reduce.)
+            self._skip_step, self._stop_agreed = _distributed.any_rank(self._skip_step, self.stop_training)
+            self.stop_training = self.stop_training or self._stop_agreed
         if self._skip_step:  # a callback (e.g. TerminateOnNaN) vetoed this step
             self._skip_step = False
             opt.zero_grad(set_to_none=True)
@@ -228,6 +256,20 @@ class StepMixin:
         if self.scheduler is not None and self.scheduler_interval == "step" and self._stepped:
             self._lr_used = opt.param_groups[0]["lr"]
             self.scheduler.step()
+
+    def _stop_now(self, epoch_end: bool = False) -> bool:
+        """Whether training stops here (``model.stop_training``).
+
+        Under torchrun every rank must run the same steps, so a stop set on some ranks takes
+        effect where the ranks agree: after ``on_backward_end`` when a callback uses that hook,
+        and at the end of the epoch (one all-reduce: any rank's stop stops all).
+        """
+        if self._parallel is None:
+            return self.stop_training
+        if epoch_end:
+            self.stop_training = _distributed.any_rank(self.stop_training)
+            return self.stop_training
+        return self._stop_agreed
 
     def _step_scheduler_epoch(self, logs: dict[str, float]) -> None:
         if self.scheduler is None or self.scheduler_interval != "epoch":
@@ -253,7 +295,7 @@ class StepMixin:
         if resume is not None:
             it, start = resume(loader)
         k = self.gradient_accumulation_steps
-        if k == 1:
+        if k == 1 and self._parallel is None:
             self._micro_last, self._micro_scale = True, None
             for step, batch in enumerate(it, start):
                 self._step_index = step
@@ -265,14 +307,16 @@ class StepMixin:
             if not group:
                 return
             sizes = [self._batch_weight(b) for b in group]
-            total = sum(sizes)
+            # Under torchrun: (global weight of the group) / W, all-reduced on the device, so
+            # each rank's share makes DDP's gradient average the exact global mean.
+            total = sum(sizes) if self._parallel is None else _distributed.global_share(sizes)
             for i, batch in enumerate(group):
                 self._micro_scale = sizes[i] / total
                 self._micro_last = i == len(group) - 1
                 self._step_index = step
                 yield step, batch
                 step += 1
-                if self.stop_training:
+                if self._stop_now():
                     return
 
     # -- logs ------------------------------------------------------------------------------
@@ -298,9 +342,12 @@ class StepMixin:
 
     def _reduced_logs(self) -> dict[str, torch.Tensor]:
         logs: dict[str, torch.Tensor] = {}
-        denom = self._loss_count if self._loss_wsum is None else self._loss_wsum + self._loss_count
-        if self._loss_count or self._loss_wsum is not None:
-            logs["loss"] = self._loss_total / denom
+        total, count, wsum = self._loss_total, self._loss_count, self._loss_wsum
+        if self._parallel is not None:  # sums over ranks before the division (metrics sync in compute)
+            total, count, wsum = _distributed.reduce_loss_totals(total, count, wsum)
+        denom = count if wsum is None else wsum + count
+        if count or wsum is not None:
+            logs["loss"] = total / denom
         logs.update(self.metrics.compute())
         return logs
 
@@ -319,6 +366,8 @@ class StepMixin:
         x, y, w = (move_to_device(a, self.device) for a in (x, y, w))
         self._example_x = x
         if y is None:
+            if self.loss is not None and type(self).compute_loss is StepMixin.compute_loss:
+                self.compute_loss(x, y, None, w)  # raises: a compiled loss needs targets
             return
         flags = [(m, m.training) for m in self.module.modules()]
         try:
@@ -326,8 +375,11 @@ class StepMixin:
             with torch.no_grad(), self._autocast():
                 y_pred = self._call_module(x)
                 if self.loss is not None:
+                    if getattr(self.loss, "kind", None) == "class_index" and isinstance(y_pred, torch.Tensor):
+                        # Before the loss: torch's own out-of-range error names no fix.
+                        self.loss.prepare(y_pred, y)  # dtype / shape errors; sets the class layout
+                        self._check_class_range(y_pred, src.y)
                     self.compute_loss(x, y, y_pred, w)
-                    self._check_class_range(y_pred, src.y)
                 if self.metrics.entries is None:
                     self.metrics.build(y_pred, y)
         finally:

@@ -1,0 +1,191 @@
+"""Training scenarios that run the same way on one process and under torchrun.
+
+``tests/test_distributed.py`` runs them on 2 gloo processes (one torchrun launch) and, as the
+reference, on one process in the test itself. Batch sizes are per rank: ``GLOBAL_BATCH //
+world_size()``, so both runs see the same global batches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fitkit
+from fitkit.callbacks import LambdaCallback, ModelCheckpoint
+from fitkit.distributed import already_sharded, rank, world_size
+
+GLOBAL_BATCH = 8
+OPTIMIZERS = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5),
+    "adam": functools.partial(torch.optim.Adam, lr=0.01),
+}
+
+
+def data(n: int, seed: int = 0):
+    """``(x, y, w)``: ``(n, 3)`` inputs, ``(n, 1)`` noisy linear targets, ``(n,)`` weights."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=g)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5]]) + 0.1 * torch.randn(n, 1, generator=g)
+    w = torch.rand(n, generator=g) + 0.5
+    return x, y, w
+
+
+def net() -> nn.Module:
+    """Linear-Tanh-Linear with weights from a private generator (the same on every rank)."""
+    g = torch.Generator().manual_seed(1234)
+    module = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return module
+
+
+def full_params(model: fitkit.Model) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded (``full_tensor()`` of FSDP's DTensors: a collective)."""
+    out = {}
+    for name, p in model.module.named_parameters():
+        t = p.detach()
+        out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
+
+
+def trained(optimizer: str, n: int, *, weighted: bool = False, strategy: str = "auto",
+            accumulation: int = 1, epochs: int = 3, callbacks=None):  # fmt: skip
+    """Fit with shuffling and validation; return the model and its History."""
+    torch.manual_seed(0)
+    x, y, w = data(n)
+    xv, yv, _ = data(11, seed=1)
+    model = fitkit.Model(net(), device="cpu", strategy=strategy)
+    model.compile(optimizer=OPTIMIZERS[optimizer], loss="mse", metrics=["mae"],
+                  gradient_accumulation_steps=accumulation)  # fmt: skip
+    history = model.fit(
+        x, y, sample_weight=w if weighted else None, batch_size=GLOBAL_BATCH // world_size(),
+        epochs=epochs, shuffle=True, validation_data=(xv, yv), verbose=0, callbacks=callbacks,
+    )  # fmt: skip
+    return model, history
+
+
+def parity(optimizer: str, n: int, **kwargs) -> dict:
+    model, history = trained(optimizer, n, **kwargs)
+    return {"params": full_params(model), "history": history.history}
+
+
+def identity_model(strategy: str = "auto") -> fitkit.Model:
+    lin = nn.Linear(1, 1)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+        lin.bias.zero_()
+    model = fitkit.Model(lin, device="cpu", strategy=strategy)
+    model.compile(optimizer="sgd", loss="mae", metrics=["mae"])
+    return model
+
+
+def exact_evaluate(strategy: str = "auto") -> dict:
+    """x = [0, 1, 2, 3, 4], y_pred = x, targets 0, MAE, batch 2: exactly 2.0 everywhere."""
+    model = identity_model(strategy)
+    x, y = torch.arange(5.0).unsqueeze(1), torch.zeros(5, 1)
+    r, w = rank(), world_size()
+    return {
+        "tensors": model.evaluate(x, y, batch_size=2, verbose=0),
+        "dataloader": model.evaluate(DataLoader(TensorDataset(x, y), batch_size=2), verbose=0),
+        "dataset": model.evaluate(TensorDataset(x, y), batch_size=2, verbose=0),
+        "shuffled_dataloader": model.evaluate(
+            DataLoader(TensorDataset(x, y), batch_size=2, shuffle=True), verbose=0
+        ),
+        "already_sharded": model.evaluate(already_sharded(x[r::w]), y[r::w], batch_size=2, verbose=0),
+    }
+
+
+class TwoHeads(nn.Module):
+    def forward(self, x):
+        return {"same": x, "double": 2 * x}
+
+
+def exact_predict(strategy: str = "auto") -> dict:
+    """5 samples over the ranks: 5 rows, in input order."""
+    model = identity_model(strategy)
+    x = torch.arange(5.0).unsqueeze(1)
+    heads = fitkit.Model(TwoHeads(), device="cpu")
+    return {
+        "tensors": model.predict(x, batch_size=2, verbose=0),
+        "dataloader": model.predict(DataLoader(TensorDataset(x), batch_size=2), verbose=0),
+        "xy_batches": model.predict(DataLoader(TensorDataset(x, torch.zeros(5)), batch_size=3), verbose=0),
+        "dict_outputs": heads.predict(x, batch_size=1, verbose=0),
+    }
+
+
+def stop_on_one_rank() -> dict:
+    """``stop_training`` set on the last rank only stops every rank at the same point."""
+    last = world_size() - 1
+    at_epoch_end = LambdaCallback(on_epoch_end=lambda epoch, logs: rank() == last and _stop(cb_model))
+    mid_epoch = LambdaCallback(  # from the first batch of epoch 1 on: honoured at that epoch's end
+        on_train_batch_end=lambda batch, logs: rank() == last and cb_model._epoch == 1 and _stop(cb_model)
+    )
+    out = {}
+    for name, cb in (("epoch_end", at_epoch_end), ("mid_epoch", mid_epoch)):
+        torch.manual_seed(0)
+        x, y, _ = data(20)
+        cb_model = fitkit.Model(net(), device="cpu")
+        cb_model.compile(optimizer=OPTIMIZERS["sgd"], loss="mse")
+        out[name] = cb_model.fit(x, y, batch_size=4, epochs=3, callbacks=[cb], verbose=0).epoch
+    return out
+
+
+def _stop(model: fitkit.Model) -> None:
+    model.stop_training = True
+
+
+def unshardable_error() -> str:
+    model = identity_model()
+    batches = [(torch.zeros(2, 1), torch.zeros(2, 1))]
+    try:
+        model.fit(batches, epochs=1, verbose=0)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def checkpoint_epochs(path, strategy: str = "auto", ckpt_dir=None) -> dict:
+    """2 of 3 epochs with Adam, then a checkpoint (every rank calls; rank 0 writes)."""
+    callbacks = None
+    if ckpt_dir is not None:
+        callbacks = [ModelCheckpoint(str(ckpt_dir / "ck-{epoch}.pt"), monitor="val_loss")]
+    model, history = trained("adam", 37, strategy=strategy, epochs=2, callbacks=callbacks)
+    model.save_checkpoint(path)
+    return {"params": full_params(model)}
+
+
+def resume(path, epochs: int = 3, strategy: str = "auto") -> dict:
+    """Load a checkpoint (written at any world size) and train to ``epochs``."""
+    torch.manual_seed(0)
+    x, y, _ = data(37)
+    xv, yv, _ = data(11, seed=1)
+    model = fitkit.Model(net(), device="cpu", strategy=strategy)
+    model.compile(optimizer=OPTIMIZERS["adam"], loss="mse", metrics=["mae"])
+    start = model.load_checkpoint(path)
+    loaded = full_params(model)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), initial_epoch=start, epochs=epochs,
+                        shuffle=True, validation_data=(xv, yv), verbose=0)  # fmt: skip
+    return {"start": start, "loaded": loaded, "params": full_params(model), "history": history.history}
+
+
+def parity_loader(n: int = 37) -> dict:
+    """Fit on DataLoaders. Unshuffled, rank r's batch s holds positions 8s + r, 8s + r + 2, ...
+    (DistributedSampler interleaves), so the global batches are one process's batches of 8;
+    the sample DistributedSampler repeats for rank 1 is cut off. Shuffled: only the ranks'
+    agreement can be checked (DistributedSampler draws another order than RandomSampler)."""
+    torch.manual_seed(0)
+    x, y, _ = data(n)
+    xv, yv, _ = data(11, seed=1)
+    bs = GLOBAL_BATCH // world_size()
+    model = fitkit.Model(net(), device="cpu")
+    model.compile(optimizer=OPTIMIZERS["adam"], loss="mse", metrics=["mae"])
+    history = model.fit(DataLoader(TensorDataset(x, y), batch_size=bs), epochs=3, verbose=0,
+                        validation_data=DataLoader(TensorDataset(xv, yv), batch_size=bs))  # fmt: skip
+    out = {"params": full_params(model), "history": history.history}
+    model.fit(DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True), epochs=2, verbose=0)
+    out["shuffled_params"] = full_params(model)
+    return out

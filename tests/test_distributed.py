@@ -1,0 +1,254 @@
+"""torchrun on 2 gloo processes (CPU): DDP / FSDP2 parity, exact metrics, predict, resume.
+
+One torchrun launch runs every scenario of ``tests/_dist_scenarios.py`` (a launch costs ~5-10
+s of startup); each test below checks one acceptance criterion of its results. The
+single-process references run in the test process itself, with the global batch size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import _dist_scenarios as sc
+import fitkit
+from _torchrun import run_torchrun
+from fitkit import distributed
+
+JOB = """
+import torch
+import fitkit
+import _dist_scenarios as sc
+from fitkit import distributed
+
+no_sync_calls = []
+plain_no_sync = distributed.Parallel.no_sync
+def counting_no_sync(self, module):
+    no_sync_calls.append(1)
+    return plain_no_sync(self, module)
+distributed.Parallel.no_sync = counting_no_sync
+
+res = {}
+res["sgd"] = sc.parity("sgd", 33)  # 33 = 4 global batches of 8 + 1: rank 1's last share is empty
+res["adam_weighted"] = sc.parity("adam", 37, weighted=True)  # last global batch: 3 + 2 samples
+res["accumulation"] = sc.parity("sgd", 37, accumulation=2)
+res["loader"] = sc.parity_loader()
+res["no_sync_calls"] = len(no_sync_calls)
+res["evaluate"] = sc.exact_evaluate()
+res["predict"] = sc.exact_predict()
+res["stop"] = sc.stop_on_one_rank()
+res["unshardable"] = sc.unshardable_error()
+res["checkpoint"] = sc.checkpoint_epochs(OUT / "ddp.pt", ckpt_dir=OUT)
+res["fsdp_sgd"] = sc.parity("sgd", 33, strategy="fsdp")
+res["fsdp_adam_weighted"] = sc.parity("adam", 37, weighted=True, strategy="fsdp")
+res["fsdp_evaluate"] = sc.exact_evaluate("fsdp")
+res["fsdp_predict"] = sc.exact_predict("fsdp")
+res["fsdp_checkpoint"] = sc.checkpoint_epochs(OUT / "fsdp.pt", strategy="fsdp")
+res["resume_ddp_file_with_fsdp"] = sc.resume(OUT / "ddp.pt", strategy="fsdp")
+res["resume_fsdp_file_with_ddp"] = sc.resume(OUT / "fsdp.pt")
+
+# Console output: rank 0 only (verbose=2 prints one line per epoch).
+x, y, _ = sc.data(16)
+model = fitkit.Model(sc.net(), device="cpu")
+model.compile(optimizer="sgd", loss="mse")
+model.fit(x, y, batch_size=4, epochs=2, verbose=2)
+res["world_size"] = distributed.world_size()
+res["is_ddp"] = type(model._forward_module).__name__
+torch.save(res, OUT / f"rank{distributed.rank()}.pt")
+"""
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Run the job once; return ``(results of rank 0, results of rank 1, stdout, folder)``."""
+    out = tmp_path_factory.mktemp("torchrun")
+    proc = run_torchrun(JOB, out, nproc=2, timeout=150)
+    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    return r0, r1, proc.stdout, out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same scenarios on this one process (batch size 8 = 2 ranks x 4)."""
+    return {
+        "sgd": sc.parity("sgd", 33),
+        "adam_weighted": sc.parity("adam", 37, weighted=True),
+        "accumulation": sc.parity("sgd", 37, accumulation=2),
+        "adam_3_epochs": sc.parity("adam", 37),
+        "loader": sc.parity_loader(),
+    }
+
+
+def _assert_close(a: dict, b: dict, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _assert_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "the ranks' parameters differ"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("case", ["sgd", "adam_weighted"])
+def test_parity_with_one_process(job, reference, strategy, case):
+    """After fit on 2 ranks both hold bitwise-identical parameters, equal to one process
+    within 1e-6.
+
+    Conditions: the same seed on every rank and in the reference (fitkit draws each epoch's
+    permutation on rank 0 from the global generator, as one process does); per-rank
+    batch_size 4 against the reference's 8, so both see the same global batches; no dropout
+    (each rank draws its own masks); float32 on the CPU (the all-reduce sums in another order
+    than one process, so equality is within 1e-6, not bitwise). ``sgd`` uses 33 samples: the
+    last global batch holds 1 sample, so rank 1 runs a step on an empty share;
+    ``adam_weighted`` uses 37 samples (last shares 3 and 2) and per-sample weights.
+    """
+    r0, r1, _, _ = job
+    key = case if strategy == "ddp" else f"fsdp_{case}"
+    _assert_identical(r0[key]["params"], r1[key]["params"])
+    _assert_close(r0[key]["params"], reference[case]["params"])
+    # Every rank's History is the same, and the single process's within float tolerance.
+    assert r0[key]["history"] == r1[key]["history"]
+    ref = reference[case]["history"]
+    assert r0[key]["history"].keys() == ref.keys()
+    for k, values in ref.items():
+        assert r0[key]["history"][k] == pytest.approx(values, rel=1e-5, abs=1e-6), k
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_dataloader_parity_with_one_process(job, reference):
+    """A DataLoader gets a DistributedSampler; its padded sample never counts (see parity_loader)."""
+    r0, r1, _, _ = job
+    _assert_identical(r0["loader"]["params"], r1["loader"]["params"])
+    _assert_close(r0["loader"]["params"], reference["loader"]["params"])
+    assert r0["loader"]["history"] == r1["loader"]["history"]
+    for k, values in reference["loader"]["history"].items():
+        assert r0["loader"]["history"][k] == pytest.approx(values, rel=1e-5, abs=1e-6), k
+    _assert_identical(r0["loader"]["shuffled_params"], r1["loader"]["shuffled_params"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gradient_accumulation_under_ddp(job, reference):
+    """Accumulation over 2 micro-batches on 2 ranks equals it on one process (no_sync used)."""
+    r0, r1, _, _ = job
+    assert r0["no_sync_calls"] > 0
+    _assert_identical(r0["accumulation"]["params"], r1["accumulation"]["params"])
+    _assert_close(r0["accumulation"]["params"], reference["accumulation"]["params"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_evaluate_is_exact_over_all_ranks(job, strategy):
+    """x = [0..4], y_pred = x, targets 0, MAE, batch 2: 2.0 on both ranks, padding never counted."""
+    r0, r1, _, _ = job
+    key = "evaluate" if strategy == "ddp" else "fsdp_evaluate"
+    for results in (r0, r1):
+        for kind, logs in results[key].items():
+            assert logs == {"loss": 2.0, "mae": 2.0}, kind
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_predict_returns_every_row_once_in_order(job, strategy):
+    r0, r1, _, _ = job
+    key = "predict" if strategy == "ddp" else "fsdp_predict"
+    x = torch.arange(5.0).unsqueeze(1)
+    for results in (r0, r1):
+        for kind in ("tensors", "dataloader", "xy_batches"):
+            assert torch.equal(results[key][kind], x), kind
+        heads = results[key]["dict_outputs"]
+        assert torch.equal(heads["same"], x) and torch.equal(heads["double"], 2 * x)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_checkpoint_from_2_ranks_resumes_on_1(job, reference, strategy):
+    """Written at world size 2 (rank 0 writes, unwrapped state), resumed here at world size 1.
+
+    The loaded weights are the saved ones, and the resumed run ends where an uninterrupted
+    one-process run ends (same global batches; rank 0's RNG state is in the file).
+    """
+    r0, r1, _, out = job
+    key, path = ("checkpoint", out / "ddp.pt") if strategy == "ddp" else ("fsdp_checkpoint", out / "fsdp.pt")
+    state = torch.load(path, weights_only=True)
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["module"])
+    _assert_identical(r0[key]["params"], r1[key]["params"])
+    resumed = sc.resume(path)
+    assert resumed["start"] == 2
+    _assert_identical(resumed["loaded"], r0[key]["params"])
+    _assert_close(resumed["params"], reference["adam_3_epochs"]["params"])
+    assert len(resumed["history"]["loss"]) == 3
+    if strategy == "ddp":  # ModelCheckpoint wrote its files (rank 0 only)
+        assert (out / "ck-1.pt").is_file() and (out / "ck-2.pt").is_file()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["resume_ddp_file_with_fsdp", "resume_fsdp_file_with_ddp"])
+def test_checkpoint_resumes_across_strategies_at_world_size_2(job, reference, case):
+    """A DDP file resumes under FSDP and an FSDP file under DDP (2 ranks), exactly."""
+    r0, r1, _, _ = job
+    source = "checkpoint" if case == "resume_ddp_file_with_fsdp" else "fsdp_checkpoint"
+    assert r0[case]["start"] == 2
+    _assert_identical(r0[case]["loaded"], r0[source]["params"])
+    _assert_identical(r0[case]["params"], r1[case]["params"])
+    _assert_close(r0[case]["params"], reference["adam_3_epochs"]["params"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_stop_training_on_one_rank_stops_every_rank(job):
+    r0, r1, _, _ = job
+    for results in (r0, r1):
+        assert results["stop"]["epoch_end"] == [0]
+        assert results["stop"]["mid_epoch"] == [0, 1]  # honoured at the end of that epoch
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_iterable_of_batches_cannot_be_sharded(job):
+    r0, _, _, _ = job
+    assert "already_sharded" in r0["unshardable"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_console_output_from_rank_0_only(job):
+    r0, r1, stdout, _ = job
+    assert r0["world_size"] == r1["world_size"] == 2
+    assert r0["is_ddp"] == "DistributedDataParallel"
+    assert stdout.count("Epoch 1/2") == 1 and stdout.count("Epoch 2/2") == 1
+
+
+# -- one process: the same script runs without torchrun ----------------------------------
+def test_strategy_is_validated():
+    with pytest.raises(ValueError, match="Unknown strategy 'zero3'. Valid values: auto, ddp, fsdp"):
+        fitkit.Model(nn.Linear(1, 1), device="cpu", strategy="zero3")
+    with pytest.raises(TypeError, match="Expected `strategy`"):
+        fitkit.Model(nn.Linear(1, 1), device="cpu", strategy=None)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp"])
+def test_one_process_ignores_the_strategy(strategy):
+    model = fitkit.Model(nn.Linear(1, 1), device="cpu", strategy=strategy)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(torch.zeros(4, 1), torch.zeros(4, 1), epochs=1, verbose=0)
+    assert model._parallel is None and model._forward_module is None
+    assert not distributed.is_distributed() and distributed.is_rank_zero()
+
+
+def test_already_sharded_on_one_process_is_the_data_itself():
+    model = sc.identity_model()
+    x, y = torch.arange(5.0).unsqueeze(1), torch.zeros(5, 1)
+    batches = [(x[:2], y[:2]), (x[2:], y[2:])]
+    assert model.evaluate(distributed.already_sharded(batches), verbose=0) == {"loss": 2.0, "mae": 2.0}
+    assert torch.equal(model.predict(distributed.already_sharded(x), batch_size=2, verbose=0), x)
