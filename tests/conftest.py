@@ -1,0 +1,78 @@
+"""Shared fixtures: a per-test seed, tiny models with fixed weights, the ``requires_cuda`` mark."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fitkit
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    """Every test starts from the same global RNG state (python, numpy, torch)."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def fixed_linear(in_features: int, out_features: int, weight: float = 0.0, bias: float = 0.0) -> nn.Linear:
+    """A ``Linear`` whose every weight is ``weight`` and every bias ``bias``."""
+    layer = nn.Linear(in_features, out_features)
+    with torch.no_grad():
+        layer.weight.fill_(weight)
+        layer.bias.fill_(bias)
+    return layer
+
+
+def fixed_mlp(in_features: int = 3, hidden: int = 8, out_features: int = 1, dropout: float = 0.0) -> nn.Sequential:
+    """Linear-ReLU-Dropout-Linear with weights drawn from a private generator (seed 1234)."""
+    g = torch.Generator().manual_seed(1234)
+    net = nn.Sequential(
+        nn.Linear(in_features, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, out_features)
+    )  # fmt: skip
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return net
+
+
+def cpu_model(module: nn.Module) -> fitkit.Model:
+    return fitkit.Model(module, device="cpu")
+
+
+def params_of(module: nn.Module) -> list[torch.Tensor]:
+    """Detached copies of every parameter and buffer, to compare before / after a call."""
+    return [t.detach().clone() for t in (*module.parameters(), *module.buffers())]
+
+
+def same_params(module: nn.Module, before: list[torch.Tensor]) -> bool:
+    now = [t.detach() for t in (*module.parameters(), *module.buffers())]
+    return len(now) == len(before) and all(torch.equal(a, b) for a, b in zip(now, before))
+
+
+class Probe(nn.Module):
+    """A ``Linear`` that records ``(self.training, torch.is_grad_enabled())`` at every forward."""
+
+    def __init__(self, in_features: int = 2, out_features: int = 2):
+        super().__init__()
+        self.lin = nn.Linear(in_features, out_features)
+        self.calls: list[tuple[bool, bool]] = []
+
+    def forward(self, x):
+        self.calls.append((self.training, torch.is_grad_enabled()))
+        return self.lin(x)
