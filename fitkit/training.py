@@ -337,7 +337,10 @@ class StepMixin:
         logs = self._reduced_logs()
         if not logs:
             return {}
-        values = torch.stack([v.detach().float().reshape(()) for v in logs.values()]).tolist()  # one sync
+        # One transfer for all values (one host sync). float64 keeps the loss, summed in float64,
+        # exact (5/3 stays 1.6666666666666667); MPS has no float64.
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        values = torch.stack([v.detach().to(dtype).reshape(()) for v in logs.values()]).tolist()
         return dict(zip(logs.keys(), values))
 
     def _reduced_logs(self) -> dict[str, torch.Tensor]:

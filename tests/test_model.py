@@ -519,7 +519,7 @@ def test_verbose_2_prints_one_line_per_epoch(capsys):
     assert len(lines) == 2
     assert lines[0].startswith("Epoch 1/2 - 2 steps - ") and " - loss: " in lines[0] and "val_mae: " in lines[0]
     model.evaluate(torch.randn(8, 2), torch.randn(8, 1), verbose=2)
-    assert capsys.readouterr().out.startswith("Evaluate - 1 steps - ")
+    assert capsys.readouterr().out.startswith("Evaluate - 1 step - ")
 
 
 @pytest.mark.requires_cuda

@@ -134,7 +134,7 @@ class ProgressBar(Callback):
         if not is_rank_zero():
             return  # under torchrun only rank 0 prints
         seconds = time.perf_counter() - self._start
-        steps = f" - {self._seen} steps" if self._seen else ""
+        steps = f" - {self._seen} step{'s' if self._seen != 1 else ''}" if self._seen else ""
         text = format_logs(logs or {})
         took = f"{seconds:.1f}s" if seconds >= 1 else f"{seconds * 1000:.0f}ms"
         line = f"{title}{steps} - {took}" + (f" - {text}" if text else "")
