@@ -413,12 +413,17 @@ def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float
         >>> (xt, _, _), (xv, _, _) = split_validation(torch.arange(10), None, None, 0.2)
         >>> xt.tolist(), xv.tolist()
         ([0, 1, 2, 3, 4, 5, 6, 7], [8, 9])
+        >>> (xt, yt, _), (xv, yv, _) = split_validation(np.zeros((10, 2)), np.arange(10), None, 0.1)
+        >>> tuple(xt.shape), yv.tolist()
+        ((9, 2), [9])
     """
     if isinstance(x, DataLoader) or not (is_in_memory(x) or _is_map_dataset(x)):
         raise ValueError(
             "`validation_split` works with tensors, numpy arrays and map-style Datasets only. "
             f"Received x of type {type(x).__name__}. Fix: pass `validation_data=` instead."
         )
+    if not _is_map_dataset(x):  # numpy -> torch first: lengths and slices are the tensors'
+        x, y, sample_weight = (_to_tensor(a) if is_in_memory(a) else a for a in (x, y, sample_weight))
     n = len(x) if _is_map_dataset(x) else _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
     split_at = int(math.floor(n * (1.0 - validation_split)))
     if split_at <= 0 or split_at >= n:

@@ -24,6 +24,16 @@ from fitkit.devices import autocast, move_to_device
 __all__ = ["StepMixin"]
 
 
+def _to_float32(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_to_float32(o) for o in out)
+    if isinstance(out, dict):
+        return {k: _to_float32(v) for k, v in out.items()}
+    return out
+
+
 def _call(module: nn.Module, x: Any) -> Any:
     # A tuple x is several positional inputs, a dict x keyword inputs (API.md).
     if isinstance(x, tuple):
@@ -193,9 +203,14 @@ class StepMixin:
         self.update_metrics(loss, y_pred, y, sample_weight)
 
     def predict_step(self, batch: tuple[Any, Any, Any]) -> Any:
-        """One batch of prediction: the module's output for ``x`` (``y`` is ignored)."""
+        """One batch of prediction: the module's output for ``x`` (``y`` is ignored).
+
+        Under mixed precision the module runs under autocast, and float16 / bfloat16 outputs
+        come back as float32, as a user of ``predict`` expects (Keras returns float32 too).
+        """
         with self._autocast():
-            return self._call_module(batch[0])
+            out = self._call_module(batch[0])
+        return out if self.precision == "32" else _to_float32(out)
 
     # -- backward and step -----------------------------------------------------------------
     def _no_sync(self):

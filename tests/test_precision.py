@@ -109,3 +109,16 @@ def test_unknown_precision():
     model = fitkit.Model(nn.Linear(1, 1), device="cpu")
     with pytest.raises(ValueError, match="Unknown precision 'fp16'. Valid values: 32, bf16-mixed, 16-mixed"):
         model.compile(loss="mse", precision="fp16")
+
+
+def test_predict_under_bf16_returns_float32():
+    model = fitkit.Model(nn.Linear(4, 2), device="cpu")
+    model.compile(loss="mse", precision="bf16-mixed")
+    x = torch.randn(5, 4)
+    out = model.predict(x, verbose=0)
+    assert out.dtype == torch.float32 and out.shape == (5, 2)
+    # the values are the bf16 computation's, widened: they equal a bf16 autocast forward
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model.module(x)
+    assert ref.dtype == torch.bfloat16
+    assert torch.equal(out, ref.float())

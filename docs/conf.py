@@ -1,0 +1,123 @@
+"""Sphinx configuration for the fitkit docs.
+
+Build the site:     sphinx-build -W -b html docs docs/_build/html
+Run every example:  sphinx-build -W -b doctest docs docs/_build/doctest
+
+The build never touches the network: intersphinx reads the small inventories in
+``_inventories/`` (hand-written, Sphinx inventory format version 1) instead of downloading
+``objects.inv`` from docs.python.org and docs.pytorch.org.
+"""
+
+from __future__ import annotations
+
+import doctest
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the fitkit next to these docs, installed or not
+
+import fitkit  # noqa: E402
+
+project = "fitkit"
+author = "the fitkit authors"
+copyright = "the fitkit authors, Apache-2.0"
+release = version = fitkit.__version__
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.doctest",
+    "sphinx.ext.intersphinx",
+    "sphinx.ext.viewcode",
+    "matplotlib.sphinxext.plot_directive",
+]
+
+exclude_patterns = ["_build", "_inventories", "Thumbs.db", ".DS_Store"]
+
+# -- autodoc / napoleon -----------------------------------------------------------------------
+autodoc_typehints = "signature"  # hints in the signature; the prose says what they mean
+autodoc_typehints_format = "short"
+autodoc_member_order = "bysource"
+autodoc_preserve_defaults = True
+autodoc_default_options = {"members": True}
+autoclass_content = "both"  # class docstring + __init__ docstring
+autosummary_generate = False  # the API pages are written by hand, the content is autodoc's
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+napoleon_use_admonition_for_examples = False
+python_use_unqualified_type_names = True
+
+# -- intersphinx, offline ---------------------------------------------------------------------
+# Each entry names a local inventory file, so `sphinx-build` never fetches anything.
+intersphinx_mapping = {
+    "python": ("https://docs.python.org/3", "_inventories/python.inv"),
+    "torch": ("https://docs.pytorch.org/docs/stable", "_inventories/torch.inv"),
+}
+intersphinx_timeout = 1
+
+# Type hints are stringified from where a class is defined (``torch.nn.modules.module.Module``);
+# the docs of PyTorch list the public path. These aliases point the former to the latter.
+_TYPE_ALIASES = {
+    "torch.nn.modules.module.Module": "torch.nn.Module",
+    "torch.optim.optimizer.Optimizer": "torch.optim.Optimizer",
+    "torch.utils.data.dataloader.DataLoader": "torch.utils.data.DataLoader",
+    "torch.utils.data.dataset.Dataset": "torch.utils.data.Dataset",
+    "torch.amp.grad_scaler.GradScaler": "torch.amp.GradScaler",
+    "nn.Module": "torch.nn.Module",
+    "torch._C.Generator": "torch.Generator",
+}
+
+
+def _resolve_alias(app, env, node, contnode):
+    target = node.get("reftarget")
+    if node.get("refdomain") != "py" or target not in _TYPE_ALIASES:
+        return None
+    from sphinx.ext import intersphinx
+
+    node["reftarget"] = _TYPE_ALIASES[target]
+    return intersphinx.missing_reference(app, env, node, contnode)
+
+
+# -- doctest ----------------------------------------------------------------------------------
+# Every example in the tutorials runs under `sphinx-build -b doctest`, seeded, on the CPU.
+# One CPU thread: the printed numbers then do not depend on the core count, and a loaded
+# machine does not slow the build down with oversubscribed thread pools.
+doctest_global_setup = f"""
+import os
+os.environ.setdefault("FITKIT_DEVICE", "cpu")
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+DOCS_DIR = {str(HERE)!r}
+"""
+doctest_default_flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE | doctest.DONT_ACCEPT_TRUE_FOR_1
+# Only `.. doctest::` / `.. testcode::` blocks run here. The `>>>` examples of the API
+# docstrings (shown in the reference pages) run under `pytest --doctest-modules`, in the
+# namespace of their own module.
+doctest_test_doctest_blocks = ""
+
+# -- figures drawn at build time (matplotlib's plot directive) ------------------------------
+plot_formats = [("png", 110)]
+plot_html_show_formats = False
+plot_html_show_source_link = False
+plot_rcparams = {"figure.dpi": 110}
+
+# -- HTML -------------------------------------------------------------------------------------
+html_theme = "furo"
+html_title = f"fitkit {release}"
+html_static_path = ["_static"]
+html_css_files = ["fitkit.css"]
+html_show_sourcelink = False
+html_theme_options = {
+    "sidebar_hide_name": False,
+    "navigation_with_keys": True,
+}
+pygments_style = "friendly"
+pygments_dark_style = "monokai"
+
+
+def setup(app):
+    app.connect("missing-reference", _resolve_alias)
