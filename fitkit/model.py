@@ -242,14 +242,57 @@ class Model(StepMixin, CheckpointMixin):
         validation_batch_size: int | None = None,
         validation_freq: int | list[int] = 1,
     ) -> History:
-        """Train for ``range(initial_epoch, epochs)`` and return the :class:`History`.
+        """Train for ``range(initial_epoch, epochs)`` and return the :class:`~fitkit.History`.
 
         ``epochs`` is the index of the last epoch (Keras): ``fit(..., initial_epoch=2,
-        epochs=5)`` runs 3 epochs. See the module docs of :mod:`fitkit.data` for the inputs.
+        epochs=5)`` runs 3 epochs. Submodules the user left in train mode train in train mode,
+        frozen (``.eval()``) ones stay frozen; validation runs in eval mode under ``no_grad``;
+        every flag and the grad mode are restored afterwards. Epoch loss and metrics are exact
+        per-sample means (the loss weighted by ``sample_weight``: ``sum(w * l) / sum(w)``).
+
+        Args:
+            x: inputs ``(N, ...)`` as a tensor or numpy array; a tuple (``module(*x)``) or dict
+                (``module(**x)``) of them; or a ``Dataset``, a ``DataLoader`` or any iterable of
+                batches ``x``, ``(x, y)`` or ``(x, y, sample_weight)``.
+            y: targets ``(N, ...)`` for in-memory ``x``; ``None`` for the other kinds.
+            batch_size: samples per batch (in-memory ``x`` and Datasets); per process under
+                torchrun.
+            epochs: index of the last epoch (not a count; see above).
+            verbose: 0 silent, 1 progress bar, 2 one line per epoch, ``"auto"``: 1 on a
+                terminal or notebook, else 2.
+            callbacks: :class:`~fitkit.callbacks.Callback` objects, called in list order
+                (History and the progress bar last).
+            validation_split: fraction in ``[0, 1)`` taken from the end of the arrays before
+                shuffling (arrays, tensors and Datasets only).
+            validation_data: ``(x_val, y_val)``, ``(x_val, y_val, sample_weight)``, a Dataset,
+                a DataLoader or an iterable; its logs get a ``val_`` prefix.
+            shuffle: reshuffle in-memory data and Datasets every epoch (one ``randperm``).
+            class_weight: ``{class_index: weight}``, folded into the sample weights.
+            sample_weight: ``(N,)`` weights for in-memory ``x`` or a Dataset.
+            initial_epoch: the epoch to start at (resume).
+            steps_per_epoch: batches per epoch; needed for infinite iterables.
+            validation_steps: batches per validation.
+            validation_batch_size: default ``batch_size``.
+            validation_freq: validate every n epochs, or at the listed (1-based) epochs.
+
+        Returns:
+            The :class:`~fitkit.History`: ``history.history[key]`` is a list of floats per
+            epoch (``loss``, metrics, ``learning_rate``, ``val_*``).
 
         Raises:
             RuntimeError: ``compile`` was not called.
-            TypeError / ValueError: bad arguments or data, raised before the first step.
+            TypeError: an argument of the wrong type.
+            ValueError: a bad value or data (lengths, shapes, labels), raised before the first
+                step for in-memory data, so the weights are left as they were.
+
+        Example:
+            >>> _ = torch.manual_seed(0)
+            >>> model = Model(nn.Linear(2, 1), device="cpu")
+            >>> model.compile(optimizer="sgd", loss="mse")
+            >>> history = model.fit(torch.zeros(10, 2), torch.ones(10, 1), epochs=3,
+            ...                     batch_size=5, verbose=0)
+            >>> history.epoch, sorted(history.history)
+            ([0, 1, 2], ['learning_rate', 'loss'])
         """
         self._require_compiled("fit")
         batch_size = 32 if batch_size is None else batch_size
@@ -364,11 +407,34 @@ class Model(StepMixin, CheckpointMixin):
     ) -> dict[str, float]:
         """Loss and metrics over the data, as exact per-sample means: ``{"loss": ..., ...}``.
 
-        Runs every submodule in eval mode with autograd off and restores both afterwards.
+        Runs every submodule in eval mode with autograd off and restores both afterwards. A
+        short last batch counts by its size (not a mean of batch means); under torchrun the
+        values are reduced over all ranks, every sample counted once.
+
+        Args:
+            x: inputs, as for :meth:`fit`.
+            y: targets for in-memory ``x``.
+            batch_size: samples per batch (in-memory ``x`` and Datasets).
+            verbose: 0, 1, 2 or ``"auto"`` (see :meth:`fit`).
+            sample_weight: ``(N,)`` weights for the loss.
+            steps: evaluate this many batches only.
+            callbacks: callbacks whose ``on_test_*`` hooks run.
+
+        Returns:
+            ``{"loss": float, <metric>: float, ...}``.
 
         Raises:
             RuntimeError: ``compile`` was not called.
-            TypeError / ValueError: bad arguments or data.
+            TypeError: an argument of the wrong type.
+            ValueError: a bad value or data (lengths, shapes, labels).
+
+        Example:
+            >>> model = Model(nn.Linear(1, 1), device="cpu")
+            >>> _ = nn.init.zeros_(model.module.weight), nn.init.zeros_(model.module.bias)
+            >>> model.compile(loss="mse", metrics=["mae"])
+            >>> model.evaluate(torch.zeros(5, 1), torch.tensor([[1.0], [1], [1], [1], [4]]),
+            ...                batch_size=2, verbose=0)
+            {'loss': 4.0, 'mae': 1.600000023841858}
         """
         self._require_compiled("evaluate")
         batch_size = 32 if batch_size is None else batch_size
@@ -407,12 +473,29 @@ class Model(StepMixin, CheckpointMixin):
     ) -> Any:
         """Outputs for every input row, in input order, on the CPU.
 
+        Runs in eval mode under ``no_grad``. ``(x, y)`` batches are accepted and ``y`` is
+        ignored. Under mixed precision, outputs come back as float32. Under torchrun every
+        rank gets every row once, in input order.
+
+        Args:
+            x: inputs, as for :meth:`fit` (targets, if any, are ignored).
+            batch_size: samples per batch (in-memory ``x`` and Datasets).
+            verbose: 0, 1, 2 or ``"auto"`` (see :meth:`fit`).
+            steps: predict this many batches only.
+            callbacks: callbacks whose ``on_predict_*`` hooks run.
+
         Returns:
-            The module's output structure (a tensor, or a tuple / list / dict of them) with
-            every batch concatenated on dim 0.
+            The module's output structure (a tensor ``(N, ...)``, or a tuple / list / dict of
+            them) with every batch concatenated on dim 0.
 
         Raises:
-            TypeError / ValueError: bad arguments or data.
+            TypeError: an argument of the wrong type.
+            ValueError: a bad value.
+
+        Example:
+            >>> model = Model(nn.Linear(3, 2), device="cpu")
+            >>> model.predict(torch.zeros(10, 3), batch_size=4, verbose=0).shape
+            torch.Size([10, 2])
         """
         batch_size = 32 if batch_size is None else batch_size
         _check_int("batch_size", batch_size, 1)

@@ -425,7 +425,29 @@ class StepMixin:
         return tuple(move_to_device(a, self.device) for a in conv)  # type: ignore[return-value]
 
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
-        """One optimizer step on one batch; returns that batch's loss and metrics."""
+        """One optimizer step on one batch; returns that batch's loss and metrics.
+
+        Args:
+            x: the batch's inputs ``(B, ...)`` (tensors or numpy arrays, or a tuple / dict).
+            y: its targets ``(B, ...)``.
+            sample_weight: ``(B,)`` weights for the loss.
+
+        Returns:
+            ``{"loss": float, <metric>: float, ...}`` for this batch alone.
+
+        Raises:
+            RuntimeError: ``compile`` was not called.
+
+        Example:
+            >>> import fitkit
+            >>> model = fitkit.Model(nn.Linear(1, 1, bias=False), device="cpu")
+            >>> _ = nn.init.ones_(model.module.weight)
+            >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
+            >>> model.train_on_batch(torch.ones(2, 1), torch.zeros(2, 1))
+            {'loss': 1.0}
+            >>> round(model.module.weight.item(), 6)  # w - lr * 2 * w * x^2
+            0.8
+        """
         self._require_compiled("train_on_batch")
         from fitkit.model import _modes
 
@@ -436,7 +458,19 @@ class StepMixin:
         return self._epoch_logs()
 
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
-        """Loss and metrics of one batch in eval mode, without training."""
+        """Loss and metrics of one batch in eval mode, without training.
+
+        Args:
+            x: the batch's inputs ``(B, ...)``.
+            y: its targets ``(B, ...)``.
+            sample_weight: ``(B,)`` weights for the loss.
+
+        Returns:
+            ``{"loss": float, <metric>: float, ...}`` for this batch.
+
+        Raises:
+            RuntimeError: ``compile`` was not called.
+        """
         self._require_compiled("test_on_batch")
         from fitkit.model import _modes
 
@@ -446,7 +480,14 @@ class StepMixin:
         return self._epoch_logs()
 
     def predict_on_batch(self, x: Any) -> Any:
-        """The module's output for one batch in eval mode, on the CPU."""
+        """The module's output for one batch in eval mode under ``no_grad``, on the CPU.
+
+        Args:
+            x: the batch's inputs ``(B, ...)``.
+
+        Returns:
+            The module's output structure for the batch.
+        """
         from fitkit.model import _concat, _modes
 
         with _modes(self.module, training=False, grad=False):
