@@ -90,8 +90,9 @@ class GPT(nn.Module):
     residual projections of each block (``attn.proj``, ``mlp.fc2``) normal(0,
     0.02 / sqrt(2 * n_layer)) (GPT-2 paper, section 2.3).
 
-    The forward pass returns logits only; train it with cross-entropy over ``(B*T, V)``
-    logits and ``(B*T,)`` targets.
+    The forward pass returns logits only; ``compile(loss="cross_entropy")`` takes them as
+    ``(B, T, V)`` with ``(B, T)`` targets (the mean over all ``B*T`` positions).
+    ``python -m fitkit.examples.shakespeare`` trains it with nanoGPT's recipe.
 
     Args:
         vocab_size: Vocabulary size ``V``.
