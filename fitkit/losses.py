@@ -10,6 +10,7 @@ weights give ``sum(w * l) / sum(w)``.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Loss", "MultiLoss", "resolve_loss", "LOSSES"]
+__all__ = ["Loss", "MultiLoss", "resolve_loss", "class_layout", "LOSSES"]
 
 # name -> (functional, kind). kind says how targets are matched to predictions.
 LOSSES: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
@@ -50,6 +51,34 @@ def _shape(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
+def class_layout(y_pred: torch.Tensor, y: torch.Tensor, previous: str | None = None) -> str | None:
+    """Where the classes are in ``y_pred`` for integer targets ``y``: ``"dim1"``, ``"last"``, or None.
+
+    ``"dim1"`` is PyTorch's layout (``(B, C, d1, ...)`` with ``y`` ``(B, d1, ...)``), ``"last"``
+    the language-model layout (``(B, T, V)`` with ``y`` ``(B, T)``). When both fit (``T == V``),
+    the layout seen before is kept; with none seen before, ``"last"`` is chosen, with a
+    warning once, since that ambiguity mostly comes from a GPT whose context equals its
+    vocabulary.
+
+    Example:
+        >>> class_layout(torch.zeros(2, 5), torch.zeros(2)), class_layout(torch.zeros(2, 7, 5), torch.zeros(2, 7))
+        ('dim1', 'last')
+    """
+    dim1 = y_pred.dim() >= 2 and y.shape == y_pred.shape[:1] + y_pred.shape[2:]
+    last = y_pred.dim() >= 3 and y.shape == y_pred.shape[:-1]
+    if dim1 and last:
+        if previous is None:
+            warnings.warn(
+                f"Logits {_shape(y_pred)} with class indices {_shape(y)} fit two layouts; fitkit "
+                "treats the last dimension as the classes (B, T, V). If your classes are on dim 1 "
+                "(B, C, L), use an L that differs from C, or pass a callable loss.",
+                stacklevel=4,
+            )
+            return "last"
+        return previous
+    return "last" if last else "dim1" if dim1 else None
+
+
 class Loss:
     """A loss in PyTorch's order with fitkit's target handling.
 
@@ -70,6 +99,7 @@ class Loss:
     def __init__(self, fn: Callable[..., torch.Tensor], kind: str, name: str):
         self.fn, self.kind, self.name = fn, kind, name
         self.class_last = False  # set per call for class_index losses
+        self._layout: str | None = None  # the class layout seen first, kept when ambiguous
 
     def prepare(self, y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Match ``y`` to ``y_pred`` (dtype and shape); raise ``ValueError`` when they cannot."""
@@ -108,11 +138,10 @@ class Loss:
             )
         if y.dtype != torch.long:
             y = y.long()
-        if y_pred.dim() >= 2 and y.shape == y_pred.shape[:1] + y_pred.shape[2:]:
-            self.class_last = False  # PyTorch layout: classes on dim 1
-            return y_pred, y
-        if y_pred.dim() >= 3 and y.shape == y_pred.shape[:-1]:
-            self.class_last = True  # language-model layout (B, T, V) with (B, T)
+        layout = class_layout(y_pred, y, previous=self._layout)
+        if layout is not None:
+            self._layout = layout
+            self.class_last = layout == "last"
             return y_pred, y
         raise ValueError(
             f"Loss '{self.name}' got logits {_shape(y_pred)} and class indices {_shape(y)}. "

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fitkit.losses import class_layout
+
 if TYPE_CHECKING:
     import torchmetrics
 
@@ -102,9 +104,8 @@ def infer_task(y_pred: torch.Tensor, y: torch.Tensor, loss_kind: str | None = No
     integer = not y.is_floating_point()
     binary_like = integer or loss_kind == "binary"
     if y_pred.dim() == y.dim() + 1 and integer:
-        # Same preference as the loss: PyTorch's layout (classes on dim 1) first, then the
-        # language-model layout (B, T, V) with targets (B, T).
-        if y.shape != y_pred.shape[:1] + y_pred.shape[2:] and y.shape == y_pred.shape[:-1]:
+        # The loss's rule (fitkit.losses.class_layout), so that loss and metrics agree.
+        if class_layout(y_pred, y, previous="last") == "last":
             return "multiclass", int(y_pred.shape[-1]), True
         if y_pred.shape[1] == 1:
             return "binary", 2, False
