@@ -91,6 +91,7 @@ class ProgressBar(Callback):
         self.refresh_interval = refresh_interval
         self.console = console or Console()
         self._progress: Progress | None = None
+        self._pending: tuple[str, int | None] | None = None
         self._task: Any = None
         self._last = 0.0
         self._start = 0.0
@@ -99,8 +100,16 @@ class ProgressBar(Callback):
     # -- live bar helpers ---------------------------------------------------------------
     def _open(self, description: str, total: int | None) -> None:
         self._start = self._last = time.perf_counter()
+        self._pending = None
         if self.verbose != 1 or not is_rank_zero() or not (self.console.is_terminal or self.console.is_jupyter):
             return  # a live bar in a log file is noise: the summary line is enough
+        # The bar itself starts at the first refresh: a phase shorter than refresh_interval
+        # draws nothing but its summary line (no flicker, and no rendering cost).
+        self._pending = (description, total)
+
+    def _start_bar(self) -> None:
+        description, total = self._pending
+        self._pending = None
         self._progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -112,16 +121,18 @@ class ProgressBar(Callback):
             transient=True,  # replaced by one summary line when the phase ends
             auto_refresh=False,  # redrawn from the batch hook, throttled: no thread, no GIL fight
         )
-        self._progress.start()
         self._task = self._progress.add_task(description, total=total, metrics="")
+        self._progress.start()
 
     def _tick(self, batch: int, logs: Mapping[str, Any] | None) -> None:
-        if self._progress is None:
+        if self._progress is None and self._pending is None:
             return
         now = time.perf_counter()
         if now - self._last < self.refresh_interval:
             return
         self._last = now
+        if self._progress is None:
+            self._start_bar()
         text = format_logs(logs) if logs else ""
         self._progress.update(self._task, completed=batch + 1, metrics=text)
         self._progress.refresh()
@@ -138,7 +149,7 @@ class ProgressBar(Callback):
         text = format_logs(logs or {})
         took = f"{seconds:.1f}s" if seconds >= 1 else f"{seconds * 1000:.0f}ms"
         line = f"{title}{steps} - {took}" + (f" - {text}" if text else "")
-        self.console.print(line, highlight=False, soft_wrap=True)
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     # -- fit -----------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
