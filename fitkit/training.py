@@ -449,7 +449,7 @@ class StepMixin:
             0.8
         """
         self._require_compiled("train_on_batch")
-        from fitkit.model import _modes
+        from fitkit.evaluation import _modes
 
         self._reset_trackers()
         self._micro_last, self._micro_scale = True, None
@@ -472,7 +472,7 @@ class StepMixin:
             RuntimeError: ``compile`` was not called.
         """
         self._require_compiled("test_on_batch")
-        from fitkit.model import _modes
+        from fitkit.evaluation import _modes
 
         self._reset_trackers()
         with _modes(self.module, training=False, grad=False):
@@ -488,7 +488,7 @@ class StepMixin:
         Returns:
             The module's output structure for the batch.
         """
-        from fitkit.model import _concat, _modes
+        from fitkit.evaluation import _concat, _modes
 
         with _modes(self.module, training=False, grad=False):
             return _concat([self.predict_step(self._as_batch(x, None, None))])
