@@ -210,3 +210,35 @@ class EvaluationMixin:
                     break
             cbs.on_predict_end({})
         return _distributed.gather_predictions(_concat(outputs), loader)  # torchrun: all rows, every rank
+
+    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
+        """Loss and metrics of one batch in eval mode, without training.
+
+        Args:
+            x: the batch's inputs ``(B, ...)``.
+            y: its targets ``(B, ...)``.
+            sample_weight: ``(B,)`` weights for the loss.
+
+        Returns:
+            ``{"loss": float, <metric>: float, ...}`` for this batch.
+
+        Raises:
+            RuntimeError: ``compile`` was not called.
+        """
+        self._require_compiled("test_on_batch")
+        self._reset_trackers()
+        with _modes(self.module, training=False, grad=False):
+            self.test_step(self._as_batch(x, y, sample_weight))
+        return self._epoch_logs()
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """The module's output for one batch in eval mode under ``no_grad``, on the CPU.
+
+        Args:
+            x: the batch's inputs ``(B, ...)``.
+
+        Returns:
+            The module's output structure for the batch.
+        """
+        with _modes(self.module, training=False, grad=False):
+            return _concat([self.predict_step(self._as_batch(x, None, None))])

@@ -20,6 +20,7 @@ from fitkit import compile as _compile
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit.devices import autocast, move_to_device
+from fitkit.tracking import TrackerMixin
 
 __all__ = ["StepMixin"]
 
@@ -43,7 +44,7 @@ def _call(module: nn.Module, x: Any) -> Any:
     return module(x)
 
 
-class StepMixin:
+class StepMixin(TrackerMixin):
     """Steps and trackers of :class:`fitkit.Model` (a mixin; see the Model for the API)."""
 
     _parallel: Any = None  # a fitkit.distributed.Parallel under torchrun (set by the Model)
@@ -69,14 +70,6 @@ class StepMixin:
         self._lr_used: Any = None
         self._example_x: Any = None
         self._reset_trackers()
-
-    def _reset_trackers(self) -> None:
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self._loss_total = torch.zeros((), dtype=dtype, device=self.device)
-        self._loss_count: float = 0
-        self._loss_wsum: torch.Tensor | None = None
-        self.metrics.reset()
-        self._stop_agreed = False
 
     # -- the forward -----------------------------------------------------------------------
     def _wrap_forward(self) -> nn.Module | None:
@@ -152,24 +145,6 @@ class StepMixin:
         total = w.sum()
         # A batch whose weights are all zero contributes a zero loss, not 0/0.
         return (per_sample * w).sum() / torch.where(total == 0, torch.ones_like(total), total)
-
-    def update_metrics(self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None) -> None:
-        """Add a batch to the epoch's running loss and metrics (on the device, no sync).
-
-        Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch.
-        """
-        if loss is not None:
-            if sample_weight is None:
-                n = _data.batch_size_of(y if y is not None else y_pred)
-                if n:  # an empty batch (a rank's share of a short last batch) adds nothing, not 0/0
-                    self._loss_total.add_(loss.detach(), alpha=n)
-                    self._loss_count += n
-            else:
-                ws = sample_weight.detach().sum()
-                self._loss_total.add_(loss.detach() * ws)
-                self._loss_wsum = ws if self._loss_wsum is None else self._loss_wsum + ws
-        if self.metrics.entries != [] and y is not None:
-            self.metrics.update(y_pred, y)
 
     def train_step(self, batch: tuple[Any, Any, Any]) -> None:
         """One (micro-)batch of training: forward, loss, backward, and the optimizer step.
@@ -334,41 +309,6 @@ class StepMixin:
                 if self._stop_now():
                     return
 
-    # -- logs ------------------------------------------------------------------------------
-    def _running_logs(self) -> dict[str, torch.Tensor]:
-        logs: dict[str, torch.Tensor] = {}
-        denom = self._loss_count if self._loss_wsum is None else self._loss_wsum + self._loss_count
-        if self._loss_count or self._loss_wsum is not None:
-            logs["loss"] = (self._loss_total / denom).float()
-        for e in self.metrics.entries or []:
-            if e.metric.update_count:
-                # Batch logs are rank-local: a distributed sync here could deadlock when only
-                # rank 0 reads them (the progress bar).
-                with e.metric.sync_context(should_sync=False, should_unsync=False):
-                    logs[e.key] = e.metric.compute()
-        return logs
-
-    def _epoch_logs(self) -> dict[str, float]:
-        logs = self._reduced_logs()
-        if not logs:
-            return {}
-        # One transfer for all values (one host sync). float64 keeps the loss, summed in float64,
-        # exact (5/3 stays 1.6666666666666667); MPS has no float64.
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        values = torch.stack([v.detach().to(dtype).reshape(()) for v in logs.values()]).tolist()
-        return dict(zip(logs.keys(), values))
-
-    def _reduced_logs(self) -> dict[str, torch.Tensor]:
-        logs: dict[str, torch.Tensor] = {}
-        total, count, wsum = self._loss_total, self._loss_count, self._loss_wsum
-        if self._parallel is not None:  # sums over ranks before the division (metrics sync in compute)
-            total, count, wsum = _distributed.reduce_loss_totals(total, count, wsum)
-        denom = count if wsum is None else wsum + count
-        if count or wsum is not None:
-            logs["loss"] = total / denom
-        logs.update(self.metrics.compute())
-        return logs
-
     # -- checks before the first step ------------------------------------------------------
     def _preflight(self, loader: _data.DeviceLoader) -> None:
         """Run the first batch of in-memory data through module and loss, changing nothing.
@@ -456,39 +396,3 @@ class StepMixin:
         with _modes(self.module, training=None, grad=True):
             self.train_step(self._as_batch(x, y, sample_weight))
         return self._epoch_logs()
-
-    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
-        """Loss and metrics of one batch in eval mode, without training.
-
-        Args:
-            x: the batch's inputs ``(B, ...)``.
-            y: its targets ``(B, ...)``.
-            sample_weight: ``(B,)`` weights for the loss.
-
-        Returns:
-            ``{"loss": float, <metric>: float, ...}`` for this batch.
-
-        Raises:
-            RuntimeError: ``compile`` was not called.
-        """
-        self._require_compiled("test_on_batch")
-        from fitkit.evaluation import _modes
-
-        self._reset_trackers()
-        with _modes(self.module, training=False, grad=False):
-            self.test_step(self._as_batch(x, y, sample_weight))
-        return self._epoch_logs()
-
-    def predict_on_batch(self, x: Any) -> Any:
-        """The module's output for one batch in eval mode under ``no_grad``, on the CPU.
-
-        Args:
-            x: the batch's inputs ``(B, ...)``.
-
-        Returns:
-            The module's output structure for the batch.
-        """
-        from fitkit.evaluation import _concat, _modes
-
-        with _modes(self.module, training=False, grad=False):
-            return _concat([self.predict_step(self._as_batch(x, None, None))])
