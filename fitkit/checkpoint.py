@@ -138,6 +138,25 @@ class CheckpointMixin:
         """Write the module's state dict to ``path`` atomically (under torchrun: rank 0 writes).
 
         With ``strategy="fsdp"`` gathering the state is a collective: call it on every rank.
+        The file holds only tensors (no optimizer state); reload it with :meth:`load_weights`.
+
+        Args:
+            path: the file to write; missing parent folders are created, an existing file is
+                replaced.
+
+        Raises:
+            OSError: the file cannot be written (the old file, if any, is left as it was).
+
+        Example:
+            >>> import os, tempfile
+            >>> from torch import nn
+            >>> import fitkit
+            >>> _ = torch.manual_seed(0)
+            >>> model = fitkit.Model(nn.Linear(2, 1), device="cpu")
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     model.save_weights(os.path.join(d, "weights.pt"))
+            ...     sorted(torch.load(os.path.join(d, "weights.pt"), weights_only=True))
+            ['bias', 'weight']
         """
         state = self.state_dict()  # unwrapped: no `module.` prefixes, full tensors under FSDP
         if is_rank_zero():
@@ -146,8 +165,31 @@ class CheckpointMixin:
     def load_weights(self, path: str | os.PathLike, strict: bool = True) -> None:
         """Load a state dict saved by :meth:`save_weights` (or a checkpoint) onto ``model.device``.
 
+        The file is read with ``torch.load(..., weights_only=True)``. A file written by
+        :meth:`save_checkpoint` works too: only its module weights are loaded.
+
+        Args:
+            path: the file to read.
+            strict: require the file's keys to match the module's exactly, as in
+                ``nn.Module.load_state_dict``.
+
         Raises:
-            RuntimeError: an unsafe file (pickled code), or keys that do not match.
+            FileNotFoundError: no file at ``path``.
+            RuntimeError: an unsafe file (pickled code; refused before it runs), keys that do
+                not match (with ``strict=True``), or tensors of the wrong shape.
+
+        Example:
+            >>> import os, tempfile
+            >>> from torch import nn
+            >>> import fitkit
+            >>> _ = torch.manual_seed(0)
+            >>> model = fitkit.Model(nn.Linear(2, 1), device="cpu")
+            >>> other = fitkit.Model(nn.Linear(2, 1), device="cpu")
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     model.save_weights(os.path.join(d, "weights.pt"))
+            ...     other.load_weights(os.path.join(d, "weights.pt"))
+            >>> torch.equal(other.module.weight, model.module.weight)
+            True
         """
         state = safe_load(path, self.device)
         if isinstance(state, dict) and "module" in state and "fitkit_version" in state:
@@ -195,6 +237,13 @@ class CheckpointMixin:
         Under torchrun rank 0 writes (its RNG states); the state is unwrapped, so the file
         resumes at any world size. With ``strategy="fsdp"`` call it on every rank (gathering
         the shards is a collective).
+
+        Args:
+            path: the file to write; missing parent folders are created, an existing file is
+                replaced.
+
+        Raises:
+            OSError: the file cannot be written (the old file, if any, is left as it was).
         """
         state = self.checkpoint_state()
         if is_rank_zero():
@@ -212,12 +261,17 @@ class CheckpointMixin:
         and callback states are applied when ``fit`` reaches that point, so code run in
         between does not change the result.
 
+        Args:
+            path: a file written by :meth:`save_checkpoint`.
+
         Returns:
-            ``k``: the epoch to pass as ``initial_epoch``.
+            ``k``: the epoch to pass as ``initial_epoch`` (0-based).
 
         Raises:
-            RuntimeError: the model is not compiled (the optimizer must exist), or the file
-                is unsafe.
+            FileNotFoundError: no file at ``path``.
+            RuntimeError: the model is not compiled (the optimizer must exist), the file is
+                unsafe, or its weights do not match the module.
+            ValueError: the file is not a fitkit checkpoint (e.g. one from :meth:`save_weights`).
         """
         self._require_compiled("load_checkpoint")
         state = safe_load(path, self.device)

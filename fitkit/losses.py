@@ -20,7 +20,9 @@ from torch import nn
 
 __all__ = ["Loss", "MultiLoss", "resolve_loss", "class_layout", "LOSSES"]
 
-# name -> (functional, kind). kind says how targets are matched to predictions.
+#: The loss names that ``compile(loss=...)`` accepts, each mapped to ``(functional, kind)``;
+#: ``kind`` (``"regression"``, ``"class_index"`` or ``"binary"``) says how targets meet
+#: predictions.
 LOSSES: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
     "mse": (F.mse_loss, "regression"),
     "mean_squared_error": (F.mse_loss, "regression"),

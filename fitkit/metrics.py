@@ -74,6 +74,8 @@ def _make_regression(name: str) -> Any:
     return getattr(regression, cls_name)(**kwargs)
 
 
+#: The metric names that ``compile(metrics=[...])`` accepts, classification names first (the
+#: task, binary / multiclass / multilabel, is inferred from the first batch), then regression.
 METRIC_NAMES = tuple(_CLASSIFICATION) + tuple(_REGRESSION)
 
 
@@ -183,6 +185,15 @@ class MetricSet:
 
     @property
     def keys(self) -> list[str]:
+        """The log names of the metrics, in the order given (known before the first batch).
+
+        A name logs as itself, a ``torchmetrics.Metric`` as its class name in snake case, a
+        dict entry as its key.
+
+        Example:
+            >>> MetricSet(["accuracy", "mae"]).keys, MetricSet({"acc": "accuracy"}).keys
+            (['accuracy', 'mae'], ['acc'])
+        """
         return [k for k, _ in self.specs]
 
     def higher_is_better(self, key: str) -> bool | None:
@@ -296,10 +307,25 @@ class MetricSet:
         return out
 
     def reset(self) -> None:
+        """Clear every metric's state (at the start of each epoch and evaluation).
+
+        Example:
+            >>> ms = MetricSet(["accuracy"])
+            >>> ms.update(torch.tensor([[2.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0]))
+            >>> ms.compute()
+            {'accuracy': tensor(0.5000)}
+            >>> ms.reset(); ms.compute()
+            {}
+        """
         for e in self.entries or []:
             e.metric.reset()
 
     def to(self, device: torch.device) -> None:
+        """Move the metric states to ``device``, in place; metrics built later are created there.
+
+        Args:
+            device: the model's device.
+        """
         self.device = device
         for e in self.entries or []:
             e.metric.to(device)

@@ -93,7 +93,24 @@ class Model(StepMixin, EvaluationMixin, CheckpointMixin):
         return self.module(*args, **kwargs)
 
     def to(self, device: str | torch.device) -> Model:
-        """Move the module, the optimizer state and the metric state to ``device``."""
+        """Move the module, the optimizer state and the metric state to ``device``.
+
+        Args:
+            device: ``"auto"``, a device string such as ``"cpu"`` or ``"cuda:1"``, or a
+                ``torch.device`` (as for :class:`Model`).
+
+        Returns:
+            The model itself, with ``model.device`` set to the resolved device.
+
+        Raises:
+            TypeError: ``device`` is neither a string nor a ``torch.device``.
+            ValueError: not a device name, or a device this machine lacks.
+
+        Example:
+            >>> model = Model(nn.Linear(2, 1), device="cpu")
+            >>> model.to("cpu") is model, model.device
+            (True, device(type='cpu'))
+        """
         self.device = resolve_device(device)
         self.module.to(self.device)
         if self.optimizer is not None:
@@ -107,13 +124,40 @@ class Model(StepMixin, EvaluationMixin, CheckpointMixin):
 
         With ``strategy="fsdp"`` under torchrun it is the full, unsharded state: a collective
         that every rank calls; rank 0 gets the tensors on the CPU, other ranks an empty dict.
+
+        Returns:
+            ``{name: tensor}``, as ``nn.Module.state_dict`` returns it. Without FSDP the tensors
+            share storage with the module's: clone them to keep a snapshot.
+
+        Example:
+            >>> sorted(Model(nn.Linear(2, 1), device="cpu").state_dict())
+            ['bias', 'weight']
         """
         if self._parallel is not None:
             return self._parallel.state_dict(self.module)
         return self.module.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
-        """Load a module state dict (as ``nn.Module.load_state_dict``; a full one under FSDP)."""
+        """Load a module state dict (as ``nn.Module.load_state_dict``; a full one under FSDP).
+
+        Args:
+            state_dict: ``{name: tensor}``, e.g. from :meth:`state_dict`, without ``module.``
+                or ``_orig_mod.`` prefixes; tensors are copied onto the module's device.
+            strict: require the keys to match the module's exactly.
+
+        Returns:
+            ``nn.Module.load_state_dict``'s named tuple of ``missing_keys`` and
+            ``unexpected_keys``.
+
+        Raises:
+            RuntimeError: keys that do not match (with ``strict=True``) or tensors of the
+                wrong shape.
+
+        Example:
+            >>> a, b = Model(nn.Linear(2, 1), device="cpu"), Model(nn.Linear(2, 1), device="cpu")
+            >>> b.load_state_dict(a.state_dict())
+            <All keys matched successfully>
+        """
         if self._parallel is not None:
             return self._parallel.load_state_dict(self.module, state_dict, strict=strict)
         return self.module.load_state_dict(state_dict, strict=strict)
@@ -416,8 +460,17 @@ class Model(StepMixin, EvaluationMixin, CheckpointMixin):
 
         Output shapes come from the last batch fit / evaluate saw; ``?`` before that.
 
+        Args:
+            print_fn: called with the table; default: print it to the terminal with rich
+                (under torchrun, on rank 0 only).
+
         Returns:
-            The ``rich.table.Table``.
+            The ``rich.table.Table``: one row per submodule, then a ``Total`` row.
+
+        Example:
+            >>> model = Model(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), device="cpu")
+            >>> [list(c.cells) for c in model.summary(print_fn=lambda table: None).columns[:2]]
+            [['0', '1', 'Total'], ['Linear', 'ReLU', '']]
         """
         return summary_table(self, print_fn)
 

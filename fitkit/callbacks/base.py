@@ -9,6 +9,7 @@ import torch
 
 __all__ = ["Callback", "CallbackList", "History", "BatchLogs", "HOOKS"]
 
+#: The names of the callback hooks, in the order of the :class:`Callback` protocol.
 HOOKS = (
     "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
     "on_train_batch_begin", "on_train_batch_end", "on_backward_end",
@@ -41,9 +42,21 @@ class Callback:
         self.params: dict[str, Any] = {}
 
     def set_model(self, model: Any) -> None:
+        """Set ``self.model``; called by :class:`CallbackList` before any hook runs.
+
+        Args:
+            model: the :class:`fitkit.Model` being trained, evaluated or run.
+        """
         self.model = model
 
     def set_params(self, params: dict[str, Any]) -> None:
+        """Set ``self.params``; called by :class:`CallbackList` before any hook runs.
+
+        Args:
+            params: ``epochs`` (``None`` in ``evaluate`` / ``predict``), ``steps`` (batches
+                per epoch, ``None`` when unknown), ``verbose`` and, in ``fit``,
+                ``do_validation``; one dict, shared by every callback of the call.
+        """
         self.params = params
 
     def state_dict(self) -> dict[str, Any]:
@@ -53,21 +66,82 @@ class Callback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
-    def on_train_begin(self, logs=None): ...
-    def on_train_end(self, logs=None): ...
-    def on_epoch_begin(self, epoch, logs=None): ...
-    def on_epoch_end(self, epoch, logs=None): ...
-    def on_train_batch_begin(self, batch, logs=None): ...
-    def on_train_batch_end(self, batch, logs=None): ...
-    def on_backward_end(self, batch): ...
-    def on_test_begin(self, logs=None): ...
-    def on_test_end(self, logs=None): ...
-    def on_test_batch_begin(self, batch, logs=None): ...
-    def on_test_batch_end(self, batch, logs=None): ...
-    def on_predict_begin(self, logs=None): ...
-    def on_predict_end(self, logs=None): ...
-    def on_predict_batch_begin(self, batch, logs=None): ...
-    def on_predict_batch_end(self, batch, logs=None): ...
+    def on_train_begin(self, logs=None):
+        """Called once per ``fit``, before the first epoch; ``logs`` is an empty dict."""
+
+    def on_train_end(self, logs=None):
+        """Called once per ``fit``, after the last epoch run (early stops included).
+
+        ``logs`` holds the last epoch's logs, as in :meth:`on_epoch_end` (``{}`` if none ran).
+        """
+
+    def on_epoch_begin(self, epoch, logs=None):
+        """Called at the start of each epoch (``epoch``: 0-based index); ``logs`` is empty."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        """Called after each epoch (``epoch``: 0-based index) and its validation, if any.
+
+        ``logs`` holds Python floats: ``loss``, the metrics, ``learning_rate`` and, on epochs
+        that validate, ``val_`` keys. Keys a callback adds are seen by later callbacks.
+        """
+
+    def on_train_batch_begin(self, batch, logs=None):
+        """Called before each training batch (``batch``: 0-based index in the epoch).
+
+        ``logs`` is an empty dict.
+        """
+
+    def on_train_batch_end(self, batch, logs=None):
+        """Called after each training batch (``batch``: 0-based index in the epoch).
+
+        ``logs`` is a :class:`BatchLogs` of running epoch means (``loss``, metrics): detached
+        0-dim tensors on the model's device, computed only when a key is read.
+        """
+
+    def on_backward_end(self, batch):
+        """Called after the backward pass of each batch that steps, before the optimizer step.
+
+        Gradients are unscaled (mixed precision) and not yet clipped; with gradient accumulation
+        only the last batch of each group steps. ``batch``: 0-based index in the epoch; no logs.
+        """
+
+    def on_test_begin(self, logs=None):
+        """Called at the start of ``evaluate`` and of each validation in ``fit``.
+
+        ``logs`` is an empty dict.
+        """
+
+    def on_test_end(self, logs=None):
+        """Called at the end of ``evaluate`` or of a validation in ``fit``.
+
+        ``logs`` holds Python floats (``loss``, metrics), without the ``val_`` prefix.
+        """
+
+    def on_test_batch_begin(self, batch, logs=None):
+        """Called before each evaluation batch (``batch``: 0-based index); ``logs`` is empty."""
+
+    def on_test_batch_end(self, batch, logs=None):
+        """Called after each evaluation batch (``batch``: 0-based index).
+
+        ``logs`` is a :class:`BatchLogs` as in :meth:`on_train_batch_end`: running means of this
+        evaluation (or validation) so far, detached 0-dim tensors, computed only if read.
+        """
+
+    def on_predict_begin(self, logs=None):
+        """Called at the start of ``predict``; ``logs`` is an empty dict."""
+
+    def on_predict_end(self, logs=None):
+        """Called at the end of ``predict``; ``logs`` is an empty dict."""
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        """Called before each prediction batch (``batch``: 0-based index); ``logs`` is empty."""
+
+    def on_predict_batch_end(self, batch, logs=None):
+        """Called after each prediction batch (0-based ``batch``).
+
+        ``logs["outputs"]`` is that batch's module output, on the model's device (float32
+        under mixed precision).
+        """
 
     # Internal: run after every callback's on_train_batch_end / on_epoch_end for the same
     # event, so a checkpoint written here holds every callback's updated state and the
@@ -242,6 +316,23 @@ class CallbackList:
             self._hooks[save] = [getattr(cb, save) for cb in writers if _overrides(cb, save)]
 
     def wants(self, hook: str) -> bool:
+        """Whether any callback overrides ``hook``, so that the loop may skip building its logs.
+
+        Args:
+            hook: a hook name, one of ``HOOKS``.
+
+        Returns:
+            ``True`` if calling ``hook`` would run at least one callback (for
+            ``on_train_batch_end`` and ``on_epoch_end``, a checkpoint writer counts too).
+
+        Raises:
+            KeyError: ``hook`` is not a hook name.
+
+        Example:
+            >>> cl = CallbackList([History()], model=None, params={})
+            >>> cl.wants("on_epoch_end"), cl.wants("on_train_batch_end")
+            (True, False)
+        """
         return bool(self._hooks[hook]) or (hook in _SAVE_HOOKS and bool(self._hooks[_SAVE_HOOKS[hook]]))
 
     def _call(self, hook: str, *args: Any) -> None:
