@@ -1,0 +1,59 @@
+"""Data: anything in, ``(x, y, sample_weight)`` batches on the device out.
+
+:func:`as_loader` is the one entry point. In-memory tensors and numpy arrays take a fast path
+(one ``randperm`` per epoch and index slicing, no per-sample collate); map-style ``Dataset``
+objects get a ``DataLoader``; ``DataLoader`` objects and any other iterable of batches are
+iterated as they are. :class:`DeviceLoader` is the only place where a batch changes device.
+
+- :mod:`~fitkit.data.arrays`: in-memory data: ``is_in_memory``, ``batch_size_of``,
+  ``TensorBatches`` (the fast path), ``split_validation`` and the nested-structure helpers.
+- :mod:`~fitkit.data.loaders`: ``as_loader``, ``DeviceLoader``, ``unpack_batch``,
+  ``ClassWeights`` and the wrappers for Datasets and iterables of batches.
+"""
+
+from __future__ import annotations
+
+# The private names are re-exported too: fitkit.model, fitkit.training and fitkit.distributed
+# reach them as `fitkit.data._index`, `fitkit.data._to_tensor`, ...
+from fitkit.data.arrays import (  # noqa: F401
+    Batch,
+    TensorBatches,
+    _check_lengths,
+    _index,
+    _is_map_dataset,
+    _leaves,
+    _sample_weight_tensor,
+    _to_tensor,
+    batch_size_of,
+    is_in_memory,
+    split_validation,
+)
+from fitkit.data.loaders import (  # noqa: F401
+    ClassWeights,
+    DeviceLoader,
+    _IterableBatches,
+    _WeightedDataset,
+    as_loader,
+    unpack_batch,
+)
+
+__all__ = [
+    "as_loader",
+    "DeviceLoader",
+    "TensorBatches",
+    "is_in_memory",
+    "split_validation",
+    "unpack_batch",
+    "batch_size_of",
+    "CharTokenizer",
+    "NextTokenDataset",
+]
+
+
+def __getattr__(name: str):
+    # The text helpers live in fitkit.text; they are re-exported here lazily.
+    if name in ("CharTokenizer", "NextTokenDataset"):
+        from fitkit import text
+
+        return getattr(text, name)
+    raise AttributeError(f"module 'fitkit.data' has no attribute {name!r}")

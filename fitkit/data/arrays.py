@@ -1,0 +1,266 @@
+"""In-memory data: tensors and numpy arrays, or tuples / lists / dicts whose leaves all are.
+
+The fast path of :func:`~fitkit.data.as_loader`: :class:`TensorBatches` slices batches out of
+tensors with one ``randperm`` per epoch, and :func:`split_validation` cuts off the validation
+part before any shuffling. The private helpers walk such nested structures (convert, index,
+check lengths) and are shared with :mod:`~fitkit.data.loaders`, ``fitkit.training`` and
+``fitkit.distributed``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
+
+from fitkit.devices import move_to_device
+
+__all__ = ["is_in_memory", "batch_size_of", "TensorBatches", "split_validation"]
+
+Batch = tuple[Any, Any, Any]
+
+
+def is_in_memory(x: Any) -> bool:
+    """Whether ``x`` is a tensor, a numpy array, or a tuple / list / dict whose leaves all are.
+
+    A list of ``(x, y)`` tuples is not in memory in this sense: it is an iterable of batches.
+
+    Example:
+        >>> is_in_memory((torch.zeros(3), np.zeros(3))), is_in_memory([1, 2, 3])
+        (True, False)
+        >>> is_in_memory([(torch.zeros(2, 3), torch.zeros(2))])
+        False
+    """
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(x, (tuple, list)):
+        # (x1, x2) of arrays is several inputs; a list of (x, y) tuples is a list of batches.
+        return len(x) > 0 and all(
+            is_in_memory(v) and not isinstance(v, (tuple, list)) for v in x
+        )
+    if isinstance(x, Mapping):
+        return len(x) > 0 and all(is_in_memory(v) for v in x.values())
+    return False
+
+
+def _to_tensor(a: Any) -> Any:
+    """numpy -> torch (float64 becomes the default float dtype, as Keras casts to floatx)."""
+    if isinstance(a, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t.to(torch.get_default_dtype()) if t.dtype == torch.float64 else t
+    if isinstance(a, torch.Tensor):
+        return a
+    if isinstance(a, (tuple, list)):
+        return type(a)(_to_tensor(v) for v in a)
+    return {k: _to_tensor(v) for k, v in a.items()}
+
+
+def _leaves(a: Any) -> list[torch.Tensor]:
+    if isinstance(a, torch.Tensor):
+        return [a]
+    if isinstance(a, (tuple, list)):
+        return [t for v in a for t in _leaves(v)]
+    if isinstance(a, Mapping):
+        return [t for v in a.values() for t in _leaves(v)]
+    return []
+
+
+def _index(a: Any, idx: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return a[idx]
+    if isinstance(a, (tuple, list)):
+        return type(a)(_index(v, idx) for v in a)
+    if isinstance(a, Mapping):
+        return {k: _index(v, idx) for k, v in a.items()}
+    return a
+
+
+def batch_size_of(x: Any) -> int:
+    """Number of samples in a batch: the first dimension of its first tensor (1 if none).
+
+    Example:
+        >>> batch_size_of({"a": torch.zeros(5, 2)})
+        5
+    """
+    leaves = _leaves(x)
+    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 1
+
+def _check_lengths(named: dict[str, Any]) -> int:
+    lengths: dict[str, int] = {}
+    for name, value in named.items():
+        if value is None:
+            continue
+        for leaf in _leaves(value):
+            if leaf.dim() == 0:
+                raise ValueError(
+                    f"Expected `{name}` to have a batch dimension. Received a 0-dim tensor. "
+                    f"Fix: pass `{name}` with shape (N, ...)."
+                )
+            lengths.setdefault(name, int(leaf.shape[0]))
+            if int(leaf.shape[0]) != lengths[name]:
+                raise ValueError(
+                    f"All arrays inside `{name}` must have the same length. Received lengths "
+                    f"{[int(t.shape[0]) for t in _leaves(value)]}."
+                )
+    if len(set(lengths.values())) > 1:
+        got = ", ".join(f"{k}: {v}" for k, v in lengths.items())
+        raise ValueError(
+            f"`x`, `y` and `sample_weight` must have the same number of samples. Received {got}. "
+            "Fix: make the first dimensions match."
+        )
+    return next(iter(lengths.values()), 0)
+
+
+class TensorBatches:
+    """Batches sliced from in-memory tensors: the fast path.
+
+    Each epoch draws one ``torch.randperm(N)`` from the global generator (exactly what a
+    hand-written loop does, so results match it) and yields index slices; no per-sample
+    collate. Without shuffling, batches are contiguous views.
+
+    Args:
+        x: inputs, a tensor or a tuple / list / dict of tensors with ``N`` rows.
+        y: targets with ``N`` rows, or ``None``.
+        sample_weight: ``(N,)`` weights, or ``None``.
+        batch_size: samples per batch; the last batch may be smaller.
+        shuffle: reshuffle every epoch.
+
+    Example:
+        >>> tb = TensorBatches(torch.arange(5.0), None, None, batch_size=2, shuffle=False)
+        >>> [b[0].tolist() for b in tb.iterate(0)]
+        [[0.0, 1.0], [2.0, 3.0], [4.0]]
+    """
+
+    def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int, shuffle: bool):
+        self.x, self.y, self.w = x, y, sample_weight
+        self.n = _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+
+    @property
+    def num_batches(self) -> int:
+        """Batches per epoch, ``ceil(N / batch_size)`` (the last one may be smaller).
+
+        Example:
+            >>> tb = TensorBatches(torch.zeros(5, 3), None, None, batch_size=2, shuffle=False)
+            >>> tb.num_batches
+            3
+        """
+        return math.ceil(self.n / self.batch_size)
+
+    def to(self, device: torch.device) -> TensorBatches:
+        """Keep the data on ``device`` (done once, for small data sets on an accelerator)."""
+        self.x, self.y, self.w = (move_to_device(a, device) for a in (self.x, self.y, self.w))
+        return self
+
+    def iterate(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
+        """Yield one epoch of ``(x, y, sample_weight)`` batches of up to ``batch_size`` rows.
+
+        With shuffling, the permutation is drawn from the global generator on the first
+        ``next``, before any batch is skipped, so a resumed epoch replays the same order.
+
+        Args:
+            epoch: the 0-based epoch index (unused here; the same signature as other sources).
+            skip: batches to leave out at the start of the epoch (a mid-epoch resume).
+
+        Yields:
+            ``(x, y, sample_weight)``, each sliced to ``b <= batch_size`` rows (``(b, ...)``;
+            ``sample_weight`` ``(b,)``); ``y`` and ``sample_weight`` are ``None`` if not given.
+
+        Example:
+            >>> tb = TensorBatches(torch.arange(6), None, None, batch_size=4, shuffle=True)
+            >>> _ = torch.manual_seed(0); full = [b[0].tolist() for b in tb.iterate(0)]
+            >>> _ = torch.manual_seed(0); rest = [b[0].tolist() for b in tb.iterate(0, skip=1)]
+            >>> full, rest
+            ([[2, 5, 3, 0], [1, 4]], [[1, 4]])
+        """
+        bs = self.batch_size
+        x, y, w = self.x, self.y, self.w
+        if self.shuffle:
+            perm = torch.randperm(self.n)
+            leaves = _leaves(x)
+            if leaves and leaves[0].device != perm.device:
+                perm = perm.to(leaves[0].device)
+            for i in range(skip * bs, self.n, bs):
+                idx = perm[i : i + bs]
+                yield (
+                    x[idx] if isinstance(x, torch.Tensor) else _index(x, idx),
+                    None if y is None else (y[idx] if isinstance(y, torch.Tensor) else _index(y, idx)),
+                    None if w is None else w[idx],
+                )
+        else:
+            for i in range(skip * bs, self.n, bs):
+                sl = slice(i, i + bs)
+                yield _index(x, sl), _index(y, sl), None if w is None else w[sl]
+
+
+def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float):
+    """Split off the last ``validation_split`` fraction (before any shuffling; Keras' rule).
+
+    Returns:
+        ``((x, y, w) for training, (x, y, w) for validation)``; for a ``Dataset`` ``x`` the
+        parts are ``Subset`` objects.
+
+    Raises:
+        ValueError: ``validation_split`` outside ``[0, 1)``, a split that leaves no training or
+            no validation sample, or an input that cannot be split (a DataLoader or iterable).
+
+    Example:
+        >>> (xt, _, _), (xv, _, _) = split_validation(torch.arange(10), None, None, 0.2)
+        >>> xt.tolist(), xv.tolist()
+        ([0, 1, 2, 3, 4, 5, 6, 7], [8, 9])
+        >>> (xt, yt, _), (xv, yv, _) = split_validation(np.zeros((10, 2)), np.arange(10), None, 0.1)
+        >>> tuple(xt.shape), yv.tolist()
+        ((9, 2), [9])
+    """
+    if isinstance(x, DataLoader) or not (is_in_memory(x) or _is_map_dataset(x)):
+        raise ValueError(
+            "`validation_split` works with tensors, numpy arrays and map-style Datasets only. "
+            f"Received x of type {type(x).__name__}. Fix: pass `validation_data=` instead."
+        )
+    if not _is_map_dataset(x):  # numpy -> torch first: lengths and slices are the tensors'
+        x, y, sample_weight = (_to_tensor(a) if is_in_memory(a) else a for a in (x, y, sample_weight))
+    n = len(x) if _is_map_dataset(x) else _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
+    split_at = int(math.floor(n * (1.0 - validation_split)))
+    if split_at <= 0 or split_at >= n:
+        raise ValueError(
+            f"`validation_split={validation_split}` on {n} samples leaves "
+            f"{split_at} for training and {n - split_at} for validation; both need at least one. "
+            "Fix: use a split in (0, 1) that keeps samples on both sides."
+        )
+    def part(a, sl):
+        return None if a is None else _index(a, sl)
+
+    head, tail = slice(0, split_at), slice(split_at, n)
+    if _is_map_dataset(x):
+        if y is not None:
+            raise ValueError(
+                f"`y` must be None when `x` is a {type(x).__name__}: the targets come from its "
+                "items. Fix: have it return `(x, y)` items and drop `y=`."
+            )
+        w = None if sample_weight is None else _sample_weight_tensor(sample_weight)
+        if w is not None and len(w) != n:
+            raise ValueError(
+                f"`sample_weight` has {len(w)} entries but the Dataset has {n} samples. "
+                "Fix: pass one weight per sample."
+            )
+        return (Subset(x, range(split_at)), None, part(w, head)), (Subset(x, range(split_at, n)), None, part(w, tail))
+    return tuple(part(a, head) for a in (x, y, sample_weight)), tuple(part(a, tail) for a in (x, y, sample_weight))
+
+
+def _is_map_dataset(x: Any) -> bool:
+    return isinstance(x, Dataset) and not isinstance(x, IterableDataset) and hasattr(x, "__len__")
+
+
+def _sample_weight_tensor(sample_weight: Any) -> torch.Tensor:
+    w = _to_tensor(sample_weight) if is_in_memory(sample_weight) else torch.as_tensor(sample_weight)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+        raise ValueError(
+            "Expected `sample_weight` to be a 1-D array with one weight per sample. "
+            f"Received shape {tuple(getattr(w, 'shape', ()))}. Fix: pass shape (N,)."
+        )
+    return w if w.is_floating_point() else w.to(torch.get_default_dtype())
