@@ -1,0 +1,100 @@
+"""Scale-out under ``torchrun``: process group, DDP / FSDP2, data shards, exact reductions.
+
+Launched by ``torchrun`` (``WORLD_SIZE`` > 1), the same script trains data-parallel with no
+code change: :class:`fitkit.Model` starts the process group (nccl on CUDA, gloo on CPU) on
+its ``LOCAL_RANK`` device, wraps the module at ``compile()`` (DDP, or FSDP2 ``fully_shard``
+with ``strategy="fsdp"``) and shards every input per rank. fitkit launches nothing itself.
+
+What makes the numbers exact, not approximately right:
+
+- **No duplicates.** In-memory tensors: one global permutation per epoch (drawn on rank 0 from
+  the global torch generator, exactly as one process draws it, then broadcast), cut into global
+  batches of ``batch_size * world_size`` samples; rank ``r`` gets the ``r``-th contiguous
+  share of each. A one-process run with ``batch_size * world_size`` sees the same global
+  batches. A ``DataLoader`` gets a ``DistributedSampler`` (same shuffle and batch size); the
+  samples it repeats to even out the shards are cut off on the host, where their positions
+  are known (local position ``j`` on rank ``r`` is global position ``r + j * W``).
+- **Same steps on every rank.** A rank whose share of the short last batch is empty still runs
+  the step (forward and backward on an empty batch, zero contribution), so DDP's all-reduce
+  never waits for a rank that is not coming.
+- **Exact gradients.** Each rank backpropagates ``sum(w * l) * W / global_weight``, with
+  ``global_weight`` all-reduced on the device (no host sync), so DDP's gradient average is the
+  single-process mean over the global batch, short last batches included.
+- **Exact logs.** Epoch loss totals and counts are summed over ranks before the division;
+  torchmetrics metrics sync their states in ``compute()``. Every rank gets the same History.
+
+What a script should know:
+
+- ``batch_size`` is per process; the global batch is ``batch_size * world_size``.
+- Every rank runs the same calls (``fit``, ``evaluate``, ``predict``, ``save_checkpoint``):
+  they contain collectives. Inputs fitkit cannot shard (iterables of batches,
+  ``IterableDataset``) raise ``ValueError`` unless wrapped in :func:`already_sharded`.
+- ``model.stop_training`` set on some ranks only stops every rank where the ranks agree: after
+  ``on_backward_end`` when a callback uses that hook (``TerminateOnNaN``), else at the end of
+  the epoch. A step vetoed on one rank (``TerminateOnNaN``) is skipped on all.
+- Rank 0 prints and writes files; ``save_weights`` / ``save_checkpoint`` write on rank 0 only
+  and hold the plain module's state. Under ``strategy="fsdp"`` gathering that state is a
+  collective, so those two must be called on every rank.
+- A process group you start yourself is used as it is; create the ``Model`` after it.
+
+The package, one concern per module (everything is re-exported here):
+
+- :mod:`~fitkit.distributed.group`: the process group, ranks and collectives, and the exact
+  loss reductions (``init_if_needed``, ``rank``, ``any_rank``, ``global_share``, ...).
+- :mod:`~fitkit.distributed.parallel`: ``Model(strategy=...)``, DDP / FSDP2 wrapping and full
+  state dicts (``check_strategy``, ``Parallel``).
+- :mod:`~fitkit.distributed.sharding`: each rank's share of the data and ``predict``'s rows
+  gathered back (``already_sharded``, ``shard``, ``gather_predictions``).
+
+Example:
+    >>> world_size(), rank(), is_distributed(), is_rank_zero()
+    (1, 0, False, True)
+    >>> check_strategy("fsdp")
+    'fsdp'
+"""
+
+# Names outside __all__ are re-exported too: fitkit.data, fitkit.training, fitkit.tracking and
+# fitkit.evaluation call `fitkit.distributed.shard`, `.global_share`, `.gather_predictions`, ...
+from fitkit.checkpoint import is_rank_zero
+from fitkit.distributed import parallel
+from fitkit.distributed.group import (  # noqa: F401
+    all_gather_object,
+    all_reduce_sum,
+    any_rank,
+    global_share,
+    init_if_needed,
+    is_distributed,
+    launched_by_torchrun,
+    rank,
+    reduce_loss_totals,
+    world_size,
+)
+from fitkit.distributed.parallel import Parallel, check_strategy
+from fitkit.distributed.sharding import (  # noqa: F401
+    ShardedLoaderBatches,
+    ShardedTensorBatches,
+    already_sharded,
+    gather_predictions,
+    shard,
+    unwrap,
+)
+
+#: Values of ``Model(strategy=...)``: "auto" is DDP under torchrun, nothing on one process.
+STRATEGIES = parallel.STRATEGIES  # the same tuple; bound here too so Sphinx finds this comment
+
+__all__ = [
+    "STRATEGIES",
+    "launched_by_torchrun",
+    "init_if_needed",
+    "is_distributed",
+    "is_rank_zero",
+    "rank",
+    "world_size",
+    "all_reduce_sum",
+    "any_rank",
+    "all_gather_object",
+    "already_sharded",
+    "check_strategy",
+    "Parallel",
+    "shard",
+]

@@ -1,0 +1,184 @@
+"""The process group, this process's rank, and the collectives fitkit runs on it.
+
+Every function works on one process too (no group: rank 0 of 1, collectives return their
+input), so callers need no ``if is_distributed()`` of their own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_started_here = False  # whether fitkit started the process group (and so tears it down)
+
+
+# -- where am I --------------------------------------------------------------------------
+def launched_by_torchrun() -> bool:
+    """Whether ``torchrun`` (or an equivalent launcher) started this process in a group of > 1.
+
+    Reads ``WORLD_SIZE``, ``RANK`` and ``MASTER_ADDR``, which torchrun sets for every worker.
+    """
+    try:
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    return size > 1 and "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def is_distributed() -> bool:
+    """Whether a default process group of more than one process is running."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 when not distributed)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Processes in the default group (1 when not distributed)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def init_if_needed(device: torch.device) -> bool:
+    """Start the default process group when launched by torchrun and none is running yet.
+
+    nccl for a CUDA ``device`` (made the current device first), gloo otherwise. A group that
+    fitkit starts is destroyed at interpreter exit; a group the user started is left alone.
+
+    Args:
+        device: this rank's device (``cuda:LOCAL_RANK`` under torchrun on GPUs).
+
+    Returns:
+        Whether this call started the group.
+    """
+    global _started_here
+    if not launched_by_torchrun() or not dist.is_available() or dist.is_initialized():
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    _started_here = True
+    atexit.register(_teardown)
+    return True
+
+
+def _teardown() -> None:
+    if _started_here and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _comm_device() -> torch.device:
+    """Where collectives want their tensors: the current CUDA device for nccl, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# -- collectives -------------------------------------------------------------------------
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t`` over ranks, on ``t``'s device (a device op: no host sync on nccl).
+
+    Example:
+        >>> all_reduce_sum(torch.tensor([1.0, 2.0]))  # one process: unchanged
+        tensor([1., 2.])
+    """
+    if not is_distributed():
+        return t
+    dev = _comm_device()
+    buf = t.detach().to(dev, copy=True)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    return buf.to(t.device)
+
+
+def any_rank(*flags: bool) -> tuple[bool, ...] | bool:
+    """For each flag: whether it is set on any rank (one all-reduce and one host read).
+
+    Example:
+        >>> any_rank(True), any_rank(False, True)
+        (True, (False, True))
+    """
+    if is_distributed():
+        t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32).to(_comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        flags = tuple(bool(v) for v in t.tolist())
+    return bool(flags[0]) if len(flags) == 1 else tuple(bool(f) for f in flags)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` in rank order (pickled: for small or CPU-side objects only)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast_from_zero(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``t`` on every rank (same shape and dtype on all ranks), on ``t``'s device."""
+    buf = t.to(_comm_device(), copy=True)
+    dist.broadcast(buf, src=0)
+    return buf.to(t.device)
+
+
+def _broadcast_states(tensors: Iterable[torch.Tensor]) -> None:
+    """Overwrite every tensor in place with rank 0's values (parameters, buffers)."""
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(_broadcast_from_zero(t.detach()))
+
+
+def _draw_seed(generator: torch.Generator | None = None) -> int:
+    """A seed drawn on rank 0 (as ``RandomSampler`` draws one) and shared with every rank."""
+    seed = torch.zeros((), dtype=torch.int64)
+    if rank() == 0:
+        seed = torch.empty((), dtype=torch.int64).random_(generator=generator)
+    return int(_broadcast_from_zero(seed).item())  # one host sync per epoch
+
+
+# -- exact reductions of the loss --------------------------------------------------------
+def global_share(sizes: list[Any]) -> torch.Tensor:
+    """``total / W`` with ``total`` the sum of ``sizes`` over all ranks, as a device tensor.
+
+    ``size / global_share(sizes)`` is then a micro-batch's share ``size * W / total`` of the
+    global group: DDP divides the summed gradients by ``W``, so scaling each rank's mean loss by
+    it gives the single-process mean over the global group. A group whose weights are all zero
+    gets a share of 0, not 0/0. Host sizes are filled into the device tensor (a kernel
+    argument, no copy), so nothing waits for the device.
+    """
+    total = sum(sizes)
+    dev = _comm_device()
+    dtype = torch.float64 if dev.type != "mps" else torch.float32
+    if isinstance(total, torch.Tensor):
+        t = total.detach().to(dev, dtype).reshape(1)
+    else:
+        t = torch.full((1,), float(total), dtype=dtype, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    t = torch.where(t == 0, torch.ones_like(t), t)[0] / dist.get_world_size()
+    device = sizes[0].device if isinstance(sizes[0], torch.Tensor) else None
+    return t if device is None or device == t.device else t.to(device)
+
+
+def reduce_loss_totals(total: torch.Tensor, count: float, wsum: torch.Tensor | None):
+    """Sum an epoch's loss total, sample count and weight sum over ranks (one all-reduce).
+
+    Returns:
+        ``(total, count, wsum)`` over all ranks: a device tensor, a float, a device tensor or
+        ``None`` when no rank had sample weights.
+    """
+    vec = torch.zeros(4, dtype=total.dtype, device=total.device)
+    vec[0] = total
+    vec[1] = float(count)  # a host number: filled by a kernel, no copy
+    if wsum is not None:
+        vec[2] = wsum
+        vec[3] = 1.0
+    vec = all_reduce_sum(vec)
+    count, has_w = vec[1::2].tolist()  # one host sync, once per epoch
+    return vec[0], count, (vec[2] if has_w else None)

@@ -1,0 +1,264 @@
+"""Each rank's share of the data, and ``predict``'s rows gathered back in input order."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from fitkit.data import DeviceLoader, TensorBatches, _IterableBatches, _index, _leaves, batch_size_of
+from fitkit.distributed.group import (
+    _broadcast_from_zero,
+    _draw_seed,
+    all_gather_object,
+    is_distributed,
+    rank,
+    world_size,
+)
+
+
+# -- data --------------------------------------------------------------------------------
+class _AlreadySharded:
+    def __init__(self, data: Any):
+        self.data = data
+
+
+def already_sharded(data: Any) -> Any:
+    """Mark ``data`` as this rank's own share, so fitkit does not shard it again.
+
+    Use it for inputs fitkit cannot shard (generators, ``IterableDataset``, a ``DataLoader``
+    with a custom batch sampler), or for per-rank tensors. Every rank must then yield the
+    same number of batches per epoch (or pass ``steps_per_epoch`` / ``steps``), since DDP
+    steps all ranks together. Epoch logs are still exact means over all ranks' samples;
+    ``predict`` returns rank 0's rows, then rank 1's, and so on.
+
+    Example:
+        >>> rank_batches = [(torch.zeros(2, 1), torch.zeros(2, 1))]
+        >>> type(already_sharded(rank_batches)).__name__
+        '_AlreadySharded'
+    """
+    return data if isinstance(data, _AlreadySharded) else _AlreadySharded(data)
+
+
+def unwrap(data: Any) -> tuple[Any, bool]:
+    """``(data, True)`` for :func:`already_sharded` data, else ``(data, False)``."""
+    if isinstance(data, _AlreadySharded):
+        return data.data, True
+    return data, False
+
+
+def _share(lo: int, m: int, r: int, w: int) -> tuple[int, int]:
+    """Rank ``r``'s contiguous share ``[a, b)`` of the ``m`` samples that start at ``lo``.
+
+    Shares differ by at most one sample; a global batch of full size gives each rank exactly
+    ``batch_size`` samples.
+    """
+    base, extra = divmod(m, w)
+    a = lo + r * base + min(r, extra)
+    return a, a + base + (r < extra)
+
+
+class ShardedTensorBatches(TensorBatches):
+    """:class:`~fitkit.data.TensorBatches` split over ranks, sample-exact.
+
+    Each epoch uses one permutation of all ``N`` samples, identical on every rank (rank 0
+    draws ``torch.randperm(N)`` from the global generator, as one process would, and
+    broadcasts it), cut into global batches of ``batch_size * world_size``; rank ``r`` takes
+    the ``r``-th contiguous share of each global batch. Every rank runs
+    ``ceil(N / (batch_size * world_size))`` batches; a share of a short last batch may be empty.
+    """
+
+    def __init__(self, src: TensorBatches):
+        super().__init__(src.x, src.y, src.w, src.batch_size, src.shuffle)
+        self.rank, self.world = rank(), world_size()
+
+    @property
+    def num_batches(self) -> int:
+        return math.ceil(self.n / (self.batch_size * self.world))
+
+    def _bounds(self) -> Iterator[tuple[int, int]]:
+        g = self.batch_size * self.world
+        for lo in range(0, self.n, g):
+            yield _share(lo, min(g, self.n - lo), self.rank, self.world)
+
+    def iterate(self, epoch: int, skip: int = 0) -> Iterator[Any]:
+        x, y, w = self.x, self.y, self.w
+        perm = None
+        if self.shuffle:
+            perm = torch.randperm(self.n) if self.rank == 0 else torch.empty(self.n, dtype=torch.int64)
+            perm = _broadcast_from_zero(perm)  # one broadcast of N indices per epoch
+            leaves = _leaves(x)
+            if leaves and leaves[0].device != perm.device:
+                perm = perm.to(leaves[0].device)
+        for s, (a, b) in enumerate(self._bounds()):
+            if s < skip:
+                continue
+            idx = slice(a, b) if perm is None else perm[a:b]
+            yield _index(x, idx), _index(y, idx), None if w is None else w[idx]
+
+    def positions(self) -> torch.Tensor:
+        """Global positions (in epoch order) of the rows this rank yields, in yield order."""
+        return torch.cat([torch.arange(a, b) for a, b in self._bounds()] or [torch.zeros(0, dtype=torch.int64)])
+
+
+class ShardedLoaderBatches(_IterableBatches):
+    """A ``DataLoader`` rebuilt on a ``DistributedSampler``, without its padded duplicates.
+
+    ``DistributedSampler`` repeats up to ``W - 1`` samples so that every rank gets the same
+    count; local position ``j`` on rank ``r`` is global position ``r + j * W``, padding when
+    it is ``>= N``. That is known on the host, so the padded rows are cut off the last batch
+    there (the batch may become empty; the step still runs).
+    """
+
+    def __init__(self, loader: DataLoader, shuffle: bool, generator: torch.Generator | None):
+        super().__init__(loader)
+        self.shuffle, self.generator = shuffle, generator
+        self.rank, self.world = rank(), world_size()
+        n = len(loader.dataset)  # type: ignore[arg-type]
+        self.n = n
+        self.real = max(0, -(-(n - self.rank) // self.world))  # positions r + j*W < n
+
+    def iterate(self, epoch: int, skip: int = 0) -> Iterator[Any]:
+        sampler = self.source.sampler
+        if self.shuffle:
+            sampler.seed = _draw_seed(self.generator)  # rank 0's RNG, as RandomSampler uses it
+        sampler.set_epoch(epoch)
+        return self._truncate(iter(self.source), skip)
+
+    def _truncate(self, it: Iterator[Any], skip: int) -> Iterator[Any]:
+        seen = 0
+        for s, batch in enumerate(it):
+            m = batch_size_of(batch)
+            keep = max(0, min(m, self.real - seen))
+            seen += m
+            if s < skip:
+                continue
+            yield batch if keep == m else _index(batch, slice(0, keep))
+
+    def positions(self) -> torch.Tensor:
+        return self.rank + self.world * torch.arange(self.real)
+
+
+def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
+    from torch.utils.data.distributed import DistributedSampler
+
+    fix = (
+        "Fix: pass tensors, a map-style Dataset or a plain DataLoader(dataset, batch_size=..., "
+        "shuffle=...), or shard the data per rank yourself and pass "
+        "fitkit.distributed.already_sharded(data)."
+    )
+    if isinstance(dl.dataset, IterableDataset):
+        raise ValueError(
+            f"Under torchrun fitkit shards the data per rank, but an IterableDataset "
+            f"({type(dl.dataset).__name__}) cannot be split by index. {fix}"
+        )
+    sampler = dl.sampler
+    if isinstance(sampler, DistributedSampler):
+        if sampler.num_replicas != world_size() or sampler.rank != rank():
+            raise ValueError(
+                f"The DataLoader's DistributedSampler has num_replicas={sampler.num_replicas}, "
+                f"rank={sampler.rank}, but this process is rank {rank()} of {world_size()}. "
+                "Fix: build it with the defaults, or let fitkit shard a plain DataLoader."
+            )
+        return ShardedLoaderBatches(dl, shuffle=False, generator=None)  # the user's seed and shuffle
+    if type(dl) is not DataLoader or dl.batch_size is None or type(dl.batch_sampler) is not BatchSampler:
+        raise ValueError(
+            "Under torchrun fitkit replaces a DataLoader's sampler with a DistributedSampler, "
+            f"which needs a plain DataLoader with a batch_size; received a {type(dl).__name__} "
+            f"with batch_sampler={type(dl.batch_sampler).__name__}. {fix}"
+        )
+    if type(sampler) is SequentialSampler:
+        shuffle = False
+    elif type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        shuffle = True
+    else:
+        raise ValueError(
+            f"Under torchrun fitkit cannot shard a DataLoader whose sampler is a "
+            f"{type(sampler).__name__}: a DistributedSampler only reproduces sequential or "
+            f"shuffled order. {fix}"
+        )
+    new_sampler = DistributedSampler(
+        dl.dataset, num_replicas=world_size(), rank=rank(), shuffle=shuffle, drop_last=False
+    )
+    rebuilt = DataLoader(
+        dl.dataset, batch_size=dl.batch_size, sampler=new_sampler, num_workers=dl.num_workers,
+        collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, drop_last=dl.drop_last,
+        timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
+        multiprocessing_context=dl.multiprocessing_context, generator=dl.generator,
+        prefetch_factor=dl.prefetch_factor, persistent_workers=dl.persistent_workers,
+        pin_memory_device=dl.pin_memory_device,
+    )  # fmt: skip
+    return ShardedLoaderBatches(rebuilt, shuffle=shuffle, generator=dl.generator)
+
+
+def shard(loader: DeviceLoader, already: bool = False) -> DeviceLoader:
+    """Split ``loader``'s batches over the ranks (a no-op on one process).
+
+    Args:
+        loader: what :func:`fitkit.data.as_loader` built.
+        already: the data was marked with :func:`already_sharded`: keep it as it is.
+
+    Raises:
+        ValueError: an input that cannot be sharded (an iterable of batches, an
+            ``IterableDataset``, a DataLoader with a custom sampler or batch sampler).
+    """
+    loader.sharded = "user" if already else False
+    if already or not is_distributed():
+        return loader
+    src = loader.batches
+    if isinstance(src, TensorBatches):
+        loader.batches = ShardedTensorBatches(src)
+    elif isinstance(src, _IterableBatches) and isinstance(src.source, DataLoader):
+        loader.batches = _shard_dataloader(src.source)
+    else:
+        raise ValueError(
+            f"Under torchrun fitkit shards the data per rank, but an iterable of batches "
+            f"({type(getattr(src, 'source', src)).__name__}) cannot be split without "
+            "duplicates. Fix: pass tensors, a Dataset or a DataLoader, or shard the batches "
+            "per rank yourself and pass fitkit.distributed.already_sharded(batches)."
+        )
+    loader.sharded = True
+    return loader
+
+
+# -- predict -----------------------------------------------------------------------------
+def gather_predictions(out: Any, loader: DeviceLoader) -> Any:
+    """Every rank's predictions, every row once, in input order, on every rank (CPU).
+
+    Fitkit-sharded inputs are put back by the global position of each row; inputs marked
+    :func:`already_sharded` are concatenated in rank order.
+    """
+    sharded = getattr(loader, "sharded", False)
+    if not sharded or not is_distributed():
+        return out
+    rows = _rows(out)
+    pos = loader.batches.positions()[:rows] if sharded is True else None
+    parts = all_gather_object((pos, out))
+    if pos is None:
+        return _merge([p for _, p in parts], None, 0)
+    total = sum(len(p) for p, _ in parts)
+    return _merge([o for _, o in parts], [p for p, _ in parts], total)
+
+
+def _rows(out: Any) -> int:
+    leaves = _leaves(out)
+    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 0
+
+
+def _merge(parts: list[Any], positions: list[torch.Tensor] | None, total: int) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if positions is None:
+            return torch.cat(parts)
+        merged = first.new_empty((total, *first.shape[1:]))
+        for pos, part in zip(positions, parts):
+            merged[pos] = part
+        return merged
+    if isinstance(first, (tuple, list)):
+        return type(first)(_merge([p[i] for p in parts], positions, total) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return {k: _merge([p[k] for p in parts], positions, total) for k in first}
+    return [o for p in parts for o in p]  # non-tensor outputs: a list of batch outputs per rank
