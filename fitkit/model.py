@@ -341,15 +341,16 @@ class Model(StepMixin, EvaluationMixin, CheckpointMixin):
         )  # fmt: skip
         val = None
         if validation_data is not None:
-            val = self._validation_loader(validation_data, validation_batch_size or batch_size, validation_steps)
+            val = self._validation_loader(validation_data, validation_batch_size or batch_size)
         self._preflight(train)
         if val is not None:
             self._preflight(val)
         cbs = self._make_callbacks(callbacks, verbose, epochs, train.num_batches)
-        self._fit_loop(train, val, cbs, initial_epoch, epochs, val_epochs)
+        self._fit_loop(train, (val, val_epochs, validation_steps), cbs, initial_epoch, epochs)
         return self.history
 
-    def _fit_loop(self, train, val, cbs: CallbackList, initial_epoch: int, epochs: int, val_epochs) -> None:
+    def _fit_loop(self, train, validation, cbs: CallbackList, initial_epoch: int, epochs: int) -> None:
+        val, val_epochs, val_steps = validation
         self._callbacks, self.stop_training = cbs, False
         self._initial_epoch = initial_epoch  # a callback (BackupAndRestore) may move it
         cbs.params["do_validation"] = val is not None  # a `val_` monitor is checked before step 1
@@ -363,7 +364,7 @@ class Model(StepMixin, EvaluationMixin, CheckpointMixin):
                 for epoch in range(self._initial_epoch, epochs):
                     logs = self._run_epoch(epoch, train, cbs)
                     if val is not None and val_epochs(epoch):
-                        val_logs = self._run_eval(val, cbs, self._callbacks_val_steps)
+                        val_logs = self._run_eval(val, cbs, val_steps)
                         logs.update({f"val_{k}": v for k, v in val_logs.items()})
                     self._step_scheduler_epoch(logs)
                     self._epochs_done = epoch + 1
@@ -408,14 +409,11 @@ class Model(StepMixin, EvaluationMixin, CheckpointMixin):
             self._parallel.sync_buffers(self.module)  # rank 0's BatchNorm statistics on every rank
         self._in_epoch = False
         logs = self._epoch_logs()
-        lr = self._lr_used
-        logs["learning_rate"] = float(lr)
+        logs["learning_rate"] = float(self._lr_used)
         return logs
 
-    # -- evaluate / predict ----------------------------------------------------------------
     # -- helpers ---------------------------------------------------------------------------
-    def _validation_loader(self, validation_data: Any, batch_size: int, steps: int | None):
-        self._callbacks_val_steps = steps
+    def _validation_loader(self, validation_data: Any, batch_size: int):
         # A tuple / list whose every element is a tuple / list is a list of batches (as for `x`).
         arrays = isinstance(validation_data, (tuple, list)) and not all(
             isinstance(b, (tuple, list)) for b in validation_data
@@ -443,7 +441,7 @@ class Model(StepMixin, EvaluationMixin, CheckpointMixin):
         if verbose and not any(isinstance(c, ProgressBar) for c in cbs):
             cbs.append(ProgressBar(verbose))
         params = {"verbose": verbose, "epochs": epochs, "steps": steps}
-        if self.history is not None and history:
+        if history:
             self.history.params = params
         return CallbackList(cbs, self, params)
 

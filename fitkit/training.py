@@ -65,7 +65,6 @@ class StepMixin(TrackerMixin):
         self._stepped = True
         self._skip_step = False
         self._step_hook = None
-        self._callbacks_val_steps = None
         self._epoch = 0
         self._lr_used: Any = None
         self._example_x: Any = None
@@ -279,11 +278,8 @@ class StepMixin(TrackerMixin):
 
     def _micro_batches(self, loader: _data.DeviceLoader) -> Iterator[tuple[int, Any]]:
         """Yield ``(batch_index, batch)``, setting the micro-step flags of each batch."""
-        it = iter(loader)
-        start = 0
         resume = self._take_resume_point()
-        if resume is not None:
-            it, start = resume(loader)
+        it, start = resume(loader) if resume is not None else (iter(loader), 0)
         k = self.gradient_accumulation_steps
         if k == 1 and self._parallel is None:
             self._micro_last, self._micro_scale = True, None
