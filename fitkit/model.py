@@ -18,26 +18,26 @@ from torch import nn
 from fitkit import compile as _compile
 from fitkit import data as _data
 from fitkit import distributed as _distributed
-from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
-from fitkit.callbacks.progress import ProgressBar, resolve_verbose
+from fitkit.callbacks.base import Callback, CallbackList, History
+from fitkit.callbacks.progress import resolve_verbose
 from fitkit.checkpoint import CheckpointMixin
 from fitkit.devices import PRECISIONS, optimizer_to, resolve_device
 from fitkit.evaluation import (
     EvaluationMixin,
     _check_callbacks,
     _check_int,
-    _modes,
 )
+from fitkit.loop import FitLoopMixin, validation_epochs
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
-from fitkit.optim import current_lr, resolve_optimizer, resolve_scheduler
+from fitkit.optim import resolve_optimizer, resolve_scheduler
 from fitkit.summary import summary_table
 from fitkit.training import StepMixin
 
 __all__ = ["Model"]
 
 
-class Model(StepMixin, EvaluationMixin, CheckpointMixin):
+class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
     """Keras-style training for any ``nn.Module``.
 
     Args:
@@ -325,7 +325,7 @@ class Model(StepMixin, EvaluationMixin, CheckpointMixin):
             raise TypeError(f"Expected `shuffle` to be a bool. Received: shuffle={shuffle!r}.")
         if isinstance(validation_split, bool) or not isinstance(validation_split, (int, float)) or not 0 <= validation_split < 1:
             raise ValueError(f"Expected `validation_split` in [0, 1). Received: validation_split={validation_split!r}.")
-        val_epochs = _validation_epochs(validation_freq)
+        val_epochs = validation_epochs(validation_freq)
         verbose = resolve_verbose(verbose)
         callbacks = _check_callbacks(callbacks)
         if x is None:
@@ -341,7 +341,9 @@ class Model(StepMixin, EvaluationMixin, CheckpointMixin):
         )  # fmt: skip
         val = None
         if validation_data is not None:
-            val = self._validation_loader(validation_data, validation_batch_size or batch_size)
+            val = _data.validation_loader(
+                validation_data, batch_size=validation_batch_size or batch_size, device=self.device
+            )
         self._preflight(train)
         if val is not None:
             self._preflight(val)
@@ -349,110 +351,7 @@ class Model(StepMixin, EvaluationMixin, CheckpointMixin):
         self._fit_loop(train, (val, val_epochs, validation_steps), cbs, initial_epoch, epochs)
         return self.history
 
-    def _fit_loop(self, train, validation, cbs: CallbackList, initial_epoch: int, epochs: int) -> None:
-        val, val_epochs, val_steps = validation
-        self._callbacks, self.stop_training = cbs, False
-        self._initial_epoch = initial_epoch  # a callback (BackupAndRestore) may move it
-        cbs.params["do_validation"] = val is not None  # a `val_` monitor is checked before step 1
-        logs: dict[str, float] = {}
-        try:
-            with _modes(self.module, training=None, grad=True):
-                self._warn_if_all_eval()
-                self.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
-                cbs.on_train_begin({})
-                self._apply_resume_at_train_begin()
-                for epoch in range(self._initial_epoch, epochs):
-                    logs = self._run_epoch(epoch, train, cbs)
-                    if val is not None and val_epochs(epoch):
-                        val_logs = self._run_eval(val, cbs, val_steps)
-                        logs.update({f"val_{k}": v for k, v in val_logs.items()})
-                    self._step_scheduler_epoch(logs)
-                    self._epochs_done = epoch + 1
-                    cbs.on_epoch_end(epoch, logs)
-                    if self._stop_now(epoch_end=True):
-                        break
-                cbs.on_train_end(logs)
-        finally:
-            self._callbacks = CallbackList([], self, {})
-            self._in_epoch = False
-            self._resume = None  # a loaded resume point serves one fit only
-
-    def _run_epoch(self, epoch: int, loader: _data.DeviceLoader, cbs: CallbackList) -> dict[str, float]:
-        self._reset_trackers()
-        loader.epoch = epoch
-        self._epoch = epoch
-        self._resume_epoch_begin(epoch)
-        cbs.on_epoch_begin(epoch, {})
-        self._lr_used = current_lr(self.optimizer)
-        self._epoch_rng = torch.get_rng_state()  # replays this epoch's data order on resume
-        self._in_epoch = True
-        want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
-        steps = 0
-        for step, batch in self._micro_batches(loader):
-            if want_begin:
-                cbs.on_train_batch_begin(step, {})
-            self.train_step(batch)
-            steps = step + 1
-            if want_end:
-                cbs.on_train_batch_end(step, BatchLogs(self._running_logs))
-            if self._stop_now():
-                break
-        steps = max(steps, self._resumed_steps)  # a resume may have skipped the whole epoch
-        if steps == 0 or (loader.steps is not None and steps < loader.steps and not self.stop_training):
-            warnings.warn(
-                "The training data ran out before the epoch ended; training stops here. Fix: "
-                "pass data that can be iterated again, or lower `steps_per_epoch`.",
-                stacklevel=3,
-            )
-            self.stop_training = True
-        if self._parallel is not None:
-            self._parallel.sync_buffers(self.module)  # rank 0's BatchNorm statistics on every rank
-        self._in_epoch = False
-        logs = self._epoch_logs()
-        logs["learning_rate"] = float(self._lr_used)
-        return logs
-
     # -- helpers ---------------------------------------------------------------------------
-    def _validation_loader(self, validation_data: Any, batch_size: int):
-        # A tuple / list whose every element is a tuple / list is a list of batches (as for `x`).
-        arrays = isinstance(validation_data, (tuple, list)) and not all(
-            isinstance(b, (tuple, list)) for b in validation_data
-        )
-        if arrays and len(validation_data) in (2, 3) and all(
-            v is None or _data.is_in_memory(v) or i == 0 and _data._is_map_dataset(v)  # Dataset: validation_split
-            for i, v in enumerate(validation_data)
-        ):
-            vx, vy, vw = (*validation_data, None)[:3]
-            return _data.as_loader(vx, vy, vw, batch_size=batch_size, device=self.device)
-        if arrays and (len(validation_data) > 3 or not _data.is_in_memory(validation_data)):
-            raise ValueError(
-                "Expected `validation_data` to be `(x_val, y_val)`, `(x_val, y_val, sample_weight)`,"
-                f" a Dataset, a DataLoader or an iterable. Received a {type(validation_data).__name__}"
-                f" of {len(validation_data)} elements."
-            )
-        return _data.as_loader(validation_data, batch_size=batch_size, device=self.device)
-
-    def _make_callbacks(self, callbacks, verbose, epochs, steps, history: bool = True) -> CallbackList:
-        verbose = verbose if _distributed.is_rank_zero() else 0  # torchrun: rank 0 prints
-        cbs = list(callbacks)
-        if history:
-            self.history = History()
-            cbs.append(self.history)
-        if verbose and not any(isinstance(c, ProgressBar) for c in cbs):
-            cbs.append(ProgressBar(verbose))
-        params = {"verbose": verbose, "epochs": epochs, "steps": steps}
-        if history:
-            self.history.params = params
-        return CallbackList(cbs, self, params)
-
-    def _warn_if_all_eval(self) -> None:
-        if not any(m.training for m in self.module.modules()):
-            warnings.warn(
-                "Every submodule is in eval mode, so fit trains with dropout off and BatchNorm "
-                "statistics frozen. If that is not intended, call `model.module.train()` first.",
-                stacklevel=4,
-            )
-
     def summary(self, print_fn: Any = None) -> Any:
         """Print a rich table of layers: type, output shape (where known), parameters.
 
@@ -480,14 +379,3 @@ def _multi_loss(loss: Any, loss_weights: Any):
             f"Received: loss={loss!r}."
         )
     return MultiLoss(loss, loss_weights)
-
-
-def _validation_epochs(validation_freq: Any):
-    if isinstance(validation_freq, (list, tuple, set)):
-        epochs = set()
-        for v in validation_freq:
-            _check_int("validation_freq", v, 1)
-            epochs.add(int(v))
-        return lambda epoch: epoch + 1 in epochs
-    _check_int("validation_freq", validation_freq, 1)
-    return lambda epoch: (epoch + 1) % validation_freq == 0

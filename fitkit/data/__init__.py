@@ -35,10 +35,12 @@ from fitkit.data.loaders import (  # noqa: F401
     _WeightedDataset,
     as_loader,
     unpack_batch,
+    validation_loader,
 )
 
 __all__ = [
     "as_loader",
+    "validation_loader",
     "DeviceLoader",
     "TensorBatches",
     "is_in_memory",

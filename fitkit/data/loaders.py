@@ -27,7 +27,7 @@ from fitkit.data.arrays import (
 )
 from fitkit.devices import move_to_device
 
-__all__ = ["as_loader", "DeviceLoader", "ClassWeights", "unpack_batch"]
+__all__ = ["as_loader", "validation_loader", "DeviceLoader", "ClassWeights", "unpack_batch"]
 
 
 def unpack_batch(batch: Any) -> Batch:
@@ -336,3 +336,41 @@ def as_loader(
             "Fix: yield `(x, y, sample_weight)` batches instead."
         )
     return distributed.shard(DeviceLoader(x, device, cw, steps), already)
+
+
+def validation_loader(validation_data: Any, *, batch_size: int, device: torch.device) -> DeviceLoader:
+    """The :class:`DeviceLoader` for ``fit(validation_data=...)`` (Keras' forms).
+
+    Args:
+        validation_data: ``(x_val, y_val)`` or ``(x_val, y_val, sample_weight)`` of arrays or
+            tensors, ``(x_val,)`` (for a custom ``compute_loss``), a Dataset, a DataLoader, or
+            any iterable of batches (a list of ``(x, y)`` tuples included).
+        batch_size: samples per batch for arrays and Datasets.
+        device: where batches go.
+
+    Raises:
+        ValueError: a tuple / list of arrays that is none of the forms above.
+
+    Example:
+        >>> dl = validation_loader((torch.zeros(5, 2), torch.zeros(5)), batch_size=2,
+        ...                        device=torch.device("cpu"))
+        >>> dl.num_batches
+        3
+    """
+    # A tuple / list whose every element is a tuple / list is a list of batches (as for `x`).
+    arrays = isinstance(validation_data, (tuple, list)) and not all(
+        isinstance(b, (tuple, list)) for b in validation_data
+    )
+    if arrays and len(validation_data) in (2, 3) and all(
+        v is None or is_in_memory(v) or i == 0 and _is_map_dataset(v)  # Dataset: validation_split
+        for i, v in enumerate(validation_data)
+    ):
+        vx, vy, vw = (*validation_data, None)[:3]
+        return as_loader(vx, vy, vw, batch_size=batch_size, device=device)
+    if arrays and (len(validation_data) > 3 or not is_in_memory(validation_data)):
+        raise ValueError(
+            "Expected `validation_data` to be `(x_val, y_val)`, `(x_val, y_val, sample_weight)`,"
+            f" a Dataset, a DataLoader or an iterable. Received a {type(validation_data).__name__}"
+            f" of {len(validation_data)} elements."
+        )
+    return as_loader(validation_data, batch_size=batch_size, device=device)
