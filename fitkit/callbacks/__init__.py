@@ -1,18 +1,19 @@
 """Callbacks: the hook protocol, History, the progress bar and the stock callbacks.
 
 - :mod:`~fitkit.callbacks.base`: ``Callback``, ``CallbackList``, ``History``, ``BatchLogs``.
-- :mod:`~fitkit.callbacks.monitor`: ``EarlyStopping``, ``ReduceLROnPlateau`` and the shared
-  monitor / mode logic.
+- :mod:`~fitkit.callbacks.monitor`: ``EarlyStopping`` and the shared monitor / mode logic.
+- :mod:`~fitkit.callbacks.lr`: ``LearningRateScheduler``, ``ReduceLROnPlateau``.
 - :mod:`~fitkit.callbacks.checkpointing`: ``ModelCheckpoint``, ``BackupAndRestore``.
 - :mod:`~fitkit.callbacks.logging`: ``CSVLogger``, ``TensorBoard``.
-- :mod:`~fitkit.callbacks.misc`: ``TerminateOnNaN``, ``LambdaCallback``, ``LearningRateScheduler``.
+- :mod:`~fitkit.callbacks.misc`: ``TerminateOnNaN``, ``LambdaCallback``.
 """
 
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
 from fitkit.callbacks.checkpointing import BackupAndRestore, ModelCheckpoint
 from fitkit.callbacks.logging import CSVLogger, TensorBoard
-from fitkit.callbacks.misc import LambdaCallback, LearningRateScheduler, TerminateOnNaN
-from fitkit.callbacks.monitor import EarlyStopping, ReduceLROnPlateau
+from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
+from fitkit.callbacks.misc import LambdaCallback, TerminateOnNaN
+from fitkit.callbacks.monitor import EarlyStopping
 from fitkit.callbacks.progress import ProgressBar
 
 __all__ = [

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fitkit.callbacks.base import HOOKS, Callback
-from fitkit.callbacks.monitor import StatefulCallback, _say
+from fitkit.callbacks.monitor import _say
 
-__all__ = ["TerminateOnNaN", "LambdaCallback", "LearningRateScheduler"]
+__all__ = ["TerminateOnNaN", "LambdaCallback"]
 
 
 class TerminateOnNaN(Callback):
@@ -96,71 +95,3 @@ class LambdaCallback(Callback):
             if not callable(fn):
                 raise TypeError(f"Expected `{name}` to be callable. Received: {fn!r}.")
             setattr(self, hook, fn)  # an instance attribute: CallbackList calls only these
-
-
-class LearningRateScheduler(StatefulCallback):
-    """Set the learning rate at the start of each epoch: ``lr = schedule(epoch, lr)`` (Keras).
-
-    ``epoch`` is 0-based and ``lr`` the current learning rate; with several parameter groups
-    the schedule is applied to each group's own rate. The new rate is the one
-    ``history["learning_rate"]`` records for that epoch. The rates live in the optimizer,
-    so a checkpoint carries them; a resume inside an epoch applies the schedule to the rates
-    that epoch started from (kept in ``state_dict``), never twice.
-
-    Args:
-        schedule: ``(epoch: int, lr: float) -> float`` (a one-argument ``schedule(epoch)``
-            works too).
-        verbose: 1 prints the rate set at each epoch.
-
-    Raises:
-        TypeError: ``schedule`` is not callable, or returns something that is not a number.
-
-    Example:
-        >>> import torch, fitkit
-        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
-        >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss="mse")
-        >>> halve = LearningRateScheduler(lambda epoch, lr: lr if epoch == 0 else lr / 2)
-        >>> x = torch.zeros(4, 1)
-        >>> model.fit(x, x, epochs=3, callbacks=[halve], verbose=0).history["learning_rate"]
-        [1.0, 0.5, 0.25]
-    """
-
-    def __init__(self, schedule: Callable[..., float], verbose: int = 0):
-        super().__init__()
-        self._reset()
-        if not callable(schedule):
-            raise TypeError(f"Expected `schedule` to be a function (epoch, lr) -> lr. Received: {schedule!r}.")
-        self.schedule, self.verbose = schedule, verbose
-        try:
-            params = inspect.signature(schedule).parameters.values()
-            positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            self._two_args = len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
-        except (TypeError, ValueError):  # builtins without a signature
-            self._two_args = True
-
-    def _reset(self) -> None:
-        self._epoch, self._before = -1, []  # the epoch begun last and the rates it started from
-
-    def _get_state(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "lrs_before": list(self._before)}
-
-    def _set_state(self, state: dict[str, Any]) -> None:
-        self._epoch, self._before = state["epoch"], list(state["lrs_before"])
-
-    def on_epoch_begin(self, epoch, logs=None):
-        groups = self.model.optimizer.param_groups
-        if epoch != self._epoch or len(self._before) != len(groups):
-            self._before = [float(g["lr"]) for g in groups]
-        self._epoch = epoch  # a resume inside this epoch starts again from self._before
-        for group, old in zip(groups, self._before):
-            lr = self.schedule(epoch, old) if self._two_args else self.schedule(epoch)
-            if isinstance(lr, torch.Tensor) and lr.numel() == 1:
-                lr = lr.item()
-            if isinstance(lr, bool) or not isinstance(lr, (int, float)):
-                raise TypeError(f"`schedule` must return a number. Received: {lr!r} at epoch {epoch}.")
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(float(lr))
-            else:
-                group["lr"] = float(lr)
-        lr = float(groups[0]["lr"])
-        _say(self.verbose, f"Epoch {epoch + 1}: LearningRateScheduler set the learning rate to {lr:.4g}.")

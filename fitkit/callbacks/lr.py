@@ -1,0 +1,203 @@
+"""Learning-rate callbacks: ``LearningRateScheduler`` and ``ReduceLROnPlateau`` (Keras).
+
+Both change ``optimizer.param_groups[i]["lr"]`` through :func:`_set_lr`, which also handles
+the tensor learning rates of capturable / fused optimizers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fitkit.callbacks.monitor import (
+    StatefulCallback,
+    _check_int,
+    _check_mode,
+    _check_number,
+    _say,
+    check_validation_monitor,
+    is_improvement,
+    monitor_value,
+    resolve_mode,
+)
+
+__all__ = ["LearningRateScheduler", "ReduceLROnPlateau"]
+
+
+def _set_lr(group: dict[str, Any], lr: float) -> None:
+    if isinstance(group["lr"], torch.Tensor):  # capturable / fused optimizers keep a tensor
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
+
+
+class ReduceLROnPlateau(StatefulCallback):
+    """Multiply the learning rate by ``factor`` when ``monitor`` stops improving (Keras).
+
+    After ``patience`` epochs without an improvement larger than ``min_delta``, each parameter
+    group's learning rate becomes ``max(lr * factor, min_lr)``; then ``cooldown`` epochs pass
+    before the wait starts again. The learning rates live in the optimizer, so a checkpoint
+    carries them; this callback's own counters are in its ``state_dict``.
+
+    Args:
+        monitor: the epoch log key to watch.
+        factor: the multiplier, in ``[0, 1)``.
+        patience: epochs without improvement before a reduction.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (see :func:`resolve_mode`).
+        min_delta: the smallest change that counts as an improvement.
+        cooldown: epochs to wait after a reduction before counting again.
+        min_lr: the lower bound of the learning rate.
+        verbose: 1 prints a line at each reduction.
+
+    Raises:
+        ValueError: ``factor`` not in ``[0, 1)``, bad arguments; an unknown direction or a
+            ``val_`` monitor without validation at ``on_train_begin``; a missing key at an epoch end.
+
+    Example:
+        >>> import torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1, bias=False), device="cpu")
+        >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss="mse")
+        >>> x = torch.zeros(4, 1)  # the loss stays 0: no improvement after epoch 0
+        >>> reduce = ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1)
+        >>> model.fit(x, x, epochs=4, callbacks=[reduce], verbose=0).history["learning_rate"]
+        [1.0, 1.0, 0.5, 0.25]
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        factor: float = 0.1,
+        patience: int = 10,
+        mode: str = "auto",
+        min_delta: float = 1e-4,
+        cooldown: int = 0,
+        min_lr: float = 0.0,
+        verbose: int = 0,
+    ):
+        super().__init__()
+        _check_number("factor", factor)
+        if not factor < 1.0:
+            raise ValueError(f"Expected `factor` in [0, 1): it multiplies the learning rate. Received: factor={factor!r}.")
+        _check_int("patience", patience)
+        _check_mode(mode)
+        _check_number("min_delta", min_delta, -math.inf)
+        _check_int("cooldown", cooldown)
+        _check_number("min_lr", min_lr)
+        self.monitor, self.factor, self.patience, self.mode = monitor, float(factor), patience, mode
+        self.min_delta, self.cooldown, self.min_lr = abs(min_delta), cooldown, float(min_lr)
+        self.verbose = verbose
+        self._mode = mode if mode != "auto" else None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.best: float | None = None
+        self.wait = 0
+        self.cooldown_counter = 0
+
+    def _get_state(self) -> dict[str, Any]:
+        return {"best": self.best, "wait": self.wait, "cooldown_counter": self.cooldown_counter}
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self.best, self.wait, self.cooldown_counter = state["best"], state["wait"], state["cooldown_counter"]
+
+    def on_train_begin(self, logs=None):
+        check_validation_monitor(self.monitor, self.params, "ReduceLROnPlateau")
+        self._mode = resolve_mode(self.monitor, self.mode, self.model, "ReduceLROnPlateau")
+        super().on_train_begin(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        current = monitor_value(logs, self.monitor, "ReduceLROnPlateau", self.params)
+        if current is None:
+            return
+        if self._mode is None:  # hooks called directly, without on_train_begin
+            self._mode = resolve_mode(self.monitor, self.mode, self.model, "ReduceLROnPlateau")
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if not math.isnan(current) and (self.best is None or is_improvement(current, self.best, self._mode, self.min_delta)):
+            self.best, self.wait = current, 0
+            return
+        if self.cooldown_counter > 0:
+            return
+        self.wait += 1
+        if self.wait < self.patience:
+            return
+        reduced = False
+        for group in self.model.optimizer.param_groups:
+            old = float(group["lr"])
+            if old > self.min_lr:
+                _set_lr(group, max(old * self.factor, self.min_lr))
+                reduced = True
+        if reduced:
+            lr = float(self.model.optimizer.param_groups[0]["lr"])
+            _say(self.verbose, f"Epoch {epoch + 1}: ReduceLROnPlateau reduced the learning rate to {lr:.4g}.")
+            self.cooldown_counter, self.wait = self.cooldown, 0
+
+
+class LearningRateScheduler(StatefulCallback):
+    """Set the learning rate at the start of each epoch: ``lr = schedule(epoch, lr)`` (Keras).
+
+    ``epoch`` is 0-based and ``lr`` the current learning rate; with several parameter groups
+    the schedule is applied to each group's own rate. The new rate is the one
+    ``history["learning_rate"]`` records for that epoch. The rates live in the optimizer,
+    so a checkpoint carries them; a resume inside an epoch applies the schedule to the rates
+    that epoch started from (kept in ``state_dict``), never twice.
+
+    Args:
+        schedule: ``(epoch: int, lr: float) -> float`` (a one-argument ``schedule(epoch)``
+            works too).
+        verbose: 1 prints the rate set at each epoch.
+
+    Raises:
+        TypeError: ``schedule`` is not callable, or returns something that is not a number.
+
+    Example:
+        >>> import torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
+        >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss="mse")
+        >>> halve = LearningRateScheduler(lambda epoch, lr: lr if epoch == 0 else lr / 2)
+        >>> x = torch.zeros(4, 1)
+        >>> model.fit(x, x, epochs=3, callbacks=[halve], verbose=0).history["learning_rate"]
+        [1.0, 0.5, 0.25]
+    """
+
+    def __init__(self, schedule: Callable[..., float], verbose: int = 0):
+        super().__init__()
+        self._reset()
+        if not callable(schedule):
+            raise TypeError(f"Expected `schedule` to be a function (epoch, lr) -> lr. Received: {schedule!r}.")
+        self.schedule, self.verbose = schedule, verbose
+        try:
+            params = inspect.signature(schedule).parameters.values()
+            positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            self._two_args = len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+        except (TypeError, ValueError):  # builtins without a signature
+            self._two_args = True
+
+    def _reset(self) -> None:
+        self._epoch, self._before = -1, []  # the epoch begun last and the rates it started from
+
+    def _get_state(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "lrs_before": list(self._before)}
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self._epoch, self._before = state["epoch"], list(state["lrs_before"])
+
+    def on_epoch_begin(self, epoch, logs=None):
+        groups = self.model.optimizer.param_groups
+        if epoch != self._epoch or len(self._before) != len(groups):
+            self._before = [float(g["lr"]) for g in groups]
+        self._epoch = epoch  # a resume inside this epoch starts again from self._before
+        for group, old in zip(groups, self._before):
+            lr = self.schedule(epoch, old) if self._two_args else self.schedule(epoch)
+            if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+                lr = lr.item()
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+                raise TypeError(f"`schedule` must return a number. Received: {lr!r} at epoch {epoch}.")
+            _set_lr(group, float(lr))
+        lr = float(groups[0]["lr"])
+        _say(self.verbose, f"Epoch {epoch + 1}: LearningRateScheduler set the learning rate to {lr:.4g}.")
