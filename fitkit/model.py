@@ -88,6 +88,16 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
         self.strategy = strategy
         self._parallel = _distributed.Parallel(strategy, self.device) if _distributed.is_distributed() else None
 
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (read-only; a skipped step does not count)."""
+        return self._global_step
+
+    @property
+    def epoch(self) -> int:
+        """The running epoch (0-based; read-only)."""
+        return self._epoch
+
     # -- the module ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
