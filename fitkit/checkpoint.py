@@ -3,6 +3,12 @@
 A checkpoint is one file that ``torch.load(path, weights_only=True)`` reads: plain containers
 of tensors, numbers and strings. fitkit itself only ever loads with ``weights_only=True``, so
 a file carrying pickled code is refused before that code can run.
+
+:func:`checkpoint_state` gathers the state (module, optimizer, scheduler, step count, the
+running fit's position and totals, RNG states, callbacks, history); :func:`load_checkpoint`
+restores the model's part at once and leaves a :class:`ResumePoint` that the next ``fit``
+applies where it belongs (callback states after ``on_train_begin``, RNG states at the epoch
+start, the position inside the epoch at its first batch).
 """
 
 from __future__ import annotations
@@ -17,20 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["atomic_save", "safe_load", "is_rank_zero", "CheckpointMixin"]
+from fitkit.distributed.group import is_rank_zero
 
-
-def is_rank_zero() -> bool:
-    """Whether this process writes files: rank 0 of ``torch.distributed``, or not distributed.
-
-    Callbacks that write files or print check it, so a ``torchrun`` job writes each file once.
-
-    Example:
-        >>> is_rank_zero()
-        True
-    """
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+__all__ = ["atomic_save", "safe_load", "is_rank_zero", "checkpoint_state", "load_checkpoint", "ResumePoint"]
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
@@ -95,7 +90,8 @@ def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
         raise
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """Python, numpy, torch and CUDA RNG states, in a ``weights_only``-loadable form."""
     np_state = np.random.get_state()
     return {
         "python": random.getstate(),
@@ -105,7 +101,8 @@ def _rng_state() -> dict[str, Any]:
     }
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
     random.setstate(_tuples(state["python"]))
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.cpu().numpy().astype(np.uint32), *rest))
@@ -121,271 +118,154 @@ def _tuples(obj: Any) -> Any:
     return obj
 
 
-def _callback_key(cb: Any, seen: dict[str, int]) -> str:
-    name = type(cb).__name__
-    n = seen.get(name, 0)
-    seen[name] = n + 1
-    return name if n == 0 else f"{name}_{n}"
+def _stateful(callbacks: Any) -> dict[str, Any]:
+    """``{key: callback}`` for every callback whose state travels (not History or the bar)."""
+    out, seen = {}, {}
+    for cb in callbacks:
+        name = type(cb).__name__
+        if name in ("History", "ProgressBar"):
+            continue
+        n = seen.get(name, 0)
+        seen[name] = n + 1
+        out[name if n == 0 else f"{name}_{n}"] = cb
+    return out
 
 
-class CheckpointMixin:
-    """``save_weights`` / ``load_weights`` / ``save_checkpoint`` / ``load_checkpoint``."""
+class ResumePoint:
+    """A loaded checkpoint's position, applied by the next ``fit``.
 
-    _resume: dict[str, Any] | None = None
-    _resumed_steps = 0  # batches of the current epoch a mid-epoch resume skipped
+    Attributes:
+        epoch: the epoch to run next (0-based).
+        step_in_epoch: batches of it already done (0: an epoch boundary).
+        samples_in_epoch: samples of it already done (in-memory data resumes by samples).
+    """
 
-    def save_weights(self, path: str | os.PathLike) -> None:
-        """Write the module's state dict to ``path`` atomically (under torchrun: rank 0 writes).
+    def __init__(self, state: dict[str, Any]):
+        self.state = state
+        self.epoch = int(state["epoch"])
+        self.step_in_epoch = int(state["step_in_epoch"])
+        self.samples_in_epoch = int(state.get("samples_in_epoch") or 0)
+        self.batch_size = state.get("batch_size")
+        self.rng = state["rng"]
+        self.epoch_rng = state.get("epoch_rng")
+        self.trackers = state.get("trackers")
 
-        With ``strategy="fsdp"`` gathering the state is a collective: call it on every rank.
-        The file holds only tensors (no optimizer state); reload it with :meth:`load_weights`.
-
-        Args:
-            path: the file to write; missing parent folders are created, an existing file is
-                replaced.
-
-        Raises:
-            OSError: the file cannot be written (the old file, if any, is left as it was).
-
-        Example:
-            >>> import os, tempfile
-            >>> from torch import nn
-            >>> import fitkit
-            >>> _ = torch.manual_seed(0)
-            >>> model = fitkit.Model(nn.Linear(2, 1), device="cpu")
-            >>> with tempfile.TemporaryDirectory() as d:
-            ...     model.save_weights(os.path.join(d, "weights.pt"))
-            ...     sorted(torch.load(os.path.join(d, "weights.pt"), weights_only=True))
-            ['bias', 'weight']
-        """
-        state = self.state_dict()  # unwrapped: no `module.` prefixes, full tensors under FSDP
-        if is_rank_zero():
-            atomic_save(state, path)
-
-    def load_weights(self, path: str | os.PathLike, strict: bool = True) -> None:
-        """Load a state dict saved by :meth:`save_weights` (or a checkpoint) onto ``model.device``.
-
-        The file is read with ``torch.load(..., weights_only=True)``. A file written by
-        :meth:`save_checkpoint` works too: only its module weights are loaded.
-
-        Args:
-            path: the file to read.
-            strict: require the file's keys to match the module's exactly, as in
-                ``nn.Module.load_state_dict``.
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            RuntimeError: an unsafe file (pickled code; refused before it runs), keys that do
-                not match (with ``strict=True``), or tensors of the wrong shape.
-
-        Example:
-            >>> import os, tempfile
-            >>> from torch import nn
-            >>> import fitkit
-            >>> _ = torch.manual_seed(0)
-            >>> model = fitkit.Model(nn.Linear(2, 1), device="cpu")
-            >>> other = fitkit.Model(nn.Linear(2, 1), device="cpu")
-            >>> with tempfile.TemporaryDirectory() as d:
-            ...     model.save_weights(os.path.join(d, "weights.pt"))
-            ...     other.load_weights(os.path.join(d, "weights.pt"))
-            >>> torch.equal(other.module.weight, model.module.weight)
-            True
-        """
-        state = safe_load(path, self.device)
-        if isinstance(state, dict) and "module" in state and "fitkit_version" in state:
-            state = state["module"]
-        self.load_state_dict(state, strict=strict)
-
-    # -- full training state -----------------------------------------------------------------
-    def _position(self) -> tuple[int, int]:
-        """(epoch to run next, batches of it already done)."""
-        if getattr(self, "_in_epoch", False):
-            return self._epoch, self._step_index + 1
-        return getattr(self, "_epochs_done", 0), 0
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """The full training state as a ``weights_only``-loadable dict."""
-        from fitkit import __version__
-
-        epoch, step = self._position()
-        callbacks, seen = {}, {}
-        for cb in self._callbacks.callbacks:
-            if type(cb).__name__ in ("History", "ProgressBar"):
-                continue
-            callbacks[_callback_key(cb, seen)] = cb.state_dict()
-        state: dict[str, Any] = {
-            "fitkit_version": __version__,
-            "module": self.state_dict(),
-            "optimizer": self._optimizer_state_dict() if self.optimizer is not None else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
-            "epoch": epoch,
-            "step_in_epoch": step,
-            "global_step": self._global_step,
-            "rng": _rng_state(),
-            "callbacks": callbacks,
-            "history": self.history.state_dict() if self.history is not None else None,
-        }
-        if step:
-            state["epoch_rng"] = self._epoch_rng
-            state["trackers"] = self._tracker_state()
-        return state
-
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write the full training state to ``path`` atomically (see API.md, Checkpoints).
-
-        Under torchrun rank 0 writes (its RNG states); the state is unwrapped, so the file
-        resumes at any world size. With ``strategy="fsdp"`` call it on every rank (gathering
-        the shards is a collective).
-
-        Args:
-            path: the file to write; missing parent folders are created, an existing file is
-                replaced.
-
-        Raises:
-            OSError: the file cannot be written (the old file, if any, is left as it was).
-        """
-        state = self.checkpoint_state()
-        if is_rank_zero():
-            atomic_save(state, path)
-
-    def _optimizer_state_dict(self) -> dict[str, Any]:
-        if self._parallel is not None:  # FSDP: gathered, in the plain optimizer's format
-            return self._parallel.optimizer_state_dict(self.module, self.optimizer)
-        return self.optimizer.state_dict()
-
-    def load_checkpoint(self, path: str | os.PathLike) -> int:
-        """Restore a checkpoint; the next ``fit(..., initial_epoch=k)`` continues from it.
-
-        Tensors are mapped onto ``model.device``. RNG states, the position inside the epoch
-        and callback states are applied when ``fit`` reaches that point, so code run in
-        between does not change the result.
-
-        Args:
-            path: a file written by :meth:`save_checkpoint`.
-
-        Returns:
-            ``k``: the epoch to pass as ``initial_epoch`` (0-based).
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            RuntimeError: the model is not compiled (the optimizer must exist), the file is
-                unsafe, or its weights do not match the module.
-            ValueError: the file is not a fitkit checkpoint (e.g. one from :meth:`save_weights`).
-        """
-        self._require_compiled("load_checkpoint")
-        state = safe_load(path, self.device)
-        if not isinstance(state, dict) or "fitkit_version" not in state:
-            raise ValueError(
-                f"{str(path)!r} is not a fitkit checkpoint. Fix: use load_weights for a state dict."
-            )
-        self.load_state_dict(state["module"])
-        if state["optimizer"] is not None:
-            if self._parallel is not None:
-                self._parallel.load_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
-            else:
-                self.optimizer.load_state_dict(state["optimizer"])
-        if state["scheduler"] is not None and self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if state["scaler"] is not None and self._scaler is not None:
-            self._scaler.load_state_dict(state["scaler"])
-        self._global_step = state["global_step"]
-        if self._global_step and self.scheduler is not None:
-            # The optimizer did step, in another process: tell torch's scheduler so, or its
-            # "scheduler.step() before optimizer.step()" check warns when the resumed epoch
-            # has no batch left to run.
-            self.optimizer._opt_called = True
-        self._resume = state
-        return int(state["epoch"])
-
-    # -- applying a resume inside fit ----------------------------------------------------------
-    def _apply_resume_at_train_begin(self) -> None:
-        state = self._resume
-        if state is None:
-            return
-        seen: dict[str, int] = {}
-        for cb in self._callbacks.callbacks:
-            if type(cb).__name__ in ("History", "ProgressBar"):
-                continue
-            key = _callback_key(cb, seen)
-            if key in state["callbacks"]:
-                cb.load_state_dict(state["callbacks"][key])
-                # Loaded after on_train_begin, so the state is this fit's: the flag that asks
-                # the next on_train_begin to keep a loaded state is consumed here.
+    def apply_callbacks(self, callbacks: Any) -> None:
+        """Callback states and the history (after ``on_train_begin``, so they are this fit's)."""
+        saved = self.state["callbacks"]
+        for key, cb in _stateful(callbacks.callbacks).items():
+            if key in saved:
+                cb.load_state_dict(saved[key])
+                # Loaded after on_train_begin: the flag that asks the next on_train_begin to
+                # keep a loaded state is consumed here.
                 if getattr(cb, "_restored", False):
                     cb._restored = False
-        if state["history"] is not None and self.history is not None:
-            self.history.load_state_dict(state["history"])
-        if state["epoch"] != self._initial_epoch:
-            warnings.warn(
-                f"The loaded checkpoint continues at epoch {state['epoch']}, but fit starts at "
-                f"initial_epoch={self._initial_epoch}; its position and RNG state are not used. "
-                f"Fix: fit(..., initial_epoch={state['epoch']}).",
-                stacklevel=4,
+        history = self.state["history"]
+        for cb in callbacks.callbacks:
+            if type(cb).__name__ == "History" and history is not None:
+                cb.load_state_dict(history)
+
+    def skip_for(self, loader: Any) -> tuple[int, int | None]:
+        """``(batches, samples)`` to skip in the resumed epoch of ``loader``.
+
+        In-memory data resumes at the first untrained sample whatever the batch size; other
+        sources resume by batches and need the batch size the checkpoint was taken with.
+
+        Raises:
+            ValueError: another batch size than the checkpoint's, for a source that cannot
+                resume by samples.
+        """
+        from fitkit.data import TensorBatches
+
+        if type(loader.batches) is TensorBatches and self.samples_in_epoch:
+            return 0, self.samples_in_epoch
+        now = getattr(loader, "batch_size", None)
+        if self.batch_size is not None and now is not None and now != self.batch_size:
+            raise ValueError(
+                f"The checkpoint was taken inside epoch {self.epoch + 1} with batch_size={self.batch_size}, "
+                f"but this fit uses batch_size={now}, so the untrained samples of that epoch cannot be "
+                f"found in this source. Fix: resume with batch_size={self.batch_size}, or pass in-memory data."
             )
-            self._resume = None
-
-    def _resume_epoch_begin(self, epoch: int) -> None:
-        """At the start of the resumed epoch: RNG states for an epoch-boundary checkpoint."""
-        state = self._resume
-        if state is None or state["epoch"] != epoch:
-            return
-        if not state["step_in_epoch"]:
-            _set_rng_state(state["rng"])
-            self._resume = None
-
-    def _take_resume_point(self):
-        self._resumed_steps = 0
-        state = self._resume
-        if state is None or state["epoch"] != self._epoch or not state["step_in_epoch"]:
-            return None
-        self._resume = None
-
-        def resume(loader):
-            # Replay the epoch's data order from the RNG state it started with, skip what was
-            # done, then continue from the RNG state of the moment the checkpoint was taken.
-            skip = state["step_in_epoch"]
-            self._resumed_steps = skip
-            # A later checkpoint in this epoch must replay the same order: keep its RNG state.
-            self._epoch_rng = state["epoch_rng"].cpu()
-            torch.set_rng_state(self._epoch_rng)
-            loader.skip = skip
-            it = iter(loader)
-            first = next(it, None)
-            _set_rng_state(state["rng"])
-            self._load_tracker_state(state["trackers"])
-            rest = it if first is None else _chain(first, it)
-            return rest, skip
-
-        return resume
-
-    def _tracker_state(self) -> dict[str, Any]:
-        metrics = {}
-        for e in self.metrics.entries or []:
-            metrics[e.key] = {k: (list(v) if isinstance(v, list) else v) for k, v in e.metric.metric_state.items()}
-            metrics[e.key]["_update_count"] = e.metric._update_count
-        return {
-            "loss_total": self._loss_total,
-            "loss_count": self._loss_count,
-            "loss_wsum": self._loss_wsum,
-            "metrics": metrics,
-        }
-
-    def _load_tracker_state(self, state: dict[str, Any]) -> None:
-        self._loss_total = state["loss_total"].to(self.device)
-        self._loss_count = state["loss_count"]
-        self._loss_wsum = state["loss_wsum"]
-        for e in self.metrics.entries or []:
-            saved = state["metrics"].get(e.key)
-            if saved is None:
-                continue
-            for k, v in saved.items():
-                if k == "_update_count":
-                    e.metric._update_count = v
-                else:
-                    setattr(e.metric, k, v)
+        return self.step_in_epoch, None
 
 
-def _chain(first: Any, it: Any):
-    yield first
-    yield from it
+def checkpoint_state(model: Any) -> dict[str, Any]:
+    """The full training state of ``model`` as a ``weights_only``-loadable dict."""
+    from fitkit import __version__
+
+    loop = model._fit
+    position = loop.position() if loop is not None else {"epoch": 0, "step_in_epoch": 0, "samples_in_epoch": 0}
+    callbacks = loop.callbacks.callbacks if loop is not None and loop.running else []
+    stepper = model._stepper
+    history = model.history.state_dict() if model.history is not None else None
+    state: dict[str, Any] = {
+        "fitkit_version": __version__,
+        "module": model.state_dict(),
+        "optimizer": _optimizer_state_dict(model) if model.optimizer is not None else None,
+        "optimizer_class": type(model.optimizer).__name__ if model.optimizer is not None else None,
+        "scheduler": model.scheduler.state_dict() if model.scheduler is not None else None,
+        "scaler": stepper.scaler.state_dict() if stepper is not None and stepper.scaler is not None else None,
+        **position,
+        "batch_size": getattr(loop.train, "batch_size", None) if loop is not None else None,
+        "global_step": model.global_step,
+        "rng": rng_state(),
+        "callbacks": {k: cb.state_dict() for k, cb in _stateful(callbacks).items()},
+        "history": history,
+    }
+    if position["step_in_epoch"]:
+        state["epoch_rng"] = loop.epoch_rng
+        state["trackers"] = loop.totals.state_dict()
+    return state
+
+
+def _optimizer_state_dict(model: Any) -> dict[str, Any]:
+    if model._parallel is not None:  # FSDP: gathered, in the plain optimizer's format
+        return model._parallel.optimizer_state_dict(model.module, model.optimizer)
+    return model.optimizer.state_dict()
+
+
+def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
+    """Restore ``model``'s state from ``path`` and leave the position for the next ``fit``.
+
+    Returns:
+        The epoch to pass as ``initial_epoch``.
+    """
+    state = safe_load(path, model.device)
+    if not isinstance(state, dict) or "fitkit_version" not in state:
+        raise ValueError(
+            f"{str(path)!r} is not a fitkit checkpoint. Fix: use load_weights for a state dict."
+        )
+    model.load_state_dict(state["module"])
+    if state["optimizer"] is not None:
+        if model._parallel is not None:
+            model._parallel.load_optimizer_state_dict(model.module, model.optimizer, state["optimizer"])
+        else:
+            model.optimizer.load_state_dict(state["optimizer"])
+    if state["scheduler"] is not None and model.scheduler is not None:
+        model.scheduler.load_state_dict(state["scheduler"])
+    stepper = model._stepper
+    if state["scaler"] is not None and stepper.scaler is not None:
+        stepper.scaler.load_state_dict(state["scaler"])
+    stepper.global_step = int(state["global_step"])
+    if stepper.global_step and model.scheduler is not None:
+        # The optimizer did step, in another process: tell torch's scheduler so, or its
+        # "scheduler.step() before optimizer.step()" check warns when the resumed epoch
+        # has no batch left to run.
+        model.optimizer._opt_called = True
+    model._resume = ResumePoint(state)
+    return int(state["epoch"])
+
+
+def save_weights(model: Any, path: str | os.PathLike) -> None:
+    """The module's state dict to ``path`` (rank 0 writes; gathering is collective under FSDP)."""
+    state = model.state_dict()  # unwrapped: no `module.` prefixes, full tensors under FSDP
+    if is_rank_zero():
+        atomic_save(state, path)
+
+
+def load_weights(model: Any, path: str | os.PathLike, strict: bool = True) -> None:
+    """A state dict (or a checkpoint's module part) from ``path`` into ``model``."""
+    state = safe_load(path, model.device)
+    if isinstance(state, dict) and "module" in state and "fitkit_version" in state:
+        state = state["module"]
+    model.load_state_dict(state, strict=strict)

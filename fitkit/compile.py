@@ -9,12 +9,13 @@ no file ever carries the ``_orig_mod.`` prefix.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["resolve_jit_compile", "maybe_compile", "is_compile_error"]
+__all__ = ["resolve_jit_compile", "maybe_compile", "is_compile_error", "call", "Forward"]
 
 
 def resolve_jit_compile(jit_compile: Any, device: torch.device) -> dict[str, Any] | bool:
@@ -68,3 +69,63 @@ def warn_fallback(e: BaseException) -> None:
         "Fix: set `jit_compile=False` to silence this, or pass torch.compile kwargs as a dict.",
         stacklevel=4,
     )
+
+
+def call(module: Any, x: Any) -> Any:
+    """Call ``module`` on a batch's inputs: a tuple is positional, a dict keyword inputs (API.md).
+
+    Example:
+        >>> call(lambda a, b: a + b, (1, 2)), call(lambda **kw: sorted(kw), {"a": 1})
+        (3, ['a'])
+    """
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return module(*x)
+    if isinstance(x, Mapping):
+        return module(**x)
+    return module(x)
+
+
+class Forward:
+    """Which callable runs the module in a step: the module, DDP's wrapper, or a compiled one.
+
+    The compiled forward is built at the first call; if compilation fails, fitkit warns once
+    and runs the eager forward from then on. The first-batch check and ``summary`` call the
+    module itself, so they never cost a compilation of their own.
+
+    Args:
+        module: the model's module (unwrapped).
+        wrap: ``module -> wrapper`` for training under torchrun (DDP), or ``None``.
+        jit: ``False`` or ``torch.compile`` kwargs (see :func:`resolve_jit_compile`).
+
+    Example:
+        >>> fwd = Forward(nn.Linear(2, 1))
+        >>> fwd(torch.zeros(3, 2)).shape, fwd.run(torch.zeros(1, 2)).shape
+        (torch.Size([3, 1]), torch.Size([1, 1]))
+    """
+
+    def __init__(self, module: nn.Module, wrap: Any = None, jit: dict[str, Any] | bool = False):
+        self.module = module
+        wrapped = wrap(module) if wrap is not None else None
+        self.eager = module if wrapped is None else wrapped
+        self.jit = jit
+        self._fn: Any = None
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the forward with the module's own signature."""
+        if self._fn is None:
+            compiled = maybe_compile(self.eager, self.jit)
+            self._fn = self.eager if compiled is None else compiled
+        if self._fn is self.eager:
+            return self.eager(*args, **kwargs)
+        try:
+            return self._fn(*args, **kwargs)
+        except Exception as e:
+            if not is_compile_error(e):
+                raise
+            warn_fallback(e)  # once: the eager module is used from now on
+            self._fn = self.eager
+            return self.eager(*args, **kwargs)
+
+    def __call__(self, x: Any) -> Any:
+        """Call the forward on a batch's inputs (see :func:`call`)."""
+        return call(self.run, x)

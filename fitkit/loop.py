@@ -1,8 +1,13 @@
-"""The epoch loop behind ``Model.fit``: epochs, validation, schedulers, callbacks, stopping.
+"""The loops: one object per ``fit``, ``evaluate`` and ``predict`` call.
 
-``fit`` checks its arguments and builds the loaders; ``_fit_loop`` runs the epochs and
-``_run_epoch`` the batches of one, handing each to ``train_step``. Nothing here touches a
-device value per step: epoch logs are read once, at the end of each epoch.
+A loop owns everything that lives for one call: the epoch and the position in the data, the
+resume point, the phase's running totals, whether this epoch validated, and the callbacks of
+the call. The model keeps none of it; it only points at the running loops, so that
+``train_step`` overrides and callbacks reach the right totals through the public API
+(``model.update_metrics``, ``model.global_step``, ``model.epoch``).
+
+``fit`` -> :meth:`FitLoop.run` -> :meth:`FitLoop.run_epoch` -> ``model.train_step(batch)``
+-> :meth:`EvalLoop.run` (validation) -> ``CallbackList.on_epoch_end`` -> ``History``.
 """
 
 from __future__ import annotations
@@ -12,110 +17,350 @@ from typing import Any
 
 import torch
 
-from fitkit import data as _data
 from fitkit import distributed as _distributed
-from fitkit.callbacks.base import BatchLogs, CallbackList, History
-from fitkit.callbacks.progress import ProgressBar
-from fitkit.evaluation import _check_int, _modes
-from fitkit.optim import current_lr
+from fitkit import nest
+from fitkit.callbacks.base import BatchLogs, CallbackList
+from fitkit.checkpoint import ResumePoint, set_rng_state
+from fitkit.checks import check_int
+from fitkit.modes import modes, warn_if_all_eval
+from fitkit.preflight import has_training_batchnorm
+from fitkit.signals import deferred
+from fitkit.tracking import RunningTotals, fresh_metrics
 
-__all__ = ["FitLoopMixin", "validation_epochs"]
+__all__ = ["FitLoop", "EvalLoop", "PredictLoop", "validation_epochs"]
 
 
 def validation_epochs(validation_freq: Any):
+    """``epoch -> bool``: whether validation is scheduled after that (0-based) epoch.
+
+    Example:
+        >>> every2 = validation_epochs(2)
+        >>> [e for e in range(6) if every2(e)], [e for e in range(6) if validation_epochs([1, 5])(e)]
+        ([1, 3, 5], [0, 4])
+    """
     if isinstance(validation_freq, (list, tuple, set)):
         epochs = set()
         for v in validation_freq:
-            _check_int("validation_freq", v, 1)
+            check_int("validation_freq", v, 1)
             epochs.add(int(v))
         return lambda epoch: epoch + 1 in epochs
-    _check_int("validation_freq", validation_freq, 1)
+    check_int("validation_freq", validation_freq, 1)
     return lambda epoch: (epoch + 1) % validation_freq == 0
 
 
-class FitLoopMixin:
-    """The epoch loop of :class:`fitkit.Model` (a mixin; see ``Model.fit``)."""
+def _lr_logs(groups: list[Any], per_group: bool) -> dict[str, float]:
+    lrs = [float(g["lr"] if isinstance(g, dict) else g) for g in groups]
+    logs = {"learning_rate": lrs[0]}
+    if per_group:
+        logs.update({f"learning_rate/pg{i}": lr for i, lr in enumerate(lrs) if i})
+    return logs
 
-    def _fit_loop(self, train, validation, cbs: CallbackList, initial_epoch: int, epochs: int) -> None:
-        val, val_epochs, val_steps = validation
-        self._callbacks, self.stop_training = cbs, False
-        self._initial_epoch = initial_epoch  # a callback (BackupAndRestore) may move it
-        cbs.params["do_validation"] = val is not None  # a `val_` monitor is checked before step 1
-        logs: dict[str, float] = {}
-        try:
-            with _modes(self.module, training=None, grad=True):
-                self._warn_if_all_eval()
-                self.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
-                cbs.on_train_begin({})
-                self._apply_resume_at_train_begin()
-                for epoch in range(self._initial_epoch, epochs):
-                    logs = self._run_epoch(epoch, train, cbs)
-                    if val is not None and val_epochs(epoch):
-                        val_logs = self._run_eval(val, cbs, val_steps)
-                        logs.update({f"val_{k}": v for k, v in val_logs.items()})
-                    self._step_scheduler_epoch(logs)
-                    self._epochs_done = epoch + 1
-                    cbs.on_epoch_end(epoch, logs)
-                    if self._stop_now(epoch_end=True):
-                        break
-                cbs.on_train_end(logs)
-        finally:
-            self._callbacks = CallbackList([], self, {})
-            self._in_epoch = False
-            self._resume = None  # a loaded resume point serves one fit only
 
-    def _run_epoch(self, epoch: int, loader: _data.DeviceLoader, cbs: CallbackList) -> dict[str, float]:
-        self._reset_trackers()
-        loader.epoch = epoch
-        self._epoch = epoch
-        self._resume_epoch_begin(epoch)
-        cbs.on_epoch_begin(epoch, {})
-        self._lr_used = current_lr(self.optimizer)
-        self._epoch_rng = torch.get_rng_state()  # replays this epoch's data order on resume
-        self._in_epoch = True
-        want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
-        steps = 0
-        for step, batch in self._micro_batches(loader):
-            if want_begin:
-                cbs.on_train_batch_begin(step, {})
-            self.train_step(batch)
-            steps = step + 1
-            if want_end:
-                cbs.on_train_batch_end(step, BatchLogs(self._running_logs))
-            if self._stop_now():
-                break
-        steps = max(steps, self._resumed_steps)  # a resume may have skipped the whole epoch
-        if steps == 0 or (loader.steps is not None and steps < loader.steps and not self.stop_training):
-            warnings.warn(
-                "The training data ran out before the epoch ended; training stops here. Fix: "
-                "pass data that can be iterated again, or lower `steps_per_epoch`.",
-                stacklevel=3,
-            )
-            self.stop_training = True
-        if self._parallel is not None:
-            self._parallel.sync_buffers(self.module)  # rank 0's BatchNorm statistics on every rank
-        self._in_epoch = False
-        logs = self._epoch_logs()
-        logs["learning_rate"] = float(self._lr_used)
+def _name(source: Any) -> str:
+    src = getattr(source, "batches", source)
+    return type(getattr(src, "source", src)).__name__
+
+
+class EvalLoop:
+    """One evaluation pass (``evaluate``, or the validation of a fit epoch).
+
+    Args:
+        model: the :class:`fitkit.Model`.
+        loader: a :class:`fitkit.data.DeviceLoader`.
+        callbacks: the call's :class:`CallbackList` (``on_test_*`` hooks).
+        steps: stop after this many batches (``None``: the whole source).
+        what: how errors name the source (``"evaluate"`` or ``"validation_data"``).
+    """
+
+    def __init__(self, model: Any, loader: Any, callbacks: CallbackList, steps: int | None, what: str = "evaluate"):
+        self.model, self.loader, self.callbacks, self.steps, self.what = model, loader, callbacks, steps, what
+        self.totals = model._new_totals()
+        self.batches = 0
+
+    def run(self) -> dict[str, float]:
+        """Loss and metrics over the source: exact per-sample means (Python floats)."""
+        model, cbs = self.model, self.callbacks
+        want = cbs.wants("on_test_batch_end")
+        model.stop_evaluating = False
+        with modes(model.module, training=False, grad=False), model._phase(self.totals):
+            cbs.on_test_begin({})
+            for step, batch in enumerate(self.loader):
+                cbs.on_test_batch_begin(step, {})
+                model.test_step(batch)
+                self.batches = step + 1
+                if want:
+                    cbs.on_test_batch_end(step, BatchLogs(self.totals.running))
+                if model.stop_evaluating or self.steps is not None and step + 1 >= self.steps:
+                    break
+            if not self.batches:
+                raise ValueError(
+                    f"`{self.what}` ({_name(self.loader)}) yielded no batch. Fix: pass data with at "
+                    "least one sample; a generator is used up after one pass, so pass a re-iterable "
+                    "such as a DataLoader or a list for validation in every epoch."
+                )
+            logs = self.totals.result()
+            cbs.on_test_end(logs)
+        model._adopt_metrics(self.totals)
         return logs
 
-    def _make_callbacks(self, callbacks, verbose, epochs, steps, history: bool = True) -> CallbackList:
-        verbose = verbose if _distributed.is_rank_zero() else 0  # torchrun: rank 0 prints
-        cbs = list(callbacks)
-        if history:
-            self.history = History()
-            cbs.append(self.history)
-        if verbose and not any(isinstance(c, ProgressBar) for c in cbs):
-            cbs.append(ProgressBar(verbose))
-        params = {"verbose": verbose, "epochs": epochs, "steps": steps}
-        if history:
-            self.history.params = params
-        return CallbackList(cbs, self, params)
 
-    def _warn_if_all_eval(self) -> None:
-        if not any(m.training for m in self.module.modules()):
+class PredictLoop:
+    """One ``predict`` call: outputs of every batch, concatenated in input order."""
+
+    def __init__(self, model: Any, loader: Any, callbacks: CallbackList, steps: int | None):
+        self.model, self.loader, self.callbacks, self.steps = model, loader, callbacks, steps
+
+    def run(self) -> Any:
+        model, cbs = self.model, self.callbacks
+        outputs: list[Any] = []
+        model.stop_predicting = False
+        with modes(model.module, training=False, grad=False):
+            cbs.on_predict_begin({})
+            for step, batch in enumerate(self.loader):
+                cbs.on_predict_batch_begin(step, {})
+                out = model.predict_step(batch)
+                outputs.append(out)
+                cbs.on_predict_batch_end(step, {"outputs": out})
+                if model.stop_predicting or self.steps is not None and step + 1 >= self.steps:
+                    break
+            cbs.on_predict_end({})
+        return _distributed.gather_predictions(nest.concat(outputs), self.loader)  # torchrun: all rows
+
+
+class FitLoop:
+    """One ``fit`` call: epochs, batches, validation, the resume point and the stop decision.
+
+    Args:
+        model: the :class:`fitkit.Model` (compiled).
+        train: the training :class:`~fitkit.data.DeviceLoader`.
+        validation: ``(loader or None, epoch -> scheduled?, validation_steps)``.
+        callbacks: the call's :class:`CallbackList`.
+        initial_epoch: first epoch to run (0-based); a restored backup may move it.
+        epochs: index of the last epoch (Keras).
+    """
+
+    def __init__(self, model: Any, train: Any, validation: tuple[Any, Any, Any], callbacks: CallbackList,
+                 initial_epoch: int, epochs: int):  # fmt: skip
+        self.model, self.train, self.callbacks = model, train, callbacks
+        self.val, self.val_scheduled, self.val_steps = validation
+        self.start_epoch, self.epochs = initial_epoch, epochs
+        self.epoch = initial_epoch  # the running (or next) epoch
+        self.epochs_done = initial_epoch
+        self.in_epoch = False
+        self.batches_done = 0  # batches of the running epoch done (a resume counts the skipped ones)
+        self.samples_done = 0  # samples of the running epoch done (in-memory data)
+        self.resume: ResumePoint | None = None
+        self.totals: RunningTotals | None = None
+        self.epoch_rng: torch.Tensor | None = None
+        self.validated = False  # this epoch: validation ran over > 0 samples
+        self.per_group_lr = len({float(g["lr"]) for g in model.optimizer.param_groups}) > 1
+        self.interrupt: Any = None
+        self.running = False
+        self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
+        self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
+        self._warned_short = False
+        self._skip_single = has_training_batchnorm(model.module)
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        model, cbs = self.model, self.callbacks
+        model.stop_training = False
+        stepper = model._stepper
+        stepper.validates = self.val is not None
+        logs: dict[str, float] = {}
+        pending = model._resume
+        finished = False
+        self.running = True
+        try:
+            with modes(model.module, training=None, grad=True), deferred() as self.interrupt:
+                warn_if_all_eval(model.module)
+                model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
+                cbs.on_train_begin({})
+                self._take_resume(pending)
+                for epoch in range(self.start_epoch, self.epochs):
+                    epoch_logs = self.run_epoch(epoch)
+                    if epoch_logs is None:  # no batch, or a signal: no partial epoch for callbacks
+                        break
+                    logs = epoch_logs
+                    self._validate(epoch, logs)
+                    stepper.step_epoch(epoch, logs, self.validated)
+                    self.epochs_done = epoch + 1
+                    cbs.on_epoch_end(epoch, logs)
+                    if self._stop_now(epoch_end=True) or self.interrupt.signum is not None:
+                        break
+                if self.interrupt.signum is not None and not self.interrupted:
+                    self.interrupted = True
+                    cbs.save_on_interrupt()  # at an epoch boundary
+                cbs.on_train_end(logs)
+                finished = True
+            if self.interrupt.signum is not None:
+                self.interrupt.raise_now()
+        finally:
+            self.running = False
+            cbs.close(finished)
+            model._resume = None  # a loaded resume point serves one fit only
+
+    def _validate(self, epoch: int, logs: dict[str, float]) -> None:
+        self.validated = False
+        if self.val is None or not self.val_scheduled(epoch):
+            return
+        loop = EvalLoop(self.model, self.val, self.callbacks, self.val_steps, what="validation_data")
+        val_logs = loop.run()
+        self.validated = True
+        logs.update({f"val_{k}": v for k, v in val_logs.items()})
+
+    def run_epoch(self, epoch: int) -> dict[str, float] | None:
+        """One epoch of training batches; ``None`` if the source yielded no batch."""
+        model, cbs, loader, stepper = self.model, self.callbacks, self.train, self.model._stepper
+        self.totals = model._new_totals()
+        loader.epoch = self.epoch = epoch
+        self.batches_done = self.samples_done = 0
+        self._resume_epoch_begin(epoch)
+        cbs.on_epoch_begin(epoch, {})
+        stepper.lrs_used = None
+        self.epoch_rng = torch.get_rng_state()  # replays this epoch's data order on resume
+        want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
+        batches, start = self._batches()
+        self.in_epoch = True
+        ran = False
+        with model._phase(self.totals):
+            for step, batch in stepper.micro_batches(batches, start, self._stop_now):
+                if self._skip_single and _rows(batch) == 1 and stepper.micro_last and stepper.micro_scale is None:
+                    self._warn_single(step)
+                    continue
+                self.batch_index = step
+                if want_begin:
+                    cbs.on_train_batch_begin(step, {})
+                model.train_step(batch)
+                ran = True
+                self.batches_done = step + 1
+                self.samples_done += _rows(batch)
+                if want_end:
+                    cbs.on_train_batch_end(step, BatchLogs(self.totals.running))
+                if self._stop_now():
+                    break
+                if self.interrupt.signum is not None and stepper.micro_last:
+                    self.interrupted = True
+                    cbs.save_on_interrupt()  # at this step boundary, inside the epoch
+                    break
+        self.in_epoch = False
+        if self.interrupted:
+            return None
+        if not ran and not start:
+            self._no_batches(epoch)
+            return None
+        if getattr(loader, "ran_out", False) and not self._warned_short:
+            self._warned_short = True
             warnings.warn(
-                "Every submodule is in eval mode, so fit trains with dropout off and BatchNorm "
-                "statistics frozen. If that is not intended, call `model.module.train()` first.",
+                f"The training data ran out after {self.batches_done} of steps_per_epoch="
+                f"{loader.steps} batches in epoch {epoch + 1}; that epoch ends early and the next "
+                "starts a fresh pass (Keras' rule). Fix: lower `steps_per_epoch` to fit the data.",
                 stacklevel=4,
             )
+        if model._parallel is not None:
+            model._parallel.sync_buffers(model.module)  # rank 0's BatchNorm statistics on every rank
+        logs = self.totals.result()
+        model._adopt_metrics(self.totals)
+        # The LR the epoch's last step used (a per-step scheduler has moved it on since).
+        logs.update(_lr_logs(stepper.lrs_used or model.optimizer.param_groups, self.per_group_lr))
+        return logs
+
+    def _no_batches(self, epoch: int) -> None:
+        if epoch == self.start_epoch and not self.resume:
+            raise ValueError(
+                f"The training data ({_name(self.train)}) yielded no batch in epoch {epoch + 1}. Fix: "
+                "pass data with at least one sample."
+            )
+        warnings.warn(
+            f"The training data ({_name(self.train)}) yielded no batch in epoch {epoch + 1}, so training "
+            "stops after epoch {epoch}. A generator is used up after one pass. Fix: pass a re-iterable "
+            "such as a DataLoader or a list, or a `steps_per_epoch` that one pass can fill.".format(epoch=epoch),
+            stacklevel=4,
+        )
+
+    def _warn_single(self, step: int) -> None:
+        warnings.warn(
+            f"Batch {step} of epoch {self.epoch + 1} has one row, which BatchNorm cannot train on; it is "
+            "skipped. Fix: use `drop_last=True` in the DataLoader, or a batch size that leaves no "
+            "single row.",
+            stacklevel=5,
+        )
+
+    # -- stopping ----------------------------------------------------------------------------------
+    def _stop_now(self, epoch_end: bool = False) -> bool:
+        """Whether training stops here (``model.stop_training``).
+
+        Under torchrun every rank must run the same steps, so a stop set on some ranks takes
+        effect where the ranks agree: after ``on_backward_end`` when a callback uses that hook,
+        and at the end of the epoch (one all-reduce: any rank's stop stops all).
+        """
+        model = self.model
+        if model._parallel is None:
+            return model.stop_training
+        if epoch_end:
+            model.stop_training = bool(_distributed.any_rank(model.stop_training))
+            return model.stop_training
+        return model._stepper.stop_agreed
+
+    # -- resume ----------------------------------------------------------------------------------
+    def _take_resume(self, pending: ResumePoint | None) -> None:
+        """After ``on_train_begin``: the resume point loaded before fit or by a callback."""
+        point = self.model._resume
+        if point is None:
+            return
+        if point is not pending:  # loaded during on_train_begin (BackupAndRestore): start there
+            self.start_epoch = self.epochs_done = point.epoch
+        point.apply_callbacks(self.callbacks)
+        if point.epoch != self.start_epoch:
+            warnings.warn(
+                f"The loaded checkpoint continues at epoch {point.epoch}, but fit starts at "
+                f"initial_epoch={self.start_epoch}; its position and RNG state are not used. "
+                f"Fix: fit(..., initial_epoch={point.epoch}).",
+                stacklevel=4,
+            )
+            self.model._resume = None
+            return
+        self.resume = point
+        self.model._resume = None
+
+    def _resume_epoch_begin(self, epoch: int) -> None:
+        point = self.resume
+        if point is not None and point.epoch == epoch and not point.step_in_epoch:
+            set_rng_state(point.rng)  # an epoch-boundary checkpoint
+            self.resume = None
+
+    def _batches(self) -> tuple[Any, int]:
+        """This epoch's batch iterator and the index of its first batch (a mid-epoch resume)."""
+        point = self.resume
+        if point is None or point.epoch != self.epoch or not point.step_in_epoch:
+            return iter(self.train), 0
+        self.resume = None
+        # Replay the epoch's data order from the RNG state it started with, skip what was done,
+        # then continue from the RNG state of the moment the checkpoint was taken.
+        self.epoch_rng = point.epoch_rng.cpu()
+        torch.set_rng_state(self.epoch_rng)
+        skip = point.skip_for(self.train)
+        self.train.skip, self.train.skip_samples = skip
+        it = iter(self.train)
+        first = next(it, None)
+        set_rng_state(point.rng)
+        self.totals.load_state_dict(point.trackers)
+        self.batches_done, self.samples_done = point.step_in_epoch, point.samples_in_epoch
+        return (it if first is None else _chain(first, it)), point.step_in_epoch
+
+    def position(self) -> dict[str, Any]:
+        """Where a checkpoint taken now resumes: epoch, batches and samples done in it."""
+        if self.in_epoch:
+            return {"epoch": self.epoch, "step_in_epoch": self.batches_done, "samples_in_epoch": self.samples_done}
+        return {"epoch": self.epochs_done, "step_in_epoch": 0, "samples_in_epoch": 0}
+
+
+def _rows(batch: Any) -> int:
+    x, y, _ = batch
+    ts = nest.leaves(y if y is not None else x)
+    return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1
+
+
+def _chain(first: Any, it: Any):
+    yield first
+    yield from it

@@ -1,43 +1,55 @@
 """The ``Model``: compile, fit, evaluate, predict around any ``nn.Module``.
 
-The data flow, in the order a batch meets it::
+The model is a facade. It holds what outlives a call (the module, the compiled loss, metrics,
+optimizer and :class:`~fitkit.stepper.Stepper`, the history) and hands each call to an object
+that owns that call's state. The data flow of ``fit``, in the order a batch meets it::
 
-    fit(x, y) -> as_loader(...) -> DeviceLoader.__iter__  (the only place a batch moves)
-              -> _run_epoch -> train_step(batch) -> CallbackList.on_train_batch_end -> History
+    Model.fit                     checks every argument (model.py)
+    -> distributed.sharded        as_loader, then each rank's share (data/, distributed/)
+    -> preflight.in_memory_check  in-memory data and its first batch (preflight.py)
+    -> FitLoop.run / run_epoch    epochs, position, resume, totals (loop.py)
+    -> DeviceLoader.__iter__      the only place a batch changes device (data/loaders.py)
+    -> Stepper.micro_batches      the accumulation window (stepper.py)
+    -> Model.train_step           forward, compute_loss, backward, update_metrics,
+                                  optimizer_step -> Stepper.step (model.py, stepper.py)
+    -> CallbackList.on_train_batch_end -> EvalLoop.run (validation) -> on_epoch_end -> History
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from fitkit import checkpoint as _checkpoint
 from fitkit import compile as _compile
 from fitkit import data as _data
 from fitkit import distributed as _distributed
+from fitkit import nest
 from fitkit.callbacks.base import Callback, CallbackList, History
-from fitkit.callbacks.progress import resolve_verbose
-from fitkit.checkpoint import CheckpointMixin
+from fitkit.callbacks.progress import ProgressBar, resolve_verbose
+from fitkit.checks import check_bool, check_callbacks, check_int, check_number
 from fitkit.devices import PRECISIONS, optimizer_to, resolve_device
-from fitkit.evaluation import (
-    EvaluationMixin,
-    _check_callbacks,
-    _check_int,
-)
-from fitkit.loop import FitLoopMixin, validation_epochs
+from fitkit.loop import EvalLoop, FitLoop, PredictLoop, validation_epochs
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
+from fitkit.modes import modes
 from fitkit.optim import resolve_optimizer, resolve_scheduler
+from fitkit.outputs import own_loss, prediction_of, targets_of
+from fitkit.preflight import in_memory_check
+from fitkit.stepper import Stepper
 from fitkit.summary import summary_table
-from fitkit.training import StepMixin
+from fitkit.tracking import RunningTotals, fresh_metrics
 
 __all__ = ["Model"]
 
 
-class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
+class Model:
     """Keras-style training for any ``nn.Module``.
 
     Args:
@@ -75,32 +87,96 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
         self.device = resolve_device(device)
         _distributed.init_if_needed(self.device)  # under torchrun: nccl on CUDA, gloo on CPU
         self.module = module.to(self.device)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None
-        self.loss = None
-        self.metrics = MetricSet()
-        self.stop_training = False
-        self.history: History | None = None
-        self._compiled = False
-        self._callbacks = CallbackList([], self, {})
-        self._global_step = 0
-        self._init_step_state()
         self.strategy = strategy
         self._parallel = _distributed.Parallel(strategy, self.device) if _distributed.is_distributed() else None
+        # What compile sets (public, read by callbacks and loggers; the optimizer and the
+        # scheduler are the stepper's, see the properties below).
+        self.scheduler_interval = "epoch"
+        self.loss: Any = None
+        self.metrics = MetricSet()
+        self.precision = "32"
+        self.gradient_accumulation_steps = 1
+        self.clip_grad_norm: float | None = None
+        self.clip_grad_value: float | None = None
+        # Flags a callback sets; the running loop reads them.
+        self.stop_training = False
+        self.stop_evaluating = False
+        self.stop_predicting = False
+        self.history: History | None = None
+        self._stepper: Stepper | None = None
+        self._forward = _compile.Forward(self.module)
+        self._fit: FitLoop | None = None  # the running fit, or the last one (``_fit.running``)
+        self._phases: list[RunningTotals] = []  # totals of the running phases, innermost last
+        self._resume: _checkpoint.ResumePoint | None = None  # loaded, waiting for the next fit
+        self._example_x: Any = None  # the last first batch checked (summary's output shapes)
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The compiled optimizer (``None`` before ``compile``)."""
+        return None if self._stepper is None else self._stepper.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        """The compiled LR scheduler, or ``None``; assign ``None`` to stop it stepping."""
+        return None if self._stepper is None else self._stepper.scheduler
+
+    @scheduler.setter
+    def scheduler(self, value: Any) -> None:
+        self._require_compiled("scheduler")
+        self._stepper.set_scheduler(value)
+
+    # -- the public vocabulary of callbacks and overrides ------------------------------------
+    @property
     def global_step(self) -> int:
-        """Optimizer steps taken so far (read-only; a skipped step does not count)."""
-        return self._global_step
+        """Optimizer steps taken (read-only; a vetoed or skipped step does not count)."""
+        return 0 if self._stepper is None else self._stepper.global_step
 
     @property
     def epoch(self) -> int:
-        """The running epoch (0-based; read-only)."""
-        return self._epoch
+        """The running epoch of ``fit`` (0-based; after fit, the last one run; read-only)."""
+        return 0 if self._fit is None else self._fit.epoch
+
+    @property
+    def closes_accumulation_window(self) -> bool:
+        """Whether the current micro-batch is the last of its accumulation window (it steps).
+
+        Always ``True`` without gradient accumulation. Callbacks that write full checkpoints
+        wait for it: inside a window the accumulated gradients are in no file.
+        """
+        return True if self._stepper is None else self._stepper.micro_last
+
+    @property
+    def step_loss(self) -> torch.Tensor | None:
+        """The loss of the coming optimizer step, detached, on the device (in ``on_backward_end``).
+
+        With gradient accumulation it is the whole window's loss (each micro-batch weighted by
+        its share), so a NaN in any micro-batch shows. Reading its value syncs with the device.
+        """
+        return None if self._stepper is None else self._stepper.window_loss
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The global gradient 2-norm of the last step, before clipping (``clip_grad_norm`` only)."""
+        return None if self._stepper is None else self._stepper.grad_norm
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The ``GradScaler`` of ``precision="16-mixed"`` (``None`` otherwise; read-only)."""
+        return None if self._stepper is None else self._stepper.scaler
+
+    def skip_optimizer_step(self) -> None:
+        """Veto the coming optimizer step (call it from ``on_backward_end``).
+
+        The accumulated gradients are dropped, the weights, optimizer state, scheduler and
+        ``global_step`` stay as they are (``TerminateOnNaN`` uses it).
+        """
+        if self._stepper is not None:
+            self._stepper.skip()
 
     # -- the module ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        """Run the module: the training forward (DDP / compiled) once compiled, else the module."""
+        return self._forward.run(*args, **kwargs)
 
     def to(self, device: str | torch.device) -> Model:
         """Move the module, the optimizer state and the metric state to ``device``.
@@ -126,7 +202,7 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
         if self.optimizer is not None:
             optimizer_to(self.optimizer, self.device)
         self.metrics.to(self.device)
-        self._forward_module = None if self._forward_module is None else self._wrap_forward()
+        self._forward = _compile.Forward(self.module, self._wrap_for_training(), self._forward.jit)
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -172,6 +248,12 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
             return self._parallel.load_state_dict(self.module, state_dict, strict=strict)
         return self.module.load_state_dict(state_dict, strict=strict)
 
+    def _wrap_for_training(self) -> Any:
+        # Under torchrun the training forward is DDP's (built once the optimizer exists).
+        if self._parallel is None or self.optimizer is None:
+            return None
+        return self._parallel.wrap
+
     # -- compile ---------------------------------------------------------------------------
     def compile(
         self,
@@ -192,14 +274,17 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
 
         Args:
             optimizer: a name (``"adam"``, ``"adamw"``, ``"sgd"``, ...; torch's defaults), an
-                ``Optimizer`` on ``model.module.parameters()``, or a factory ``params -> Optimizer``.
+                ``Optimizer`` on ``model.module.parameters()``, or a factory ``params -> Optimizer``
+                (timm's ``create_optimizer_v2`` result works as an ``Optimizer``).
             loss: a name (``"mse"``, ``"cross_entropy"``, ...), an ``nn.Module`` or a callable,
-                called as ``loss(y_pred, y_true)``.
-            metrics: names, ``torchmetrics.Metric`` objects or ``{log_name: metric}``.
-            loss_weights: for a module with several outputs and as many losses: one weight per
-                loss (``loss`` is then a list or dict like the outputs).
-            scheduler: a ``torch.optim.lr_scheduler`` object or a factory ``optimizer ->
-                scheduler``.
+                called as ``loss(y_pred, y_true)``; ``None`` when the module returns its own
+                loss (a ``ModelOutput`` or dict with ``"loss"``, as Hugging Face models do).
+            metrics: names, ``torchmetrics.Metric`` objects, callables ``fn(y_pred, y_true)``
+                or ``{log_name: metric}``.
+            loss_weights: one weight per loss for a module with several outputs (``loss`` is
+                then a list or dict like the outputs), or a number for a single loss.
+            scheduler: a ``torch.optim.lr_scheduler`` object, a timm scheduler, or a factory
+                ``optimizer -> scheduler``.
             scheduler_interval: ``"epoch"`` or ``"step"`` (per optimizer step).
             precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (with a GradScaler).
             gradient_accumulation_steps: micro-batches per optimizer step (sample-exact).
@@ -213,38 +298,40 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
             TypeError: wrong types.
         """
         if precision not in PRECISIONS:
-            raise ValueError(f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)}.")
-        _check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1)
-        for name, v in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-                raise ValueError(f"Expected `{name}` to be a positive number or None. Received: {name}={v!r}.")
+            raise ValueError(
+                f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)}. "
+                "Fix: pass one of them, e.g. precision='bf16-mixed'."
+            )
+        if precision == "16-mixed" and self.device.type not in ("cuda", "cpu", "mps"):
+            raise ValueError(f"precision='16-mixed' is not supported on {self.device.type}. Fix: use 'bf16-mixed' or '32'.")
+        check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1)
+        check_number("clip_grad_norm", clip_grad_norm, positive=True, allow_none=True)
+        check_number("clip_grad_value", clip_grad_value, positive=True, allow_none=True)
         jit = _compile.resolve_jit_compile(jit_compile, self.device)
-        loss_fn = resolve_loss(loss) if loss_weights is None else _multi_loss(loss, loss_weights)
+        loss_fn = _resolve_loss(loss, loss_weights)
         metric_set = MetricSet(metrics)
+        # Everything that can be checked is checked: only now does anything change.
         if self._parallel is not None:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
         opt = resolve_optimizer(optimizer, self.module, self.device)
         sched = resolve_scheduler(scheduler, opt, scheduler_interval)
-        if precision == "16-mixed" and self.device.type not in ("cuda", "cpu", "mps"):
-            raise ValueError(f"precision='16-mixed' is not supported on {self.device.type}.")
-        # Everything is valid: only now does the model change.
-        self.optimizer, self.scheduler, self.scheduler_interval = opt, sched, scheduler_interval
+        self.scheduler_interval = scheduler_interval
         self.loss = loss_fn
+        _configure_metrics(metric_set, loss_fn, self.device)
         self.metrics = metric_set
-        self.metrics.loss_kind = getattr(loss_fn, "kind", None)
-        self.metrics._loss_name = getattr(loss_fn, "name", "")
-        self.metrics.device = self.device
         self.precision = precision
         self.gradient_accumulation_steps = int(gradient_accumulation_steps)
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
-        self._scaler = torch.amp.GradScaler(self.device.type) if precision == "16-mixed" else None
-        self._jit = jit
-        self._forward_module = self._wrap_forward()
-        self._watch_optimizer_steps()
-        self._compiled = True
+        if self._stepper is not None:
+            self._stepper.close()
+        self._stepper = Stepper(
+            opt, sched, scheduler_interval, precision, self.device, self.gradient_accumulation_steps,
+            clip_grad_norm, clip_grad_value, self._parallel,
+        )  # fmt: skip
+        self._forward = _compile.Forward(self.module, self._wrap_for_training(), jit)
 
     def _require_compiled(self, verb: str) -> None:
-        if not self._compiled:
+        if self._stepper is None:
             raise RuntimeError(
                 f"`{verb}` needs a compiled model. Call `model.compile(optimizer=..., loss=...)` "
                 f"before `model.{verb}(...)`."
@@ -299,7 +386,9 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
             class_weight: ``{class_index: weight}``, folded into the sample weights.
             sample_weight: ``(N,)`` weights for in-memory ``x`` or a Dataset.
             initial_epoch: the epoch to start at (resume).
-            steps_per_epoch: batches per epoch; needed for infinite iterables.
+            steps_per_epoch: batches per epoch (Keras 3): the data iterator then carries over
+                across epochs; an epoch ends early (one warning) when the data runs out, and the
+                next starts a fresh pass. Needed for infinite iterables.
             validation_steps: batches per validation.
             validation_batch_size: default ``batch_size``.
             validation_freq: validate every n epochs, or at the listed (1-based) epochs.
@@ -311,8 +400,10 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
         Raises:
             RuntimeError: ``compile`` was not called.
             TypeError: an argument of the wrong type.
-            ValueError: a bad value or data (lengths, shapes, labels), raised before the first
-                step for in-memory data, so the weights are left as they were.
+            ValueError: a bad value or data (lengths, shapes, labels, NaN / inf values, negative
+                sample weights), raised before the first step for in-memory data, so the
+                weights are left as they were; a training or scheduled validation source that
+                yields no batch.
 
         Example:
             >>> _ = torch.manual_seed(0)
@@ -325,19 +416,22 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
         """
         self._require_compiled("fit")
         batch_size = 32 if batch_size is None else batch_size
-        _check_int("batch_size", batch_size, 1)
-        _check_int("epochs", epochs, 0)
-        _check_int("initial_epoch", initial_epoch, 0)
-        _check_int("steps_per_epoch", steps_per_epoch, 1, allow_none=True)
-        _check_int("validation_steps", validation_steps, 1, allow_none=True)
-        _check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"Expected `shuffle` to be a bool. Received: shuffle={shuffle!r}.")
+        check_int("batch_size", batch_size, 1)
+        check_int("epochs", epochs, 0)
+        check_int("initial_epoch", initial_epoch, 0)
+        check_int("steps_per_epoch", steps_per_epoch, 1, allow_none=True)
+        check_int("validation_steps", validation_steps, 1, allow_none=True)
+        check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
+        check_bool("shuffle", shuffle)
         if isinstance(validation_split, bool) or not isinstance(validation_split, (int, float)) or not 0 <= validation_split < 1:
-            raise ValueError(f"Expected `validation_split` in [0, 1). Received: validation_split={validation_split!r}.")
+            raise ValueError(
+                f"Expected `validation_split` in [0, 1). Received: validation_split={validation_split!r}. "
+                "Fix: pass a fraction such as 0.2."
+            )
         val_epochs = validation_epochs(validation_freq)
         verbose = resolve_verbose(verbose)
-        callbacks = _check_callbacks(callbacks)
+        callbacks = check_callbacks(callbacks)
+        self._check_schedules(callbacks)
         if x is None:
             raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")
         if validation_split:
@@ -345,27 +439,546 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
                 warnings.warn("`validation_data` is given, so `validation_split` is ignored.", stacklevel=2)
             else:
                 (x, y, sample_weight), validation_data = _data.split_validation(x, y, sample_weight, validation_split)
-        train = _data.as_loader(
-            x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+        train = _distributed.sharded(
+            _data.as_loader, x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             class_weight=class_weight, steps=steps_per_epoch, device=self.device,
         )  # fmt: skip
         val = None
         if validation_data is not None:
-            val = _data.validation_loader(
-                validation_data, batch_size=validation_batch_size or batch_size, device=self.device
+            val = _distributed.sharded(
+                _data.validation_loader, validation_data, batch_size=validation_batch_size or batch_size, device=self.device
             )
-        self._preflight(train)
+        self._check_data(train, "x", training=True)
         if val is not None:
-            self._preflight(val)
-        cbs = self._make_callbacks(callbacks, verbose, epochs, train.num_batches)
-        self._fit_loop(train, (val, val_epochs, validation_steps), cbs, initial_epoch, epochs)
+            self._check_data(val, "validation_data", training=False)
+        if initial_epoch >= epochs:
+            warnings.warn(
+                f"initial_epoch={initial_epoch} >= epochs={epochs}: nothing will train (`epochs` is the index "
+                "of the last epoch, as in Keras). Fix: pass epochs > initial_epoch.",
+                stacklevel=2,
+            )
+        if not any(p.requires_grad for p in self.module.parameters()):
+            warnings.warn(
+                "The module has no trainable parameter: fit computes and logs the loss and metrics, but "
+                "no weight changes. Fix: set `requires_grad=True` on the parameters to train.",
+                stacklevel=2,
+            )
+        params = {"batch_size": batch_size, "do_validation": val is not None, "metrics": self._planned_keys(val is not None)}
+        cbs = self._callback_list(callbacks, verbose, epochs, train.num_batches, history=True, **params)
+        loop = FitLoop(self, train, (val, val_epochs, validation_steps), cbs, initial_epoch, epochs)
+        self._fit = loop
+        loop.run()
+        assert self.history is not None
         return self.history
 
-    # -- helpers ---------------------------------------------------------------------------
+    def _check_schedules(self, callbacks: list[Callback]) -> None:
+        from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
+
+        clash = [type(cb).__name__ for cb in callbacks if isinstance(cb, (LearningRateScheduler, ReduceLROnPlateau))]
+        if self.scheduler is not None and clash:
+            raise ValueError(
+                f"compile(scheduler={type(self.scheduler).__name__}) and a {clash[0]} callback would both "
+                "set the learning rate of the same optimizer, and their changes would multiply. Fix: "
+                "use one of them: drop `scheduler=` from compile, or the callback."
+            )
+
+    def _check_data(self, loader: _data.DeviceLoader, name: str, training: bool) -> None:
+        src = loader.batches
+        if not isinstance(src, _data.TensorBatches):
+            return
+        if src.n == 0:
+            raise ValueError(
+                f"`{name}` has 0 samples. Fix: pass at least one sample (an empty split or filter?)."
+            )
+        in_memory_check(self, src, training=training and type(src) is _data.TensorBatches)
+
+    def _planned_keys(self, validates: bool) -> list[str]:
+        """Epoch-log keys fit will write, in order (``params["metrics"]``, as Keras has it)."""
+        keys = ["loss", *self.metrics.keys]
+        lrs = {float(g["lr"]) for g in self.optimizer.param_groups} if self.optimizer is not None else set()
+        lr_keys = ["learning_rate"] + (
+            [f"learning_rate/pg{i}" for i in range(1, len(self.optimizer.param_groups))] if len(lrs) > 1 else []
+        )
+        val_keys = [f"val_{k}" for k in ("loss", *self.metrics.keys)] if validates else []
+        return keys + lr_keys + val_keys
+
+    def _callback_list(self, callbacks: list[Callback], verbose: int, epochs: int | None, steps: int | None,
+                       history: bool = False, **params: Any) -> CallbackList:  # fmt: skip
+        verbose = verbose if _distributed.is_rank_zero() else 0  # torchrun: rank 0 prints
+        cbs = list(callbacks)
+        all_params = {"verbose": verbose, "epochs": epochs, "steps": steps, **params}
+        if history:
+            self.history = History()
+            self.history.params = all_params
+            cbs.append(self.history)
+        if verbose and not any(isinstance(c, ProgressBar) for c in cbs):
+            cbs.append(ProgressBar(verbose))
+        return CallbackList(cbs, self, all_params)
+
+    # -- evaluate / predict ------------------------------------------------------------------
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        *,
+        batch_size: int | None = 32,
+        verbose: int | str = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: list[Callback] | None = None,
+    ) -> dict[str, float]:
+        """Loss and metrics over the data, as exact per-sample means: ``{"loss": ..., ...}``.
+
+        Runs every submodule in eval mode with autograd off and restores both afterwards. A
+        short last batch counts by its size (not a mean of batch means); under torchrun the
+        values are reduced over all ranks, every sample counted once. Called from a callback
+        during ``fit``, it keeps totals of its own: the training epoch stays exact.
+
+        Args:
+            x: inputs, as for :meth:`fit`.
+            y: targets for in-memory ``x``.
+            batch_size: samples per batch (in-memory ``x`` and Datasets).
+            verbose: 0, 1, 2 or ``"auto"`` (see :meth:`fit`).
+            sample_weight: ``(N,)`` weights for the loss.
+            steps: evaluate this many batches only (an infinite generator needs it, or a
+                callback that sets ``model.stop_evaluating``).
+            callbacks: callbacks whose ``on_test_*`` hooks run.
+
+        Returns:
+            ``{"loss": float, <metric>: float, ...}``.
+
+        Raises:
+            RuntimeError: ``compile`` was not called.
+            TypeError: an argument of the wrong type.
+            ValueError: a bad value or data (lengths, shapes, labels), or a source with no sample.
+
+        Example:
+            >>> model = Model(nn.Linear(1, 1), device="cpu")
+            >>> _ = nn.init.zeros_(model.module.weight), nn.init.zeros_(model.module.bias)
+            >>> model.compile(loss="mse", metrics=["mae"])
+            >>> model.evaluate(torch.zeros(5, 1), torch.tensor([[1.0], [1], [1], [1], [4]]),
+            ...                batch_size=2, verbose=0)
+            {'loss': 4.0, 'mae': 1.600000023841858}
+        """
+        self._require_compiled("evaluate")
+        batch_size = 32 if batch_size is None else batch_size
+        check_int("batch_size", batch_size, 1)
+        check_int("steps", steps, 1, allow_none=True)
+        verbose = resolve_verbose(verbose)
+        callbacks = check_callbacks(callbacks)
+        loader = _distributed.sharded(
+            _data.as_loader, x, y, sample_weight, batch_size=batch_size, device=self.device, steps=steps
+        )
+        self._check_data(loader, "x", training=False)
+        cbs = self._callback_list(callbacks, verbose, None, loader.num_batches)
+        return EvalLoop(self, loader, cbs, steps).run()
+
+    def predict(
+        self,
+        x: Any,
+        *,
+        batch_size: int | None = 32,
+        verbose: int | str = "auto",
+        steps: int | None = None,
+        callbacks: list[Callback] | None = None,
+    ) -> Any:
+        """Outputs for every input row, in input order, on the CPU.
+
+        Runs in eval mode under ``no_grad``. ``(x, y)`` batches are accepted and ``y`` is
+        ignored. Under mixed precision, outputs come back as float32. Under torchrun every
+        rank gets every row once, in input order. In-memory ``x`` with 0 rows gives the
+        module's output for an empty batch (shape ``(0, ...)``); another source that yields
+        no batch is a ``ValueError``.
+
+        Args:
+            x: inputs, as for :meth:`fit` (targets, if any, are ignored).
+            batch_size: samples per batch (in-memory ``x`` and Datasets).
+            verbose: 0, 1, 2 or ``"auto"`` (see :meth:`fit`).
+            steps: predict this many batches only (or set ``model.stop_predicting``).
+            callbacks: callbacks whose ``on_predict_*`` hooks run.
+
+        Returns:
+            The module's output structure (a tensor ``(N, ...)``, or a tuple / namedtuple /
+            list / dict of them) with every batch concatenated on dim 0. A dict-like output
+            with a ``"logits"`` entry (Hugging Face's ``ModelOutput``) gives its logits.
+
+        Raises:
+            TypeError: an argument of the wrong type.
+            ValueError: a bad value, or a source that yields no batch.
+
+        Example:
+            >>> model = Model(nn.Linear(3, 2), device="cpu")
+            >>> model.predict(torch.zeros(10, 3), batch_size=4, verbose=0).shape
+            torch.Size([10, 2])
+        """
+        batch_size = 32 if batch_size is None else batch_size
+        check_int("batch_size", batch_size, 1)
+        check_int("steps", steps, 1, allow_none=True)
+        verbose = resolve_verbose(verbose)
+        callbacks = check_callbacks(callbacks)
+        loader = _distributed.sharded(_data.as_loader, x, batch_size=batch_size, device=self.device, steps=steps)
+        src = loader.batches
+        if isinstance(src, _data.TensorBatches) and src.n == 0 and not _distributed.is_distributed():
+            return self.predict_on_batch(src.x)
+        cbs = self._callback_list(callbacks, verbose, None, loader.num_batches)
+        out = PredictLoop(self, loader, cbs, steps).run()
+        if isinstance(out, torch.Tensor) and out.numel() == 0 and out.dim() == 1 and not isinstance(src, _data.TensorBatches):
+            raise ValueError(
+                f"`x` ({type(getattr(src, 'source', src)).__name__}) yielded no batch, so there is nothing to "
+                "predict. Fix: pass data with at least one sample (a generator is used up after one pass)."
+            )
+        return out
+
+    # -- single batches ----------------------------------------------------------------------
+    def train_on_batch(
+        self, x: Any, y: Any = None, sample_weight: Any = None, class_weight: Mapping[int, float] | None = None
+    ) -> dict[str, float]:
+        """One optimizer step on one batch; returns that batch's loss and metrics.
+
+        Args:
+            x: the batch's inputs ``(B, ...)`` (tensors or numpy arrays, or a tuple / dict).
+            y: its targets ``(B, ...)``.
+            sample_weight: ``(B,)`` weights for the loss.
+            class_weight: ``{class_index: weight}``, folded into the sample weights (Keras).
+
+        Returns:
+            ``{"loss": float, <metric>: float, ...}`` for this batch alone.
+
+        Raises:
+            RuntimeError: ``compile`` was not called.
+            ValueError: a label without a class weight.
+
+        Example:
+            >>> model = Model(nn.Linear(1, 1, bias=False), device="cpu")
+            >>> _ = nn.init.ones_(model.module.weight)
+            >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
+            >>> model.train_on_batch(torch.ones(2, 1), torch.zeros(2, 1))
+            {'loss': 1.0}
+            >>> round(model.module.weight.item(), 6)  # w - lr * 2 * w * x^2
+            0.8
+        """
+        self._require_compiled("train_on_batch")
+        batch = _data.device_batch(x, y, sample_weight, device=self.device, class_weight=class_weight)
+        totals = self._new_totals()
+        self._stepper.single_batch()
+        with modes(self.module, training=None, grad=True), self._phase(totals):
+            self.train_step(batch)
+        self._adopt_metrics(totals)
+        return totals.result()
+
+    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
+        """Loss and metrics of one batch in eval mode, without training.
+
+        Args:
+            x: the batch's inputs ``(B, ...)``.
+            y: its targets ``(B, ...)``.
+            sample_weight: ``(B,)`` weights for the loss.
+
+        Returns:
+            ``{"loss": float, <metric>: float, ...}`` for this batch.
+
+        Raises:
+            RuntimeError: ``compile`` was not called.
+
+        Example:
+            >>> model = Model(nn.Linear(1, 1, bias=False), device="cpu")
+            >>> _ = nn.init.zeros_(model.module.weight)
+            >>> model.compile(loss="mse")
+            >>> model.test_on_batch(torch.ones(2, 1), torch.full((2, 1), 3.0))
+            {'loss': 9.0}
+        """
+        self._require_compiled("test_on_batch")
+        batch = _data.device_batch(x, y, sample_weight, device=self.device)
+        totals = self._new_totals()
+        with modes(self.module, training=False, grad=False), self._phase(totals):
+            self.test_step(batch)
+        return totals.result()
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """The module's output for one batch in eval mode under ``no_grad``, on the CPU.
+
+        Args:
+            x: the batch's inputs ``(B, ...)``.
+
+        Returns:
+            The module's output structure for the batch.
+
+        Example:
+            >>> Model(nn.Linear(3, 2), device="cpu").predict_on_batch(torch.zeros(4, 3)).shape
+            torch.Size([4, 2])
+        """
+        batch = _data.device_batch(x, device=self.device)
+        with modes(self.module, training=False, grad=False):
+            return nest.concat([self.predict_step(batch)])
+
+    # -- override points ---------------------------------------------------------------------
+    @property
+    def default_compute_loss(self) -> bool:
+        """Whether :meth:`compute_loss` is fitkit's own (not overridden in a subclass)."""
+        return type(self).compute_loss is Model.compute_loss
+
+    def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: torch.Tensor | None) -> torch.Tensor:
+        """The batch's training objective: ``sum(w * l) / sum(w)``, or the plain mean.
+
+        Override it to add terms (e.g. a regularizer); ``x`` is there for losses that need it.
+        With ``compile(loss=None)``, a module output that carries its own ``"loss"`` (Hugging
+        Face models called with ``labels``) is the objective.
+
+        Args:
+            x: the batch's inputs.
+            y: its targets (``None`` if the batches have none).
+            y_pred: the module's output.
+            sample_weight: ``(B,)`` weights or ``None``.
+
+        Returns:
+            A 0-dim tensor.
+
+        Raises:
+            RuntimeError: no loss was compiled and the output carries none.
+            ValueError: no targets, or targets that do not fit the prediction.
+        """
+        if self.loss is None:
+            own = own_loss(y_pred)
+            if own is not None:
+                return own
+            raise RuntimeError(
+                "No loss to compute: none was compiled and the module's output carries no 'loss'. "
+                "Fix: `model.compile(loss=...)`, or override `compute_loss`."
+            )
+        if y is None:
+            raise ValueError(
+                "The loss needs targets, but the batch has no `y`. Fix: pass `y=` or yield "
+                "`(x, y)` batches, or override `compute_loss`."
+            )
+        if not isinstance(self.loss, MultiLoss) and not isinstance(y_pred, torch.Tensor):
+            y_pred = prediction_of(y_pred) if prediction_of(y_pred) is not None else y_pred
+        if sample_weight is None:
+            return self.loss(y_pred, y)
+        per_sample = self.loss(y_pred, y, per_sample=True)
+        w = sample_weight.to(per_sample.dtype)
+        if w.shape != per_sample.shape:
+            raise ValueError(
+                f"Expected `sample_weight` of shape {tuple(per_sample.shape)} (one per sample). "
+                f"Received shape {tuple(w.shape)}. Fix: pass one weight per sample."
+            )
+        total = w.sum()
+        # A batch whose weights are all zero contributes a zero loss, not 0/0.
+        return (per_sample * w).sum() / torch.where(total == 0, torch.ones_like(total), total)
+
+    def train_step(self, batch: tuple[Any, Any, Any]) -> None:
+        """One (micro-)batch of training: forward, loss, backward, metrics, optimizer step.
+
+        ``batch`` is ``(x, y, sample_weight)`` on the device (``y`` / ``sample_weight`` may be
+        ``None``). Override it with the public pieces: ``self(x)`` (the training forward),
+        :meth:`compute_loss`, :meth:`autocast`, :meth:`backward`, :meth:`optimizer_step`
+        (a no-op inside an accumulation window) and :meth:`update_metrics`; see
+        "Custom training steps" in the docs for an auxiliary loss and a two-optimizer step.
+        """
+        x, y, sample_weight = batch
+        with self._stepper.no_sync(self.module):
+            with self.autocast():
+                y_pred = self._forward(x)
+                loss = self.compute_loss(x, y, y_pred, sample_weight)
+            if self._parallel is not None and _rows(y if y is not None else x) == 0:
+                loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
+            self.backward(loss)
+        # Metrics first: a metric that rejects the batch then fails before the weights change.
+        self.update_metrics(loss, y_pred, targets_of(x, y), sample_weight)
+        self.optimizer_step()
+
+    def test_step(self, batch: tuple[Any, Any, Any]) -> None:
+        """One batch of evaluation (eval mode, no grad): loss and metrics."""
+        x, y, sample_weight = batch
+        with self.autocast():
+            y_pred = self._forward(x)
+            has_loss = self.loss is not None or not self.default_compute_loss or own_loss(y_pred) is not None
+            # y=None still reaches compute_loss: an override may not need targets (autoencoders),
+            # and the default one says that a compiled loss does.
+            loss = self.compute_loss(x, y, y_pred, sample_weight) if has_loss else None
+        self.update_metrics(loss, y_pred, targets_of(x, y), sample_weight)
+
+    def predict_step(self, batch: tuple[Any, Any, Any]) -> Any:
+        """One batch of prediction: the module's output for ``x`` (``y`` is ignored).
+
+        Under mixed precision the module runs under autocast, and float16 / bfloat16 outputs
+        come back as float32, as a user of ``predict`` expects (Keras returns float32 too).
+        """
+        with self.autocast():
+            out = self._forward(batch[0])
+        if isinstance(out, Mapping) and "logits" in out:
+            out = out["logits"]
+        if self.precision == "32":
+            return out
+        return nest.map_structure(lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, out)
+
+    # -- the pieces a train_step override uses -----------------------------------------------
+    def autocast(self) -> Any:
+        """The autocast context of the compiled ``precision`` (a no-op for ``"32"``)."""
+        if self.precision == "32":
+            return contextlib.nullcontext()
+        from fitkit.devices import autocast
+
+        return autocast(self.device, self.precision)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with the accumulation share and the fp16 GradScaler applied.
+
+        A loss that needs no gradient (every parameter frozen) is not backpropagated.
+        """
+        self._require_compiled("backward")
+        if loss.requires_grad:
+            self._stepper.backward(loss)
+
+    def optimizer_step(self) -> bool:
+        """Step the optimizer if this micro-batch closes its accumulation window.
+
+        Runs ``on_backward_end`` (gradients unscaled), the skip decision, clipping, the
+        GradScaler and a per-step scheduler. Returns whether the weights changed.
+        """
+        self._require_compiled("optimizer_step")
+        loop = self._fit
+        before = None
+        if loop is not None and loop.running and loop.callbacks.wants("on_backward_end"):
+            def before() -> None:
+                loop.callbacks.on_backward_end(loop.batch_index)
+        return self._stepper.step(self.module, before, lambda: self.stop_training)
+
+    def update_metrics(self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None) -> None:
+        """Add a batch to the running phase's loss and metrics (on the device, no sync).
+
+        Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch.
+        ``y_pred`` may be a structured output (its prediction is picked as in
+        :mod:`fitkit.outputs`).
+
+        Raises:
+            RuntimeError: called outside ``fit`` / ``evaluate`` / ``*_on_batch``.
+        """
+        if not self._phases:
+            raise RuntimeError(
+                "`update_metrics` adds to the running fit / evaluate; it was called outside one. "
+                "Fix: call it from train_step or test_step."
+            )
+        pred = y_pred if isinstance(y_pred, torch.Tensor) else prediction_of(y_pred)
+        self._phases[-1].update(loss, y_pred if pred is None else pred, y, sample_weight)
+
+    # -- phases ------------------------------------------------------------------------------
+    def _new_totals(self) -> RunningTotals:
+        reduce = _distributed.reduce_loss_totals if self._parallel is not None else None
+        return RunningTotals(fresh_metrics(self.metrics), self.device, reduce)
+
+    @contextlib.contextmanager
+    def _phase(self, totals: RunningTotals) -> Iterator[None]:
+        self._phases.append(totals)
+        try:
+            yield
+        finally:
+            self._phases.pop()
+
+    def _adopt_metrics(self, totals: RunningTotals) -> None:
+        # Metrics built from a phase's first batch (iterable data) serve later phases too.
+        if self.metrics.entries is None and totals.metrics.entries is not None:
+            self.metrics = fresh_metrics(totals.metrics)
+
+    # -- files -------------------------------------------------------------------------------
+    def save_weights(self, path: str | os.PathLike) -> None:
+        """Write the module's state dict to ``path`` atomically (under torchrun: rank 0 writes).
+
+        With ``strategy="fsdp"`` gathering the state is a collective: call it on every rank.
+        The file holds only tensors (no optimizer state); reload it with :meth:`load_weights`.
+
+        Args:
+            path: the file to write; missing parent folders are created, an existing file is
+                replaced.
+
+        Raises:
+            OSError: the file cannot be written (the old file, if any, is left as it was).
+
+        Example:
+            >>> import os, tempfile
+            >>> model = Model(nn.Linear(2, 1), device="cpu")
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     model.save_weights(os.path.join(d, "weights.pt"))
+            ...     sorted(torch.load(os.path.join(d, "weights.pt"), weights_only=True))
+            ['bias', 'weight']
+        """
+        _checkpoint.save_weights(self, path)
+
+    def load_weights(self, path: str | os.PathLike, strict: bool = True) -> None:
+        """Load a state dict saved by :meth:`save_weights` (or a checkpoint) onto ``model.device``.
+
+        The file is read with ``torch.load(..., weights_only=True)``. A file written by
+        :meth:`save_checkpoint` works too: only its module weights are loaded.
+
+        Args:
+            path: the file to read.
+            strict: require the file's keys to match the module's exactly, as in
+                ``nn.Module.load_state_dict``.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            RuntimeError: an unsafe file (pickled code; refused before it runs).
+            ValueError: keys, shapes or dtypes that do not match (nothing is loaded then).
+
+        Example:
+            >>> import os, tempfile
+            >>> model, other = Model(nn.Linear(2, 1), device="cpu"), Model(nn.Linear(2, 1), device="cpu")
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     model.save_weights(os.path.join(d, "weights.pt"))
+            ...     other.load_weights(os.path.join(d, "weights.pt"))
+            >>> torch.equal(other.module.weight, model.module.weight)
+            True
+        """
+        _checkpoint.load_weights(self, path, strict)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The full training state as a ``weights_only``-loadable dict (see API.md, Checkpoints)."""
+        return _checkpoint.checkpoint_state(self)
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write the full training state to ``path`` atomically (see API.md, Checkpoints).
+
+        Under torchrun rank 0 writes (its RNG states); the state is unwrapped, so the file
+        resumes at any world size. With ``strategy="fsdp"`` call it on every rank (gathering
+        the shards is a collective).
+
+        Args:
+            path: the file to write; missing parent folders are created, an existing file is
+                replaced.
+
+        Raises:
+            OSError: the file cannot be written (the old file, if any, is left as it was).
+        """
+        state = _checkpoint.checkpoint_state(self)
+        if _distributed.is_rank_zero():
+            _checkpoint.atomic_save(state, path)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> int:
+        """Restore a checkpoint; the next ``fit(..., initial_epoch=k)`` continues from it.
+
+        Tensors are mapped onto ``model.device``. RNG states, the position inside the epoch
+        and callback states are applied when ``fit`` reaches that point, so code run in
+        between does not change the result. A ``BackupAndRestore`` calls it for you.
+
+        Args:
+            path: a file written by :meth:`save_checkpoint`.
+
+        Returns:
+            ``k``: the epoch to pass as ``initial_epoch`` (0-based).
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            RuntimeError: the model is not compiled (the optimizer must exist), or the file is
+                unsafe.
+            ValueError: the file is not a fitkit checkpoint, is damaged, or does not match the
+                model (nothing is loaded then).
+        """
+        self._require_compiled("load_checkpoint")
+        return _checkpoint.load_checkpoint(self, path)
+
     def summary(self, print_fn: Any = None) -> Any:
         """Print a rich table of layers: type, output shape (where known), parameters.
 
-        Output shapes come from the last batch fit / evaluate saw; ``?`` before that.
+        Output shapes come from the last batch fit / evaluate checked; ``?`` before that.
 
         Args:
             print_fn: called with the table; default: print it to the terminal with rich
@@ -382,10 +995,27 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
         return summary_table(self, print_fn)
 
 
-def _multi_loss(loss: Any, loss_weights: Any):
+def _rows(x: Any) -> int:
+    ts = nest.leaves(x)
+    return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1
+
+
+def _resolve_loss(loss: Any, loss_weights: Any) -> Any:
+    if loss_weights is None:
+        return resolve_loss(loss)
     if not isinstance(loss, (list, tuple, Mapping)):
         raise TypeError(
             "`loss_weights` needs one loss per output: pass `loss` as a list or dict. "
-            f"Received: loss={loss!r}."
+            f"Received: loss={loss!r}, loss_weights={loss_weights!r}."
         )
     return MultiLoss(loss, loss_weights)
+
+
+def _configure_metrics(metric_set: MetricSet, loss_fn: Any, device: torch.device) -> None:
+    configure = getattr(metric_set, "configure", None)
+    if configure is not None:
+        configure(loss_fn, device)
+        return
+    metric_set.loss_kind = getattr(loss_fn, "kind", None)
+    metric_set._loss_name = getattr(loss_fn, "name", "")
+    metric_set.device = device

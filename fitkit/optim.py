@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,6 +47,12 @@ def _build_fast(cls: type[torch.optim.Optimizer], params: list[torch.Tensor], de
     return cls(params)
 
 
+def _params(module: nn.Module, device: torch.device) -> list[torch.Tensor]:
+    # A module without parameters still trains as in Keras (loss and metrics logged, nothing
+    # to update): torch refuses an empty parameter list, so the optimizer holds a 0-element one.
+    return list(module.parameters()) or [nn.Parameter(torch.zeros(0, device=device))]
+
+
 def resolve_optimizer(optimizer: Any, module: nn.Module, device: torch.device) -> torch.optim.Optimizer:
     """Build the optimizer of ``compile`` from a name, an instance or a factory.
 
@@ -75,11 +80,11 @@ def resolve_optimizer(optimizer: Any, module: nn.Module, device: torch.device) -
                 f"Unknown optimizer '{optimizer}'. Valid names: {', '.join(OPTIMIZERS)}. "
                 "Or pass an Optimizer or a factory params -> Optimizer."
             )
-        return _build_fast(cls, list(module.parameters()), device)
+        return _build_fast(cls, _params(module, device), device)
     if isinstance(optimizer, torch.optim.Optimizer):
         opt = optimizer
     elif callable(optimizer):
-        opt = optimizer(module.parameters())
+        opt = optimizer(_params(module, device))
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(
                 "The `optimizer` factory must return a torch.optim.Optimizer. "
@@ -92,7 +97,7 @@ def resolve_optimizer(optimizer: Any, module: nn.Module, device: torch.device) -
         )
     own = {id(p) for p in module.parameters()}
     held = [p for g in opt.param_groups for p in g["params"]]
-    if held and not any(id(p) in own for p in held):
+    if held and own and not any(id(p) in own for p in held):
         raise ValueError(
             "The optimizer holds none of the module's parameters. Fix: build it on "
             "`model.module.parameters()` (after `fitkit.Model(...)` moved the module), or pass a "
@@ -126,9 +131,18 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
         )
     if scheduler is None:
         return None
+    if _is_timm(scheduler):  # timm's protocol: step(epoch, metric) and step_update(num_updates)
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError(
+                "The scheduler was built on another optimizer than the model's. Fix: build it on "
+                "`model.optimizer` after compile, or pass a factory optimizer -> scheduler."
+            )
+        return scheduler
     kinds = (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau)
     if not isinstance(scheduler, kinds) and callable(scheduler):
         scheduler = scheduler(optimizer)
+        if _is_timm(scheduler):
+            return resolve_scheduler(scheduler, optimizer, interval)
     if not isinstance(scheduler, kinds):
         raise TypeError(
             "Expected `scheduler` to be a torch.optim.lr_scheduler object or a factory "
@@ -142,9 +156,11 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
     return scheduler
 
 
+def _is_timm(scheduler: Any) -> bool:
+    return callable(getattr(scheduler, "step_update", None)) and callable(getattr(scheduler, "step", None))
+
+
 def current_lr(optimizer: torch.optim.Optimizer) -> float | torch.Tensor:
     """The learning rate of the first parameter group (a float, or a tensor for capturable LRs)."""
     return optimizer.param_groups[0]["lr"]
 
-
-Factory = Callable[..., Any]

@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from fitkit.checkpoint import is_rank_zero
+from fitkit.compile import call
+from fitkit.distributed.group import is_rank_zero
 
 __all__ = ["summary_table"]
 
@@ -40,7 +41,7 @@ def _output_shapes(model: Any) -> dict[str, str]:
     try:
         model.module.eval()
         with torch.no_grad():
-            model._call_module_eager(x)
+            call(model.module, x)
     finally:
         for h in handles:
             h.remove()

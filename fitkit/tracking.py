@@ -1,57 +1,98 @@
-"""The epoch's running loss and metrics: accumulated on the device, read once per epoch.
+"""Running loss and metric totals of one phase: a value object per epoch, validation or evaluate.
 
-``update_metrics`` adds a batch with no host sync: the loss sum and the sample count (or the
-sum of sample weights) stay device tensors, and the torchmetrics states update in place.
-``_running_logs`` (batch logs, read only when a callback reads them) and ``_epoch_logs`` (one
-transfer for all values at the end of an epoch) turn them into means.
+``update`` adds a batch with no host sync: the loss sum and the sample count (or the sum of
+sample weights) stay device tensors, and the torchmetrics states update in place. ``running``
+(batch logs, computed only when a callback reads them) and ``result`` (one transfer for all
+values, at the end of the phase) turn them into means. Each phase gets its own
+:class:`RunningTotals` with its own copy of the compiled metrics, so an ``evaluate`` nested in
+``fit`` (a callback tracking a second data set) never touches the training epoch's totals.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 
-from fitkit import data as _data
-from fitkit import distributed as _distributed
+from fitkit import nest
+from fitkit.metrics import MetricSet
 
-__all__ = ["TrackerMixin"]
+__all__ = ["RunningTotals"]
 
 
-class TrackerMixin:
-    """Loss and metric trackers of :class:`fitkit.Model` (a mixin; see the Model)."""
+def _batch_size(y: Any) -> int:
+    ts = nest.leaves(y)
+    return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1
 
-    def _reset_trackers(self) -> None:
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self._loss_total = torch.zeros((), dtype=dtype, device=self.device)
-        self._loss_count: float = 0
-        self._loss_wsum: torch.Tensor | None = None
-        self.metrics.reset()
-        self._stop_agreed = False
 
-    def update_metrics(self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None) -> None:
-        """Add a batch to the epoch's running loss and metrics (on the device, no sync).
+def fresh_metrics(template: MetricSet) -> MetricSet:
+    """An independent copy of ``template`` with every state reset (one per phase)."""
+    if hasattr(template, "clone"):
+        return template.clone()
+    ms = copy.deepcopy(template)
+    ms.reset()
+    return ms
 
-        Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch.
-        """
+
+class RunningTotals:
+    """Loss sum, sample count and metric states of one phase, on the device.
+
+    Args:
+        metrics: the phase's own :class:`~fitkit.metrics.MetricSet` (see :func:`fresh_metrics`).
+        device: where the sums live.
+        reduce: ``(total, count, wsum) -> (total, count, wsum)`` summed over ranks, or ``None``
+            on one process.
+
+    Example:
+        >>> t = RunningTotals(MetricSet(), torch.device("cpu"))
+        >>> t.update(torch.tensor(2.0), None, torch.zeros(3))
+        >>> t.update(torch.tensor(5.0), None, torch.zeros(1))
+        >>> t.result()  # (2 * 3 + 5 * 1) / 4
+        {'loss': 2.75}
+    """
+
+    def __init__(self, metrics: MetricSet, device: torch.device, reduce: Any = None):
+        self.metrics = metrics
+        self.device = device
+        self.reduce = reduce
+        self.dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        self.loss_total = torch.zeros((), dtype=self.dtype, device=device)
+        self.loss_count = 0
+        self.loss_wsum: torch.Tensor | None = None
+
+    @property
+    def samples(self) -> float:
+        """Samples (or the sum of sample weights, which syncs) the loss has seen so far."""
+        w = 0.0 if self.loss_wsum is None else float(self.loss_wsum)
+        return self.loss_count + w
+
+    def update(self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None) -> None:
+        """Add one batch: its mean loss (weighted by its size or weights) and its metrics."""
         if loss is not None:
             if sample_weight is None:
-                n = _data.batch_size_of(y if y is not None else y_pred)
+                n = _batch_size(y if y is not None else y_pred)
                 if n:  # an empty batch (a rank's share of a short last batch) adds nothing, not 0/0
-                    self._loss_total.add_(loss.detach(), alpha=n)
-                    self._loss_count += n
+                    self.loss_total.add_(loss.detach(), alpha=n)
+                    self.loss_count += n
             else:
                 ws = sample_weight.detach().sum()
-                self._loss_total.add_(loss.detach() * ws)
-                self._loss_wsum = ws if self._loss_wsum is None else self._loss_wsum + ws
+                self.loss_total.add_(loss.detach() * ws)
+                self.loss_wsum = ws if self.loss_wsum is None else self.loss_wsum + ws
         if self.metrics.entries != [] and y is not None:
             self.metrics.update(y_pred, y)
 
-    def _running_logs(self) -> dict[str, torch.Tensor]:
+    def _loss(self, total: torch.Tensor, count: float, wsum: Any) -> torch.Tensor | None:
+        if not count and wsum is None:
+            return None
+        return total / (count if wsum is None else wsum + count)
+
+    def running(self) -> dict[str, torch.Tensor]:
+        """Running means as 0-dim device tensors (rank-local: no collective here)."""
         logs: dict[str, torch.Tensor] = {}
-        denom = self._loss_count if self._loss_wsum is None else self._loss_wsum + self._loss_count
-        if self._loss_count or self._loss_wsum is not None:
-            logs["loss"] = (self._loss_total / denom).float()
+        loss = self._loss(self.loss_total, self.loss_count, self.loss_wsum)
+        if loss is not None:
+            logs["loss"] = loss.float()
         for e in self.metrics.entries or []:
             if e.metric.update_count:
                 # Batch logs are rank-local: a distributed sync here could deadlock when only
@@ -60,23 +101,42 @@ class TrackerMixin:
                     logs[e.key] = e.metric.compute()
         return logs
 
-    def _epoch_logs(self) -> dict[str, float]:
-        logs = self._reduced_logs()
+    def result(self) -> dict[str, float]:
+        """The phase's means as Python floats, reduced over ranks: one host sync for all."""
+        total, count, wsum = self.loss_total, self.loss_count, self.loss_wsum
+        if self.reduce is not None:  # sums over ranks before the division (metrics sync in compute)
+            total, count, wsum = self.reduce(total, count, wsum)
+        logs: dict[str, torch.Tensor] = {}
+        loss = self._loss(total, count, wsum)
+        if loss is not None:
+            logs["loss"] = loss
+        logs.update(self.metrics.compute())
         if not logs:
             return {}
-        # One transfer for all values (one host sync). float64 keeps the loss, summed in float64,
-        # exact (5/3 stays 1.6666666666666667); MPS has no float64.
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        values = torch.stack([v.detach().to(dtype).reshape(()) for v in logs.values()]).tolist()
+        # float64 keeps the loss, summed in float64, exact (5/3 stays 1.6666666666666667).
+        values = torch.stack([v.detach().to(self.dtype).reshape(()) for v in logs.values()]).tolist()
         return dict(zip(logs.keys(), values))
 
-    def _reduced_logs(self) -> dict[str, torch.Tensor]:
-        logs: dict[str, torch.Tensor] = {}
-        total, count, wsum = self._loss_total, self._loss_count, self._loss_wsum
-        if self._parallel is not None:  # sums over ranks before the division (metrics sync in compute)
-            total, count, wsum = _distributed.reduce_loss_totals(total, count, wsum)
-        denom = count if wsum is None else wsum + count
-        if count or wsum is not None:
-            logs["loss"] = total / denom
-        logs.update(self.metrics.compute())
-        return logs
+    # -- mid-epoch checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The totals and metric states, for a checkpoint taken inside an epoch."""
+        metrics = {}
+        for e in self.metrics.entries or []:
+            state = {k: (list(v) if isinstance(v, list) else v) for k, v in e.metric.metric_state.items()}
+            state["_update_count"] = e.metric._update_count
+            metrics[e.key] = state
+        return {"loss_total": self.loss_total, "loss_count": self.loss_count, "loss_wsum": self.loss_wsum, "metrics": metrics}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the metrics must be built: they are, after the first batch)."""
+        self.loss_total = state["loss_total"].to(self.device)
+        self.loss_count = state["loss_count"]
+        wsum = state["loss_wsum"]
+        self.loss_wsum = None if wsum is None else wsum.to(self.device)
+        for e in self.metrics.entries or []:
+            saved = state["metrics"].get(e.key)
+            for k, v in (saved or {}).items():
+                if k == "_update_count":
+                    e.metric._update_count = v
+                else:
+                    setattr(e.metric, k, v)

@@ -122,7 +122,7 @@ def stop_on_one_rank() -> dict:
     last = world_size() - 1
     at_epoch_end = LambdaCallback(on_epoch_end=lambda epoch, logs: rank() == last and _stop(cb_model))
     mid_epoch = LambdaCallback(  # from the first batch of epoch 1 on: honoured at that epoch's end
-        on_train_batch_end=lambda batch, logs: rank() == last and cb_model._epoch == 1 and _stop(cb_model)
+        on_train_batch_end=lambda batch, logs: rank() == last and cb_model.epoch == 1 and _stop(cb_model)
     )
     out = {}
     for name, cb in (("epoch_end", at_epoch_end), ("mid_epoch", mid_epoch)):

@@ -300,9 +300,10 @@ def test_reduce_lr_on_plateau_resets_the_wait_on_improvement():
 
 # -- TerminateOnNaN -------------------------------------------------------------------------------
 def _nan_data():
+    # In-memory data with a NaN is refused before step 1, so the NaN comes in a list of batches.
     x = torch.ones(8, 1)
     x[5] = float("nan")  # batch 2 of 4 (batch_size 2), epoch 0
-    return x, torch.ones(8, 1)
+    return [(x[i : i + 2], torch.ones(2, 1)) for i in range(0, 8, 2)], None
 
 
 def test_terminate_on_nan_skips_the_step_and_stops_at_that_batch():
@@ -310,10 +311,10 @@ def test_terminate_on_nan_skips_the_step_and_stops_at_that_batch():
     model = _model(optimizer=torch.optim.Adam)
     steps = []
     after = LambdaCallback(on_train_batch_end=lambda b, logs: steps.append((b, _weights(model))))
-    h = model.fit(x, y, batch_size=2, shuffle=False, epochs=3, verbose=0, callbacks=[TerminateOnNaN(), after])
+    h = model.fit(x, y, epochs=3, verbose=0, callbacks=[TerminateOnNaN(), after])
     assert [b for b, _ in steps] == [0, 1, 2] and h.epoch == [0]
     assert torch.equal(model.module.weight, steps[1][1]["weight"])  # the NaN step never happened
-    assert model._global_step == 2
+    assert model.global_step == 2
     assert all(s["step"].item() == 2 for s in model.optimizer.state_dict()["state"].values())
 
 
@@ -322,8 +323,8 @@ def test_terminate_on_nan_with_gradient_accumulation_checks_every_micro_batch():
     model = _model(gradient_accumulation_steps=2)
     weights = []
     record = LambdaCallback(on_backward_end=lambda b: weights.append(_weights(model)))
-    h = model.fit(x, y, batch_size=2, shuffle=False, epochs=2, verbose=0, callbacks=[TerminateOnNaN(), record])
-    assert h.epoch == [0] and model._global_step == 1
+    h = model.fit(x, y, epochs=2, verbose=0, callbacks=[TerminateOnNaN(), record])
+    assert h.epoch == [0] and model.global_step == 1
     assert torch.equal(model.module.weight, weights[-1]["weight"]) and model.module.weight.isfinite().all()
 
 
@@ -331,8 +332,8 @@ def test_terminate_on_nan_can_raise():
     x, y = _nan_data()
     model = _model()
     with pytest.raises(RuntimeError, match="The loss is nan at batch 2 of epoch 0"):
-        model.fit(x, y, batch_size=2, shuffle=False, epochs=1, verbose=0, callbacks=[TerminateOnNaN(raise_error=True)])
-    assert model.module.weight.isfinite().all() and model._global_step == 2
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[TerminateOnNaN(raise_error=True)])
+    assert model.module.weight.isfinite().all() and model.global_step == 2
 
 
 def test_early_stopping_fed_synthetic_logs_directly():

@@ -204,7 +204,7 @@ def test_first_batch_errors_leave_weights_and_optimizer_state_unchanged(exc, mat
         call(model)
     assert same_params(model.module, before)
     assert model.optimizer.state_dict()["state"] == {}
-    assert model._global_step == 0
+    assert model.global_step == 0
     assert model.module.training and torch.is_grad_enabled()
 
 
@@ -214,7 +214,7 @@ def test_labels_out_of_range_in_memory_checks_every_label_not_just_the_first_bat
     model = _model()
     with pytest.raises(ValueError, match=r"Received labels from 0 to 7"):
         model.fit(X, y, batch_size=4, verbose=0)
-    assert model._global_step == 0
+    assert model.global_step == 0
 
 
 def test_regression_metrics_accept_b1_predictions_with_b_targets():

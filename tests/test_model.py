@@ -57,7 +57,7 @@ def test_fit_matches_hand_loop_five_steps(opt_name):
     torch.manual_seed(7)
     hand_losses = _hand_loop(theirs, OPTIMIZERS[opt_name], x, y, batch_size=4, epochs=1)
 
-    assert model._global_step == 5
+    assert model.global_step == 5
     for p, q in zip(ours.parameters(), theirs.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
     assert history.history["loss"] == pytest.approx(hand_losses, rel=1e-6)
@@ -492,7 +492,7 @@ def test_stop_training_stops_after_the_current_batch():
     model = cpu_model(nn.Linear(2, 1))
     model.compile("sgd", "mse")
     history = model.fit(torch.randn(12, 2), torch.randn(12, 1), batch_size=3, epochs=5, callbacks=[Stop()], verbose=0)
-    assert model._global_step == 2
+    assert model.global_step == 2
     assert history.epoch == [0]
 
 

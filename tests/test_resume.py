@@ -50,7 +50,7 @@ class _Crash(Exception):
 
 def _crash_at_step(model_ref: list, step: int) -> LambdaCallback:
     def fn(batch, logs):
-        if model_ref[0]._global_step == step:
+        if model_ref[0].global_step == step:
             raise _Crash
 
     return LambdaCallback(on_train_batch_end=fn)
@@ -74,14 +74,14 @@ def test_resume_at_an_epoch_boundary_equals_the_uninterrupted_run(tmp_path):
     _assert_same_run(resumed, ref)
     assert resumed.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**4
     assert all(s["step"].item() == 12 for s in resumed.optimizer.state_dict()["state"].values())
-    assert resumed._global_step == 12
+    assert resumed.global_step == 12
 
 
 def test_resume_inside_an_epoch_equals_the_uninterrupted_run(tmp_path):
     x, y = _data()
     ref = _model()
     path = tmp_path / "mid.pt"
-    save = LambdaCallback(on_train_batch_end=lambda b, logs: ref._epoch == 1 and b == 1 and ref.save_checkpoint(path))
+    save = LambdaCallback(on_train_batch_end=lambda b, logs: ref.epoch == 1 and b == 1 and ref.save_checkpoint(path))
     ref.fit(x, y, batch_size=4, epochs=4, verbose=0, callbacks=[save])
 
     resumed = _model(seed=1)
@@ -98,7 +98,7 @@ def test_a_checkpoint_from_the_last_batch_of_an_epoch_resumes_at_its_end(tmp_pat
     x, y = _data()
     ref = _model()
     path = tmp_path / "last.pt"
-    save = LambdaCallback(on_train_batch_end=lambda b, logs: ref._epoch == 1 and b == 2 and ref.save_checkpoint(path))
+    save = LambdaCallback(on_train_batch_end=lambda b, logs: ref.epoch == 1 and b == 2 and ref.save_checkpoint(path))
     ref.fit(x, y, batch_size=4, epochs=3, validation_data=(x, y), verbose=0, callbacks=[save])
     resumed = _model(seed=1)
     resumed.fit(x, y, batch_size=4, epochs=3, initial_epoch=resumed.load_checkpoint(path),

@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent(
         )
 
         def maybe_kill(batch, logs):
-            if model._global_step == kill_at:
+            if model.global_step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         callbacks = [
@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent(
         history = model.fit(x[:32], y[:32], batch_size=7, epochs=40, validation_data=(x[32:], y[32:]),
                             callbacks=callbacks, verbose=0)
         torch.save({"weights": model.state_dict(), "history": history.history, "epochs": history.epoch,
-                    "steps": model._global_step}, os.path.join(folder, "final.pt"))
+                    "steps": model.global_step}, os.path.join(folder, "final.pt"))
 
 
     if __name__ == "__main__":

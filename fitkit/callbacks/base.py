@@ -143,11 +143,19 @@ class Callback:
         under mixed precision).
         """
 
+    def close(self) -> None:
+        """Release files, writers and threads; called once ``fit`` is over, also when it raises.
+
+        Runs after ``on_train_end`` (or instead of it when ``fit`` raises). Idempotent.
+        """
+
     # Internal: run after every callback's on_train_batch_end / on_epoch_end for the same
     # event, so a checkpoint written here holds every callback's updated state and the
-    # history of that epoch (ModelCheckpoint, BackupAndRestore).
+    # history of that epoch (ModelCheckpoint, BackupAndRestore); and at a SIGTERM / SIGINT,
+    # at the step boundary where fit stops (BackupAndRestore).
     def _save_on_batch_end(self, batch, logs=None): ...
     def _save_on_epoch_end(self, epoch, logs=None): ...
+    def _save_on_interrupt(self): ...
 
 
 class BatchLogs(MutableMapping):
@@ -285,6 +293,7 @@ def _overrides(cb: Callback, hook: str) -> bool:
 
 
 _SAVE_HOOKS = {"on_train_batch_end": "_save_on_batch_end", "on_epoch_end": "_save_on_epoch_end"}
+_INTERNAL = ("_save_on_interrupt", "close")
 
 
 class CallbackList:
@@ -312,7 +321,7 @@ class CallbackList:
         # Checkpoint writers, in list order but backups last: a backup then never records a
         # file that another callback has yet to write.
         writers = sorted(self.callbacks, key=lambda cb: bool(getattr(cb, "_is_backup", False)))
-        for save in _SAVE_HOOKS.values():
+        for save in (*_SAVE_HOOKS.values(), *_INTERNAL):
             self._hooks[save] = [getattr(cb, save) for cb in writers if _overrides(cb, save)]
 
     def wants(self, hook: str) -> bool:
@@ -360,3 +369,22 @@ class CallbackList:
     def on_epoch_end(self, epoch, logs=None):
         self._call("on_epoch_end", epoch, logs)
         self._call("_save_on_epoch_end", epoch, logs)
+
+    def save_on_interrupt(self) -> None:
+        """At a SIGTERM / SIGINT during fit: let backups write the state of this step boundary."""
+        self._call("_save_on_interrupt")
+
+    def close(self, finished: bool = True) -> None:
+        """Call every callback's :meth:`Callback.close`, each even if another one raises.
+
+        Args:
+            finished: whether ``fit`` ended normally (``on_train_end`` ran).
+        """
+        errors = []
+        for fn in self._hooks["close"]:
+            try:
+                fn()
+            except Exception as e:  # close the rest first; the first error is not lost
+                errors.append(e)
+        if errors and finished:
+            raise errors[0]

@@ -167,9 +167,9 @@ class ModelCheckpoint(StatefulCallback):
             return
         self._batches_seen += 1
         # A full checkpoint inside an accumulation group would lose its gradients: wait.
-        if self._batches_seen >= self.save_freq and (self.save_weights_only or self.model._micro_last):
+        if self._batches_seen >= self.save_freq and (self.save_weights_only or self.model.closes_accumulation_window):
             self._batches_seen = 0
-            self._decide(self.model._epoch, batch, logs or {})
+            self._decide(self.model.epoch, batch, logs or {})
 
     def _save_on_epoch_end(self, epoch, logs=None):
         self._write()
@@ -302,6 +302,7 @@ class BackupAndRestore(StatefulCallback):
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         self._due = False
+        self._interrupted = False
         # Temp files of a write a crash interrupted are never a backup: clear them.
         if is_rank_zero() and self.backup_dir.is_dir():
             for tmp in self.backup_dir.glob(f".{self.path.name}.*.tmp"):
@@ -309,7 +310,7 @@ class BackupAndRestore(StatefulCallback):
         if self.path.is_file():
             # Restores module / optimizer / scheduler now; fit applies the RNG states, the
             # position in the epoch, the history and the callback states (this one's too).
-            self.model._initial_epoch = self.model.load_checkpoint(self.path)
+            self.model.load_checkpoint(self.path)  # fit starts at the backup's epoch
 
     def _save_on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
@@ -320,13 +321,18 @@ class BackupAndRestore(StatefulCallback):
             return
         self._batches_seen += 1
         # Inside an accumulation group the gradients are not in the checkpoint: wait for its end.
-        if self._batches_seen >= self.save_freq and self.model._micro_last:
+        if self._batches_seen >= self.save_freq and self.model.closes_accumulation_window:
             self._batches_seen, self._due = 0, True
 
     def _save_on_batch_end(self, batch, logs=None):
         if self._due:
             self._due = False
             self._write()
+
+    def _save_on_interrupt(self):
+        # SIGTERM / SIGINT: the state of this step boundary, kept for the re-run.
+        self._interrupted = True
+        self._write()
 
     def _write(self) -> None:
         # A run that a callback stopped is about to end: a crash from here on replays from
@@ -336,6 +342,8 @@ class BackupAndRestore(StatefulCallback):
             self.model.save_checkpoint(self.path)
 
     def on_train_end(self, logs=None):
+        if self._interrupted:
+            return  # the backup is what the re-run resumes from
         if self.delete_checkpoint and is_rank_zero():
             self.path.unlink(missing_ok=True)
             try:

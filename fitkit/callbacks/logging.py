@@ -185,7 +185,7 @@ class TensorBoard(StatefulCallback):
         if self._batches_seen >= self.update_freq:
             self._batches_seen = 0
             if is_rank_zero():
-                self._write("batch", logs or {}, self.model._global_step)
+                self._write("batch", logs or {}, self.model.global_step)
 
     def on_epoch_end(self, epoch, logs=None):
         if is_rank_zero():

@@ -17,7 +17,7 @@ class TerminateOnNaN(Callback):
     """Stop training at the first batch whose loss is NaN or infinite; that step never happens.
 
     The check runs after the backward pass and before the optimizer step
-    (``on_backward_end``): a non-finite loss vetoes the step (``model._skip_step``), so the
+    (``on_backward_end``): a non-finite loss vetoes the step (``model.skip_optimizer_step()``), so the
     bad gradients never reach the weights or the optimizer state, and training stops after
     that batch. With gradient accumulation the check covers every micro-batch of the group.
 
@@ -34,9 +34,8 @@ class TerminateOnNaN(Callback):
         >>> import torch, fitkit
         >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
         >>> model.compile(optimizer="sgd", loss="mse")
-        >>> before = model.module.weight.detach().clone()
-        >>> x = torch.tensor([[1.0], [float("nan")]])
-        >>> history = model.fit(x, x, batch_size=1, shuffle=False, epochs=3, callbacks=[TerminateOnNaN()], verbose=0)
+        >>> x = torch.tensor([[1.0], [float("nan")]])  # a list of batches: in-memory NaN is refused
+        >>> history = model.fit([(x[:1], x[:1]), (x[1:], x[1:])], epochs=3, callbacks=[TerminateOnNaN()], verbose=0)
         >>> history.epoch, model.module.weight.isfinite().all().item()
         ([0], True)
     """
@@ -47,17 +46,15 @@ class TerminateOnNaN(Callback):
 
     def on_backward_end(self, batch):
         model = self.model
-        loss = model._step_loss.detach()
-        # The epoch's running total holds the earlier micro-batches of this accumulation group.
-        finite = bool(torch.isfinite(loss).all() & torch.isfinite(model._loss_total))  # one sync
-        if finite:
+        loss = model.step_loss  # the whole accumulation window's loss: a NaN anywhere shows
+        if loss is None or bool(torch.isfinite(loss).all()):  # one sync per optimizer step
             return
-        model._skip_step = True
+        model.skip_optimizer_step()
         model.stop_training = True
         if self.raise_error:
             model.optimizer.zero_grad(set_to_none=True)
             raise RuntimeError(
-                f"The loss is {loss.item()} at batch {batch} of epoch {model._epoch}; training "
+                f"The loss is {loss.item()} at batch {batch} of epoch {model.epoch}; training "
                 "stopped before that step, so the weights are those of the previous step."
             )
         _say(self.params.get("verbose", 0), f"Batch {batch}: invalid loss {loss.item()}, terminating training.")

@@ -31,6 +31,7 @@ from fitkit.data.arrays import (  # noqa: F401
 from fitkit.data.loaders import (  # noqa: F401
     ClassWeights,
     DeviceLoader,
+    device_batch,
     _IterableBatches,
     _WeightedDataset,
     as_loader,
@@ -42,6 +43,7 @@ __all__ = [
     "as_loader",
     "validation_loader",
     "DeviceLoader",
+    "device_batch",
     "TensorBatches",
     "is_in_memory",
     "split_validation",

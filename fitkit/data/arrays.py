@@ -140,6 +140,12 @@ class TensorBatches:
         self.n = _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
         self.batch_size = batch_size
         self.shuffle = shuffle
+        self.drop_last_single = False  # leave out a one-row last batch (BatchNorm; see preflight)
+
+    @property
+    def n_used(self) -> int:
+        """Samples an epoch trains on: ``N``, less a dropped one-row last batch."""
+        return self.n - 1 if self.drop_last_single else self.n
 
     @property
     def num_batches(self) -> int:
@@ -150,14 +156,14 @@ class TensorBatches:
             >>> tb.num_batches
             3
         """
-        return math.ceil(self.n / self.batch_size)
+        return math.ceil(self.n_used / self.batch_size)
 
     def to(self, device: torch.device) -> TensorBatches:
         """Keep the data on ``device`` (done once, for small data sets on an accelerator)."""
         self.x, self.y, self.w = (move_to_device(a, device) for a in (self.x, self.y, self.w))
         return self
 
-    def iterate(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
+    def iterate(self, epoch: int, skip: int = 0, skip_samples: int | None = None) -> Iterator[Batch]:
         """Yield one epoch of ``(x, y, sample_weight)`` batches of up to ``batch_size`` rows.
 
         With shuffling, the permutation is drawn from the global generator on the first
@@ -166,6 +172,7 @@ class TensorBatches:
         Args:
             epoch: the 0-based epoch index (unused here; the same signature as other sources).
             skip: batches to leave out at the start of the epoch (a mid-epoch resume).
+            skip_samples: samples to leave out instead (a resume with another batch size).
 
         Yields:
             ``(x, y, sample_weight)``, each sliced to ``b <= batch_size`` rows (``(b, ...)``;
@@ -178,23 +185,24 @@ class TensorBatches:
             >>> full, rest
             ([[2, 5, 3, 0], [1, 4]], [[1, 4]])
         """
-        bs = self.batch_size
+        bs, n = self.batch_size, self.n_used
         x, y, w = self.x, self.y, self.w
+        start = skip * bs if skip_samples is None else skip_samples
         if self.shuffle:
             perm = torch.randperm(self.n)
             leaves = _leaves(x)
             if leaves and leaves[0].device != perm.device:
                 perm = perm.to(leaves[0].device)
-            for i in range(skip * bs, self.n, bs):
-                idx = perm[i : i + bs]
+            for i in range(start, n, bs):
+                idx = perm[i : min(i + bs, n)]
                 yield (
                     x[idx] if isinstance(x, torch.Tensor) else _index(x, idx),
                     None if y is None else (y[idx] if isinstance(y, torch.Tensor) else _index(y, idx)),
                     None if w is None else w[idx],
                 )
         else:
-            for i in range(skip * bs, self.n, bs):
-                sl = slice(i, i + bs)
+            for i in range(start, n, bs):
+                sl = slice(i, min(i + bs, n))
                 yield _index(x, sl), _index(y, sl), None if w is None else w[sl]
 
 

@@ -8,6 +8,7 @@ device; :class:`ClassWeights` folds ``class_weight`` into the per-sample weights
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -27,7 +28,7 @@ from fitkit.data.arrays import (
 )
 from fitkit.devices import move_to_device
 
-__all__ = ["as_loader", "validation_loader", "DeviceLoader", "ClassWeights", "unpack_batch"]
+__all__ = ["as_loader", "validation_loader", "device_batch", "DeviceLoader", "ClassWeights", "unpack_batch"]
 
 
 def unpack_batch(batch: Any) -> Batch:
@@ -105,7 +106,12 @@ class ClassWeights:
         return y.reshape(y.shape[0], -1)[:, 0].long() if y.dim() > 1 else y.long()
 
     def check(self, y: torch.Tensor) -> None:
-        """Raise ``ValueError`` if a label of ``y`` (on the CPU) has no weight."""
+        """Raise ``ValueError`` if ``y`` (on the CPU) is not class labels, or a label has no weight."""
+        if y.is_floating_point() and not (y.dim() >= 2 and y.shape[-1] > 1) and bool((y != y.round()).any()):
+            raise ValueError(
+                "`class_weight` needs class labels, but the targets are continuous (e.g. "
+                f"{float(y[y != y.round()][0])}). Fix: pass `sample_weight` for regression targets."
+            )
         labels = self.labels(y)
         present = torch.unique(labels).tolist()
         missing = [c for c in present if c < 0 or c >= len(self.table) or math.isnan(self.table[c])]
@@ -194,7 +200,10 @@ class DeviceLoader:
         self.class_weight = class_weight
         self.steps = steps
         self.epoch = 0
-        self.skip = 0
+        self.skip = 0  # batches to leave out at the start of the next epoch (a resume)
+        self.skip_samples: int | None = None  # or samples, for in-memory data
+        self.batch_size: int | None = getattr(source, "batch_size", None)
+        self.ran_out = False  # the last epoch ended early: the data ran out before `steps`
         self._persistent: Iterator | None = None
 
     @property
@@ -206,23 +215,34 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         skip, self.skip = self.skip, 0
+        skip_samples, self.skip_samples = self.skip_samples, None
+        self.ran_out = False
         if self.steps is None:
-            yield from self._prepare(self.batches.iterate(self.epoch, skip))
+            if skip_samples is not None and isinstance(self.batches, TensorBatches):
+                yield from self._prepare(self.batches.iterate(self.epoch, 0, skip_samples))
+                return
+            it = self._prepare(self.batches.iterate(self.epoch, skip))
+            n = self.batches.num_batches
+            # A source with len() gives len() batches per epoch (Keras), whatever it yields.
+            yield from it if n is None else itertools.islice(it, max(n - skip, 0))
             return
-        remaining = self.steps - skip
+        # Keras 3's steps_per_epoch: the iterator carries over across epochs; when it runs out
+        # inside an epoch, that epoch ends early and the next one starts a fresh pass.
+        remaining, fresh, done = self.steps - skip, False, 0
         while remaining > 0:
             if self._persistent is None:
-                self._persistent = self._prepare(self.batches.iterate(self.epoch, 0))
-            got = False
+                if fresh:
+                    return  # a fresh pass yielded nothing: an empty (or used-up one-shot) source
+                self._persistent, fresh = self._prepare(self.batches.iterate(self.epoch, 0)), True
             for batch in self._persistent:
-                got = True
                 yield batch
+                done += 1
                 remaining -= 1
                 if remaining == 0:
                     return
             self._persistent = None
-            # A one-shot iterator cannot restart; an empty re-iterable would loop forever.
-            if not got or getattr(self.batches, "one_shot", False):
+            if done:
+                self.ran_out = True
                 return
 
     def _prepare(self, it: Iterator[Any]) -> Iterator[Batch]:
@@ -246,6 +266,25 @@ class DeviceLoader:
             yield move_to_device(x, device), move_to_device(y, device), move_to_device(w, device)
 
 
+def device_batch(
+    x: Any, y: Any = None, sample_weight: Any = None, *, device: torch.device,
+    class_weight: Mapping | None = None,
+) -> Batch:  # fmt: skip
+    """One ``(x, y, sample_weight)`` batch on ``device``, through :class:`DeviceLoader`.
+
+    The ``*_on_batch`` methods use it, so a single batch is converted (numpy -> torch), weighted
+    (``class_weight``) and moved exactly as the batches of ``fit`` are.
+
+    Example:
+        >>> x, y, w = device_batch(np.zeros((2, 3)), np.array([0, 1]), device=torch.device("cpu"),
+        ...                        class_weight={0: 1.0, 1: 2.0})
+        >>> x.dtype, w.tolist()
+        (torch.float32, [1.0, 2.0])
+    """
+    cw = ClassWeights(class_weight) if class_weight is not None else None
+    return next(iter(DeviceLoader([(x, y, sample_weight)], device, cw)))
+
+
 def as_loader(
     x: Any,
     y: Any = None,
@@ -259,8 +298,8 @@ def as_loader(
 ) -> DeviceLoader:
     """Turn any supported input into a :class:`DeviceLoader`. Checks everything it can first.
 
-    Under torchrun the batches are this rank's share (:func:`fitkit.distributed.shard`), unless
-    ``x`` is wrapped in :func:`fitkit.distributed.already_sharded`.
+    One process's view: under torchrun, :func:`fitkit.distributed.sharded` composes this with
+    each rank's share of the batches.
 
     Args:
         x: tensors / arrays (or tuples, lists, dicts of them), a ``Dataset``, a ``DataLoader``
@@ -276,17 +315,13 @@ def as_loader(
     Raises:
         TypeError: ``x`` is none of the supported kinds.
         ValueError: lengths differ, ``y`` or ``sample_weight`` given with a loader or
-            iterable, a label has no class weight; under torchrun, an input that cannot be
-            sharded per rank (see :func:`fitkit.distributed.shard`).
+            iterable, a label has no class weight.
 
     Example:
         >>> dl = as_loader(np.zeros((5, 2)), np.arange(5), batch_size=2)
         >>> [b[0].shape[0] for b in dl], dl.num_batches
         ([2, 2, 1], 3)
     """
-    from fitkit import distributed
-
-    x, already = distributed.unwrap(x)  # `already_sharded(data)`: this rank's own share
     cw = ClassWeights(class_weight) if class_weight is not None else None
     if is_in_memory(x):
         if y is not None and not is_in_memory(y):
@@ -307,7 +342,7 @@ def as_loader(
             source.w = cw_w if w is None else cw_w * w.to(cw_w.dtype)
         if device.type == "cuda" and sum(t.numel() * t.element_size() for t in _leaves((x, y))) < 2**30:
             source.to(device)  # one copy up front beats one per batch for data that fits
-        return distributed.shard(DeviceLoader(source, device, None, steps), already)
+        return DeviceLoader(source, device, None, steps)
     if y is not None:
         raise ValueError(
             f"`y` must be None when `x` is a {type(x).__name__}: the targets come from its "
@@ -335,7 +370,9 @@ def as_loader(
             f"`sample_weight` cannot be combined with x of type {type(x).__name__}. "
             "Fix: yield `(x, y, sample_weight)` batches instead."
         )
-    return distributed.shard(DeviceLoader(x, device, cw, steps), already)
+    loader = DeviceLoader(x, device, cw, steps)
+    loader.batch_size = getattr(x, "batch_size", None)  # a DataLoader's (None for other iterables)
+    return loader
 
 
 def validation_loader(validation_data: Any, *, batch_size: int, device: torch.device) -> DeviceLoader:

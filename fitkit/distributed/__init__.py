@@ -53,9 +53,8 @@ Example:
     'fsdp'
 """
 
-# Names outside __all__ are re-exported too: fitkit.data, fitkit.training, fitkit.tracking and
-# fitkit.evaluation call `fitkit.distributed.shard`, `.global_share`, `.gather_predictions`, ...
-from fitkit.checkpoint import is_rank_zero
+# Names outside __all__ are re-exported too: the model, the loops and the stepper call
+# `fitkit.distributed.sharded`, `.global_share`, `.gather_predictions`, ...
 from fitkit.distributed import parallel
 from fitkit.distributed.group import (  # noqa: F401
     all_gather_object,
@@ -64,6 +63,7 @@ from fitkit.distributed.group import (  # noqa: F401
     global_share,
     init_if_needed,
     is_distributed,
+    is_rank_zero,
     launched_by_torchrun,
     rank,
     reduce_loss_totals,
@@ -76,6 +76,7 @@ from fitkit.distributed.sharding import (  # noqa: F401
     already_sharded,
     gather_predictions,
     shard,
+    sharded,
     unwrap,
 )
 
@@ -97,4 +98,5 @@ __all__ = [
     "check_strategy",
     "Parallel",
     "shard",
+    "sharded",
 ]

@@ -35,6 +35,18 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def is_rank_zero() -> bool:
+    """Whether this process writes files: rank 0 of ``torch.distributed``, or not distributed.
+
+    Callbacks that write files or print check it, so a ``torchrun`` job writes each file once.
+
+    Example:
+        >>> is_rank_zero()
+        True
+    """
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def rank() -> int:
     """This process's rank in the default group (0 when not distributed)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -194,6 +194,21 @@ def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
     return ShardedLoaderBatches(rebuilt, shuffle=shuffle, generator=dl.generator)
 
 
+def sharded(make_loader: Any, data: Any, *args: Any, **kwargs: Any) -> DeviceLoader:
+    """The one place that composes "to batches" and "shard": ``shard(make_loader(data, ...))``.
+
+    ``make_loader`` is :func:`fitkit.data.as_loader` or :func:`fitkit.data.validation_loader`;
+    data wrapped in :func:`already_sharded` is this rank's own share and is not split again.
+
+    Example:
+        >>> from fitkit.data import as_loader
+        >>> sharded(as_loader, torch.zeros(5, 2), batch_size=2).num_batches
+        3
+    """
+    data, already = unwrap(data)
+    return shard(make_loader(data, *args, **kwargs), already)
+
+
 def shard(loader: DeviceLoader, already: bool = False) -> DeviceLoader:
     """Split ``loader``'s batches over the ranks (a no-op on one process).
 

@@ -1,0 +1,106 @@
+"""Argument checks, one message form: the argument, what was expected, what was received, the fix.
+
+A wrong type is a ``TypeError``, a wrong value a ``ValueError`` (STYLE.md); every public entry
+point checks its arguments with these helpers before it changes anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["check_int", "check_bool", "check_number", "check_choice", "check_callbacks"]
+
+
+def _fix(fix: str | None) -> str:
+    return f" Fix: {fix}" if fix else ""
+
+
+def check_int(name: str, value: Any, minimum: int, allow_none: bool = False, fix: str | None = None) -> None:
+    """Require an int ``>= minimum`` (``None`` too if ``allow_none``).
+
+    Raises:
+        TypeError: not an int (a bool is not an int here).
+        ValueError: smaller than ``minimum``.
+
+    Example:
+        >>> check_int("epochs", 3, 0)
+        >>> check_int("epochs", -1, 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `epochs` >= 0. Received: epochs=-1.
+    """
+    if value is None and allow_none:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"Expected `{name}` to be an int. Received: {name}={value!r}.{_fix(fix)}")
+    if value < minimum:
+        raise ValueError(f"Expected `{name}` >= {minimum}. Received: {name}={value}.{_fix(fix)}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """Require a bool.
+
+    Example:
+        >>> check_bool("shuffle", "yes")
+        Traceback (most recent call last):
+        ...
+        TypeError: Expected `shuffle` to be a bool. Received: shuffle='yes'.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"Expected `{name}` to be a bool. Received: {name}={value!r}.")
+
+
+def check_number(
+    name: str, value: Any, *, positive: bool = False, allow_none: bool = False, fix: str | None = None
+) -> None:
+    """Require a real number (``> 0`` if ``positive``; ``None`` too if ``allow_none``).
+
+    Example:
+        >>> check_number("clip_grad_norm", 0, positive=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `clip_grad_norm` to be a positive number. Received: clip_grad_norm=0.
+    """
+    if value is None and allow_none:
+        return
+    what = "a positive number" if positive else "a number"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"Expected `{name}` to be {what}. Received: {name}={value!r}.{_fix(fix)}")
+    if positive and not value > 0:
+        raise ValueError(f"Expected `{name}` to be {what}. Received: {name}={value!r}.{_fix(fix)}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
+    """Require one of ``choices``.
+
+    Example:
+        >>> check_choice("scheduler_interval", "batch", ("epoch", "step"))
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `scheduler_interval` to be one of 'epoch', 'step'. Received: scheduler_interval='batch'.
+    """
+    if value not in choices:
+        valid = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"Expected `{name}` to be one of {valid}. Received: {name}={value!r}.")
+
+
+def check_callbacks(callbacks: Any) -> list[Any]:
+    """Require ``None`` or a list / tuple of :class:`fitkit.callbacks.Callback`; return a list."""
+    from fitkit.callbacks.base import Callback
+
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, (list, tuple)):
+        raise TypeError(
+            f"Expected `callbacks` to be a list of Callback objects. Received: {type(callbacks).__name__}. "
+            "Fix: pass callbacks=[...]."
+        )
+    for cb in callbacks:
+        if not isinstance(cb, Callback):
+            raise TypeError(
+                f"Expected every callback to subclass fitkit.callbacks.Callback. Received: {cb!r}. "
+                "Fix: subclass Callback, or wrap functions in LambdaCallback."
+            )
+    return list(callbacks)

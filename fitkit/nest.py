@@ -1,0 +1,82 @@
+"""Nested structures of tensors: one walker for batches and outputs.
+
+Batches and module outputs are tensors, or tuples, lists, namedtuples and dicts (any depth) of
+them. :func:`map_structure` rebuilds such a structure with a function applied to each tensor;
+:func:`leaves` lists the tensors; :func:`concat` joins a list of same-shaped structures along
+dim 0 (``predict``'s batches), keeping namedtuples as namedtuples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["map_structure", "leaves", "concat"]
+
+
+def _rebuild(like: Any, items: list[Any]) -> Any:
+    if isinstance(like, tuple) and hasattr(like, "_fields"):
+        return type(like)(*items)
+    if isinstance(like, tuple):
+        return tuple(items)
+    return list(items)
+
+
+def map_structure(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """Apply ``fn`` to every tensor of a nested structure; other leaves are kept as they are.
+
+    Example:
+        >>> from collections import namedtuple
+        >>> P = namedtuple("P", "a b")
+        >>> map_structure(lambda t: t * 2, P(torch.ones(1), {"c": [torch.ones(1), "id"]}))
+        P(a=tensor([2.]), b={'c': [tensor([2.]), 'id']})
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return _rebuild(obj, [map_structure(fn, o) for o in obj])
+    if isinstance(obj, Mapping):
+        return {k: map_structure(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a nested structure, depth first, in order.
+
+    Example:
+        >>> [t.shape[0] for t in leaves({"a": torch.zeros(2), "b": (torch.zeros(3), "x")})]
+        [2, 3]
+    """
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in leaves(o)]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in leaves(v)]
+    return []
+
+
+def concat(parts: list[Any]) -> Any:
+    """Concatenate same-structured batches on dim 0 and move them to the CPU.
+
+    A structure that holds no tensor at some position keeps the per-batch list there.
+
+    Example:
+        >>> from collections import namedtuple
+        >>> Out = namedtuple("Out", "logits aux")
+        >>> out = concat([Out(torch.zeros(2, 3), torch.ones(2)), Out(torch.zeros(1, 3), torch.ones(1))])
+        >>> type(out).__name__, out.logits.shape, out.aux.shape
+        ('Out', torch.Size([3, 3]), torch.Size([3]))
+    """
+    if not parts:
+        return torch.empty(0)
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts).cpu()
+    if isinstance(first, (tuple, list)):
+        return _rebuild(first, [concat([p[i] for p in parts]) for i in range(len(first))])
+    if isinstance(first, Mapping):
+        return {k: concat([p[k] for p in parts]) for k in first}
+    return parts

@@ -1,0 +1,72 @@
+"""What a module's output means: the prediction, and a loss the module computed itself.
+
+Hugging Face models (and others) return a structured output (a ``ModelOutput``, a dict, a
+namedtuple) and, when called with ``labels``, their own loss. One rule picks the prediction
+that metrics and ``predict_step`` use:
+
+1. a tensor is the prediction;
+2. a mapping (``ModelOutput`` is one) gives its ``"logits"`` entry, else its only tensor entry
+   that is not ``"loss"``;
+3. a namedtuple gives its ``logits`` field, else its first field;
+4. anything else has no single prediction: compiled metrics then raise a ``ValueError`` saying
+   to compute them in a custom ``test_step`` or to return a tensor.
+
+With ``compile(loss=None)``, an output that holds a ``"loss"`` entry supplies the loss, and
+targets for metrics come from ``y`` or, for dict inputs, from ``x["labels"]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["prediction_of", "own_loss", "targets_of"]
+
+
+def prediction_of(output: Any) -> Any:
+    """The prediction inside ``output`` by the rule above, or ``None`` if there is none.
+
+    Example:
+        >>> prediction_of({"loss": torch.tensor(1.0), "logits": torch.zeros(2, 3)}).shape
+        torch.Size([2, 3])
+        >>> prediction_of(torch.ones(2)).shape
+        torch.Size([2])
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        if "logits" in output:
+            return output["logits"]
+        rest = [v for k, v in output.items() if k != "loss" and isinstance(v, torch.Tensor)]
+        return rest[0] if len(rest) == 1 else None
+    if isinstance(output, tuple) and hasattr(output, "_fields"):
+        return getattr(output, "logits", output[0])
+    return None
+
+
+def own_loss(output: Any) -> torch.Tensor | None:
+    """The loss a module computed itself (``output["loss"]`` / ``output.loss``), else ``None``.
+
+    Example:
+        >>> own_loss({"loss": torch.tensor(0.5)}), own_loss(torch.zeros(1))
+        (tensor(0.5000), None)
+    """
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    else:
+        loss = getattr(output, "loss", None) if hasattr(output, "_fields") else None
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def targets_of(x: Any, y: Any) -> Any:
+    """``y``, or ``x["labels"]`` for a dict input without ``y`` (Hugging Face batches).
+
+    Example:
+        >>> targets_of({"input_ids": torch.zeros(2), "labels": torch.ones(2)}, None)
+        tensor([1., 1.])
+    """
+    if y is None and isinstance(x, Mapping):
+        return x.get("labels")
+    return y

@@ -1,0 +1,179 @@
+"""Checks before the first step: in-memory data, and the first batch through module and loss.
+
+For in-memory data the whole plan is known before step 1, so everything that would fail later
+fails here, with nothing changed: non-finite values, floating inputs in another dtype than the
+module's (cast, as Keras casts to its float type), a one-row last batch that BatchNorm cannot
+train on (dropped with one warning), and the first batch run through the module, the loss and
+the metrics. That run uses the module itself in eval mode under ``no_grad``, never the compiled
+forward, so it costs no compilation of its own and moves no BatchNorm statistic.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitkit import nest
+from fitkit.compile import call
+from fitkit.data import TensorBatches
+from fitkit.devices import move_to_device
+from fitkit.modes import modes
+from fitkit.outputs import prediction_of, targets_of
+
+__all__ = ["prepare_in_memory", "first_batch_check", "describe", "has_training_batchnorm"]
+
+
+def describe(batch: Any) -> str:
+    """Shapes and dtypes of a batch's tensors, for error messages.
+
+    Example:
+        >>> describe((torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)))
+        'x: float32 (2, 3); y: int64 (2,)'
+    """
+    parts = []
+    for name, part in zip(("x", "y", "sample_weight"), batch):
+        ts = nest.leaves(part)
+        if ts:
+            parts.append(f"{name}: " + ", ".join(f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)}" for t in ts))
+    return "; ".join(parts)
+
+
+def _param_dtype(module: nn.Module) -> torch.dtype | None:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return None
+
+
+def has_training_batchnorm(module: nn.Module) -> bool:
+    """Whether a BatchNorm layer would train (it needs more than one value per channel)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
+
+
+def _check_finite(name: str, part: Any) -> None:
+    for t in nest.leaves(part):
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            rows = bad.reshape(t.shape[0], -1).any(1) if t.dim() else bad.reshape(1)
+            first = int(rows.nonzero()[0, 0])
+            raise ValueError(
+                f"`{name}` holds {int(bad.sum())} NaN or infinite values (first at row {first}). "
+                f"Fix: clean or impute `{name}` before fit; a NaN input turns every weight NaN."
+            )
+
+
+def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool) -> None:
+    """Check and adapt in-memory data before any step (nothing else changes on an error).
+
+    Raises:
+        ValueError: NaN / inf in ``x`` or ``y``, or a negative ``sample_weight``.
+    """
+    _check_finite("x", source.x)
+    _check_finite("y", source.y)
+    if source.w is not None and source.w.numel() and bool((source.w < 0).any()):
+        first = int((source.w < 0).nonzero()[0, 0])
+        raise ValueError(
+            f"`sample_weight` must be >= 0. Received a negative weight at index {first} "
+            f"({float(source.w[first])}). Fix: weights scale each sample's loss; use 0 to ignore one."
+        )
+    dtype = _param_dtype(module)
+    if dtype is not None:
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+        source.x = nest.map_structure(cast, source.x)
+        if source.y is not None:
+            source.y = nest.map_structure(cast, source.y)
+    if training and source.n % source.batch_size == 1 and source.n > 1 and has_training_batchnorm(module):
+        source.drop_last_single = True
+        warnings.warn(
+            f"{source.n} training samples with batch_size={source.batch_size} leave a last batch of "
+            "one row, which BatchNorm cannot train on; that row is left out of each epoch. "
+            "Fix: choose a batch_size that does not leave one sample over.",
+            stacklevel=4,
+        )
+
+
+def _first_batch(source: TensorBatches, device: torch.device) -> tuple[Any, Any, Any]:
+    sl = slice(0, min(source.batch_size, source.n))
+    x, y = nest.map_structure(lambda t: t[sl], source.x), nest.map_structure(lambda t: t[sl], source.y)
+    w = None if source.w is None else source.w[sl]
+    return tuple(move_to_device(a, device) for a in (x, y, w))  # type: ignore[return-value]
+
+
+def _wrap(what: str, batch: Any, e: Exception) -> Exception:
+    if isinstance(e, (ValueError, TypeError)) and "Fix" in str(e):
+        return e  # fitkit's own message already names the fix
+    return ValueError(
+        f"The first batch failed in the {what}: {type(e).__name__}: {e}. It was fed "
+        f"{describe(batch)}. Fix: make the data's shapes and dtypes match what the {what} "
+        "expects (the original error is chained below)."
+    )
+
+
+def first_batch_check(model: Any, batch: tuple[Any, Any, Any], y_all: Any = None) -> None:
+    """Run one batch through the module, the loss and the metrics, changing nothing.
+
+    Shape, dtype and class-range errors surface here, named by the call that failed
+    (forward, loss, metric) with what was fed; the original error is chained. ``y_all``: all
+    in-memory targets, whose class labels are range-checked against the module's outputs.
+    """
+    x, y, w = batch
+    model._example_x = x
+    module = model.module
+    with modes(module, training=False, grad=False), model.autocast():
+        try:
+            y_pred = call(module, x)
+        except Exception as e:
+            raise _wrap("module's forward", batch, e) from e
+        if y is None and model.loss is not None and model.default_compute_loss:
+            model.compute_loss(x, y, y_pred, w)  # raises: a compiled loss needs targets
+        if y is not None and model.loss is not None:
+            try:
+                prepare = getattr(model.loss, "prepare", None)
+                if getattr(model.loss, "kind", None) == "class_index" and isinstance(y_pred, torch.Tensor):
+                    # Before the loss: torch's own out-of-range error names no fix.
+                    prepare(y_pred, y)  # dtype / shape errors; sets the class layout
+                    check_class_range(model.loss, y_pred, y_all)
+                model.compute_loss(x, y, y_pred, w)
+            except Exception as e:
+                raise _wrap("loss", batch, e) from e
+        target = targets_of(x, y)
+        if model.metrics.entries is None and target is not None:
+            try:
+                model.metrics.build(prediction_of(y_pred), target)
+            except Exception as e:
+                raise _wrap("metrics", batch, e) from e
+
+
+def check_class_range(loss: Any, y_pred: Any, y_all: Any) -> None:
+    """Class labels of in-memory targets must fit the module's outputs (``ValueError``)."""
+    if getattr(loss, "kind", None) != "class_index" or not isinstance(y_all, torch.Tensor):
+        return
+    if y_all.is_floating_point() or y_all.numel() == 0 or not isinstance(y_pred, torch.Tensor):
+        return
+    n_classes = y_pred.shape[-1] if loss.class_last else y_pred.shape[1]
+    ignore = getattr(loss, "ignore_index", -100)
+    valid = y_all[y_all != ignore] if ignore is not None else y_all
+    if valid.numel() == 0:
+        return
+    lo, hi = int(valid.min()), int(valid.max())
+    if lo < 0 or hi >= n_classes:
+        raise ValueError(
+            f"Class labels must lie in [0, {n_classes - 1}] for a module with {n_classes} "
+            f"outputs. Received labels from {lo} to {hi}. Fix: remap the labels, or give the "
+            "module one output per class."
+        )
+
+
+def in_memory_check(model: Any, source: TensorBatches, training: bool) -> None:
+    """:func:`prepare_in_memory`, then the first batch and the class range of every label."""
+    prepare_in_memory(source, model.module, training)
+    if source.n == 0:
+        return
+    first_batch_check(model, _first_batch(source, model.device), source.y)
