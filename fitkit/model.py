@@ -717,6 +717,16 @@ class Model:
         """Whether :meth:`compute_loss` is fitkit's own (not overridden in a subclass)."""
         return type(self).compute_loss is Model.compute_loss
 
+    @property
+    def default_train_step(self) -> bool:
+        """Whether :meth:`train_step` is fitkit's own."""
+        return type(self).train_step is Model.train_step
+
+    @property
+    def default_test_step(self) -> bool:
+        """Whether :meth:`test_step` is fitkit's own."""
+        return type(self).test_step is Model.test_step
+
     def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: torch.Tensor | None) -> torch.Tensor:
         """The batch's training objective: ``sum(w * l) / sum(w)``, or the plain mean.
 

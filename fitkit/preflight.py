@@ -126,6 +126,9 @@ def first_batch_check(model: Any, batch: tuple[Any, Any, Any], y_all: Any = None
     x, y, w = batch
     model._example_x = x
     module = model.module
+    if not model.default_test_step:
+        _check_with_test_step(model, batch)
+        return
     with modes(module, training=False, grad=False), model.autocast():
         try:
             y_pred = call(module, x)
@@ -151,6 +154,22 @@ def first_batch_check(model: Any, batch: tuple[Any, Any, Any], y_all: Any = None
                 raise _wrap("metrics", batch, e) from e
 
 
+def _check_with_test_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
+    """An overridden ``test_step`` knows what the module's output means: run it, eagerly."""
+    from fitkit.compile import Forward
+
+    compiled, model._forward = model._forward, Forward(model.module)  # no compilation here
+    totals = model._new_totals()
+    try:
+        with modes(model.module, training=False, grad=False), model._phase(totals):
+            model.test_step(batch)
+    except Exception as e:
+        raise _wrap("test_step", batch, e) from e
+    finally:
+        model._forward = compiled
+    model._adopt_metrics(totals)
+
+
 def check_class_range(loss: Any, y_pred: Any, y_all: Any) -> None:
     """Class labels of in-memory targets must fit the module's outputs (``ValueError``)."""
     if getattr(loss, "kind", None) != "class_index" or not isinstance(y_all, torch.Tensor):
@@ -172,8 +191,12 @@ def check_class_range(loss: Any, y_pred: Any, y_all: Any) -> None:
 
 
 def in_memory_check(model: Any, source: TensorBatches, training: bool) -> None:
-    """:func:`prepare_in_memory`, then the first batch and the class range of every label."""
+    """:func:`prepare_in_memory`, then the first batch and the class range of every label.
+
+    A custom ``train_step`` with the default ``test_step`` may read the module's output in a
+    way only it knows: its training data gets the data checks, not the first-batch run.
+    """
     prepare_in_memory(source, model.module, training)
-    if source.n == 0:
+    if source.n == 0 or training and not model.default_train_step and model.default_test_step:
         return
     first_batch_check(model, _first_batch(source, model.device), source.y)

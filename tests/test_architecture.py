@@ -1,0 +1,312 @@
+"""The layout's guarantees: one owner per piece of state, no import cycle, public vocabulary."""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fitkit
+from fitkit.callbacks import Callback, LambdaCallback
+
+PKG = Path(fitkit.__file__).parent
+
+
+# -- imports -------------------------------------------------------------------------------------
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    """fitkit modules imported by the module at ``path``, at any level (function bodies too)."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("fitkit")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.startswith("fitkit"):
+                found.add(mod)
+                found |= {f"{mod}.{a.name}" for a in node.names}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for imp in _imports(path, name):
+            # "from fitkit.data import as_loader" names fitkit.data; keep only real modules.
+            while imp and imp not in modules:
+                imp = imp.rpartition(".")[0]
+            if imp and imp != name:
+                deps.add(imp)
+        graph[name] = deps
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            # A package imports its submodules (re-exports): that edge is not a cycle back.
+            if node.startswith(dep + "."):
+                continue
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if state.get(dep) is None:
+                found = visit(dep)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    graph = _graph()
+    assert "fitkit.distributed.sharding" in graph and "fitkit.data.loaders" in graph
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_data_knows_nothing_of_ranks():
+    graph = _graph()
+    for name in ("fitkit.data", "fitkit.data.arrays", "fitkit.data.loaders"):
+        assert not any(d.startswith("fitkit.distributed") for d in graph[name]), name
+
+
+def test_no_callback_reads_a_private_model_attribute():
+    offenders = []
+    for path in (PKG / "callbacks").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                inner = node.value
+                # self.model._x, model._x, trainer.model._x, getattr(model, "_x")
+                name = inner.attr if isinstance(inner, ast.Attribute) else getattr(inner, "id", "")
+                if name == "model":
+                    offenders.append(f"{path.name}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "setattr"):
+                args = node.args
+                target = args[0] if args else None
+                tname = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+                if tname == "model" and len(args) > 1 and isinstance(args[1], ast.Constant):
+                    if str(args[1].value).startswith("_"):
+                        offenders.append(f"{path.name}:{node.lineno} getattr {args[1].value}")
+    assert offenders == []
+
+
+# -- nested evaluate / predict leave the training epoch exact --------------------------------
+class Bias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return x * 0 + self.b
+
+
+def _bias_model():
+    model = fitkit.Model(Bias(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss="mse", metrics=["mae"])
+    return model
+
+
+X = torch.zeros(4, 1)
+Y = torch.tensor([[1.0], [1.0], [3.0], [3.0]])
+X_OTHER, Y_OTHER = torch.zeros(2, 1), torch.tensor([[100.0], [-100.0]])
+
+
+class Nested(Callback):
+    """Calls evaluate (or predict) on another data set from one hook."""
+
+    def __init__(self, hook: str, what: str):
+        super().__init__()
+        self.what, self.results = what, []
+
+        def run(*args):
+            if self.what == "evaluate":
+                self.results.append(self.model.evaluate(X_OTHER, Y_OTHER, batch_size=1, verbose=0))
+            else:
+                self.results.append(self.model.predict(X_OTHER, verbose=0))
+
+        setattr(self, hook, run)
+
+
+HOOKS = ["on_train_batch_begin", "on_train_batch_end", "on_epoch_begin", "on_epoch_end",
+         "on_test_begin", "on_test_batch_begin", "on_test_batch_end", "on_backward_end"]  # fmt: skip
+
+
+@pytest.mark.parametrize("what", ["evaluate", "predict"])
+@pytest.mark.parametrize("hook", HOOKS)
+def test_evaluate_or_predict_nested_in_any_hook_leaves_the_epoch_exact(hook, what):
+    model = _bias_model()
+    nested = Nested(hook, what)
+    h = model.fit(X, Y, batch_size=2, shuffle=False, epochs=1, verbose=0,
+                  validation_data=(torch.zeros(2, 1), torch.tensor([[2.0], [4.0]])), callbacks=[nested])  # fmt: skip
+    # b = 0: loss = (1 + 1 + 9 + 9) / 4 = 5, mae = (1 + 1 + 3 + 3) / 4 = 2; validation (4 + 16) / 2 = 10, mae 3.
+    assert h.history["loss"] == [5.0] and h.history["mae"] == [2.0]
+    assert h.history["val_loss"] == [10.0] and h.history["val_mae"] == [3.0]
+    assert nested.results, "the hook never ran"
+    if what == "evaluate":
+        assert nested.results[0] == {"loss": 10000.0, "mae": 100.0}
+
+
+def test_the_issues_case_exactly():
+    model = _bias_model()
+    cb = LambdaCallback(on_train_batch_end=lambda b, logs: b == 0 and model.evaluate(X_OTHER, Y_OTHER, verbose=0))
+    h = model.fit(X, Y, batch_size=2, shuffle=False, epochs=1, verbose=0, callbacks=[cb])
+    assert (h.history["loss"], h.history["mae"]) == ([5.0], [2.0])
+
+
+def test_batch_logs_of_the_epoch_are_not_touched_by_a_nested_evaluate():
+    model = _bias_model()
+    seen = []
+
+    class Reader(Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.evaluate(X_OTHER, Y_OTHER, verbose=0)
+            seen.append(float(logs["loss"]))
+
+    model.fit(X, Y, batch_size=2, shuffle=False, epochs=1, verbose=0, callbacks=[Reader()])
+    assert seen == [1.0, 5.0]
+
+
+# -- predict keeps structures ---------------------------------------------------------------
+Pair = collections.namedtuple("Pair", "logits features")
+
+
+class NamedOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 3)
+
+    def forward(self, x):
+        return Pair(self.lin(x), x * 2)
+
+
+def test_predict_returns_the_modules_namedtuple_in_input_order():
+    model = fitkit.Model(NamedOut(), device="cpu")
+    x = torch.arange(10.0).reshape(5, 2)
+    out = model.predict(x, batch_size=2, verbose=0)
+    assert type(out) is Pair
+    assert out.logits.shape == (5, 3) and torch.equal(out.features, x * 2)
+    assert torch.equal(out.logits, model.module(x).logits.detach())
+
+
+# -- checks before anything changes -----------------------------------------------------------
+class RecordingParallel:
+    def __init__(self):
+        self.calls = []
+
+    def prepare(self, module, optimizer):
+        self.calls.append("prepare")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"precision": "16-mixed"}, "16-mixed"),
+        ({"precision": "8-bit"}, "Unknown precision"),
+        ({"loss": "no_such_loss"}, "Unknown loss"),
+        ({"metrics": ["no_such_metric"]}, "Unknown metric"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+    ],
+)
+def test_compile_checks_everything_before_sharding(kwargs, error):
+    model = fitkit.Model(nn.Linear(1, 1), device="cpu")
+    model._parallel = RecordingParallel()
+    if kwargs.get("precision") == "16-mixed":
+        model.device = torch.device("meta")  # a device without a GradScaler
+    with pytest.raises((ValueError, TypeError), match=error):
+        model.compile(**kwargs)
+    assert model._parallel.calls == [] and model.optimizer is None
+
+
+class CountingBackend:
+    def __init__(self):
+        self.compiles = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        return gm.forward
+
+
+def test_the_first_batch_check_does_not_call_the_compiled_forward():
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    model = fitkit.Model(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), device="cpu")
+    model.compile(loss="cross_entropy", jit_compile={"backend": backend})
+    calls = []
+    forward = model._forward.run
+    model._forward.run = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    with pytest.raises(ValueError, match="Class labels must lie in"):
+        model.fit(torch.zeros(8, 3), torch.full((8,), 5), batch_size=8, verbose=0)  # caught by the check
+    assert calls == [] and backend.compiles == 0
+    model.fit(torch.zeros(8, 3), torch.zeros(8, dtype=torch.long), batch_size=8, verbose=0)
+    assert len(calls) == 1 and backend.compiles == 1  # the one real step, one graph
+
+
+# -- the public vocabulary ------------------------------------------------------------------------
+def test_global_step_and_epoch_are_read_only_and_follow_the_fit():
+    model = _bias_model()
+    seen = []
+    cb = LambdaCallback(on_train_batch_end=lambda b, logs: seen.append((model.epoch, model.global_step)))
+    model.fit(X, Y, batch_size=2, epochs=2, verbose=0, callbacks=[cb])
+    assert seen == [(0, 1), (0, 2), (1, 3), (1, 4)]
+    with pytest.raises(AttributeError):
+        model.global_step = 0
+
+
+def test_skip_optimizer_step_and_the_accumulation_window():
+    model = fitkit.Model(Bias(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss="mse", gradient_accumulation_steps=2)
+    windows = []
+
+    class Veto(Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            windows.append(self.model.closes_accumulation_window)
+
+        def on_backward_end(self, batch):
+            if batch == 1:
+                self.model.skip_optimizer_step()
+
+    model.fit(X, Y, batch_size=1, shuffle=False, epochs=1, verbose=0, callbacks=[Veto()])
+    assert windows == [False, True, False, True]
+    # First window vetoed; second: mean over y = 3, 3 of 2 * (b - y) = -6 -> b = 0 - 0.5 * -6 = 3.
+    assert model.global_step == 1 and model.module.b.item() == 3.0
+
+
+def test_update_metrics_outside_a_call_is_a_clear_error():
+    model = _bias_model()
+    with pytest.raises(RuntimeError, match="update_metrics.*Fix: call it from train_step"):
+        model.update_metrics(torch.tensor(1.0), torch.zeros(1), torch.zeros(1))
