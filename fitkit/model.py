@@ -28,7 +28,7 @@ from fitkit.evaluation import (
     _check_int,
 )
 from fitkit.loop import FitLoopMixin, validation_epochs
-from fitkit.losses import MultiLoss, resolve_loss
+from fitkit.losses import resolve_loss
 from fitkit.metrics import MetricSet
 from fitkit.optim import resolve_optimizer, resolve_scheduler
 from fitkit.summary import summary_table
@@ -195,9 +195,11 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
                 ``Optimizer`` on ``model.module.parameters()``, or a factory ``params -> Optimizer``.
             loss: a name (``"mse"``, ``"cross_entropy"``, ...), an ``nn.Module`` or a callable,
                 called as ``loss(y_pred, y_true)``.
-            metrics: names, ``torchmetrics.Metric`` objects or ``{log_name: metric}``.
-            loss_weights: for a module with several outputs and as many losses: one weight per
-                loss (``loss`` is then a list or dict like the outputs).
+            metrics: names, ``torchmetrics.Metric`` objects, callables ``fn(y_pred, y_true)``,
+                :class:`fitkit.metrics.MetricSpec` objects, or ``{log_name: metric}``.
+            loss_weights: a number that multiplies a single loss, or, for a module with several
+                outputs and as many losses, one weight per loss (``loss`` is then a list or dict
+                like the outputs).
             scheduler: a ``torch.optim.lr_scheduler`` object or a factory ``optimizer ->
                 scheduler``.
             scheduler_interval: ``"epoch"`` or ``"step"`` (per optimizer step).
@@ -219,7 +221,7 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"Expected `{name}` to be a positive number or None. Received: {name}={v!r}.")
         jit = _compile.resolve_jit_compile(jit_compile, self.device)
-        loss_fn = resolve_loss(loss) if loss_weights is None else _multi_loss(loss, loss_weights)
+        loss_fn = resolve_loss(loss, loss_weights)
         metric_set = MetricSet(metrics)
         if self._parallel is not None:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
@@ -230,10 +232,7 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
         # Everything is valid: only now does the model change.
         self.optimizer, self.scheduler, self.scheduler_interval = opt, sched, scheduler_interval
         self.loss = loss_fn
-        self.metrics = metric_set
-        self.metrics.loss_kind = getattr(loss_fn, "kind", None)
-        self.metrics._loss_name = getattr(loss_fn, "name", "")
-        self.metrics.device = self.device
+        self.metrics = metric_set.configure(loss_fn, self.device)
         self.precision = precision
         self.gradient_accumulation_steps = int(gradient_accumulation_steps)
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
@@ -381,11 +380,3 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
         """
         return summary_table(self, print_fn)
 
-
-def _multi_loss(loss: Any, loss_weights: Any):
-    if not isinstance(loss, (list, tuple, Mapping)):
-        raise TypeError(
-            "`loss_weights` needs one loss per output: pass `loss` as a list or dict. "
-            f"Received: loss={loss!r}."
-        )
-    return MultiLoss(loss, loss_weights)
