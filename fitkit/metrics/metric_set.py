@@ -249,8 +249,8 @@ class MetricSet:
                 f"Metric '{name}' needs {need}, and the loss ({self.loss_name}) does not say whether the "
                 "module outputs logits or probabilities. Fix: pass "
                 f"`fitkit.metrics.MetricSpec('{name}', output='logits')` (or 'probs' / 'log_probs') in "
-                "`metrics=`, a torchmetrics object (used as given), or a loss that says: 'bce_with_logits' "
-                "(logits), 'bce' (probabilities), or `fitkit.losses.Loss(fn, output='logits')`."
+                "`metrics=`, or a loss that says: 'bce_with_logits' (logits), 'bce' (probabilities), or "
+                "`fitkit.losses.Loss(fn, output='logits')`. A torchmetrics object is used as given."
             )
         return _Entry(key, _make_classification(name, task, n, self.ignore_index), kind, output)
 
