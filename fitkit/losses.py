@@ -18,7 +18,7 @@ import copy
 import math
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -301,8 +301,8 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
         ignore = -100 if loss in ("cross_entropy", "nll") else None  # F.cross_entropy's default
         return Loss(fn, kind, loss, output=_NAME_OUTPUTS.get(loss), ignore_index=ignore)
     if isinstance(loss, nn.Module):
-        kind = next((k for cls, k in _MODULE_KINDS.items() if type(loss) is cls), None)
-        if kind is not None:
+        module_kind = next((k for cls, k in _MODULE_KINDS.items() if type(loss) is cls), None)
+        if module_kind is not None:
             base = loss
 
             def call(y_pred, y, reduction="mean", _base=base):
@@ -314,8 +314,8 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
 
             # Exact types only: a subclass may redefine forward, and with it what it expects.
             output = _MODULE_OUTPUTS.get(type(loss))
-            ignore = getattr(loss, "ignore_index", None) if kind == "class_index" else None
-            return Loss(call, kind, type(loss).__name__, output=output, ignore_index=ignore)
+            ignore = getattr(loss, "ignore_index", None) if module_kind == "class_index" else None
+            return Loss(call, module_kind, type(loss).__name__, output=output, ignore_index=ignore)
         return Loss(loss, "custom", type(loss).__name__)
     if callable(loss):
         return Loss(loss, "custom", getattr(loss, "__name__", type(loss).__name__))
@@ -342,7 +342,8 @@ def _weighted(loss: Any, loss_weights: Any) -> Loss | MultiLoss:
         )
     if not math.isfinite(loss_weights):
         raise ValueError(f"Expected `loss_weights` to be a finite number. Received: loss_weights={loss_weights!r}.")
-    weighted = copy.copy(resolve_loss(loss))  # a copy: a Loss passed in is left as it is
+    single = cast(Loss, resolve_loss(loss))  # lists, MultiLoss and None are handled above
+    weighted = copy.copy(single)  # a copy: a Loss passed in is left as it is
     weighted.weight = weighted.weight * float(loss_weights)
     return weighted
 
@@ -377,7 +378,7 @@ class MultiLoss:
         if not self.keys:
             raise ValueError("Expected at least one loss. Received an empty list or dict.")
         items = losses if isinstance(losses, Mapping) else dict(enumerate(losses))
-        self.losses = {k: resolve_loss(items[k]) for k in self.keys}
+        self.losses: dict[Any, Any] = {k: resolve_loss(items[k]) for k in self.keys}
         if loss_weights is None:
             self.weights = {k: 1.0 for k in self.keys}
         else:
@@ -411,8 +412,8 @@ class MultiLoss:
 
     def __call__(self, y_pred: Any, y: Any, per_sample: bool = False) -> torch.Tensor:
         preds, targets = self._parts(y_pred, "y_pred"), self._parts(y, "y")
-        total = None
-        for k in self.keys:
-            term = self.losses[k](preds[k], targets[k], per_sample=per_sample) * self.weights[k]
-            total = term if total is None else total + term
+        terms = [self.losses[k](preds[k], targets[k], per_sample=per_sample) * self.weights[k] for k in self.keys]
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term
         return total

@@ -234,7 +234,7 @@ class MetricSet:
         self.task, self.num_classes, self.class_last, self.entries = task, n, class_last, entries
 
     def _classification_entry(self, key: str, spec: MetricSpec, task: str, n: int, y_pred, y) -> _Entry:
-        name = spec.metric
+        name = str(spec.metric)
         if task == "regression":
             raise ValueError(
                 f"Metric '{name}' needs class targets, but the first batch looks like regression: "

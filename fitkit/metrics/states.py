@@ -47,6 +47,8 @@ class CallableMean(Metric):
 
     full_state_update = False
     is_differentiable = False
+    total: torch.Tensor
+    count: torch.Tensor
 
     def __init__(self, dtype: torch.dtype = torch.float64, **kwargs: Any):
         super().__init__(**kwargs)
@@ -112,8 +114,9 @@ class _SyncFreeIgnore:
     """Mixin for a torchmetrics multi-class stat-scores metric: ``update`` without a host sync."""
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        tp, fp, tn, fn = multiclass_stat_scores(preds, target, self.num_classes, self.average, self.ignore_index)
-        self._update_state(tp, fp, tn, fn)  # torchmetrics' own accumulation of the four counts
+        metric: Any = self  # a torchmetrics MulticlassStatScores, the other base class
+        tp, fp, tn, fn = multiclass_stat_scores(preds, target, metric.num_classes, metric.average, metric.ignore_index)
+        metric._update_state(tp, fp, tn, fn)  # torchmetrics' own accumulation of the four counts
 
 
 class MaskedMulticlassAccuracy(_SyncFreeIgnore, _tmc.MulticlassAccuracy):
