@@ -5,20 +5,29 @@ means them (``int32`` labels become ``int64``; ``(B, 1)`` predictions meet ``(B,
 without PyTorch's silent ``(B, B)`` broadcast; language-model logits ``(B, T, V)`` meet
 ``(B, T)`` targets) and returns either the batch mean or one value per sample, so that sample
 weights give ``sum(w * l) / sum(w)``.
+
+A :class:`Loss` also says what it knows about the predictions, for the metrics
+(:meth:`fitkit.metrics.MetricSet.configure`): ``output`` (``"logits"``, ``"probs"``,
+``"log_probs"`` or ``None`` when unknown) and ``ignore_index`` (the target value that counts
+for nothing, or ``None``).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Loss", "MultiLoss", "resolve_loss", "class_layout", "LOSSES"]
+__all__ = ["Loss", "MultiLoss", "resolve_loss", "class_layout", "LOSSES", "OUTPUTS"]
+
+#: What a loss may say about the predictions it is given.
+OUTPUTS = ("logits", "probs", "log_probs")
 
 #: The loss names that ``compile(loss=...)`` accepts, each mapped to ``(functional, kind)``;
 #: ``kind`` (``"regression"``, ``"class_index"`` or ``"binary"``) says how targets meet
@@ -46,6 +55,15 @@ _MODULE_KINDS: dict[type, str] = {
     nn.NLLLoss: "class_index",
     nn.BCEWithLogitsLoss: "binary",
     nn.BCELoss: "binary",
+}
+
+# What the classification losses expect of the prediction: PyTorch's documented inputs.
+_NAME_OUTPUTS = {"cross_entropy": "logits", "nll": "log_probs", "bce_with_logits": "logits", "bce": "probs"}
+_MODULE_OUTPUTS: dict[type, str] = {
+    nn.CrossEntropyLoss: "logits",
+    nn.NLLLoss: "log_probs",
+    nn.BCEWithLogitsLoss: "logits",
+    nn.BCELoss: "probs",
 }
 
 
@@ -82,13 +100,27 @@ def class_layout(y_pred: torch.Tensor, y: torch.Tensor, previous: str | None = N
 
 
 class Loss:
-    """A loss in PyTorch's order with fitkit's target handling.
+    """A loss in PyTorch's order with fitkit's target handling, and what it knows of ``y_pred``.
 
     Args:
         fn: ``fn(y_pred, y, reduction=...)`` for named / module losses, or any callable
             ``fn(y_pred, y) -> Tensor`` (a scalar batch mean, or values per sample / element).
-        kind: ``"regression"``, ``"class_index"``, ``"binary"`` or ``"custom"``.
-        name: for messages.
+        kind: ``"regression"``, ``"class_index"``, ``"binary"`` or ``"custom"`` (``fn`` is called
+            as given).
+        name: for messages (default: ``fn.__name__``).
+        output: what ``y_pred`` holds: ``"logits"``, ``"probs"``, ``"log_probs"``, or ``None``
+            (unknown). Metrics that threshold or need probabilities follow it.
+        ignore_index: a target value that counts for nothing (PyTorch's ``ignore_index``), or
+            ``None``. Classification metrics skip these targets too.
+        weight: a factor on the loss (``compile(loss_weights=...)`` for a single output).
+
+    Attributes:
+        output: as above; set by :func:`resolve_loss` for the losses it knows.
+        ignore_index: as above.
+        weight: as above.
+
+    Raises:
+        ValueError: an ``output`` outside :data:`OUTPUTS`.
 
     Example:
         >>> loss = resolve_loss("mse")
@@ -96,10 +128,35 @@ class Loss:
         tensor(4.7500)
         >>> loss(torch.zeros(4, 1), torch.tensor([1.0, 1.0, 1.0, 4.0]), per_sample=True)
         tensor([ 1.,  1.,  1., 16.])
+
+        A callable that tells the metrics its predictions are logits:
+
+        >>> def my_bce(y_pred, y):
+        ...     return F.binary_cross_entropy_with_logits(y_pred.squeeze(-1), y.float())
+        >>> loss = Loss(my_bce, output="logits")
+        >>> loss.name, loss.output, loss.ignore_index
+        ('my_bce', 'logits', None)
     """
 
-    def __init__(self, fn: Callable[..., torch.Tensor], kind: str, name: str):
-        self.fn, self.kind, self.name = fn, kind, name
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        kind: str = "custom",
+        name: str | None = None,
+        *,
+        output: str | None = None,
+        ignore_index: int | None = None,
+        weight: float = 1.0,
+    ):
+        if output is not None and output not in OUTPUTS:
+            raise ValueError(
+                f"Expected `output` to be one of {', '.join(OUTPUTS)} or None. Received: output={output!r}."
+            )
+        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+            raise TypeError(f"Expected `ignore_index` to be an int or None. Received: ignore_index={ignore_index!r}.")
+        self.fn, self.kind = fn, kind
+        self.name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
+        self.output, self.ignore_index, self.weight = output, ignore_index, float(weight)
         self.class_last = False  # set per call for class_index losses
         self._layout: str | None = None  # the class layout seen first, kept when ambiguous
 
@@ -154,7 +211,11 @@ class Loss:
     def __call__(
         self, y_pred: torch.Tensor, y: torch.Tensor, per_sample: bool = False
     ) -> torch.Tensor:
-        """Batch-mean loss (0-dim), or ``(B,)`` per-sample losses when ``per_sample``."""
+        """Batch-mean loss (0-dim), or ``(B,)`` per-sample losses when ``per_sample``, times ``weight``."""
+        out = self._unweighted(y_pred, y, per_sample)
+        return out if self.weight == 1.0 else out * self.weight
+
+    def _unweighted(self, y_pred: torch.Tensor, y: torch.Tensor, per_sample: bool) -> torch.Tensor:
         y_pred, y = self.prepare(y_pred, y)
         if self.kind == "custom":
             out = self.fn(y_pred, y)
@@ -192,22 +253,40 @@ class Loss:
         return out.reshape(out.shape[0], -1).mean(1) if per_sample else out
 
 
-def resolve_loss(loss: Any) -> Loss | MultiLoss | None:
+def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None:
     """Build a :class:`Loss` from a name, an ``nn.Module`` loss or a callable.
+
+    The losses fitkit knows tell the metrics what the predictions are (``output``) and which
+    targets to skip (``ignore_index``): ``"cross_entropy"`` / ``nn.CrossEntropyLoss`` take
+    logits, ``"nll"`` / ``nn.NLLLoss`` log-probabilities (both with ``ignore_index`` -100 or
+    the module's own), ``"bce_with_logits"`` / ``nn.BCEWithLogitsLoss`` logits, ``"bce"`` /
+    ``nn.BCELoss`` probabilities. Of a plain callable nothing is known (``None``); wrap it in a
+    :class:`Loss` with ``output=`` / ``ignore_index=`` to say.
 
     Args:
         loss: a name of :data:`LOSSES`, an ``nn.Module`` such as ``nn.CrossEntropyLoss()``, a
-            callable ``loss(y_pred, y)``, a list / dict of those for a module with several
-            outputs (see :class:`MultiLoss`), or ``None`` (for a custom ``compute_loss``).
+            callable ``loss(y_pred, y)``, a :class:`Loss`, a list / dict of those for a module
+            with several outputs (see :class:`MultiLoss`), or ``None`` (for a custom
+            ``compute_loss``).
+        loss_weights: ``None``; for a single loss, a number that multiplies it (Keras'
+            ``loss_weights`` for a single output); for a list / dict of losses, one weight per
+            loss in the same structure.
 
     Raises:
-        ValueError: an unknown name (the message lists the valid ones).
-        TypeError: anything else.
+        ValueError: an unknown name (the message lists the valid ones), ``loss_weights`` without
+            a loss, or weights that do not match the losses.
+        TypeError: anything else, such as a list of weights for a single loss.
 
     Example:
-        >>> resolve_loss("cross_entropy").kind
-        'class_index'
+        >>> resolve_loss("cross_entropy").kind, resolve_loss(nn.NLLLoss(ignore_index=0)).ignore_index
+        ('class_index', 0)
+        >>> resolve_loss(nn.BCELoss()).output, resolve_loss(lambda y_pred, y: y_pred.sum()).output
+        ('probs', None)
+        >>> resolve_loss("mse", loss_weights=0.5)(torch.zeros(2), torch.tensor([1.0, 3.0]))
+        tensor(2.5000)
     """
+    if loss_weights is not None:
+        return _weighted(loss, loss_weights)
     if loss is None or isinstance(loss, (Loss, MultiLoss)):
         return loss
     if isinstance(loss, (list, tuple, Mapping)):
@@ -219,10 +298,11 @@ def resolve_loss(loss: Any) -> Loss | MultiLoss | None:
                 "Or pass an nn.Module or a callable loss(y_pred, y)."
             )
         fn, kind = LOSSES[loss]
-        return Loss(fn, kind, loss)
+        ignore = -100 if loss in ("cross_entropy", "nll") else None  # F.cross_entropy's default
+        return Loss(fn, kind, loss, output=_NAME_OUTPUTS.get(loss), ignore_index=ignore)
     if isinstance(loss, nn.Module):
-        kind = next((k for cls, k in _MODULE_KINDS.items() if type(loss) is cls), None)
-        if kind is not None:
+        module_kind = next((k for cls, k in _MODULE_KINDS.items() if type(loss) is cls), None)
+        if module_kind is not None:
             base = loss
 
             def call(y_pred, y, reduction="mean", _base=base):
@@ -232,7 +312,10 @@ def resolve_loss(loss: Any) -> Loss | MultiLoss | None:
                     m.reduction = reduction
                 return m(y_pred, y)
 
-            return Loss(call, kind, type(loss).__name__)
+            # Exact types only: a subclass may redefine forward, and with it what it expects.
+            output = _MODULE_OUTPUTS.get(type(loss))
+            ignore = getattr(loss, "ignore_index", None) if module_kind == "class_index" else None
+            return Loss(call, module_kind, type(loss).__name__, output=output, ignore_index=ignore)
         return Loss(loss, "custom", type(loss).__name__)
     if callable(loss):
         return Loss(loss, "custom", getattr(loss, "__name__", type(loss).__name__))
@@ -240,6 +323,29 @@ def resolve_loss(loss: Any) -> Loss | MultiLoss | None:
         "Expected `loss` to be a name, an nn.Module or a callable loss(y_pred, y). "
         f"Received: loss={loss!r} of type {type(loss).__name__}."
     )
+
+
+def _weighted(loss: Any, loss_weights: Any) -> Loss | MultiLoss:
+    if isinstance(loss, (list, tuple, Mapping)):
+        return MultiLoss(loss, loss_weights)
+    if loss is None or isinstance(loss, MultiLoss):
+        raise ValueError(
+            "`loss_weights` needs a compiled loss to weight. Received: loss=None. Fix: pass `loss`, "
+            "or apply the weight in your compute_loss."
+            if loss is None
+            else "`loss_weights` cannot re-weight a MultiLoss. Fix: pass the weights to MultiLoss itself."
+        )
+    if isinstance(loss_weights, bool) or not isinstance(loss_weights, (int, float)):
+        raise TypeError(
+            "Expected `loss_weights` to be a number for a single loss (a list or dict needs one loss "
+            f"per output). Received: loss_weights={loss_weights!r}."
+        )
+    if not math.isfinite(loss_weights):
+        raise ValueError(f"Expected `loss_weights` to be a finite number. Received: loss_weights={loss_weights!r}.")
+    single = cast(Loss, resolve_loss(loss))  # lists, MultiLoss and None are handled above
+    weighted = copy.copy(single)  # a copy: a Loss passed in is left as it is
+    weighted.weight = weighted.weight * float(loss_weights)
+    return weighted
 
 
 class MultiLoss:
@@ -264,16 +370,23 @@ class MultiLoss:
 
     kind = "multi"
     name = "multi"
+    output: str | None = None  # several outputs: nothing that one set of metrics could follow
+    ignore_index: int | None = None
 
     def __init__(self, losses: Any, loss_weights: Any = None):
         self.keys = list(losses) if isinstance(losses, Mapping) else list(range(len(losses)))
         if not self.keys:
             raise ValueError("Expected at least one loss. Received an empty list or dict.")
         items = losses if isinstance(losses, Mapping) else dict(enumerate(losses))
-        self.losses = {k: resolve_loss(items[k]) for k in self.keys}
+        self.losses: dict[Any, Any] = {k: resolve_loss(items[k]) for k in self.keys}
         if loss_weights is None:
             self.weights = {k: 1.0 for k in self.keys}
         else:
+            if not isinstance(loss_weights, (list, tuple, Mapping)):
+                raise ValueError(
+                    f"Expected `loss_weights` to match the losses ({self.keys}). Received: "
+                    f"{loss_weights!r}. Fix: one weight per loss, as a list or a dict."
+                )
             w = loss_weights if isinstance(loss_weights, Mapping) else dict(enumerate(loss_weights))
             if sorted(map(str, w)) != sorted(map(str, self.keys)):
                 raise ValueError(
@@ -299,8 +412,8 @@ class MultiLoss:
 
     def __call__(self, y_pred: Any, y: Any, per_sample: bool = False) -> torch.Tensor:
         preds, targets = self._parts(y_pred, "y_pred"), self._parts(y, "y")
-        total = None
-        for k in self.keys:
-            term = self.losses[k](preds[k], targets[k], per_sample=per_sample) * self.weights[k]
-            total = term if total is None else total + term
+        terms = [self.losses[k](preds[k], targets[k], per_sample=per_sample) * self.weights[k] for k in self.keys]
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term
         return total

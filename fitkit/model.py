@@ -279,10 +279,11 @@ class Model:
             loss: a name (``"mse"``, ``"cross_entropy"``, ...), an ``nn.Module`` or a callable,
                 called as ``loss(y_pred, y_true)``; ``None`` when the module returns its own
                 loss (a ``ModelOutput`` or dict with ``"loss"``, as Hugging Face models do).
-            metrics: names, ``torchmetrics.Metric`` objects, callables ``fn(y_pred, y_true)``
-                or ``{log_name: metric}``.
-            loss_weights: one weight per loss for a module with several outputs (``loss`` is
-                then a list or dict like the outputs), or a number for a single loss.
+            metrics: names, ``torchmetrics.Metric`` objects, callables ``fn(y_pred, y_true)``,
+                :class:`fitkit.metrics.MetricSpec` objects, or ``{log_name: metric}``.
+            loss_weights: a number that multiplies a single loss, or, for a module with several
+                outputs and as many losses, one weight per loss (``loss`` is then a list or dict
+                like the outputs).
             scheduler: a ``torch.optim.lr_scheduler`` object, a timm scheduler, or a factory
                 ``optimizer -> scheduler``.
             scheduler_interval: ``"epoch"`` or ``"step"`` (per optimizer step).
@@ -308,7 +309,7 @@ class Model:
         check_number("clip_grad_norm", clip_grad_norm, positive=True, allow_none=True)
         check_number("clip_grad_value", clip_grad_value, positive=True, allow_none=True)
         jit = _compile.resolve_jit_compile(jit_compile, self.device)
-        loss_fn = _resolve_loss(loss, loss_weights)
+        loss_fn = resolve_loss(loss, loss_weights)
         metric_set = MetricSet(metrics)
         # Everything that can be checked is checked: only now does anything change.
         if self._parallel is not None:
@@ -317,8 +318,7 @@ class Model:
         sched = resolve_scheduler(scheduler, opt, scheduler_interval)
         self.scheduler_interval = scheduler_interval
         self.loss = loss_fn
-        _configure_metrics(metric_set, loss_fn, self.device)
-        self.metrics = metric_set
+        self.metrics = metric_set.configure(loss_fn, self.device)
         self.precision = precision
         self.gradient_accumulation_steps = int(gradient_accumulation_steps)
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
@@ -1008,24 +1008,3 @@ class Model:
 def _rows(x: Any) -> int:
     ts = nest.leaves(x)
     return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1
-
-
-def _resolve_loss(loss: Any, loss_weights: Any) -> Any:
-    if loss_weights is None:
-        return resolve_loss(loss)
-    if not isinstance(loss, (list, tuple, Mapping)):
-        raise TypeError(
-            "`loss_weights` needs one loss per output: pass `loss` as a list or dict. "
-            f"Received: loss={loss!r}, loss_weights={loss_weights!r}."
-        )
-    return MultiLoss(loss, loss_weights)
-
-
-def _configure_metrics(metric_set: MetricSet, loss_fn: Any, device: torch.device) -> None:
-    configure = getattr(metric_set, "configure", None)
-    if configure is not None:
-        configure(loss_fn, device)
-        return
-    metric_set.loss_kind = getattr(loss_fn, "kind", None)
-    metric_set._loss_name = getattr(loss_fn, "name", "")
-    metric_set.device = device

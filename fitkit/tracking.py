@@ -10,7 +10,6 @@ values, at the end of the phase) turn them into means. Each phase gets its own
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -28,11 +27,7 @@ def _batch_size(y: Any) -> int:
 
 def fresh_metrics(template: MetricSet) -> MetricSet:
     """An independent copy of ``template`` with every state reset (one per phase)."""
-    if hasattr(template, "clone"):
-        return template.clone()
-    ms = copy.deepcopy(template)
-    ms.reset()
-    return ms
+    return template.clone()
 
 
 class RunningTotals:

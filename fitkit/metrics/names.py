@@ -1,0 +1,197 @@
+"""Metric names and specs: what ``compile(metrics=...)`` accepts, and the task of a batch.
+
+The names resolve to torchmetrics classes only when a model builds its metrics: torchmetrics
+(and the scipy it pulls in) is imported then, which keeps ``import fitkit`` fast.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fitkit.losses import OUTPUTS, class_layout
+
+__all__ = ["MetricSpec", "METRIC_NAMES", "infer_task", "snake_case"]
+
+# name -> {task: (torchmetrics class name, kwargs)}; "score" metrics want probabilities, the
+# rest labels. Names, not classes: torchmetrics (and the scipy it pulls in) is imported only
+# when a model compiles metrics, which keeps `import fitkit` fast.
+_ACC, _MICRO = "Accuracy", {"average": "micro"}
+_CLASSIFICATION: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
+    name: {
+        task: (f"{task.capitalize()}{cls}", _MICRO if name == "accuracy" and task != "binary" else {})
+        for task in ("binary", "multiclass", "multilabel")
+    }
+    for name, cls in (
+        ("accuracy", _ACC),
+        ("precision", "Precision"),
+        ("recall", "Recall"),
+        ("f1", "F1Score"),
+        ("auroc", "AUROC"),
+        ("average_precision", "AveragePrecision"),
+    )
+}
+_SCORE_METRICS = {"auroc", "average_precision"}
+_REGRESSION: dict[str, tuple[str, dict[str, Any]]] = {
+    "mae": ("MeanAbsoluteError", {}),
+    "mse": ("MeanSquaredError", {}),
+    "rmse": ("MeanSquaredError", {"squared": False}),
+    "r2": ("R2Score", {}),
+    "mape": ("MeanAbsolutePercentageError", {}),
+}
+
+
+def _is_metric(obj: Any) -> bool:
+    """``isinstance(obj, torchmetrics.Metric)`` without importing torchmetrics for it."""
+    tm = sys.modules.get("torchmetrics")
+    return tm is not None and isinstance(obj, tm.Metric)
+
+
+def _make_classification(name: str, task: str, n: int, ignore_index: int | None) -> Any:
+    from torchmetrics import classification
+
+    from fitkit.metrics import states
+
+    cls_name, kwargs = _CLASSIFICATION[name][task]
+    if ignore_index is not None:
+        if task == "multiclass" and name not in _SCORE_METRICS:
+            # torchmetrics' own ignore_index drops targets by boolean indexing: a sync per step.
+            return states.masked_multiclass(cls_name, n, ignore_index, **kwargs)
+        kwargs = {**kwargs, "ignore_index": ignore_index}
+    cls = getattr(classification, cls_name)
+    if task == "binary":
+        return cls(validate_args=False, **kwargs)
+    return cls(n, validate_args=False, **kwargs)
+
+
+def _make_regression(name: str) -> Any:
+    from torchmetrics import regression
+
+    cls_name, kwargs = _REGRESSION[name]
+    return getattr(regression, cls_name)(**kwargs)
+
+
+#: The metric names that ``compile(metrics=[...])`` accepts, classification names first (the
+#: task, binary / multiclass / multilabel, is inferred from the first batch), then regression.
+METRIC_NAMES = tuple(_CLASSIFICATION) + tuple(_REGRESSION)
+
+
+def snake_case(name: str) -> str:
+    """``MulticlassAccuracy`` -> ``multiclass_accuracy``.
+
+    Example:
+        >>> snake_case("MeanAbsoluteError")
+        'mean_absolute_error'
+    """
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def infer_task(y_pred: torch.Tensor, y: torch.Tensor, loss_kind: str | None = None) -> tuple[str, int, bool]:
+    """Infer ``(task, num_classes, class_last)`` from one batch's shapes and dtypes.
+
+    ``task`` is ``"binary"``, ``"multiclass"``, ``"multilabel"`` or ``"regression"``;
+    ``class_last`` marks language-model logits ``(B, T, V)`` with targets ``(B, T)``.
+
+    Example:
+        >>> infer_task(torch.zeros(4, 10), torch.zeros(4, dtype=torch.long))
+        ('multiclass', 10, False)
+        >>> infer_task(torch.zeros(4, 1), torch.zeros(4))
+        ('regression', 0, False)
+        >>> infer_task(torch.zeros(4, 1), torch.zeros(4), "binary")
+        ('binary', 2, False)
+    """
+    integer = not y.is_floating_point()
+    binary_like = integer or loss_kind == "binary"
+    if y_pred.dim() == y.dim() + 1 and integer:
+        # The loss's rule (fitkit.losses.class_layout), so that loss and metrics agree.
+        if class_layout(y_pred, y, previous="last") == "last":
+            return "multiclass", int(y_pred.shape[-1]), True
+        if y_pred.shape[1] == 1:
+            return "binary", 2, False
+        return "multiclass", int(y_pred.shape[1]), False
+    same = y_pred.shape == y.shape or y_pred.numel() == y.numel() and y_pred.reshape(-1).shape[0] == y.shape[0]
+    if same and binary_like:
+        if y_pred.dim() >= 2 and y_pred.shape[-1] > 1 and y_pred.shape == y.shape:
+            return "multilabel", int(y_pred.shape[-1]), False
+        return "binary", 2, False
+    if y_pred.shape == y.shape and loss_kind == "class_index" and y_pred.dim() == 2:
+        return "multiclass", int(y_pred.shape[1]), False  # class-probability targets
+    return "regression", 0, False
+
+
+class MetricSpec:
+    """A metric with what fitkit cannot infer: what ``y_pred`` holds, or the metric's direction.
+
+    Args:
+        metric: a name of :data:`METRIC_NAMES`, or a callable ``fn(y_pred, y_true) -> Tensor``.
+        output: for a classification name: ``"logits"``, ``"probs"`` or ``"log_probs"``, which
+            overrides what the loss says (needed where the loss cannot tell, e.g. a plain
+            callable loss, for binary / multilabel metrics and for ``"auroc"`` /
+            ``"average_precision"``).
+        higher_is_better: the direction that ``mode="auto"`` of ``EarlyStopping`` and
+            ``ModelCheckpoint`` follows (default: the name's own; ``None`` for a callable).
+
+    Raises:
+        ValueError: an unknown name or ``output``, or ``output`` for a metric that does not use it.
+        TypeError: a ``metric`` that is neither a name nor a callable (a torchmetrics object is
+            passed to ``metrics=`` directly and used as given).
+
+    Example:
+        A loss that fitkit cannot read, and binary accuracy over the module's logits:
+
+        >>> import fitkit
+        >>> def hinge(y_pred, y):
+        ...     return (1 - y_pred.squeeze(-1) * (2 * y - 1)).clamp(min=0).mean()
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
+        >>> with torch.no_grad():
+        ...     _ = model.module.weight.fill_(1.0), model.module.bias.zero_()
+        >>> model.compile("sgd", hinge, metrics=[MetricSpec("accuracy", output="logits")])
+        >>> model.evaluate(torch.tensor([[0.3], [-2.0], [0.2]]), torch.tensor([1, 0, 0]), verbose=0)["accuracy"]
+        0.6666666865348816
+    """
+
+    def __init__(self, metric: str | Callable[..., torch.Tensor], *, output: str | None = None,
+                 higher_is_better: bool | None = None):
+        if isinstance(metric, str):
+            if metric not in METRIC_NAMES:
+                raise ValueError(f"Unknown metric '{metric}'. Valid names: {', '.join(METRIC_NAMES)}.")
+        elif _is_metric(metric) or not callable(metric):
+            raise TypeError(
+                "Expected `metric` to be a metric name or a callable fn(y_pred, y_true). Received: "
+                f"{metric!r} of type {type(metric).__name__}. A torchmetrics object goes to `metrics=` as it is."
+            )
+        if output is not None and output not in OUTPUTS:
+            raise ValueError(
+                f"Expected `output` to be one of {', '.join(OUTPUTS)} or None. Received: output={output!r}."
+            )
+        if output is not None and metric not in _CLASSIFICATION:
+            raise ValueError(
+                f"`output` applies to the classification metric names ({', '.join(_CLASSIFICATION)}). "
+                f"Received: output={output!r} for {metric!r}. A callable receives y_pred as the module returns it."
+            )
+        if higher_is_better is not None and not isinstance(higher_is_better, bool):
+            raise TypeError(f"Expected `higher_is_better` to be a bool or None. Received: {higher_is_better!r}.")
+        self.metric, self.output, self._higher = metric, output, higher_is_better
+
+    @property
+    def higher_is_better(self) -> bool | None:
+        """The direction given, else the name's (``"r2"`` and classification up, errors down)."""
+        if self._higher is not None or callable(self.metric):
+            return self._higher
+        return self.metric == "r2" or self.metric in _CLASSIFICATION
+
+    def default_key(self) -> str | None:
+        """The log name without a dict key: the metric name, ``fn.__name__``, or None for a lambda."""
+        if isinstance(self.metric, str):
+            return self.metric
+        name = getattr(self.metric, "__name__", None)
+        if name is None and not hasattr(self.metric, "func"):  # a callable object, not a partial
+            name = snake_case(type(self.metric).__name__)
+        return None if name is None or name.startswith("<") else name
+
+    def __repr__(self) -> str:
+        return f"MetricSpec({self.metric!r}, output={self.output!r})"
