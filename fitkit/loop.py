@@ -41,6 +41,7 @@ class FitLoopMixin:
         self._callbacks, self.stop_training = cbs, False
         self._initial_epoch = initial_epoch  # a callback (BackupAndRestore) may move it
         cbs.params["do_validation"] = val is not None  # a `val_` monitor is checked before step 1
+        cbs.params["train_data"] = train
         logs: dict[str, float] = {}
         try:
             with _modes(self.module, training=None, grad=True):
