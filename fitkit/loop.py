@@ -167,6 +167,7 @@ class FitLoop:
         model.stop_training = False
         stepper = model._stepper
         stepper.validates = self.val is not None
+        cbs.params["train_data"] = self.train  # the training batches (SWA's BatchNorm update)
         logs: dict[str, float] = {}
         pending = model._resume
         finished = False
@@ -197,6 +198,7 @@ class FitLoop:
                 self.interrupt.raise_now()
         finally:
             self.running = False
+            cbs.params.pop("train_data", None)  # History keeps params: not the data
             cbs.close(finished)
             model._resume = None  # a loaded resume point serves one fit only
 

@@ -1004,6 +1004,28 @@ class Model:
         """
         return summary_table(self, print_fn)
 
+    # -- find_lr (issue 12) --
+    def find_lr(self, x: Any, y: Any = None, **kwargs: Any) -> Any:
+        """Sweep the learning rate and suggest one; the model is left exactly as it was.
+
+        See :func:`fitkit.lr_finder.find_lr` for the arguments (``batch_size``, ``start_lr``,
+        ``end_lr``, ``num_steps``, ``smooth``, ``diverge_threshold``, ``plot``, ``path``).
+
+        Returns:
+            A :class:`fitkit.lr_finder.LRFinderResult` (``lrs``, ``losses``, ``suggestion``).
+
+        Example:
+            >>> model = Model(nn.Linear(2, 1), device="cpu")
+            >>> model.compile(optimizer="sgd", loss="mse")
+            >>> result = model.find_lr(torch.randn(32, 2), torch.randn(32, 1), num_steps=5)
+            >>> len(result.lrs), result.lrs[-1]
+            (5, 10.0)
+        """
+        from fitkit.lr_finder import find_lr
+
+        return find_lr(self, x, y, **kwargs)
+    # -- end find_lr (issue 12) --
+
 
 def _rows(x: Any) -> int:
     ts = nest.leaves(x)

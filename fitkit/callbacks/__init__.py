@@ -6,8 +6,10 @@
 - :mod:`~fitkit.callbacks.checkpointing`: ``ModelCheckpoint``, ``BackupAndRestore``.
 - :mod:`~fitkit.callbacks.logging`: ``CSVLogger``, ``TensorBoard``.
 - :mod:`~fitkit.callbacks.misc`: ``TerminateOnNaN``, ``LambdaCallback``.
+- :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA`` (weight averaging).
 """
 
+from fitkit.callbacks.averaging import EMA, SWA
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
 from fitkit.callbacks.checkpointing import BackupAndRestore, ModelCheckpoint
 from fitkit.callbacks.logging import CSVLogger, TensorBoard
@@ -31,4 +33,6 @@ __all__ = [
     "TerminateOnNaN",
     "LambdaCallback",
     "LearningRateScheduler",
+    "EMA",
+    "SWA",
 ]

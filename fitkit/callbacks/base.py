@@ -55,7 +55,9 @@ class Callback:
         Args:
             params: ``epochs`` (``None`` in ``evaluate`` / ``predict``), ``steps`` (batches
                 per epoch, ``None`` when unknown), ``verbose`` and, in ``fit``,
-                ``do_validation``; one dict, shared by every callback of the call.
+                ``do_validation`` and ``train_data`` (an iterable of the training batches
+                ``(x, y, sample_weight)``, on the device); one dict, shared by every
+                callback of the call.
         """
         self.params = params
 

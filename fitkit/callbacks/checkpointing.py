@@ -20,6 +20,7 @@ from fitkit.callbacks.monitor import (
     StatefulCallback,
     _check_int,
     _check_mode,
+    _check_number,
     _say,
     check_validation_monitor,
     is_improvement,
@@ -56,6 +57,22 @@ def _check_save_freq(save_freq: Any) -> None:
         )
 
 
+def _last_path(filepath: str, save_last: Any) -> str | None:
+    if save_last is False or save_last is None:
+        return None
+    if save_last is True:
+        folder = os.path.dirname(filepath)
+        if "{" in folder:
+            raise ValueError(
+                f"`save_last=True` writes 'last.pt' next to the checkpoints, but the folder of "
+                f"{filepath!r} changes per save. Fix: pass `save_last` as a path."
+            )
+        return os.path.join(folder, "last.pt")
+    if isinstance(save_last, (str, os.PathLike)):
+        return os.fspath(save_last)
+    raise TypeError(f"Expected `save_last` to be a bool or a path. Received: save_last={save_last!r}.")
+
+
 class ModelCheckpoint(StatefulCallback):
     """Save the model (or only its weights) at the end of epochs or every N batches.
 
@@ -78,11 +95,26 @@ class ModelCheckpoint(StatefulCallback):
         save_freq: ``"epoch"``, or an int: every that many batches (full checkpoints wait for
             the end of a gradient accumulation group).
         verbose: 1 prints a line at each save.
+        initial_value_threshold: with ``save_best_only`` or ``save_top_k``, the value to beat
+            before anything is saved (Keras): it is the starting "best", so no file is written
+            until ``monitor`` is strictly better than it.
+        every_n_epochs: decide only every n-th epoch, counted 1-based: epochs n, 2n, ...
+            (Lightning's ``every_n_epochs``, Poutyne's ``period``); the others write nothing.
+            Only with ``save_freq="epoch"``.
+        save_last: also keep ``last.pt`` in the folder of ``filepath`` (or the path given as a
+            string): the full training state (resumable, whatever ``save_weights_only`` says),
+            replaced at every save event, i.e. every epoch (or ``save_freq`` batches) that
+            ``every_n_epochs`` lets through, whether or not the ranked file was written there
+            (Lightning's ``save_last``). Never evicted by ``save_top_k``.
 
     Raises:
-        ValueError: a bad ``filepath``, ``mode``, ``save_freq`` or ``save_top_k``, or both
-            ``save_best_only`` and ``save_top_k``; at ``on_train_begin``, a direction ``auto``
-            cannot infer; when saving, a key the logs do not hold.
+        ValueError: a bad ``filepath``, ``mode``, ``save_freq``, ``save_top_k`` or
+            ``every_n_epochs``, both ``save_best_only`` and ``save_top_k``, an
+            ``initial_value_threshold`` without either, ``every_n_epochs`` with an int
+            ``save_freq``; at ``on_train_begin``, a direction ``auto`` cannot infer; when
+            saving, a key the logs do not hold.
+        TypeError: ``initial_value_threshold`` is not a number, ``save_last`` neither a bool
+            nor a path.
 
     Example:
         >>> import os, tempfile, torch, fitkit
@@ -105,12 +137,29 @@ class ModelCheckpoint(StatefulCallback):
         save_top_k: int | None = None,
         save_freq: str | int = "epoch",
         verbose: int = 0,
+        initial_value_threshold: float | None = None,
+        every_n_epochs: int = 1,
+        save_last: bool | str | os.PathLike = False,
     ):
         super().__init__()
         self.filepath = os.fspath(filepath)
         self._fields = _field_names(self.filepath)
         _check_mode(mode)
         _check_save_freq(save_freq)
+        _check_int("every_n_epochs", every_n_epochs, 1)
+        if every_n_epochs != 1 and save_freq != "epoch":
+            raise ValueError(
+                f"`every_n_epochs` counts epochs, but save_freq={save_freq!r} saves every that many "
+                "batches. Fix: pass one of them."
+            )
+        if initial_value_threshold is not None:
+            _check_number("initial_value_threshold", initial_value_threshold, -math.inf)
+            if not save_best_only and save_top_k is None:
+                raise ValueError(
+                    "`initial_value_threshold` is the value a checkpoint must beat, so it needs "
+                    "`save_best_only=True` or `save_top_k=k`. Received neither."
+                )
+        self.last_path = _last_path(self.filepath, save_last)
         if save_top_k is not None:
             _check_int("save_top_k", save_top_k, 1)
             if save_best_only:
@@ -126,6 +175,7 @@ class ModelCheckpoint(StatefulCallback):
         self.monitor, self.mode = monitor, mode
         self.save_best_only, self.save_weights_only = bool(save_best_only), bool(save_weights_only)
         self.save_top_k, self.save_freq, self.verbose = save_top_k, save_freq, verbose
+        self.initial_value_threshold, self.every_n_epochs = initial_value_threshold, every_n_epochs
         self._mode = mode if mode != "auto" else None
         self._reset()
 
@@ -134,11 +184,13 @@ class ModelCheckpoint(StatefulCallback):
         return self.save_best_only or self.save_top_k is not None
 
     def _reset(self) -> None:
-        self.best: float | None = None
+        t = self.initial_value_threshold
+        self.best: float | None = None if t is None else float(t)
         self.best_path: str | None = None
         self.kept: list[tuple[float, str]] = []  # (value, path) of the files save_top_k keeps
         self._batches_seen = 0
         self._pending: tuple[str, list[str], int] | None = None  # (path, evicted, epoch) to write
+        self._pending_last: int | None = None  # the epoch whose event writes `last_path`
 
     def _get_state(self) -> dict[str, Any]:
         return {
@@ -156,10 +208,10 @@ class ModelCheckpoint(StatefulCallback):
             check_validation_monitor(self.monitor, self.params, "ModelCheckpoint")
             self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
         super().on_train_begin(logs)
-        self._pending = None  # never a file decided by a fit that raised
+        self._pending = self._pending_last = None  # never a file decided by a fit that raised
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch":
+        if self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0:
             self._decide(epoch, None, logs or {})
 
     def on_train_batch_end(self, batch, logs=None):
@@ -167,7 +219,8 @@ class ModelCheckpoint(StatefulCallback):
             return
         self._batches_seen += 1
         # A full checkpoint inside an accumulation group would lose its gradients: wait.
-        if self._batches_seen >= self.save_freq and (self.save_weights_only or self.model.closes_accumulation_window):
+        full = not self.save_weights_only or self.last_path is not None
+        if self._batches_seen >= self.save_freq and (not full or self.model.closes_accumulation_window):
             self._batches_seen = 0
             self._decide(self.model.epoch, batch, logs or {})
 
@@ -193,6 +246,8 @@ class ModelCheckpoint(StatefulCallback):
 
     def _decide(self, epoch: int, batch: int | None, logs: Any) -> None:
         """Update the best / kept files and set the file to write, if any."""
+        if self.last_path is not None:
+            self._pending_last = epoch  # every save event, ranked file written or not
         current = None
         if self._ranked:
             current = monitor_value(logs, self.monitor, "ModelCheckpoint", self.params)
@@ -205,6 +260,9 @@ class ModelCheckpoint(StatefulCallback):
         if self.save_top_k is not None:
             if math.isnan(current):
                 return
+            t = self.initial_value_threshold
+            if t is not None and not is_improvement(current, t, self._mode):
+                return  # the top k are taken among the values that beat the threshold
             same = [v for v, p in self.kept if p == path]
             if same and not is_improvement(current, same[0], self._mode):
                 return  # never overwrite a better file of the same name
@@ -224,6 +282,13 @@ class ModelCheckpoint(StatefulCallback):
         self._pending = (path, evicted, epoch)
 
     def _write(self) -> None:
+        self._write_ranked()
+        if self._pending_last is not None:
+            epoch, self._pending_last = self._pending_last, None
+            self.model.save_checkpoint(self.last_path)  # after the ranked file, as Lightning does
+            _say(self.verbose, f"Epoch {epoch + 1}: saved {self.last_path}.")
+
+    def _write_ranked(self) -> None:
         if self._pending is None:
             return
         path, evicted, epoch = self._pending

@@ -188,6 +188,13 @@ class EarlyStopping(StatefulCallback):
     ``restore_best_weights``, the weights of the best epoch (a deep copy, taken when it ended)
     are put back when training ends, whatever ended it.
 
+    Three more criteria stop at once, checked in this order before the patience rule
+    (Lightning's ``EarlyStopping``): ``check_finite`` stops on a NaN or infinite value,
+    ``stopping_threshold`` on a value strictly better than it (that epoch still counts as
+    the best when it is), ``divergence_threshold`` on a value strictly worse than it. Like the
+    patience rule they apply from ``start_from_epoch`` on. ``stop_reason`` then says why
+    training stopped (``None`` while it has not), and ``verbose=1`` prints it.
+
     Args:
         monitor: the epoch log key to watch, e.g. ``"val_loss"``.
         min_delta: the smallest change that counts as an improvement.
@@ -197,6 +204,18 @@ class EarlyStopping(StatefulCallback):
         restore_best_weights: restore the best epoch's weights at the end of training.
         start_from_epoch: epochs to ignore at the start (warm-up).
         verbose: 1 prints a line when it stops or restores.
+        stopping_threshold: stop as soon as the monitor is better than this (e.g. a target
+            loss reached).
+        divergence_threshold: stop as soon as the monitor is worse than this (e.g. a loss
+            that blew up).
+        check_finite: stop as soon as the monitor is NaN or infinite. Off by default (Keras
+            counts a NaN as an epoch without improvement); Lightning's default is on.
+
+    Attributes:
+        stopped_epoch: the 0-based epoch at which training was stopped (0 if it was not).
+        stop_reason: why it stopped, one sentence starting with ``"patience"``,
+            ``"stopping_threshold"``, ``"divergence_threshold"`` or ``"not finite"`` (see
+            the example); ``None`` if it did not stop.
 
     Raises:
         ValueError: bad arguments; at ``on_train_begin``, a direction ``auto`` cannot infer or
@@ -212,6 +231,8 @@ class EarlyStopping(StatefulCallback):
         >>> history = model.fit(x, x, epochs=10, callbacks=[stop], verbose=0)
         >>> stop.stopped_epoch, len(history.epoch)
         (1, 2)
+        >>> stop.stop_reason
+        'patience: loss did not improve for 1 epoch(s); best 0 at epoch 1.'
     """
 
     def __init__(
@@ -224,6 +245,9 @@ class EarlyStopping(StatefulCallback):
         restore_best_weights: bool = False,
         start_from_epoch: int = 0,
         verbose: int = 0,
+        stopping_threshold: float | None = None,
+        divergence_threshold: float | None = None,
+        check_finite: bool = False,
     ):
         super().__init__()
         if not isinstance(monitor, str):
@@ -231,9 +255,15 @@ class EarlyStopping(StatefulCallback):
         _check_number("min_delta", min_delta, -math.inf)
         _check_int("patience", patience)
         _check_mode(mode)
-        if baseline is not None:
-            _check_number("baseline", baseline, -math.inf)
+        for name, value in (("baseline", baseline), ("stopping_threshold", stopping_threshold),
+                            ("divergence_threshold", divergence_threshold)):
+            if value is not None:
+                _check_number(name, value, -math.inf)
         _check_int("start_from_epoch", start_from_epoch)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"Expected `check_finite` to be a bool. Received: check_finite={check_finite!r}.")
+        self.stopping_threshold, self.divergence_threshold = stopping_threshold, divergence_threshold
+        self.check_finite = check_finite
         self.monitor, self.min_delta, self.patience = monitor, abs(min_delta), patience
         self.mode, self.baseline, self.verbose = mode, baseline, verbose
         self.restore_best_weights, self.start_from_epoch = restore_best_weights, start_from_epoch
@@ -246,17 +276,20 @@ class EarlyStopping(StatefulCallback):
         self.best: float | None = None
         self.best_epoch = 0
         self.best_weights: dict[str, torch.Tensor] | None = None
+        self.stop_reason: str | None = None
 
     def _get_state(self) -> dict[str, Any]:
         return {
             "wait": self.wait, "stopped_epoch": self.stopped_epoch, "best": self.best,
             "best_epoch": self.best_epoch, "best_weights": self.best_weights,
+            "stop_reason": self.stop_reason,
         }  # fmt: skip
 
     def _set_state(self, state: dict[str, Any]) -> None:
         self.wait, self.stopped_epoch = state["wait"], state["stopped_epoch"]
         self.best, self.best_epoch = state["best"], state["best_epoch"]
         self.best_weights = state["best_weights"]
+        self.stop_reason = state.get("stop_reason")
 
     def on_train_begin(self, logs=None):
         check_validation_monitor(self.monitor, self.params, "EarlyStopping")
@@ -275,22 +308,41 @@ class EarlyStopping(StatefulCallback):
             self._mode = resolve_mode(self.monitor, self.mode, self.model, "EarlyStopping")
         if self.restore_best_weights and self.best_weights is None:
             self.best_weights, self.best_epoch = self._snapshot(), epoch  # nothing better yet
+        # Lightning's order: not finite, stopping threshold, divergence threshold, patience.
+        if self.check_finite and not math.isfinite(current):
+            return self._stop(epoch, f"not finite: {self.monitor} = {current}; best {self.best:.4g}"
+                              f" at epoch {self.best_epoch + 1}." if self.best is not None else
+                              f"not finite: {self.monitor} = {current}.")
+        if self.divergence_threshold is not None and is_improvement(self.divergence_threshold, current, self._mode):
+            worse = ">" if self._mode == "min" else "<"
+            return self._stop(epoch, f"divergence_threshold: {self.monitor} = {current:.4g} {worse} "
+                              f"{self.divergence_threshold:.4g}.")
         self.wait += 1
-        if not math.isnan(current) and (self.best is None or is_improvement(current, self.best, self._mode, self.min_delta)):
+        improved = not math.isnan(current) and (
+            self.best is None or is_improvement(current, self.best, self._mode, self.min_delta)
+        )
+        if improved:
             self.best, self.best_epoch = current, epoch
             if self.restore_best_weights:
                 self.best_weights = self._snapshot()
             # The wait restarts only on a value that beats the baseline too.
             if self.baseline is None or is_improvement(current, self.baseline, self._mode, self.min_delta):
                 self.wait = 0
-            return
-        if self.wait >= self.patience and epoch > 0:
-            self.stopped_epoch = epoch
-            self.model.stop_training = True
+        if self.stopping_threshold is not None and is_improvement(current, self.stopping_threshold, self._mode):
+            better = "<" if self._mode == "min" else ">"
+            return self._stop(epoch, f"stopping_threshold: {self.monitor} = {current:.4g} {better} "
+                              f"{self.stopping_threshold:.4g}.")
+        if not improved and self.wait >= self.patience and epoch > 0:
+            self._stop(epoch, f"patience: {self.monitor} did not improve for {self.wait} epoch(s); "
+                       f"best {self.best:.4g} at epoch {self.best_epoch + 1}.")
+
+    def _stop(self, epoch: int, reason: str) -> None:
+        self.stopped_epoch, self.stop_reason = epoch, reason
+        self.model.stop_training = True
 
     def on_train_end(self, logs=None):
-        if self.stopped_epoch:
-            _say(self.verbose, f"Epoch {self.stopped_epoch + 1}: early stopping.")
+        if self.stop_reason is not None:
+            _say(self.verbose, f"Epoch {self.stopped_epoch + 1}: early stopping ({self.stop_reason})")
         if self.restore_best_weights and self.best_weights is not None:
             _say(self.verbose, f"Restoring the weights of epoch {self.best_epoch + 1}, the best one.")
             self.model.load_state_dict(self.best_weights)

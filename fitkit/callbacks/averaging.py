@@ -1,0 +1,371 @@
+"""Weight averaging with torch's own tools: ``EMA`` and ``SWA`` (``torch.optim.swa_utils``).
+
+Both keep an :class:`~torch.optim.swa_utils.AveragedModel` next to ``model.module`` and copy
+weights between the two in place (``Tensor.copy_``), so the optimizer, hooks and a compiled
+forward keep pointing at the module's own parameters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
+
+from fitkit.callbacks.base import Callback
+from fitkit.callbacks.monitor import _check_int, _check_number, _say
+
+__all__ = ["EMA", "SWA"]
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"Expected `{name}` to be a bool. Received: {name}={value!r}.")
+
+
+def _refuse_fsdp(model: Any, who: str) -> None:
+    if getattr(model, "strategy", None) == "fsdp" and torch.distributed.is_initialized():
+        raise ValueError(
+            f"{who} keeps a full copy of the module, which a sharded (strategy='fsdp') module "
+            "does not have. Fix: use strategy='ddp'."
+        )
+
+
+def _pairs(module: nn.Module, averaged: AveragedModel, buffers: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(module tensor, averaged tensor)`` pairs: parameters, and buffers if ``buffers``."""
+    mine: list[torch.Tensor] = list(module.parameters())
+    theirs: list[torch.Tensor] = list(averaged.module.parameters())
+    if buffers:
+        mine += list(module.buffers())
+        theirs += list(averaged.module.buffers())
+    return list(zip(mine, theirs, strict=True))
+
+
+@torch.no_grad()
+def _copy_into(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+class EMA(Callback):
+    """Keep an exponential moving average of the weights (Keras' ``use_ema``, timm's ``ModelEma``).
+
+    Built on :class:`torch.optim.swa_utils.AveragedModel` with
+    :func:`~torch.optim.swa_utils.get_ema_multi_avg_fn`. At ``on_train_begin`` the average is a
+    copy of the module; after each optimizer step (a batch end at which ``model.global_step``
+    advanced, so with gradient accumulation once per group, and never for a step that mixed
+    precision skipped) it becomes ``decay * ema + (1 - decay) * weights``. After ``k`` steps
+    from weights ``w_0`` (the start) to ``w_k`` it is
+    ``decay**k * w_0 + sum_i (1 - decay) * decay**(k - i) * w_i``.
+
+    With ``evaluate_with_ema`` the validation inside ``fit`` runs on the averaged weights: they
+    are copied into ``model.module`` at ``on_test_begin`` and the training weights are copied
+    back, bit for bit, at ``on_test_end``. With ``swap_at_end`` the averaged weights replace
+    the module's when ``fit`` ends. The average is part of the callback's state, so it is saved
+    in checkpoints and a resumed run continues it exactly. Floating-point tensors follow
+    torch's formula; integer buffers (BatchNorm's ``num_batches_tracked``) with
+    ``use_buffers`` follow its integer rounding.
+
+    Args:
+        decay: the weight of the old average in ``[0, 1]``; ``1 - decay`` is the weight of the
+            new weights (0.999: an average over roughly the last 1000 steps).
+        evaluate_with_ema: validate on the averaged weights during ``fit``.
+        swap_at_end: put the averaged weights into ``model.module`` when ``fit`` ends.
+        use_buffers: average the buffers too (BatchNorm statistics), as timm does; ``False``
+            averages the parameters only and evaluates with the module's own buffers.
+        verbose: 1 prints a line when the weights are swapped in at the end.
+
+    Attributes:
+        averaged_model: the ``AveragedModel``; ``averaged_model.module`` is a module holding
+            the averaged weights (``None`` before the first ``fit``).
+
+    Raises:
+        TypeError: ``decay`` is not a number, a flag not a bool.
+        ValueError: ``decay`` outside ``[0, 1]``; at ``on_train_begin``, a module sharded with
+            ``strategy="fsdp"``.
+
+    Example:
+        >>> import torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1, bias=False), device="cpu")
+        >>> _ = torch.nn.init.ones_(model.module.weight)
+        >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse")
+        >>> ema = EMA(decay=0.5)
+        >>> _ = model.fit(torch.ones(1, 1), torch.zeros(1, 1), epochs=2, callbacks=[ema], verbose=0)
+        >>> model.module.weight.item(), ema.averaged_model.module.weight.item()  # 1 -> 0.5 -> 0.25
+        (0.25, 0.5)
+    """
+
+    def __init__(
+        self,
+        decay: float = 0.999,
+        evaluate_with_ema: bool = True,
+        swap_at_end: bool = False,
+        use_buffers: bool = True,
+        verbose: int = 0,
+    ):
+        super().__init__()
+        _check_number("decay", decay, 0.0)
+        if decay > 1:
+            raise ValueError(f"Expected `decay` in [0, 1]. Received: decay={decay!r}.")
+        for name, flag in (("evaluate_with_ema", evaluate_with_ema), ("swap_at_end", swap_at_end),
+                           ("use_buffers", use_buffers)):
+            _check_flag(name, flag)
+        self.decay, self.evaluate_with_ema, self.swap_at_end = float(decay), evaluate_with_ema, swap_at_end
+        self.use_buffers, self.verbose = use_buffers, verbose
+        self.averaged_model: AveragedModel | None = None
+        self._last_step = 0
+        self._pending: dict[str, Any] | None = None  # a state loaded before the average exists
+        self._restored = False
+        self._in_fit = False
+        self._saved: list[torch.Tensor] | None = None  # the training weights during validation
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.averaged_model is None:
+            return {}
+        return {"averaged": self.averaged_model.state_dict(), "last_step": self._last_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if self.averaged_model is None:
+            self._pending = state
+        else:
+            self._load(state)
+        self._restored = True  # the next on_train_begin keeps it
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.averaged_model.load_state_dict(state["averaged"])
+        self._last_step = int(state["last_step"])
+
+    # -- hooks -----------------------------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        _refuse_fsdp(self.model, "EMA")
+        restored, self._restored = self._restored, False
+        self._in_fit = True
+        if restored and self._pending is None:
+            return  # loaded into the existing average
+        module = self.model.module
+        self.averaged_model = AveragedModel(
+            module, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=self.use_buffers
+        )
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self._load(state)
+        else:
+            self.averaged_model.update_parameters(module)  # the first update copies: ema = w_0
+            self._last_step = self.model.global_step
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = self.model.global_step
+        if step != self._last_step:  # an optimizer step ran
+            # AveragedModel reads its step count on the host: one small sync per step.
+            self.averaged_model.update_parameters(self.model.module)
+            self._last_step = step
+
+    def on_test_begin(self, logs=None):
+        if not (self._in_fit and self.evaluate_with_ema and self.averaged_model is not None):
+            return
+        pairs = _pairs(self.model.module, self.averaged_model, self.use_buffers)
+        self._saved = [dst.detach().clone() for dst, _ in pairs]
+        _copy_into(pairs)
+
+    def on_test_end(self, logs=None):
+        if self._saved is None:
+            return
+        pairs = _pairs(self.model.module, self.averaged_model, self.use_buffers)
+        _copy_into([(dst, saved) for (dst, _), saved in zip(pairs, self._saved, strict=True)])
+        self._saved = None
+
+    def on_train_end(self, logs=None):
+        self._in_fit = False
+        if self.swap_at_end and self.averaged_model is not None:
+            _copy_into(_pairs(self.model.module, self.averaged_model, self.use_buffers))
+            _say(self.verbose, "EMA: the averaged weights are now the module's.")
+
+
+class SWA(Callback):
+    """Stochastic weight averaging (Izmailov et al. 2018; Lightning's ``StochasticWeightAveraging``).
+
+    From epoch ``swa_epoch_start`` on, :class:`~torch.optim.swa_utils.SWALR` anneals every
+    parameter group's learning rate to its ``swa_lrs`` over ``annealing_epochs`` epochs (it is
+    stepped once per epoch by this callback), and at the end of that epoch and of every later
+    one the weights join an equal-weight average (:class:`~torch.optim.swa_utils.AveragedModel`),
+    as in torch's SWA recipe. When ``fit`` ends, the average is copied into ``model.module`` and
+    BatchNorm statistics are recomputed with :func:`~torch.optim.swa_utils.update_bn` over one
+    pass of the training data (``params["train_data"]``), since the averaged weights never ran
+    with the statistics training left behind.
+
+    A scheduler given to ``compile`` is set aside while SWA runs (Lightning replaces it the
+    same way): ``model.scheduler`` is ``None`` from the start epoch on, so it no longer steps,
+    and it is put back, in the state it had when SWA began, when ``fit`` ends.
+
+    Args:
+        swa_lrs: the learning rate to anneal to, one for every parameter group or a list with
+            one per group.
+        swa_epoch_start: the 1-based epoch whose end is the first one averaged (an int >= 1),
+            or a fraction in ``(0, 1]`` of ``epochs``: ``int(fraction * epochs)`` (Lightning).
+        annealing_epochs: epochs to reach ``swa_lrs`` (0: at once).
+        annealing_strategy: ``"cos"`` or ``"linear"``.
+
+    Attributes:
+        averaged_model: the ``AveragedModel`` (``None`` before the first ``fit``);
+            ``averaged_model.n_averaged`` counts the averaged epochs.
+
+    Raises:
+        TypeError: arguments of the wrong type.
+        ValueError: bad values; at ``on_train_begin``, a ``swa_lrs`` list whose length is not
+            the number of parameter groups, or a module sharded with ``strategy="fsdp"``.
+
+    Example:
+        >>> import torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1, bias=False), device="cpu")
+        >>> _ = torch.nn.init.ones_(model.module.weight)
+        >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse")
+        >>> swa = SWA(swa_lrs=0.25, swa_epoch_start=2)
+        >>> _ = model.fit(torch.ones(1, 1), torch.zeros(1, 1), epochs=3, callbacks=[swa], verbose=0)
+        >>> model.module.weight.item()  # the mean of 0.25 and 0.125, the weights after epochs 2 and 3
+        0.1875
+    """
+
+    def __init__(
+        self,
+        swa_lrs: float | list[float],
+        swa_epoch_start: int | float = 0.8,
+        annealing_epochs: int = 10,
+        annealing_strategy: str = "cos",
+    ):
+        super().__init__()
+        lrs = swa_lrs if isinstance(swa_lrs, (list, tuple)) else [swa_lrs]
+        for lr in lrs:
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+                raise ValueError(
+                    f"Expected `swa_lrs` to be a positive number or a list of them. Received: swa_lrs={swa_lrs!r}."
+                )
+        if isinstance(swa_epoch_start, bool) or not isinstance(swa_epoch_start, (int, float)):
+            raise TypeError(f"Expected `swa_epoch_start` to be an int or a float. Received: {swa_epoch_start!r}.")
+        if isinstance(swa_epoch_start, int) and swa_epoch_start < 1 or (
+            isinstance(swa_epoch_start, float) and not 0 < swa_epoch_start <= 1
+        ):
+            raise ValueError(
+                "Expected `swa_epoch_start` to be an int >= 1 (an epoch, 1-based) or a float in (0, 1] "
+                f"(a fraction of the epochs). Received: swa_epoch_start={swa_epoch_start!r}."
+            )
+        _check_int("annealing_epochs", annealing_epochs, 0)
+        if annealing_strategy not in ("cos", "linear"):
+            raise ValueError(
+                "Expected `annealing_strategy` to be 'cos' or 'linear'. "
+                f"Received: annealing_strategy={annealing_strategy!r}."
+            )
+        self.swa_lrs = list(swa_lrs) if isinstance(swa_lrs, (list, tuple)) else float(swa_lrs)
+        self.swa_epoch_start, self.annealing_epochs = swa_epoch_start, annealing_epochs
+        self.annealing_strategy = annealing_strategy
+        self.averaged_model: AveragedModel | None = None
+        self.swa_scheduler: SWALR | None = None
+        self._start = 0  # 0-based first averaged epoch
+        self._set_aside: Any = None  # the compiled scheduler, while SWA runs
+        self._set_aside_state: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.averaged_model is None:
+            return {}
+        return {
+            "averaged": self.averaged_model.state_dict(),
+            "swa_scheduler": None if self.swa_scheduler is None else self.swa_scheduler.state_dict(),
+            "set_aside": self._set_aside_state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pending = state or None  # applied at the next epoch begin (the average exists then)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        _refuse_fsdp(self.model, "SWA")
+        groups = len(self.model.optimizer.param_groups)
+        if isinstance(self.swa_lrs, list) and len(self.swa_lrs) != groups:
+            raise ValueError(
+                f"`swa_lrs` has {len(self.swa_lrs)} values, but the optimizer has {groups} parameter "
+                "groups. Fix: pass one value per group, or a single number."
+            )
+        start = self.swa_epoch_start
+        epochs = self.params.get("epochs") or 1
+        self._start = max(int(start * epochs) - 1, 0) if isinstance(start, float) else start - 1
+        self.averaged_model = AveragedModel(self.model.module)
+        self.swa_scheduler, self._set_aside, self._set_aside_state = None, None, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch < self._start or self.swa_scheduler is not None:
+            return
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.averaged_model.load_state_dict(pending["averaged"])
+        model = self.model
+        self._set_aside = model.scheduler
+        if self._set_aside is not None:
+            if pending is not None and pending["set_aside"] is not None:
+                self._set_aside.load_state_dict(pending["set_aside"])
+            self._set_aside_state = self._set_aside.state_dict()
+            model.scheduler = None  # the loop steps model.scheduler: now it steps nothing
+        self.swa_scheduler = SWALR(
+            model.optimizer, swa_lr=self.swa_lrs, anneal_epochs=self.annealing_epochs,
+            anneal_strategy=self.annealing_strategy,
+        )  # fmt: skip
+        if pending is not None and pending["swa_scheduler"] is not None:
+            self.swa_scheduler.load_state_dict(pending["swa_scheduler"])
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.swa_scheduler is None:
+            return
+        self.averaged_model.update_parameters(self.model.module)
+        self.swa_scheduler.step()  # the learning rate of the next epoch
+
+    def on_train_end(self, logs=None):
+        if self._set_aside is not None:
+            self.model.scheduler, self._set_aside = self._set_aside, None
+        if self.averaged_model is None or int(self.averaged_model.n_averaged) == 0:
+            return  # stopped before the first averaged epoch: the weights stay as trained
+        module = self.model.module
+        _copy_into(_pairs(module, self.averaged_model, buffers=False))
+        self._update_bn(module)
+
+    def _update_bn(self, module: nn.Module) -> None:
+        if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+            return
+        data = self.params.get("train_data")
+        it = iter(data) if data is not None else iter(())
+        first = next(it, None)
+        if first is None:
+            warnings.warn(
+                "SWA could not recompute the BatchNorm statistics: the training data yields no "
+                "batch after fit (a one-shot generator?). Fix: pass data that can be iterated again.",
+                stacklevel=2,
+            )
+            return
+        flags = [(m, m.training) for m in module.modules()]
+        try:
+            # update_bn feeds the first element of each batch to the module it is given.
+            update_bn(([b[0]] for b in itertools.chain([first], it)), _FeedX(module))
+        finally:
+            for m, flag in flags:
+                m.training = flag
+
+
+class _FeedX(nn.Module):
+    """Calls the module as fit does: a tuple ``x`` is ``module(*x)``, a dict ``module(**x)``."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, tuple):
+            return self.module(*x)
+        if isinstance(x, dict):
+            return self.module(**x)
+        return self.module(x)
+

@@ -1,0 +1,305 @@
+"""The learning-rate range test: :func:`find_lr` (fastai's ``lr_find``, Lightning's ``Tuner.lr_find``).
+
+The sweep trains for real (one optimizer step per batch, the learning rate growing
+exponentially from step to step) and then puts everything back: weights, buffers, gradients,
+optimizer state and learning rates, scheduler, grad scaler, step count and the RNG states of
+python, numpy, torch and CUDA. Only the two private functions at the bottom know the model's
+internal state.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fitkit import data as _data
+
+__all__ = ["find_lr", "LRFinderResult"]
+
+
+@dataclass
+class LRFinderResult:
+    """What :func:`find_lr` measured.
+
+    Attributes:
+        lrs: the learning rate of each step taken (ascending).
+        losses: the smoothed training loss after each step (bias-corrected exponential
+            moving average of ``raw_losses``).
+        raw_losses: the loss of each step's batch, as ``train_on_batch`` returned it.
+        suggestion: the learning rate of the steepest descent of ``losses`` before their
+            minimum (:meth:`suggest` with its defaults); ``None`` when no point qualifies.
+
+    Example:
+        >>> r = LRFinderResult(lrs=[10.0**-i for i in range(6, 0, -1)], losses=[], raw_losses=[])
+        >>> r.losses = [2.0, 2.0, 2.0, 1.0, 0.9, 3.0]  # flat, falling, diverged
+        >>> r.suggest(skip_begin=1, skip_end=1)
+        0.001
+    """
+
+    lrs: list[float]
+    losses: list[float]
+    raw_losses: list[float]
+    suggestion: float | None = field(default=None)
+
+    def suggest(self, skip_begin: int = 10, skip_end: int = 1) -> float | None:
+        """The learning rate where the smoothed loss falls fastest, on the log-LR axis.
+
+        Lightning's rule, with two changes that keep noise from deciding. Each point's slope
+        is ``torch.gradient``'s over all finite points, taken against ``log(lr)``, the axis of
+        the plot (fastai's "steep", and Lightning's per-step gradient before 2025): against
+        ``lr`` itself, on an exponential sweep, the tiny spacing of the first points turns
+        their noise into the steepest slopes. And the candidates end before the lowest
+        smoothed loss: past it the loss is diverging, and its wiggles there are no descent.
+        As in Lightning, the first ``skip_begin`` and last ``skip_end`` points are never
+        suggested, and non-finite losses are dropped.
+
+        Args:
+            skip_begin: points never suggested at the start (too early to say anything).
+            skip_end: points never suggested at the end (the divergence), at least 1.
+
+        Returns:
+            The learning rate from ``lrs`` with the most negative slope, or ``None`` if no
+            point is left to suggest.
+        """
+        finite = [i for i, v in enumerate(self.losses) if math.isfinite(v)]
+        if len(finite) < 2:
+            return None
+        lowest = min(finite, key=lambda i: self.losses[i])
+        end = min(len(self.losses) - max(skip_end, 1), lowest)
+        losses = torch.tensor([self.losses[i] for i in finite], dtype=torch.float64)
+        log_lrs = torch.tensor([math.log(self.lrs[i]) for i in finite], dtype=torch.float64)
+        slope = torch.gradient(losses, spacing=[log_lrs])[0]
+        candidates = [k for k, i in enumerate(finite) if skip_begin <= i < end]
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda k: float(slope[k]))
+        return self.lrs[finite[best]]
+
+    def plot(self, path: str | None = None):
+        """Draw the smoothed loss against the learning rate (log scale), suggestion marked.
+
+        Needs matplotlib (``pip install fitkit[plot]``), as :meth:`fitkit.History.plot`.
+
+        Args:
+            path: if given, the figure is saved there as a PNG.
+
+        Returns:
+            The matplotlib ``Figure``.
+
+        Raises:
+            ImportError: matplotlib is not installed.
+        """
+        try:
+            import matplotlib
+
+            if path is not None or matplotlib.get_backend().lower() == "agg":
+                matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("find_lr's plot needs matplotlib. Install it with `pip install fitkit[plot]`.") from None
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(self.lrs, self.losses, label="smoothed loss")
+        if self.suggestion is not None:
+            i = self.lrs.index(self.suggestion)
+            ax.plot([self.suggestion], [self.losses[i]], "o", color="red", label=f"suggestion {self.suggestion:.2e}")
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("loss")
+        ax.legend()
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path)
+        return fig
+
+
+def _check(name: str, value: Any, ok: Any, expected: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Expected `{name}` to be a number. Received: {name}={value!r}.")
+    if not ok(value):
+        raise ValueError(f"Expected `{name}` {expected}. Received: {name}={value!r}.")
+
+
+def find_lr(
+    model: Any,
+    x: Any,
+    y: Any = None,
+    *,
+    batch_size: int = 32,
+    start_lr: float = 1e-7,
+    end_lr: float = 10.0,
+    num_steps: int = 100,
+    smooth: float = 0.98,
+    diverge_threshold: float | None = 4.0,
+    plot: bool = False,
+    path: str | None = None,
+) -> LRFinderResult:
+    """Sweep the learning rate exponentially and suggest one (the LR range test, Smith 2017).
+
+    Step ``i`` (0-based) trains one batch with every parameter group's learning rate set to
+    ``start_lr * (end_lr / start_lr) ** (i / (num_steps - 1))``, cycling over the data as
+    often as needed. The loss is smoothed as fastai and Lightning do:
+    ``avg = smooth * avg + (1 - smooth) * loss`` and ``smoothed = avg / (1 - smooth ** (i + 1))``.
+    The sweep stops early once the smoothed loss exceeds ``diverge_threshold`` times the best
+    so far (or is not finite). The suggestion is the steepest descent of the smoothed loss
+    (:meth:`LRFinderResult.suggest`, Lightning's rule). Afterwards the model, its optimizer
+    (state and learning rates), scheduler, gradients and step count, and the RNG states
+    (python, numpy, torch, CUDA) are exactly as before; the compiled scheduler does not step
+    during the sweep.
+
+    Args:
+        model: a compiled :class:`fitkit.Model`.
+        x: inputs, as for :meth:`fitkit.Model.fit` (arrays, a Dataset, a DataLoader, ...).
+        y: targets for in-memory ``x``.
+        batch_size: samples per step (in-memory ``x`` and Datasets).
+        start_lr: the first learning rate.
+        end_lr: the last learning rate (reached at step ``num_steps - 1``).
+        num_steps: optimizer steps of the sweep (>= 2).
+        smooth: the smoothing factor in ``[0, 1)`` (0: no smoothing).
+        diverge_threshold: stop when the smoothed loss passes this multiple of the best one
+            (> 1); ``None`` runs every step.
+        plot: draw the curve (:meth:`LRFinderResult.plot`).
+        path: save the plot there as a PNG (implies ``plot``).
+
+    Returns:
+        An :class:`LRFinderResult` with ``lrs``, ``losses``, ``raw_losses`` and ``suggestion``.
+
+    Raises:
+        RuntimeError: the model is not compiled.
+        TypeError: an argument of the wrong type.
+        ValueError: a bad value, or data that yields no batch.
+
+    Example:
+        >>> import torch, fitkit
+        >>> _ = torch.manual_seed(0)
+        >>> x = torch.randn(64, 4); y = x @ torch.ones(4, 1)
+        >>> model = fitkit.Model(torch.nn.Linear(4, 1), device="cpu")
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> before = model.module.weight.clone()
+        >>> result = find_lr(model, x, y, batch_size=16, start_lr=1e-4, end_lr=10.0, num_steps=30)
+        >>> len(result.lrs) <= 30, result.lrs[0], torch.equal(model.module.weight, before)
+        (True, 0.0001, True)
+    """
+    if getattr(model, "optimizer", None) is None:
+        raise RuntimeError("`find_lr` needs a compiled model. Call `model.compile(optimizer=..., loss=...)` first.")
+    _check("start_lr", start_lr, lambda v: v > 0, "> 0")
+    _check("end_lr", end_lr, lambda v: v > start_lr, f"> start_lr={start_lr!r}")
+    _check("smooth", smooth, lambda v: 0 <= v < 1, "in [0, 1)")
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int):
+        raise TypeError(f"Expected `num_steps` to be an int. Received: num_steps={num_steps!r}.")
+    if num_steps < 2:
+        raise ValueError(f"Expected `num_steps` >= 2. Received: num_steps={num_steps!r}.")
+    if diverge_threshold is not None:
+        _check("diverge_threshold", diverge_threshold, lambda v: v > 1, "> 1 or None")
+    loader = _data.as_loader(x, y, None, batch_size=batch_size, shuffle=True, device=model.device)
+    snap = _snapshot(model)
+    try:
+        result = _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold)
+    finally:
+        _restore(model, snap)
+    result.suggestion = result.suggest()
+    if plot or path is not None:
+        result.plot(path)
+    return result
+
+
+def _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold) -> LRFinderResult:
+    result = LRFinderResult(lrs=[], losses=[], raw_losses=[])
+    groups = model.optimizer.param_groups
+    it, avg, best = iter(loader), 0.0, math.inf
+    for i in range(num_steps):
+        batch = next(it, None)
+        if batch is None:  # the data ran out: start another pass
+            loader.epoch += 1
+            it = iter(loader)
+            batch = next(it, None)
+            if batch is None:
+                if i == 0:
+                    raise ValueError("`find_lr` got data that yields no batch. Fix: pass at least one sample.")
+                break  # a one-shot iterable: the sweep ends with the data
+        lr = start_lr * (end_lr / start_lr) ** (i / (num_steps - 1))
+        for g in groups:
+            if isinstance(g["lr"], torch.Tensor):
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
+        loss = model.train_on_batch(*batch)["loss"]  # a host sync per step: the stop rule needs it
+        avg = smooth * avg + (1 - smooth) * loss
+        smoothed = avg / (1 - smooth ** (i + 1))
+        result.lrs.append(lr)
+        result.raw_losses.append(loss)
+        result.losses.append(smoothed)
+        if not math.isfinite(smoothed) or (
+            diverge_threshold is not None and i > 0 and smoothed > diverge_threshold * best
+        ):
+            break
+        best = min(best, smoothed)
+    return result
+
+
+# -- the model's state (the only code that reads private attributes) -----------------------------
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def _snapshot(model: Any) -> dict[str, Any]:
+    """Everything a sweep changes, copied."""
+    opt = model.optimizer
+    params = list(model.module.parameters())
+    scaler = model.grad_scaler
+    snap = {
+        "module": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+        "grads": [None if p.grad is None else p.grad.detach().clone() for p in params],
+        "opt_state": {p: {k: _clone(v) for k, v in s.items()} for p, s in opt.state.items()},
+        "groups": [{k: _clone(v) for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "opt_called": getattr(opt, "_opt_called", None),
+        "scheduler": model.scheduler,
+        "scheduler_state": None if model.scheduler is None else copy.deepcopy(model.scheduler.state_dict()),
+        "scaler": None if scaler is None else copy.deepcopy(scaler.state_dict()),
+        "global_step": model.global_step,
+        "stop_training": model.stop_training,
+        "rng": (
+            random.getstate(), np.random.get_state(), torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        ),
+    }  # fmt: skip
+    # Set aside: train_on_batch steps a per-step scheduler, and some (OneCycleLR) refuse to
+    # step past their planned length.
+    model.scheduler = None
+    return snap
+
+
+def _restore(model: Any, snap: dict[str, Any]) -> None:
+    opt = model.optimizer
+    with torch.no_grad():
+        model.module.load_state_dict(snap["module"])  # copies in place: same tensors as before
+        for p, g in zip(model.module.parameters(), snap["grads"], strict=True):
+            p.grad = g
+    opt.state.clear()
+    opt.state.update(snap["opt_state"])
+    for group, saved in zip(opt.param_groups, snap["groups"], strict=True):
+        for k in [k for k in group if k != "params" and k not in saved]:
+            del group[k]
+        group.update(saved)
+    if snap["opt_called"] is not None:
+        opt._opt_called = snap["opt_called"]  # torch's "scheduler.step() before optimizer.step()" check
+    elif hasattr(opt, "_opt_called"):
+        del opt._opt_called
+    model.scheduler = snap["scheduler"]
+    if model.scheduler is not None:
+        model.scheduler.load_state_dict(snap["scheduler_state"])
+    if snap["scaler"] is not None:
+        model.grad_scaler.load_state_dict(snap["scaler"])
+    model._stepper.global_step = snap["global_step"]
+    model.stop_training = snap["stop_training"]
+    py, np_state, torch_state, cuda = snap["rng"]
+    random.setstate(py)
+    np.random.set_state(np_state)
+    torch.set_rng_state(torch_state)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
