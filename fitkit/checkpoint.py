@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from fitkit.files import (  # atomic_save, safe_load: also re-exported for existing imports
+    atomic_save,
+    load_safetensors,
+    optimizer_differences,
+    safe_load,
+    save_safetensors,
+    state_dict_differences,
+)
 
 __all__ = ["atomic_save", "safe_load", "is_rank_zero", "CheckpointMixin"]
 
@@ -31,68 +38,6 @@ def is_rank_zero() -> bool:
     """
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temp file in the same folder, fsync, then rename over ``path``.
-
-    A reader (or a crash) never sees a partial file: it sees the old file or the new one.
-
-    Example:
-        >>> import tempfile, os
-        >>> d = tempfile.mkdtemp(); p = os.path.join(d, "w.pt")
-        >>> atomic_save({"a": torch.ones(1)}, p)
-        >>> torch.load(p, weights_only=True)
-        {'a': tensor([1.])}
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with _suppress():
-            os.unlink(tmp)
-        raise
-    with _suppress():  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
-
-
-def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
-    """``torch.load(..., weights_only=True)`` with a clear error for unsafe or missing files.
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        RuntimeError: the file holds pickled code or objects (refused; nothing ran).
-    """
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"No checkpoint file at {str(path)!r}.")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:
-        if "weights_only" in str(e) or "Unsupported global" in str(e) or "Weights only load failed" in str(e):
-            raise RuntimeError(
-                f"Refused to load {str(path)!r}: it holds pickled objects that could run code, and "
-                "fitkit loads with weights_only=True. Fix: save with model.save_weights / "
-                "save_checkpoint, or re-save a plain state dict from code you trust."
-            ) from None
-        raise
 
 
 def _rng_state() -> dict[str, Any]:
@@ -139,6 +84,8 @@ class CheckpointMixin:
 
         With ``strategy="fsdp"`` gathering the state is a collective: call it on every rank.
         The file holds only tensors (no optimizer state); reload it with :meth:`load_weights`.
+        A path ending in ``.safetensors`` writes safetensors (``pip install fitkit[safetensors]``;
+        tied weights are stored once, see :func:`fitkit.files.save_safetensors`).
 
         Args:
             path: the file to write; missing parent folders are created, an existing file is
@@ -160,13 +107,19 @@ class CheckpointMixin:
         """
         state = self.state_dict()  # unwrapped: no `module.` prefixes, full tensors under FSDP
         if is_rank_zero():
-            atomic_save(state, path)
+            # -- files: safetensors by extension ---------------------------------------------
+            if os.fspath(path).endswith(".safetensors"):
+                save_safetensors(state, path)
+            else:
+                atomic_save(state, path)
 
     def load_weights(self, path: str | os.PathLike, strict: bool = True) -> None:
         """Load a state dict saved by :meth:`save_weights` (or a checkpoint) onto ``model.device``.
 
-        The file is read with ``torch.load(..., weights_only=True)``. A file written by
-        :meth:`save_checkpoint` works too: only its module weights are loaded.
+        The file is read with ``torch.load(..., weights_only=True)`` (a ``.safetensors`` path
+        with safetensors). A file written by :meth:`save_checkpoint` works too: only its module
+        weights are loaded. Loading is all-or-nothing: keys, shapes and dtypes are compared
+        first, and on any difference the module is left unchanged.
 
         Args:
             path: the file to read.
@@ -175,8 +128,10 @@ class CheckpointMixin:
 
         Raises:
             FileNotFoundError: no file at ``path``.
-            RuntimeError: an unsafe file (pickled code; refused before it runs), keys that do
-                not match (with ``strict=True``), or tensors of the wrong shape.
+            RuntimeError: an unsafe file (pickled code; refused before it runs).
+            fitkit.files.CheckpointError: a damaged file, or not a checkpoint.
+            ValueError: the file does not fit the module (keys with ``strict=True``, shapes,
+                dtypes); the message lists every difference. Nothing was loaded.
 
         Example:
             >>> import os, tempfile
@@ -191,9 +146,14 @@ class CheckpointMixin:
             >>> torch.equal(other.module.weight, model.module.weight)
             True
         """
-        state = safe_load(path, self.device)
+        # -- files: safetensors by extension, all-or-nothing --------------------------------
+        if os.fspath(path).endswith(".safetensors"):
+            state = load_safetensors(path, self.device)
+        else:
+            state = safe_load(path, self.device)
         if isinstance(state, dict) and "module" in state and "fitkit_version" in state:
             state = state["module"]
+        _raise_differences(path, state_dict_differences(self.module.state_dict(), state, strict))
         self.load_state_dict(state, strict=strict)
 
     # -- full training state -----------------------------------------------------------------
@@ -217,6 +177,7 @@ class CheckpointMixin:
             "fitkit_version": __version__,
             "module": self.state_dict(),
             "optimizer": self._optimizer_state_dict() if self.optimizer is not None else None,
+            "optimizer_class": type(self.optimizer).__name__ if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "epoch": epoch,
@@ -269,9 +230,13 @@ class CheckpointMixin:
 
         Raises:
             FileNotFoundError: no file at ``path``.
-            RuntimeError: the model is not compiled (the optimizer must exist), the file is
-                unsafe, or its weights do not match the module.
-            ValueError: the file is not a fitkit checkpoint (e.g. one from :meth:`save_weights`).
+            RuntimeError: the model is not compiled (the optimizer must exist), or the file is
+                unsafe.
+            fitkit.files.CheckpointError: a damaged file, or one from a newer fitkit.
+            ValueError: the file is not a fitkit checkpoint (e.g. one from :meth:`save_weights`),
+                or it does not fit the model: the module's keys, shapes, dtypes, the optimizer's
+                class, param groups or state shapes (every difference is listed). Nothing was
+                loaded: module, optimizer, scheduler and step count are unchanged.
         """
         self._require_compiled("load_checkpoint")
         state = safe_load(path, self.device)
@@ -279,6 +244,11 @@ class CheckpointMixin:
             raise ValueError(
                 f"{str(path)!r} is not a fitkit checkpoint. Fix: use load_weights for a state dict."
             )
+        # -- files: compare everything before changing anything -----------------------------
+        differences = state_dict_differences(self.module.state_dict(), state["module"])
+        if state["optimizer"] is not None:
+            differences += optimizer_differences(self.optimizer, state["optimizer"], state.get("optimizer_class"))
+        _raise_differences(path, differences)
         self.load_state_dict(state["module"])
         if state["optimizer"] is not None:
             if self._parallel is not None:
@@ -384,6 +354,17 @@ class CheckpointMixin:
                     e.metric._update_count = v
                 else:
                     setattr(e.metric, k, v)
+
+
+def _raise_differences(path: str | os.PathLike, differences: list[str]) -> None:
+    if differences:
+        lines = "\n".join(f"  - {d}" for d in differences)
+        raise ValueError(
+            f"{str(path)!r} does not fit this model, so nothing was loaded:\n{lines}\nFix: build and "
+            "compile the model as it was when the file was written (same layers, optimizer class "
+            "and parameter groups), or load a matching subset of the weights yourself with "
+            "model.load_state_dict({...}, strict=False)."
+        )
 
 
 def _chain(first: Any, it: Any):
