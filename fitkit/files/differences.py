@@ -99,11 +99,11 @@ def optimizer_differences(
         return [*out, "optimizer: the file's optimizer state is not an Optimizer.state_dict()"]
     saved_groups, groups = state["param_groups"], optimizer.param_groups
     if len(saved_groups) != len(groups):
-        return [*out, f"optimizer: {len(saved_groups)} parameter groups in the file, {len(groups)} in the model"]
+        return [*out, f"optimizer: param groups: {len(saved_groups)} in the file, {len(groups)} in the model"]
     for i, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
         if len(saved["params"]) != len(group["params"]):
             out.append(
-                f"optimizer group {i}: {len(saved['params'])} parameters in the file, "
+                f"optimizer group {i}: parameters: {len(saved['params'])} in the file, "
                 f"{len(group['params'])} in the model"
             )
         if saved_class is None:
