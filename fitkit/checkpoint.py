@@ -15,79 +15,22 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
-import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from fitkit.distributed.group import is_rank_zero
+from fitkit.files import (
+    atomic_save,
+    load_safetensors,
+    optimizer_differences,
+    safe_load,
+    save_safetensors,
+    state_dict_differences,
+)
 
 __all__ = ["atomic_save", "safe_load", "is_rank_zero", "checkpoint_state", "load_checkpoint", "ResumePoint"]
-
-
-def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temp file in the same folder, fsync, then rename over ``path``.
-
-    A reader (or a crash) never sees a partial file: it sees the old file or the new one.
-
-    Example:
-        >>> import tempfile, os
-        >>> d = tempfile.mkdtemp(); p = os.path.join(d, "w.pt")
-        >>> atomic_save({"a": torch.ones(1)}, p)
-        >>> torch.load(p, weights_only=True)
-        {'a': tensor([1.])}
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with _suppress():
-            os.unlink(tmp)
-        raise
-    with _suppress():  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
-
-
-def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
-    """``torch.load(..., weights_only=True)`` with a clear error for unsafe or missing files.
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        RuntimeError: the file holds pickled code or objects (refused; nothing ran).
-    """
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"No checkpoint file at {str(path)!r}.")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:
-        if "weights_only" in str(e) or "Unsupported global" in str(e) or "Weights only load failed" in str(e):
-            raise RuntimeError(
-                f"Refused to load {str(path)!r}: it holds pickled objects that could run code, and "
-                "fitkit loads with weights_only=True. Fix: save with model.save_weights / "
-                "save_checkpoint, or re-save a plain state dict from code you trust."
-            ) from None
-        raise
 
 
 def rng_state() -> dict[str, Any]:
@@ -235,6 +178,11 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
         raise ValueError(
             f"{str(path)!r} is not a fitkit checkpoint. Fix: use load_weights for a state dict."
         )
+    # All or nothing: compare everything before changing anything.
+    differences = state_dict_differences(model.module.state_dict(), state["module"])
+    if state["optimizer"] is not None:
+        differences += optimizer_differences(model.optimizer, state["optimizer"], state.get("optimizer_class"))
+    _raise_differences(path, differences)
     model.load_state_dict(state["module"])
     if state["optimizer"] is not None:
         if model._parallel is not None:
@@ -257,15 +205,36 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
 
 
 def save_weights(model: Any, path: str | os.PathLike) -> None:
-    """The module's state dict to ``path`` (rank 0 writes; gathering is collective under FSDP)."""
+    """The module's state dict to ``path`` (rank 0 writes; gathering is collective under FSDP).
+
+    A path ending in ``.safetensors`` writes safetensors (tied weights stored once).
+    """
     state = model.state_dict()  # unwrapped: no `module.` prefixes, full tensors under FSDP
     if is_rank_zero():
-        atomic_save(state, path)
+        if os.fspath(path).endswith(".safetensors"):
+            save_safetensors(state, path)
+        else:
+            atomic_save(state, path)
 
 
 def load_weights(model: Any, path: str | os.PathLike, strict: bool = True) -> None:
-    """A state dict (or a checkpoint's module part) from ``path`` into ``model``."""
-    state = safe_load(path, model.device)
+    """A state dict (or a checkpoint's module part) from ``path`` into ``model``, all or nothing."""
+    if os.fspath(path).endswith(".safetensors"):
+        state = load_safetensors(path, model.device)
+    else:
+        state = safe_load(path, model.device)
     if isinstance(state, dict) and "module" in state and "fitkit_version" in state:
         state = state["module"]
+    _raise_differences(path, state_dict_differences(model.module.state_dict(), state, strict))
     model.load_state_dict(state, strict=strict)
+
+
+def _raise_differences(path: str | os.PathLike, differences: list[str]) -> None:
+    if differences:
+        lines = "\n".join(f"  - {d}" for d in differences)
+        raise ValueError(
+            f"{str(path)!r} does not fit this model, so nothing was loaded:\n{lines}\nFix: build and "
+            "compile the model as it was when the file was written (same layers, optimizer class "
+            "and parameter groups), or load a matching subset of the weights yourself with "
+            "model.load_state_dict({...}, strict=False)."
+        )

@@ -66,7 +66,9 @@ def test_checkpoint_holds_the_documented_state_and_loads_weights_only(tmp_path):
     assert set(state) == {
         "fitkit_version", "module", "optimizer", "optimizer_class", "scheduler", "scaler", "epoch",
         "step_in_epoch", "samples_in_epoch", "batch_size", "global_step", "rng", "callbacks", "history",
+        "fitkit_checksum",
     }  # fmt: skip
+    assert state["optimizer_class"] == "SGD" and state["fitkit_checksum"].startswith("sha256:")
     assert state["epoch"] == 2 and state["step_in_epoch"] == 0 and state["global_step"] == 2
     assert set(state["rng"]) == {"python", "numpy", "torch", "cuda"}
     assert state["history"]["epoch"] == [0, 1]

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from fitkit.files import to_python
+
 __all__ = ["Callback", "CallbackList", "History", "BatchLogs", "HOOKS"]
 
 #: The names of the callback hooks, in the order of the :class:`Callback` protocol.
@@ -227,8 +229,8 @@ class History(Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.epoch.append(epoch)
-        for key, value in (logs or {}).items():
-            self.history.setdefault(key, []).append(value)
+        for key, value in (logs or {}).items():  # Python numbers, so a checkpoint loads back
+            self.history.setdefault(key, []).append(to_python(value))
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": {k: list(v) for k, v in self.history.items()}, "epoch": list(self.epoch)}

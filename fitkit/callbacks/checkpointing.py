@@ -10,9 +10,11 @@ writes when ``torch.distributed`` is initialized.
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import string
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.checkpoint import is_rank_zero
+from fitkit.files import CheckpointError, check_target, remove_stale_temps
 
 __all__ = ["ModelCheckpoint", "BackupAndRestore"]
 
@@ -46,6 +49,12 @@ def _field_names(template: str) -> set[str]:
             )
         names.add(name)
     return names
+
+
+def _glob_of(template: str) -> str:
+    """The glob pattern of the paths a ``filepath`` template formats to: each field is ``*``."""
+    parts = string.Formatter().parse(template)
+    return "".join(glob.escape(text) + ("*" if field is not None else "") for text, field, _, _ in parts)
 
 
 def _check_save_freq(save_freq: Any) -> None:
@@ -108,7 +117,7 @@ class ModelCheckpoint(StatefulCallback):
             (Lightning's ``save_last``). Never evicted by ``save_top_k``.
 
     Raises:
-        ValueError: a bad ``filepath``, ``mode``, ``save_freq``, ``save_top_k`` or
+        ValueError: a bad ``filepath`` (an existing folder too), ``mode``, ``save_freq``, ``save_top_k`` or
             ``every_n_epochs``, both ``save_best_only`` and ``save_top_k``, an
             ``initial_value_threshold`` without either, ``every_n_epochs`` with an int
             ``save_freq``; at ``on_train_begin``, a direction ``auto`` cannot infer; when
@@ -142,7 +151,7 @@ class ModelCheckpoint(StatefulCallback):
         save_last: bool | str | os.PathLike = False,
     ):
         super().__init__()
-        self.filepath = os.fspath(filepath)
+        self.filepath = check_target(filepath, "filepath", "ModelCheckpoint")
         self._fields = _field_names(self.filepath)
         _check_mode(mode)
         _check_save_freq(save_freq)
@@ -209,6 +218,10 @@ class ModelCheckpoint(StatefulCallback):
             self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
         super().on_train_begin(logs)
         self._pending = self._pending_last = None  # never a file decided by a fit that raised
+        if is_rank_zero():  # temp files of a write a kill interrupted: never a checkpoint
+            folders, name = os.path.split(_glob_of(self.filepath))
+            for folder in glob.glob(folders or os.curdir):
+                remove_stale_temps(folder, name)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0:
@@ -242,7 +255,13 @@ class ModelCheckpoint(StatefulCallback):
                     f"{', '.join(sorted(logs))}."
                 )
             values[name] = monitor_value(logs, name, "ModelCheckpoint")
-        return self.filepath.format(**values)
+        path = self.filepath.format(**values)
+        if os.path.isdir(path):
+            raise ValueError(
+                f"ModelCheckpoint's filepath {self.filepath!r} names the existing folder {path!r}. "
+                "Fix: end `filepath` with a file name, e.g. '.../ep{epoch:02d}.pt'."
+            )
+        return path
 
     def _decide(self, epoch: int, batch: int | None, logs: Any) -> None:
         """Update the best / kept files and set the file to write, if any."""
@@ -313,12 +332,15 @@ class BackupAndRestore(StatefulCallback):
     """Back up the training state so that a crashed ``fit``, run again, continues exactly.
 
     The backup is one full checkpoint, ``backup_dir/backup.pt``, replaced atomically at the end
-    of each epoch or every ``save_freq`` batches. When ``fit`` starts and a backup exists, the
+    of each epoch or every ``save_freq`` batches; the one it replaces is kept as
+    ``backup.prev.pt`` (Keras' ``double_checkpoint``). When the newest backup is damaged
+    (:class:`fitkit.files.CheckpointError`), ``fit`` warns, naming both files, and resumes
+    from the previous one. When ``fit`` starts and a backup exists, the
     model, optimizer, scheduler, RNG states, history and callback states are restored and
     training continues from where the backup was taken, inside an epoch included (the rest
     of that epoch sees the same batches in the same order). The resumed run ends with the same
     weights as an uninterrupted one (CPU, same seed). The backup is deleted after a ``fit``
-    that ends normally (``delete_checkpoint``) and kept when ``fit`` raises.
+    that ends normally (``delete_checkpoint``, both files) and kept when ``fit`` raises.
 
     Args:
         backup_dir: the folder of the backup; one per training job.
@@ -327,7 +349,8 @@ class BackupAndRestore(StatefulCallback):
         delete_checkpoint: delete the backup when ``fit`` ends normally.
 
     Raises:
-        ValueError: a bad ``save_freq``.
+        TypeError: ``backup_dir`` is not a str or a path.
+        ValueError: a bad ``save_freq``; ``backup_dir`` is empty or an existing file.
 
     Example:
         >>> import os, tempfile, torch, fitkit
@@ -345,6 +368,7 @@ class BackupAndRestore(StatefulCallback):
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch", delete_checkpoint: bool = True):
         super().__init__()
         _check_save_freq(save_freq)
+        check_target(backup_dir, "backup_dir", "BackupAndRestore", "folder")
         self.backup_dir = Path(backup_dir)
         self.save_freq, self.delete_checkpoint = save_freq, bool(delete_checkpoint)
         self._reset()
@@ -354,9 +378,15 @@ class BackupAndRestore(StatefulCallback):
         """The backup file."""
         return self.backup_dir / "backup.pt"
 
+    @property
+    def prev_path(self) -> Path:
+        """The previous backup, kept until the next one is written."""
+        return self.backup_dir / "backup.prev.pt"
+
     def _reset(self) -> None:
         self._batches_seen = 0
         self._due = False
+        self._rotate = False  # whether backup.pt is a good backup, to keep as the previous one
 
     def _get_state(self) -> dict[str, Any]:
         return {"batches_seen": self._batches_seen}
@@ -370,12 +400,25 @@ class BackupAndRestore(StatefulCallback):
         self._interrupted = False
         # Temp files of a write a crash interrupted are never a backup: clear them.
         if is_rank_zero() and self.backup_dir.is_dir():
-            for tmp in self.backup_dir.glob(f".{self.path.name}.*.tmp"):
-                tmp.unlink(missing_ok=True)
+            remove_stale_temps(self.backup_dir, self.path.name)
+        # Restores module / optimizer / scheduler now; fit applies the RNG states, the
+        # position in the epoch, the history and the callback states (this one's too).
+        self._rotate = False
         if self.path.is_file():
-            # Restores module / optimizer / scheduler now; fit applies the RNG states, the
-            # position in the epoch, the history and the callback states (this one's too).
-            self.model.load_checkpoint(self.path)  # fit starts at the backup's epoch
+            try:
+                self.model.load_checkpoint(self.path)  # fit starts at the backup's epoch
+                self._rotate = True
+                return
+            except CheckpointError as e:
+                if not self.prev_path.is_file():
+                    raise
+                warnings.warn(
+                    f"The backup {str(self.path)!r} is damaged, so training resumes from the previous "
+                    f"backup {str(self.prev_path)!r}, one backup earlier. ({e})",
+                    stacklevel=2,
+                )
+        if self.prev_path.is_file():  # the newest is damaged, or a crash came between the two
+            self.model.load_checkpoint(self.prev_path)
 
     def _save_on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
@@ -404,13 +447,17 @@ class BackupAndRestore(StatefulCallback):
         # the previous backup and stops at the same point, while a backup written now would
         # resume past the stop. Every rank calls save_checkpoint; rank 0 writes.
         if not self.model.stop_training:
+            if self._rotate and is_rank_zero() and self.path.is_file():
+                os.replace(self.path, self.prev_path)  # atomic; a crash now resumes from it
             self.model.save_checkpoint(self.path)
+            self._rotate = True
 
     def on_train_end(self, logs=None):
         if self._interrupted:
             return  # the backup is what the re-run resumes from
         if self.delete_checkpoint and is_rank_zero():
             self.path.unlink(missing_ok=True)
+            self.prev_path.unlink(missing_ok=True)
             try:
                 self.backup_dir.rmdir()  # only if nothing else is in it
             except OSError:

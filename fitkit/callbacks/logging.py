@@ -8,6 +8,7 @@ no file behind.
 from __future__ import annotations
 
 import csv
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
+from fitkit.files import check_target, cut_to_last_line, to_python
 
 __all__ = ["CSVLogger", "TensorBoard"]
 
@@ -23,7 +25,7 @@ __all__ = ["CSVLogger", "TensorBoard"]
 def _cell(value: Any) -> str:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    return str(value)
+    return str(to_python(value))
 
 
 class CSVLogger(StatefulCallback):
@@ -31,9 +33,11 @@ class CSVLogger(StatefulCallback):
 
     The header is written once. The columns are the keys of the first epoch logged (later
     new keys are left out; a key missing from an epoch is written as ``NA``, as in Keras).
-    With ``append=True`` an existing file is continued under its own header. A resumed
-    ``fit`` (``BackupAndRestore`` or ``load_checkpoint``) always appends: it first cuts the
-    file back to the rows its checkpoint had seen, so a crash never leaves a row twice.
+    Each row is written whole, with one write, and flushed. With ``append=True`` an existing
+    file is continued under its own header. A resumed ``fit`` (``BackupAndRestore`` or
+    ``load_checkpoint``) always appends: it first cuts the file back to the rows its
+    checkpoint had seen, so a crash never leaves a row twice; both cut a partial last row
+    (a write a kill interrupted) back to the last complete one.
 
     Args:
         filename: the CSV file.
@@ -41,7 +45,8 @@ class CSVLogger(StatefulCallback):
         append: continue an existing file instead of overwriting it.
 
     Raises:
-        ValueError: ``separator`` is not one character.
+        TypeError: ``filename`` is not a str or a path.
+        ValueError: ``separator`` is not one character; ``filename`` is empty or a folder.
 
     Example:
         >>> import os, tempfile, torch, fitkit
@@ -57,7 +62,8 @@ class CSVLogger(StatefulCallback):
         super().__init__()
         if not isinstance(separator, str) or len(separator) != 1:
             raise ValueError(f"Expected `separator` to be one character. Received: separator={separator!r}.")
-        self.filename, self.separator, self.append = Path(filename), separator, bool(append)
+        self.filename = Path(check_target(filename, "filename", "CSVLogger"))
+        self.separator, self.append = separator, bool(append)
         self._reset()
 
     def _reset(self) -> None:
@@ -81,8 +87,10 @@ class CSVLogger(StatefulCallback):
         exists = path.is_file() and path.stat().st_size > 0
         if self._resumed and self._size is not None and exists:
             os.truncate(path, min(self._size, path.stat().st_size))  # rows after the checkpoint go
-            return False
+            return cut_to_last_line(path) == 0
         if self.append and exists:
+            if cut_to_last_line(path) == 0:
+                return True
             with open(path, newline="") as f:
                 header = next(csv.reader(f, delimiter=self.separator), None)
             if header and self.keys is None:
@@ -98,13 +106,19 @@ class CSVLogger(StatefulCallback):
         if not is_rank_zero():
             return
         header = self._open() if not self._opened else False
-        with open(self.filename, "a", newline="") as f:
-            writer = csv.writer(f, delimiter=self.separator, lineterminator="\n")
-            if header:
-                writer.writerow(["epoch", *self.keys])
-            writer.writerow([epoch, *(_cell(logs[k]) if k in logs else "NA" for k in self.keys)])
+        text = io.StringIO()
+        writer = csv.writer(text, delimiter=self.separator, lineterminator="\n")
+        if header:
+            writer.writerow(["epoch", *self.keys])
+        writer.writerow([epoch, *(_cell(logs[k]) if k in logs else "NA" for k in self.keys)])
+        with open(self.filename, "ab") as f:  # whole rows, one write: never half a row
+            f.write(text.getvalue().encode())
             f.flush()
             self._size = f.tell()
+
+    def close(self) -> None:
+        """Nothing to release: the file is opened for each row and closed after it. Idempotent,
+        like every file-owning callback's ``close()``."""
 
 
 class TensorBoard(StatefulCallback):
@@ -122,7 +136,7 @@ class TensorBoard(StatefulCallback):
 
     Raises:
         ImportError: the ``tensorboard`` package is missing (``pip install fitkit[tensorboard]``).
-        ValueError: a bad ``update_freq``.
+        ValueError: a bad ``update_freq``; ``log_dir`` is empty or an existing file.
 
     Example:
         >>> import tempfile, torch, fitkit
@@ -148,7 +162,7 @@ class TensorBoard(StatefulCallback):
                 f"Expected `update_freq` to be 'epoch' or a positive int. Received: update_freq={update_freq!r}."
             )
         self._writer_cls = SummaryWriter
-        self.log_dir, self.update_freq = Path(log_dir), update_freq
+        self.log_dir, self.update_freq = Path(check_target(log_dir, "log_dir", "TensorBoard", "folder")), update_freq
         self._writers: dict[str, Any] = {}
         self._reset()
 
@@ -173,6 +187,7 @@ class TensorBoard(StatefulCallback):
                 if value.numel() != 1:
                     continue
                 value = value.item()
+            value = to_python(value)  # numpy scalars too
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             run, tag = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
@@ -194,6 +209,10 @@ class TensorBoard(StatefulCallback):
                 w.flush()
 
     def on_train_end(self, logs=None):
-        for w in self._writers.values():
+        self.close()
+
+    def close(self) -> None:
+        """Close the writers and their threads (idempotent; the next write opens new ones)."""
+        writers, self._writers = self._writers, {}
+        for w in writers.values():
             w.close()
-        self._writers = {}
