@@ -49,7 +49,7 @@ def _sphinx(builder: str, out: Path) -> subprocess.CompletedProcess:
     # -E: read every source again; -q: only warnings and errors on stderr.
     cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", builder,
            "-d", str(out / "doctrees"), str(DOCS), str(out / builder)]
-    # From the repository root: tutorial 4 reads ../shared/data/tinyshakespeare.txt if present.
+    # From the repository root, as a user runs sphinx-build.
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900,
                           cwd=DOCS.parent)
 
