@@ -8,8 +8,10 @@ The data flow, in the order a batch meets it::
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from fitkit import distributed as _distributed
 from fitkit.callbacks.base import Callback, CallbackList, History
 from fitkit.callbacks.progress import resolve_verbose
 from fitkit.checkpoint import CheckpointMixin
-from fitkit.devices import PRECISIONS, optimizer_to, resolve_device
+from fitkit.devices import PRECISIONS, move_to_device, optimizer_to, resolve_device
 from fitkit.evaluation import (
     EvaluationMixin,
     _check_callbacks,
@@ -380,6 +382,42 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
             [['0', '1', 'Total'], ['Linear', 'ReLU', '']]
         """
         return summary_table(self, print_fn)
+
+    # -- export (issue 13) -----------------------------------------------------------------
+    def export(self, path: str | os.PathLike, example_input: Any, format: str = "torch",
+               dynamic_batch: bool = True) -> Path:
+        """Export the module for serving: a ``torch.export`` program (``.pt2``) or ONNX.
+
+        See :func:`fitkit.export.export`: traced once in eval mode under ``no_grad`` (flags
+        restored), with dimension 0 of the inputs symbolic when ``dynamic_batch``.
+
+        Args:
+            path: the file to write.
+            example_input: one input batch (tensor, tuple or dict, as ``fit`` passes ``x``);
+                moved to ``model.device``.
+            format: ``"torch"`` (``torch.export.save``) or ``"onnx"`` (``torch.onnx.export``,
+                needs ``pip install fitkit[onnx]``).
+            dynamic_batch: export a symbolic batch size instead of the example's.
+
+        Returns:
+            The path written.
+
+        Raises:
+            ValueError: an unknown ``format``.
+            ImportError: ONNX without onnx / onnxscript.
+            RuntimeError: a module that ``torch.export`` cannot trace (cause chained).
+
+        Example:
+            >>> import tempfile
+            >>> model = Model(nn.Linear(4, 2), device="cpu")
+            >>> path = model.export(tempfile.mkdtemp() + "/linear.pt2", torch.zeros(1, 4))
+            >>> torch.export.load(path).module()(torch.ones(3, 4)).shape
+            torch.Size([3, 2])
+        """
+        from fitkit.export import export
+
+        return export(self.module, path, move_to_device(example_input, self.device), format=format,
+                      dynamic_batch=dynamic_batch)  # fmt: skip
 
 
 def _multi_loss(loss: Any, loss_weights: Any):
