@@ -29,10 +29,10 @@ _ONNX_INLINE_LIMIT = 1 << 30
 
 
 def _as_call(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    # fitkit's calling convention: a tuple or list calls module(*x), a dict module(**x).
+    # fitkit's calling convention: a tuple calls module(*x), a dict module(**x).
     if isinstance(example_input, dict):
         return (), dict(example_input)
-    if isinstance(example_input, (tuple, list)):
+    if isinstance(example_input, tuple):
         return tuple(example_input), {}
     return (example_input,), {}
 

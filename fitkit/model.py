@@ -364,24 +364,57 @@ class Model(FitLoopMixin, StepMixin, EvaluationMixin, CheckpointMixin):
         return self.history
 
     # -- helpers ---------------------------------------------------------------------------
-    def summary(self, print_fn: Any = None) -> Any:
-        """Print a rich table of layers: type, output shape (where known), parameters.
+    def summary(self, print_fn: Any = None, *, input_shape: tuple[int, ...] | None = None,
+                example_input: Any = None) -> Any:
+        """Print a rich table of layers: type, output shape, parameters (trainable, frozen).
 
-        Output shapes come from the last batch fit / evaluate saw; ``?`` before that.
+        Output shapes come from one forward pass with hooks (eval mode, ``no_grad``, flags
+        restored) on ``example_input``, else on zeros of ``input_shape``, else on the first
+        batch of the last in-memory data that fit / evaluate saw; ``?`` when there is none.
 
         Args:
             print_fn: called with the table; default: print it to the terminal with rich
                 (under torchrun, on rank 0 only).
+            input_shape: the shape of one sample, without the batch dimension, e.g. ``(64,)``:
+                a ``(1, *input_shape)`` batch of zeros in the parameters' dtype on
+                ``model.device`` (float inputs only: pass token ids as ``example_input``).
+            example_input: one input batch: a tensor, a tuple (``module(*x)``) or a dict
+                (``module(**x)``); moved to ``model.device``.
 
         Returns:
             The ``rich.table.Table``: one row per submodule, then a ``Total`` row.
 
+        Raises:
+            TypeError: ``input_shape`` is not a tuple or list of ints.
+            ValueError: both ``input_shape`` and ``example_input``, a size < 1, or an input
+                the module fails on (the error is chained).
+
         Example:
             >>> model = Model(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), device="cpu")
-            >>> [list(c.cells) for c in model.summary(print_fn=lambda table: None).columns[:2]]
-            [['0', '1', 'Total'], ['Linear', 'ReLU', '']]
+            >>> table = model.summary(print_fn=lambda table: None, input_shape=(4,))
+            >>> [list(c.cells) for c in table.columns[:3]]
+            [['0', '1', 'Total'], ['Linear', 'ReLU', ''], ['(1, 8)', '(1, 8)', '(1, 8)']]
         """
-        return summary_table(self, print_fn)
+        if input_shape is not None and example_input is not None:
+            raise ValueError("Pass `input_shape` or `example_input` to summary, not both.")
+        if input_shape is not None:
+            if not isinstance(input_shape, (tuple, list)) or not all(
+                isinstance(d, int) and not isinstance(d, bool) for d in input_shape
+            ):
+                raise TypeError(
+                    "Expected `input_shape` to be a tuple of ints (one sample, without the batch "
+                    f"dimension), e.g. (64,). Received: input_shape={input_shape!r}."
+                )
+            if any(d < 1 for d in input_shape):
+                raise ValueError(f"Expected every size in `input_shape` >= 1. Received: input_shape={input_shape!r}.")
+            param = next(self.module.parameters(), None)
+            dtype = param.dtype if param is not None else torch.get_default_dtype()
+            example_input = torch.zeros((1, *input_shape), device=self.device, dtype=dtype)
+        elif example_input is not None:
+            example_input = move_to_device(example_input, self.device)
+        else:
+            example_input = self._example_x  # the first batch of the last in-memory data
+        return summary_table(self.module, print_fn, example_input)
 
     # -- export (issue 13) -----------------------------------------------------------------
     def export(self, path: str | os.PathLike, example_input: Any, format: str = "torch",
