@@ -19,7 +19,9 @@ class OptunaPruning(Callback):
     When the study's pruner then says so (``trial.should_prune()``), the callback raises
     ``optuna.TrialPruned``: ``fit`` ends by that exception, with the module's train / eval
     flags and the grad mode restored, and ``study.optimize`` records the trial as ``PRUNED``.
-    Optuna's own Keras and Lightning callbacks work the same way.
+    Optuna's own Keras and Lightning callbacks work the same way. Callbacks run in list order,
+    so put this one after the loggers (``CSVLogger``, ``TensorBoard``, ``MLflowLogger``): they
+    then record the epoch that got the trial pruned.
 
     Under ``torchrun`` every process reports the same value (the History is the same on every
     rank); give each process the trial through ``optuna.integration.TorchDistributedTrial`` so
