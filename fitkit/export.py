@@ -86,17 +86,47 @@ def _trace(module: nn.Module, example_input: Any, dynamic_batch: bool) -> Any:
             m.training = flag
 
 
+def _batch_symbols(program: Any) -> set[str]:
+    # The names torch.export gave the batch dimension of the user inputs (e.g. "s77").
+    inputs = set(program.graph_signature.user_inputs)
+    symbols = set()
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and node.name in inputs and isinstance(val, torch.Tensor) and val.dim() >= 1:
+            if not isinstance(val.shape[0], int):
+                symbols.add(str(val.shape[0]))
+    return symbols
+
+
+def _name_batch_dim(onnx_program: Any, symbols: set[str]) -> None:
+    # ONNX readers (onnxruntime, Netron) show a dimension's name: call the batch "batch"
+    # rather than torch.export's "s77". Cosmetic, so any failure leaves the names as they are.
+    try:
+        import onnx_ir as ir
+
+        graph = onnx_program.model.graph
+        for value in [*graph.inputs, *graph.outputs, *(out for node in graph for out in node.outputs)]:
+            if value.shape is None:
+                continue
+            dims = ["batch" if isinstance(d, ir.SymbolicDim) and d.value in symbols else d for d in value.shape]
+            if dims != list(value.shape):
+                value.shape = ir.Shape(dims)
+    except Exception:
+        pass
+
+
 def _write_onnx(program: Any, module: nn.Module, path: Path) -> None:
     size = sum(t.numel() * t.element_size() for t in program.state_dict.values() if isinstance(t, torch.Tensor))
     try:
-        torch.onnx.export(program, (), str(path), dynamo=True, verbose=False,
-                          external_data=size > _ONNX_INLINE_LIMIT)  # fmt: skip
+        onnx_program = torch.onnx.export(program, (), None, dynamo=True, verbose=False)
     except Exception as e:
         raise RuntimeError(
             f"torch.onnx.export could not translate {type(module).__name__} to ONNX: "
             f"{type(e).__name__}: {str(e).strip()[:500]} Fix: export with format='torch', or "
             "replace the operator the message names with one that ONNX supports."
         ) from e
+    _name_batch_dim(onnx_program, _batch_symbols(program))
+    onnx_program.save(str(path), external_data=size > _ONNX_INLINE_LIMIT)
 
 
 def export(
@@ -116,8 +146,9 @@ def export(
     program with ``torch.onnx.export`` (the dynamo exporter) into one ``.onnx`` file (weights
     over 1 GiB go to an external ``.onnx.data`` file next to it, as protobuf caps a file at
     2 GiB). With ``dynamic_batch``, dimension 0 of every input tensor is one symbolic batch
-    size, so the file runs on any batch size; an example batch of one is repeated to two rows
-    first, because ``torch.export`` fixes dimensions of size 1.
+    size (named ``batch`` in the ONNX file), so the file runs on any batch size; an example
+    batch of one is repeated to two rows first, because ``torch.export`` fixes dimensions of
+    size 1.
 
     Args:
         module: the network (e.g. ``model.module``); its device is the export device.
