@@ -89,7 +89,7 @@ def _trace(module: nn.Module, example_input: Any, dynamic_batch: bool) -> Any:
 def _batch_symbols(program: Any) -> set[str]:
     # The names torch.export gave the batch dimension of the user inputs (e.g. "s77").
     inputs = set(program.graph_signature.user_inputs)
-    symbols = set()
+    symbols: set[str] = set()
     for node in program.graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder" and node.name in inputs and isinstance(val, torch.Tensor) and val.dim() >= 1:
@@ -125,6 +125,7 @@ def _write_onnx(program: Any, module: nn.Module, path: Path) -> None:
             f"{type(e).__name__}: {str(e).strip()[:500]} Fix: export with format='torch', or "
             "replace the operator the message names with one that ONNX supports."
         ) from e
+    assert onnx_program is not None  # dynamo=True always returns the program
     _name_batch_dim(onnx_program, _batch_symbols(program))
     onnx_program.save(str(path), external_data=size > _ONNX_INLINE_LIMIT)
 

@@ -129,6 +129,7 @@ class MLflowLogger(StatefulCallback):
         self.tags = {str(k): str(v) for k, v in (tags or {}).items()}
         self._client: Any = None
         self._active = False  # a run is open: started or reopened by this fit, not yet ended
+        self._logged_params: set[str] = set()  # params the open run already holds
         self._reset()
 
     # -- state (saved in checkpoints) --------------------------------------------------------
@@ -188,7 +189,7 @@ class MLflowLogger(StatefulCallback):
         return True
 
     def _start(self) -> None:
-        self._logged_params: set[str] = set()
+        self._logged_params = set()
         if self.run_id is None or not self._reopen():
             run = self._mlflow_client().create_run(self._experiment_id(), run_name=self.run_name, tags=self.tags)
             self.run_id = run.info.run_id
