@@ -25,7 +25,7 @@ from fitkit.checks import check_int
 from fitkit.modes import modes, warn_if_all_eval
 from fitkit.preflight import has_training_batchnorm
 from fitkit.signals import deferred
-from fitkit.tracking import RunningTotals, fresh_metrics
+from fitkit.tracking import RunningTotals
 
 __all__ = ["FitLoop", "EvalLoop", "PredictLoop", "validation_epochs"]
 

@@ -21,6 +21,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -153,6 +154,16 @@ class Model:
         its share), so a NaN in any micro-batch shows. Reading its value syncs with the device.
         """
         return None if self._stepper is None else self._stepper.window_loss
+
+    @property
+    def callbacks(self) -> list[Callback]:
+        """The callbacks of the running ``fit``, in call order (History and the bar last).
+
+        Empty outside ``fit``. A callback may look for another one here (``MLflowLogger``
+        finds the ``ModelCheckpoint`` whose best file it logs).
+        """
+        loop = self._fit
+        return list(loop.callbacks.callbacks) if loop is not None and loop.running else []
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
@@ -985,26 +996,94 @@ class Model:
         self._require_compiled("load_checkpoint")
         return _checkpoint.load_checkpoint(self, path)
 
-    def summary(self, print_fn: Any = None) -> Any:
-        """Print a rich table of layers: type, output shape (where known), parameters.
+    def summary(self, print_fn: Any = None, *, input_shape: tuple[int, ...] | None = None,
+                example_input: Any = None) -> Any:
+        """Print a rich table of layers: type, output shape, parameters (trainable, frozen).
 
-        Output shapes come from the last batch fit / evaluate checked; ``?`` before that.
+        Output shapes come from one forward pass with hooks (eval mode, ``no_grad``, flags
+        restored) on ``example_input``, else on zeros of ``input_shape``, else on the first
+        batch of the last in-memory data that fit / evaluate saw; ``?`` when there is none.
 
         Args:
             print_fn: called with the table; default: print it to the terminal with rich
                 (under torchrun, on rank 0 only).
+            input_shape: the shape of one sample, without the batch dimension, e.g. ``(64,)``:
+                a ``(1, *input_shape)`` batch of zeros in the parameters' dtype on
+                ``model.device`` (float inputs only: pass token ids as ``example_input``).
+            example_input: one input batch: a tensor, a tuple (``module(*x)``) or a dict
+                (``module(**x)``); moved to ``model.device``.
 
         Returns:
             The ``rich.table.Table``: one row per submodule, then a ``Total`` row.
 
+        Raises:
+            TypeError: ``input_shape`` is not a tuple or list of ints.
+            ValueError: both ``input_shape`` and ``example_input``, a size < 1, or an input
+                the module fails on (the error is chained).
+
         Example:
             >>> model = Model(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), device="cpu")
-            >>> [list(c.cells) for c in model.summary(print_fn=lambda table: None).columns[:2]]
-            [['0', '1', 'Total'], ['Linear', 'ReLU', '']]
+            >>> table = model.summary(print_fn=lambda table: None, input_shape=(4,))
+            >>> [list(c.cells) for c in table.columns[:3]]
+            [['0', '1', 'Total'], ['Linear', 'ReLU', ''], ['(1, 8)', '(1, 8)', '(1, 8)']]
         """
-        return summary_table(self, print_fn)
+        if input_shape is not None and example_input is not None:
+            raise ValueError("Pass `input_shape` or `example_input` to summary, not both.")
+        if input_shape is not None:
+            if not isinstance(input_shape, (tuple, list)) or not all(
+                isinstance(d, int) and not isinstance(d, bool) for d in input_shape
+            ):
+                raise TypeError(
+                    "Expected `input_shape` to be a tuple of ints (one sample, without the batch "
+                    f"dimension), e.g. (64,). Received: input_shape={input_shape!r}."
+                )
+            if any(d < 1 for d in input_shape):
+                raise ValueError(f"Expected every size in `input_shape` >= 1. Received: input_shape={input_shape!r}.")
+            param = next(self.module.parameters(), None)
+            dtype = param.dtype if param is not None else torch.get_default_dtype()
+            example_input = torch.zeros((1, *input_shape), device=self.device, dtype=dtype)
+        elif example_input is not None:
+            example_input = _data.device_batch(example_input, device=self.device)[0]
+        else:
+            example_input = self._example_x  # the first batch of the last in-memory data
+        return summary_table(self.module, print_fn, example_input)
 
-    # -- find_lr (issue 12) --
+    def export(self, path: str | os.PathLike, example_input: Any, format: str = "torch",
+               dynamic_batch: bool = True) -> Path:
+        """Export the module for serving: a ``torch.export`` program (``.pt2``) or ONNX.
+
+        See :func:`fitkit.export.export`: traced once in eval mode under ``no_grad`` (flags
+        restored), with dimension 0 of the inputs symbolic when ``dynamic_batch``.
+
+        Args:
+            path: the file to write.
+            example_input: one input batch (tensor, tuple or dict, as ``fit`` passes ``x``);
+                moved to ``model.device``.
+            format: ``"torch"`` (``torch.export.save``) or ``"onnx"`` (``torch.onnx.export``,
+                needs ``pip install fitkit[onnx]``).
+            dynamic_batch: export a symbolic batch size instead of the example's.
+
+        Returns:
+            The path written.
+
+        Raises:
+            ValueError: an unknown ``format``.
+            ImportError: ONNX without onnx / onnxscript.
+            RuntimeError: a module that ``torch.export`` cannot trace (cause chained).
+
+        Example:
+            >>> import tempfile
+            >>> model = Model(nn.Linear(4, 2), device="cpu")
+            >>> path = model.export(tempfile.mkdtemp() + "/linear.pt2", torch.zeros(1, 4))
+            >>> torch.export.load(path).module()(torch.ones(3, 4)).shape
+            torch.Size([3, 2])
+        """
+        from fitkit.export import export
+
+        return export(self.module, path, _data.device_batch(example_input, device=self.device)[0], format=format,
+                      dynamic_batch=dynamic_batch)  # fmt: skip
+
+    # -- tools ------------------------------------------------------------------------------
     def find_lr(self, x: Any, y: Any = None, **kwargs: Any) -> Any:
         """Sweep the learning rate and suggest one; the model is left exactly as it was.
 
@@ -1024,7 +1103,6 @@ class Model:
         from fitkit.lr_finder import find_lr
 
         return find_lr(self, x, y, **kwargs)
-    # -- end find_lr (issue 12) --
 
 
 def _rows(x: Any) -> int:

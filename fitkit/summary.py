@@ -11,6 +11,7 @@ from torch import nn
 
 from fitkit.compile import call
 from fitkit.distributed.group import is_rank_zero
+from fitkit.modes import modes
 
 __all__ = ["summary_table"]
 
@@ -25,57 +26,65 @@ def _shape(out: Any) -> str:
     return "?"
 
 
-def _output_shapes(model: Any) -> dict[str, str]:
-    """Run the example batch the model kept (eval mode, no grad) and record each layer's shape."""
-    x = model._example_x
-    if x is None:
+def _output_shapes(module: nn.Module, example_input: Any) -> dict[str, str]:
+    """Run ``example_input`` through ``module`` (eval mode, no grad) and record each layer's shape."""
+    if example_input is None:
         return {}
     shapes: dict[str, str] = {}
     handles = []
-    for name, m in model.module.named_modules():
+    for name, m in module.named_modules():
         def hook(_m, _inp, out, name=name):
             shapes[name] = _shape(out)
 
         handles.append(m.register_forward_hook(hook))
-    flags = [(m, m.training) for m in model.module.modules()]
     try:
-        model.module.eval()
-        with torch.no_grad():
-            call(model.module, x)
+        with modes(module, training=False, grad=False):
+            call(module, example_input)
+    except Exception as e:
+        raise ValueError(
+            f"summary could not run {type(module).__name__} on the example input "
+            f"({_shape(example_input)}): {type(e).__name__}: {e} Fix: pass an `example_input` "
+            "(or `input_shape`, without the batch dimension) that the module accepts."
+        ) from e
     finally:
         for h in handles:
             h.remove()
-        for m, flag in flags:
-            m.training = flag
     return shapes
 
 
-def summary_table(model: Any, print_fn: Any = None) -> Table:
-    """Build and print the summary of ``model`` (a :class:`fitkit.Model`).
+def summary_table(module: nn.Module, print_fn: Any = None, example_input: Any = None) -> Table:
+    """Build and print the summary of ``module``: layers, output shapes, parameter counts.
 
     Rows are the module's children, depth-first, down to leaf layers; a parameter counts
-    where it is registered. Output shapes come from the last in-memory batch fit / evaluate
-    saw (``?`` before). Shared parameters count once in the totals.
+    where it is registered. Output shapes come from one forward pass of ``example_input``
+    with forward hooks (eval mode, under ``no_grad``; every ``training`` flag is restored);
+    without it, and for a layer the forward does not reach, the shape is ``?``. Shared
+    parameters count once in the totals.
 
     Args:
-        model: the :class:`fitkit.Model`.
-        print_fn: called with the table; default: print to the terminal with rich.
+        module: the network.
+        print_fn: called with the table; default: print to the terminal with rich (under
+            torchrun, on rank 0 only).
+        example_input: one input batch on the module's device: a tensor (``module(x)``), a
+            tuple (``module(*x)``) or a dict (``module(**x)``).
 
     Returns:
-        The ``rich.table.Table``.
+        The ``rich.table.Table``: one row per submodule, then a ``Total`` row.
+
+    Raises:
+        ValueError: the module fails on ``example_input`` (the error is chained).
 
     Example:
-        >>> import fitkit
-        >>> m = fitkit.Model(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), device="cpu")
-        >>> t = m.summary(print_fn=lambda table: None)
-        >>> t.row_count, list(t.columns[3].cells)
-        (4, ['40', '0', '18', '58'])
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> t = summary_table(net, print_fn=lambda table: None, example_input=torch.zeros(1, 4))
+        >>> list(t.columns[2].cells), list(t.columns[3].cells)
+        (['(1, 8)', '(1, 8)', '(1, 2)', '(1, 2)'], ['40', '0', '18', '58'])
     """
-    shapes = _output_shapes(model)
-    table = Table(title=f"Model: {type(model.module).__name__}")
+    shapes = _output_shapes(module, example_input)
+    table = Table(title=f"Model: {type(module).__name__}")
     for col in ("Layer", "Type", "Output shape", "Params", "Trainable"):
         table.add_column(col, justify="right" if col in ("Params", "Trainable") else "left")
-    for name, m in model.module.named_modules():
+    for name, m in module.named_modules():
         if not name:
             continue
         own = list(m.parameters(recurse=False))
@@ -83,7 +92,7 @@ def summary_table(model: Any, print_fn: Any = None) -> Table:
         trainable = sum(p.numel() for p in own if p.requires_grad)
         depth = name.count(".")
         table.add_row("  " * depth + name, type(m).__name__, shapes.get(name, "?"), f"{n:,}", f"{trainable:,}")
-    params = {id(p): p for p in model.module.parameters()}.values()
+    params = {id(p): p for p in module.parameters()}.values()
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
     table.add_section()
@@ -95,6 +104,3 @@ def summary_table(model: Any, print_fn: Any = None) -> Table:
     else:
         print_fn(table)
     return table
-
-
-

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not DOCS.is_dir(), reason="no docs/ next to the 
 # Public modules with a reference page in docs/api/ (the page is named after the last part).
 REFERENCE = ("fitkit.callbacks", "fitkit.layers", "fitkit.data", "fitkit.text",
              "fitkit.losses", "fitkit.metrics", "fitkit.devices", "fitkit.distributed",
-             "fitkit.files")
+             "fitkit.files", "fitkit.export")
 
 
 def _public_callables(module_name: str) -> list[str]:
@@ -50,7 +50,7 @@ def _sphinx(builder: str, out: Path) -> subprocess.CompletedProcess:
     # -E: read every source again; -q: only warnings and errors on stderr.
     cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", builder,
            "-d", str(out / "doctrees"), str(DOCS), str(out / builder)]
-    # From the repository root: tutorial 4 reads ../shared/data/tinyshakespeare.txt if present.
+    # From the repository root, as a user runs sphinx-build.
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900,
                           cwd=DOCS.parent)
 

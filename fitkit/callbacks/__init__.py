@@ -7,6 +7,10 @@
 - :mod:`~fitkit.callbacks.logging`: ``CSVLogger``, ``TensorBoard``.
 - :mod:`~fitkit.callbacks.misc`: ``TerminateOnNaN``, ``LambdaCallback``.
 - :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA`` (weight averaging).
+- :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install fitkit[mlflow]``).
+- :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install fitkit[optuna]``).
+
+The MLflow and Optuna callbacks import their library when they are created, not here.
 """
 
 from fitkit.callbacks.averaging import EMA, SWA
@@ -15,7 +19,9 @@ from fitkit.callbacks.checkpointing import BackupAndRestore, ModelCheckpoint
 from fitkit.callbacks.logging import CSVLogger, TensorBoard
 from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
 from fitkit.callbacks.misc import LambdaCallback, TerminateOnNaN
+from fitkit.callbacks.mlflow import MLflowLogger
 from fitkit.callbacks.monitor import EarlyStopping
+from fitkit.callbacks.optuna import OptunaPruning
 from fitkit.callbacks.progress import ProgressBar
 
 __all__ = [
@@ -35,4 +41,6 @@ __all__ = [
     "LearningRateScheduler",
     "EMA",
     "SWA",
+    "MLflowLogger",
+    "OptunaPruning",
 ]

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> float:
         scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs),
     )
     if verbose:
-        model.summary()
+        model.summary(input_shape=(64,))  # real output shapes: one (1, 64) batch of zeros
     start = time.perf_counter()
     model.fit(x_train, y_train, epochs=args.epochs, batch_size=args.batch_size,
               validation_split=0.1, verbose=verbose)  # fmt: skip

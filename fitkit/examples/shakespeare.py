@@ -1,4 +1,8 @@
-"""Train a character-level GPT on a text file: ``python -m fitkit.examples.shakespeare PATH``.
+"""Train a character-level GPT on tiny Shakespeare: ``python -m fitkit.examples.shakespeare``.
+
+Tiny Shakespeare (Karpathy's ``char-rnn`` data set, 1.1 MB of public-domain text) ships inside
+the package, as scikit-learn ships digits, so the command runs after a plain install; pass
+the path of another UTF-8 text file to train on it instead (:func:`default_text_path`).
 
 The recipe is nanoGPT's Shakespeare-char run on a CPU (Karpathy, ``README.md``, "I only have a
 macbook"): block 64, batch 12, 4 layers, 4 heads, 128 dims, dropout 0, no biases, AdamW(lr
@@ -17,7 +21,8 @@ validation loss) and ``last.pt`` (the full training state) to ``--out``.
 
 Example::
 
-    python -m fitkit.examples.shakespeare ../shared/data/tinyshakespeare.txt
+    python -m fitkit.examples.shakespeare                       # the shipped tiny Shakespeare
+    python -m fitkit.examples.shakespeare my_corpus.txt         # any UTF-8 text file
     python -m fitkit.examples.shakespeare input.txt --steps 50 --eval-batches 5  # a smoke run
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.resources
 import math
 import tempfile
 import time
@@ -38,9 +44,27 @@ from fitkit.callbacks import ModelCheckpoint
 from fitkit.layers import GPT, param_groups_weight_decay
 from fitkit.text import CharTokenizer
 
-__all__ = ["Recipe", "RandomWindows", "fixed_windows", "load_text", "build_gpt",
+__all__ = ["default_text_path", "Recipe", "RandomWindows", "fixed_windows", "load_text", "build_gpt",
            "build_optimizer", "build_scheduler", "lr_multiplier", "checkpoint_callbacks",
            "main"]
+
+def default_text_path() -> Path:
+    """The tiny Shakespeare text that ships in the package (1,115,394 characters, UTF-8).
+
+    The file is ``fitkit/examples/data/tinyshakespeare.txt``, found with
+    ``importlib.resources``, so it is there after ``pip install fitkit`` (Karpathy's
+    ``char-rnn`` data set; the works of Shakespeare are in the public domain).
+
+    Returns:
+        The path of the file.
+
+    Example:
+        >>> default_text_path().name, default_text_path().stat().st_size
+        ('tinyshakespeare.txt', 1115394)
+    """
+    resource = importlib.resources.files("fitkit.examples") / "data" / "tinyshakespeare.txt"
+    return Path(str(resource))  # the package is installed as files (not zipped), as pip does
+
 
 #: Seed of the validation windows; fixed so that every run is scored on the same windows.
 VAL_SEED = 1337
@@ -244,7 +268,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m fitkit.examples.shakespeare",
         description="Train a character-level GPT on a text file with nanoGPT's "
                     "Shakespeare-char CPU recipe, then print the validation loss and a sample.")
-    parser.add_argument("path", help="a UTF-8 text file, e.g. tinyshakespeare.txt")
+    parser.add_argument("path", nargs="?", default=None,
+                        help="a UTF-8 text file (default: the tiny Shakespeare shipped in the "
+                             "package)")
     parser.add_argument("--steps", type=int, default=Recipe.steps,
                         help="optimizer steps; the cosine ends here (default: %(default)s)")
     parser.add_argument("--eval-interval", type=int, default=500,
@@ -276,7 +302,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Train on the text file named in ``argv``, print the validation loss and a sample.
+    """Train on a text file (default: tiny Shakespeare); print the validation loss and a sample.
 
     Args:
         argv: Command-line arguments (``sys.argv[1:]`` if None); see ``--help``.
@@ -287,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
     """
     args = _parse(argv)
     recipe = Recipe(steps=args.steps, eval_batches=args.eval_batches)
-    tokenizer, train_tokens, val_tokens = load_text(args.path)
+    tokenizer, train_tokens, val_tokens = load_text(args.path or default_text_path())
     # (W, T) each, W = eval_batches * batch_size; evaluated in batches of batch_size, so the
     # sample-weighted mean that evaluate returns is the mean of the batch means (nanoGPT).
     x_val, y_val = fixed_windows(val_tokens, recipe.block_size,

@@ -1,0 +1,81 @@
+"""``OptunaPruning``: report a monitored value to an Optuna trial and prune (``fitkit[optuna]``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from fitkit.callbacks.base import Callback
+from fitkit.callbacks.monitor import check_validation_monitor, monitor_value
+
+__all__ = ["OptunaPruning"]
+
+
+class OptunaPruning(Callback):
+    """Report ``monitor`` to an Optuna trial after each epoch; stop the trial when it is pruned.
+
+    After each epoch the monitored value goes to ``trial.report(value, step=epoch)`` (0-based
+    epoch; an epoch that runs no validation, with ``validation_freq`` > 1, reports nothing).
+    When the study's pruner then says so (``trial.should_prune()``), the callback raises
+    ``optuna.TrialPruned``: ``fit`` ends by that exception, with the module's train / eval
+    flags and the grad mode restored, and ``study.optimize`` records the trial as ``PRUNED``.
+    Optuna's own Keras and Lightning callbacks work the same way. Callbacks run in list order,
+    so put this one after the loggers (``CSVLogger``, ``TensorBoard``, ``MLflowLogger``): they
+    then record the epoch that got the trial pruned.
+
+    Under ``torchrun`` every process reports the same value (the History is the same on every
+    rank); give each process the trial through ``optuna.integration.TorchDistributedTrial`` so
+    that only rank 0 writes to the study.
+
+    Args:
+        trial: the ``optuna.trial.Trial`` of the objective function.
+        monitor: the epoch log key to report, e.g. ``"val_loss"`` or ``"val_accuracy"``;
+            the study's ``direction`` must match it (minimize a loss, maximize an accuracy).
+
+    Raises:
+        ImportError: optuna is not installed (``pip install fitkit[optuna]``).
+        TypeError: ``trial`` has no ``report`` / ``should_prune`` methods.
+        ValueError: at ``on_train_begin``, a ``val_`` monitor without validation data; at an
+            epoch end, a ``monitor`` that the logs do not hold.
+
+    Example:
+        >>> import optuna, torch, fitkit
+        >>> optuna.logging.set_verbosity(optuna.logging.WARNING)
+        >>> def objective(trial):
+        ...     model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
+        ...     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=trial.suggest_float("lr", 0.01, 0.1)),
+        ...                   loss="mse")
+        ...     x = torch.linspace(-1, 1, 16).unsqueeze(1)
+        ...     history = model.fit(x, 2 * x, epochs=3, verbose=0, callbacks=[OptunaPruning(trial, "loss")])
+        ...     return history.history["loss"][-1]
+        >>> study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
+        >>> study.optimize(objective, n_trials=2)
+        >>> [sorted(t.intermediate_values) for t in study.trials]
+        [[0, 1, 2], [0, 1, 2]]
+    """
+
+    def __init__(self, trial: Any, monitor: str = "val_loss"):
+        super().__init__()
+        if importlib.util.find_spec("optuna") is None:
+            raise ImportError("OptunaPruning needs optuna. Install it with `pip install fitkit[optuna]`.")
+        if not (callable(getattr(trial, "report", None)) and callable(getattr(trial, "should_prune", None))):
+            raise TypeError(
+                "Expected `trial` to be an optuna Trial (with `report` and `should_prune`). "
+                f"Received: {type(trial).__name__}. Fix: pass the trial that the objective receives."
+            )
+        if not isinstance(monitor, str):
+            raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
+        self.trial, self.monitor = trial, monitor
+
+    def on_train_begin(self, logs=None):
+        check_validation_monitor(self.monitor, self.params, "OptunaPruning")
+
+    def on_epoch_end(self, epoch, logs=None):
+        value = monitor_value(logs, self.monitor, "OptunaPruning", self.params)
+        if value is None:  # no validation this epoch
+            return
+        self.trial.report(value, step=epoch)
+        if self.trial.should_prune():
+            import optuna
+
+            raise optuna.TrialPruned(f"Trial pruned at epoch {epoch} ({self.monitor}={value:.6g}).")
