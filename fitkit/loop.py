@@ -148,7 +148,6 @@ class FitLoop:
         self.epochs_done = initial_epoch
         self.in_epoch = False
         self.batches_done = 0  # batches of the running epoch done (a resume counts the skipped ones)
-        self.samples_done = 0  # samples of the running epoch done (in-memory data)
         self.resume: ResumePoint | None = None
         self.totals: RunningTotals | None = None
         self.epoch_rng: torch.Tensor | None = None
@@ -216,7 +215,8 @@ class FitLoop:
         model, cbs, loader, stepper = self.model, self.callbacks, self.train, self.model._stepper
         self.totals = model._new_totals()
         loader.epoch = self.epoch = epoch
-        self.batches_done = self.samples_done = 0
+        self.batches_done = 0
+        self._offset = (0, 0)  # (batches, samples) a resume skipped: the position counts from there
         self._resume_epoch_begin(epoch)
         cbs.on_epoch_begin(epoch, {})
         stepper.lrs_used = None
@@ -236,7 +236,6 @@ class FitLoop:
                 model.train_step(batch)
                 ran = True
                 self.batches_done = step + 1
-                self.samples_done += _rows(batch)
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(self.totals.running))
                 if self._stop_now():
@@ -347,14 +346,26 @@ class FitLoop:
         first = next(it, None)
         set_rng_state(point.rng)
         self.totals.load_state_dict(point.trackers)
-        self.batches_done, self.samples_done = point.step_in_epoch, point.samples_in_epoch
+        self.batches_done = point.step_in_epoch
+        self._offset = (point.step_in_epoch, point.samples_in_epoch if skip[1] is not None else None)
         return (it if first is None else _chain(first, it)), point.step_in_epoch
 
     def position(self) -> dict[str, Any]:
         """Where a checkpoint taken now resumes: epoch, batches and samples done in it."""
         if self.in_epoch:
-            return {"epoch": self.epoch, "step_in_epoch": self.batches_done, "samples_in_epoch": self.samples_done}
+            return {"epoch": self.epoch, "step_in_epoch": self.batches_done, "samples_in_epoch": self._samples_done()}
         return {"epoch": self.epochs_done, "step_in_epoch": 0, "samples_in_epoch": 0}
+
+
+    def _samples_done(self) -> int:
+        """Samples of the running epoch done: exact for in-memory data (fixed-size batches)."""
+        size = getattr(self.train, "batch_size", None)
+        batches, samples = self._offset
+        if size is None or samples is None:
+            return 0
+        n = getattr(self.train.batches, "n_used", None)
+        done = (samples or batches * size) + (self.batches_done - batches) * size
+        return done if n is None else min(done, n)
 
 
 def _rows(batch: Any) -> int:

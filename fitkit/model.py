@@ -49,6 +49,8 @@ from fitkit.tracking import RunningTotals, fresh_metrics
 
 __all__ = ["Model"]
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: no object built per step
+
 
 class Model:
     """Keras-style training for any ``nn.Module``.
@@ -836,7 +838,7 @@ class Model:
     def autocast(self) -> Any:
         """The autocast context of the compiled ``precision`` (a no-op for ``"32"``)."""
         if self.precision == "32":
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         from fitkit.devices import autocast
 
         return autocast(self.device, self.precision)
@@ -862,7 +864,10 @@ class Model:
         if loop is not None and loop.running and loop.callbacks.wants("on_backward_end"):
             def before() -> None:
                 loop.callbacks.on_backward_end(loop.batch_index)
-        return self._stepper.step(self.module, before, lambda: self.stop_training)
+        return self._stepper.step(self.module, before, self._wants_stop)
+
+    def _wants_stop(self) -> bool:
+        return self.stop_training
 
     def update_metrics(self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None) -> None:
         """Add a batch to the running phase's loss and metrics (on the device, no sync).

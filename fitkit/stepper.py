@@ -24,6 +24,9 @@ from fitkit import nest
 __all__ = ["Stepper", "is_timm_scheduler"]
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: no object built per step
+
+
 def is_timm_scheduler(scheduler: Any) -> bool:
     """Whether ``scheduler`` follows timm's protocol (``step(epoch, metric)``, ``step_update``).
 
@@ -137,7 +140,7 @@ class Stepper:
     def no_sync(self, module: nn.Module):
         """Non-final micro-batches of a window skip DDP's / FSDP's gradient all-reduce."""
         if self.parallel is None or self.micro_last:
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         return self.parallel.no_sync(module)
 
     # -- backward and step -----------------------------------------------------------------------
