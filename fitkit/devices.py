@@ -8,10 +8,11 @@ device type.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from fitkit import nest
 
 __all__ = ["resolve_device", "move_to_device", "optimizer_to", "autocast", "PRECISIONS"]
 
@@ -102,18 +103,8 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
         >>> moved["x"].device, moved["meta"][0]
         (device(type='cpu'), 'id')
     """
-    if isinstance(obj, torch.Tensor):
-        if obj.device == device:
-            return obj
-        return obj.to(device, non_blocking=device.type == "cuda")
-    if isinstance(obj, tuple):
-        moved = [move_to_device(o, device) for o in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
-    if isinstance(obj, list):
-        return [move_to_device(o, device) for o in obj]
-    if isinstance(obj, Mapping):
-        return {k: move_to_device(v, device) for k, v in obj.items()}
-    return obj
+    non_blocking = device.type == "cuda"
+    return nest.map_structure(lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking), obj)
 
 
 def optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

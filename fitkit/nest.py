@@ -24,8 +24,10 @@ def _rebuild(like: Any, items: list[Any]) -> Any:
     return list(items)
 
 
-def map_structure(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """Apply ``fn`` to every tensor of a nested structure; other leaves are kept as they are.
+def map_structure(fn: Callable[[Any], Any], obj: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> Any:
+    """Apply ``fn`` to every leaf (a tensor, or ``leaf`` types) of a nested structure.
+
+    Leaves of other types are kept as they are.
 
     Example:
         >>> from collections import namedtuple
@@ -33,12 +35,12 @@ def map_structure(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         >>> map_structure(lambda t: t * 2, P(torch.ones(1), {"c": [torch.ones(1), "id"]}))
         P(a=tensor([2.]), b={'c': [tensor([2.]), 'id']})
     """
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, leaf):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
-        return _rebuild(obj, [map_structure(fn, o) for o in obj])
+        return _rebuild(obj, [map_structure(fn, o, leaf) for o in obj])
     if isinstance(obj, Mapping):
-        return {k: map_structure(fn, v) for k, v in obj.items()}
+        return {k: map_structure(fn, v, leaf) for k, v in obj.items()}
     return obj
 
 

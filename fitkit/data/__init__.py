@@ -13,8 +13,7 @@ iterated as they are. :class:`DeviceLoader` is the only place where a batch chan
 
 from __future__ import annotations
 
-# The private names are re-exported too: fitkit.model, fitkit.training and fitkit.distributed
-# reach them as `fitkit.data._index`, `fitkit.data._to_tensor`, ...
+# Some private names are re-exported too: fitkit.distributed's sharding reaches them here.
 from fitkit.data.arrays import (  # noqa: F401
     Batch,
     TensorBatches,
@@ -31,10 +30,10 @@ from fitkit.data.arrays import (  # noqa: F401
 from fitkit.data.loaders import (  # noqa: F401
     ClassWeights,
     DeviceLoader,
-    device_batch,
     _IterableBatches,
     _WeightedDataset,
     as_loader,
+    device_batch,
     unpack_batch,
     validation_loader,
 )

@@ -2,9 +2,7 @@
 
 The fast path of :func:`~fitkit.data.as_loader`: :class:`TensorBatches` slices batches out of
 tensors with one ``randperm`` per epoch, and :func:`split_validation` cuts off the validation
-part before any shuffling. The private helpers walk such nested structures (convert, index,
-check lengths) and are shared with :mod:`~fitkit.data.loaders`, ``fitkit.training`` and
-``fitkit.distributed``.
+part before any shuffling. Nested structures are walked with :mod:`fitkit.nest`.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
+from fitkit import nest
 from fitkit.devices import move_to_device
 
 __all__ = ["is_in_memory", "batch_size_of", "TensorBatches", "split_validation"]
@@ -47,36 +46,23 @@ def is_in_memory(x: Any) -> bool:
     return False
 
 
+def _numpy_to_torch(a: np.ndarray) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.to(torch.get_default_dtype()) if t.dtype == torch.float64 else t
+
+
 def _to_tensor(a: Any) -> Any:
-    """numpy -> torch (float64 becomes the default float dtype, as Keras casts to floatx)."""
-    if isinstance(a, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        return t.to(torch.get_default_dtype()) if t.dtype == torch.float64 else t
-    if isinstance(a, torch.Tensor):
-        return a
-    if isinstance(a, (tuple, list)):
-        return type(a)(_to_tensor(v) for v in a)
-    return {k: _to_tensor(v) for k, v in a.items()}
+    """numpy -> torch in a nested structure (float64 becomes the default float dtype, as Keras
+    casts to floatx); tensors are kept."""
+    return nest.map_structure(_numpy_to_torch, a, leaf=np.ndarray)
 
 
 def _leaves(a: Any) -> list[torch.Tensor]:
-    if isinstance(a, torch.Tensor):
-        return [a]
-    if isinstance(a, (tuple, list)):
-        return [t for v in a for t in _leaves(v)]
-    if isinstance(a, Mapping):
-        return [t for v in a.values() for t in _leaves(v)]
-    return []
+    return nest.leaves(a)
 
 
 def _index(a: Any, idx: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return a[idx]
-    if isinstance(a, (tuple, list)):
-        return type(a)(_index(v, idx) for v in a)
-    if isinstance(a, Mapping):
-        return {k: _index(v, idx) for k, v in a.items()}
-    return a
+    return nest.map_structure(lambda t: t[idx], a)
 
 
 def batch_size_of(x: Any) -> int:
