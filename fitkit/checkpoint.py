@@ -35,7 +35,7 @@ __all__ = ["atomic_save", "safe_load", "is_rank_zero", "checkpoint_state", "load
 
 def rng_state() -> dict[str, Any]:
     """Python, numpy, torch and CUDA RNG states, in a ``weights_only``-loadable form."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     return {
         "python": random.getstate(),
         "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
@@ -63,7 +63,8 @@ def _tuples(obj: Any) -> Any:
 
 def _stateful(callbacks: Any) -> dict[str, Any]:
     """``{key: callback}`` for every callback whose state travels (not History or the bar)."""
-    out, seen = {}, {}
+    out: dict[str, Any] = {}
+    seen: dict[str, int] = {}
     for cb in callbacks:
         name = type(cb).__name__
         if name in ("History", "ProgressBar"):
@@ -219,6 +220,7 @@ def save_weights(model: Any, path: str | os.PathLike) -> None:
 
 def load_weights(model: Any, path: str | os.PathLike, strict: bool = True) -> None:
     """A state dict (or a checkpoint's module part) from ``path`` into ``model``, all or nothing."""
+    state: Any
     if os.fspath(path).endswith(".safetensors"):
         state = load_safetensors(path, model.device)
     else:

@@ -50,7 +50,8 @@ def maybe_compile(module: nn.Module, jit: dict[str, Any] | bool) -> nn.Module | 
     if jit is False:
         return None
     try:
-        return torch.compile(module, **jit)  # type: ignore[arg-type]
+        compiled: Any = torch.compile(module, **jit)  # type: ignore[arg-type]
+        return compiled
     except Exception as e:  # bad kwargs or an unsupported platform: run eager, say so once
         warn_fallback(e)
         return None

@@ -216,7 +216,7 @@ class FitLoop:
         self.totals = model._new_totals()
         loader.epoch = self.epoch = epoch
         self.batches_done = 0
-        self._offset = (0, 0)  # (batches, samples) a resume skipped: the position counts from there
+        self._offset: tuple[int, int | None] = (0, 0)  # (batches, samples) a resume skipped: the position counts from there
         self._resume_epoch_begin(epoch)
         cbs.on_epoch_begin(epoch, {})
         stepper.lrs_used = None
@@ -338,6 +338,7 @@ class FitLoop:
         self.resume = None
         # Replay the epoch's data order from the RNG state it started with, skip what was done,
         # then continue from the RNG state of the moment the checkpoint was taken.
+        assert point.epoch_rng is not None and point.trackers is not None and self.totals is not None
         self.epoch_rng = point.epoch_rng.cpu()
         torch.set_rng_state(self.epoch_rng)
         skip = point.skip_for(self.train)

@@ -125,8 +125,7 @@ class Model:
 
     @scheduler.setter
     def scheduler(self, value: Any) -> None:
-        self._require_compiled("scheduler")
-        self._stepper.set_scheduler(value)
+        self._require_compiled("scheduler").set_scheduler(value)
 
     # -- the public vocabulary of callbacks and overrides ------------------------------------
     @property
@@ -343,12 +342,13 @@ class Model:
         )  # fmt: skip
         self._forward = _compile.Forward(self.module, self._wrap_for_training(), jit)
 
-    def _require_compiled(self, verb: str) -> None:
+    def _require_compiled(self, verb: str) -> Stepper:
         if self._stepper is None:
             raise RuntimeError(
                 f"`{verb}` needs a compiled model. Call `model.compile(optimizer=..., loss=...)` "
                 f"before `model.{verb}(...)`."
             )
+        return self._stepper
 
     # -- fit -------------------------------------------------------------------------------
     def fit(
@@ -508,10 +508,9 @@ class Model:
     def _planned_keys(self, validates: bool) -> list[str]:
         """Epoch-log keys fit will write, in order (``params["metrics"]``, as Keras has it)."""
         keys = ["loss", *self.metrics.keys]
-        lrs = {float(g["lr"]) for g in self.optimizer.param_groups} if self.optimizer is not None else set()
-        lr_keys = ["learning_rate"] + (
-            [f"learning_rate/pg{i}" for i in range(1, len(self.optimizer.param_groups))] if len(lrs) > 1 else []
-        )
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        lrs = {float(g["lr"]) for g in groups}
+        lr_keys = ["learning_rate"] + ([f"learning_rate/pg{i}" for i in range(1, len(groups))] if len(lrs) > 1 else [])
         val_keys = [f"val_{k}" for k in ("loss", *self.metrics.keys)] if validates else []
         return keys + lr_keys + val_keys
 
@@ -670,10 +669,10 @@ class Model:
             >>> round(model.module.weight.item(), 6)  # w - lr * 2 * w * x^2
             0.8
         """
-        self._require_compiled("train_on_batch")
+        stepper = self._require_compiled("train_on_batch")
         batch = _data.device_batch(x, y, sample_weight, device=self.device, class_weight=class_weight)
         totals = self._new_totals()
-        self._stepper.single_batch()
+        stepper.single_batch()
         with modes(self.module, training=None, grad=True), self._phase(totals):
             self.train_step(batch)
         self._adopt_metrics(totals)
@@ -798,7 +797,7 @@ class Model:
         "Custom training steps" in the docs for an auxiliary loss and a two-optimizer step.
         """
         x, y, sample_weight = batch
-        with self._stepper.no_sync(self.module):
+        with self._require_compiled("train_step").no_sync(self.module):
             with self.autocast():
                 y_pred = self._forward(x)
                 loss = self.compute_loss(x, y, y_pred, sample_weight)
@@ -848,9 +847,9 @@ class Model:
 
         A loss that needs no gradient (every parameter frozen) is not backpropagated.
         """
-        self._require_compiled("backward")
+        stepper = self._require_compiled("backward")
         if loss.requires_grad:
-            self._stepper.backward(loss)
+            stepper.backward(loss)
 
     def optimizer_step(self) -> bool:
         """Step the optimizer if this micro-batch closes its accumulation window.
@@ -858,13 +857,13 @@ class Model:
         Runs ``on_backward_end`` (gradients unscaled), the skip decision, clipping, the
         GradScaler and a per-step scheduler. Returns whether the weights changed.
         """
-        self._require_compiled("optimizer_step")
+        stepper = self._require_compiled("optimizer_step")
         loop = self._fit
         before = None
         if loop is not None and loop.running and loop.callbacks.wants("on_backward_end"):
             def before() -> None:
                 loop.callbacks.on_backward_end(loop.batch_index)
-        return self._stepper.step(self.module, before, self._wants_stop)
+        return stepper.step(self.module, before, self._wants_stop)
 
     def _wants_stop(self) -> bool:
         return self.stop_training

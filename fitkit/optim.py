@@ -26,7 +26,7 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
-def _build_fast(cls: type[torch.optim.Optimizer], params: list[torch.Tensor], device: torch.device):
+def _build_fast(cls: Any, params: list[torch.Tensor], device: torch.device) -> torch.optim.Optimizer:
     """Build ``cls`` with the fastest correct implementation torch has for ``device``.
 
     ``fused`` kernels (one kernel for all parameters) exist for Adam, AdamW, SGD, Adagrad on

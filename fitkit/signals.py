@@ -46,7 +46,7 @@ def deferred(enabled: bool = True) -> Iterator[Interrupt]:
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield state
         return
-    previous: dict[int, Any] = {}
+    previous: dict[Any, Any] = {}
 
     def handler(signum: int, frame: Any) -> None:
         if state.signum is not None:  # a second signal: act at once, as without fitkit

@@ -172,7 +172,8 @@ class Stepper:
             if self.parallel is not None:
                 # A veto or a stop on one rank holds for all: the ranks step and stop together.
                 wants_stop = bool(stop_training()) if stop_training is not None else False
-                self.skip_requested, self.stop_agreed = _distributed.any_rank(self.skip_requested, wants_stop)
+                agreed: Any = _distributed.any_rank(self.skip_requested, wants_stop)
+                self.skip_requested, self.stop_agreed = agreed
         self.window_loss = None
         if self.skip_requested:  # a callback (e.g. TerminateOnNaN) vetoed this step
             self.skip_requested = False

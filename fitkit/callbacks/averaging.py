@@ -138,6 +138,7 @@ class EMA(Callback):
         self._restored = True  # the next on_train_begin keeps it
 
     def _load(self, state: dict[str, Any]) -> None:
+        assert self.averaged_model is not None
         self.averaged_model.load_state_dict(state["averaged"])
         self._last_step = int(state["last_step"])
 

@@ -108,6 +108,7 @@ class ProgressBar(Callback):
         self._pending = (description, total)
 
     def _start_bar(self) -> None:
+        assert self._pending is not None
         description, total = self._pending
         self._pending = None
         self._progress = Progress(
@@ -134,6 +135,8 @@ class ProgressBar(Callback):
         if self._progress is None:
             self._start_bar()
         text = format_logs(logs) if logs else ""
+        if self._progress is None:  # the bar did not start
+            return
         self._progress.update(self._task, completed=batch + 1, metrics=text)
         self._progress.refresh()
 

@@ -204,6 +204,7 @@ class DeviceLoader:
         self.skip_samples: int | None = None  # or samples, for in-memory data
         self.batch_size: int | None = getattr(source, "batch_size", None)
         self.ran_out = False  # the last epoch ended early: the data ran out before `steps`
+        self.sharded: bool | str = False  # set by fitkit.distributed.shard
         self._persistent: Iterator | None = None
 
     @property

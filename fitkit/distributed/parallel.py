@@ -129,11 +129,12 @@ class Parallel:
         if buffers:
             _broadcast_states(buffers)
 
-    def no_sync(self, module: nn.Module):
+    def no_sync(self, module: Any) -> Any:
         """Skip the gradient all-reduce of a non-final accumulation micro-step."""
         if self.fsdp:
             return _fsdp_no_sync(module)
-        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+        ddp: Any = self.ddp
+        return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
 
     # -- state dicts (FSDP gathers the shards; DDP's module holds full tensors already) ---
     def state_dict(self, module: nn.Module) -> dict[str, Any]:
@@ -167,7 +168,7 @@ class Parallel:
             return optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        full = get_optimizer_state_dict(
+        full: Any = get_optimizer_state_dict(
             module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if not full:  # not rank 0: nothing to write
@@ -182,14 +183,14 @@ class Parallel:
     ) -> None:
         """Load what :meth:`optimizer_state_dict` returned (integer ids, any world size)."""
         if not self.fsdp:
-            optimizer.load_state_dict(state)
+            optimizer.load_state_dict(dict(state))
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         fqn = {id(p): n for n, p in module.named_parameters()}
         names = [fqn[id(p)] for g in optimizer.param_groups for p in g["params"]]
         groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
-        full = {"state": {names[int(i)]: s for i, s in state["state"].items()}, "param_groups": groups}
+        full: Any = {"state": {names[int(i)]: s for i, s in state["state"].items()}, "param_groups": groups}
         set_optimizer_state_dict(module, optimizer, full, options=StateDictOptions(full_state_dict=True))
 
 
@@ -199,7 +200,7 @@ def _same_device(ddp: nn.Module, module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
+def _fsdp_no_sync(module: Any) -> Iterator[None]:
     module.set_requires_gradient_sync(False)
     try:
         yield

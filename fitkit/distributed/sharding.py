@@ -84,7 +84,8 @@ class ShardedTensorBatches(TensorBatches):
         for lo in range(0, self.n, g):
             yield _share(lo, min(g, self.n - lo), self.rank, self.world)
 
-    def iterate(self, epoch: int, skip: int = 0) -> Iterator[Any]:
+    def iterate(self, epoch: int, skip: int = 0, skip_samples: int | None = None) -> Iterator[Any]:
+        # Sharded data resumes by batches (``skip``); ``skip_samples`` is for one process.
         x, y, w = self.x, self.y, self.w
         perm = None
         if self.shuffle:
@@ -122,7 +123,7 @@ class ShardedLoaderBatches(_IterableBatches):
         self.real = max(0, -(-(n - self.rank) // self.world))  # positions r + j*W < n
 
     def iterate(self, epoch: int, skip: int = 0) -> Iterator[Any]:
-        sampler = self.source.sampler
+        sampler: Any = self.source.sampler  # type: ignore[attr-defined]
         if self.shuffle:
             sampler.seed = _draw_seed(self.generator)  # rank 0's RNG, as RandomSampler uses it
         sampler.set_epoch(epoch)
@@ -180,7 +181,7 @@ def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
             f"{type(sampler).__name__}: a DistributedSampler only reproduces sequential or "
             f"shuffled order. {fix}"
         )
-    new_sampler = DistributedSampler(
+    new_sampler: Any = DistributedSampler(
         dl.dataset, num_replicas=world_size(), rank=rank(), shuffle=shuffle, drop_last=False
     )
     rebuilt = DataLoader(
@@ -250,7 +251,7 @@ def gather_predictions(out: Any, loader: DeviceLoader) -> Any:
     if not sharded or not is_distributed():
         return out
     rows = _rows(out)
-    pos = loader.batches.positions()[:rows] if sharded is True else None
+    pos = loader.batches.positions()[:rows] if sharded is True else None  # type: ignore[union-attr]
     parts = all_gather_object((pos, out))
     if pos is None:
         return _merge([p for _, p in parts], None, 0)

@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
                           torch.Generator().manual_seed(args.seed))
 
     torch.manual_seed(args.seed)
-    model = fitkit.Model(build_gpt(tokenizer.vocab_size, recipe), device=args.device)
+    net = build_gpt(tokenizer.vocab_size, recipe)
+    model = fitkit.Model(net, device=args.device)
     model.compile(optimizer=build_optimizer(model.module, recipe), loss="cross_entropy",
                   scheduler=lambda opt: build_scheduler(opt, recipe), scheduler_interval="step",
                   clip_grad_norm=recipe.clip_grad_norm)
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if args.verbose:
         print(f"{len(train_tokens):,} training and {len(val_tokens):,} validation tokens, "
-              f"vocabulary of {tokenizer.vocab_size}, {model.module.num_parameters():,} "
+              f"vocabulary of {tokenizer.vocab_size}, {net.num_parameters():,} "
               f"parameters, on {model.device}")
 
     start = time.perf_counter()
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sample_tokens:
         prompt = tokenizer.encode("\n")[None]  # (1, 1): nanoGPT's sample.py starts at a newline
         generator = torch.Generator(model.device).manual_seed(args.seed)
-        ids = model.module.generate(prompt, args.sample_tokens, temperature=0.8, top_k=200,
+        ids = net.generate(prompt, args.sample_tokens, temperature=0.8, top_k=200,
                                     generator=generator)  # (1, 1 + sample_tokens)
         sample = tokenizer.decode(ids[0, 1:].cpu())
     print(f"val loss {val_loss:.4f} - {args.steps} steps in {seconds:.1f}s (with validation) - "

@@ -50,7 +50,9 @@ def save_safetensors(state: Mapping[str, torch.Tensor], path: str | os.PathLike)
         ['a', 'b']
     """
     st = _safetensors("save_safetensors")
-    tensors, aliases, first = {}, {}, {}
+    tensors: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    first: dict[Any, str] = {}
     for name, t in state.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"safetensors stores tensors only; state[{name!r}] is a {type(t).__name__}.")

@@ -57,7 +57,7 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
         with open(tmp, "wb") as f:
             recorder = _Recorder(f)
             try:
-                torch.save(obj, recorder)
+                torch.save(obj, recorder)  # type: ignore[arg-type]
             except RuntimeError as e:  # torch swallows the OSError of a failed write
                 if recorder.error is not None:
                     raise recorder.error from e
@@ -72,7 +72,8 @@ class _Recorder:
     """A file wrapper for ``torch.save`` that keeps the ``OSError`` of a failed write."""
 
     def __init__(self, f: Any):
-        self.f, self.error = f, None
+        self.f = f
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -123,8 +124,9 @@ def _umask() -> int:
     return mask
 
 
-def _disk_error(e: BaseException) -> int | None:
+def _disk_error(exc: BaseException) -> int | None:
     """``errno.ENOSPC`` / ``EDQUOT`` when ``e`` (or its cause) says the disk is full."""
+    e: BaseException | None = exc
     while e is not None:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return e.errno

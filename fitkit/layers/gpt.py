@@ -8,6 +8,7 @@ Shape letters as in :mod:`fitkit.layers`: ``B`` batch, ``T`` time/sequence, ``C`
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +138,7 @@ class GPT(nn.Module):
         # Each block adds two residual branches; scaling keeps the residual stream's variance
         # from growing with depth (GPT-2 paper, section 2.3).
         residual_std = 0.02 / math.sqrt(2 * n_layer)
+        block: Any
         for block in self.blocks:
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.fc2.weight, mean=0.0, std=residual_std)
