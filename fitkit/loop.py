@@ -216,7 +216,8 @@ class FitLoop:
         self.totals = model._new_totals()
         loader.epoch = self.epoch = epoch
         self.batches_done = 0
-        self._offset: tuple[int, int | None] = (0, 0)  # (batches, samples) a resume skipped: the position counts from there
+        # (batches, samples) a resume skipped: the position counts from there
+        self._offset: tuple[int, int | None] = (0, 0)
         self._resume_epoch_begin(epoch)
         cbs.on_epoch_begin(epoch, {})
         stepper.lrs_used = None

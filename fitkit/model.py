@@ -316,7 +316,9 @@ class Model:
                 "Fix: pass one of them, e.g. precision='bf16-mixed'."
             )
         if precision == "16-mixed" and self.device.type not in ("cuda", "cpu", "mps"):
-            raise ValueError(f"precision='16-mixed' is not supported on {self.device.type}. Fix: use 'bf16-mixed' or '32'.")
+            raise ValueError(
+                f"precision='16-mixed' is not supported on {self.device.type}. Fix: use 'bf16-mixed' or '32'."
+            )
         check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1)
         check_number("clip_grad_norm", clip_grad_norm, positive=True, allow_none=True)
         check_number("clip_grad_value", clip_grad_value, positive=True, allow_none=True)
@@ -436,7 +438,8 @@ class Model:
         check_int("validation_steps", validation_steps, 1, allow_none=True)
         check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
         check_bool("shuffle", shuffle)
-        if isinstance(validation_split, bool) or not isinstance(validation_split, (int, float)) or not 0 <= validation_split < 1:
+        check_number("validation_split", validation_split)
+        if not 0 <= validation_split < 1:
             raise ValueError(
                 f"Expected `validation_split` in [0, 1). Received: validation_split={validation_split!r}. "
                 "Fix: pass a fraction such as 0.2."
@@ -459,8 +462,9 @@ class Model:
         val = None
         if validation_data is not None:
             val = _distributed.sharded(
-                _data.validation_loader, validation_data, batch_size=validation_batch_size or batch_size, device=self.device
-            )
+                _data.validation_loader, validation_data, batch_size=validation_batch_size or batch_size,
+                device=self.device,
+            )  # fmt: skip
         self._check_data(train, "x", training=True)
         if val is not None:
             self._check_data(val, "validation_data", training=False)
@@ -476,7 +480,8 @@ class Model:
                 "no weight changes. Fix: set `requires_grad=True` on the parameters to train.",
                 stacklevel=2,
             )
-        params = {"batch_size": batch_size, "do_validation": val is not None, "metrics": self._planned_keys(val is not None)}
+        validates = val is not None
+        params = {"batch_size": batch_size, "do_validation": validates, "metrics": self._planned_keys(validates)}
         cbs = self._callback_list(callbacks, verbose, epochs, train.num_batches, history=True, **params)
         loop = FitLoop(self, train, (val, val_epochs, validation_steps), cbs, initial_epoch, epochs)
         self._fit = loop
@@ -634,7 +639,8 @@ class Model:
             return self.predict_on_batch(src.x)
         cbs = self._callback_list(callbacks, verbose, None, loader.num_batches)
         out = PredictLoop(self, loader, cbs, steps).run()
-        if isinstance(out, torch.Tensor) and out.numel() == 0 and out.dim() == 1 and not isinstance(src, _data.TensorBatches):
+        nothing = isinstance(out, torch.Tensor) and out.numel() == 0 and out.dim() == 1
+        if nothing and not isinstance(src, _data.TensorBatches):
             raise ValueError(
                 f"`x` ({type(getattr(src, 'source', src)).__name__}) yielded no batch, so there is nothing to "
                 "predict. Fix: pass data with at least one sample (a generator is used up after one pass)."
@@ -868,7 +874,9 @@ class Model:
     def _wants_stop(self) -> bool:
         return self.stop_training
 
-    def update_metrics(self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None) -> None:
+    def update_metrics(
+        self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None
+    ) -> None:
         """Add a batch to the running phase's loss and metrics (on the device, no sync).
 
         Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch.

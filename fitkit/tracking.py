@@ -110,7 +110,7 @@ class RunningTotals:
             return {}
         # float64 keeps the loss, summed in float64, exact (5/3 stays 1.6666666666666667).
         values = torch.stack([v.detach().to(self.dtype).reshape(()) for v in logs.values()]).tolist()
-        return dict(zip(logs.keys(), values))
+        return dict(zip(logs.keys(), values, strict=True))
 
     # -- mid-epoch checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -120,7 +120,10 @@ class RunningTotals:
             state = {k: (list(v) if isinstance(v, list) else v) for k, v in e.metric.metric_state.items()}
             state["_update_count"] = e.metric._update_count
             metrics[e.key] = state
-        return {"loss_total": self.loss_total, "loss_count": self.loss_count, "loss_wsum": self.loss_wsum, "metrics": metrics}
+        return {
+            "loss_total": self.loss_total, "loss_count": self.loss_count, "loss_wsum": self.loss_wsum,
+            "metrics": metrics,
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the metrics must be built: they are, after the first batch)."""

@@ -277,7 +277,7 @@ class History(Callback):
             raise ValueError(f"Unknown history keys {unknown}. Available: {sorted(self.history)}.")
         fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(4 * max(len(keys), 1), 3), squeeze=False)
         epochs = [e + 1 for e in self.epoch]
-        for ax, key in zip(axes[0], keys):
+        for ax, key in zip(axes[0], keys, strict=False):
             ax.plot(epochs, self.history[key], marker="o", label=key)
             if f"val_{key}" in self.history:
                 ax.plot(epochs, self.history[f"val_{key}"], marker="o", label=f"val_{key}")

@@ -7,9 +7,22 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
-from fitkit.data import DeviceLoader, TensorBatches, _IterableBatches, _index, _leaves, batch_size_of
+from fitkit.data import (
+    DeviceLoader,
+    TensorBatches,
+    _index,
+    _IterableBatches,
+    _leaves,
+    batch_size_of,
+)
 from fitkit.distributed.group import (
     _broadcast_from_zero,
     _draw_seed,
@@ -270,7 +283,7 @@ def _merge(parts: list[Any], positions: list[torch.Tensor] | None, total: int) -
         if positions is None:
             return torch.cat(parts)
         merged = first.new_empty((total, *first.shape[1:]))
-        for pos, part in zip(positions, parts):
+        for pos, part in zip(positions, parts, strict=True):
             merged[pos] = part
         return merged
     if isinstance(first, (tuple, list)):

@@ -31,8 +31,13 @@ def load_digits_split(seed: int = 0):
         sys.exit("This example needs scikit-learn: pip install 'fitkit[examples]'")
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
-    to_x = lambda a: torch.tensor(a / 16.0, dtype=torch.float32)  # pixel values are 0..16
-    to_y = lambda a: torch.tensor(a, dtype=torch.long)
+
+    def to_x(a):
+        return torch.tensor(a / 16.0, dtype=torch.float32)  # pixel values are 0..16
+
+    def to_y(a):
+        return torch.tensor(a, dtype=torch.long)
+
     return to_x(x_train), to_y(y_train), to_x(x_test), to_y(y_test)
 
 
