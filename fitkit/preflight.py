@@ -34,7 +34,7 @@ def describe(batch: Any) -> str:
         'x: float32 (2, 3); y: int64 (2,)'
     """
     parts = []
-    for name, part in zip(("x", "y", "sample_weight"), batch, strict=True):
+    for name, part in zip(("x", "y", "sample_weight"), batch, strict=False):
         ts = nest.leaves(part)
         if ts:
             parts.append(f"{name}: " + ", ".join(f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)}" for t in ts))
