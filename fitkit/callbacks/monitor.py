@@ -22,6 +22,8 @@ __all__ = [
     "resolve_mode",
     "monitor_value",
     "is_improvement",
+    "check_log_key",
+    "may_add_keys",
 ]
 
 # Keys (without ``val_``) whose smaller values are better, besides anything ending in
@@ -75,9 +77,24 @@ def is_improvement(current: float, reference: float, mode: str, min_delta: float
 
 
 def monitor_value(
-    logs: Mapping[str, Any] | None, monitor: str, who: str, params: Mapping[str, Any] | None = None
+    logs: Mapping[str, Any] | None, monitor: str, who: str, params: Mapping[str, Any] | None = None,
+    model: Any = None,
 ) -> float | None:
-    """The monitored value as a float, ``None`` on an epoch that ran no validation.
+    """The monitored value as a float; ``None`` for a ``val_`` key on an epoch without validation.
+
+    Whether this epoch validated is the fit loop's explicit state, never guessed from the
+    keys: with ``params["do_validation"]`` (fit validates) and ``model.validated`` false
+    (``validation_freq`` left this epoch out), a missing ``val_`` key means "no value this
+    epoch". Any other missing key is an error. A key that is present is used whatever its
+    prefix, so a ``val_f1`` that a callback earlier in the list computes works without
+    ``validation_data``.
+
+    Args:
+        logs: the epoch (or batch) logs.
+        monitor: the key to read.
+        who: the callback's name, for the message.
+        params: the callbacks' ``params`` (``do_validation``).
+        model: the :class:`fitkit.Model` (its ``validated`` property).
 
     Raises:
         ValueError: ``monitor`` is not in ``logs`` (the message lists the keys there are).
@@ -92,25 +109,101 @@ def monitor_value(
     """
     logs = logs or {}
     if monitor not in logs:
-        # With validation_freq > 1 some epochs run no validation: skip those.
-        validates = (params or {}).get("do_validation", False)
-        if monitor.startswith("val_") and validates and not any(k.startswith("val_") for k in logs):
-            return None
+        validates = bool((params or {}).get("do_validation", False))
+        if monitor.startswith("val_") and validates and not getattr(model, "validated", False):
+            return None  # validation_freq left this epoch out
         raise ValueError(
             f"{who} monitors {monitor!r}, which the logs do not hold. Available keys: "
-            f"{', '.join(sorted(logs)) or '(none)'}. Fix: set `monitor` to one of them."
+            f"{', '.join(sorted(logs)) or '(none)'}. Fix: set `monitor` to one of them, or add the key "
+            "from a callback earlier in the list."
         )
     value = logs[monitor]
     return float(value.item() if isinstance(value, torch.Tensor) else value)  # a batch log: syncs
 
 
-def check_validation_monitor(monitor: str, params: Mapping[str, Any], who: str) -> None:
-    """Before the first step: a ``val_`` monitor needs validation data."""
-    if monitor.startswith("val_") and params.get("do_validation") is False:
+def may_add_keys(model: Any) -> bool:
+    """Whether a callback of the running fit may add log keys: one that is not fitkit's own.
+
+    fitkit's stock callbacks add no key; a user's class (a subclass of a stock one included)
+    or a ``LambdaCallback`` may. Unknown (no running fit) counts as "may".
+
+    Example:
+        >>> may_add_keys(None)
+        True
+    """
+    from fitkit.callbacks.misc import LambdaCallback
+
+    callbacks = getattr(model, "callbacks", None)
+    if not callbacks:
+        return True
+    return any(isinstance(cb, LambdaCallback) or not type(cb).__module__.startswith("fitkit.") for cb in callbacks)
+
+
+def _is_lr_key(key: str) -> bool:
+    return key == "learning_rate" or key.startswith("learning_rate/")
+
+
+def check_log_key(
+    key: str, params: Mapping[str, Any], model: Any, who: str, *, subject: str | None = None,
+    batch_level: Any = None,
+) -> None:
+    """Before step 1: ``key`` can hold a value when the callback decides, or ``ValueError``.
+
+    ``params["metrics"]`` is the plan of the epoch logs (loss, metrics, learning rates, then
+    ``val_`` keys when fit validates). A key outside the plan is an error unless a callback
+    that may add keys (see :func:`may_add_keys`) is in the list; then the first decision
+    checks it. At batch level (``batch_level`` is the ``save_freq``) the logs hold only the
+    running loss and metrics: a ``val_`` or learning-rate key there is always an error.
+
+    Args:
+        key: the log key (a monitor, or a ``{key}`` field of a file name).
+        params: the callbacks' ``params``; without ``"metrics"`` (no fit) nothing is checked.
+        model: the :class:`fitkit.Model` (its ``callbacks``).
+        who: the callback's name, for the message.
+        subject: how the message names the use (default ``"<who> monitors '<key>'"``).
+        batch_level: the ``save_freq`` of a batch-level decision, else ``None``.
+
+    Raises:
+        ValueError: a key no log will hold when the callback decides.
+
+    Example:
+        >>> params = {"do_validation": False, "metrics": ["loss", "learning_rate"]}
+        >>> check_log_key("loss", params, None, "EarlyStopping")
+        >>> check_log_key("val_loss", params, None, "ModelCheckpoint", batch_level=5)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: ModelCheckpoint monitors 'val_loss' every 5 batches, but batch logs hold only ...
+    """
+    planned = params.get("metrics")
+    if planned is None:
+        return
+    subject = subject or f"{who} monitors {key!r}"
+    if batch_level is not None:
+        planned = [k for k in planned if not k.startswith("val_") and not _is_lr_key(k)]
+        if key.startswith("val_") or _is_lr_key(key):
+            raise ValueError(
+                f"{subject} every {batch_level} batches, but batch logs hold only the running training "
+                f"values ({', '.join(planned)}); {key!r} exists at epoch ends only. Fix: pass "
+                "save_freq='epoch', or use one of those keys."
+            )
+    if key in planned or may_add_keys(model):
+        return
+    if key.startswith("val_") and not params.get("do_validation"):
         raise ValueError(
-            f"{who} monitors {monitor!r}, but fit has no validation data. Fix: pass "
-            "`validation_data=` or `validation_split=` to fit, or monitor a training key such as 'loss'."
+            f"{subject}, but fit has no validation data (and no callback in the list adds keys; the "
+            f"logs will hold {', '.join(sorted(planned))}). Fix: pass `validation_data=` or "
+            "`validation_split=` to fit, or use a training key such as 'loss'."
         )
+    raise ValueError(
+        f"{subject}, which the logs will not hold. Available keys: {', '.join(sorted(planned))} "
+        "(params['metrics']; no callback in the list adds keys). Fix: use one of them, or compile "
+        "the metric (model.compile(metrics=[...]))."
+    )
+
+
+def check_validation_monitor(monitor: str, params: Mapping[str, Any], who: str, model: Any = None) -> None:
+    """Before the first step: :func:`check_log_key` for an epoch-level ``monitor``."""
+    check_log_key(monitor, params, model, who)
 
 
 class StatefulCallback(Callback):
@@ -157,6 +250,8 @@ class StatefulCallback(Callback):
 def _check_number(name: str, value: Any, minimum: float = 0.0) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Expected `{name}` to be a number. Received: {name}={value!r}.")
+    if math.isnan(value):  # nothing compares with NaN: a NaN threshold would never be beaten
+        raise ValueError(f"Expected `{name}` to be a number, not NaN. Received: {name}={value!r}.")
     if value < minimum:
         raise ValueError(f"Expected `{name}` >= {minimum}. Received: {name}={value!r}.")
 
@@ -195,6 +290,14 @@ class EarlyStopping(StatefulCallback):
     patience rule they apply from ``start_from_epoch`` on. ``stop_reason`` then says why
     training stopped (``None`` while it has not), and ``verbose=1`` prints it.
 
+    A NaN value is never the best, not even the first one: it counts as an epoch without
+    improvement (as in Keras, where NaN compares false), and ``restore_best_weights`` never
+    restores the weights of a NaN epoch. On epochs that ``validation_freq`` leaves out, a
+    ``val_`` monitor has no value and the epoch is skipped (it does not count towards
+    ``patience``); whether an epoch validated is :attr:`fitkit.Model.validated`. A ``val_`` key
+    that a callback earlier in the list adds (a score on a held-out set of its own) works
+    without ``validation_data``.
+
     Args:
         monitor: the epoch log key to watch, e.g. ``"val_loss"``.
         min_delta: the smallest change that counts as an improvement.
@@ -218,9 +321,11 @@ class EarlyStopping(StatefulCallback):
             the example); ``None`` if it did not stop.
 
     Raises:
-        ValueError: bad arguments; at ``on_train_begin``, a direction ``auto`` cannot infer or
-            a ``val_`` monitor without validation data; at an epoch end, a monitor key the
-            logs do not hold (the message lists them).
+        ValueError: bad arguments (a NaN threshold too); at ``on_train_begin``, a direction
+            ``auto`` cannot infer, or a monitor the epoch logs will not hold
+            (``params["metrics"]``, e.g. a ``val_`` key without validation data) while no
+            callback that may add keys is in the list; at an epoch end, a monitor key the logs
+            do not hold (the message lists them).
 
     Example:
         >>> import torch, fitkit
@@ -292,7 +397,7 @@ class EarlyStopping(StatefulCallback):
         self.stop_reason = state.get("stop_reason")
 
     def on_train_begin(self, logs=None):
-        check_validation_monitor(self.monitor, self.params, "EarlyStopping")
+        check_validation_monitor(self.monitor, self.params, "EarlyStopping", self.model)
         self._mode = resolve_mode(self.monitor, self.mode, self.model, "EarlyStopping")
         super().on_train_begin(logs)
 
@@ -301,18 +406,16 @@ class EarlyStopping(StatefulCallback):
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def on_epoch_end(self, epoch, logs=None):
-        current = monitor_value(logs, self.monitor, "EarlyStopping", self.params)
+        current = monitor_value(logs, self.monitor, "EarlyStopping", self.params, self.model)
         if current is None or epoch < self.start_from_epoch:
             return
         if self._mode is None:  # hooks called directly, without on_train_begin
             self._mode = resolve_mode(self.monitor, self.mode, self.model, "EarlyStopping")
-        if self.restore_best_weights and self.best_weights is None:
+        if self.restore_best_weights and self.best_weights is None and not math.isnan(current):
             self.best_weights, self.best_epoch = self._snapshot(), epoch  # nothing better yet
         # Lightning's order: not finite, stopping threshold, divergence threshold, patience.
         if self.check_finite and not math.isfinite(current):
-            return self._stop(epoch, f"not finite: {self.monitor} = {current}; best {self.best:.4g}"
-                              f" at epoch {self.best_epoch + 1}." if self.best is not None else
-                              f"not finite: {self.monitor} = {current}.")
+            return self._stop(epoch, f"not finite: {self.monitor} = {current}{self._best_text()}.")
         if self.divergence_threshold is not None and is_improvement(self.divergence_threshold, current, self._mode):
             worse = ">" if self._mode == "min" else "<"
             return self._stop(epoch, f"divergence_threshold: {self.monitor} = {current:.4g} {worse} "
@@ -333,8 +436,11 @@ class EarlyStopping(StatefulCallback):
             return self._stop(epoch, f"stopping_threshold: {self.monitor} = {current:.4g} {better} "
                               f"{self.stopping_threshold:.4g}.")
         if not improved and self.wait >= self.patience and epoch > 0:
-            self._stop(epoch, f"patience: {self.monitor} did not improve for {self.wait} epoch(s); "
-                       f"best {self.best:.4g} at epoch {self.best_epoch + 1}.")
+            self._stop(epoch, f"patience: {self.monitor} did not improve for {self.wait} epoch(s){self._best_text()}.")
+
+    def _best_text(self) -> str:
+        # No best yet when every value so far was NaN.
+        return "" if self.best is None else f"; best {self.best:.4g} at epoch {self.best_epoch + 1}"
 
     def _stop(self, epoch: int, reason: str) -> None:
         self.stopped_epoch, self.stop_reason = epoch, reason
