@@ -423,7 +423,9 @@ class Model:
             initial_epoch: the epoch to start at (resume).
             steps_per_epoch: batches per epoch (Keras 3): the data iterator then carries over
                 across epochs; an epoch ends early (one warning) when the data runs out, and the
-                next starts a fresh pass. Needed for infinite iterables.
+                next starts a fresh pass (10 batches with ``steps_per_epoch=9``: 9, 1, 9, 1, ...).
+                Needed for infinite iterables. Callbacks find the batches each epoch really runs
+                in ``params["steps"]``.
             validation_steps: batches per validation.
             validation_batch_size: default ``batch_size``.
             validation_freq: validate every n epochs, or at the listed (1-based) epochs.

@@ -254,6 +254,13 @@ def test_unknowable_monitors_and_placeholders_fail_before_step_1(tmp_path):
     assert torch.equal(before, model.module.weight) and list(tmp_path.iterdir()) == []
 
 
+def test_val_placeholder_skips_the_epochs_without_validation(tmp_path):
+    ckpt = ModelCheckpoint(tmp_path / "ep{epoch}-{val_loss:.1f}.pt", save_weights_only=True)
+    _bias_model(0.0).fit(X4, Y4, epochs=4, batch_size=4, validation_data=VAL, validation_freq=2,
+                         callbacks=[ckpt], verbose=0)  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ep2-4.0.pt", "ep4-4.0.pt"]
+
+
 # -- val_ keys a callback adds ------------------------------------------------------------------------
 class HeldOutF1(Callback):
     """A user callback scoring its own held-out set: the common Keras pattern."""

@@ -131,12 +131,17 @@ def may_add_keys(model: Any) -> bool:
         >>> may_add_keys(None)
         True
     """
-    from fitkit.callbacks.misc import LambdaCallback
-
     callbacks = getattr(model, "callbacks", None)
     if not callbacks:
         return True
-    return any(isinstance(cb, LambdaCallback) or not type(cb).__module__.startswith("fitkit.") for cb in callbacks)
+    return any(_user_code(type(cb)) for cb in callbacks)
+
+
+def _user_code(cls: type) -> bool:
+    # A LambdaCallback runs the user's functions; named here, not imported (no import cycle).
+    return not cls.__module__.startswith("fitkit.") or (cls.__module__, cls.__qualname__) == (
+        "fitkit.callbacks.misc", "LambdaCallback"
+    )
 
 
 def _is_lr_key(key: str) -> bool:
