@@ -171,6 +171,33 @@ def test_plateau_scheduler_reduces_on_the_third_validation_and_on_loss_without_v
     assert model.optimizer.param_groups[0]["lr"] == 0.05
 
 
+class TimmLike:
+    """timm's scheduler protocol (``step(epoch, metric)``, ``step_update``), recording the calls."""
+
+    def __init__(self, optimizer, plateau=False):
+        self.calls = []
+        if plateau:  # timm's PlateauLRScheduler wraps torch's
+            self.lr_scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+
+    def step(self, epoch, metric=None):
+        self.calls.append((epoch, metric))
+
+    def step_update(self, num_updates, metric=None):
+        pass
+
+
+@pytest.mark.parametrize("plateau", [False, True])
+def test_timm_scheduler_gets_the_validation_metric_or_none(plateau):
+    model = _bias_model(0.1, scheduler=lambda opt: TimmLike(opt, plateau))
+    model.fit(XT, YT, epochs=4, batch_size=4, validation_data=VT, validation_freq=2, verbose=0)
+    # Never the training loss in place of a missing val_loss; a plateau scheduler waits for one.
+    expected = [(2, 1.0), (4, 1.0)] if plateau else [(1, None), (2, 1.0), (3, None), (4, 1.0)]
+    assert model.scheduler.calls == expected
+    model = _bias_model(0.1, scheduler=lambda opt: TimmLike(opt, plateau))
+    model.fit(XT, YT, epochs=2, batch_size=4, verbose=0)  # no validation at all: the training loss
+    assert model.scheduler.calls == [(1, 100.0), (2, 100.0)]
+
+
 def test_plateau_callback_skips_epochs_without_validation():
     model = _bias_model(0.1)
     reduce = ReduceLROnPlateau(factor=0.5, patience=1)
