@@ -67,7 +67,7 @@ class ReduceLROnPlateau(StatefulCallback):
     Raises:
         ValueError: ``factor`` not in ``[0, 1)``, bad arguments; at ``on_train_begin``, an
             unknown direction or a monitor the epoch logs will not hold (e.g. a ``val_`` key
-            without validation data, see :func:`~fitkit.callbacks.monitor.check_log_key`); a
+            without validation data, see :func:`~fitkit.callbacks.logkeys.check_log_key`); a
             missing key at an epoch end.
 
     Example:
