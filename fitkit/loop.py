@@ -151,7 +151,7 @@ class FitLoop:
         self.resume: ResumePoint | None = None
         self.totals: RunningTotals | None = None
         self.epoch_rng: torch.Tensor | None = None
-        self.validated = False  # this epoch: validation ran over > 0 samples
+        self.validated = False  # this epoch: validation was scheduled and ran over > 0 batches
         self.per_group_lr = len({float(g["lr"]) for g in model.optimizer.param_groups}) > 1
         self.interrupt: Any = None
         self.running = False
@@ -219,6 +219,9 @@ class FitLoop:
         # (batches, samples) a resume skipped: the position counts from there
         self._offset: tuple[int, int | None] = (0, 0)
         self._resume_epoch_begin(epoch)
+        self.validated = False  # until this epoch's validation has run
+        if loader.next_epoch_batches is not None:  # the batches this epoch will really run
+            cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
         stepper.lrs_used = None
         self.epoch_rng = torch.get_rng_state()  # replays this epoch's data order on resume

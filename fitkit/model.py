@@ -139,6 +139,30 @@ class Model:
         return 0 if self._fit is None else self._fit.epoch
 
     @property
+    def validated(self) -> bool:
+        """Whether the running epoch's validation ran, over N > 0 samples (read-only).
+
+        ``False`` from ``on_epoch_begin`` until the validation has run, and all epoch long on
+        epochs that ``validation_freq`` leaves out; ``True`` in ``on_epoch_end`` after a
+        validation. ``params["do_validation"]`` says whether fit validates at all. Monitoring
+        callbacks read the two to skip a ``val_`` monitor on epochs without validation.
+
+        Example:
+            >>> model = Model(nn.Linear(1, 1), device="cpu")
+            >>> model.compile(optimizer="sgd", loss="mse")
+            >>> seen = []
+            >>> from fitkit.callbacks import LambdaCallback
+            >>> watch = LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(model.validated))
+            >>> x = torch.zeros(4, 1)
+            >>> _ = model.fit(x, x, epochs=4, validation_data=(x, x), validation_freq=2,
+            ...               callbacks=[watch], verbose=0)
+            >>> seen
+            [False, True, False, True]
+        """
+        loop = self._fit
+        return bool(loop is not None and loop.validated)
+
+    @property
     def closes_accumulation_window(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window (it steps).
 
@@ -403,7 +427,9 @@ class Model:
             initial_epoch: the epoch to start at (resume).
             steps_per_epoch: batches per epoch (Keras 3): the data iterator then carries over
                 across epochs; an epoch ends early (one warning) when the data runs out, and the
-                next starts a fresh pass. Needed for infinite iterables.
+                next starts a fresh pass (10 batches with ``steps_per_epoch=9``: 9, 1, 9, 1, ...).
+                Needed for infinite iterables. Callbacks find the batches each epoch really runs
+                in ``params["steps"]``.
             validation_steps: batches per validation.
             validation_batch_size: default ``batch_size``.
             validation_freq: validate every n epochs, or at the listed (1-based) epochs.
@@ -503,6 +529,11 @@ class Model:
     def _check_data(self, loader: _data.DeviceLoader, name: str, training: bool) -> None:
         src = loader.batches
         if not isinstance(src, _data.TensorBatches):
+            if getattr(src, "num_batches", None) == 0:  # a DataLoader over an empty Dataset: known before step 1
+                raise ValueError(
+                    f"`{name}` ({type(getattr(src, 'source', src)).__name__}) has 0 batches. Fix: pass data "
+                    "with at least one sample (an empty Dataset or filter?)."
+                )
             return
         if src.n == 0:
             raise ValueError(

@@ -210,22 +210,24 @@ class Stepper:
 
         ``ReduceLROnPlateau`` steps on ``val_loss`` on epochs that validated, on ``loss`` when
         fit has no validation at all, and not at all on epochs whose validation was not
-        scheduled. timm schedulers get ``step(epoch + 1, metric)``, as timm's training script.
+        scheduled. timm schedulers get ``step(epoch + 1, metric)``, as timm's training script,
+        with the same metric (``None`` on epochs without validation, and a timm plateau
+        scheduler is then not stepped).
         """
         sched = self.scheduler
         if sched is None:
             return
+        metric = logs.get("val_loss") if validated else None if self.validates else logs.get("loss")
         if self.timm:
-            metric = logs.get("val_loss", logs.get("loss"))
-            sched.step(epoch + 1, metric)
+            plateau = isinstance(getattr(sched, "lr_scheduler", None), torch.optim.lr_scheduler.ReduceLROnPlateau)
+            if metric is not None or not plateau:
+                sched.step(epoch + 1, metric)
             return
         if self.interval != "epoch":
             return
         if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            if validated:
-                sched.step(logs["val_loss"])
-            elif not self.validates:
-                sched.step(logs["loss"])
+            if metric is not None:
+                sched.step(metric)
         else:
             sched.step()
 

@@ -218,7 +218,7 @@ def test_unknown_direction_raises_before_the_first_step():
     model = _model()
     before = _weights(model)
     with pytest.raises(ValueError, match="EarlyStopping cannot tell .* 'score'"):
-        model.fit(x, y, epochs=2, verbose=0, callbacks=[EarlyStopping(monitor="score")])
+        model.fit(x, y, epochs=2, verbose=0, callbacks=[_script("score", [1.0, 2.0]), EarlyStopping(monitor="score")])
     assert all(torch.equal(before[k], v) for k, v in _weights(model).items())
 
 
@@ -233,7 +233,7 @@ def test_val_monitor_without_validation_data_raises_before_the_first_step():
 
 def test_missing_monitor_key_lists_the_available_keys():
     x, y = _regression()
-    message = r"monitors 'mystery_loss', which the logs do not hold\. Available keys: learning_rate, loss"
+    message = r"monitors 'mystery_loss', which the logs will not hold\. Available keys: learning_rate, loss"
     with pytest.raises(ValueError, match=message):
         _model().fit(x, y, epochs=2, verbose=0, callbacks=[EarlyStopping(monitor="mystery_loss")])
 

@@ -2,6 +2,7 @@
 
 - :mod:`~fitkit.callbacks.base`: ``Callback``, ``CallbackList``, ``History``, ``BatchLogs``.
 - :mod:`~fitkit.callbacks.monitor`: ``EarlyStopping`` and the shared monitor / mode logic.
+- :mod:`~fitkit.callbacks.logkeys`: which log keys a callback can read, checked before step 1.
 - :mod:`~fitkit.callbacks.lr`: ``LearningRateScheduler``, ``ReduceLROnPlateau``.
 - :mod:`~fitkit.callbacks.checkpointing`: ``ModelCheckpoint``, ``BackupAndRestore``.
 - :mod:`~fitkit.callbacks.logging`: ``CSVLogger``, ``TensorBoard``.

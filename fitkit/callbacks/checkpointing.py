@@ -24,7 +24,7 @@ from fitkit.callbacks.monitor import (
     _check_mode,
     _check_number,
     _say,
-    check_validation_monitor,
+    check_log_key,
     is_improvement,
     monitor_value,
     resolve_mode,
@@ -151,6 +151,8 @@ class ModelCheckpoint(StatefulCallback):
         save_last: bool | str | os.PathLike = False,
     ):
         super().__init__()
+        if not isinstance(monitor, str):
+            raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
         self.filepath = check_target(filepath, "filepath", "ModelCheckpoint")
         self._fields = _field_names(self.filepath)
         _check_mode(mode)
@@ -213,8 +215,18 @@ class ModelCheckpoint(StatefulCallback):
         self._batches_seen = state["batches_seen"]
 
     def on_train_begin(self, logs=None):
+        # Before step 1: every key the decisions read can hold a value when they are taken.
+        batch_level = None if self.save_freq == "epoch" else self.save_freq
+        if "batch" in self._fields and batch_level is None:
+            raise ValueError(
+                f"ModelCheckpoint's filepath {self.filepath!r} uses {{batch}}, but save_freq='epoch' "
+                "saves at epoch ends, where there is no batch. Fix: pass an int `save_freq`, or drop {batch}."
+            )
+        for name in sorted(self._fields - {"epoch", "batch"}):
+            subject = f"ModelCheckpoint's filepath {self.filepath!r} uses {{{name}}}"
+            check_log_key(name, self.params, self.model, "ModelCheckpoint", subject=subject, batch_level=batch_level)
         if self._ranked:
-            check_validation_monitor(self.monitor, self.params, "ModelCheckpoint")
+            check_log_key(self.monitor, self.params, self.model, "ModelCheckpoint", batch_level=batch_level)
             self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
         super().on_train_begin(logs)
         self._pending = self._pending_last = None  # never a file decided by a fit that raised
@@ -243,18 +255,23 @@ class ModelCheckpoint(StatefulCallback):
     def _save_on_batch_end(self, batch, logs=None):
         self._write()
 
-    def _path(self, epoch: int, batch: int | None, logs: Any) -> str:
+    def _path(self, epoch: int, batch: int | None, logs: Any) -> str | None:
+        """The file name of this save; ``None`` when a ``{val_...}`` field has no value this epoch."""
         values: dict[str, Any] = {"epoch": epoch + 1}
         if batch is not None:
             values["batch"] = batch + 1
-        for name in self._fields - values.keys():
-            if name not in logs:
+        for name in sorted(self._fields - values.keys()):
+            try:
+                value = monitor_value(logs, name, "ModelCheckpoint", self.params if batch is None else None, self.model)
+            except ValueError:
                 raise ValueError(
                     f"ModelCheckpoint's filepath {self.filepath!r} uses {{{name}}}, which the logs "
                     f"do not hold. Available keys: epoch, {'batch, ' if batch is not None else ''}"
                     f"{', '.join(sorted(logs))}."
-                )
-            values[name] = monitor_value(logs, name, "ModelCheckpoint")
+                ) from None
+            if value is None:  # validation_freq left this epoch out: no name, no file
+                return None
+            values[name] = value
         path = self.filepath.format(**values)
         if os.path.isdir(path):
             raise ValueError(
@@ -269,12 +286,16 @@ class ModelCheckpoint(StatefulCallback):
             self._pending_last = epoch  # every save event, ranked file written or not
         current = None
         if self._ranked:
-            current = monitor_value(logs, self.monitor, "ModelCheckpoint", self.params)
-            if current is None:  # no validation this epoch
+            # Batch logs never skip: a val_ monitor at batch level was refused at on_train_begin.
+            params = self.params if batch is None else None
+            current = monitor_value(logs, self.monitor, "ModelCheckpoint", params, self.model)
+            if current is None:  # validation_freq left this epoch out
                 return
             if self._mode is None:  # hooks called directly, without on_train_begin
                 self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
         path = self._path(epoch, batch, logs)
+        if path is None:
+            return
         evicted: list[str] = []
         if self.save_top_k is not None:
             if math.isnan(current):

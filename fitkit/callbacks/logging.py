@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +30,22 @@ def _cell(value: Any) -> str:
 
 
 class CSVLogger(StatefulCallback):
-    """Write one row per epoch to a CSV file: ``epoch`` then the log keys in sorted order.
+    """Write one row per epoch to a CSV file: ``epoch``, then one column per log key.
 
-    The header is written once. The columns are the keys of the first epoch logged (later
-    new keys are left out; a key missing from an epoch is written as ``NA``, as in Keras).
+    The columns are fixed when the first row is written, in sorted order (Keras' order): every
+    key of the epoch-log plan ``params["metrics"]`` (loss, metrics, learning rates, and the
+    ``val_`` keys whenever fit validates, as Keras adds them up front), plus the keys that a
+    callback earlier in the list adds to the first epoch's logs. A key with no value in an
+    epoch is written as ``NA`` (a ``val_`` column on the epochs that ``validation_freq`` leaves
+    out); a key that first appears in a later epoch is left out, with one warning.
+
     Each row is written whole, with one write, and flushed. With ``append=True`` an existing
-    file is continued under its own header. A resumed ``fit`` (``BackupAndRestore`` or
-    ``load_checkpoint``) always appends: it first cuts the file back to the rows its
-    checkpoint had seen, so a crash never leaves a row twice; both cut a partial last row
-    (a write a kill interrupted) back to the last complete one.
+    file is continued under its own header (its columns win). A resumed ``fit``
+    (``BackupAndRestore`` or ``load_checkpoint``) always appends under the columns the
+    checkpoint recorded: it first cuts the file back to the rows its checkpoint had seen, so a
+    crash never leaves a row twice; both cut a partial last row (a write a kill interrupted)
+    back to the last complete one. The column order is thus the same in every row and across
+    a resume.
 
     Args:
         filename: the CSV file.
@@ -50,12 +58,17 @@ class CSVLogger(StatefulCallback):
 
     Example:
         >>> import os, tempfile, torch, fitkit
-        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1, bias=False), device="cpu")
         >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss="mse")
         >>> path = os.path.join(tempfile.mkdtemp(), "log.csv")
-        >>> _ = model.fit(torch.zeros(4, 1), torch.zeros(4, 1), epochs=2, callbacks=[CSVLogger(path)], verbose=0)
-        >>> print(open(path).read().splitlines()[0])
-        epoch,learning_rate,loss
+        >>> x = torch.zeros(4, 1)  # the loss is 0
+        >>> _ = model.fit(x, x, epochs=2, validation_data=(x, x), validation_freq=2,
+        ...               callbacks=[CSVLogger(path)], verbose=0)
+        >>> print(open(path).read())
+        epoch,learning_rate,loss,val_loss
+        0,0.5,0.0,NA
+        1,0.5,0.0,0.0
+        <BLANKLINE>
     """
 
     def __init__(self, filename: str | os.PathLike, separator: str = ",", append: bool = False):
@@ -67,10 +80,11 @@ class CSVLogger(StatefulCallback):
         self._reset()
 
     def _reset(self) -> None:
-        self.keys: list[str] | None = None
+        self.keys: list[str] | None = None  # the columns after ``epoch``, fixed at the first row
         self._size: int | None = None  # bytes of the file after the last row written
         self._opened = False  # whether this fit has prepared the file
         self._resumed = False  # whether this fit continues a checkpoint's rows
+        self._warned: set[str] = set()
 
     def _get_state(self) -> dict[str, Any]:
         return {"keys": self.keys, "size": self._size}
@@ -80,7 +94,10 @@ class CSVLogger(StatefulCallback):
         self._opened, self._resumed = False, True
 
     def _open(self) -> bool:
-        """Prepare the file for this fit's first row; return whether a header is needed."""
+        """Prepare the file for this fit's first row; return whether a header is needed.
+
+        An appended file's header, when it has one, sets the columns.
+        """
         self._opened = True
         path = self.filename
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,19 +110,34 @@ class CSVLogger(StatefulCallback):
                 return True
             with open(path, newline="") as f:
                 header = next(csv.reader(f, delimiter=self.separator), None)
-            if header and self.keys is None:
+            if header:
                 self.keys = [k for k in header if k != "epoch"]
             return not header
         path.write_text("")
         return True
 
+    def _columns(self, logs: Any) -> list[str]:
+        planned = (self.params or {}).get("metrics") or []
+        return sorted(set(planned) | set(logs))
+
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
+        header = False
+        if is_rank_zero() and not self._opened:
+            header = self._open()
         if self.keys is None:
-            self.keys = sorted(logs)
+            self.keys = self._columns(logs)
+        new = [k for k in logs if k not in self.keys and k not in self._warned]
+        if new:
+            self._warned.update(new)
+            warnings.warn(
+                f"CSVLogger: the logs of epoch {epoch + 1} hold {', '.join(sorted(new))}, which the file's "
+                f"columns (fixed at its first row: {', '.join(self.keys)}) do not have; left out. Fix: add "
+                "the key from the first epoch on (or write NaN until it has a value).",
+                stacklevel=2,
+            )
         if not is_rank_zero():
             return
-        header = self._open() if not self._opened else False
         text = io.StringIO()
         writer = csv.writer(text, delimiter=self.separator, lineterminator="\n")
         if header:

@@ -39,9 +39,20 @@ class ReduceLROnPlateau(StatefulCallback):
     """Multiply the learning rate by ``factor`` when ``monitor`` stops improving (Keras).
 
     After ``patience`` epochs without an improvement larger than ``min_delta``, each parameter
-    group's learning rate becomes ``max(lr * factor, min_lr)``; then ``cooldown`` epochs pass
-    before the wait starts again. The learning rates live in the optimizer, so a checkpoint
-    carries them; this callback's own counters are in its ``state_dict``.
+    group's learning rate becomes ``max(lr * factor, min_lr)``. The learning rates live in the
+    optimizer, so a checkpoint carries them; this callback's own counters are in its
+    ``state_dict``.
+
+    ``cooldown`` follows Keras 3's rule exactly: a reduction at epoch ``e`` sets a counter to
+    ``cooldown``; each later epoch first lowers the counter by one (and clears the wait), then
+    counts towards ``patience`` unless the counter is still above 0. So ``cooldown=c`` leaves
+    out the ``c - 1`` epochs after a reduction: ``cooldown=1`` skips no epoch (it acts as
+    ``cooldown=0``), and without improvement the next reduction comes at epoch
+    ``e + max(c, 1) + patience - 1``. An improvement during the cooldown still becomes the best.
+
+    A NaN value is never the best: it counts as an epoch without improvement (as in Keras).
+    On epochs that ``validation_freq`` leaves out, a ``val_`` monitor has no value and the
+    epoch is skipped (see :attr:`fitkit.Model.validated`).
 
     Args:
         monitor: the epoch log key to watch.
@@ -49,13 +60,15 @@ class ReduceLROnPlateau(StatefulCallback):
         patience: epochs without improvement before a reduction.
         mode: ``"min"``, ``"max"`` or ``"auto"`` (see :func:`resolve_mode`).
         min_delta: the smallest change that counts as an improvement.
-        cooldown: epochs to wait after a reduction before counting again.
+        cooldown: epochs after a reduction that do not count, plus one (Keras 3; see above).
         min_lr: the lower bound of the learning rate.
         verbose: 1 prints a line at each reduction.
 
     Raises:
-        ValueError: ``factor`` not in ``[0, 1)``, bad arguments; an unknown direction or a
-            ``val_`` monitor without validation at ``on_train_begin``; a missing key at an epoch end.
+        ValueError: ``factor`` not in ``[0, 1)``, bad arguments; at ``on_train_begin``, an
+            unknown direction or a monitor the epoch logs will not hold (e.g. a ``val_`` key
+            without validation data, see :func:`~fitkit.callbacks.logkeys.check_log_key`); a
+            missing key at an epoch end.
 
     Example:
         >>> import torch, fitkit
@@ -79,9 +92,13 @@ class ReduceLROnPlateau(StatefulCallback):
         verbose: int = 0,
     ):
         super().__init__()
+        if not isinstance(monitor, str):
+            raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
         _check_number("factor", factor)
         if not factor < 1.0:
-            raise ValueError(f"Expected `factor` in [0, 1): it multiplies the learning rate. Received: factor={factor!r}.")
+            raise ValueError(
+                f"Expected `factor` in [0, 1): it multiplies the learning rate. Received: factor={factor!r}."
+            )
         _check_int("patience", patience)
         _check_mode(mode)
         _check_number("min_delta", min_delta, -math.inf)
@@ -105,12 +122,12 @@ class ReduceLROnPlateau(StatefulCallback):
         self.best, self.wait, self.cooldown_counter = state["best"], state["wait"], state["cooldown_counter"]
 
     def on_train_begin(self, logs=None):
-        check_validation_monitor(self.monitor, self.params, "ReduceLROnPlateau")
+        check_validation_monitor(self.monitor, self.params, "ReduceLROnPlateau", self.model)
         self._mode = resolve_mode(self.monitor, self.mode, self.model, "ReduceLROnPlateau")
         super().on_train_begin(logs)
 
     def on_epoch_end(self, epoch, logs=None):
-        current = monitor_value(logs, self.monitor, "ReduceLROnPlateau", self.params)
+        current = monitor_value(logs, self.monitor, "ReduceLROnPlateau", self.params, self.model)
         if current is None:
             return
         if self._mode is None:  # hooks called directly, without on_train_begin
@@ -118,7 +135,10 @@ class ReduceLROnPlateau(StatefulCallback):
         if self.cooldown_counter > 0:
             self.cooldown_counter -= 1
             self.wait = 0
-        if not math.isnan(current) and (self.best is None or is_improvement(current, self.best, self._mode, self.min_delta)):
+        # NaN is never the best (is_improvement says no to it, and so does the first value).
+        if not math.isnan(current) and (
+            self.best is None or is_improvement(current, self.best, self._mode, self.min_delta)
+        ):
             self.best, self.wait = current, 0
             return
         if self.cooldown_counter > 0:
@@ -192,7 +212,7 @@ class LearningRateScheduler(StatefulCallback):
         if epoch != self._epoch or len(self._before) != len(groups):
             self._before = [float(g["lr"]) for g in groups]
         self._epoch = epoch  # a resume inside this epoch starts again from self._before
-        for group, old in zip(groups, self._before):
+        for group, old in zip(groups, self._before, strict=True):
             lr = self.schedule(epoch, old) if self._two_args else self.schedule(epoch)
             if isinstance(lr, torch.Tensor) and lr.numel() == 1:
                 lr = lr.item()

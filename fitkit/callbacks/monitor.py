@@ -1,19 +1,20 @@
 """Callbacks that watch a logged value: ``EarlyStopping`` and ``ReduceLROnPlateau``.
 
 Also the pieces every monitoring callback shares: which direction is better
-(:func:`resolve_mode`), reading the value with an error that lists the keys
-(:func:`monitor_value`), and the reset-unless-restored state protocol (:class:`StatefulCallback`).
+(:func:`resolve_mode`), the reset-unless-restored state protocol (:class:`StatefulCallback`),
+and, re-exported from :mod:`fitkit.callbacks.logkeys`, reading the value
+(:func:`monitor_value`) and checking a key before step 1 (:func:`check_log_key`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from fitkit.callbacks.base import Callback
+from fitkit.callbacks.logkeys import check_log_key, check_validation_monitor, may_add_keys, monitor_value
 from fitkit.checkpoint import is_rank_zero
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "resolve_mode",
     "monitor_value",
     "is_improvement",
+    "check_log_key",
+    "may_add_keys",
 ]
 
 # Keys (without ``val_``) whose smaller values are better, besides anything ending in
@@ -74,45 +77,6 @@ def is_improvement(current: float, reference: float, mode: str, min_delta: float
     return current - abs(min_delta) > reference
 
 
-def monitor_value(
-    logs: Mapping[str, Any] | None, monitor: str, who: str, params: Mapping[str, Any] | None = None
-) -> float | None:
-    """The monitored value as a float, ``None`` on an epoch that ran no validation.
-
-    Raises:
-        ValueError: ``monitor`` is not in ``logs`` (the message lists the keys there are).
-
-    Example:
-        >>> monitor_value({"loss": 0.5, "val_loss": torch.tensor(0.25)}, "val_loss", "EarlyStopping")
-        0.25
-        >>> monitor_value({"loss": 0.5}, "val_acc", "EarlyStopping")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: EarlyStopping monitors 'val_acc', which the logs do not hold. Available keys: loss. ...
-    """
-    logs = logs or {}
-    if monitor not in logs:
-        # With validation_freq > 1 some epochs run no validation: skip those.
-        validates = (params or {}).get("do_validation", False)
-        if monitor.startswith("val_") and validates and not any(k.startswith("val_") for k in logs):
-            return None
-        raise ValueError(
-            f"{who} monitors {monitor!r}, which the logs do not hold. Available keys: "
-            f"{', '.join(sorted(logs)) or '(none)'}. Fix: set `monitor` to one of them."
-        )
-    value = logs[monitor]
-    return float(value.item() if isinstance(value, torch.Tensor) else value)  # a batch log: syncs
-
-
-def check_validation_monitor(monitor: str, params: Mapping[str, Any], who: str) -> None:
-    """Before the first step: a ``val_`` monitor needs validation data."""
-    if monitor.startswith("val_") and params.get("do_validation") is False:
-        raise ValueError(
-            f"{who} monitors {monitor!r}, but fit has no validation data. Fix: pass "
-            "`validation_data=` or `validation_split=` to fit, or monitor a training key such as 'loss'."
-        )
-
-
 class StatefulCallback(Callback):
     """A callback whose state resets at ``on_train_begin`` unless a checkpoint restored it.
 
@@ -157,6 +121,8 @@ class StatefulCallback(Callback):
 def _check_number(name: str, value: Any, minimum: float = 0.0) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Expected `{name}` to be a number. Received: {name}={value!r}.")
+    if math.isnan(value):  # nothing compares with NaN: a NaN threshold would never be beaten
+        raise ValueError(f"Expected `{name}` to be a number, not NaN. Received: {name}={value!r}.")
     if value < minimum:
         raise ValueError(f"Expected `{name}` >= {minimum}. Received: {name}={value!r}.")
 
@@ -195,6 +161,14 @@ class EarlyStopping(StatefulCallback):
     patience rule they apply from ``start_from_epoch`` on. ``stop_reason`` then says why
     training stopped (``None`` while it has not), and ``verbose=1`` prints it.
 
+    A NaN value is never the best, not even the first one: it counts as an epoch without
+    improvement (as in Keras, where NaN compares false), and ``restore_best_weights`` never
+    restores the weights of a NaN epoch. On epochs that ``validation_freq`` leaves out, a
+    ``val_`` monitor has no value and the epoch is skipped (it does not count towards
+    ``patience``); whether an epoch validated is :attr:`fitkit.Model.validated`. A ``val_`` key
+    that a callback earlier in the list adds (a score on a held-out set of its own) works
+    without ``validation_data``.
+
     Args:
         monitor: the epoch log key to watch, e.g. ``"val_loss"``.
         min_delta: the smallest change that counts as an improvement.
@@ -218,9 +192,11 @@ class EarlyStopping(StatefulCallback):
             the example); ``None`` if it did not stop.
 
     Raises:
-        ValueError: bad arguments; at ``on_train_begin``, a direction ``auto`` cannot infer or
-            a ``val_`` monitor without validation data; at an epoch end, a monitor key the
-            logs do not hold (the message lists them).
+        ValueError: bad arguments (a NaN threshold too); at ``on_train_begin``, a direction
+            ``auto`` cannot infer, or a monitor the epoch logs will not hold
+            (``params["metrics"]``, e.g. a ``val_`` key without validation data) while no
+            callback that may add keys is in the list; at an epoch end, a monitor key the logs
+            do not hold (the message lists them).
 
     Example:
         >>> import torch, fitkit
@@ -292,7 +268,7 @@ class EarlyStopping(StatefulCallback):
         self.stop_reason = state.get("stop_reason")
 
     def on_train_begin(self, logs=None):
-        check_validation_monitor(self.monitor, self.params, "EarlyStopping")
+        check_validation_monitor(self.monitor, self.params, "EarlyStopping", self.model)
         self._mode = resolve_mode(self.monitor, self.mode, self.model, "EarlyStopping")
         super().on_train_begin(logs)
 
@@ -301,18 +277,16 @@ class EarlyStopping(StatefulCallback):
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def on_epoch_end(self, epoch, logs=None):
-        current = monitor_value(logs, self.monitor, "EarlyStopping", self.params)
+        current = monitor_value(logs, self.monitor, "EarlyStopping", self.params, self.model)
         if current is None or epoch < self.start_from_epoch:
             return
         if self._mode is None:  # hooks called directly, without on_train_begin
             self._mode = resolve_mode(self.monitor, self.mode, self.model, "EarlyStopping")
-        if self.restore_best_weights and self.best_weights is None:
+        if self.restore_best_weights and self.best_weights is None and not math.isnan(current):
             self.best_weights, self.best_epoch = self._snapshot(), epoch  # nothing better yet
         # Lightning's order: not finite, stopping threshold, divergence threshold, patience.
         if self.check_finite and not math.isfinite(current):
-            return self._stop(epoch, f"not finite: {self.monitor} = {current}; best {self.best:.4g}"
-                              f" at epoch {self.best_epoch + 1}." if self.best is not None else
-                              f"not finite: {self.monitor} = {current}.")
+            return self._stop(epoch, f"not finite: {self.monitor} = {current}{self._best_text()}.")
         if self.divergence_threshold is not None and is_improvement(self.divergence_threshold, current, self._mode):
             worse = ">" if self._mode == "min" else "<"
             return self._stop(epoch, f"divergence_threshold: {self.monitor} = {current:.4g} {worse} "
@@ -333,8 +307,11 @@ class EarlyStopping(StatefulCallback):
             return self._stop(epoch, f"stopping_threshold: {self.monitor} = {current:.4g} {better} "
                               f"{self.stopping_threshold:.4g}.")
         if not improved and self.wait >= self.patience and epoch > 0:
-            self._stop(epoch, f"patience: {self.monitor} did not improve for {self.wait} epoch(s); "
-                       f"best {self.best:.4g} at epoch {self.best_epoch + 1}.")
+            self._stop(epoch, f"patience: {self.monitor} did not improve for {self.wait} epoch(s){self._best_text()}.")
+
+    def _best_text(self) -> str:
+        # No best yet when every value so far was NaN.
+        return "" if self.best is None else f"; best {self.best:.4g} at epoch {self.best_epoch + 1}"
 
     def _stop(self, epoch: int, reason: str) -> None:
         self.stopped_epoch, self.stop_reason = epoch, reason

@@ -68,10 +68,10 @@ class OptunaPruning(Callback):
         self.trial, self.monitor = trial, monitor
 
     def on_train_begin(self, logs=None):
-        check_validation_monitor(self.monitor, self.params, "OptunaPruning")
+        check_validation_monitor(self.monitor, self.params, "OptunaPruning", self.model)
 
     def on_epoch_end(self, epoch, logs=None):
-        value = monitor_value(logs, self.monitor, "OptunaPruning", self.params)
+        value = monitor_value(logs, self.monitor, "OptunaPruning", self.params, self.model)
         if value is None:  # no validation this epoch
             return
         self.trial.report(value, step=epoch)

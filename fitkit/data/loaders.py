@@ -206,13 +206,37 @@ class DeviceLoader:
         self.ran_out = False  # the last epoch ended early: the data ran out before `steps`
         self.sharded: bool | str = False  # set by fitkit.distributed.shard
         self._persistent: Iterator | None = None
+        self._pass_done = 0  # batches taken from the persistent iterator (with `steps`)
 
     @property
     def num_batches(self) -> int | None:
-        """Batches per epoch, ``None`` when the source has no length."""
+        """Batches of a full epoch, ``None`` when unknown: ``min(steps, len)`` with ``steps``."""
+        n = self.batches.num_batches
         if self.steps is not None:
-            return self.steps
-        return self.batches.num_batches
+            return self.steps if n is None else min(self.steps, n)
+        return n
+
+    @property
+    def next_epoch_batches(self) -> int | None:
+        """Batches the next epoch will run (``None`` when the source has no length).
+
+        With ``steps`` the iterator carries over, so an epoch may get only what is left of the
+        running pass: 10 batches with ``steps=9`` run 9, 1, 9, 1, ...
+
+        Example:
+            >>> dl = DeviceLoader([(torch.zeros(1, 1), torch.zeros(1))] * 10, torch.device("cpu"), steps=9)
+            >>> runs = []
+            >>> for _ in range(4):
+            ...     planned = dl.next_epoch_batches
+            ...     runs.append((planned, sum(1 for _ in dl)))
+            >>> runs
+            [(9, 9), (1, 1), (9, 9), (1, 1)]
+        """
+        n = self.batches.num_batches
+        if self.steps is None or n is None:
+            return self.num_batches
+        left = n - self._pass_done if self._persistent is not None else n
+        return min(self.steps, left if left > 0 else n)
 
     def __iter__(self) -> Iterator[Batch]:
         skip, self.skip = self.skip, 0
@@ -235,7 +259,9 @@ class DeviceLoader:
                 if fresh:
                     return  # a fresh pass yielded nothing: an empty (or used-up one-shot) source
                 self._persistent, fresh = self._prepare(self.batches.iterate(self.epoch, 0)), True
+                self._pass_done = 0
             for batch in self._persistent:
+                self._pass_done += 1
                 yield batch
                 done += 1
                 remaining -= 1

@@ -224,7 +224,7 @@ def check_target(path: Any, argument: str, who: str, kind: str = "file") -> str:
         wrong = "an existing folder" if os.path.isdir(text) or text.endswith(("/", os.sep)) else None
     else:
         wrong = "an existing file" if os.path.isfile(text) else None
-    if not text or wrong:
+    if not text.strip() or wrong:  # "" or only blanks: a name nobody means
         example = os.path.join(text, "model.pt") if kind == "file" and text else "runs/backup"
         raise ValueError(
             f"{who} writes a {kind} at `{argument}`, but it is {wrong or 'empty'}. Received: "
