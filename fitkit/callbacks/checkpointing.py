@@ -297,28 +297,31 @@ class ModelCheckpoint(StatefulCallback):
         if path is None:
             return
         evicted: list[str] = []
+        # Ranked files only (save_top_k, save_best_only): both are set above then.
+        cur: float = float("nan") if current is None else current
+        mode: str = self._mode or "min"
         if self.save_top_k is not None:
-            if math.isnan(current):
+            if math.isnan(cur):
                 return
             t = self.initial_value_threshold
-            if t is not None and not is_improvement(current, t, self._mode):
+            if t is not None and not is_improvement(cur, t, mode):
                 return  # the top k are taken among the values that beat the threshold
             same = [v for v, p in self.kept if p == path]
-            if same and not is_improvement(current, same[0], self._mode):
+            if same and not is_improvement(cur, same[0], mode):
                 return  # never overwrite a better file of the same name
             others = [(v, p) for v, p in self.kept if p != path]
-            if len(others) >= self.save_top_k and not is_improvement(current, self._worst(others)[0], self._mode):
+            if len(others) >= self.save_top_k and not is_improvement(cur, self._worst(others)[0], mode):
                 return
-            ranked = sorted(others + [(current, path)], key=lambda vp: vp[0], reverse=self._mode == "max")
+            ranked = sorted(others + [(cur, path)], key=lambda vp: vp[0], reverse=mode == "max")
             self.kept, evicted = ranked[: self.save_top_k], [p for _, p in ranked[self.save_top_k :]]
-            if self.best is None or is_improvement(current, self.best, self._mode):
-                self.best, self.best_path = current, path
+            if self.best is None or is_improvement(cur, self.best, mode):
+                self.best, self.best_path = cur, path
         elif self.save_best_only:
-            if self.best is not None and not is_improvement(current, self.best, self._mode):
+            if self.best is not None and not is_improvement(cur, self.best, mode):
                 return
-            if math.isnan(current):
+            if math.isnan(cur):
                 return
-            self.best, self.best_path = current, path
+            self.best, self.best_path = cur, path
         self._pending = (path, evicted, epoch)
 
     def _write(self) -> None:

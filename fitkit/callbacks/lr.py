@@ -199,7 +199,8 @@ class LearningRateScheduler(StatefulCallback):
             self._two_args = True
 
     def _reset(self) -> None:
-        self._epoch, self._before = -1, []  # the epoch begun last and the rates it started from
+        self._epoch = -1  # the epoch begun last
+        self._before: list[Any] = []  # and the rates it started from
 
     def _get_state(self) -> dict[str, Any]:
         return {"epoch": self._epoch, "lrs_before": list(self._before)}
