@@ -290,13 +290,17 @@ class Model:
             loss: a name (``"mse"``, ``"cross_entropy"``, ...), an ``nn.Module`` or a callable,
                 called as ``loss(y_pred, y_true)``; ``None`` when the module returns its own
                 loss (a ``ModelOutput`` or dict with ``"loss"``, as Hugging Face models do).
+                Metrics and ``predict`` take a structured output's ``"logits"`` (the rule of
+                :mod:`fitkit.outputs`), and metric targets come from ``y`` or ``x["labels"]``.
             metrics: names, ``torchmetrics.Metric`` objects, callables ``fn(y_pred, y_true)``,
                 :class:`fitkit.metrics.MetricSpec` objects, or ``{log_name: metric}``.
             loss_weights: a number that multiplies a single loss, or, for a module with several
                 outputs and as many losses, one weight per loss (``loss`` is then a list or dict
                 like the outputs).
             scheduler: a ``torch.optim.lr_scheduler`` object, a timm scheduler, or a factory
-                ``optimizer -> scheduler``.
+                ``optimizer -> scheduler``. A timm scheduler gets ``step_update(num_updates)``
+                after each optimizer step and ``step(epoch + 1, metric)`` after each epoch
+                (``metric``: ``val_loss``, else ``loss``), as timm's ``train.py`` calls them.
             scheduler_interval: ``"epoch"`` or ``"step"`` (per optimizer step).
             precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (with a GradScaler).
             gradient_accumulation_steps: micro-batches per optimizer step (sample-exact).
