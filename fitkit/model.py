@@ -41,7 +41,7 @@ from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
 from fitkit.modes import modes
 from fitkit.optim import resolve_optimizer, resolve_scheduler
-from fitkit.outputs import own_loss, prediction_of, targets_of
+from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 from fitkit.preflight import in_memory_check
 from fitkit.stepper import Stepper
 from fitkit.summary import summary_table
@@ -315,13 +315,17 @@ class Model:
             loss: a name (``"mse"``, ``"cross_entropy"``, ...), an ``nn.Module`` or a callable,
                 called as ``loss(y_pred, y_true)``; ``None`` when the module returns its own
                 loss (a ``ModelOutput`` or dict with ``"loss"``, as Hugging Face models do).
+                Metrics and ``predict`` take a structured output's ``"logits"`` (the rule of
+                :mod:`fitkit.outputs`), and metric targets come from ``y`` or ``x["labels"]``.
             metrics: names, ``torchmetrics.Metric`` objects, callables ``fn(y_pred, y_true)``,
                 :class:`fitkit.metrics.MetricSpec` objects, or ``{log_name: metric}``.
             loss_weights: a number that multiplies a single loss, or, for a module with several
                 outputs and as many losses, one weight per loss (``loss`` is then a list or dict
                 like the outputs).
             scheduler: a ``torch.optim.lr_scheduler`` object, a timm scheduler, or a factory
-                ``optimizer -> scheduler``.
+                ``optimizer -> scheduler``. A timm scheduler gets ``step_update(num_updates)``
+                after each optimizer step and ``step(epoch + 1, metric)`` after each epoch
+                (``metric``: ``val_loss``, else ``loss``), as timm's ``train.py`` calls them.
             scheduler_interval: ``"epoch"`` or ``"step"`` (per optimizer step).
             precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (with a GradScaler).
             gradient_accumulation_steps: micro-batches per optimizer step (sample-exact).
@@ -801,8 +805,9 @@ class Model:
             if own is not None:
                 return own
             raise RuntimeError(
-                "No loss to compute: none was compiled and the module's output carries no 'loss'. "
-                "Fix: `model.compile(loss=...)`, or override `compute_loss`."
+                "No loss to compute: none was compiled and the module's output carries no 'loss' (a "
+                "Hugging Face model computes one only when its inputs hold `labels`). Fix: put the "
+                "targets in the input dict as 'labels', `model.compile(loss=...)`, or override `compute_loss`."
             )
         if y is None:
             raise ValueError(
@@ -810,7 +815,13 @@ class Model:
                 "`(x, y)` batches, or override `compute_loss`."
             )
         if not isinstance(self.loss, MultiLoss) and not isinstance(y_pred, torch.Tensor):
-            y_pred = prediction_of(y_pred) if prediction_of(y_pred) is not None else y_pred
+            # A plain callable loss may read the whole structured output; fitkit's losses need
+            # the prediction picked by the rule of fitkit.outputs.
+            pred = prediction_of(y_pred)
+            if pred is not None:
+                y_pred = pred
+            elif self.loss.kind != "custom":
+                require_prediction(y_pred, f"the loss '{self.loss.name}'")
         if sample_weight is None:
             return self.loss(y_pred, y)
         per_sample = self.loss(y_pred, y, per_sample=True)
@@ -922,8 +933,11 @@ class Model:
                 "`update_metrics` adds to the running fit / evaluate; it was called outside one. "
                 "Fix: call it from train_step or test_step."
             )
+        totals = self._phases[-1]
         pred = y_pred if isinstance(y_pred, torch.Tensor) else prediction_of(y_pred)
-        self._phases[-1].update(loss, y_pred if pred is None else pred, y, sample_weight)
+        if pred is None and y is not None and totals.metrics.entries != []:
+            require_prediction(y_pred, "the compiled metrics")  # raises, naming the rule and the fix
+        totals.update(loss, y_pred if pred is None else pred, y, sample_weight)
 
     # -- phases ------------------------------------------------------------------------------
     def _new_totals(self) -> RunningTotals:

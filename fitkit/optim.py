@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
+from fitkit.stepper import is_timm_scheduler
+
 __all__ = ["OPTIMIZERS", "resolve_optimizer", "resolve_scheduler", "current_lr"]
 
 #: Optimizer names accepted by ``compile(optimizer=...)``, each with torch's default
@@ -110,8 +112,10 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
     """Build the LR scheduler of ``compile`` from an instance or a factory.
 
     Args:
-        scheduler: ``None``, a ``torch.optim.lr_scheduler`` object built on ``optimizer``, or a
-            factory ``optimizer -> scheduler``.
+        scheduler: ``None``, a ``torch.optim.lr_scheduler`` object built on ``optimizer``, a
+            timm scheduler (anything with timm's ``step(epoch, metric=None)`` and
+            ``step_update(num_updates, metric=None)``, such as ``CosineLRScheduler``), or a
+            factory ``optimizer -> scheduler`` of either kind (a class counts as a factory).
         optimizer: the compiled optimizer.
         interval: ``"epoch"`` or ``"step"`` (one step per optimizer step).
 
@@ -131,7 +135,7 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
         )
     if scheduler is None:
         return None
-    if _is_timm(scheduler):  # timm's protocol: step(epoch, metric) and step_update(num_updates)
+    if is_timm_scheduler(scheduler):  # timm's protocol: step(epoch, metric) and step_update(num_updates)
         if getattr(scheduler, "optimizer", optimizer) is not optimizer:
             raise ValueError(
                 "The scheduler was built on another optimizer than the model's. Fix: build it on "
@@ -141,12 +145,13 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
     kinds = (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau)
     if not isinstance(scheduler, kinds) and callable(scheduler):
         scheduler = scheduler(optimizer)
-        if _is_timm(scheduler):
+        if is_timm_scheduler(scheduler):
             return resolve_scheduler(scheduler, optimizer, interval)
     if not isinstance(scheduler, kinds):
         raise TypeError(
-            "Expected `scheduler` to be a torch.optim.lr_scheduler object or a factory "
-            f"optimizer -> scheduler. Received: {type(scheduler).__name__}."
+            "Expected `scheduler` to be a torch.optim.lr_scheduler object, a timm scheduler (with "
+            "step(epoch, metric) and step_update(num_updates)) or a factory optimizer -> scheduler. "
+            f"Received: {type(scheduler).__name__}."
         )
     if scheduler.optimizer is not optimizer:
         raise ValueError(
@@ -154,10 +159,6 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
             "such as `lambda opt: StepLR(opt, 10)`, or build it on `model.optimizer` after compile."
         )
     return scheduler
-
-
-def _is_timm(scheduler: Any) -> bool:
-    return callable(getattr(scheduler, "step_update", None)) and callable(getattr(scheduler, "step", None))
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float | torch.Tensor:

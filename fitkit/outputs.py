@@ -8,11 +8,17 @@ that metrics and ``predict_step`` use:
 2. a mapping (``ModelOutput`` is one) gives its ``"logits"`` entry, else its only tensor entry
    that is not ``"loss"``;
 3. a namedtuple gives its ``logits`` field, else its first field;
-4. anything else has no single prediction: compiled metrics then raise a ``ValueError`` saying
-   to compute them in a custom ``test_step`` or to return a tensor.
+4. anything else has no single prediction: a compiled loss or compiled metrics then raise a
+   ``ValueError`` (:func:`require_prediction`) that states this rule and the fix (return a
+   tensor, or put the prediction under ``"logits"``; for several outputs, one loss per output
+   and metrics in a custom ``test_step``). A plain callable loss gets the whole output.
+
+``predict`` returns the ``"logits"`` entry of a mapping that has one, else the whole output.
 
 With ``compile(loss=None)``, an output that holds a ``"loss"`` entry supplies the loss, and
-targets for metrics come from ``y`` or, for dict inputs, from ``x["labels"]``.
+targets for metrics come from ``y`` or, for dict inputs, from ``x["labels"]`` (Hugging Face's
+convention; a causal LM shifts its ``labels`` inside, so per-token metrics there need ``y=``
+targets that are already shifted).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["prediction_of", "own_loss", "targets_of"]
+__all__ = ["prediction_of", "require_prediction", "own_loss", "targets_of"]
 
 
 def prediction_of(output: Any) -> Any:
@@ -44,6 +50,47 @@ def prediction_of(output: Any) -> Any:
     if isinstance(output, tuple) and hasattr(output, "_fields"):
         return getattr(output, "logits", output[0])
     return None
+
+
+def _describe(output: Any) -> str:
+    if isinstance(output, Mapping):
+        keys = [repr(k) for k, v in output.items() if isinstance(v, torch.Tensor)]
+        kind = type(output).__name__
+        return f"a {kind} with tensor entries {', '.join(keys)}" if keys else f"a {kind} with no tensor entry"
+    if isinstance(output, (tuple, list)):
+        return f"a {type(output).__name__} of {len(output)} items"
+    return f"a {type(output).__name__}"
+
+
+def require_prediction(output: Any, needed_by: str) -> torch.Tensor:
+    """The prediction inside ``output`` (see the rule above), or a ``ValueError`` naming the fix.
+
+    Args:
+        output: the module's output.
+        needed_by: what asks for it, for the message (``"the loss 'cross_entropy'"``).
+
+    Raises:
+        ValueError: the rule picks no prediction out of ``output``.
+
+    Example:
+        >>> require_prediction({"loss": torch.tensor(0.0), "logits": torch.zeros(2, 3)}, "the metrics").shape
+        torch.Size([2, 3])
+        >>> require_prediction({"start": torch.zeros(2), "end": torch.zeros(2)}, "the metrics")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: fitkit cannot pick one prediction tensor for the metrics out of the module's output: ...
+    """
+    pred = prediction_of(output)
+    if isinstance(pred, torch.Tensor):
+        return pred
+    raise ValueError(
+        f"fitkit cannot pick one prediction tensor for {needed_by} out of the module's output: "
+        f"{_describe(output)}. The rule (fitkit.outputs): a tensor is the prediction; a dict or "
+        "ModelOutput gives its 'logits' entry, else its only tensor entry other than 'loss'; a "
+        "namedtuple its 'logits' field, else its first field. Fix: return a tensor, or put the "
+        "prediction under 'logits'; for several outputs, compile one loss per output (a list or "
+        "dict of losses) and compute metrics in a custom test_step."
+    )
 
 
 def own_loss(output: Any) -> torch.Tensor | None:

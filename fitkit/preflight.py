@@ -11,6 +11,7 @@ forward, so it costs no compilation of its own and moves no BatchNorm statistic.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from fitkit.compile import call
 from fitkit.data import TensorBatches
 from fitkit.devices import move_to_device
 from fitkit.modes import modes
-from fitkit.outputs import prediction_of, targets_of
+from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 
 __all__ = ["prepare_in_memory", "first_batch_check", "describe", "has_training_batchnorm"]
 
@@ -32,12 +33,22 @@ def describe(batch: Any) -> str:
     Example:
         >>> describe((torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)))
         'x: float32 (2, 3); y: int64 (2,)'
+        >>> describe(({"input_ids": torch.zeros(2, 5, dtype=torch.long)}, None, None))
+        "x: 'input_ids' int64 (2, 5)"
     """
+    def one(t: torch.Tensor) -> str:
+        return f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)}"
+
     parts = []
     for name, part in zip(("x", "y", "sample_weight"), batch, strict=False):
+        if isinstance(part, Mapping):  # name the entries: {"input_ids": ..., "labels": ...}
+            named = [f"{k!r} {one(t)}" for k, v in part.items() for t in nest.leaves(v)]
+            if named:
+                parts.append(f"{name}: " + ", ".join(named))
+            continue
         ts = nest.leaves(part)
         if ts:
-            parts.append(f"{name}: " + ", ".join(f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)}" for t in ts))
+            parts.append(f"{name}: " + ", ".join(one(t) for t in ts))
     return "; ".join(parts)
 
 
@@ -116,12 +127,14 @@ def _wrap(what: str, batch: Any, e: Exception) -> Exception:
     )
 
 
-def first_batch_check(model: Any, batch: tuple[Any, Any, Any], y_all: Any = None) -> None:
+def first_batch_check(model: Any, batch: tuple[Any, Any, Any], y_all: Any = None, training: bool = True) -> None:
     """Run one batch through the module, the loss and the metrics, changing nothing.
 
     Shape, dtype and class-range errors surface here, named by the call that failed
     (forward, loss, metric) with what was fed; the original error is chained. ``y_all``: all
-    in-memory targets, whose class labels are range-checked against the module's outputs.
+    in-memory targets (``y``, or ``x["labels"]``), whose class labels are range-checked against
+    the module's outputs. ``training``: the batches train, so with ``loss=None`` the output
+    must carry its own loss (evaluation may log metrics alone).
     """
     x, y, w = batch
     model._example_x = x
@@ -133,25 +146,49 @@ def first_batch_check(model: Any, batch: tuple[Any, Any, Any], y_all: Any = None
         try:
             y_pred = call(module, x)
         except Exception as e:
+            if model.loss is None:
+                _check_own_labels(module, x, y_all)  # the module's own loss met a label out of range?
             raise _wrap("module's forward", batch, e) from e
+        if model.loss is None and model.default_compute_loss:
+            if own_loss(y_pred) is not None:
+                check_class_range(None, prediction_of(y_pred), y_all)
+            elif training:
+                model.compute_loss(x, y, y_pred, w)  # raises: nothing to train on, and the fix
         if y is None and model.loss is not None and model.default_compute_loss:
             model.compute_loss(x, y, y_pred, w)  # raises: a compiled loss needs targets
         if y is not None and model.loss is not None:
             try:
                 prepare = getattr(model.loss, "prepare", None)
-                if getattr(model.loss, "kind", None) == "class_index" and isinstance(y_pred, torch.Tensor):
+                pred = prediction_of(y_pred)  # a structured output's prediction (fitkit.outputs)
+                if getattr(model.loss, "kind", None) == "class_index" and isinstance(pred, torch.Tensor):
                     # Before the loss: torch's own out-of-range error names no fix.
-                    prepare(y_pred, y)  # dtype / shape errors; sets the class layout
-                    check_class_range(model.loss, y_pred, y_all)
+                    prepare(pred, y)  # dtype / shape errors; sets the class layout
+                    check_class_range(model.loss, pred, y_all)
                 model.compute_loss(x, y, y_pred, w)
             except Exception as e:
                 raise _wrap("loss", batch, e) from e
         target = targets_of(x, y)
         if model.metrics.entries is None and target is not None:
+            pred = require_prediction(y_pred, "the compiled metrics")  # the rule's error names the fix
             try:
-                model.metrics.build(prediction_of(y_pred), target)
+                model.metrics.build(pred, target)
             except Exception as e:
                 raise _wrap("metrics", batch, e) from e
+
+
+def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:
+    """After a failed forward with ``labels`` in ``x``: name a label out of range if that is why.
+
+    A Hugging Face model computes its loss inside ``forward``, so a bad label fails there with
+    torch's ``IndexError``; the forward without ``labels`` tells the number of classes.
+    """
+    if not isinstance(x, Mapping) or "labels" not in x:
+        return
+    try:
+        out = call(module, {k: v for k, v in x.items() if k != "labels"})
+    except Exception:
+        return  # the forward fails for another reason: the caller reports it
+    check_class_range(None, prediction_of(out), y_all)
 
 
 def _check_with_test_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
@@ -171,13 +208,33 @@ def _check_with_test_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
 
 
 def check_class_range(loss: Any, y_pred: Any, y_all: Any) -> None:
-    """Class labels of in-memory targets must fit the module's outputs (``ValueError``)."""
-    if getattr(loss, "kind", None) != "class_index" or not isinstance(y_all, torch.Tensor):
+    """Class labels of in-memory targets must fit the module's outputs (``ValueError``).
+
+    ``loss=None`` stands for the module's own loss (``compile(loss=None)``), read by Hugging
+    Face's convention: integer ``labels`` index the last dimension of the logits (one more
+    than the labels have), and -100 is ignored. Anything else (float labels, a single output)
+    is left to the module.
+
+    Example:
+        >>> check_class_range(None, torch.zeros(4, 3), torch.tensor([0, 2, -100, 1]))  # fits
+        >>> check_class_range(None, torch.zeros(4, 3), torch.tensor([0, 3, 1, 1]))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Class labels must lie in [0, 2] for a module with 3 outputs. Received labels from 0 to 3. ...
+    """
+    if not isinstance(y_all, torch.Tensor) or not isinstance(y_pred, torch.Tensor):
         return
-    if y_all.is_floating_point() or y_all.numel() == 0 or not isinstance(y_pred, torch.Tensor):
+    if y_all.is_floating_point() or y_all.dtype == torch.bool or y_all.numel() == 0:
         return
-    n_classes = y_pred.shape[-1] if loss.class_last else y_pred.shape[1]
-    ignore = getattr(loss, "ignore_index", -100)
+    if loss is None:
+        if not y_pred.is_floating_point() or y_pred.dim() != y_all.dim() + 1 or y_pred.shape[-1] < 2:
+            return
+        n_classes, ignore = y_pred.shape[-1], -100
+    elif getattr(loss, "kind", None) == "class_index":
+        n_classes = y_pred.shape[-1] if loss.class_last else y_pred.shape[1]
+        ignore = getattr(loss, "ignore_index", -100)
+    else:
+        return
     valid = y_all[y_all != ignore] if ignore is not None else y_all
     if valid.numel() == 0:
         return
@@ -186,7 +243,7 @@ def check_class_range(loss: Any, y_pred: Any, y_all: Any) -> None:
         raise ValueError(
             f"Class labels must lie in [0, {n_classes - 1}] for a module with {n_classes} "
             f"outputs. Received labels from {lo} to {hi}. Fix: remap the labels, or give the "
-            "module one output per class."
+            "module one output per class (`num_labels` of a Hugging Face config)."
         )
 
 
@@ -199,4 +256,4 @@ def in_memory_check(model: Any, source: TensorBatches, training: bool) -> None:
     prepare_in_memory(source, model.module, training)
     if source.n == 0 or training and not model.default_train_step and model.default_test_step:
         return
-    first_batch_check(model, _first_batch(source, model.device), source.y)
+    first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y), training)

@@ -30,14 +30,21 @@ _NO_CONTEXT = contextlib.nullcontext()  # reusable: no object built per step
 def is_timm_scheduler(scheduler: Any) -> bool:
     """Whether ``scheduler`` follows timm's protocol (``step(epoch, metric)``, ``step_update``).
 
+    A class is not a scheduler but a factory (``scheduler=CosineLRScheduler`` would be called on
+    the optimizer), though its functions answer to the same names.
+
     Example:
         >>> class Cosine:
         ...     def step(self, epoch, metric=None): ...
         ...     def step_update(self, num_updates, metric=None): ...
-        >>> is_timm_scheduler(Cosine()), is_timm_scheduler(object())
-        (True, False)
+        >>> is_timm_scheduler(Cosine()), is_timm_scheduler(Cosine), is_timm_scheduler(object())
+        (True, False, False)
     """
-    return callable(getattr(scheduler, "step_update", None)) and callable(getattr(scheduler, "step", None))
+    return (
+        not isinstance(scheduler, type)
+        and callable(getattr(scheduler, "step_update", None))
+        and callable(getattr(scheduler, "step", None))
+    )
 
 
 def _batch_weight(batch: tuple[Any, Any, Any]) -> Any:

@@ -122,7 +122,7 @@ def _untested_python_blocks(page: Path) -> list[str]:
         if language is None:
             continue  # bash, text, ... are given a language explicitly below
         caption = next((c.group(1) for c in map(_CAPTION.match, lines[i + 1:i + 4]) if c), "")
-        if not re.match(r"(Keras|Lightning|PyTorch Lightning|TensorFlow)\b", caption):
+        if not re.match(r"(Keras|Lightning|PyTorch Lightning|TensorFlow|timm)\b", caption):
             bad.append(f"{page.relative_to(DOCS)}:{i + 1}: {line.strip()} (caption {caption!r})")
     return bad
 

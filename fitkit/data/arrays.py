@@ -26,20 +26,23 @@ Batch = tuple[Any, Any, Any]
 def is_in_memory(x: Any) -> bool:
     """Whether ``x`` is a tensor, a numpy array, or a tuple / list / dict whose leaves all are.
 
-    A list of ``(x, y)`` tuples is not in memory in this sense: it is an iterable of batches.
+    A list of ``(x, y)`` tuples or of dicts is not in memory in this sense: it is an iterable
+    of batches.
 
     Example:
         >>> is_in_memory((torch.zeros(3), np.zeros(3))), is_in_memory([1, 2, 3])
         (True, False)
-        >>> is_in_memory([(torch.zeros(2, 3), torch.zeros(2))])
-        False
+        >>> is_in_memory([(torch.zeros(2, 3), torch.zeros(2))]), is_in_memory([{"input_ids": torch.zeros(2, 3)}])
+        (False, False)
     """
     if isinstance(x, (torch.Tensor, np.ndarray)):
         return True
     if isinstance(x, (tuple, list)):
-        # (x1, x2) of arrays is several inputs; a list of (x, y) tuples is a list of batches.
+        # (x1, x2) of arrays is several inputs; a list of (x, y) tuples is a list of batches,
+        # and so is a list of dicts (Hugging Face-style batches {"input_ids": ..., "labels": ...}).
+        batch_types = (tuple, list, Mapping) if isinstance(x, list) else (tuple, list)
         return len(x) > 0 and all(
-            is_in_memory(v) and not isinstance(v, (tuple, list)) for v in x
+            is_in_memory(v) and not isinstance(v, batch_types) for v in x
         )
     if isinstance(x, Mapping):
         return len(x) > 0 and all(is_in_memory(v) for v in x.values())

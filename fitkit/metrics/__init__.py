@@ -11,7 +11,8 @@ What the loss knows (:meth:`MetricSet.configure`, called by ``Model.compile``):
   and ``"nll"``, or the module's own, as in ``nn.CrossEntropyLoss(ignore_index=0)``) count for
   nothing in every classification metric given by name, in the ``(B, C)``, ``(B, C, d1, ...)``
   and language-model ``(B, T, V)`` layouts. A torchmetrics object is used as given (set its own
-  ``ignore_index``).
+  ``ignore_index``). With ``loss=None`` (the module's own loss, as Hugging Face models compute
+  it), multiclass targets of -100, Hugging Face's ignore index, count for nothing.
 - **Logits or probabilities.** Decided from the loss, never from the values: logits for
   ``"cross_entropy"``, ``"bce_with_logits"`` and their modules, probabilities for ``"bce"`` /
   ``nn.BCELoss``, log-probabilities for ``"nll"`` / ``nn.NLLLoss``. Binary and multilabel

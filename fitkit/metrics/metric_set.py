@@ -141,6 +141,9 @@ class MetricSet:
     def configure(self, loss: Any = None, device: torch.device | str | None = None) -> MetricSet:
         """Take what the loss knows (kind, ``output``, ``ignore_index``) and the device.
 
+        Without a loss (``compile(loss=None)``: a module that computes its own, as Hugging Face
+        models do), multiclass metrics skip targets of -100, Hugging Face's ignore index.
+
         ``Model.compile`` calls it once with the resolved loss. Metrics already built are built
         again at the next batch, for the new loss.
 
@@ -160,7 +163,10 @@ class MetricSet:
         loss = resolve_loss(loss)
         self.loss_kind = getattr(loss, "kind", None)
         self.output = getattr(loss, "output", None)
-        self.ignore_index = getattr(loss, "ignore_index", None)
+        # loss=None: the module's own loss (Hugging Face's), whose labels mark ignored positions
+        # with -100; no class label is negative. Applied to multiclass labels only (see
+        # _classification_entry): torchmetrics' binary ignore_index would sync every step.
+        self.ignore_index = getattr(loss, "ignore_index", None) if loss is not None else -100
         self.loss_name = getattr(loss, "name", None)
         if self.entries:
             self.entries = None
@@ -252,7 +258,9 @@ class MetricSet:
                 "`metrics=`, or a loss that says: 'bce_with_logits' (logits), 'bce' (probabilities), or "
                 "`fitkit.losses.Loss(fn, output='logits')`. A torchmetrics object is used as given."
             )
-        return _Entry(key, _make_classification(name, task, n, self.ignore_index), kind, output)
+        own_loss = self.loss_kind is None  # compile(loss=None): -100 is skipped in multiclass labels only
+        ignore = None if own_loss and task != "multiclass" else self.ignore_index
+        return _Entry(key, _make_classification(name, task, n, ignore), kind, output)
 
     @torch.no_grad()
     def update(self, y_pred: Any, y: Any) -> None:

@@ -1,0 +1,204 @@
+"""Hugging Face transformers through fitkit's public API (the ``hf`` extra).
+
+Models are built from configs (no download). A dict batch calls ``module(**x)``; with
+``compile(loss=None)`` the output's own ``loss`` trains, metrics and ``predict`` take its
+``logits`` (the rule of :mod:`fitkit.outputs`), and metric targets come from ``y`` or
+``x["labels"]``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import fitkit
+from fitkit.examples.shakespeare import default_text_path
+from fitkit.text import CharTokenizer, NextTokenDataset
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()  # tiny configs: no notes about token ids or loss types
+
+T = 12  # sequence length of the synthetic classification task
+
+
+def _bert_config(num_labels: int = 2, dropout: float = 0.1) -> transformers.BertConfig:
+    return transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=T, num_labels=num_labels,
+                                   hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+
+
+def _bert(num_labels: int = 2, dropout: float = 0.1) -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(_bert_config(num_labels, dropout))
+
+
+def _token_task(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of ids in [1, 50); label 1 iff token 7 appears (half of them)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 50, (n, T), generator=g)
+    ids[ids == 7] = 8
+    has = torch.rand(n, generator=g) < 0.5
+    pos = torch.randint(0, T, (n,), generator=g)
+    ids[has, pos[has]] = 7
+    return ids, has.long()
+
+
+class DictItems(Dataset):
+    """Hugging Face-style items: one dict of tensors per sample."""
+
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor):
+        self.ids, self.labels = ids, labels
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(T, dtype=torch.long), "labels": self.labels[i]}
+
+
+# -- GPT-2 on tiny Shakespeare ------------------------------------------------------------------
+@pytest.mark.slow
+def test_gpt2_trains_on_tiny_shakespeare_with_its_own_loss():
+    text = default_text_path().read_text(encoding="utf-8")
+    tokenizer = CharTokenizer(text)
+    tokens = tokenizer.encode(text[:60_000])
+    windows = NextTokenDataset(tokens, block_size=64)
+    # Causal LM convention: labels are the inputs, the model shifts them inside.
+    x = torch.stack([windows[i][0] for i in range(0, 48_000, 250)])  # (192, 64)
+    x_val = torch.stack([windows[i][0] for i in range(50_000, 59_000, 250)])  # (36, 64), held out
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_head=4, n_embd=128, vocab_size=tokenizer.vocab_size,
+                                     n_positions=64)
+    model = fitkit.Model(transformers.GPT2LMHeadModel(config), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), loss=None)
+    before = model.evaluate({"input_ids": x_val, "labels": x_val}, batch_size=12, verbose=0)["loss"]
+    history = model.fit({"input_ids": x, "labels": x}, batch_size=12, epochs=2, verbose=0)
+    after = model.evaluate({"input_ids": x_val, "labels": x_val}, batch_size=12, verbose=0)["loss"]
+
+    assert before == pytest.approx(4.17, abs=0.3)  # ln 65: a uniform guess over 65 characters
+    assert history.history["loss"][1] < history.history["loss"][0]
+    assert after < before - 0.8
+
+    logits = model.predict({"input_ids": x_val}, batch_size=12, verbose=0)
+    assert logits.shape == (36, 64, 65) and logits.dtype == torch.float32
+    # evaluate's loss is the model's own: next-token cross entropy over positions 1..63.
+    by_hand = F.cross_entropy(logits[:, :-1].reshape(-1, 65), x_val[:, 1:].reshape(-1))
+    assert after == pytest.approx(float(by_hand), abs=1e-5)
+    with torch.no_grad():
+        model.module.eval()
+        assert torch.allclose(logits, model.module(input_ids=x_val).logits, atol=1e-5)
+
+
+# -- BERT sequence classification ---------------------------------------------------------------
+@pytest.mark.slow
+def test_bert_trains_the_same_with_its_own_loss_and_with_cross_entropy():
+    ids, labels = _token_task(512, seed=0)
+    ids_test, labels_test = _token_task(256, seed=1)
+
+    own = fitkit.Model(_bert(), device="cpu")
+    own.compile(optimizer="adam", loss=None, metrics=["accuracy"])
+    h_own = own.fit({"input_ids": ids, "labels": labels}, batch_size=32, epochs=5, verbose=0)
+    ev_own = own.evaluate({"input_ids": ids_test, "labels": labels_test}, verbose=0)
+
+    ce = fitkit.Model(_bert(), device="cpu")
+    ce.compile(optimizer="adam", loss="cross_entropy", metrics=["accuracy"])
+    h_ce = ce.fit({"input_ids": ids}, labels, batch_size=32, epochs=5, verbose=0)
+    ev_ce = ce.evaluate({"input_ids": ids_test}, labels_test, verbose=0)
+
+    # HF's sequence-classification loss is F.cross_entropy: the two paths are one computation.
+    assert h_own.history == h_ce.history
+    assert ev_own == ev_ce
+    assert ev_own["accuracy"] > 0.9  # chance is 0.5
+
+    logits = own.predict({"input_ids": ids_test}, verbose=0)  # the output's logits
+    assert logits.shape == (256, 2)
+    correct = int((logits.argmax(-1) == labels_test).sum())
+    assert ev_own["accuracy"] == pytest.approx(correct / 256, abs=1e-7)
+    assert ev_own["loss"] == pytest.approx(float(F.cross_entropy(logits, labels_test)), abs=1e-6)
+
+
+def test_a_dataset_and_a_dataloader_of_dicts_train_as_in_memory_dicts():
+    ids, labels = _token_task(64, seed=2)
+    mask = torch.ones(64, T, dtype=torch.long)
+    sources = {
+        "in-memory": {"input_ids": ids, "attention_mask": mask, "labels": labels},
+        "batch-encoding": transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask, "labels": labels}),
+        "dataset": DictItems(ids, labels),
+        "dataloader": DataLoader(DictItems(ids, labels), batch_size=16),
+    }
+    results = {}
+    for name, data in sources.items():
+        # No dropout: a DataLoader draws a seed from torch's RNG, so dropout masks would differ.
+        model = fitkit.Model(_bert(dropout=0.0), device="cpu")
+        model.compile(optimizer="adam", loss=None, metrics=["accuracy"])
+        history = model.fit(data, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        results[name] = (history.history, model.module.classifier.weight.detach().clone())
+    reference, weights = results.pop("in-memory")
+    assert len(reference["loss"]) == 2
+    for name, (history, w) in results.items():
+        assert history == reference, name
+        assert torch.equal(w, weights), name
+
+
+def test_validation_and_predict_take_dict_batches_from_a_dataloader():
+    ids, labels = _token_task(64, seed=3)
+    model = fitkit.Model(_bert(), device="cpu")
+    model.compile(optimizer="adam", loss=None, metrics=["accuracy"])
+    loader = DataLoader(DictItems(ids, labels), batch_size=16)
+    history = model.fit(loader, validation_data=loader, epochs=1, verbose=0)
+    assert history.history["val_loss"] == [pytest.approx(model.evaluate(loader, verbose=0)["loss"], abs=1e-6)]
+    logits = model.predict(loader, verbose=0)  # `labels` in x are passed on; the logits come back
+    assert logits.shape == (64, 2)
+    assert torch.allclose(logits, model.predict({"input_ids": ids}, verbose=0), atol=1e-5)
+
+
+def test_token_metrics_skip_the_minus_100_labels_of_a_model_with_its_own_loss():
+    ids, _ = _token_task(32, seed=4)
+    labels = (ids % 3).clone()
+    labels[:, -4:] = -100  # e.g. padding: no loss, no metric
+    torch.manual_seed(0)
+    config = _bert_config(num_labels=3)
+    model = fitkit.Model(transformers.BertForTokenClassification(config), device="cpu")
+    model.compile(loss=None, metrics=["accuracy"])
+    result = model.evaluate({"input_ids": ids, "labels": labels}, batch_size=32, verbose=0)
+    logits = model.predict({"input_ids": ids}, batch_size=32, verbose=0)  # (32, T, 3)
+    keep = labels != -100
+    correct = (logits.argmax(-1) == labels)[keep]
+    assert result["accuracy"] == pytest.approx(float(correct.float().mean()), abs=1e-7)
+    assert result["loss"] == pytest.approx(float(F.cross_entropy(logits[keep], labels[keep])), abs=1e-6)
+
+
+# -- errors, raised before the first step ---------------------------------------------------------
+def test_labels_out_of_range_anywhere_in_memory_fail_before_any_step():
+    ids, labels = _token_task(64, seed=5)
+    labels[40] = 2  # not in the first batch: the model has 2 labels
+    model = fitkit.Model(_bert(), device="cpu")
+    model.compile(optimizer="adam", loss=None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"Class labels must lie in \[0, 1\] .* Received labels from 0 to 2\. "
+                                         r"Fix: .*`num_labels` of a Hugging Face config"):
+        model.fit({"input_ids": ids, "labels": labels}, batch_size=16, verbose=0)
+    labels[0] = 5  # in the first batch: the model's own loss fails inside its forward
+    with pytest.raises(ValueError, match=r"Received labels from 0 to 5"):
+        model.fit({"input_ids": ids, "labels": labels}, batch_size=16, verbose=0)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_no_labels_and_no_loss_is_an_error_that_names_the_fix():
+    ids, _ = _token_task(16, seed=6)
+    model = fitkit.Model(_bert(), device="cpu")
+    model.compile(optimizer="adam", loss=None)
+    with pytest.raises(RuntimeError, match=r"carries no 'loss' .*Fix: put the targets in the input dict as 'labels'"):
+        model.fit({"input_ids": ids}, verbose=0)
+    assert model.global_step == 0
+
+
+def test_first_batch_errors_name_the_entries_of_a_dict_input():
+    ids, labels = _token_task(16, seed=7)
+    model = fitkit.Model(_bert(), device="cpu")
+    model.compile(loss=None)
+    with pytest.raises(ValueError, match=r"module's forward.*'input_ids' int64 \(16, 13\), 'labels' int64 \(16,\)"):
+        model.fit({"input_ids": torch.cat([ids, ids[:, :1]], 1), "labels": labels}, batch_size=16, verbose=0)
