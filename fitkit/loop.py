@@ -159,6 +159,7 @@ class FitLoop:
         self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
         self._warned_short = False
+        self._warned_single = False
         self._skip_single = has_training_batchnorm(model.module)
 
     # -- the run ---------------------------------------------------------------------------------
@@ -224,11 +225,12 @@ class FitLoop:
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self._batches()
         self.in_epoch = True
-        ran = False
+        ran, skipped = False, 0
         with model._phase(self.totals):
             for step, batch in stepper.micro_batches(batches, start, self._stop_now):
                 if self._skip_single and _rows(batch) == 1 and stepper.micro_last and stepper.micro_scale is None:
                     self._warn_single(step)
+                    skipped += 1
                     continue
                 self.batch_index = step
                 if want_begin:
@@ -249,7 +251,7 @@ class FitLoop:
         if self.interrupted:
             return None
         if not ran and not start:
-            self._no_batches(epoch)
+            self._no_batches(epoch, skipped)
             return None
         if getattr(loader, "ran_out", False) and not self._warned_short:
             self._warned_short = True
@@ -267,7 +269,13 @@ class FitLoop:
         logs.update(_lr_logs(stepper.lrs_used or model.optimizer.param_groups, self.per_group_lr))
         return logs
 
-    def _no_batches(self, epoch: int) -> None:
+    def _no_batches(self, epoch: int, skipped: int = 0) -> None:
+        if skipped and epoch == self.start_epoch:
+            raise ValueError(
+                f"Every training batch of epoch {epoch + 1} ({skipped}) had one row, and BatchNorm cannot "
+                "train on one row, so nothing was trained. Fix: use batches of at least 2 rows, or put the "
+                "BatchNorm layers in eval mode (`module.eval()` on them) before fit."
+            )
         if epoch == self.start_epoch and not self.resume:
             raise ValueError(
                 f"The training data ({_name(self.train)}) yielded no batch in epoch {epoch + 1}. Fix: "
@@ -281,10 +289,13 @@ class FitLoop:
         )
 
     def _warn_single(self, step: int) -> None:
+        if self._warned_single:
+            return
+        self._warned_single = True  # one warning per fit
         warnings.warn(
             f"Batch {step} of epoch {self.epoch + 1} has one row, which BatchNorm cannot train on; it is "
-            "skipped. Fix: use `drop_last=True` in the DataLoader, or a batch size that leaves no "
-            "single row.",
+            "skipped, as is every later one-row training batch of this fit. Fix: use `drop_last=True` in "
+            "the DataLoader, or a batch size that leaves no single row.",
             stacklevel=5,
         )
 
@@ -347,8 +358,10 @@ class FitLoop:
         first = next(it, None)
         set_rng_state(point.rng)
         self.totals.load_state_dict(point.trackers)
-        self.batches_done, self.samples_done = point.step_in_epoch, point.samples_in_epoch
-        return (it if first is None else _chain(first, it)), point.step_in_epoch
+        # In-memory data resumes by samples: count the batches done in this fit's batch size.
+        done = point.step_in_epoch if skip[1] is None else skip[1] // self.train.batch_size
+        self.batches_done, self.samples_done = done, point.samples_in_epoch
+        return (it if first is None else _chain(first, it)), done
 
     def position(self) -> dict[str, Any]:
         """Where a checkpoint taken now resumes: epoch, batches and samples done in it."""

@@ -34,7 +34,7 @@ def describe(batch: Any) -> str:
         'x: float32 (2, 3); y: int64 (2,)'
     """
     parts = []
-    for name, part in zip(("x", "y", "sample_weight"), batch):
+    for name, part in zip(("x", "y", "sample_weight"), batch, strict=False):
         ts = nest.leaves(part)
         if ts:
             parts.append(f"{name}: " + ", ".join(f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)}" for t in ts))
@@ -71,7 +71,8 @@ def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool) 
     """Check and adapt in-memory data before any step (nothing else changes on an error).
 
     Raises:
-        ValueError: NaN / inf in ``x`` or ``y``, or a negative ``sample_weight``.
+        ValueError: NaN / inf in ``x`` or ``y``, a negative ``sample_weight``, or training
+            batches of one row each for a module with BatchNorm.
     """
     _check_finite("x", source.x)
     _check_finite("y", source.y)
@@ -89,7 +90,14 @@ def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool) 
         source.x = nest.map_structure(cast, source.x)
         if source.y is not None:
             source.y = nest.map_structure(cast, source.y)
-    if training and source.n % source.batch_size == 1 and source.n > 1 and has_training_batchnorm(module):
+    batchnorm = training and has_training_batchnorm(module)
+    if batchnorm and (source.batch_size == 1 or source.n == 1):
+        raise ValueError(
+            f"BatchNorm cannot train on one row, and every training batch here has one row ({source.n} "
+            f"samples, batch_size={source.batch_size}). Fix: use batch_size >= 2 with at least 2 samples, "
+            "or put the BatchNorm layers in eval mode before fit."
+        )
+    if batchnorm and source.n % source.batch_size == 1:
         source.drop_last_single = True
         warnings.warn(
             f"{source.n} training samples with batch_size={source.batch_size} leave a last batch of "
