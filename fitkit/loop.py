@@ -23,7 +23,7 @@ from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checkpoint import ResumePoint, set_rng_state
 from fitkit.checks import check_int
 from fitkit.modes import modes, warn_if_all_eval
-from fitkit.preflight import has_training_batchnorm
+from fitkit.preflight import first_batch_check, has_training_batchnorm, wrap
 from fitkit.signals import deferred
 from fitkit.tracking import RunningTotals
 
@@ -118,7 +118,14 @@ class PredictLoop:
             cbs.on_predict_begin({})
             for step, batch in enumerate(self.loader):
                 cbs.on_predict_batch_begin(step, {})
-                out = model.predict_step(batch)
+                if step:
+                    out = model.predict_step(batch)
+                else:  # shape and dtype errors of the first batch: what was fed, and a fix
+                    try:
+                        out = model.predict_step(batch)
+                    except Exception as e:
+                        custom = type(model).predict_step.__qualname__ != "Model.predict_step"
+                        raise wrap("predict_step" if custom else "module's forward", batch, e, model.module) from e
                 outputs.append(out)
                 cbs.on_predict_batch_end(step, {"outputs": out})
                 if model.stop_predicting or self.steps is not None and step + 1 >= self.steps:
@@ -161,6 +168,13 @@ class FitLoop:
         self._warned_short = False
         self._warned_single = False
         self._skip_single = has_training_batchnorm(model.module)
+        # In-memory data had its first batch checked before fit; other sources get the same check
+        # on their first training batch, before its step (as preflight skips a custom train_step).
+        from fitkit.data import TensorBatches
+
+        self._check_first = not isinstance(getattr(train, "batches", None), TensorBatches) and (
+            model.default_train_step or not model.default_test_step
+        )
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -232,6 +246,9 @@ class FitLoop:
                     self._warn_single(step)
                     skipped += 1
                     continue
+                if self._check_first:
+                    self._check_first = False
+                    first_batch_check(model, batch, label="first training batch")
                 self.batch_index = step
                 if want_begin:
                     cbs.on_train_batch_begin(step, {})

@@ -42,7 +42,7 @@ from fitkit.metrics import MetricSet
 from fitkit.modes import modes
 from fitkit.optim import resolve_optimizer, resolve_scheduler
 from fitkit.outputs import own_loss, prediction_of, targets_of
-from fitkit.preflight import in_memory_check
+from fitkit.preflight import cast_to_module, in_memory_check
 from fitkit.stepper import Stepper
 from fitkit.summary import summary_table
 from fitkit.tracking import RunningTotals, fresh_metrics
@@ -629,6 +629,8 @@ class Model:
         callbacks = check_callbacks(callbacks)
         loader = _distributed.sharded(_data.as_loader, x, batch_size=batch_size, device=self.device, steps=steps)
         src = loader.batches
+        if isinstance(src, _data.TensorBatches):
+            cast_to_module(src, self.module)  # float64 arrays into a float32 module, as fit does
         if isinstance(src, _data.TensorBatches) and src.n == 0 and not _distributed.is_distributed():
             return self.predict_on_batch(src.x)
         cbs = self._callback_list(callbacks, verbose, None, loader.num_batches)
@@ -969,6 +971,7 @@ class Model:
         Raises:
             OSError: the file cannot be written (the old file, if any, is left as it was).
         """
+        _checkpoint.check_path(path)
         state = _checkpoint.checkpoint_state(self)
         if _distributed.is_rank_zero():
             _checkpoint.atomic_save(state, path)
