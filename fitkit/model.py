@@ -380,7 +380,9 @@ class Model:
         Args:
             x: inputs ``(N, ...)`` as a tensor or numpy array; a tuple (``module(*x)``) or dict
                 (``module(**x)``) of them; or a ``Dataset``, a ``DataLoader`` or any iterable of
-                batches ``x``, ``(x, y)`` or ``(x, y, sample_weight)``.
+                batches ``x``, ``(x, y)`` or ``(x, y, sample_weight)``. Floating in-memory ``x``
+                and ``y`` are cast to the module's parameter dtype (float64 NumPy arrays become
+                float32, as Keras casts to ``floatx``); other sources' batches are not cast.
             y: targets ``(N, ...)`` for in-memory ``x``; ``None`` for the other kinds.
             batch_size: samples per batch (in-memory ``x`` and Datasets); per process under
                 torchrun.
