@@ -30,7 +30,9 @@ from fitkit.files import (
     state_dict_differences,
 )
 
-__all__ = ["atomic_save", "safe_load", "is_rank_zero", "checkpoint_state", "load_checkpoint", "ResumePoint"]
+__all__ = [
+    "atomic_save", "safe_load", "is_rank_zero", "check_path", "checkpoint_state", "load_checkpoint", "ResumePoint",
+]
 
 
 def rng_state() -> dict[str, Any]:
@@ -174,6 +176,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
     Returns:
         The epoch to pass as ``initial_epoch``.
     """
+    check_path(path)
     state = safe_load(path, model.device)
     if not isinstance(state, dict) or "fitkit_version" not in state:
         raise ValueError(
@@ -205,11 +208,28 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
     return int(state["epoch"])
 
 
+def check_path(path: Any) -> None:
+    """``TypeError`` unless ``path`` is a str or a path (before anything is read or gathered).
+
+    Example:
+        >>> check_path(3)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: Expected `path` to be a str or a path. Received: path=3 (int). Fix: ...
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(
+            f"Expected `path` to be a str or a path. Received: path={path!r} ({type(path).__name__}). "
+            "Fix: pass a file name such as 'model.pt'."
+        )
+
+
 def save_weights(model: Any, path: str | os.PathLike) -> None:
     """The module's state dict to ``path`` (rank 0 writes; gathering is collective under FSDP).
 
     A path ending in ``.safetensors`` writes safetensors (tied weights stored once).
     """
+    check_path(path)
     state = model.state_dict()  # unwrapped: no `module.` prefixes, full tensors under FSDP
     if is_rank_zero():
         if os.fspath(path).endswith(".safetensors"):
@@ -221,6 +241,7 @@ def save_weights(model: Any, path: str | os.PathLike) -> None:
 def load_weights(model: Any, path: str | os.PathLike, strict: bool = True) -> None:
     """A state dict (or a checkpoint's module part) from ``path`` into ``model``, all or nothing."""
     state: Any
+    check_path(path)
     if os.fspath(path).endswith(".safetensors"):
         state = load_safetensors(path, model.device)
     else:

@@ -23,7 +23,7 @@ from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checkpoint import ResumePoint, set_rng_state
 from fitkit.checks import check_int
 from fitkit.modes import modes, warn_if_all_eval
-from fitkit.preflight import has_training_batchnorm
+from fitkit.preflight import first_batch_check, has_training_batchnorm, wrap
 from fitkit.signals import deferred
 from fitkit.tracking import RunningTotals
 
@@ -118,7 +118,14 @@ class PredictLoop:
             cbs.on_predict_begin({})
             for step, batch in enumerate(self.loader):
                 cbs.on_predict_batch_begin(step, {})
-                out = model.predict_step(batch)
+                if step:
+                    out = model.predict_step(batch)
+                else:  # shape and dtype errors of the first batch: what was fed, and a fix
+                    try:
+                        out = model.predict_step(batch)
+                    except Exception as e:
+                        custom = type(model).predict_step.__qualname__ != "Model.predict_step"
+                        raise wrap("predict_step" if custom else "module's forward", batch, e, model.module) from e
                 outputs.append(out)
                 cbs.on_predict_batch_end(step, {"outputs": out})
                 if model.stop_predicting or self.steps is not None and step + 1 >= self.steps:
@@ -158,7 +165,15 @@ class FitLoop:
         self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
         self._warned_short = False
+        self._warned_single = False
         self._skip_single = has_training_batchnorm(model.module)
+        # In-memory data had its first batch checked before fit; other sources get the same check
+        # on their first training batch, before its step (as preflight skips a custom train_step).
+        from fitkit.data import TensorBatches
+
+        self._check_first = not isinstance(getattr(train, "batches", None), TensorBatches) and (
+            model.default_train_step or not model.default_test_step
+        )
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -228,12 +243,16 @@ class FitLoop:
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self._batches()
         self.in_epoch = True
-        ran = False
+        ran, skipped = False, 0
         with model._phase(self.totals):
             for step, batch in stepper.micro_batches(batches, start, self._stop_now):
                 if self._skip_single and _rows(batch) == 1 and stepper.micro_last and stepper.micro_scale is None:
                     self._warn_single(step)
+                    skipped += 1
                     continue
+                if self._check_first:
+                    self._check_first = False
+                    first_batch_check(model, batch, label="first training batch")
                 self.batch_index = step
                 if want_begin:
                     cbs.on_train_batch_begin(step, {})
@@ -252,7 +271,7 @@ class FitLoop:
         if self.interrupted:
             return None
         if not ran and not start:
-            self._no_batches(epoch)
+            self._no_batches(epoch, skipped)
             return None
         if getattr(loader, "ran_out", False) and not self._warned_short:
             self._warned_short = True
@@ -270,7 +289,13 @@ class FitLoop:
         logs.update(_lr_logs(stepper.lrs_used or model.optimizer.param_groups, self.per_group_lr))
         return logs
 
-    def _no_batches(self, epoch: int) -> None:
+    def _no_batches(self, epoch: int, skipped: int = 0) -> None:
+        if skipped and epoch == self.start_epoch:
+            raise ValueError(
+                f"Every training batch of epoch {epoch + 1} ({skipped}) had one row, and BatchNorm cannot "
+                "train on one row, so nothing was trained. Fix: use batches of at least 2 rows, or put the "
+                "BatchNorm layers in eval mode (`module.eval()` on them) before fit."
+            )
         if epoch == self.start_epoch and not self.resume:
             raise ValueError(
                 f"The training data ({_name(self.train)}) yielded no batch in epoch {epoch + 1}. Fix: "
@@ -284,10 +309,13 @@ class FitLoop:
         )
 
     def _warn_single(self, step: int) -> None:
+        if self._warned_single:
+            return
+        self._warned_single = True  # one warning per fit
         warnings.warn(
             f"Batch {step} of epoch {self.epoch + 1} has one row, which BatchNorm cannot train on; it is "
-            "skipped. Fix: use `drop_last=True` in the DataLoader, or a batch size that leaves no "
-            "single row.",
+            "skipped, as is every later one-row training batch of this fit. Fix: use `drop_last=True` in "
+            "the DataLoader, or a batch size that leaves no single row.",
             stacklevel=5,
         )
 
@@ -351,9 +379,11 @@ class FitLoop:
         first = next(it, None)
         set_rng_state(point.rng)
         self.totals.load_state_dict(point.trackers)
-        self.batches_done = point.step_in_epoch
-        self._offset = (point.step_in_epoch, point.samples_in_epoch if skip[1] is not None else None)
-        return (it if first is None else _chain(first, it)), point.step_in_epoch
+        # In-memory data resumes by samples: count the batches done in this fit's batch size.
+        done = point.step_in_epoch if skip[1] is None else skip[1] // self.train.batch_size
+        self.batches_done = done
+        self._offset = (done, point.samples_in_epoch if skip[1] is not None else None)
+        return (it if first is None else _chain(first, it)), done
 
     def position(self) -> dict[str, Any]:
         """Where a checkpoint taken now resumes: epoch, batches and samples done in it."""

@@ -42,7 +42,7 @@ from fitkit.metrics import MetricSet
 from fitkit.modes import modes
 from fitkit.optim import resolve_optimizer, resolve_scheduler
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
-from fitkit.preflight import in_memory_check
+from fitkit.preflight import cast_to_module, in_memory_check
 from fitkit.stepper import Stepper
 from fitkit.summary import summary_table
 from fitkit.tracking import RunningTotals, fresh_metrics
@@ -412,7 +412,9 @@ class Model:
         Args:
             x: inputs ``(N, ...)`` as a tensor or numpy array; a tuple (``module(*x)``) or dict
                 (``module(**x)``) of them; or a ``Dataset``, a ``DataLoader`` or any iterable of
-                batches ``x``, ``(x, y)`` or ``(x, y, sample_weight)``.
+                batches ``x``, ``(x, y)`` or ``(x, y, sample_weight)``. Floating in-memory ``x``
+                and ``y`` are cast to the module's parameter dtype (float64 NumPy arrays become
+                float32, as Keras casts to ``floatx``); other sources' batches are not cast.
             y: targets ``(N, ...)`` for in-memory ``x``; ``None`` for the other kinds.
             batch_size: samples per batch (in-memory ``x`` and Datasets); per process under
                 torchrun.
@@ -670,6 +672,8 @@ class Model:
         callbacks = check_callbacks(callbacks)
         loader = _distributed.sharded(_data.as_loader, x, batch_size=batch_size, device=self.device, steps=steps)
         src = loader.batches
+        if isinstance(src, _data.TensorBatches):
+            cast_to_module(src, self.module)  # float64 arrays into a float32 module, as fit does
         if isinstance(src, _data.TensorBatches) and src.n == 0 and not _distributed.is_distributed():
             return self.predict_on_batch(src.x)
         cbs = self._callback_list(callbacks, verbose, None, loader.num_batches)
@@ -1026,6 +1030,7 @@ class Model:
         Raises:
             OSError: the file cannot be written (the old file, if any, is left as it was).
         """
+        _checkpoint.check_path(path)
         state = _checkpoint.checkpoint_state(self)
         if _distributed.is_rank_zero():
             _checkpoint.atomic_save(state, path)

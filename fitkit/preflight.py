@@ -24,32 +24,38 @@ from fitkit.devices import move_to_device
 from fitkit.modes import modes
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 
-__all__ = ["prepare_in_memory", "first_batch_check", "describe", "has_training_batchnorm"]
+__all__ = ["prepare_in_memory", "cast_to_module", "first_batch_check", "wrap", "describe", "has_training_batchnorm"]
 
 
 def describe(batch: Any) -> str:
     """Shapes and dtypes of a batch's tensors, for error messages.
 
-    Example:
-        >>> describe((torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)))
-        'x: float32 (2, 3); y: int64 (2,)'
-        >>> describe(({"input_ids": torch.zeros(2, 5, dtype=torch.long)}, None, None))
-        "x: 'input_ids' int64 (2, 5)"
-    """
-    def one(t: torch.Tensor) -> str:
-        return f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)}"
+    Integer tensors also give their value range (token ids and class labels).
 
+    Example:
+        >>> describe((torch.zeros(2, 3), torch.tensor([0, 7])))
+        'x: float32 (2, 3); y: int64 (2,) values 0..7'
+        >>> describe(({"input_ids": torch.zeros(2, 5, dtype=torch.long)}, None, None))
+        "x: 'input_ids' int64 (2, 5) values 0..0"
+    """
     parts = []
     for name, part in zip(("x", "y", "sample_weight"), batch, strict=False):
         if isinstance(part, Mapping):  # name the entries: {"input_ids": ..., "labels": ...}
-            named = [f"{k!r} {one(t)}" for k, v in part.items() for t in nest.leaves(v)]
+            named = [f"{k!r} {_describe_tensor(t)}" for k, v in part.items() for t in nest.leaves(v)]
             if named:
                 parts.append(f"{name}: " + ", ".join(named))
             continue
         ts = nest.leaves(part)
         if ts:
-            parts.append(f"{name}: " + ", ".join(one(t) for t in ts))
+            parts.append(f"{name}: " + ", ".join(_describe_tensor(t) for t in ts))
     return "; ".join(parts)
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    text = f"{str(t.dtype).replace('torch.', '')} {tuple(t.shape)}"
+    if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool and t.numel():
+        text += f" values {int(t.min())}..{int(t.max())}"
+    return text
 
 
 def _param_dtype(module: nn.Module) -> torch.dtype | None:
@@ -82,25 +88,27 @@ def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool) 
     """Check and adapt in-memory data before any step (nothing else changes on an error).
 
     Raises:
-        ValueError: NaN / inf in ``x`` or ``y``, or a negative ``sample_weight``.
+        ValueError: NaN / inf in ``x``, ``y`` or ``sample_weight``, a negative weight, or training
+            batches of one row each for a module with BatchNorm.
     """
     _check_finite("x", source.x)
     _check_finite("y", source.y)
+    _check_finite("sample_weight", source.w)
     if source.w is not None and source.w.numel() and bool((source.w < 0).any()):
         first = int((source.w < 0).nonzero()[0, 0])
         raise ValueError(
             f"`sample_weight` must be >= 0. Received a negative weight at index {first} "
             f"({float(source.w[first])}). Fix: weights scale each sample's loss; use 0 to ignore one."
         )
-    dtype = _param_dtype(module)
-    if dtype is not None:
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-
-        source.x = nest.map_structure(cast, source.x)
-        if source.y is not None:
-            source.y = nest.map_structure(cast, source.y)
-    if training and source.n % source.batch_size == 1 and source.n > 1 and has_training_batchnorm(module):
+    cast_to_module(source, module)
+    batchnorm = training and has_training_batchnorm(module)
+    if batchnorm and (source.batch_size == 1 or source.n == 1):
+        raise ValueError(
+            f"BatchNorm cannot train on one row, and every training batch here has one row ({source.n} "
+            f"samples, batch_size={source.batch_size}). Fix: use batch_size >= 2 with at least 2 samples, "
+            "or put the BatchNorm layers in eval mode before fit."
+        )
+    if batchnorm and source.n % source.batch_size == 1:
         source.drop_last_single = True
         warnings.warn(
             f"{source.n} training samples with batch_size={source.batch_size} leave a last batch of "
@@ -110,6 +118,27 @@ def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool) 
         )
 
 
+def cast_to_module(source: TensorBatches, module: nn.Module) -> None:
+    """Floating in-memory ``x`` and ``y`` in the module's parameter dtype (float64 numpy arrays
+    into a float32 module, as Keras casts to its float type); other dtypes stay as they are.
+
+    Example:
+        >>> tb = TensorBatches(torch.zeros(4, 2, dtype=torch.float64), torch.arange(4), None, 2, False)
+        >>> cast_to_module(tb, nn.Linear(2, 1)); tb.x.dtype, tb.y.dtype
+        (torch.float32, torch.int64)
+    """
+    dtype = _param_dtype(module)
+    if dtype is None:
+        return
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    source.x = nest.map_structure(cast, source.x)
+    if source.y is not None:
+        source.y = nest.map_structure(cast, source.y)
+
+
 def _first_batch(source: TensorBatches, device: torch.device) -> tuple[Any, Any, Any]:
     sl = slice(0, min(source.batch_size, source.n))
     x, y = nest.map_structure(lambda t: t[sl], source.x), nest.map_structure(lambda t: t[sl], source.y)
@@ -117,30 +146,49 @@ def _first_batch(source: TensorBatches, device: torch.device) -> tuple[Any, Any,
     return tuple(move_to_device(a, device) for a in (x, y, w))  # type: ignore[return-value]
 
 
-def _wrap(what: str, batch: Any, e: Exception) -> Exception:
-    if isinstance(e, (ValueError, TypeError)) and "Fix" in str(e):
-        return e  # fitkit's own message already names the fix
+def wrap(what: str, batch: Any, e: Exception, module: nn.Module | None = None, y_pred: Any = None,
+         label: str = "first batch") -> Exception:  # fmt: skip
+    """The error to raise for ``e``, raised by ``what`` on the first batch: what was fed and a fix.
+
+    fitkit's own errors (a ``ValueError`` / ``TypeError`` that names a fix) and out-of-memory
+    errors come back as they are; raise the result ``from e`` so that the original is chained.
+    """
+    if isinstance(e, (ValueError, TypeError)) and "Fix" in str(e) or isinstance(e, torch.OutOfMemoryError):
+        return e
+    fix = f"make the data's shapes and dtypes match what the {what} expects"
+    dtype = _param_dtype(module) if module is not None else None
+    floats = [t.dtype for t in nest.leaves(batch[0]) if t.is_floating_point()]
+    if what == "module's forward" and dtype is not None and any(d != dtype for d in floats):
+        other = str(next(d for d in floats if d != dtype)).replace("torch.", "")
+        fix = (f"the module's parameters are {str(dtype).replace('torch.', '')} and x is {other}: convert the "
+               "inputs (e.g. `x.float()`); fitkit converts in-memory arrays, not the batches of a DataLoader")
+    elif what == "loss" and y_pred is not None and not isinstance(y_pred, torch.Tensor):
+        kind = f"a dict with keys {list(y_pred)}" if isinstance(y_pred, dict) else f"a {type(y_pred).__name__}"
+        fix = (f"the module returns {kind} and the compiled loss takes a tensor: return one tensor, return "
+               "a dict with a \"loss\" entry and compile(loss=None), or override compute_loss")
     return ValueError(
-        f"The first batch failed in the {what}: {type(e).__name__}: {e}. It was fed "
-        f"{describe(batch)}. Fix: make the data's shapes and dtypes match what the {what} "
-        "expects (the original error is chained below)."
+        f"The {label} failed in the {what}: {type(e).__name__}: {e}. It was fed "
+        f"{describe(batch)}. Fix: {fix} (the original error is chained below)."
     )
 
 
-def first_batch_check(model: Any, batch: tuple[Any, Any, Any], y_all: Any = None, training: bool = True) -> None:
+def first_batch_check(
+    model: Any, batch: tuple[Any, Any, Any], y_all: Any = None, label: str = "first batch", training: bool = True
+) -> None:
     """Run one batch through the module, the loss and the metrics, changing nothing.
 
     Shape, dtype and class-range errors surface here, named by the call that failed
     (forward, loss, metric) with what was fed; the original error is chained. ``y_all``: all
     in-memory targets (``y``, or ``x["labels"]``), whose class labels are range-checked against
-    the module's outputs. ``training``: the batches train, so with ``loss=None`` the output
-    must carry its own loss (evaluation may log metrics alone).
+    the module's outputs. ``label``: how the message names the batch. ``training``: the batches
+    train, so with ``loss=None`` the output must carry its own loss (evaluation may log metrics
+    alone).
     """
     x, y, w = batch
     model._example_x = x
     module = model.module
     if not model.default_test_step:
-        _check_with_test_step(model, batch)
+        _check_with_test_step(model, batch, label)
         return
     with modes(module, training=False, grad=False), model.autocast():
         try:
@@ -148,7 +196,7 @@ def first_batch_check(model: Any, batch: tuple[Any, Any, Any], y_all: Any = None
         except Exception as e:
             if model.loss is None:
                 _check_own_labels(module, x, y_all)  # the module's own loss met a label out of range?
-            raise _wrap("module's forward", batch, e) from e
+            raise wrap("module's forward", batch, e, module, label=label) from e
         if model.loss is None and model.default_compute_loss:
             if own_loss(y_pred) is not None:
                 check_class_range(None, prediction_of(y_pred), y_all)
@@ -166,14 +214,14 @@ def first_batch_check(model: Any, batch: tuple[Any, Any, Any], y_all: Any = None
                     check_class_range(model.loss, pred, y_all)
                 model.compute_loss(x, y, y_pred, w)
             except Exception as e:
-                raise _wrap("loss", batch, e) from e
+                raise wrap("loss", batch, e, module, y_pred, label=label) from e
         target = targets_of(x, y)
         if model.metrics.entries is None and target is not None:
             pred = require_prediction(y_pred, "the compiled metrics")  # the rule's error names the fix
             try:
                 model.metrics.build(pred, target)
             except Exception as e:
-                raise _wrap("metrics", batch, e) from e
+                raise wrap("metrics", batch, e, module, label=label) from e
 
 
 def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:
@@ -191,7 +239,7 @@ def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:
     check_class_range(None, prediction_of(out), y_all)
 
 
-def _check_with_test_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
+def _check_with_test_step(model: Any, batch: tuple[Any, Any, Any], label: str) -> None:
     """An overridden ``test_step`` knows what the module's output means: run it, eagerly."""
     from fitkit.compile import Forward
 
@@ -201,7 +249,7 @@ def _check_with_test_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
         with modes(model.module, training=False, grad=False), model._phase(totals):
             model.test_step(batch)
     except Exception as e:
-        raise _wrap("test_step", batch, e) from e
+        raise wrap("test_step", batch, e, label=label) from e
     finally:
         model._forward = compiled
     model._adopt_metrics(totals)
@@ -256,4 +304,4 @@ def in_memory_check(model: Any, source: TensorBatches, training: bool) -> None:
     prepare_in_memory(source, model.module, training)
     if source.n == 0 or training and not model.default_train_step and model.default_test_step:
         return
-    first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y), training)
+    first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y), training=training)

@@ -200,5 +200,5 @@ def test_first_batch_errors_name_the_entries_of_a_dict_input():
     ids, labels = _token_task(16, seed=7)
     model = fitkit.Model(_bert(), device="cpu")
     model.compile(loss=None)
-    with pytest.raises(ValueError, match=r"module's forward.*'input_ids' int64 \(16, 13\), 'labels' int64 \(16,\)"):
+    with pytest.raises(ValueError, match=r"module's forward.*'input_ids' int64 \(16, 13\).*'labels' int64 \(16,\)"):
         model.fit({"input_ids": torch.cat([ids, ids[:, :1]], 1), "labels": labels}, batch_size=16, verbose=0)

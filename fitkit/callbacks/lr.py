@@ -219,6 +219,11 @@ class LearningRateScheduler(StatefulCallback):
                 lr = lr.item()
             if isinstance(lr, bool) or not isinstance(lr, (int, float)):
                 raise TypeError(f"`schedule` must return a number. Received: {lr!r} at epoch {epoch}.")
+            if not math.isfinite(lr) or lr < 0:
+                raise ValueError(
+                    f"`schedule` must return a finite learning rate >= 0. Received: {lr!r} at epoch {epoch}. "
+                    "Fix: a negative rate would climb the loss; return a positive number."
+                )
             _set_lr(group, float(lr))
         lr = float(groups[0]["lr"])
         _say(self.verbose, f"Epoch {epoch + 1}: LearningRateScheduler set the learning rate to {lr:.4g}.")

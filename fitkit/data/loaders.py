@@ -68,7 +68,8 @@ class ClassWeights:
 
     Raises:
         TypeError: ``class_weight`` is not a dict of int -> number.
-        ValueError: a key is negative, or (in :meth:`__call__`) a label has no key.
+        ValueError: a key or a weight is negative, a weight is not finite, or (in
+            :meth:`check`) the targets are not class labels or a label has no key.
 
     Example:
         >>> cw = ClassWeights({0: 1.0, 1: 3.0})
@@ -91,6 +92,11 @@ class ClassWeights:
                 )
             if not isinstance(v, (int, float, np.number)) or isinstance(v, bool):
                 raise TypeError(f"Expected `class_weight[{k}]` to be a number. Received: {v!r}.")
+            if not math.isfinite(float(v)) or v < 0:
+                raise ValueError(
+                    f"Expected `class_weight[{k}]` to be a finite number >= 0. Received: {v!r}. "
+                    "Fix: weights scale each class's loss; use 0 to ignore a class."
+                )
             keys.append(int(k))
         self.keys = sorted(keys)
         self.table = torch.full((max(keys) + 1,), float("nan"))
@@ -106,12 +112,19 @@ class ClassWeights:
         return y.reshape(y.shape[0], -1)[:, 0].long() if y.dim() > 1 else y.long()
 
     def check(self, y: torch.Tensor) -> None:
-        """Raise ``ValueError`` if ``y`` (on the CPU) is not class labels, or a label has no weight."""
-        if y.is_floating_point() and not (y.dim() >= 2 and y.shape[-1] > 1) and bool((y != y.round()).any()):
-            raise ValueError(
-                "`class_weight` needs class labels, but the targets are continuous (e.g. "
-                f"{float(y[y != y.round()][0])}). Fix: pass `sample_weight` for regression targets."
-            )
+        """Raise ``ValueError`` if ``y`` (on the CPU) is not class labels, or a label has no weight.
+
+        Floating targets are labels when they are whole numbers, or, with several columns,
+        one-hot or probability rows (values in [0, 1]).
+        """
+        if y.is_floating_point():
+            rows = y.dim() >= 2 and y.shape[-1] > 1
+            bad = (y < 0) | (y > 1) | y.isnan() if rows else y != y.round()
+            if bool(bad.any()):
+                raise ValueError(
+                    "`class_weight` needs class labels (or one-hot / probability rows), but the targets "
+                    f"are continuous (e.g. {float(y[bad][0])}). Fix: pass `sample_weight` for regression targets."
+                )
         labels = self.labels(y)
         present = torch.unique(labels).tolist()
         missing = [c for c in present if c < 0 or c >= len(self.table) or math.isnan(self.table[c])]

@@ -196,6 +196,17 @@ def cut_to_last_line(path: str | os.PathLike) -> int:
     return keep
 
 
+def _file_above(text: str) -> str | None:
+    """The nearest existing ancestor of ``text`` if it is a file (no folder can be made there)."""
+    parent = os.path.dirname(os.path.abspath(text)) if text.strip() else ""
+    while parent and not os.path.exists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            return None
+        parent = up
+    return parent if parent and os.path.isfile(parent) else None
+
+
 def check_target(path: Any, argument: str, who: str, kind: str = "file") -> str:
     """Check, when a callback is built, a path it will write to; return it as a str.
 
@@ -208,7 +219,8 @@ def check_target(path: Any, argument: str, who: str, kind: str = "file") -> str:
 
     Raises:
         TypeError: not a str or a path.
-        ValueError: empty, or an existing folder where a file is written (or the reverse).
+        ValueError: empty, an existing folder where a file is written (or the reverse), or a
+            path under an existing file.
 
     Example:
         >>> import tempfile
@@ -224,6 +236,12 @@ def check_target(path: Any, argument: str, who: str, kind: str = "file") -> str:
         wrong = "an existing folder" if os.path.isdir(text) or text.endswith(("/", os.sep)) else None
     else:
         wrong = "an existing file" if os.path.isfile(text) else None
+    blocker = _file_above(text)
+    if blocker is not None:
+        raise ValueError(
+            f"{who} writes a {kind} at `{argument}`, but {blocker!r} above it is an existing file, so no "
+            f"folder can be made there. Received: {argument}={text!r}. Fix: choose a path under a folder."
+        )
     if not text.strip() or wrong:  # "" or only blanks: a name nobody means
         example = os.path.join(text, "model.pt") if kind == "file" and text else "runs/backup"
         raise ValueError(

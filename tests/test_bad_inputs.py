@@ -1,0 +1,373 @@
+"""A sweep of bad inputs: each raises a clear error before step 1, with nothing changed.
+
+Every case runs against a compiled classifier whose Adam optimizer already holds state (one
+``train_on_batch``). After the error: every tensor of the module, the optimizer's state and
+param groups, the scheduler and the step count are as before, and no file appeared under
+``tmp_path``. The message names the argument or the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fitkit
+from fitkit.callbacks import (
+    BackupAndRestore,
+    CSVLogger,
+    EarlyStopping,
+    LambdaCallback,
+    LearningRateScheduler,
+    ModelCheckpoint,
+    ReduceLROnPlateau,
+    TensorBoard,
+)
+
+N, FEATURES, CLASSES = 20, 4, 3
+
+
+def _x(n: int = N, features: int = FEATURES, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(n, features, generator=torch.Generator().manual_seed(n + features)).to(dtype)
+
+
+def _y(n: int = N, hi: int = CLASSES) -> torch.Tensor:
+    return torch.arange(n) % hi
+
+
+def _with(t: torch.Tensor, index: tuple, value: float) -> torch.Tensor:
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def _loader(x, y, batch_size=5):
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+@dataclass
+class Case:
+    id: str
+    call: Callable[[fitkit.Model, Any], Any]
+    error: type[Exception]
+    match: str  # names the argument or the fix
+    setup: Callable[[fitkit.Model, Any], Any] | None = None
+    scheduler: bool = True  # the model has a compiled scheduler
+    gap: str | None = None  # why this one is not caught yet (an expected failure)
+
+
+def fit(**kwargs):
+    kwargs = {"x": _x(), "y": _y(), "epochs": 2, "batch_size": 5, "verbose": 0, **kwargs}
+    return lambda model, tmp: model.fit(**kwargs)
+
+
+def fit_cb(make_callback, **kwargs):
+    """fit with a callback built from tmp_path (built inside the call, as a user would)."""
+    kwargs = {"x": _x(), "y": _y(), "epochs": 2, "batch_size": 5, "verbose": 0, **kwargs}
+    return lambda model, tmp: model.fit(callbacks=[make_callback(tmp)], **kwargs)
+
+
+def evaluate(*args, **kwargs):
+    kwargs = {"verbose": 0, **kwargs}
+    return lambda model, tmp: model.evaluate(*args, **kwargs)
+
+
+def predict(*args, **kwargs):
+    kwargs = {"verbose": 0, **kwargs}
+    return lambda model, tmp: model.predict(*args, **kwargs)
+
+
+def compile_(**kwargs):
+    kwargs = {"optimizer": "adam", "loss": "cross_entropy", **kwargs}
+    return lambda model, tmp: model.compile(**kwargs)
+
+
+def build(factory):
+    return lambda model, tmp: factory(tmp)
+
+
+def _mkdir(name):
+    return lambda model, tmp: (tmp / name).mkdir()
+
+
+def _file(name, data=b""):
+    return lambda model, tmp: (tmp / name).write_bytes(data)
+
+
+def _other_weights(name, module):
+    return lambda model, tmp: torch.save(module.state_dict(), tmp / name)
+
+
+def _sgd_checkpoint(name):
+    def setup(model, tmp):
+        other = fitkit.Model(nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, CLASSES)), device="cpu")
+        other.compile(optimizer="sgd", loss="cross_entropy")
+        other.save_checkpoint(tmp / name)
+
+    return setup
+
+
+def _evil_pickle(name):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    return lambda model, tmp: torch.save({"w": Evil()}, tmp / name)
+
+
+def _empty_source():
+    return _loader(_x(0), _y(0))
+
+
+def _four_tuples():
+    yield _x(5), _y(5), torch.ones(5), torch.ones(5)
+
+
+
+CASES = [
+    # -- fit: types ----------------------------------------------------------------------------
+    Case("fit x None", fit(x=None), ValueError, "needs data.*Fix"),
+    Case("fit x str", fit(x="data.csv", y=None), TypeError, "Expected `x`"),
+    Case("fit x int", fit(x=5, y=None), TypeError, "Expected `x`"),
+    Case("fit y list of ints", fit(y=[0, 1] * 10), TypeError, "Expected `y`.*Fix"),
+    Case("fit batch_size 0", fit(batch_size=0), ValueError, "batch_size"),
+    Case("fit batch_size float", fit(batch_size=2.5), TypeError, "batch_size"),
+    Case("fit batch_size str", fit(batch_size="32"), TypeError, "batch_size"),
+    Case("fit epochs -1", fit(epochs=-1), ValueError, "epochs"),
+    Case("fit epochs float", fit(epochs=1.5), TypeError, "epochs"),
+    Case("fit initial_epoch -1", fit(initial_epoch=-1), ValueError, "initial_epoch"),
+    Case("fit steps_per_epoch 0", fit(steps_per_epoch=0), ValueError, "steps_per_epoch"),
+    Case("fit validation_steps 0", fit(validation_steps=0), ValueError, "validation_steps"),
+    Case("fit validation_batch_size 0", fit(validation_batch_size=0), ValueError, "validation_batch_size"),
+    Case("fit validation_split 1", fit(validation_split=1.0), ValueError, "validation_split"),
+    Case("fit validation_split -0.1", fit(validation_split=-0.1), ValueError, "validation_split"),
+    Case("fit validation_split bool", fit(validation_split=True), TypeError, "validation_split"),
+    Case("fit validation_freq 0", fit(validation_freq=0), ValueError, "validation_freq"),
+    Case("fit validation_freq [0]", fit(validation_freq=[0]), ValueError, "validation_freq"),
+    Case("fit shuffle str", fit(shuffle="yes"), TypeError, "shuffle"),
+    Case("fit verbose 5", fit(verbose=5), ValueError, "verbose"),
+    Case("fit callbacks object", fit(callbacks=[object()]), TypeError, "Callback.*Fix"),
+    Case("fit callbacks not a list", fit(callbacks=LambdaCallback()), TypeError, "callbacks.*Fix"),
+    # -- fit: values, shapes, dtypes, labels, lengths, NaN ------------------------------------------
+    Case("fit wrong feature count", fit(x=_x(features=5)), ValueError,
+         r"forward: RuntimeError: mat1 and mat2.*fed x: float32 \(5, 5\).*Fix"),
+    Case("fit integer x", fit(x=_x().long()), ValueError, r"forward.*x: int64 \(5, 4\).*Fix"),
+    Case("fit x 3-D", fit(x=_x().reshape(N, 2, 2)), ValueError, "forward.*Fix"),
+    Case("fit label above range", fit(y=_with(_y(), (7,), 5)), ValueError, r"Class labels must lie in \[0, 2\].*Fix"),
+    Case("fit negative label", fit(y=_with(_y(), (3,), -1)), ValueError, r"labels from -1 to 2.*Fix"),
+    Case("fit y one-hot of 2 for 3 classes", fit(y=torch.zeros(N, 2)), ValueError,
+         r"Loss 'cross_entropy' expects integer class indices.*shape \(5, 2\).*Fix"),
+    Case("fit y (N, 1) labels", fit(y=_y().unsqueeze(1)), ValueError, "Fix"),
+    Case("fit x y lengths", fit(y=_y(N - 1)), ValueError, "same number of samples.*Fix"),
+    Case("fit x 0-dim", fit(x=torch.tensor(1.0), y=None), ValueError, "batch dimension.*Fix"),
+    Case("fit x empty", fit(x=_x(0), y=_y(0)), ValueError, "0 samples.*Fix"),
+    Case("fit x tuple lengths", fit(x=(_x(), _x(N - 2))), ValueError, "same length"),
+    Case("fit x dict wrong key", fit(x={"inputs": _x()}), ValueError, "forward.*Fix"),
+    Case("fit x NaN", fit(x=_with(_x(), (4, 1), float("nan"))), ValueError, r"1 NaN.*first at row 4.*Fix"),
+    Case("fit x inf", fit(x=_with(_with(_x(), (9, 0), float("inf")), (12, 2), -float("inf"))), ValueError,
+         r"`x` holds 2 NaN or infinite values \(first at row 9\)"),
+    Case("fit x NaN numpy", fit(x=_with(_x(), (2, 0), float("nan")).numpy().astype(np.float64)), ValueError,
+         "first at row 2"),
+    Case("fit y float NaN", fit(y=_with(torch.eye(CLASSES)[_y()], (6, 0), float("nan"))), ValueError,
+         r"`y` holds 1 NaN.*first at row 6"),
+    Case("fit validation NaN", fit(validation_data=(_with(_x(6), (5, 3), float("nan")), _y(6))), ValueError,
+         "first at row 5"),
+    Case("fit validation wrong features", fit(validation_data=(_x(6, 5), _y(6))), ValueError, "forward.*Fix"),
+    Case("fit validation label range", fit(validation_data=(_x(6), _with(_y(6), (0,), 9))), ValueError,
+         "Class labels.*Fix"),
+    Case("fit validation 4-tuple", fit(validation_data=(_x(6), _y(6), torch.ones(6), torch.ones(6))), ValueError,
+         "validation_data"),
+    Case("fit validation str", fit(validation_data="val.csv"), TypeError, "Expected `x`"),
+    Case("fit validation (x,) with a loss", fit(validation_data=(_x(6),)), ValueError, "Fix"),
+    # -- fit: weights ----------------------------------------------------------------------------
+    Case("fit sample_weight negative", fit(sample_weight=_with(torch.ones(N), (3,), -0.5)), ValueError,
+         r"`sample_weight` must be >= 0.*index 3.*Fix"),
+    Case("fit sample_weight NaN", fit(sample_weight=_with(torch.ones(N), (8,), float("nan"))), ValueError,
+         r"`sample_weight` holds 1 NaN.*first at row 8"),
+    Case("fit sample_weight 2-D", fit(sample_weight=torch.ones(N, 2)), ValueError, "sample_weight.*Fix"),
+    Case("fit sample_weight length", fit(sample_weight=torch.ones(N - 3)), ValueError, "same number of samples"),
+    Case("fit class_weight list", fit(class_weight=[1.0, 2.0]), TypeError, "class_weight"),
+    Case("fit class_weight negative key", fit(class_weight={-1: 1.0}), ValueError, "class_weight"),
+    Case("fit class_weight str value", fit(class_weight={0: "a"}), TypeError, "class_weight"),
+    Case("fit class_weight missing class", fit(class_weight={0: 1.0, 1: 2.0}), ValueError,
+         "no entry for class 2.*Fix"),
+    Case("fit class_weight continuous", fit(y=torch.randn(N, CLASSES), class_weight={0: 1.0}), ValueError,
+         "continuous.*Fix"),
+    Case("fit class_weight negative weight", fit(class_weight={0: 1.0, 1: -1.0, 2: 1.0}), ValueError,
+         r"`class_weight\[1\]` to be a finite number >= 0.*Fix"),
+    Case("fit class_weight NaN weight", fit(class_weight={0: 1.0, 1: float("nan"), 2: 1.0}), ValueError,
+         r"`class_weight\[1\]`"),
+    # -- fit: other sources -----------------------------------------------------------------------
+    Case("fit y with a DataLoader", fit(x=_loader(_x(), _y()), y=_y()), ValueError, "`y` must be None.*Fix"),
+    Case("fit sample_weight with a DataLoader", fit(x=_loader(_x(), _y()), y=None, sample_weight=torch.ones(N)),
+         ValueError, "sample_weight.*Fix"),
+    Case("fit validation_split with a DataLoader", fit(x=_loader(_x(), _y()), y=None, validation_split=0.2),
+         ValueError, "validation_split.*Fix"),
+    Case("fit empty DataLoader", fit(x=_empty_source(), y=None), ValueError, "(yielded no batch|has 0 batches).*Fix"),
+    Case("fit batches of 4 elements", fit(x=_four_tuples(), y=None), ValueError, "4 elements"),
+    Case("fit DataLoader wrong features", fit(x=_loader(_x(features=5), _y()), y=None), ValueError,
+         r"first training batch failed in the module's forward: RuntimeError: mat1 and mat2.*x: float32 \(5, 5\).*Fix"),
+    Case("fit DataLoader label range", fit(x=_loader(_x(), _with(_y(), (1,), 7)), y=None), ValueError,
+         r"class label outside \[0, 2\].*Target 7.*Fix"),
+    Case("fit list of float64 batches", fit(x=[(_x(dtype=torch.float64), _y())], y=None), ValueError,
+         "first training batch.*Fix: the module's parameters are float32 and x is float64"),
+    # -- evaluate / predict -------------------------------------------------------------------------
+    Case("evaluate batch_size 0", evaluate(_x(), _y(), batch_size=0), ValueError, "batch_size"),
+    Case("evaluate steps 0", evaluate(_x(), _y(), steps=0), ValueError, "steps"),
+    Case("evaluate wrong features", evaluate(_x(features=2), _y()), ValueError, "forward.*Fix"),
+    Case("evaluate label range", evaluate(_x(), _with(_y(), (0,), 3)), ValueError, "Class labels.*Fix"),
+    Case("evaluate NaN", evaluate(_with(_x(), (1, 1), float("nan")), _y()), ValueError, "first at row 1"),
+    Case("evaluate no y", evaluate(_x()), ValueError, "Fix"),
+    Case("evaluate sample_weight length", evaluate(_x(), _y(), sample_weight=torch.ones(3)), ValueError,
+         "same number of samples"),
+    Case("predict batch_size -1", predict(_x(), batch_size=-1), ValueError, "batch_size"),
+    Case("predict steps 0", predict(_x(), steps=0), ValueError, "steps"),
+    Case("predict x str", predict("x.npy"), TypeError, "Expected `x`"),
+    Case("predict verbose loud", predict(_x(), verbose="loud"), ValueError, "verbose"),
+    Case("predict wrong features", predict(_x(features=6)), ValueError, "forward.*Fix"),
+    Case("predict x int", predict(7), TypeError, "Expected `x`"),
+    # -- compile -----------------------------------------------------------------------------------
+    Case("compile optimizer name", compile_(optimizer="adamx"), ValueError, "optimizer"),
+    Case("compile optimizer int", compile_(optimizer=5), TypeError, "optimizer"),
+    Case("compile loss name", compile_(loss="cross_entropyy"), ValueError, "loss"),
+    Case("compile loss int", compile_(loss=5), TypeError, "loss"),
+    Case("compile metric name", compile_(metrics=["acuracy"]), ValueError, "metric"),
+    Case("compile scheduler_interval", compile_(scheduler_interval="minute"), ValueError, "scheduler_interval"),
+    Case("compile precision", compile_(precision="8"), ValueError, "precision"),
+    Case("compile accumulation 0", compile_(gradient_accumulation_steps=0), ValueError,
+         "gradient_accumulation_steps"),
+    Case("compile jit_compile", compile_(jit_compile="maybe"), TypeError, "jit_compile"),
+    Case("compile scheduler int", compile_(scheduler=5), TypeError, "scheduler"),
+    Case("compile optimizer of other params", compile_(optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)),
+         ValueError, "optimizer.*Fix"),
+    # -- callbacks: paths, monitors, schedules ------------------------------------------------------
+    Case("ModelCheckpoint path is a folder", build(lambda tmp: ModelCheckpoint(tmp / "ckpt.pt")), ValueError,
+         "existing folder.*Fix", setup=_mkdir("ckpt.pt")),
+    Case("ModelCheckpoint filepath int", build(lambda tmp: ModelCheckpoint(5)), TypeError, "filepath"),
+    Case("ModelCheckpoint mode", build(lambda tmp: ModelCheckpoint(tmp / "m.pt", mode="up")), ValueError, "mode"),
+    Case("ModelCheckpoint save_freq 0", build(lambda tmp: ModelCheckpoint(tmp / "m.pt", save_freq=0)), ValueError,
+         "save_freq"),
+    Case("ModelCheckpoint {val_acc} placeholder", fit_cb(lambda tmp: ModelCheckpoint(tmp / "m{val_acc:.2f}.pt")),
+         ValueError, "val_acc"),
+    # The monitor is read only when it ranks files (save_best_only / save_top_k), as in Keras.
+    Case("ModelCheckpoint monitor never logged",
+         fit_cb(lambda tmp: ModelCheckpoint(tmp / "m.pt", monitor="val_acc", save_best_only=True)),
+         ValueError, "val_acc"),
+    Case("ModelCheckpoint under a file", fit_cb(lambda tmp: ModelCheckpoint(tmp / "afile" / "m.pt")), ValueError,
+         "afile", setup=_file("afile")),
+    Case("CSVLogger file is a folder", build(lambda tmp: CSVLogger(tmp / "log.csv")), ValueError,
+         "existing folder.*Fix", setup=_mkdir("log.csv")),
+    Case("BackupAndRestore dir is a file", build(lambda tmp: BackupAndRestore(tmp / "bk")), ValueError,
+         "existing file.*Fix", setup=_file("bk")),
+    Case("BackupAndRestore save_freq", build(lambda tmp: BackupAndRestore(tmp / "b", save_freq="batch")), ValueError,
+         "save_freq"),
+    Case("BackupAndRestore dir under a file", fit_cb(lambda tmp: BackupAndRestore(tmp / "afile" / "bk")), ValueError,
+         "afile", setup=_file("afile")),
+    Case("TensorBoard log_dir is a file", build(lambda tmp: TensorBoard(tmp / "tb")), ValueError, "log_dir",
+         setup=_file("tb")),
+    Case("TensorBoard update_freq 0", build(lambda tmp: TensorBoard(tmp / "tb", update_freq=0)), ValueError,
+         "update_freq"),
+    Case("EarlyStopping patience -1", build(lambda tmp: EarlyStopping(patience=-1)), ValueError, "patience"),
+    Case("EarlyStopping monitor never logged", fit_cb(lambda tmp: EarlyStopping(monitor="val_accuracy")),
+         ValueError, "val_accuracy"),
+    Case("ReduceLROnPlateau factor 1.5", build(lambda tmp: ReduceLROnPlateau(factor=1.5)), ValueError, "factor"),
+    Case("LearningRateScheduler int", build(lambda tmp: LearningRateScheduler(5)), TypeError, "schedule"),
+    Case("LearningRateScheduler and a compiled scheduler", fit_cb(lambda tmp: LearningRateScheduler(lambda e, lr: lr)),
+         ValueError, "would both set the learning rate.*Fix"),
+    Case("LearningRateScheduler returns str", fit_cb(lambda tmp: LearningRateScheduler(lambda epoch, lr: "fast")),
+         TypeError, "schedule", scheduler=False),
+    Case("LearningRateScheduler returns -1", fit_cb(lambda tmp: LearningRateScheduler(lambda epoch, lr: -1.0)),
+         ValueError, "schedule", scheduler=False),
+    Case("ReduceLROnPlateau and a compiled scheduler", fit_cb(lambda tmp: ReduceLROnPlateau()), ValueError,
+         "would both set the learning rate"),
+    Case("LambdaCallback unknown hook", build(lambda tmp: LambdaCallback(on_epoch_ends=print)), TypeError,
+         "on_epoch_ends"),
+    # -- load -------------------------------------------------------------------------------------
+    Case("load_weights missing file", lambda m, tmp: m.load_weights(tmp / "nope.pt"), FileNotFoundError, "nope.pt"),
+    Case("load_weights path int", lambda m, tmp: m.load_weights(5), TypeError, "path"),
+    Case("load_weights folder", lambda m, tmp: m.load_weights(tmp / "d"), IsADirectoryError, "is a folder.*Fix",
+         setup=_mkdir("d")),
+    Case("load_weights empty file", lambda m, tmp: m.load_weights(tmp / "e.pt"), ValueError, "empty.*Fix",
+         setup=_file("e.pt")),
+    Case("load_weights text file", lambda m, tmp: m.load_weights(tmp / "t.pt"), ValueError, "t.pt.*Fix",
+         setup=_file("t.pt", b"epoch,loss\n0,1.0\n")),
+    Case("load_weights random bytes", lambda m, tmp: m.load_weights(tmp / "r.pt"), ValueError, "r.pt.*Fix",
+         setup=_file("r.pt", bytes(range(256)) * 8)),
+    Case("load_weights 5-class head", lambda m, tmp: m.load_weights(tmp / "h.pt"), ValueError,
+         "does not fit this model.*Fix",
+         setup=_other_weights("h.pt", nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, 5)))),
+    Case("load_weights extra key", lambda m, tmp: m.load_weights(tmp / "x.pt"), ValueError, "does not fit",
+         setup=_other_weights("x.pt", nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, CLASSES),
+                                                    nn.Linear(CLASSES, 1)))),
+    Case("load_weights code pickle", lambda m, tmp: m.load_weights(tmp / "evil.pt"), RuntimeError, "Refused.*Fix",
+         setup=_evil_pickle("evil.pt")),
+    Case("load_checkpoint of weights", lambda m, tmp: m.load_checkpoint(tmp / "w.pt"), ValueError,
+         "not a fitkit checkpoint.*Fix", setup=lambda m, tmp: m.save_weights(tmp / "w.pt")),
+    Case("load_checkpoint SGD into Adam", lambda m, tmp: m.load_checkpoint(tmp / "sgd.pt"), ValueError,
+         "SGD.*Fix", setup=_sgd_checkpoint("sgd.pt")),
+]
+
+
+def _classifier(scheduler: bool = True) -> fitkit.Model:
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, CLASSES)), device="cpu")
+    step_lr = (lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)) if scheduler else None
+    model.compile(optimizer="adam", loss="cross_entropy", metrics=["accuracy"], scheduler=step_lr)
+    model.train_on_batch(_x(8), _y(8))  # the optimizer holds state to protect
+    return model
+
+
+def _snapshot(model: fitkit.Model) -> dict[str, Any]:
+    return copy.deepcopy({
+        "module": model.module.state_dict(),
+        "optimizer": model.optimizer.state_dict(),
+        "optimizer_class": type(model.optimizer),
+        "scheduler": model.scheduler.state_dict() if model.scheduler is not None else None,
+        "step": model.global_step,
+        "lr": [g["lr"] for g in model.optimizer.param_groups],
+    })
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _files(tmp) -> set[str]:
+    return {str(p.relative_to(tmp)) for p in tmp.rglob("*")}
+
+
+PARAMS = [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.gap)] if c.gap else [])
+          for c in CASES]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", PARAMS)
+def test_bad_input_raises_a_clear_error_before_step_1_and_changes_nothing(case, tmp_path, capsys):
+    model = _classifier(case.scheduler)
+    if case.setup is not None:
+        case.setup(model, tmp_path)
+    files, before = _files(tmp_path), _snapshot(model)
+    with pytest.raises(case.error) as info:
+        case.call(model, tmp_path)
+    message = str(info.value)
+    assert re.search(case.match, message, re.S), message
+    assert "Fix" in message or "`" in message or "'" in message, message  # names the fix or the argument
+    assert _same(_snapshot(model), before)
+    assert _files(tmp_path) == files
+    assert "pwned" not in capsys.readouterr().out
+
+
+def test_the_sweep_is_large():
+    assert len(CASES) >= 60 and len({c.id for c in CASES}) == len(CASES)
