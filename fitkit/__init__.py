@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 from fitkit import callbacks, data, layers
 from fitkit.callbacks import Callback, History
+from fitkit.checks import FitkitWarning
 from fitkit.model import Model
 
-__all__ = ["Model", "Callback", "History", "callbacks", "data", "layers", "__version__"]
+__all__ = ["Model", "Callback", "History", "FitkitWarning", "callbacks", "data", "layers", "__version__"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_int", "check_bool", "check_number", "check_choice", "check_callbacks"]
+__all__ = ["check_int", "check_bool", "check_number", "check_choice", "check_callbacks", "FitkitWarning"]
 
 
 def _fix(fix: str | None) -> str:
@@ -104,3 +104,11 @@ def check_callbacks(callbacks: Any) -> list[Any]:
                 "Fix: subclass Callback, or wrap functions in LambdaCallback."
             )
     return list(callbacks)
+
+
+class FitkitWarning(UserWarning):
+    """The category of every warning fitkit gives (misuse that is not fatal, data that ran out).
+
+    Filter it like any warning, e.g. ``warnings.simplefilter("error", fitkit.FitkitWarning)``
+    to turn fitkit's warnings into errors (fitkit's own test suite does).
+    """

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitkit.checks import FitkitWarning
+
 __all__ = ["resolve_jit_compile", "maybe_compile", "is_compile_error", "call", "Forward"]
 
 
@@ -68,7 +70,7 @@ def warn_fallback(e: BaseException) -> None:
     warnings.warn(
         f"torch.compile failed ({type(e).__name__}: {first_line}); fitkit runs this model eagerly. "
         "Fix: set `jit_compile=False` to silence this, or pass torch.compile kwargs as a dict.",
-        stacklevel=4,
+        category=FitkitWarning, stacklevel=4,
     )
 
 

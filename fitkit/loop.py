@@ -21,7 +21,7 @@ from fitkit import distributed as _distributed
 from fitkit import nest
 from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checkpoint import ResumePoint, set_rng_state
-from fitkit.checks import check_int
+from fitkit.checks import FitkitWarning, check_int
 from fitkit.modes import modes, warn_if_all_eval
 from fitkit.preflight import first_batch_check, has_training_batchnorm, wrap
 from fitkit.signals import deferred
@@ -279,7 +279,7 @@ class FitLoop:
                 f"The training data ran out after {self.batches_done} of steps_per_epoch="
                 f"{loader.steps} batches in epoch {epoch + 1}; that epoch ends early and the next "
                 "starts a fresh pass (Keras' rule). Fix: lower `steps_per_epoch` to fit the data.",
-                stacklevel=4,
+                category=FitkitWarning, stacklevel=4,
             )
         if model._parallel is not None:
             model._parallel.sync_buffers(model.module)  # rank 0's BatchNorm statistics on every rank
@@ -305,7 +305,7 @@ class FitLoop:
             f"The training data ({_name(self.train)}) yielded no batch in epoch {epoch + 1}, so training "
             "stops after epoch {epoch}. A generator is used up after one pass. Fix: pass a re-iterable "
             "such as a DataLoader or a list, or a `steps_per_epoch` that one pass can fill.".format(epoch=epoch),
-            stacklevel=4,
+            category=FitkitWarning, stacklevel=4,
         )
 
     def _warn_single(self, step: int) -> None:
@@ -316,7 +316,7 @@ class FitLoop:
             f"Batch {step} of epoch {self.epoch + 1} has one row, which BatchNorm cannot train on; it is "
             "skipped, as is every later one-row training batch of this fit. Fix: use `drop_last=True` in "
             "the DataLoader, or a batch size that leaves no single row.",
-            stacklevel=5,
+            category=FitkitWarning, stacklevel=5,
         )
 
     # -- stopping ----------------------------------------------------------------------------------
@@ -349,7 +349,7 @@ class FitLoop:
                 f"The loaded checkpoint continues at epoch {point.epoch}, but fit starts at "
                 f"initial_epoch={self.start_epoch}; its position and RNG state are not used. "
                 f"Fix: fit(..., initial_epoch={point.epoch}).",
-                stacklevel=4,
+                category=FitkitWarning, stacklevel=4,
             )
             self.model._resume = None
             return

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fitkit.checks import FitkitWarning
+
 __all__ = ["Loss", "MultiLoss", "resolve_loss", "class_layout", "LOSSES", "OUTPUTS"]
 
 #: What a loss may say about the predictions it is given.
@@ -92,7 +94,7 @@ def class_layout(y_pred: torch.Tensor, y: torch.Tensor, previous: str | None = N
                 f"Logits {_shape(y_pred)} with class indices {_shape(y)} fit two layouts; fitkit "
                 "treats the last dimension as the classes (B, T, V). If your classes are on dim 1 "
                 "(B, C, L), use an L that differs from C, or pass a callable loss.",
-                stacklevel=4,
+                category=FitkitWarning, stacklevel=4,
             )
             return "last"
         return previous

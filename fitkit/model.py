@@ -34,7 +34,13 @@ from fitkit import distributed as _distributed
 from fitkit import nest
 from fitkit.callbacks.base import Callback, CallbackList, History
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
-from fitkit.checks import check_bool, check_callbacks, check_int, check_number
+from fitkit.checks import (
+    FitkitWarning,
+    check_bool,
+    check_callbacks,
+    check_int,
+    check_number,
+)
 from fitkit.devices import PRECISIONS, optimizer_to, resolve_device
 from fitkit.loop import EvalLoop, FitLoop, PredictLoop, validation_epochs
 from fitkit.losses import MultiLoss, resolve_loss
@@ -484,7 +490,11 @@ class Model:
             raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")
         if validation_split:
             if validation_data is not None:
-                warnings.warn("`validation_data` is given, so `validation_split` is ignored.", stacklevel=2)
+                warnings.warn(
+                    "`validation_data` is given, so `validation_split` is ignored.",
+                    category=FitkitWarning,
+                    stacklevel=2,
+                )
             else:
                 (x, y, sample_weight), validation_data = _data.split_validation(x, y, sample_weight, validation_split)
         train = _distributed.sharded(
@@ -504,13 +514,13 @@ class Model:
             warnings.warn(
                 f"initial_epoch={initial_epoch} >= epochs={epochs}: nothing will train (`epochs` is the index "
                 "of the last epoch, as in Keras). Fix: pass epochs > initial_epoch.",
-                stacklevel=2,
+                category=FitkitWarning, stacklevel=2,
             )
         if not any(p.requires_grad for p in self.module.parameters()):
             warnings.warn(
                 "The module has no trainable parameter: fit computes and logs the loss and metrics, but "
                 "no weight changes. Fix: set `requires_grad=True` on the parameters to train.",
-                stacklevel=2,
+                category=FitkitWarning, stacklevel=2,
             )
         validates = val is not None
         params = {"batch_size": batch_size, "do_validation": validates, "metrics": self._planned_keys(validates)}

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from fitkit.checks import FitkitWarning
+
 __all__ = ["modes", "warn_if_all_eval"]
 
 
@@ -47,5 +49,5 @@ def warn_if_all_eval(module: nn.Module) -> None:
         warnings.warn(
             "Every submodule is in eval mode, so fit trains with dropout off and BatchNorm "
             "statistics frozen. If that is not intended, call `model.module.train()` first.",
-            stacklevel=4,
+            category=FitkitWarning, stacklevel=4,
         )

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from fitkit import nest
+from fitkit.checks import FitkitWarning
 from fitkit.compile import call
-from fitkit.data import TensorBatches
-from fitkit.devices import move_to_device
+from fitkit.data import TensorBatches, device_batch
 from fitkit.modes import modes
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 
@@ -114,7 +114,7 @@ def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool) 
             f"{source.n} training samples with batch_size={source.batch_size} leave a last batch of "
             "one row, which BatchNorm cannot train on; that row is left out of each epoch. "
             "Fix: choose a batch_size that does not leave one sample over.",
-            stacklevel=4,
+            category=FitkitWarning, stacklevel=4,
         )
 
 
@@ -143,7 +143,7 @@ def _first_batch(source: TensorBatches, device: torch.device) -> tuple[Any, Any,
     sl = slice(0, min(source.batch_size, source.n))
     x, y = nest.map_structure(lambda t: t[sl], source.x), nest.map_structure(lambda t: t[sl], source.y)
     w = None if source.w is None else source.w[sl]
-    return tuple(move_to_device(a, device) for a in (x, y, w))  # type: ignore[return-value]
+    return device_batch(x, y, w, device=device)  # through DeviceLoader, as every batch
 
 
 def wrap(what: str, batch: Any, e: Exception, module: nn.Module | None = None, y_pred: Any = None,
@@ -206,9 +206,9 @@ def first_batch_check(
             model.compute_loss(x, y, y_pred, w)  # raises: a compiled loss needs targets
         if y is not None and model.loss is not None:
             try:
-                prepare = getattr(model.loss, "prepare", None)
+                prepare: Any = getattr(model.loss, "prepare", None)
                 pred = prediction_of(y_pred)  # a structured output's prediction (fitkit.outputs)
-                if getattr(model.loss, "kind", None) == "class_index" and isinstance(pred, torch.Tensor):
+                if getattr(model.loss, "kind", None) == "class_index" and isinstance(pred, torch.Tensor) and prepare:
                     # Before the loss: torch's own out-of-range error names no fix.
                     prepare(pred, y)  # dtype / shape errors; sets the class layout
                     check_class_range(model.loss, pred, y_all)

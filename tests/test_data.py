@@ -170,8 +170,12 @@ def test_finite_generator_running_out_warns_and_stops():
     rec = Recorder()
     model = compiled(rec)
     gen = ((torch.ones(2, 1), torch.zeros(2, 1)) for _ in range(3))
-    with pytest.warns(UserWarning, match="yielded no batch in epoch 3"):
+    with pytest.warns(fitkit.FitkitWarning) as caught:
         history = model.fit(gen, steps_per_epoch=2, epochs=3, verbose=0)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2
+    assert "ran out after 1 of steps_per_epoch=2 batches in epoch 2" in messages[0]
+    assert "yielded no batch in epoch 3" in messages[1]
     assert len(rec.train_rows) == 3
     assert history.epoch == [0, 1]  # epoch 2 ran 1 batch and ended early; epoch 3 had none
 

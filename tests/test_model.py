@@ -347,7 +347,8 @@ def test_epochs_is_the_last_epoch_index():
     assert history.epoch == [2, 3, 4]
     assert len(history.history["loss"]) == 3
     before = [p.detach().clone() for p in model.module.parameters()]
-    history = model.fit(x, y, initial_epoch=5, epochs=5, verbose=0)
+    with pytest.warns(fitkit.FitkitWarning, match="initial_epoch=5 >= epochs=5: nothing will train"):
+        history = model.fit(x, y, initial_epoch=5, epochs=5, verbose=0)
     assert history.epoch == [] and history.history == {}
     assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
 

@@ -17,6 +17,7 @@ from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, up
 
 from fitkit.callbacks.base import Callback
 from fitkit.callbacks.monitor import _check_int, _check_number, _say
+from fitkit.checks import FitkitWarning
 
 __all__ = ["EMA", "SWA"]
 
@@ -344,7 +345,7 @@ class SWA(Callback):
             warnings.warn(
                 "SWA could not recompute the BatchNorm statistics: the training data yields no "
                 "batch after fit (a one-shot generator?). Fix: pass data that can be iterated again.",
-                stacklevel=2,
+                category=FitkitWarning, stacklevel=2,
             )
             return
         flags = [(m, m.training) for m in module.modules()]

@@ -30,6 +30,7 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.checkpoint import is_rank_zero
+from fitkit.checks import FitkitWarning
 from fitkit.files import CheckpointError, check_target, remove_stale_temps
 
 __all__ = ["ModelCheckpoint", "BackupAndRestore"]
@@ -439,7 +440,7 @@ class BackupAndRestore(StatefulCallback):
                 warnings.warn(
                     f"The backup {str(self.path)!r} is damaged, so training resumes from the previous "
                     f"backup {str(self.prev_path)!r}, one backup earlier. ({e})",
-                    stacklevel=2,
+                    category=FitkitWarning, stacklevel=2,
                 )
         if self.prev_path.is_file():  # the newest is damaged, or a crash came between the two
             self.model.load_checkpoint(self.prev_path)

@@ -18,6 +18,7 @@ import torch
 
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
+from fitkit.checks import FitkitWarning
 from fitkit.files import check_target, cut_to_last_line, to_python
 
 __all__ = ["CSVLogger", "TensorBoard"]
@@ -134,7 +135,7 @@ class CSVLogger(StatefulCallback):
                 f"CSVLogger: the logs of epoch {epoch + 1} hold {', '.join(sorted(new))}, which the file's "
                 f"columns (fixed at its first row: {', '.join(self.keys)}) do not have; left out. Fix: add "
                 "the key from the first epoch on (or write NaN until it has a value).",
-                stacklevel=2,
+                category=FitkitWarning, stacklevel=2,
             )
         if not is_rank_zero():
             return
@@ -189,7 +190,8 @@ class TensorBoard(StatefulCallback):
                 "The TensorBoard callback needs the `tensorboard` package. Install it with "
                 "`pip install fitkit[tensorboard]` (TensorFlow is not needed)."
             ) from None
-        if update_freq != "epoch" and (isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1):
+        bad = isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
+        if update_freq != "epoch" and bad:
             raise ValueError(
                 f"Expected `update_freq` to be 'epoch' or a positive int. Received: update_freq={update_freq!r}."
             )

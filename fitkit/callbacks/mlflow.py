@@ -14,6 +14,7 @@ import torch
 
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
+from fitkit.checks import FitkitWarning
 
 __all__ = ["MLflowLogger"]
 
@@ -173,7 +174,7 @@ class MLflowLogger(StatefulCallback):
             warnings.warn(
                 f"MLflowLogger: the run {self.run_id} of the restored state is not in the store "
                 f"{self.tracking_uri}; logging to a new run.",
-                stacklevel=2,
+                category=FitkitWarning, stacklevel=2,
             )
             return False
         # A crash between this callback's epoch log and the backup leaves steps that the resumed
@@ -308,7 +309,9 @@ class MLflowLogger(StatefulCallback):
             if Path(best).is_file():
                 client.log_artifact(self.run_id, best, artifact_path="checkpoints")
             else:
-                warnings.warn(f"MLflowLogger: no checkpoint file at {best!r} to log.", stacklevel=3)
+                warnings.warn(
+                    f"MLflowLogger: no checkpoint file at {best!r} to log.", category=FitkitWarning, stacklevel=3
+                )
         history = getattr(self.model, "history", None)
         if self.log_plot and history is not None and history.history:
             with tempfile.TemporaryDirectory() as folder:
@@ -319,7 +322,7 @@ class MLflowLogger(StatefulCallback):
                     warnings.warn(
                         "MLflowLogger: the learning curves need matplotlib (`pip install "
                         "fitkit[plot]`); history.png is not logged.",
-                        stacklevel=3,
+                        category=FitkitWarning, stacklevel=3,
                     )
                     return
                 client.log_artifact(self.run_id, png)

@@ -14,7 +14,12 @@ from typing import Any
 import torch
 
 from fitkit.callbacks.base import Callback
-from fitkit.callbacks.logkeys import check_log_key, check_validation_monitor, may_add_keys, monitor_value
+from fitkit.callbacks.logkeys import (
+    check_log_key,
+    check_validation_monitor,
+    may_add_keys,
+    monitor_value,
+)
 from fitkit.checkpoint import is_rank_zero
 
 __all__ = [

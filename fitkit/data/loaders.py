@@ -173,8 +173,9 @@ class _IterableBatches:
             sampler, inner = self.source.sampler, getattr(self.source.batch_sampler, "sampler", None)
             # A default batch sampler wraps the same sampler: set its epoch once, not twice.
             for s in (sampler,) if inner is sampler else (sampler, inner):
-                if hasattr(s, "set_epoch"):
-                    s.set_epoch(epoch)
+                set_epoch = getattr(s, "set_epoch", None)
+                if set_epoch is not None:
+                    set_epoch(epoch)
         it = iter(self.source)
         for _ in range(skip):
             next(it, None)
@@ -334,7 +335,7 @@ def as_loader(
     shuffle: bool = False,
     class_weight: Mapping | None = None,
     steps: int | None = None,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device | None = None,
 ) -> DeviceLoader:
     """Turn any supported input into a :class:`DeviceLoader`. Checks everything it can first.
 
@@ -350,7 +351,7 @@ def as_loader(
         shuffle: reshuffle each epoch (in-memory ``x`` and Datasets).
         class_weight: ``{class_index: weight}``, folded into the sample weights.
         steps: batches per epoch (needed for infinite iterables).
-        device: where batches go.
+        device: where batches go (default: the CPU).
 
     Raises:
         TypeError: ``x`` is none of the supported kinds.
@@ -363,6 +364,7 @@ def as_loader(
         ([2, 2, 1], 3)
     """
     cw = ClassWeights(class_weight) if class_weight is not None else None
+    device = torch.device("cpu") if device is None else device
     if is_in_memory(x):
         if y is not None and not is_in_memory(y):
             raise TypeError(

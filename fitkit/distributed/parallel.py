@@ -145,7 +145,10 @@ class Parallel:
         """
         if not self.fsdp:
             return module.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -153,7 +156,10 @@ class Parallel:
         """Load a full state dict (every rank reads the same file)."""
         if not self.fsdp:
             return module.load_state_dict(state, strict=strict)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True, strict=strict)
         return set_model_state_dict(module, dict(state), options=options)
@@ -166,7 +172,10 @@ class Parallel:
         """
         if not self.fsdp:
             return optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         full: Any = get_optimizer_state_dict(
             module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -185,7 +194,10 @@ class Parallel:
         if not self.fsdp:
             optimizer.load_state_dict(dict(state))
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
         fqn = {id(p): n for n, p in module.named_parameters()}
         names = [fqn[id(p)] for g in optimizer.param_groups for p in g["params"]]

@@ -14,10 +14,20 @@ CRC-32s when loading.
 """
 
 from fitkit.files.differences import optimizer_differences, state_dict_differences
-from fitkit.files.payload import CHECKSUM_KEY, check_weights_only, payload_checksum, to_python
+from fitkit.files.payload import (
+    CHECKSUM_KEY,
+    check_weights_only,
+    payload_checksum,
+    to_python,
+)
 from fitkit.files.reading import CheckpointError, safe_load
 from fitkit.files.safe_tensors import load_safetensors, save_safetensors
-from fitkit.files.writing import atomic_save, check_target, cut_to_last_line, remove_stale_temps
+from fitkit.files.writing import (
+    atomic_save,
+    check_target,
+    cut_to_last_line,
+    remove_stale_temps,
+)
 
 __all__ = [
     "CheckpointError", "atomic_save", "safe_load", "remove_stale_temps", "cut_to_last_line",

@@ -1,0 +1,33 @@
+"""Guard rails that CI runs with the tests: ruff and mypy on ``fitkit/``, both clean.
+
+The configuration lives in ``pyproject.toml`` (``[tool.ruff]``, ``[tool.mypy]``); both tools
+come with the ``test`` extra.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_ruff_is_clean_on_the_package():
+    pytest.importorskip("ruff")
+    result = _run(sys.executable, "-m", "ruff", "check", "fitkit")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_mypy_is_clean_on_the_package():
+    pytest.importorskip("mypy")
+    result = _run(sys.executable, "-m", "mypy")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "Success" in result.stdout
