@@ -867,7 +867,7 @@ class Model:
                 loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
             self.backward(loss)
         # Metrics first: a metric that rejects the batch then fails before the weights change.
-        self.update_metrics(loss, y_pred, targets_of(x, y), sample_weight)
+        self.update_metrics(loss, y_pred, y if y is not None else targets_of(x, y), sample_weight)
         self.optimizer_step()
 
     def test_step(self, batch: tuple[Any, Any, Any]) -> None:

@@ -21,6 +21,8 @@ __all__ = ["RunningTotals"]
 
 
 def _batch_size(y: Any) -> int:
+    if isinstance(y, torch.Tensor):
+        return int(y.shape[0]) if y.dim() else 1
     ts = nest.leaves(y)
     return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1
 
