@@ -76,3 +76,39 @@ class Probe(nn.Module):
     def forward(self, x):
         self.calls.append((self.training, torch.is_grad_enabled()))
         return self.lin(x)
+
+
+class Bias(nn.Module):
+    """``y_pred = b`` for every sample (one parameter, 0 at start): losses are computable by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return x * 0 + self.b
+
+
+class CountingBackend:
+    """A torch.compile backend that runs the captured graph eagerly and counts compilations."""
+
+    def __init__(self):
+        self.compiles = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        return gm.forward
+
+
+def line_data(n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y = 3x + 1`` on ``n`` points of [-1, 1], shape (n, 1)."""
+    x = torch.linspace(-1, 1, n).unsqueeze(1)
+    return x, 3 * x + 1
+
+
+def line_model() -> fitkit.Model:
+    """A seeded ``Linear(1, 1)`` compiled with SGD (lr 0.05) and MSE."""
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Linear(1, 1), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.05), loss="mse")
+    return model

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Bias, CountingBackend
 from torch import nn
 
 import fitkit
@@ -126,15 +127,6 @@ def test_no_callback_reads_a_private_model_attribute():
 
 
 # -- nested evaluate / predict leave the training epoch exact --------------------------------
-class Bias(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.b = nn.Parameter(torch.zeros(1))
-
-    def forward(self, x):
-        return x * 0 + self.b
-
-
 def _bias_model():
     model = fitkit.Model(Bias(), device="cpu")
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss="mse", metrics=["mae"])
@@ -250,15 +242,6 @@ def test_compile_checks_everything_before_sharding(kwargs, error):
     with pytest.raises((ValueError, TypeError), match=error):
         model.compile(**kwargs)
     assert model._parallel.calls == [] and model.optimizer is None
-
-
-class CountingBackend:
-    def __init__(self):
-        self.compiles = 0
-
-    def __call__(self, gm, example_inputs):
-        self.compiles += 1
-        return gm.forward
 
 
 def test_the_first_batch_check_does_not_call_the_compiled_forward():

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from conftest import line_data, line_model
 
 import fitkit
 from fitkit.callbacks import BackupAndRestore, Callback, CSVLogger, LambdaCallback, ModelCheckpoint, TensorBoard
@@ -28,15 +28,11 @@ def _crash_at_epoch(epoch: int) -> LambdaCallback:
 
 
 def _data():
-    x = torch.linspace(-1, 1, 32).unsqueeze(1)
-    return x, 3 * x + 1
+    return line_data(32)
 
 
 def _model() -> fitkit.Model:
-    torch.manual_seed(0)
-    model = fitkit.Model(nn.Linear(1, 1), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.05), loss="mse")
-    return model
+    return line_model()
 
 
 def _fit(callbacks, epochs=5):

@@ -4,21 +4,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import CountingBackend
 from torch import nn
 
 import fitkit
 from fitkit.compile import resolve_jit_compile
-
-
-class CountingBackend:
-    """A torch.compile backend that runs the captured graph eagerly and counts compilations."""
-
-    def __init__(self):
-        self.compiles = 0
-
-    def __call__(self, gm, example_inputs):
-        self.compiles += 1
-        return gm.forward
 
 
 def _net():

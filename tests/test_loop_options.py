@@ -7,19 +7,11 @@ import itertools
 
 import pytest
 import torch
+from conftest import Bias
 from torch import nn
 
 import fitkit
 from fitkit.callbacks import Callback, CSVLogger
-
-
-class Bias(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.b = nn.Parameter(torch.zeros(1))
-
-    def forward(self, x):
-        return x * 0 + self.b
 
 
 def _model(**compile_kwargs):

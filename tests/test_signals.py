@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from conftest import line_data, line_model
 
 import fitkit
 from fitkit.callbacks import BackupAndRestore, Callback, LambdaCallback
@@ -234,15 +234,11 @@ def test_a_second_signal_acts_at_once(job, sig):
 
 # -- in this process ----------------------------------------------------------------------------
 def _data():
-    x = torch.linspace(-1, 1, 24).unsqueeze(1)
-    return x, 3 * x + 1
+    return line_data(24)
 
 
 def _model() -> fitkit.Model:
-    torch.manual_seed(0)
-    model = fitkit.Model(nn.Linear(1, 1), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.05), loss="mse")
-    return model
+    return line_model()
 
 
 class _Closes(Callback):
