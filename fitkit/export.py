@@ -125,7 +125,8 @@ def _write_onnx(program: Any, module: nn.Module, path: Path) -> None:
             f"{type(e).__name__}: {str(e).strip()[:500]} Fix: export with format='torch', or "
             "replace the operator the message names with one that ONNX supports."
         ) from e
-    assert onnx_program is not None  # dynamo=True always returns the program
+    if onnx_program is None:  # dynamo=True returns the program; an older torch may not
+        raise RuntimeError("torch.onnx.export returned no ONNX program. Fix: upgrade torch (2.5 or newer).")
     _name_batch_dim(onnx_program, _batch_symbols(program))
     onnx_program.save(str(path), external_data=size > _ONNX_INLINE_LIMIT)
 

@@ -150,6 +150,7 @@ class FitLoop:
                  initial_epoch: int, epochs: int):  # fmt: skip
         self.model, self.train, self.callbacks = model, train, callbacks
         self.val, self.val_scheduled, self.val_steps = validation
+        self.history: Any = next(cb for cb in callbacks.callbacks if type(cb).__name__ == "History")
         self.start_epoch, self.epochs = initial_epoch, epochs
         self.epoch = initial_epoch  # the running (or next) epoch
         self.epochs_done = initial_epoch
@@ -370,15 +371,19 @@ class FitLoop:
         self.resume = None
         # Replay the epoch's data order from the RNG state it started with, skip what was done,
         # then continue from the RNG state of the moment the checkpoint was taken.
-        assert point.epoch_rng is not None and point.trackers is not None and self.totals is not None
-        self.epoch_rng = point.epoch_rng.cpu()
+        epoch_rng, trackers, totals = point.epoch_rng, point.trackers, self.totals
+        if epoch_rng is None or trackers is None or totals is None:
+            raise RuntimeError(
+                f"The checkpoint's position inside epoch {point.epoch + 1} lacks its RNG state or totals."
+            )
+        self.epoch_rng = epoch_rng.cpu()
         torch.set_rng_state(self.epoch_rng)
         skip = point.skip_for(self.train)
         self.train.skip, self.train.skip_samples = skip
         it = iter(self.train)
         first = next(it, None)
         set_rng_state(point.rng)
-        self.totals.load_state_dict(point.trackers)
+        totals.load_state_dict(trackers)
         # In-memory data resumes by samples: count the batches done in this fit's batch size.
         done = point.step_in_epoch if skip[1] is None else skip[1] // self.train.batch_size
         self.batches_done = done

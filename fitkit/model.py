@@ -528,8 +528,7 @@ class Model:
         loop = FitLoop(self, train, (val, val_epochs, validation_steps), cbs, initial_epoch, epochs)
         self._fit = loop
         loop.run()
-        assert self.history is not None
-        return self.history
+        return loop.history
 
     def _check_schedules(self, callbacks: list[Callback]) -> None:
         from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau

@@ -4,7 +4,8 @@
 - :mod:`~fitkit.callbacks.monitor`: ``EarlyStopping`` and the shared monitor / mode logic.
 - :mod:`~fitkit.callbacks.logkeys`: which log keys a callback can read, checked before step 1.
 - :mod:`~fitkit.callbacks.lr`: ``LearningRateScheduler``, ``ReduceLROnPlateau``.
-- :mod:`~fitkit.callbacks.checkpointing`: ``ModelCheckpoint``, ``BackupAndRestore``.
+- :mod:`~fitkit.callbacks.checkpointing`: ``ModelCheckpoint``.
+- :mod:`~fitkit.callbacks.backup`: ``BackupAndRestore``.
 - :mod:`~fitkit.callbacks.logging`: ``CSVLogger``, ``TensorBoard``.
 - :mod:`~fitkit.callbacks.misc`: ``TerminateOnNaN``, ``LambdaCallback``.
 - :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA`` (weight averaging).
@@ -15,8 +16,9 @@ The MLflow and Optuna callbacks import their library when they are created, not 
 """
 
 from fitkit.callbacks.averaging import EMA, SWA
+from fitkit.callbacks.backup import BackupAndRestore
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
-from fitkit.callbacks.checkpointing import BackupAndRestore, ModelCheckpoint
+from fitkit.callbacks.checkpointing import ModelCheckpoint
 from fitkit.callbacks.logging import CSVLogger, TensorBoard
 from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
 from fitkit.callbacks.misc import LambdaCallback, TerminateOnNaN

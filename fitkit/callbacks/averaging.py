@@ -139,7 +139,10 @@ class EMA(Callback):
         self._restored = True  # the next on_train_begin keeps it
 
     def _load(self, state: dict[str, Any]) -> None:
-        assert self.averaged_model is not None
+        if self.averaged_model is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: no averaged model to load into; it is built at on_train_begin."
+            )
         self.averaged_model.load_state_dict(state["averaged"])
         self._last_step = int(state["last_step"])
 

@@ -1,11 +1,12 @@
-"""Callbacks that write checkpoints: ``ModelCheckpoint`` and ``BackupAndRestore``.
+"""``ModelCheckpoint``, and what the callbacks that write checkpoints share.
 
-Both decide in ``on_train_batch_end`` / ``on_epoch_end`` (updating their own state) and write
-in the internal ``_save_on_*_end`` hooks, which run after every callback has seen the batch or
-epoch: a full checkpoint then holds every callback's updated state and the history of that
-epoch. A backup is written after the other files, so it never records a file that does not
-exist yet. Every write is atomic (:func:`fitkit.checkpoint.atomic_save`), and only rank 0
-writes when ``torch.distributed`` is initialized.
+``ModelCheckpoint`` and ``BackupAndRestore`` (:mod:`fitkit.callbacks.backup`) decide in
+``on_train_batch_end`` / ``on_epoch_end`` (updating their own state) and write in the internal
+``_save_on_*_end`` hooks, which run after every callback has seen the batch or epoch: a full
+checkpoint then holds every callback's updated state and the history of that epoch. A backup
+is written after the other files, so it never records a file that does not exist yet. Every
+write is atomic (:func:`fitkit.files.atomic_save`), and only rank 0 writes when
+``torch.distributed`` is initialized.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import glob
 import math
 import os
 import string
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +30,9 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.checkpoint import is_rank_zero
-from fitkit.checks import FitkitWarning
-from fitkit.files import CheckpointError, check_target, remove_stale_temps
+from fitkit.files import check_target, remove_stale_temps
 
-__all__ = ["ModelCheckpoint", "BackupAndRestore"]
+__all__ = ["ModelCheckpoint"]
 
 
 def _field_names(template: str) -> set[str]:
@@ -351,139 +350,3 @@ class ModelCheckpoint(StatefulCallback):
     def _worst(self, kept: list[tuple[float, str]]) -> tuple[float, str]:
         pick = max if self._mode == "min" else min
         return pick(kept, key=lambda vp: vp[0])
-
-
-class BackupAndRestore(StatefulCallback):
-    """Back up the training state so that a crashed ``fit``, run again, continues exactly.
-
-    The backup is one full checkpoint, ``backup_dir/backup.pt``, replaced atomically at the end
-    of each epoch or every ``save_freq`` batches; the one it replaces is kept as
-    ``backup.prev.pt`` (Keras' ``double_checkpoint``). When the newest backup is damaged
-    (:class:`fitkit.files.CheckpointError`), ``fit`` warns, naming both files, and resumes
-    from the previous one. When ``fit`` starts and a backup exists, the
-    model, optimizer, scheduler, RNG states, history and callback states are restored and
-    training continues from where the backup was taken, inside an epoch included (the rest
-    of that epoch sees the same batches in the same order). The resumed run ends with the same
-    weights as an uninterrupted one (CPU, same seed). The backup is deleted after a ``fit``
-    that ends normally (``delete_checkpoint``, both files) and kept when ``fit`` raises.
-
-    Args:
-        backup_dir: the folder of the backup; one per training job.
-        save_freq: ``"epoch"``, or an int: every that many batches (at the end of a gradient
-            accumulation group).
-        delete_checkpoint: delete the backup when ``fit`` ends normally.
-
-    Raises:
-        TypeError: ``backup_dir`` is not a str or a path.
-        ValueError: a bad ``save_freq``; ``backup_dir`` is empty or an existing file.
-
-    Example:
-        >>> import os, tempfile, torch, fitkit
-        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
-        >>> model.compile(optimizer="sgd", loss="mse")
-        >>> backup = BackupAndRestore(tempfile.mkdtemp(), delete_checkpoint=False)
-        >>> _ = model.fit(torch.zeros(4, 1), torch.zeros(4, 1), epochs=2, callbacks=[backup], verbose=0)
-        >>> history = model.fit(torch.zeros(4, 1), torch.zeros(4, 1), epochs=3, callbacks=[backup], verbose=0)
-        >>> history.epoch  # epochs 0 and 1 came from the backup
-        [0, 1, 2]
-    """
-
-    _is_backup = True  # written after the other checkpoint files of the same event
-
-    def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch", delete_checkpoint: bool = True):
-        super().__init__()
-        _check_save_freq(save_freq)
-        check_target(backup_dir, "backup_dir", "BackupAndRestore", "folder")
-        self.backup_dir = Path(backup_dir)
-        self.save_freq, self.delete_checkpoint = save_freq, bool(delete_checkpoint)
-        self._reset()
-
-    @property
-    def path(self) -> Path:
-        """The backup file."""
-        return self.backup_dir / "backup.pt"
-
-    @property
-    def prev_path(self) -> Path:
-        """The previous backup, kept until the next one is written."""
-        return self.backup_dir / "backup.prev.pt"
-
-    def _reset(self) -> None:
-        self._batches_seen = 0
-        self._due = False
-        self._rotate = False  # whether backup.pt is a good backup, to keep as the previous one
-
-    def _get_state(self) -> dict[str, Any]:
-        return {"batches_seen": self._batches_seen}
-
-    def _set_state(self, state: dict[str, Any]) -> None:
-        self._batches_seen = state["batches_seen"]
-
-    def on_train_begin(self, logs=None):
-        super().on_train_begin(logs)
-        self._due = False
-        self._interrupted = False
-        # Temp files of a write a crash interrupted are never a backup: clear them.
-        if is_rank_zero() and self.backup_dir.is_dir():
-            remove_stale_temps(self.backup_dir, self.path.name)
-        # Restores module / optimizer / scheduler now; fit applies the RNG states, the
-        # position in the epoch, the history and the callback states (this one's too).
-        self._rotate = False
-        if self.path.is_file():
-            try:
-                self.model.load_checkpoint(self.path)  # fit starts at the backup's epoch
-                self._rotate = True
-                return
-            except CheckpointError as e:
-                if not self.prev_path.is_file():
-                    raise
-                warnings.warn(
-                    f"The backup {str(self.path)!r} is damaged, so training resumes from the previous "
-                    f"backup {str(self.prev_path)!r}, one backup earlier. ({e})",
-                    category=FitkitWarning, stacklevel=2,
-                )
-        if self.prev_path.is_file():  # the newest is damaged, or a crash came between the two
-            self.model.load_checkpoint(self.prev_path)
-
-    def _save_on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch":
-            self._write()
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq == "epoch":
-            return
-        self._batches_seen += 1
-        # Inside an accumulation group the gradients are not in the checkpoint: wait for its end.
-        if self._batches_seen >= self.save_freq and self.model.closes_accumulation_window:
-            self._batches_seen, self._due = 0, True
-
-    def _save_on_batch_end(self, batch, logs=None):
-        if self._due:
-            self._due = False
-            self._write()
-
-    def _save_on_interrupt(self):
-        # SIGTERM / SIGINT: the state of this step boundary, kept for the re-run.
-        self._interrupted = True
-        self._write()
-
-    def _write(self) -> None:
-        # A run that a callback stopped is about to end: a crash from here on replays from
-        # the previous backup and stops at the same point, while a backup written now would
-        # resume past the stop. Every rank calls save_checkpoint; rank 0 writes.
-        if not self.model.stop_training:
-            if self._rotate and is_rank_zero() and self.path.is_file():
-                os.replace(self.path, self.prev_path)  # atomic; a crash now resumes from it
-            self.model.save_checkpoint(self.path)
-            self._rotate = True
-
-    def on_train_end(self, logs=None):
-        if self._interrupted:
-            return  # the backup is what the re-run resumes from
-        if self.delete_checkpoint and is_rank_zero():
-            self.path.unlink(missing_ok=True)
-            self.prev_path.unlink(missing_ok=True)
-            try:
-                self.backup_dir.rmdir()  # only if nothing else is in it
-            except OSError:
-                pass

@@ -108,7 +108,8 @@ class ProgressBar(Callback):
         self._pending = (description, total)
 
     def _start_bar(self) -> None:
-        assert self._pending is not None
+        if self._pending is None:
+            return
         description, total = self._pending
         self._pending = None
         self._progress = Progress(

@@ -6,9 +6,10 @@ objects get a ``DataLoader``; ``DataLoader`` objects and any other iterable of b
 iterated as they are. :class:`DeviceLoader` is the only place where a batch changes device.
 
 - :mod:`~fitkit.data.arrays`: in-memory data: ``is_in_memory``, ``batch_size_of``,
-  ``TensorBatches`` (the fast path), ``split_validation`` and the nested-structure helpers.
-- :mod:`~fitkit.data.loaders`: ``as_loader``, ``DeviceLoader``, ``unpack_batch``,
-  ``ClassWeights`` and the wrappers for Datasets and iterables of batches.
+  ``TensorBatches`` (the fast path) and ``split_validation``.
+- :mod:`~fitkit.data.loaders`: ``as_loader``, ``DeviceLoader``, ``device_batch``,
+  ``unpack_batch`` and the wrappers for Datasets and iterables of batches.
+- :mod:`~fitkit.data.weights`: ``ClassWeights``.
 """
 
 from __future__ import annotations
