@@ -103,9 +103,11 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
         >>> moved["x"].device, moved["meta"][0]
         (device(type='cpu'), 'id')
     """
+    if obj is None:
+        return None
+    if isinstance(obj, torch.Tensor):  # the common case, without the walk
+        return obj if obj.device == device else obj.to(device, non_blocking=device.type == "cuda")
     non_blocking = device.type == "cuda"
-    if isinstance(obj, torch.Tensor) or obj is None:  # the common case, without the walk
-        return obj if obj is None or obj.device == device else obj.to(device, non_blocking=non_blocking)
     return nest.map_structure(lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking), obj)
 
 

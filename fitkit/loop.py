@@ -163,6 +163,8 @@ class FitLoop:
         self.per_group_lr = len({float(g["lr"]) for g in model.optimizer.param_groups}) > 1
         self.interrupt: Any = None
         self.running = False
+        # on_backward_end, run by the stepper before each optimizer step (None: nobody listens).
+        self.before_step = self._on_backward_end if callbacks.wants("on_backward_end") else None
         self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
         self._warned_short = False
@@ -217,6 +219,9 @@ class FitLoop:
             cbs.close(finished)
             model._resume = None  # a loaded resume point serves one fit only
 
+    def _on_backward_end(self) -> None:
+        self.callbacks.on_backward_end(self.batch_index)
+
     def _validate(self, epoch: int, logs: dict[str, float]) -> None:
         self.validated = False
         if self.val is None or not self.val_scheduled(epoch):
@@ -262,7 +267,7 @@ class FitLoop:
                 self.batches_done = step + 1
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(self.totals.running))
-                if self._stop_now():
+                if model.stop_training if model._parallel is None else self._stop_now():
                     break
                 if self.interrupt.signum is not None and stepper.micro_last:
                     self.interrupted = True

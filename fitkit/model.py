@@ -858,7 +858,8 @@ class Model:
         "Custom training steps" in the docs for an auxiliary loss and a two-optimizer step.
         """
         x, y, sample_weight = batch
-        with self._require_compiled("train_step").no_sync(self.module):
+        stepper = self._stepper or self._require_compiled("train_step")
+        with stepper.no_sync(self.module):
             with self.autocast():
                 y_pred = self._forward(x)
                 loss = self.compute_loss(x, y, y_pred, sample_weight)
@@ -918,12 +919,9 @@ class Model:
         Runs ``on_backward_end`` (gradients unscaled), the skip decision, clipping, the
         GradScaler and a per-step scheduler. Returns whether the weights changed.
         """
-        stepper = self._require_compiled("optimizer_step")
+        stepper = self._stepper or self._require_compiled("optimizer_step")
         loop = self._fit
-        before = None
-        if loop is not None and loop.running and loop.callbacks.wants("on_backward_end"):
-            def before() -> None:
-                loop.callbacks.on_backward_end(loop.batch_index)
+        before = loop.before_step if loop is not None and loop.running else None
         return stepper.step(self.module, before, self._wants_stop)
 
     def _wants_stop(self) -> bool:
