@@ -6,6 +6,7 @@ point checks its arguments with these helpers before it changes anything.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -53,23 +54,32 @@ def check_bool(name: str, value: Any) -> None:
 
 
 def check_number(
-    name: str, value: Any, *, positive: bool = False, allow_none: bool = False, fix: str | None = None
+    name: str, value: Any, *, positive: bool = False, minimum: float | None = None, allow_none: bool = False,
+    fix: str | None = None,
 ) -> None:
-    """Require a real number (``> 0`` if ``positive``; ``None`` too if ``allow_none``).
+    """Require a real number, not NaN (``> 0`` if ``positive``, ``>= minimum`` if given).
 
     Example:
         >>> check_number("clip_grad_norm", 0, positive=True)
         Traceback (most recent call last):
         ...
         ValueError: Expected `clip_grad_norm` to be a positive number. Received: clip_grad_norm=0.
+        >>> check_number("patience_delta", float("nan"))
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `patience_delta` to be a number, not NaN. Received: patience_delta=nan.
     """
     if value is None and allow_none:
         return
     what = "a positive number" if positive else "a number"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"Expected `{name}` to be {what}. Received: {name}={value!r}.{_fix(fix)}")
+    if math.isnan(value):  # nothing compares with NaN: a NaN threshold would never be beaten
+        raise ValueError(f"Expected `{name}` to be a number, not NaN. Received: {name}={value!r}.{_fix(fix)}")
     if positive and not value > 0:
         raise ValueError(f"Expected `{name}` to be {what}. Received: {name}={value!r}.{_fix(fix)}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"Expected `{name}` >= {minimum}. Received: {name}={value!r}.{_fix(fix)}")
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitkit.modes import modes
+
 __all__ = ["export", "FORMATS"]
 
 #: The formats :func:`export` writes.
@@ -67,10 +69,8 @@ def _trace(module: nn.Module, example_input: Any, dynamic_batch: bool) -> Any:
         args, kwargs = _batch_of_two(args), _batch_of_two(kwargs)
         batch = torch.export.Dim("batch")
         dynamic_shapes = _batch_specs(kwargs, batch) if kwargs else _batch_specs(args, batch)
-    flags = [(m, m.training) for m in module.modules()]
     try:
-        module.eval()
-        with torch.no_grad():
+        with modes(module, training=False, grad=False):
             return torch.export.export(module, args, kwargs or None, dynamic_shapes=dynamic_shapes)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -81,9 +81,6 @@ def _trace(module: nn.Module, example_input: Any, dynamic_batch: bool) -> Any:
             "rewrite it with torch.where or torch.cond. If the error names the batch dimension "
             "(e.g. a reshape to a fixed batch size), fix that reshape or pass dynamic_batch=False."
         ) from e
-    finally:
-        for m, flag in flags:
-            m.training = flag
 
 
 def _batch_symbols(program: Any) -> set[str]:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fitkit import data as _data
+from fitkit.checks import check_number
 
 __all__ = ["find_lr", "LRFinderResult"]
 
@@ -119,8 +120,7 @@ class LRFinderResult:
 
 
 def _check(name: str, value: Any, ok: Any, expected: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Expected `{name}` to be a number. Received: {name}={value!r}.")
+    check_number(name, value)
     if not ok(value):
         raise ValueError(f"Expected `{name}` {expected}. Received: {name}={value!r}.")
 

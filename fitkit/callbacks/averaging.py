@@ -16,8 +16,9 @@ from torch import nn
 from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
 
 from fitkit.callbacks.base import Callback
-from fitkit.callbacks.monitor import _check_int, _check_number, _say
-from fitkit.checks import FitkitWarning
+from fitkit.callbacks.monitor import _say
+from fitkit.checks import FitkitWarning, check_int, check_number
+from fitkit.modes import modes
 
 __all__ = ["EMA", "SWA"]
 
@@ -108,7 +109,7 @@ class EMA(Callback):
         verbose: int = 0,
     ):
         super().__init__()
-        _check_number("decay", decay, 0.0)
+        check_number("decay", decay, minimum=0.0)
         if decay > 1:
             raise ValueError(f"Expected `decay` in [0, 1]. Received: decay={decay!r}.")
         for name, flag in (("evaluate_with_ema", evaluate_with_ema), ("swap_at_end", swap_at_end),
@@ -259,7 +260,7 @@ class SWA(Callback):
                 "Expected `swa_epoch_start` to be an int >= 1 (an epoch, 1-based) or a float in (0, 1] "
                 f"(a fraction of the epochs). Received: swa_epoch_start={swa_epoch_start!r}."
             )
-        _check_int("annealing_epochs", annealing_epochs, 0)
+        check_int("annealing_epochs", annealing_epochs, 0)
         if annealing_strategy not in ("cos", "linear"):
             raise ValueError(
                 "Expected `annealing_strategy` to be 'cos' or 'linear'. "
@@ -351,13 +352,9 @@ class SWA(Callback):
                 category=FitkitWarning, stacklevel=2,
             )
             return
-        flags = [(m, m.training) for m in module.modules()]
-        try:
+        with modes(module, training=None, grad=False):  # update_bn sets train mode; flags come back
             # update_bn feeds the first element of each batch to the module it is given.
             update_bn(([b[0]] for b in itertools.chain([first], it)), _FeedX(module))
-        finally:
-            for m, flag in flags:
-                m.training = flag
 
 
 class _FeedX(nn.Module):

@@ -20,9 +20,7 @@ from typing import Any
 
 from fitkit.callbacks.monitor import (
     StatefulCallback,
-    _check_int,
     _check_mode,
-    _check_number,
     _say,
     check_log_key,
     is_improvement,
@@ -30,6 +28,7 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.checkpoint import is_rank_zero
+from fitkit.checks import check_int, check_number
 from fitkit.files import check_target, remove_stale_temps
 
 __all__ = ["ModelCheckpoint"]
@@ -157,14 +156,14 @@ class ModelCheckpoint(StatefulCallback):
         self._fields = _field_names(self.filepath)
         _check_mode(mode)
         _check_save_freq(save_freq)
-        _check_int("every_n_epochs", every_n_epochs, 1)
+        check_int("every_n_epochs", every_n_epochs, 1)
         if every_n_epochs != 1 and save_freq != "epoch":
             raise ValueError(
                 f"`every_n_epochs` counts epochs, but save_freq={save_freq!r} saves every that many "
                 "batches. Fix: pass one of them."
             )
         if initial_value_threshold is not None:
-            _check_number("initial_value_threshold", initial_value_threshold, -math.inf)
+            check_number("initial_value_threshold", initial_value_threshold, minimum=-math.inf)
             if not save_best_only and save_top_k is None:
                 raise ValueError(
                     "`initial_value_threshold` is the value a checkpoint must beat, so it needs "
@@ -172,7 +171,7 @@ class ModelCheckpoint(StatefulCallback):
                 )
         self.last_path = _last_path(self.filepath, save_last)
         if save_top_k is not None:
-            _check_int("save_top_k", save_top_k, 1)
+            check_int("save_top_k", save_top_k, 1)
             if save_best_only:
                 raise ValueError(
                     "Pass either `save_best_only=True` (write each new best) or `save_top_k=k` "

@@ -15,15 +15,14 @@ import torch
 
 from fitkit.callbacks.monitor import (
     StatefulCallback,
-    _check_int,
     _check_mode,
-    _check_number,
     _say,
     check_validation_monitor,
     is_improvement,
     monitor_value,
     resolve_mode,
 )
+from fitkit.checks import check_int, check_number
 
 __all__ = ["LearningRateScheduler", "ReduceLROnPlateau"]
 
@@ -94,16 +93,16 @@ class ReduceLROnPlateau(StatefulCallback):
         super().__init__()
         if not isinstance(monitor, str):
             raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
-        _check_number("factor", factor)
+        check_number("factor", factor, minimum=0.0)
         if not factor < 1.0:
             raise ValueError(
                 f"Expected `factor` in [0, 1): it multiplies the learning rate. Received: factor={factor!r}."
             )
-        _check_int("patience", patience)
+        check_int("patience", patience, 0)
         _check_mode(mode)
-        _check_number("min_delta", min_delta, -math.inf)
-        _check_int("cooldown", cooldown)
-        _check_number("min_lr", min_lr)
+        check_number("min_delta", min_delta, minimum=-math.inf)
+        check_int("cooldown", cooldown, 0)
+        check_number("min_lr", min_lr, minimum=0.0)
         self.monitor, self.factor, self.patience, self.mode = monitor, float(factor), patience, mode
         self.min_delta, self.cooldown, self.min_lr = abs(min_delta), cooldown, float(min_lr)
         self.verbose = verbose

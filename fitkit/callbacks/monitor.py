@@ -21,6 +21,7 @@ from fitkit.callbacks.logkeys import (
     monitor_value,
 )
 from fitkit.checkpoint import is_rank_zero
+from fitkit.checks import check_int, check_number
 
 __all__ = [
     "EarlyStopping",
@@ -123,22 +124,6 @@ class StatefulCallback(Callback):
             self._reset()
 
 
-def _check_number(name: str, value: Any, minimum: float = 0.0) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Expected `{name}` to be a number. Received: {name}={value!r}.")
-    if math.isnan(value):  # nothing compares with NaN: a NaN threshold would never be beaten
-        raise ValueError(f"Expected `{name}` to be a number, not NaN. Received: {name}={value!r}.")
-    if value < minimum:
-        raise ValueError(f"Expected `{name}` >= {minimum}. Received: {name}={value!r}.")
-
-
-def _check_int(name: str, value: Any, minimum: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Expected `{name}` to be an int. Received: {name}={value!r}.")
-    if value < minimum:
-        raise ValueError(f"Expected `{name}` >= {minimum}. Received: {name}={value!r}.")
-
-
 def _check_mode(mode: Any) -> None:
     if mode not in ("auto", "min", "max"):
         raise ValueError(f"Expected `mode` to be 'auto', 'min' or 'max'. Received: mode={mode!r}.")
@@ -233,14 +218,14 @@ class EarlyStopping(StatefulCallback):
         super().__init__()
         if not isinstance(monitor, str):
             raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
-        _check_number("min_delta", min_delta, -math.inf)
-        _check_int("patience", patience)
+        check_number("min_delta", min_delta, minimum=-math.inf)
+        check_int("patience", patience, 0)
         _check_mode(mode)
         for name, value in (("baseline", baseline), ("stopping_threshold", stopping_threshold),
                             ("divergence_threshold", divergence_threshold)):
             if value is not None:
-                _check_number(name, value, -math.inf)
-        _check_int("start_from_epoch", start_from_epoch)
+                check_number(name, value, minimum=-math.inf)
+        check_int("start_from_epoch", start_from_epoch, 0)
         if not isinstance(check_finite, bool):
             raise TypeError(f"Expected `check_finite` to be a bool. Received: check_finite={check_finite!r}.")
         self.stopping_threshold, self.divergence_threshold = stopping_threshold, divergence_threshold

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fitkit.layers.blocks import TransformerBlock, _check_dropout, _check_positive_int
+from fitkit.modes import modes
 
 __all__ = ["Embedding", "GPT", "param_groups_weight_decay"]
 
@@ -206,22 +207,16 @@ class GPT(nn.Module):
             raise ValueError(f"Expected `top_k` to be None or an int >= 1. "
                              f"Received: top_k={top_k!r}.")
         idx = idx.to(self.lm_head.weight.device, torch.long)
-        flags = [(m, m.training) for m in self.modules()]
-        self.eval()
-        try:
-            with torch.no_grad():
-                for _ in range(max_new_tokens):
-                    logits = self(idx[:, -self.block_size:])  # (B, T', V)
-                    logits = logits[:, -1, :] / temperature  # (B, V)
-                    if top_k is not None:
-                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    probs = F.softmax(logits, dim=-1)  # (B, V)
-                    idx_next = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
-                    idx = torch.cat((idx, idx_next), dim=1)
-        finally:
-            for module, training in flags:
-                module.training = training
+        with modes(self, training=False, grad=False):  # flags and grad mode come back as they were
+            for _ in range(max_new_tokens):
+                logits = self(idx[:, -self.block_size:])  # (B, T', V)
+                logits = logits[:, -1, :] / temperature  # (B, V)
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1)  # (B, V)
+                idx_next = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+                idx = torch.cat((idx, idx_next), dim=1)
         return idx
 
     def num_parameters(self, non_embedding: bool = True) -> int:
