@@ -1,6 +1,6 @@
 """Argument checks, one message form: the argument, what was expected, what was received, the fix.
 
-A wrong type is a ``TypeError``, a wrong value a ``ValueError`` (STYLE.md); every public entry
+A wrong type is a ``TypeError``, a wrong value a ``ValueError``; every public entry
 point checks its arguments with these helpers before it changes anything.
 """
 

@@ -75,7 +75,7 @@ def warn_fallback(e: BaseException) -> None:
 
 
 def call(module: Any, x: Any) -> Any:
-    """Call ``module`` on a batch's inputs: a tuple is positional, a dict keyword inputs (API.md).
+    """Call ``module`` on a batch's inputs: a tuple is positional, a dict keyword inputs.
 
     Example:
         >>> call(lambda a, b: a + b, (1, 2)), call(lambda **kw: sorted(kw), {"a": 1})

@@ -974,6 +974,8 @@ class Model:
 
         With ``strategy="fsdp"`` gathering the state is a collective: call it on every rank.
         The file holds only tensors (no optimizer state); reload it with :meth:`load_weights`.
+        A path ending in ``.safetensors`` writes safetensors (``pip install fitkit[safetensors]``;
+        tied weights are stored once), readable by Hugging Face's and timm's tools.
 
         Args:
             path: the file to write; missing parent folders are created, an existing file is
@@ -995,8 +997,10 @@ class Model:
     def load_weights(self, path: str | os.PathLike, strict: bool = True) -> None:
         """Load a state dict saved by :meth:`save_weights` (or a checkpoint) onto ``model.device``.
 
-        The file is read with ``torch.load(..., weights_only=True)``. A file written by
-        :meth:`save_checkpoint` works too: only its module weights are loaded.
+        The file is read with ``torch.load(..., weights_only=True)``, or with safetensors when
+        the path ends in ``.safetensors``. A file written by :meth:`save_checkpoint` works too:
+        only its module weights are loaded. Keys, shapes and dtypes are compared first: on any
+        mismatch nothing is loaded.
 
         Args:
             path: the file to read.
@@ -1020,11 +1024,16 @@ class Model:
         _checkpoint.load_weights(self, path, strict)
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The full training state as a ``weights_only``-loadable dict (see API.md, Checkpoints)."""
+        """The full training state as a ``weights_only``-loadable dict.
+
+        Module, optimizer (and its class), scheduler, grad scaler, epoch, position inside the
+        epoch (batches and samples), global step, RNG states, callback states, history, the
+        fitkit version; :meth:`save_checkpoint` adds a checksum of the payload.
+        """
         return _checkpoint.checkpoint_state(self)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write the full training state to ``path`` atomically (see API.md, Checkpoints).
+        """Write the full training state (:meth:`checkpoint_state`) to ``path`` atomically.
 
         Under torchrun rank 0 writes (its RNG states); the state is unwrapped, so the file
         resumes at any world size. With ``strategy="fsdp"`` call it on every rank (gathering
