@@ -56,6 +56,28 @@ def _lr_logs(groups: list[Any], per_group: bool) -> dict[str, float]:
     return logs
 
 
+def groups_differ(optimizer: torch.optim.Optimizer, scheduler: Any) -> bool:
+    """Whether the parameter groups' learning rates differ, now or by their schedule.
+
+    Then every group's rate is logged (``learning_rate/pg1``, ...), decided once per fit so the
+    keys stay the same every epoch: groups that differ now, that start from different rates
+    (``initial_lr``, a warmup from 0 included), or that follow different ``lr_lambdas``.
+
+    Example:
+        >>> p, q = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+        >>> opt = torch.optim.SGD([{"params": [p]}, {"params": [q], "lr": 0.01}], lr=0.1)
+        >>> groups_differ(opt, None), groups_differ(torch.optim.SGD([p, q], lr=0.1), None)
+        (True, False)
+    """
+    groups = optimizer.param_groups
+    if len(groups) < 2:
+        return False
+    now = {float(g["lr"]) for g in groups}
+    start = {float(g.get("initial_lr", g["lr"])) for g in groups}
+    lambdas = getattr(scheduler, "lr_lambdas", None) or []
+    return len(now) > 1 or len(start) > 1 or len({id(f) for f in lambdas}) > 1
+
+
 def _name(source: Any) -> str:
     src = getattr(source, "batches", source)
     return type(getattr(src, "source", src)).__name__
@@ -81,7 +103,13 @@ class EvalLoop:
         """Loss and metrics over the source: exact per-sample means (Python floats)."""
         model, cbs = self.model, self.callbacks
         want = cbs.wants("on_test_batch_end")
-        model.stop_evaluating = False
+        outer, model.stop_evaluating = model.stop_evaluating, False  # a nested evaluate's flag stays its own
+        try:
+            return self._run(model, cbs, want)
+        finally:
+            model.stop_evaluating = outer
+
+    def _run(self, model: Any, cbs: CallbackList, want: bool) -> dict[str, float]:
         with modes(model.module, training=False, grad=False), model._phase(self.totals):
             cbs.on_test_begin({})
             for step, batch in enumerate(self.loader):
@@ -113,7 +141,13 @@ class PredictLoop:
     def run(self) -> Any:
         model, cbs = self.model, self.callbacks
         outputs: list[Any] = []
-        model.stop_predicting = False
+        outer, model.stop_predicting = model.stop_predicting, False  # a nested predict's flag stays its own
+        try:
+            return self._run(model, cbs, outputs)
+        finally:
+            model.stop_predicting = outer
+
+    def _run(self, model: Any, cbs: CallbackList, outputs: list[Any]) -> Any:
         with modes(model.module, training=False, grad=False):
             cbs.on_predict_begin({})
             for step, batch in enumerate(self.loader):
@@ -160,7 +194,7 @@ class FitLoop:
         self.totals: RunningTotals | None = None
         self.epoch_rng: torch.Tensor | None = None
         self.validated = False  # this epoch: validation was scheduled and ran over > 0 batches
-        self.per_group_lr = len({float(g["lr"]) for g in model.optimizer.param_groups}) > 1
+        self.per_group_lr = groups_differ(model.optimizer, model.scheduler)
         self.interrupt: Any = None
         self.running = False
         # on_backward_end, run by the stepper before each optimizer step (None: nobody listens).

@@ -239,7 +239,7 @@ class Loss:
             if self.kind == "class_index" and self.class_last:
                 v = y_pred.shape[-1]
                 out = self.fn(y_pred.reshape(-1, v), y.reshape(-1), reduction=reduction)
-                return out.reshape(y.shape[0], -1).mean(1) if per_sample else out
+                return self._per_sample(out, y) if per_sample else out
             out = self.fn(y_pred, y, reduction=reduction)
         except IndexError as e:
             # torch's CPU kernels raise IndexError for a class label out of range (no sync is
@@ -252,7 +252,19 @@ class Loss:
                 f"{_shape(y_pred)} ({e}). Fix: remap the labels, or give the module one output "
                 "per class."
             ) from None
-        return out.reshape(out.shape[0], -1).mean(1) if per_sample else out
+        return self._per_sample(out, y) if per_sample else out
+
+    def _per_sample(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` per-sample losses: the mean over each sample's positions that count.
+
+        Positions whose target is ``ignore_index`` add 0 to ``out`` and are left out of the
+        count, so a sample's loss is the mean over its real tokens, as the unweighted loss is.
+        """
+        per = out.reshape(y.shape[0], -1) if y.dim() else out.reshape(out.shape[0], -1)
+        if self.kind != "class_index" or self.ignore_index is None or y.is_floating_point():
+            return per.mean(1)
+        counts = (y.reshape(y.shape[0], -1) != self.ignore_index).sum(1)
+        return per.sum(1) / counts.clamp(min=1).to(per.dtype)
 
 
 def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None:

@@ -247,6 +247,10 @@ def _clone(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
+# The stepper's per-step record that a sweep's steps overwrite (model.grad_norm, the LRs used).
+_STEPPER_FIELDS = ("grad_norm", "lrs_used", "micro_last", "micro_scale", "window_loss", "skip_requested")
+
+
 def _snapshot(model: Any) -> dict[str, Any]:
     """Everything a sweep changes, copied."""
     opt = model.optimizer
@@ -262,6 +266,7 @@ def _snapshot(model: Any) -> dict[str, Any]:
         "scheduler_state": None if model.scheduler is None else copy.deepcopy(model.scheduler.state_dict()),
         "scaler": None if scaler is None else copy.deepcopy(scaler.state_dict()),
         "global_step": model.global_step,
+        "stepper": {k: _clone(getattr(model._stepper, k)) for k in _STEPPER_FIELDS},
         "stop_training": model.stop_training,
         "rng": (
             random.getstate(), np.random.get_state(), torch.get_rng_state(),
@@ -296,6 +301,8 @@ def _restore(model: Any, snap: dict[str, Any]) -> None:
     if snap["scaler"] is not None:
         model.grad_scaler.load_state_dict(snap["scaler"])
     model._stepper.global_step = snap["global_step"]
+    for k, v in snap["stepper"].items():
+        setattr(model._stepper, k, v)
     model.stop_training = snap["stop_training"]
     py, np_state, torch_state, cuda = snap["rng"]
     random.setstate(py)

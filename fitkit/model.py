@@ -42,7 +42,7 @@ from fitkit.checks import (
     check_number,
 )
 from fitkit.devices import PRECISIONS, optimizer_to, resolve_device
-from fitkit.loop import EvalLoop, FitLoop, PredictLoop, validation_epochs
+from fitkit.loop import EvalLoop, FitLoop, PredictLoop, groups_differ, validation_epochs
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
 from fitkit.modes import modes
@@ -560,8 +560,8 @@ class Model:
         """Epoch-log keys fit will write, in order (``params["metrics"]``, as Keras has it)."""
         keys = ["loss", *self.metrics.keys]
         groups = self.optimizer.param_groups if self.optimizer is not None else []
-        lrs = {float(g["lr"]) for g in groups}
-        lr_keys = ["learning_rate"] + ([f"learning_rate/pg{i}" for i in range(1, len(groups))] if len(lrs) > 1 else [])
+        per_group = self.optimizer is not None and groups_differ(self.optimizer, self.scheduler)
+        lr_keys = ["learning_rate"] + ([f"learning_rate/pg{i}" for i in range(1, len(groups))] if per_group else [])
         val_keys = [f"val_{k}" for k in ("loss", *self.metrics.keys)] if validates else []
         return keys + lr_keys + val_keys
 
@@ -726,8 +726,7 @@ class Model:
         stepper = self._require_compiled("train_on_batch")
         batch = _data.device_batch(x, y, sample_weight, device=self.device, class_weight=class_weight)
         totals = self._new_totals()
-        stepper.single_batch()
-        with modes(self.module, training=None, grad=True), self._phase(totals):
+        with self._step_of_its_own(stepper), modes(self.module, training=None, grad=True), self._phase(totals):
             self.train_step(batch)
         self._adopt_metrics(totals)
         return totals.result()
@@ -921,7 +920,10 @@ class Model:
         """
         stepper = self._stepper or self._require_compiled("optimizer_step")
         loop = self._fit
-        before = loop.before_step if loop is not None and loop.running else None
+        # The fit's on_backward_end, for the fit's own steps (not a nested train_on_batch).
+        before = None
+        if loop is not None and loop.running and self._phases and self._phases[-1] is loop.totals:
+            before = loop.before_step
         return stepper.step(self.module, before, self._wants_stop)
 
     def _wants_stop(self) -> bool:
@@ -962,6 +964,24 @@ class Model:
             yield
         finally:
             self._phases.pop()
+
+    @contextlib.contextmanager
+    def _step_of_its_own(self, stepper: Stepper) -> Iterator[None]:
+        """A ``train_on_batch`` step is a window of its own, also when a callback calls it
+        inside a ``fit``: the fit's accumulated gradients and window are set aside meanwhile."""
+        window = (stepper.micro_last, stepper.micro_scale, stepper.window_loss, stepper.skip_requested)
+        params = [p for g in stepper.optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        stepper.single_batch()
+        stepper.window_loss, stepper.skip_requested = None, False
+        try:
+            yield
+        finally:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            stepper.micro_last, stepper.micro_scale, stepper.window_loss, stepper.skip_requested = window
 
     def _adopt_metrics(self, totals: RunningTotals) -> None:
         # Metrics built from a phase's first batch (iterable data) serve later phases too.
