@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
+from fitkit.checks import FitkitWarning
 from fitkit.distributed.group import is_rank_zero
 from fitkit.files import (
     atomic_save,
@@ -77,6 +79,11 @@ def _stateful(callbacks: Any) -> dict[str, Any]:
     return out
 
 
+def _config(cb: Any) -> dict[str, str]:
+    """What a callback's saved state means: the key it watches and the direction."""
+    return {k: str(getattr(cb, k)) for k in ("monitor", "mode") if isinstance(getattr(cb, k, None), str)}
+
+
 class ResumePoint:
     """A loaded checkpoint's position, applied by the next ``fit``.
 
@@ -98,8 +105,15 @@ class ResumePoint:
 
     def apply_callbacks(self, callbacks: Any) -> None:
         """Callback states and the history (after ``on_train_begin``, so they are this fit's)."""
-        saved = self.state["callbacks"]
+        saved, config = self.state["callbacks"], self.state.get("callback_config", {})
         for key, cb in _stateful(callbacks.callbacks).items():
+            if key in config and config[key] != _config(cb):
+                warnings.warn(
+                    f"{key} was saved watching {config[key]} and now watches {_config(cb)}: its saved "
+                    "state (best value, patience) is not restored. Fix: resume with the same settings.",
+                    category=FitkitWarning, stacklevel=4,
+                )
+                continue
             if key in saved:
                 cb.load_state_dict(saved[key])
                 # Loaded after on_train_begin: the flag that asks the next on_train_begin to
@@ -150,12 +164,14 @@ def checkpoint_state(model: Any) -> dict[str, Any]:
         "optimizer": _optimizer_state_dict(model) if model.optimizer is not None else None,
         "optimizer_class": type(model.optimizer).__name__ if model.optimizer is not None else None,
         "scheduler": model.scheduler.state_dict() if model.scheduler is not None else None,
+        "scheduler_class": type(model.scheduler).__name__ if model.scheduler is not None else None,
         "scaler": stepper.scaler.state_dict() if stepper is not None and stepper.scaler is not None else None,
         **position,
         "batch_size": getattr(loop.train, "batch_size", None) if loop is not None else None,
         "global_step": model.global_step,
         "rng": rng_state(),
         "callbacks": {k: cb.state_dict() for k, cb in _stateful(callbacks).items()},
+        "callback_config": {k: _config(cb) for k, cb in _stateful(callbacks).items()},
         "history": history,
     }
     if position["step_in_epoch"]:
@@ -186,6 +202,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
     differences = state_dict_differences(model.module.state_dict(), state["module"])
     if state["optimizer"] is not None:
         differences += optimizer_differences(model.optimizer, state["optimizer"], state.get("optimizer_class"))
+    differences += _scheduler_differences(model.scheduler, state)
     _raise_differences(path, differences)
     model.load_state_dict(state["module"])
     if state["optimizer"] is not None:
@@ -250,6 +267,26 @@ def load_weights(model: Any, path: str | os.PathLike, strict: bool = True) -> No
         state = state["module"]
     _raise_differences(path, state_dict_differences(model.module.state_dict(), state, strict))
     model.load_state_dict(state, strict=strict)
+
+
+def _scheduler_differences(scheduler: Any, state: dict[str, Any]) -> list[str]:
+    """The compiled scheduler against the file's: both or neither, of the same class and fields.
+
+    torch's ``load_state_dict`` of a scheduler is a blind ``__dict__`` update: another class's
+    state would load silently and change the schedule.
+    """
+    saved, saved_class = state.get("scheduler"), state.get("scheduler_class")
+    mine = None if scheduler is None else type(scheduler).__name__
+    if saved is None:  # none saved (or a callback such as SWA had set it aside): the model's stays
+        return []
+    if scheduler is None:
+        return [f"scheduler: the file has {saved_class or 'one'}, the model none"]
+    if saved_class is not None and saved_class != mine:
+        return [f"scheduler: {saved_class} in the file, {mine} in the model"]
+    keys, now = set(saved), set(scheduler.state_dict())
+    if saved_class is None and keys != now:
+        return [f"scheduler: its state has the fields {sorted(keys)}, the model's {mine} has {sorted(now)}"]
+    return []
 
 
 def _raise_differences(path: str | os.PathLike, differences: list[str]) -> None:

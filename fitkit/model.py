@@ -48,7 +48,7 @@ from fitkit.metrics import MetricSet
 from fitkit.modes import modes
 from fitkit.optim import resolve_optimizer, resolve_scheduler
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
-from fitkit.preflight import cast_to_module, in_memory_check
+from fitkit.preflight import cast_to_module, first_batch_check, in_memory_check
 from fitkit.stepper import Stepper
 from fitkit.summary import summary_table
 from fitkit.tracking import RunningTotals, fresh_metrics
@@ -509,7 +509,7 @@ class Model:
             )  # fmt: skip
         self._check_data(train, "x", training=True)
         if val is not None:
-            self._check_data(val, "validation_data", training=False)
+            self._check_data(val, "validation_data", training=False, validation=True)
         if initial_epoch >= epochs:
             warnings.warn(
                 f"initial_epoch={initial_epoch} >= epochs={epochs}: nothing will train (`epochs` is the index "
@@ -541,7 +541,7 @@ class Model:
                 "use one of them: drop `scheduler=` from compile, or the callback."
             )
 
-    def _check_data(self, loader: _data.DeviceLoader, name: str, training: bool) -> None:
+    def _check_data(self, loader: _data.DeviceLoader, name: str, training: bool, validation: bool = False) -> None:
         src = loader.batches
         if not isinstance(src, _data.TensorBatches):
             if getattr(src, "num_batches", None) == 0:  # a DataLoader over an empty Dataset: known before step 1
@@ -549,12 +549,28 @@ class Model:
                     f"`{name}` ({type(getattr(src, 'source', src)).__name__}) has 0 batches. Fix: pass data "
                     "with at least one sample (an empty Dataset or filter?)."
                 )
+            if validation:  # fit's validation runs after epoch 1: check its first batch now
+                self._check_first_validation_batch(loader)
             return
         if src.n == 0:
             raise ValueError(
                 f"`{name}` has 0 samples. Fix: pass at least one sample (an empty split or filter?)."
             )
         in_memory_check(self, src, training=training and type(src) is _data.TensorBatches)
+
+    def _check_first_validation_batch(self, loader: _data.DeviceLoader) -> None:
+        """A re-iterable validation source (a DataLoader, a list) gets its first batch checked
+        before step 1, as training data does; the RNG is put back, so shuffling is unchanged."""
+        source = getattr(loader.batches, "source", None)
+        if source is None or isinstance(source, Iterator) or getattr(loader, "sharded", False):
+            return  # a one-shot iterator would lose its batch; under torchrun each rank has its own
+        rng = _checkpoint.rng_state()
+        try:
+            batch = next(iter(loader), None)
+        finally:
+            _checkpoint.set_rng_state(rng)
+        if batch is not None:
+            first_batch_check(self, batch, label="first validation batch", training=False)
 
     def _planned_keys(self, validates: bool) -> list[str]:
         """Epoch-log keys fit will write, in order (``params["metrics"]``, as Keras has it)."""

@@ -10,11 +10,13 @@ values, at the end of the phase) turn them into means. Each phase gets its own
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from fitkit import nest
+from fitkit.checks import FitkitWarning
 from fitkit.metrics import MetricSet
 
 __all__ = ["RunningTotals"]
@@ -133,6 +135,13 @@ class RunningTotals:
         self.loss_count = state["loss_count"]
         wsum = state["loss_wsum"]
         self.loss_wsum = None if wsum is None else wsum.to(self.device)
+        missing = [e.key for e in self.metrics.entries or [] if e.key not in state["metrics"]]
+        if missing:
+            warnings.warn(
+                f"The checkpoint holds no running totals for {', '.join(missing)} (compiled since?): in the "
+                "resumed epoch they count the remaining batches only. Fix: resume with the same metrics.",
+                category=FitkitWarning, stacklevel=5,
+            )
         for e in self.metrics.entries or []:
             saved = state["metrics"].get(e.key)
             for k, v in (saved or {}).items():

@@ -64,7 +64,8 @@ def test_checkpoint_holds_the_documented_state_and_loads_weights_only(tmp_path):
     model.save_checkpoint(tmp_path / "c.pt")
     state = torch.load(tmp_path / "c.pt", weights_only=True)
     assert set(state) == {
-        "fitkit_version", "module", "optimizer", "optimizer_class", "scheduler", "scaler", "epoch",
+        "fitkit_version", "module", "optimizer", "optimizer_class", "scheduler", "scheduler_class", "scaler", "epoch",
+        "callback_config",
         "step_in_epoch", "samples_in_epoch", "batch_size", "global_step", "rng", "callbacks", "history",
         "fitkit_checksum",
     }  # fmt: skip

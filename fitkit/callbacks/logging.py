@@ -144,9 +144,18 @@ class CSVLogger(StatefulCallback):
         if header:
             writer.writerow(["epoch", *self.keys])
         writer.writerow([epoch, *(_cell(logs[k]) if k in logs else "NA" for k in self.keys)])
+        row = text.getvalue().encode()
         with open(self.filename, "ab") as f:  # whole rows, one write: never half a row
-            f.write(text.getvalue().encode())
-            f.flush()
+            size = f.tell()
+            try:
+                f.write(row)
+                f.flush()
+            except OSError as e:  # a full disk may have taken part of the row: cut it off
+                f.truncate(size)
+                raise OSError(
+                    e.errno, f"CSVLogger could not write epoch {epoch + 1} to {self.filename!r}: {e.strerror}. "
+                    "The file keeps its whole rows. Fix: free space or choose another folder."
+                ) from e
             self._size = f.tell()
 
     def close(self) -> None:
