@@ -1,4 +1,5 @@
-"""The loops: one object per ``fit``, ``evaluate`` and ``predict`` call.
+"""The loops: one object per ``fit``, ``evaluate`` and ``predict`` call (the last two, which
+run in eval mode, are in :mod:`fitkit.eval_loop`).
 
 A loop owns everything that lives for one call: the epoch and the position in the data, the
 resume point, the phase's running totals, whether this epoch validated, and the callbacks of
@@ -22,8 +23,9 @@ from fitkit import nest
 from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checkpoint import ResumePoint, set_rng_state
 from fitkit.checks import FitkitWarning, check_int
+from fitkit.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.modes import modes, warn_if_all_eval
-from fitkit.preflight import first_batch_check, has_training_batchnorm, wrap
+from fitkit.preflight import first_batch_check, has_training_batchnorm
 from fitkit.signals import deferred
 from fitkit.tracking import RunningTotals
 
@@ -76,96 +78,6 @@ def groups_differ(optimizer: torch.optim.Optimizer, scheduler: Any) -> bool:
     start = {float(g.get("initial_lr", g["lr"])) for g in groups}
     lambdas = getattr(scheduler, "lr_lambdas", None) or []
     return len(now) > 1 or len(start) > 1 or len({id(f) for f in lambdas}) > 1
-
-
-def _name(source: Any) -> str:
-    src = getattr(source, "batches", source)
-    return type(getattr(src, "source", src)).__name__
-
-
-class EvalLoop:
-    """One evaluation pass (``evaluate``, or the validation of a fit epoch).
-
-    Args:
-        model: the :class:`fitkit.Model`.
-        loader: a :class:`fitkit.data.DeviceLoader`.
-        callbacks: the call's :class:`CallbackList` (``on_test_*`` hooks).
-        steps: stop after this many batches (``None``: the whole source).
-        what: how errors name the source (``"evaluate"`` or ``"validation_data"``).
-    """
-
-    def __init__(self, model: Any, loader: Any, callbacks: CallbackList, steps: int | None, what: str = "evaluate"):
-        self.model, self.loader, self.callbacks, self.steps, self.what = model, loader, callbacks, steps, what
-        self.totals = model._new_totals()
-        self.batches = 0
-
-    def run(self) -> dict[str, float]:
-        """Loss and metrics over the source: exact per-sample means (Python floats)."""
-        model, cbs = self.model, self.callbacks
-        want = cbs.wants("on_test_batch_end")
-        outer, model.stop_evaluating = model.stop_evaluating, False  # a nested evaluate's flag stays its own
-        try:
-            return self._run(model, cbs, want)
-        finally:
-            model.stop_evaluating = outer
-
-    def _run(self, model: Any, cbs: CallbackList, want: bool) -> dict[str, float]:
-        with modes(model.module, training=False, grad=False), model._phase(self.totals):
-            cbs.on_test_begin({})
-            for step, batch in enumerate(self.loader):
-                cbs.on_test_batch_begin(step, {})
-                model.test_step(batch)
-                self.batches = step + 1
-                if want:
-                    cbs.on_test_batch_end(step, BatchLogs(self.totals.running))
-                if model.stop_evaluating or self.steps is not None and step + 1 >= self.steps:
-                    break
-            if not self.batches:
-                raise ValueError(
-                    f"`{self.what}` ({_name(self.loader)}) yielded no batch. Fix: pass data with at "
-                    "least one sample; a generator is used up after one pass, so pass a re-iterable "
-                    "such as a DataLoader or a list for validation in every epoch."
-                )
-            logs = self.totals.result()
-            cbs.on_test_end(logs)
-        model._adopt_metrics(self.totals)
-        return logs
-
-
-class PredictLoop:
-    """One ``predict`` call: outputs of every batch, concatenated in input order."""
-
-    def __init__(self, model: Any, loader: Any, callbacks: CallbackList, steps: int | None):
-        self.model, self.loader, self.callbacks, self.steps = model, loader, callbacks, steps
-
-    def run(self) -> Any:
-        model, cbs = self.model, self.callbacks
-        outputs: list[Any] = []
-        outer, model.stop_predicting = model.stop_predicting, False  # a nested predict's flag stays its own
-        try:
-            return self._run(model, cbs, outputs)
-        finally:
-            model.stop_predicting = outer
-
-    def _run(self, model: Any, cbs: CallbackList, outputs: list[Any]) -> Any:
-        with modes(model.module, training=False, grad=False):
-            cbs.on_predict_begin({})
-            for step, batch in enumerate(self.loader):
-                cbs.on_predict_batch_begin(step, {})
-                if step:
-                    out = model.predict_step(batch)
-                else:  # shape and dtype errors of the first batch: what was fed, and a fix
-                    try:
-                        out = model.predict_step(batch)
-                    except Exception as e:
-                        custom = type(model).predict_step.__qualname__ != "Model.predict_step"
-                        raise wrap("predict_step" if custom else "module's forward", batch, e, model.module) from e
-                outputs.append(out)
-                cbs.on_predict_batch_end(step, {"outputs": out})
-                if model.stop_predicting or self.steps is not None and step + 1 >= self.steps:
-                    break
-            cbs.on_predict_end({})
-        return _distributed.gather_predictions(nest.concat(outputs), self.loader)  # torchrun: all rows
 
 
 class FitLoop:

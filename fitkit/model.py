@@ -12,7 +12,7 @@ that owns that call's state. The data flow of ``fit``, in the order a batch meet
     -> Stepper.micro_batches      the accumulation window (stepper.py)
     -> Model.train_step           forward, compute_loss, backward, update_metrics,
                                   optimizer_step -> Stepper.step (model.py, stepper.py)
-    -> CallbackList.on_train_batch_end -> EvalLoop.run (validation) -> on_epoch_end -> History
+    -> CallbackList.on_train_batch_end -> EvalLoop.run (validation, eval_loop.py) -> on_epoch_end -> History
 """
 
 from __future__ import annotations
