@@ -98,6 +98,7 @@ class ResumePoint:
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["step_in_epoch"])
         self.samples_in_epoch = int(state.get("samples_in_epoch") or 0)
+        self.pass_offset = int(state.get("pass_offset") or 0)  # steps_per_epoch: batches of the pass before
         self.batch_size = state.get("batch_size")
         self.rng = state["rng"]
         self.epoch_rng = state.get("epoch_rng")
@@ -155,6 +156,7 @@ def checkpoint_state(model: Any) -> dict[str, Any]:
 
     loop = model._fit
     position = loop.position() if loop is not None else {"epoch": 0, "step_in_epoch": 0, "samples_in_epoch": 0}
+    position.setdefault("pass_offset", 0)
     callbacks = loop.callbacks.callbacks if loop is not None and loop.running else []
     stepper = model._stepper
     history = model.history.state_dict() if model.history is not None else None

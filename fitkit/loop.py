@@ -312,6 +312,7 @@ class FitLoop:
         point = self.resume
         if point is not None and point.epoch == epoch and not point.step_in_epoch:
             set_rng_state(point.rng)  # an epoch-boundary checkpoint
+            self.train.resume_pass = point.pass_offset  # steps_per_epoch: the carried-over pass
             self.resume = None
 
     def _batches(self) -> tuple[Any, int]:
@@ -331,6 +332,7 @@ class FitLoop:
         torch.set_rng_state(self.epoch_rng)
         skip = point.skip_for(self.train)
         self.train.skip, self.train.skip_samples = skip
+        self.train.resume_pass = point.pass_offset  # steps_per_epoch: where the carried-over pass was
         it = iter(self.train)
         first = next(it, None)
         set_rng_state(point.rng)
@@ -343,9 +345,12 @@ class FitLoop:
 
     def position(self) -> dict[str, Any]:
         """Where a checkpoint taken now resumes: epoch, batches and samples done in it."""
+        loader = self.train
         if self.in_epoch:
-            return {"epoch": self.epoch, "step_in_epoch": self.batches_done, "samples_in_epoch": self._samples_done()}
-        return {"epoch": self.epochs_done, "step_in_epoch": 0, "samples_in_epoch": 0}
+            return {"epoch": self.epoch, "step_in_epoch": self.batches_done, "samples_in_epoch": self._samples_done(),
+                    "pass_offset": loader.pass_offset}  # fmt: skip
+        carried = loader._pass_done if loader.steps is not None and loader._persistent is not None else 0
+        return {"epoch": self.epochs_done, "step_in_epoch": 0, "samples_in_epoch": 0, "pass_offset": carried}
 
 
     def _samples_done(self) -> int:

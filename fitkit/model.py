@@ -523,7 +523,9 @@ class Model:
                 category=FitkitWarning, stacklevel=2,
             )
         validates = val is not None
-        params = {"batch_size": batch_size, "do_validation": validates, "metrics": self._planned_keys(validates)}
+        params = {"batch_size": batch_size, "do_validation": validates, "metrics": self._planned_keys(validates),
+                  # the (0-based) epochs whose validation is scheduled
+                  "validation_epochs": [e for e in range(initial_epoch, epochs) if validates and val_epochs(e)]}
         cbs = self._callback_list(callbacks, verbose, epochs, train.num_batches, history=True, **params)
         loop = FitLoop(self, train, (val, val_epochs, validation_steps), cbs, initial_epoch, epochs)
         self._fit = loop

@@ -65,7 +65,7 @@ def test_checkpoint_holds_the_documented_state_and_loads_weights_only(tmp_path):
     state = torch.load(tmp_path / "c.pt", weights_only=True)
     assert set(state) == {
         "fitkit_version", "module", "optimizer", "optimizer_class", "scheduler", "scheduler_class", "scaler", "epoch",
-        "callback_config",
+        "callback_config", "pass_offset",
         "step_in_epoch", "samples_in_epoch", "batch_size", "global_step", "rng", "callbacks", "history",
         "fitkit_checksum",
     }  # fmt: skip

@@ -24,6 +24,7 @@ from fitkit.callbacks.monitor import (
     _say,
     check_log_key,
     is_improvement,
+    may_add_keys,
     monitor_value,
     resolve_mode,
 )
@@ -226,6 +227,7 @@ class ModelCheckpoint(StatefulCallback):
             check_log_key(name, self.params, self.model, "ModelCheckpoint", subject=subject, batch_level=batch_level)
         if self._ranked:
             check_log_key(self.monitor, self.params, self.model, "ModelCheckpoint", batch_level=batch_level)
+            self._check_schedules_meet()
             self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
         super().on_train_begin(logs)
         self._pending = self._pending_last = None  # never a file decided by a fit that raised
@@ -233,6 +235,23 @@ class ModelCheckpoint(StatefulCallback):
             folders, name = os.path.split(_glob_of(self.filepath))
             for folder in glob.glob(folders or os.curdir):
                 remove_stale_temps(folder, name)
+
+    def _check_schedules_meet(self) -> None:
+        """A ``val_`` monitor decided every n epochs needs a validation on one of those epochs."""
+        scheduled = self.params.get("validation_epochs")
+        epochs = self.params.get("epochs")
+        if not self.monitor.startswith("val_") or self.save_freq != "epoch" or not scheduled or epochs is None:
+            return
+        if may_add_keys(self.model):
+            return  # a callback of the user's may write the key on other epochs
+        decide = [e for e in range(min(scheduled), epochs) if (e + 1) % self.every_n_epochs == 0]
+        if decide and not set(decide) & set(scheduled):
+            raise ValueError(
+                f"ModelCheckpoint decides at epochs {[e + 1 for e in decide]} (every_n_epochs="
+                f"{self.every_n_epochs}), but validation runs at epochs {[e + 1 for e in scheduled]}, so "
+                f"{self.monitor!r} never holds a value when it decides. Fix: make `validation_freq` and "
+                "`every_n_epochs` meet (e.g. equal), or monitor a training key."
+            )
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0:

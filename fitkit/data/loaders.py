@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from fitkit import nest
 from fitkit.data.arrays import (
     Batch,
     TensorBatches,
@@ -140,6 +141,8 @@ class DeviceLoader:
         self.sharded: bool | str = False  # set by fitkit.distributed.shard
         self._persistent: Iterator | None = None
         self._pass_done = 0  # batches taken from the persistent iterator (with `steps`)
+        self.pass_offset = 0  # batches of the current pass taken before the running epoch began
+        self.resume_pass = 0  # a resume: batches of the pass to fast-forward before the epoch
 
     @property
     def num_batches(self) -> int | None:
@@ -186,6 +189,13 @@ class DeviceLoader:
             return
         # Keras 3's steps_per_epoch: the iterator carries over across epochs; when it runs out
         # inside an epoch, that epoch ends early and the next one starts a fresh pass.
+        if skip_samples:  # in-memory data resumed by samples: whole batches of this size
+            skip = skip_samples // (self.batch_size or 1)
+        offset, self.resume_pass = self.resume_pass, 0
+        if offset or skip:  # a resume: the pass as it was, fast-forwarded to where it stopped
+            self._persistent = self._prepare(self.batches.iterate(self.epoch, offset + skip))
+            self._pass_done = offset + skip
+        self.pass_offset = self._pass_done - skip if self._persistent is not None else 0
         remaining, fresh, done = self.steps - skip, False, 0
         while remaining > 0:
             if self._persistent is None:
@@ -336,6 +346,11 @@ def as_loader(
     return loader
 
 
+def _same_rows(parts: Any) -> bool:
+    rows = {int(t.shape[0]) for p in parts if p is not None for t in nest.leaves(_to_tensor(p)) if t.dim()}
+    return len(rows) == 1
+
+
 def validation_loader(validation_data: Any, *, batch_size: int, device: torch.device) -> DeviceLoader:
     """The :class:`DeviceLoader` for ``fit(validation_data=...)`` (Keras' forms).
 
@@ -359,6 +374,12 @@ def validation_loader(validation_data: Any, *, batch_size: int, device: torch.de
     arrays = isinstance(validation_data, (tuple, list)) and not all(
         isinstance(b, (tuple, list)) for b in validation_data
     )
+    # A tuple (x_val, y_val) whose parts are themselves tuples of arrays (several inputs or
+    # outputs) is still (x_val, y_val), as in Keras; a list of tuples is a list of batches.
+    if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and all(
+        v is None or is_in_memory(v) for v in validation_data
+    ) and _same_rows(validation_data):
+        arrays = True
     if arrays and len(validation_data) in (2, 3) and all(
         v is None or is_in_memory(v) or i == 0 and _is_map_dataset(v)  # Dataset: validation_split
         for i, v in enumerate(validation_data)
