@@ -13,6 +13,7 @@ the call. The model keeps none of it; it only points at the running loops, so th
 
 from __future__ import annotations
 
+import signal
 import warnings
 from typing import Any
 
@@ -30,6 +31,9 @@ from fitkit.signals import deferred
 from fitkit.tracking import RunningTotals
 
 __all__ = ["FitLoop", "EvalLoop", "PredictLoop", "validation_epochs"]
+
+#: Under torchrun, the ranks agree on a SIGTERM / SIGINT every this many optimizer steps.
+AGREE_EVERY = 8
 
 
 def validation_epochs(validation_freq: Any):
@@ -112,6 +116,7 @@ class FitLoop:
         # on_backward_end, run by the stepper before each optimizer step (None: nobody listens).
         self.before_step = self._on_backward_end if callbacks.wants("on_backward_end") else None
         self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
+        self._since_agreed = 0  # optimizer steps since the ranks last agreed on a signal (torchrun)
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
         self._warned_short = False
         self._warned_single = False
@@ -215,7 +220,7 @@ class FitLoop:
                     cbs.on_train_batch_end(step, BatchLogs(self.totals.running))
                 if model.stop_training if model._parallel is None else self._stop_now():
                     break
-                if self.interrupt.signum is not None and stepper.micro_last:
+                if stepper.micro_last and self._interrupt_now():
                     self.interrupted = True
                     cbs.save_on_interrupt()  # at this step boundary, inside the epoch
                     break
@@ -282,10 +287,31 @@ class FitLoop:
         model = self.model
         if model._parallel is None:
             return model.stop_training
-        if epoch_end:
-            model.stop_training = bool(_distributed.any_rank(model.stop_training))
+        if epoch_end:  # one all-reduce: a stop, or a signal, on any rank holds for all
+            agreed: Any = _distributed.any_rank(model.stop_training, self.interrupt.signum is not None)
+            model.stop_training = agreed[0]
+            if agreed[1] and self.interrupt.signum is None:
+                self.interrupt.signum = signal.SIGTERM  # another rank was signalled: stop with it
             return model.stop_training
         return model._stepper.stop_agreed
+
+    def _interrupt_now(self) -> bool:
+        """Whether a SIGTERM / SIGINT stops training at this step boundary.
+
+        Under torchrun every rank must stop at the same step: the ranks agree every
+        ``AGREE_EVERY`` optimizer steps (one tiny all-reduce), so a signal to any rank stops all
+        of them within that many steps, and at the latest at the end of the epoch.
+        """
+        local = self.interrupt.signum is not None
+        if self.model._parallel is None:
+            return local
+        self._since_agreed += 1
+        if self._since_agreed < AGREE_EVERY:
+            return False
+        self._since_agreed = 0
+        if _distributed.any_rank(local) and not local:
+            self.interrupt.signum = signal.SIGTERM  # another rank was signalled: stop with it
+        return self.interrupt.signum is not None
 
     # -- resume ----------------------------------------------------------------------------------
     def _take_resume(self, pending: ResumePoint | None) -> None:
@@ -336,7 +362,7 @@ class FitLoop:
         it = iter(self.train)
         first = next(it, None)
         set_rng_state(point.rng)
-        totals.load_state_dict(trackers)
+        totals.load_state_dict(trackers, owner=_distributed.is_rank_zero())
         # In-memory data resumes by samples: count the batches done in this fit's batch size.
         done = point.step_in_epoch if skip[1] is None else skip[1] // self.train.batch_size
         self.batches_done = done
@@ -356,6 +382,8 @@ class FitLoop:
     def _samples_done(self) -> int:
         """Samples of the running epoch done: exact for in-memory data (fixed-size batches)."""
         size = getattr(self.train, "batch_size", None)
+        if size is not None:  # under torchrun a batch index counts one global batch of every rank's share
+            size *= getattr(self.train.batches, "world", 1)
         batches, samples = self._offset
         if size is None or samples is None:
             return 0

@@ -118,19 +118,33 @@ class RunningTotals:
 
     # -- mid-epoch checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The totals and metric states, for a checkpoint taken inside an epoch."""
+        """The totals and metric states, for a checkpoint taken inside an epoch.
+
+        Under torchrun they are the sums over all ranks (a collective: every rank calls it), so
+        the file resumes at any world size.
+        """
+        total, count, wsum = self.loss_total, self.loss_count, self.loss_wsum
+        if self.reduce is not None:
+            total, count, wsum = self.reduce(total, count, wsum)
         metrics = {}
         for e in self.metrics.entries or []:
-            state = {k: (list(v) if isinstance(v, list) else v) for k, v in e.metric.metric_state.items()}
+            with e.metric.sync_context(should_sync=self.reduce is not None, should_unsync=True):
+                state = {
+                    k: ([t.clone() for t in v] if isinstance(v, list) else v.clone())
+                    for k, v in e.metric.metric_state.items()
+                }  # fmt: skip
             state["_update_count"] = e.metric._update_count
             metrics[e.key] = state
-        return {
-            "loss_total": self.loss_total, "loss_count": self.loss_count, "loss_wsum": self.loss_wsum,
-            "metrics": metrics,
-        }  # fmt: skip
+        return {"loss_total": total, "loss_count": count, "loss_wsum": wsum, "metrics": metrics}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (the metrics must be built: they are, after the first batch)."""
+    def load_state_dict(self, state: dict[str, Any], owner: bool = True) -> None:
+        """Restore :meth:`state_dict` (the metrics must be built: they are, after the first batch).
+
+        The saved sums are over all ranks: one rank (``owner``) takes them, the others start
+        from zero, so the sums over ranks come out right at any world size.
+        """
+        if not owner:
+            return
         self.loss_total = state["loss_total"].to(self.device)
         self.loss_count = state["loss_count"]
         wsum = state["loss_wsum"]

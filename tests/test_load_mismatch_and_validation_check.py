@@ -8,11 +8,11 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import line_data, line_model, params_of, same_params
 from torch.optim import lr_scheduler
 from torch.utils.data import DataLoader, TensorDataset
 
 import fitkit
-from conftest import line_data, line_model, params_of, same_params
 from fitkit.callbacks import CSVLogger, EarlyStopping, LambdaCallback
 
 X, Y = torch.randn(32, 4), torch.randint(0, 3, (32,))

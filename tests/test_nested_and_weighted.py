@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
+from conftest import Bias
 from torch import nn
 
 import fitkit
-from conftest import Bias
 from fitkit.callbacks import Callback, LambdaCallback
 
 

@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import Bias
 
 import fitkit
-from conftest import Bias
 from fitkit.callbacks import BackupAndRestore, Callback
 
 X, Y = torch.zeros(10, 1), torch.arange(10.0).reshape(-1, 1)  # batch i (size 1) has y = i

@@ -1,0 +1,72 @@
+"""Under torchrun: a mid-epoch backup holds every rank's samples and totals (so it resumes
+exactly at another world size), and a SIGTERM to one rank stops every rank at one step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _dist_scenarios import data, net
+from _torchrun import run_torchrun
+
+import fitkit
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+SETUP = """
+import json, os, signal, torch, fitkit
+from fitkit.distributed import rank
+from _dist_scenarios import data, net
+torch.manual_seed(0)
+x, y, w = data(40)
+model = fitkit.Model(net(), device="cpu")
+model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss="mse", metrics=["mae"])
+"""
+
+
+def _one_process(callbacks=()):
+    torch.manual_seed(0)
+    x, y, w = data(40)
+    model = fitkit.Model(net(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss="mse", metrics=["mae"])
+    h = model.fit(x, y, sample_weight=w, batch_size=8, epochs=3, shuffle=True, verbose=0, callbacks=list(callbacks))
+    return model, h
+
+
+def test_a_mid_epoch_backup_from_2_ranks_resumes_exactly_on_1(tmp_path):
+    run_torchrun(SETUP + """
+class Stop(fitkit.callbacks.Callback):  # ends the run as a crash would, after the last backup
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.epoch == 1 and batch == 3:
+            self.model.stop_training = True
+model.fit(x, y, sample_weight=w, batch_size=4, epochs=3, shuffle=True, verbose=0,
+          callbacks=[fitkit.callbacks.BackupAndRestore(OUT / "bk", save_freq=2, delete_checkpoint=False), Stop()])
+""", tmp_path)
+    state = torch.load(tmp_path / "bk" / "backup.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"], state["samples_in_epoch"]) == (1, 3, 24)  # 3 global batches of 8
+    ref, ref_h = _one_process()
+    resumed, h = _one_process([fitkit.callbacks.BackupAndRestore(tmp_path / "bk")])
+    assert h.history["loss"] == pytest.approx(ref_h.history["loss"], rel=1e-6)
+    assert h.history["mae"] == pytest.approx(ref_h.history["mae"], rel=1e-6)
+    for a, b in zip(resumed.module.parameters(), ref.module.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_sigterm_to_one_rank_stops_both_at_one_step_with_one_backup(tmp_path):
+    run_torchrun(SETUP + """
+class Term(fitkit.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if rank() == 0 and self.model.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+code = None
+try:
+    model.fit(x, y, batch_size=2, epochs=5, verbose=0,
+              callbacks=[fitkit.callbacks.BackupAndRestore(OUT / "bk", save_freq=1), Term()])
+except SystemExit as e:
+    code = e.code
+json.dump({"code": code, "step": model.global_step}, open(OUT / f"r{rank()}.json", "w"))
+""", tmp_path)
+    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1 == {"code": 143, "step": 8}  # the ranks agree every 8 optimizer steps
+    assert torch.load(tmp_path / "bk" / "backup.pt", weights_only=True)["global_step"] == 8
