@@ -23,7 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(body: str, workdir: Path, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_torchrun(
+    body: str, workdir: Path, nproc: int = 2, timeout: float = 120, check: bool = True
+) -> subprocess.CompletedProcess:
     """Write ``body`` to ``workdir/job.py`` and run it on ``nproc`` CPU processes.
 
     The script runs with ``tests/`` on ``sys.path`` (so it can import the test helpers),
@@ -32,8 +34,12 @@ def run_torchrun(body: str, workdir: Path, nproc: int = 2, timeout: float = 120)
     Returns:
         The finished process (stdout and stderr of all ranks, interleaved).
 
+    ``check=False`` leaves the exit status to the caller, for scripts that record their results
+    in files before the processes end (gloo's teardown after a signal may abort a process that
+    has finished its work).
+
     Raises:
-        AssertionError: a non-zero exit status or a timeout, with the output shown.
+        AssertionError: a non-zero exit status (with ``check``) or a timeout, with the output shown.
     """
     script = workdir / "job.py"
     header = (
@@ -56,7 +62,7 @@ def run_torchrun(body: str, workdir: Path, nproc: int = 2, timeout: float = 120)
         raise AssertionError(
             f"torchrun timed out after {timeout}s.\nstdout:\n{out[-5000:]}\nstderr:\n{err[-10000:]}"
         ) from None
-    assert proc.returncode == 0, (
+    assert proc.returncode == 0 or not check, (
         f"torchrun exited with {proc.returncode}.\nstdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-10000:]}"
     )
     return proc

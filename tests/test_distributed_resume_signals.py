@@ -66,7 +66,8 @@ try:
 except SystemExit as e:
     code = e.code
 json.dump({"code": code, "step": model.global_step}, open(OUT / f"r{rank()}.json", "w"))
-""", tmp_path)
+torch.distributed.barrier()
+""", tmp_path, check=False)
     r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1 == {"code": 143, "step": 8}  # the ranks agree every 8 optimizer steps
     assert torch.load(tmp_path / "bk" / "backup.pt", weights_only=True)["global_step"] == 8
