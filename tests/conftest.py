@@ -112,3 +112,22 @@ def line_model() -> fitkit.Model:
     model = fitkit.Model(nn.Linear(1, 1), device="cpu")
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.05), loss="mse")
     return model
+
+
+class WrappedFile:
+    """A file object that forwards everything to ``f``; subclasses override ``write``."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import line_data, line_model
+from conftest import WrappedFile, line_data, line_model
 
 import fitkit
 from fitkit.callbacks import BackupAndRestore, Callback, CSVLogger, LambdaCallback, ModelCheckpoint, TensorBoard
@@ -167,22 +167,10 @@ def test_csv_rows_are_written_with_one_write_each(tmp_path, monkeypatch):
     writes = []
     real_open = open
 
-    class Spy:
-        def __init__(self, f):
-            self.f = f
-
+    class Spy(WrappedFile):
         def write(self, data):
             writes.append(data)
             return self.f.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
 
     monkeypatch.setattr("fitkit.callbacks.logging.open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
     _fit([CSVLogger(tmp_path / "log.csv")], epochs=3)

@@ -13,6 +13,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from conftest import WrappedFile
 
 import fitkit
 from fitkit.files import (
@@ -67,26 +68,18 @@ def test_files_get_the_mode_the_umask_gives(tmp_path, mask):
     assert stat.S_IMODE(os.stat(tmp_path / "c.pt").st_mode) == 0o666 & ~mask
 
 
-class _FullDisk:
+class _FullDisk(WrappedFile):
     """A file whose writes fail with ENOSPC once ``room`` bytes are written."""
 
     def __init__(self, f, room):
-        self.f, self.room = f, room
+        super().__init__(f)
+        self.room = room
 
     def write(self, data):
         if len(data) > self.room:
             raise OSError(errno.ENOSPC, "No space left on device")
         self.room -= len(data)
         return self.f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
 
 
 def _assert_disk_full_left_the_old_file(excinfo, path, folder):

@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import line_data, line_model, params_of, same_params
+from conftest import WrappedFile, line_data, line_model, params_of, same_params
 from torch.optim import lr_scheduler
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -81,22 +81,10 @@ def test_a_full_disk_leaves_whole_csv_rows_and_names_the_file(tmp_path, monkeypa
     whole = path.read_text()
     real_open = open
 
-    class HalfWrite:
-        def __init__(self, f):
-            self.f = f
-
+    class HalfWrite(WrappedFile):
         def write(self, data):
             self.f.write(data[: len(data) // 2])  # part of the row reaches the disk, then it is full
             raise OSError(errno.ENOSPC, "No space left on device")
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
 
     def full_disk_open(file, mode="r", *args, **kwargs):
         f = real_open(file, mode, *args, **kwargs)
