@@ -6,12 +6,18 @@ point checks its arguments with these helpers before it changes anything.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
-__all__ = ["check_int", "check_bool", "check_number", "check_choice", "check_callbacks", "FitkitWarning"]
+__all__ = [
+    "check_int", "check_bool", "check_number", "check_choice", "check_callbacks", "class_not_instance",
+    "unknown_keywords", "known_keywords", "FitkitWarning",
+]
 
 
 def _fix(fix: str | None) -> str:
@@ -114,6 +120,91 @@ def check_callbacks(callbacks: Any) -> list[Any]:
                 "Fix: subclass Callback, or wrap functions in LambdaCallback."
             )
     return list(callbacks)
+
+
+def class_not_instance(name: str, cls: type) -> str:
+    """The message for a class passed where an instance of it is meant (``loss=nn.MSELoss``).
+
+    Example:
+        >>> import torch
+        >>> print(class_not_instance("loss", torch.nn.MSELoss).split(". ")[-1])
+        Fix: pass an instance, loss=nn.MSELoss().
+    """
+    module = cls.__module__ or ""
+    shown = f"nn.{cls.__qualname__}" if module.startswith("torch.nn") else f"{module}.{cls.__qualname__}"
+    if module in ("builtins", "__main__", ""):
+        shown = cls.__qualname__
+    return (
+        f"Expected `{name}` to be an instance, not a class. Received: {name}={shown} (the class). "
+        f"Fix: pass an instance, {name}={shown}()."
+    )
+
+
+_LEARNING_RATE = (
+    "Fix: set the learning rate on the optimizer, compile(optimizer=torch.optim.AdamW(model.module.parameters(), "
+    "lr=1e-3)) or a factory, compile(optimizer=functools.partial(torch.optim.AdamW, lr=1e-3)) (a named "
+    "optimizer such as 'adam' has torch's default); a schedule is compile(scheduler=...) or the "
+    "LearningRateScheduler callback."
+)
+
+
+def unknown_keywords(function: str, given: Any, valid: Any) -> TypeError:
+    """The error for keyword arguments that ``function`` does not take: close matches and the valid ones.
+
+    ``lr`` / ``learning_rate`` get the ways to set a learning rate.
+
+    Example:
+        >>> print(unknown_keywords("Model.fit", ["epoch"], ["x", "epochs", "batch_size"]))
+        Model.fit() got an unexpected keyword argument 'epoch'. Fix: did you mean 'epochs'? Valid keywords: x, ...
+    """
+    from fitkit.keras_names import close_matches
+
+    given, valid = list(given), list(valid)
+    parts = []
+    for name in given:
+        if name in ("lr", "learning_rate"):
+            hint = _LEARNING_RATE
+        else:
+            match = close_matches(name, valid).strip()
+            hint = f"Fix: d{match[1:]}" if match else "Fix: use one of the valid keywords."
+        parts.append(f"{function}() got an unexpected keyword argument {name!r}. {hint}")
+    return TypeError(" ".join(parts) + f" Valid keywords: {', '.join(valid)}.")
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def known_keywords(method: _F) -> _F:
+    """Refuse keyword arguments that ``method`` does not take with :func:`unknown_keywords`' error.
+
+    Python's own error (``compile() got an unexpected keyword argument 'lr'``) names neither
+    the valid keywords nor a fix. The signature stays the method's own (``inspect.signature``
+    and the docs follow ``__wrapped__``); the check is one set comparison per call.
+
+    Example:
+        >>> class M:
+        ...     @known_keywords
+        ...     def fit(self, x=None, *, epochs=1):
+        ...         return epochs
+        >>> M().fit(epochs=2), str(inspect.signature(M.fit))
+        (2, '(self, x=None, *, epochs=1)')
+        >>> M().fit(epoch=2)
+        Traceback (most recent call last):
+        ...
+        TypeError: M.fit() got an unexpected keyword argument 'epoch'. Fix: did you mean 'epochs'? Valid keywords: ...
+    """
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    valid = [n for n, p in inspect.signature(method).parameters.items() if p.kind in kinds and n != "self"]
+    accepted = frozenset(valid)
+    name = method.__qualname__
+
+    @functools.wraps(method)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if kwargs and not accepted.issuperset(kwargs):
+            raise unknown_keywords(name, [k for k in kwargs if k not in accepted], valid)
+        return method(*args, **kwargs)
+
+    return cast(_F, checked)
 
 
 class FitkitWarning(UserWarning):

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fitkit.checks import FitkitWarning
+from fitkit import keras_names
+from fitkit.checks import FitkitWarning, class_not_instance
 
 __all__ = ["Loss", "MultiLoss", "resolve_loss", "class_layout", "LOSSES", "OUTPUTS"]
 
@@ -287,9 +288,11 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
             loss in the same structure.
 
     Raises:
-        ValueError: an unknown name (the message lists the valid ones), ``loss_weights`` without
+        ValueError: an unknown name (the message lists the valid ones; a Keras name with no exact
+            equivalent says what to write instead, see :mod:`fitkit.keras_names`), ``loss_weights`` without
             a loss, or weights that do not match the losses.
-        TypeError: anything else, such as a list of weights for a single loss.
+        TypeError: a class where an instance is meant (``nn.CrossEntropyLoss`` for
+            ``nn.CrossEntropyLoss()``), or anything else, such as a list of weights for a single loss.
 
     Example:
         >>> resolve_loss("cross_entropy").kind, resolve_loss(nn.NLLLoss(ignore_index=0)).ignore_index
@@ -306,14 +309,20 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
     if isinstance(loss, (list, tuple, Mapping)):
         return MultiLoss(loss)
     if isinstance(loss, str):
+        loss = loss if loss in LOSSES else keras_names.canonical_loss(loss)
         if loss not in LOSSES:
+            advice = keras_names.loss_advice(loss)
+            if advice is not None:
+                raise ValueError(f"Unknown loss '{loss}': {advice}")
             raise ValueError(
-                f"Unknown loss '{loss}'. Valid names: {', '.join(LOSSES)}. "
-                "Or pass an nn.Module or a callable loss(y_pred, y)."
+                f"Unknown loss '{loss}'.{keras_names.close_matches(loss, LOSSES)} Valid names: "
+                f"{', '.join(LOSSES)}. Or pass an nn.Module or a callable loss(y_pred, y)."
             )
         fn, kind = LOSSES[loss]
         ignore = -100 if loss in ("cross_entropy", "nll") else None  # F.cross_entropy's default
         return Loss(fn, kind, loss, output=_NAME_OUTPUTS.get(loss), ignore_index=ignore)
+    if isinstance(loss, type):
+        raise TypeError(class_not_instance("loss", loss))
     if isinstance(loss, nn.Module):
         module_kind = next((k for cls, k in _MODULE_KINDS.items() if type(loss) is cls), None)
         if module_kind is not None:

@@ -40,6 +40,7 @@ from fitkit.checks import (
     check_callbacks,
     check_int,
     check_number,
+    known_keywords,
 )
 from fitkit.devices import PRECISIONS, optimizer_to, resolve_device
 from fitkit.loop import EvalLoop, FitLoop, PredictLoop, groups_differ, validation_epochs
@@ -297,6 +298,7 @@ class Model:
         return self._parallel.wrap
 
     # -- compile ---------------------------------------------------------------------------
+    @known_keywords
     def compile(
         self,
         optimizer: Any = "adam",
@@ -387,6 +389,7 @@ class Model:
         return self._stepper
 
     # -- fit -------------------------------------------------------------------------------
+    @known_keywords
     def fit(
         self,
         x: Any = None,
@@ -597,6 +600,7 @@ class Model:
         return CallbackList(cbs, self, all_params)
 
     # -- evaluate / predict ------------------------------------------------------------------
+    @known_keywords
     def evaluate(
         self,
         x: Any = None,
@@ -654,6 +658,7 @@ class Model:
         cbs = self._callback_list(callbacks, verbose, None, loader.num_batches)
         return EvalLoop(self, loader, cbs, steps).run()
 
+    @known_keywords
     def predict(
         self,
         x: Any,

@@ -10,6 +10,7 @@ forward, so it costs no compilation of its own and moves no BatchNorm statistic.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -158,7 +159,10 @@ def wrap(what: str, batch: Any, e: Exception, module: nn.Module | None = None, y
     fix = f"make the data's shapes and dtypes match what the {what} expects"
     dtype = _param_dtype(module) if module is not None else None
     floats = [t.dtype for t in nest.leaves(batch[0]) if t.is_floating_point()]
-    if what == "module's forward" and dtype is not None and any(d != dtype for d in floats):
+    keys_fix = dict_keys_fix(module, batch[0]) if what == "module's forward" and isinstance(e, TypeError) else None
+    if keys_fix is not None:
+        fix = keys_fix
+    elif what == "module's forward" and dtype is not None and any(d != dtype for d in floats):
         other = str(next(d for d in floats if d != dtype)).replace("torch.", "")
         fix = (f"the module's parameters are {str(dtype).replace('torch.', '')} and x is {other}: convert the "
                "inputs (e.g. `x.float()`); fitkit converts in-memory arrays, not the batches of a DataLoader")
@@ -170,6 +174,48 @@ def wrap(what: str, batch: Any, e: Exception, module: nn.Module | None = None, y
         f"The {label} failed in the {what}: {type(e).__name__}: {e}. It was fed "
         f"{describe(batch)}. Fix: {fix} (the original error is chained below)."
     )
+
+
+def dict_keys_fix(module: Any, x: Any) -> str | None:
+    """Why a dict batch does not fit ``module.forward(**x)``, as a fix; ``None`` when its keys fit.
+
+    Example:
+        >>> class Net(nn.Module):
+        ...     def forward(self, input_ids, attention_mask=None):
+        ...         return input_ids
+        >>> dict_keys_fix(Net(), {"input_ids": 0, "attention_mask": 1}) is None
+        True
+        >>> print(dict_keys_fix(Net(), {"input_ids": 0, "text": "a"}).split("; ")[2].split(". ")[0])
+        not taken by forward: ['text']
+    """
+    if not isinstance(x, Mapping) or module is None:
+        return None
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+    params = sig.parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL for p in params) and not [p for p in params if p.kind is not p.VAR_POSITIONAL]:
+        return None
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    extra = [] if any(p.kind is p.VAR_KEYWORD for p in params) else [k for k in x if k not in named]
+    missing = [p.name for p in params if p.default is p.empty and p.name not in x
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not extra and not missing:
+        return None
+    shown = "(" + str(sig)[1:-1].replace("'", "") + ")"
+    text = (f"a dict batch is passed as `forward(**batch)`, so its keys must be forward's parameters. "
+            f"Batch keys: {list(x)}; forward's parameters: {shown}")
+    if extra:
+        text += f"; not taken by forward: {extra}"
+    if missing:
+        text += f"; required by forward but not in the batch: {missing}"
+    text += (". Drop or rename those keys (e.g. `Dataset.remove_columns` / `rename_column`, or a `collate_fn`), "
+             "or add them to forward")
+    if "labels" in extra:
+        text += ("; a module without a `labels` parameter gets its targets from `(inputs, labels)` batches, "
+                 "e.g. a collate_fn that returns (batch, batch.pop('labels'))")
+    return text
 
 
 def first_batch_check(

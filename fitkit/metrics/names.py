@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from fitkit import keras_names
+from fitkit.checks import class_not_instance
 from fitkit.losses import OUTPUTS, class_layout
 
 __all__ = ["MetricSpec", "METRIC_NAMES", "infer_task", "snake_case"]
@@ -127,7 +129,9 @@ class MetricSpec:
     """A metric with what fitkit cannot infer: what ``y_pred`` holds, or the metric's direction.
 
     Args:
-        metric: a name of :data:`METRIC_NAMES`, or a callable ``fn(y_pred, y_true) -> Tensor``.
+        metric: a name of :data:`METRIC_NAMES` (or a Keras name of
+            :data:`fitkit.keras_names.METRIC_ALIASES`, logged under the name given), or a callable
+            ``fn(y_pred, y_true) -> Tensor``.
         output: for a classification name: ``"logits"``, ``"probs"`` or ``"log_probs"``, which
             overrides what the loss says (needed where the loss cannot tell, e.g. a plain
             callable loss, for binary / multilabel metrics and for ``"auroc"`` /
@@ -138,7 +142,8 @@ class MetricSpec:
     Raises:
         ValueError: an unknown name or ``output``, or ``output`` for a metric that does not use it.
         TypeError: a ``metric`` that is neither a name nor a callable (a torchmetrics object is
-            passed to ``metrics=`` directly and used as given).
+            passed to ``metrics=`` directly and used as given), or a class where an instance is
+            meant (``torchmetrics.classification.MulticlassAccuracy`` without ``(num_classes)``).
 
     Example:
         A loss that fitkit cannot read, and binary accuracy over the module's logits:
@@ -156,9 +161,18 @@ class MetricSpec:
 
     def __init__(self, metric: str | Callable[..., torch.Tensor], *, output: str | None = None,
                  higher_is_better: bool | None = None):
+        given = metric
         if isinstance(metric, str):
+            metric = metric if metric in METRIC_NAMES else keras_names.canonical_metric(metric)
             if metric not in METRIC_NAMES:
-                raise ValueError(f"Unknown metric '{metric}'. Valid names: {', '.join(METRIC_NAMES)}.")
+                advice = keras_names.metric_advice(metric)
+                raise ValueError(
+                    f"Unknown metric '{metric}': {advice}" if advice is not None else
+                    f"Unknown metric '{metric}'.{keras_names.close_matches(metric, METRIC_NAMES)} "
+                    f"Valid names: {', '.join(METRIC_NAMES)}."
+                )
+        elif isinstance(metric, type):
+            raise TypeError(class_not_instance("metrics", metric))
         elif _is_metric(metric) or not callable(metric):
             raise TypeError(
                 "Expected `metric` to be a metric name or a callable fn(y_pred, y_true). Received: "
@@ -176,6 +190,7 @@ class MetricSpec:
         if higher_is_better is not None and not isinstance(higher_is_better, bool):
             raise TypeError(f"Expected `higher_is_better` to be a bool or None. Received: {higher_is_better!r}.")
         self.metric, self.output, self._higher = metric, output, higher_is_better
+        self._key = given if isinstance(given, str) else None  # a Keras alias logs as written ("acc")
 
     @property
     def higher_is_better(self) -> bool | None:
@@ -187,7 +202,7 @@ class MetricSpec:
     def default_key(self) -> str | None:
         """The log name without a dict key: the metric name, ``fn.__name__``, or None for a lambda."""
         if isinstance(self.metric, str):
-            return self.metric
+            return self._key or self.metric
         name = getattr(self.metric, "__name__", None)
         if name is None and not hasattr(self.metric, "func"):  # a callable object, not a partial
             name = snake_case(type(self.metric).__name__)
