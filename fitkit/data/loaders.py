@@ -26,6 +26,7 @@ from fitkit.data.arrays import (
     _to_tensor,
     is_in_memory,
 )
+from fitkit.data.hf_datasets import check_hf_dataset, collate_rows, is_hf_dataset
 from fitkit.data.weights import ClassWeights
 from fitkit.devices import move_to_device
 
@@ -272,8 +273,9 @@ def as_loader(
     each rank's share of the batches.
 
     Args:
-        x: tensors / arrays (or tuples, lists, dicts of them), a ``Dataset``, a ``DataLoader``
-            or any iterable of batches.
+        x: tensors / arrays (or tuples, lists, dicts of them), a ``Dataset`` (a Hugging Face
+            ``datasets.Dataset`` in the ``"torch"`` format too, see :mod:`fitkit.data.hf_datasets`),
+            a ``DataLoader`` or any iterable of batches.
         y: targets, for in-memory ``x`` only (other inputs carry their targets in batches).
         sample_weight: ``(N,)`` per-sample weights for in-memory ``x`` or a map-style Dataset.
         batch_size: samples per batch for in-memory ``x`` and Datasets.
@@ -285,7 +287,9 @@ def as_loader(
     Raises:
         TypeError: ``x`` is none of the supported kinds.
         ValueError: lengths differ, ``y`` or ``sample_weight`` given with a loader or
-            iterable, a label has no class weight.
+            iterable, a label has no class weight, a ``datasets.Dataset`` without the ``"torch"``
+            format; rows of a Dataset of different lengths (at their first batch: pass a
+            DataLoader with a padding collator).
 
     Example:
         >>> dl = as_loader(np.zeros((5, 2)), np.arange(5), batch_size=2)
@@ -319,12 +323,15 @@ def as_loader(
             f"`y` must be None when `x` is a {type(x).__name__}: the targets come from its "
             "batches. Fix: have it yield `(x, y)` batches and drop `y=`."
         )
+    hf = is_hf_dataset(x)  # a datasets.Dataset: map-style, though not a torch Dataset
+    if hf:
+        check_hf_dataset(x)
     if isinstance(x, (str, bytes)) or not isinstance(x, Iterable) and not _is_map_dataset(x):
         raise TypeError(
             "Expected `x` to be tensors, numpy arrays (or tuples / lists / dicts of them), a "
             f"Dataset, a DataLoader or an iterable of batches. Received: {type(x).__name__}."
         )
-    if _is_map_dataset(x):
+    if _is_map_dataset(x) or hf:
         if sample_weight is not None:
             w = _sample_weight_tensor(sample_weight)
             if len(w) != len(x):
@@ -333,7 +340,7 @@ def as_loader(
                     "Fix: pass one weight per sample."
                 )
             x = _WeightedDataset(x, w)
-        x = DataLoader(x, batch_size=batch_size, shuffle=shuffle)
+        x = DataLoader(x, batch_size=batch_size, shuffle=shuffle, collate_fn=collate_rows)
     elif isinstance(x, IterableDataset):
         x = DataLoader(x, batch_size=batch_size)
     elif sample_weight is not None:
