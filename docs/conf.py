@@ -3,6 +3,12 @@
 Build the site:     sphinx-build -W -b html docs docs/_build/html
 Run every example:  sphinx-build -W -b doctest docs docs/_build/doctest
 
+The tutorials with pictures are Python scripts in ``tutorials/`` (``NN_name.py``, sphinx-gallery's
+format): the html build runs each once, captures what it prints and the figures it draws, and
+writes the pages, with a download as ``.py`` and ``.ipynb``, to ``gallery/`` (generated, not in
+git). The doctest build runs the ``.. testcode::`` blocks of the ``.rst`` pages only: the
+scripts assert their own numbers, and run in the html build alone.
+
 The build never touches the network: intersphinx reads the small inventories in
 ``_inventories/`` (hand-written, Sphinx inventory format version 1) instead of downloading
 ``objects.inv`` from docs.python.org and docs.pytorch.org.
@@ -16,6 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the fitkit next to these docs, installed or not
+sys.path.insert(0, str(HERE))  # _gallery.py, the set-up of the executed tutorials
 
 import fitkit  # noqa: E402
 
@@ -34,7 +41,35 @@ extensions = [
     "matplotlib.sphinxext.plot_directive",
 ]
 
-exclude_patterns = ["_build", "_inventories", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "_inventories", "Thumbs.db", ".DS_Store", "tutorials/GALLERY_HEADER.rst"]
+
+# -- executed tutorials (sphinx-gallery) --------------------------------------------------------
+# The doctest builder leaves the scripts alone (they run in the html build, once).
+_DOCTEST = "doctest" in sys.argv
+if _DOCTEST:
+    exclude_patterns += ["gallery", "sg_execution_times.rst"]
+else:
+    extensions.append("sphinx_gallery.gen_gallery")
+sphinx_gallery_conf = {
+    "examples_dirs": ["tutorials"],
+    "gallery_dirs": ["gallery"],
+    "filename_pattern": r"/\d\d_[a-z_]+\.py$",  # every tutorial script runs
+    "ignore_pattern": r"(/scripts/|__init__\.py)",
+    "run_stale_examples": True,  # always run: a page shows what the code of today prints
+    "download_all_examples": False,
+    "remove_config_comments": True,
+    "show_memory": False,
+    "min_reported_time": 3600,  # no "Total running time" line on the pages
+    "write_computation_times": False,
+    "within_subsection_order": "FileNameSortKey",
+    "capture_repr": ("_repr_html_",),
+    "reset_modules": ("matplotlib", "_gallery.reset"),
+    "plot_gallery": "True",
+    "image_scrapers": ("matplotlib",),
+    "abort_on_example_error": True,
+    "only_warn_on_example_error": False,
+}
+
 
 # -- autodoc / napoleon -----------------------------------------------------------------------
 autodoc_typehints = "signature"  # hints in the signature; the prose says what they mean
