@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import doctest
 import sys
+import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -45,11 +46,13 @@ exclude_patterns = ["_build", "_inventories", "Thumbs.db", ".DS_Store", "tutoria
 
 # -- executed tutorials (sphinx-gallery) --------------------------------------------------------
 # The doctest builder leaves the scripts alone (they run in the html build, once).
-_DOCTEST = "doctest" in sys.argv
+_DOCTEST = any(arg in ("doctest", "-bdoctest") for arg in sys.argv)  # -b doctest, -M doctest
 if _DOCTEST:
     exclude_patterns += ["gallery", "sg_execution_times.rst"]
 else:
     extensions.append("sphinx_gallery.gen_gallery")
+# sphinx-gallery reads every attribute a script names, to link it; Tensor.T warns on 0-d tensors.
+warnings.filterwarnings("ignore", message="Tensor.T is deprecated", category=UserWarning)
 sphinx_gallery_conf = {
     "examples_dirs": ["tutorials"],
     "gallery_dirs": ["gallery"],
@@ -128,7 +131,8 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 DOCS_DIR = {str(HERE)!r}
 """
-doctest_default_flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE | doctest.DONT_ACCEPT_TRUE_FOR_1
+# No ELLIPSIS: a page shows what its code prints, every digit of it.
+doctest_default_flags = doctest.NORMALIZE_WHITESPACE | doctest.DONT_ACCEPT_TRUE_FOR_1
 # Only `.. doctest::` / `.. testcode::` blocks run here. The `>>>` examples of the API
 # docstrings (shown in the reference pages) run under `pytest --doctest-modules`, in the
 # namespace of their own module.

@@ -1,8 +1,11 @@
 """The documentation builds with warnings as errors, and every tutorial example runs.
 
-`sphinx-build -W -b html` catches broken markup and broken docstrings in the API reference;
+`sphinx-build -W -b html` catches broken markup and broken docstrings in the API reference,
+and runs the tutorial scripts (``docs/tutorials/NN_name.py``, sphinx-gallery), each once: they
+assert their own numbers, and their pages must show what they printed and drew;
 `sphinx-build -W -b doctest` runs every ``.. testcode::`` / ``.. doctest::`` block of the
-tutorials and compares what it prints with the output written on the page. Needs the
+``.rst`` pages and compares what it prints with the output written on the page (every digit:
+no ``...``). Needs the
 ``docs`` extra (``pip install -e ".[docs]"``); skipped without Sphinx or furo.
 """
 
@@ -19,7 +22,10 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = sorted(p for p in DOCS.rglob("*.rst") if "_build" not in p.parts)
+PAGES = sorted(p for p in DOCS.rglob("*.rst") if "_build" not in p.parts and "gallery" not in p.parts
+               and p.name not in ("GALLERY_HEADER.rst", "sg_execution_times.rst"))
+# The executed tutorials: sphinx-gallery scripts, run by the html build (generated into gallery/).
+SCRIPTS = sorted((DOCS / "tutorials").glob("[0-9][0-9]_*.py"))
 
 pytestmark = pytest.mark.skipif(not DOCS.is_dir(), reason="no docs/ next to the tests")
 
@@ -44,6 +50,7 @@ def _public_callables(module_name: str) -> list[str]:
 
 
 def _sphinx(builder: str, out: Path) -> subprocess.CompletedProcess:
+    pytest.importorskip("sphinx_gallery")
     pytest.importorskip("sphinx")
     pytest.importorskip("furo")
     env = dict(os.environ, FITKIT_DEVICE="cpu", PYTHONHASHSEED="0", COLUMNS="100")
@@ -59,7 +66,7 @@ def _sphinx(builder: str, out: Path) -> subprocess.CompletedProcess:
 def test_html_builds_without_warnings(tmp_path):
     result = _sphinx("html", tmp_path)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
-    for page in ("index.html", "tutorials/01_loop_to_fit.html", "api/fitkit.html"):
+    for page in ("index.html", "gallery/01_loop_to_fit.html", "tutorials/03_layers.html", "api/fitkit.html"):
         assert (tmp_path / "html" / page).is_file(), page
     # The site renders offline: no page loads a script or stylesheet from the network
     # (e.g. MathJax from a CDN, which `:math:` would pull in).
@@ -82,6 +89,34 @@ def test_html_builds_without_warnings(tmp_path):
             if f'id="{module}.{name}"' not in page:
                 missing.append(f"{module}.{name}")
     assert not missing, f"not in the API reference: {missing}"
+    _check_executed_tutorials(tmp_path / "html")
+
+
+# The figures each executed tutorial must show (sphinx-gallery numbers them per script).
+FIGURES = {"02_classifier": 2, "04_microgpt": 1, "05_callbacks": 2}
+_OUTPUT_BLOCK = re.compile(r'<div class="sphx-glr-script-out[^"]*".*?<pre>(.*?)</pre>', re.S)
+_TESTOUTPUT_BLOCK = re.compile(r'<div class="highlight-none[^"]*"><div class="highlight"><pre>(.*?)</pre>', re.S)
+
+
+def _check_executed_tutorials(html: Path) -> None:
+    """Every tutorial script ran: its page holds its output, its figures (PNG files that were
+    written) and its downloads; no output block of any tutorial elides a value with ``...``."""
+    assert SCRIPTS, "no tutorial scripts"
+    for script in SCRIPTS:
+        page = html / "gallery" / f"{script.stem}.html"
+        assert page.is_file(), page
+        text = page.read_text(encoding="utf-8")
+        assert _OUTPUT_BLOCK.search(text), f"{script.stem}: no captured output"
+        images = re.findall(r'<img src="\.\./_images/(sphx_glr_[^"]+\.png)"', text)
+        assert len(images) >= FIGURES.get(script.stem, 0), (script.stem, images)
+        for image in images:
+            assert (html / "_images" / image).stat().st_size > 5000, image  # a drawn figure, not an empty one
+        for download in (f"{script.stem}.py", f"{script.stem}.ipynb"):
+            assert download in text, (script.stem, download)
+    for page in [*(html / "gallery").glob("*.html"), *(html / "tutorials").glob("*.html")]:
+        text = page.read_text(encoding="utf-8")
+        for block in [*_OUTPUT_BLOCK.findall(text), *_TESTOUTPUT_BLOCK.findall(text)]:
+            assert "..." not in block and "&#8230;" not in block, (page.name, block[:300])
 
 
 @pytest.mark.slow

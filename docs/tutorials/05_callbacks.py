@@ -1,0 +1,351 @@
+"""
+5. Callbacks
+============
+
+A callback is an object whose methods ``fit`` calls at fixed points of training: when it
+begins and ends, at each epoch and each batch, after each backward pass. The stock callbacks
+of :mod:`fitkit.callbacks` stop early, save checkpoints, resume a crashed run and write logs;
+your own can do anything else. Hooks and their arguments are Keras's (0-based indices).
+
+A small binary classification task, with a network large enough to over-fit it:
+"""
+
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import fitkit
+from fitkit.callbacks import (EMA, BackupAndRestore, Callback, CSVLogger, EarlyStopping,
+                              ModelCheckpoint, TensorBoard)
+
+torch.manual_seed(0)
+x = torch.randn(600, 20)
+w = torch.randn(20, 1)
+y = (x @ w + 2.0 * torch.randn(600, 1) > 0).float()    # (N, 1) labels, noisy
+
+def make_model():
+    torch.manual_seed(1)                     # the same initial weights every time
+    net = nn.Sequential(nn.Linear(20, 256), nn.ReLU(),
+                        nn.Linear(256, 256), nn.ReLU(),
+                        nn.Linear(256, 1))   # (B, 1) logits
+    model = fitkit.Model(net)
+    model.compile(optimizer=lambda params: torch.optim.Adam(params, lr=3e-3),
+                  loss="bce_with_logits", metrics=["accuracy"])
+    return model
+
+tmp = Path(tempfile.mkdtemp())               # every file of this page goes here
+
+# %%
+# Early stopping
+# --------------
+#
+# :class:`~fitkit.callbacks.EarlyStopping` watches a log key (``monitor``) and stops training
+# when it has not improved for ``patience`` epochs. ``restore_best_weights=True`` puts back the
+# weights of the best epoch at the end. ``mode="auto"`` knows that a loss should go down and an
+# accuracy up.
+
+model = make_model()
+stop = EarlyStopping(monitor="val_loss", patience=3, restore_best_weights=True,
+                     verbose=1)
+history = model.fit(x, y, epochs=50, validation_split=0.25, callbacks=[stop],
+                    verbose=2)
+val_loss = history.history["val_loss"]
+best_epoch = stop.best_epoch                       # 0-based: the weights the model holds now
+assert best_epoch == val_loss.index(min(val_loss)) and stop.stopped_epoch == best_epoch + 3  # patience 3
+
+# %%
+# The learning curves, with the epoch whose weights were restored marked:
+
+import matplotlib.pyplot as plt
+
+figure = history.plot(keys=["loss", "accuracy"])
+for ax in figure.axes:
+    ax.axvline(best_epoch + 1, color="gray", linestyle="--", label=f"restored (epoch {best_epoch + 1})")
+    ax.legend()
+plt.figure(figure)
+plt.show()
+
+# %%
+# The training loss keeps falling while the validation loss turned back up after its best epoch:
+# the network started to learn the noise. The model now holds that epoch's weights, so evaluating on
+# the validation part (the last 25% of the arrays, which ``validation_split`` takes before
+# shuffling) gives the best epoch's ``val_loss`` again:
+
+result = model.evaluate(x[450:], y[450:], verbose=0)
+print(result["loss"], val_loss[best_epoch])
+assert round(result["loss"], 4) == round(val_loss[best_epoch], 4)
+
+# %%
+# Three more rules stop at once, with Lightning's semantics: ``stopping_threshold`` (the
+# monitor reached a target), ``divergence_threshold`` (it got worse than a limit: no point in
+# waiting ``patience`` epochs) and ``check_finite`` (it became NaN or infinite).
+# ``stop_reason`` says which rule stopped training:
+
+model = make_model()
+stop = EarlyStopping(monitor="val_loss", patience=10, divergence_threshold=0.5)
+model.fit(x, y, epochs=50, validation_split=0.25, callbacks=[stop], verbose=0)
+print(stop.stopped_epoch, stop.stop_reason)
+assert stop.stop_reason.startswith("divergence_threshold")
+
+# %%
+# Checkpoints: the best ``k``
+# ---------------------------
+#
+# :class:`~fitkit.callbacks.ModelCheckpoint` writes a file at the end of each epoch (or every
+# ``save_freq`` batches). The path is a format string: ``{epoch}`` (1-based) and every log key
+# format into it. ``save_top_k=2`` keeps exactly the two best files by ``monitor``;
+# ``save_best_only=True`` keeps just the best one under a fixed name. ``save_weights_only=True``
+# writes the module's state dict (``model.load_weights``); without it, the file is a full,
+# resumable checkpoint (``model.load_checkpoint``). Every write is atomic: a crash during a
+# write never leaves a half-written file under the final name.
+
+model = make_model()
+checkpoint = ModelCheckpoint(tmp / "ckpt" / "{epoch:02d}-{val_loss:.3f}.pt",
+                             monitor="val_loss", save_top_k=2,
+                             save_weights_only=True)
+history = model.fit(x, y, epochs=6, validation_split=0.25,
+                    callbacks=[checkpoint], verbose=0)
+kept = sorted(p.name for p in (tmp / "ckpt").iterdir())
+print(kept)
+best_two = sorted(sorted(history.history["val_loss"])[:2])
+assert len(kept) == 2 and sorted(float(name[3:-3]) for name in kept) == [round(v, 3) for v in best_two]
+
+# %%
+# Three more options come from Keras and Lightning: ``initial_value_threshold=v`` saves
+# nothing until ``monitor`` beats ``v``; ``every_n_epochs=n`` decides only at epochs ``n``,
+# ``2n``, ...; ``save_last=True`` also keeps ``last.pt`` next to the ranked files, a full
+# checkpoint of the latest state, replaced at every save, from which a run can always resume.
+#
+# Crash-proof training
+# --------------------
+#
+# :class:`~fitkit.callbacks.BackupAndRestore` saves the whole training state (weights,
+# optimizer, scheduler, RNG states, history, the state of the other callbacks) to one file at
+# the end of each epoch, or every ``save_freq`` batches. If ``fit`` dies, running the same
+# ``fit`` again with the same backup folder continues where the backup was taken, and ends with
+# **the same weights** as a run that never stopped.
+#
+# Here a callback pulls the plug at the end of the third epoch:
+
+class PowerCut(Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 2:
+            raise RuntimeError("power cut")
+
+backup = BackupAndRestore(tmp / "backup")
+model = make_model()
+try:
+    model.fit(x, y, epochs=5, callbacks=[backup, PowerCut()], verbose=0)
+except RuntimeError as error:
+    print(error, "- left behind:", sorted(p.name for p in (tmp / "backup").iterdir()))
+assert (tmp / "backup" / "backup.pt").exists()
+
+# %%
+# ``backup.pt`` is the newest backup; ``backup.prev.pt`` the one before it, kept in case the
+# newest is damaged (a disk fault, a file cut short): ``fit`` then warns, naming both files, and
+# resumes from the previous one.
+#
+# The same script, run again (a new process would do the same: everything needed is in the
+# file) picks up at the epoch the backup holds:
+
+model = make_model()
+history = model.fit(x, y, epochs=5, callbacks=[backup], verbose=2)
+print(history.epoch)                         # epochs 0 and 1 come from the backup
+
+reference = make_model()                     # the same training, never interrupted
+reference.fit(x, y, epochs=5, verbose=0)
+same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                             reference.state_dict().values()))
+print("same weights as the uninterrupted run:", same)
+print("backup deleted after success:", not backup.path.exists())
+assert history.epoch == [0, 1, 2, 3, 4] and same and not backup.path.exists()
+
+# %%
+# Done by hand, the same resume is ``model.load_checkpoint(path)``, which restores the full state
+# and returns the epoch to continue from: pass it on, as in
+# ``model.fit(x, y, epochs=5, initial_epoch=model.load_checkpoint(path))``. Without
+# ``initial_epoch``, ``fit`` would count from epoch 0 again (the history would read
+# ``[0, 1, 0, 1, 2]``).
+#
+# Use one backup folder per training job. ``save_freq=500`` backs up every 500 batches, for
+# epochs that take hours.
+#
+# Your own callback
+# -----------------
+#
+# Subclass :class:`~fitkit.callbacks.Callback` and override the hooks you need; hooks you do
+# not override cost nothing. ``self.model`` is the :class:`fitkit.Model`. Callbacks run in list
+# order, with the history and the progress bar last, and share one ``logs`` dict per event: a
+# key a callback adds in ``on_epoch_end`` is printed, recorded in the history and written by
+# the loggers like a built-in one.
+#
+# This one records the largest gradient norm of each epoch. ``on_backward_end`` runs after the
+# backward pass and before the optimizer step (with mixed precision, after unscaling). It keeps
+# the norms as tensors and reads them once per epoch: a ``.item()`` per step would make the CPU
+# wait for the GPU at every step.
+
+class MaxGradNorm(Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.norms = []
+
+    def on_backward_end(self, batch):
+        params = self.model.module.parameters()
+        norms = [p.grad.norm() for p in params if p.grad is not None]
+        self.norms.append(torch.linalg.vector_norm(torch.stack(norms)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["grad_norm"] = torch.stack(self.norms).max().item()
+
+# %%
+# Logging: CSV and TensorBoard
+# ----------------------------
+#
+# :class:`~fitkit.callbacks.CSVLogger` writes a row per epoch; :class:`~fitkit.callbacks.TensorBoard`
+# writes scalars for ``tensorboard --logdir`` with ``torch.utils.tensorboard`` (``pip install
+# "fitkit[tensorboard]"``, no TensorFlow needed). Both see the custom key:
+
+model = make_model()
+history = model.fit(x, y, epochs=3, verbose=2, callbacks=[
+    MaxGradNorm(), CSVLogger(tmp / "log.csv"), TensorBoard(tmp / "tensorboard")])
+
+print((tmp / "log.csv").read_text().splitlines()[0])
+print(sorted(p.name for p in (tmp / "tensorboard").iterdir()))
+assert "grad_norm" in history.history and "grad_norm" in (tmp / "log.csv").read_text().splitlines()[0]
+
+# %%
+# (With validation data, TensorBoard also writes a ``validation`` folder, so that the two
+# curves of each key share one chart.)
+#
+# Validation every n epochs, and keys of your own
+# -----------------------------------------------
+#
+# With ``validation_freq=2`` only every second epoch validates. Whether the running epoch did
+# is :attr:`fitkit.Model.validated`, a state the training loop owns (``params["do_validation"]``
+# says whether ``fit`` validates at all). The stock callbacks read it: a ``val_`` monitor skips
+# the epochs without validation (they do not count towards ``patience``), and
+# :class:`~fitkit.callbacks.CSVLogger` has the ``val_`` columns from the first row on, with
+# ``NA`` where an epoch has no value, as in Keras:
+
+class Watch(Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        print(epoch, self.model.validated)
+
+model = make_model()
+history = model.fit(x, y, epochs=4, validation_split=0.25, validation_freq=2, verbose=0,
+                    callbacks=[Watch(), CSVLogger(tmp / "every2.csv")])
+print((tmp / "every2.csv").read_text())
+assert (tmp / "every2.csv").read_text().splitlines()[1].endswith(",NA,NA")  # epoch 1: no validation
+
+# %%
+# The columns are the keys ``fit`` plans to log (``params["metrics"]``) plus those a callback
+# adds in the first epoch, in sorted order; a resumed or appended run keeps the file's columns.
+#
+# A callback may score a held-out set of its own and log it under a ``val_`` name, a common
+# Keras pattern; the monitors take it like any other key, without ``validation_data``. Put it
+# before the callbacks that read it:
+
+x_fit, y_fit, x_hold, y_hold = x[:450], y[:450], x[450:], y[450:]
+
+class HeldOutF1(Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        predicted = self.model.predict(x_hold, verbose=0) > 0     # (N, 1) bool
+        true_positives = (predicted & (y_hold > 0)).sum().item()
+        logs["val_f1"] = 2 * true_positives / (predicted.sum().item() + (y_hold > 0).sum().item())
+
+stop = EarlyStopping(monitor="val_f1", mode="max", patience=2)
+history = make_model().fit(x_fit, y_fit, epochs=20, callbacks=[HeldOutF1(), stop], verbose=0)
+print(len(history.epoch), stop.stop_reason)
+assert stop.stop_reason.startswith("patience: val_f1")
+
+# %%
+# A monitor that no log will hold is an error before the first step, so a typo costs no
+# training: without a callback that may add keys (any callback that is not one of fitkit's
+# stock ones, or a ``LambdaCallback``), the monitor must be one of the planned keys. A
+# ``ModelCheckpoint`` with an int ``save_freq`` decides on batch logs, which hold only the
+# running ``loss`` and metrics: a ``val_`` monitor there is refused the same way.
+
+try:
+    make_model().fit(x, y, epochs=3, validation_split=0.25, verbose=0,
+                     callbacks=[EarlyStopping(monitor="val_acc")])
+except ValueError as error:
+    print(error)
+    assert "EarlyStopping monitors 'val_acc'" in str(error)
+
+# %%
+# A NaN value is never the best for :class:`~fitkit.callbacks.EarlyStopping`,
+# :class:`~fitkit.callbacks.ModelCheckpoint` or :class:`~fitkit.callbacks.ReduceLROnPlateau`:
+# it counts as an epoch without improvement.
+#
+# Averaged weights: EMA and SWA
+# -----------------------------
+#
+# The weights at the end of training wander with the last batches' noise; an average of the
+# recent weights usually generalizes a little better and gives steadier validation curves.
+# :class:`~fitkit.callbacks.EMA` keeps an exponential moving average of the weights, updated
+# after every optimizer step (``torch.optim.swa_utils.AveragedModel``). With
+# ``evaluate_with_ema=True`` (the default) validation runs on the average, while training
+# continues on the weights themselves, untouched; ``swap_at_end=True`` leaves the average in
+# the module when ``fit`` ends. The average is saved in checkpoints and resumes exactly.
+
+plain = make_model()
+plain_history = plain.fit(x, y, epochs=6, validation_split=0.25, verbose=0)
+
+model = make_model()
+ema = EMA(decay=0.9)                    # about the last 10 steps
+history = model.fit(x, y, epochs=6, validation_split=0.25, callbacks=[ema], verbose=0)
+for epoch, (a, b) in enumerate(zip(plain_history.history["val_loss"],
+                                   history.history["val_loss"]), 1):
+    print(f"epoch {epoch}: val_loss {a:.2f} -> with EMA {b:.2f}")
+assert history.history["val_loss"] != plain_history.history["val_loss"]
+
+# %%
+# The average lags at first (epoch 1 still remembers the initial weights), then moves less
+# from epoch to epoch than the weights themselves do. ``ema.averaged_model.module`` is a
+# module holding the averaged weights, ready for ``fitkit.Model(...).predict``.
+#
+# :class:`~fitkit.callbacks.SWA` is stochastic weight averaging (Lightning's
+# ``StochasticWeightAveraging``): from ``swa_epoch_start`` on, ``SWALR`` anneals the learning
+# rate to ``swa_lrs``, the weights at the end of each epoch join an equal-weight average, and
+# at the end the average replaces the weights and BatchNorm statistics are recomputed over the
+# training data.
+#
+# Finding a learning rate
+# -----------------------
+#
+# :meth:`fitkit.Model.find_lr` runs the learning-rate range test of fastai's ``lr_find`` and
+# Lightning's ``Tuner.lr_find``: a hundred optimizer steps, the learning rate growing
+# exponentially from ``1e-7`` to ``10``, the smoothed loss recorded until it diverges. The
+# suggestion is where the loss falls fastest. The sweep trains for real, then puts everything
+# back: weights, optimizer state, scheduler, RNG states.
+
+model = make_model()
+before = [p.clone() for p in model.module.parameters()]
+result = model.find_lr(x, y)
+print(len(result.lrs), f"suggestion: {result.suggestion:.1e}")
+untouched = all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
+print("weights untouched:", untouched)
+assert untouched and 1e-3 < result.suggestion < 1e-1
+
+# %%
+# ``result.plot()`` draws the smoothed loss against the learning rate (log scale), the
+# suggestion in red (``path=`` saves it as a PNG too):
+
+figure = result.plot()
+plt.show()
+
+# %%
+# Here it suggests about ``1e-2``, a few times the ``3e-3`` this page trains with. Start from
+# the suggestion or a little below it (it marks the steepest fall, not the minimum).
+#
+# Other stock callbacks: :class:`~fitkit.callbacks.ReduceLROnPlateau`,
+# :class:`~fitkit.callbacks.LearningRateScheduler`, :class:`~fitkit.callbacks.TerminateOnNaN`
+# and :class:`~fitkit.callbacks.LambdaCallback` (hooks from plain functions); see
+# :mod:`fitkit.callbacks`.
+
+# sphinx_gallery_start_ignore
+import shutil
+
+shutil.rmtree(tmp, ignore_errors=True)
+# sphinx_gallery_end_ignore
