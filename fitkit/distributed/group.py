@@ -49,6 +49,17 @@ def is_rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def say(verbose: Any, message: str) -> None:
+    """Print ``message`` when ``verbose`` is truthy, on rank 0 only (callbacks' messages).
+
+    Example:
+        >>> say(1, "Epoch 3: early stopping"); say(0, "not printed")
+        Epoch 3: early stopping
+    """
+    if verbose and is_rank_zero():
+        print(message)
+
+
 def rank() -> int:
     """This process's rank in the default group (0 when not distributed)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
