@@ -29,6 +29,7 @@ class TorchRows(Dataset):
         return self.rows[i]
 
 
+@pytest.mark.slow
 def test_a_torch_formatted_dataset_trains_as_the_same_rows_in_a_torch_dataset():
     ds = sc.dataset()
     runs = []
@@ -95,6 +96,7 @@ def test_a_padding_collator_trains_evaluates_and_predicts_what_the_module_comput
     torch.testing.assert_close(pred[2:3], one, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_language_modeling_collator_pads_labels_with_minus_100_and_trains():
     transformers = pytest.importorskip("transformers")
     tok = sc.tokenizer()
@@ -137,6 +139,7 @@ def _backup_run(folder, crash_step=None):
     return model
 
 
+@pytest.mark.slow
 def test_backup_and_restore_resumes_a_shuffled_dataset_mid_epoch_exactly(tmp_path):
     ref = _backup_run(tmp_path / "ref")
     with pytest.raises(_Crash):
