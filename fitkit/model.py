@@ -32,6 +32,7 @@ from fitkit import compile as _compile
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit import nest
+from fitkit.callbacks.averaging import compiled_ema
 from fitkit.callbacks.base import Callback, CallbackList, History
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.checks import (
@@ -107,6 +108,7 @@ class Model:
         self.gradient_accumulation_steps = 1
         self.clip_grad_norm: float | None = None
         self.clip_grad_value: float | None = None
+        self.compiled_ema: Any = None  # compile(use_ema=True)'s EMA callback, first in every fit
         # Flags a callback sets; the running loop reads them.
         self.stop_training = False
         self.stop_evaluating = False
@@ -311,6 +313,9 @@ class Model:
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         jit_compile: bool | str | dict = "auto",
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
     ) -> None:
         """Set the optimizer, loss, metrics and step options. Checks everything first.
 
@@ -339,6 +344,11 @@ class Model:
             clip_grad_value: clip each gradient element to ``[-v, v]`` before each step.
             jit_compile: ``"auto"`` (torch.compile on CUDA only), True, False, or a dict of
                 ``torch.compile`` kwargs.
+            use_ema: keep an EMA of the weights (Keras' optimizer ``use_ema``): every ``fit``
+                runs :func:`fitkit.callbacks.averaging.compiled_ema`'s callback first; the EMA
+                replaces the weights when ``fit`` ends (validate on it with ``SwapEMAWeights``).
+            ema_momentum: ``new_average = ema_momentum * average + (1 - ema_momentum) * weights``.
+            ema_overwrite_frequency: copy the EMA into the weights every that many optimizer steps.
 
         Raises:
             ValueError: unknown names (the message lists valid ones), bad values.
@@ -359,6 +369,7 @@ class Model:
         jit = _compile.resolve_jit_compile(jit_compile, self.device)
         loss_fn = resolve_loss(loss, loss_weights)
         metric_set = MetricSet(metrics)
+        ema = compiled_ema(use_ema, ema_momentum, ema_overwrite_frequency)
         # Everything that can be checked is checked: only now does anything change.
         if self._parallel is not None:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
@@ -367,7 +378,7 @@ class Model:
         self.scheduler_interval = scheduler_interval
         self.loss = loss_fn
         self.metrics = metric_set.configure(loss_fn, self.device)
-        self.precision = precision
+        self.precision, self.compiled_ema = precision, ema
         self.gradient_accumulation_steps = int(gradient_accumulation_steps)
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
         if self._stepper is not None:
@@ -484,7 +495,7 @@ class Model:
             )
         val_epochs = validation_epochs(validation_freq)
         verbose = resolve_verbose(verbose)
-        callbacks = check_callbacks(callbacks)
+        callbacks = [self.compiled_ema, *check_callbacks(callbacks)] if self.compiled_ema else check_callbacks(callbacks)
         self._check_schedules(callbacks)
         if x is None:
             raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")

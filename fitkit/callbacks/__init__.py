@@ -8,14 +8,16 @@
 - :mod:`~fitkit.callbacks.backup`: ``BackupAndRestore``.
 - :mod:`~fitkit.callbacks.logging`: ``CSVLogger``, ``TensorBoard``.
 - :mod:`~fitkit.callbacks.misc`: ``TerminateOnNaN``, ``LambdaCallback``.
-- :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA`` (weight averaging).
+- :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA``, ``SwapEMAWeights`` (weight averaging, on
+  :mod:`~fitkit.callbacks.weight_averaging`'s ``WeightAveraging``; :mod:`~fitkit.callbacks.scoring`:
+  which weights a value scored).
 - :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install fitkit[mlflow]``).
 - :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install fitkit[optuna]``).
 
 The MLflow and Optuna callbacks import their library when they are created, not here.
 """
 
-from fitkit.callbacks.averaging import EMA, SWA
+from fitkit.callbacks.averaging import EMA, SWA, SwapEMAWeights, WeightAveraging
 from fitkit.callbacks.backup import BackupAndRestore
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
 from fitkit.callbacks.checkpointing import ModelCheckpoint
@@ -44,6 +46,8 @@ __all__ = [
     "LearningRateScheduler",
     "EMA",
     "SWA",
+    "SwapEMAWeights",
+    "WeightAveraging",
     "MLflowLogger",
     "OptunaPruning",
 ]

@@ -15,6 +15,7 @@ import glob
 import math
 import os
 import string
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from fitkit.callbacks.monitor import (
     monitor_value,
     resolve_mode,
 )
+from fitkit.callbacks.scoring import scored_weights
 from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import check_int, check_number
 from fitkit.files import check_target, remove_stale_temps
@@ -356,10 +358,11 @@ class ModelCheckpoint(StatefulCallback):
         self._pending = None
         # Every rank calls save (gathering FSDP shards is a collective); rank 0 writes. The
         # file first, then the eviction: a crash in between leaves k + 1 files, never k - 1.
-        if self.save_weights_only:
-            self.model.save_weights(path)
-        else:
-            self.model.save_checkpoint(path)
+        with scored_weights(self.model, self.monitor) if self._ranked else nullcontext():
+            if self.save_weights_only:
+                self.model.save_weights(path)
+            else:
+                self.model.save_checkpoint(path)
         if is_rank_zero():
             for p in evicted:
                 Path(p).unlink(missing_ok=True)

@@ -20,6 +20,7 @@ from fitkit.callbacks.logkeys import (
     may_add_keys,
     monitor_value,
 )
+from fitkit.callbacks.scoring import scored_weights
 from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import check_int, check_number
 
@@ -263,8 +264,10 @@ class EarlyStopping(StatefulCallback):
         super().on_train_begin(logs)
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        # A deep copy: the live parameters keep changing after this epoch.
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        # A deep copy of the weights that scored the monitor (an EMA's when validation ran on
+        # them): the live parameters keep changing after this epoch.
+        with scored_weights(self.model, self.monitor):
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def on_epoch_end(self, epoch, logs=None):
         current = monitor_value(logs, self.monitor, "EarlyStopping", self.params, self.model)
