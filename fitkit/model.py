@@ -495,7 +495,8 @@ class Model:
             )
         val_epochs = validation_epochs(validation_freq)
         verbose = resolve_verbose(verbose)
-        callbacks = [self.compiled_ema, *check_callbacks(callbacks)] if self.compiled_ema else check_callbacks(callbacks)
+        callbacks = check_callbacks(callbacks)
+        callbacks = [self.compiled_ema, *callbacks] if self.compiled_ema is not None else callbacks
         self._check_schedules(callbacks)
         if x is None:
             raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")

@@ -73,8 +73,8 @@ class EMA(WeightAveraging):
 
     Raises:
         TypeError: ``decay`` is not a number, a flag not a bool, a step count not an int.
-        ValueError: ``decay`` outside ``[0, 1]``, a step count below its minimum; at ``on_train_begin``, a module sharded with
-            ``strategy="fsdp"``.
+        ValueError: ``decay`` outside ``[0, 1]``, a step count below its minimum; at
+            ``on_train_begin``, a module sharded with ``strategy="fsdp"``.
 
     Example:
         >>> import torch, fitkit
@@ -135,10 +135,11 @@ class SWA(WeightAveraging):
     stepped once per epoch by this callback), and at the end of that epoch and of every later
     one the weights join an equal-weight average (:class:`~torch.optim.swa_utils.AveragedModel`),
     as in torch's SWA recipe (the base's :meth:`should_update` asked with ``epoch_idx``; the
-    validation runs on the training weights, as in Lightning). When ``fit`` ends, the average is copied into ``model.module`` and
-    BatchNorm statistics are recomputed with :func:`~torch.optim.swa_utils.update_bn` over one
-    pass of the training data (``params["train_data"]``), since the averaged weights never ran
-    with the statistics training left behind.
+    validation runs on the training weights, as in Lightning). When ``fit`` ends, the average
+    is copied into ``model.module`` and BatchNorm statistics are recomputed with
+    :func:`~torch.optim.swa_utils.update_bn` over one pass of the training data
+    (``params["train_data"]``), since the averaged weights never ran with the statistics
+    training left behind.
 
     A scheduler given to ``compile`` is set aside while SWA runs (Lightning replaces it the
     same way): ``model.scheduler`` is ``None`` from the start epoch on, so it no longer steps,
