@@ -3,7 +3,7 @@
 - :mod:`~fitkit.callbacks.base`: ``Callback``, ``CallbackList``, ``History``, ``BatchLogs``.
 - :mod:`~fitkit.callbacks.monitor`: ``EarlyStopping`` and the shared monitor / mode logic.
 - :mod:`~fitkit.callbacks.logkeys`: which log keys a callback can read, checked before step 1.
-- :mod:`~fitkit.callbacks.lr`: ``LearningRateScheduler``, ``ReduceLROnPlateau``.
+- :mod:`~fitkit.callbacks.lr`: ``LearningRateScheduler``, ``ReduceLROnPlateau``, ``LearningRateFinder``.
 - :mod:`~fitkit.callbacks.checkpointing`: ``ModelCheckpoint``.
 - :mod:`~fitkit.callbacks.backup`: ``BackupAndRestore``.
 - :mod:`~fitkit.callbacks.logging`: ``CSVLogger``, ``TensorBoard``.
@@ -22,7 +22,7 @@ from fitkit.callbacks.backup import BackupAndRestore
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
 from fitkit.callbacks.checkpointing import ModelCheckpoint
 from fitkit.callbacks.logging import CSVLogger, TensorBoard
-from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
+from fitkit.callbacks.lr import LearningRateFinder, LearningRateScheduler, ReduceLROnPlateau
 from fitkit.callbacks.misc import LambdaCallback, TerminateOnNaN
 from fitkit.callbacks.mlflow import MLflowLogger
 from fitkit.callbacks.monitor import EarlyStopping
@@ -44,6 +44,7 @@ __all__ = [
     "TerminateOnNaN",
     "LambdaCallback",
     "LearningRateScheduler",
+    "LearningRateFinder",
     "EMA",
     "SWA",
     "SwapEMAWeights",

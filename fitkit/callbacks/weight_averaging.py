@@ -145,6 +145,7 @@ class WeightAveraging(Callback):
         self._in_fit = False
         self._saved: Tensors | None = None  # the training weights while the average is swapped in
         self._groups: list[tuple[Tensors, Tensors]] = []  # (averaged, module) per device and dtype
+        self._swapped_for_test = False
 
     # -- the rule ----------------------------------------------------------------------------
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
