@@ -43,7 +43,7 @@ from fitkit.checks import (
     check_number,
 )
 from fitkit.devices import PRECISIONS, optimizer_to, resolve_device
-from fitkit.loop import EvalLoop, FitLoop, PredictLoop, groups_differ, validation_epochs
+from fitkit.loop import EvalLoop, FitLoop, PredictLoop, lr_keys, validation_epochs
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
 from fitkit.modes import modes
@@ -589,11 +589,10 @@ class Model:
     def _planned_keys(self, validates: bool) -> list[str]:
         """Epoch-log keys fit will write, in order (``params["metrics"]``, as Keras has it)."""
         keys = ["loss", *self.metrics.keys]
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        per_group = self.optimizer is not None and groups_differ(self.optimizer, self.scheduler)
-        lr_keys = ["learning_rate"] + ([f"learning_rate/pg{i}" for i in range(1, len(groups))] if per_group else [])
+        per_group = lr_keys(self.optimizer, self.scheduler) if self.optimizer is not None else []
+        lr_names = ["learning_rate"] + [key for _, key in per_group]
         val_keys = [f"val_{k}" for k in ("loss", *self.metrics.keys)] if validates else []
-        return keys + lr_keys + val_keys
+        return keys + lr_names + val_keys
 
     def _callback_list(self, callbacks: list[Callback], verbose: int, epochs: int | None, steps: int | None,
                        history: bool = False, **params: Any) -> CallbackList:  # fmt: skip
@@ -619,7 +618,8 @@ class Model:
         sample_weight: Any = None,
         steps: int | None = None,
         callbacks: list[Callback] | None = None,
-    ) -> dict[str, float]:
+        return_dict: bool = True,
+    ) -> Any:
         """Loss and metrics over the data, as exact per-sample means: ``{"loss": ..., ...}``.
 
         Runs every submodule in eval mode with autograd off and restores both afterwards. A
@@ -636,9 +636,11 @@ class Model:
             steps: evaluate this many batches only (an infinite generator needs it, or a
                 callback that sets ``model.stop_evaluating``).
             callbacks: callbacks whose ``on_test_*`` hooks run.
+            return_dict: ``False`` returns Keras' form: the loss alone (a float) without
+                metrics, else the list ``[loss, *metrics]`` in the order of ``compile``.
 
         Returns:
-            ``{"loss": float, <metric>: float, ...}``.
+            ``{"loss": float, <metric>: float, ...}`` (or Keras' scalar / list).
 
         Raises:
             RuntimeError: ``compile`` was not called.
@@ -652,11 +654,14 @@ class Model:
             >>> model.evaluate(torch.zeros(5, 1), torch.tensor([[1.0], [1], [1], [1], [4]]),
             ...                batch_size=2, verbose=0)
             {'loss': 4.0, 'mae': 1.600000023841858}
+            >>> model.evaluate(torch.zeros(2, 1), torch.ones(2, 1), verbose=0, return_dict=False)  # Keras' list
+            [1.0, 1.0]
         """
         self._require_compiled("evaluate")
         batch_size = 32 if batch_size is None else batch_size
         check_int("batch_size", batch_size, 1)
         check_int("steps", steps, 1, allow_none=True)
+        check_bool("return_dict", return_dict)
         verbose = resolve_verbose(verbose)
         callbacks = check_callbacks(callbacks)
         loader = _distributed.sharded(
@@ -664,7 +669,9 @@ class Model:
         )
         self._check_data(loader, "x", training=False)
         cbs = self._callback_list(callbacks, verbose, None, loader.num_batches)
-        return EvalLoop(self, loader, cbs, steps).run()
+        logs = EvalLoop(self, loader, cbs, steps).run()
+        values = [logs[k] for k in ("loss", *self.metrics.keys) if k in logs]
+        return logs if return_dict else values[0] if len(values) == 1 else values
 
     def predict(
         self,

@@ -111,7 +111,8 @@ class ModelCheckpoint(StatefulCallback):
             until ``monitor`` is strictly better than it.
         every_n_epochs: decide only every n-th epoch, counted 1-based: epochs n, 2n, ...
             (Lightning's ``every_n_epochs``, Poutyne's ``period``); the others write nothing.
-            Only with ``save_freq="epoch"``.
+            0 writes no file of ``filepath`` at all, only ``save_last``'s, every epoch
+            (Lightning). Only with ``save_freq="epoch"``.
         save_last: also keep ``last.pt`` in the folder of ``filepath`` (or the path given as a
             string): the full training state (resumable, whatever ``save_weights_only`` says),
             replaced at every save event, i.e. every epoch (or ``save_freq`` batches) that
@@ -159,7 +160,7 @@ class ModelCheckpoint(StatefulCallback):
         self._fields = _field_names(self.filepath)
         _check_mode(mode)
         _check_save_freq(save_freq)
-        check_int("every_n_epochs", every_n_epochs, 1)
+        check_int("every_n_epochs", every_n_epochs, 0)
         if every_n_epochs != 1 and save_freq != "epoch":
             raise ValueError(
                 f"`every_n_epochs` counts epochs, but save_freq={save_freq!r} saves every that many "
@@ -242,7 +243,8 @@ class ModelCheckpoint(StatefulCallback):
         """A ``val_`` monitor decided every n epochs needs a validation on one of those epochs."""
         scheduled = self.params.get("validation_epochs")
         epochs = self.params.get("epochs")
-        if not self.monitor.startswith("val_") or self.save_freq != "epoch" or not scheduled or epochs is None:
+        if not self.monitor.startswith("val_") or self.save_freq != "epoch" or not scheduled or epochs is None \
+                or not self.every_n_epochs:
             return
         if may_add_keys(self.model):
             return  # a callback of the user's may write the key on other epochs
@@ -256,7 +258,9 @@ class ModelCheckpoint(StatefulCallback):
             )
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0:
+        if self.save_freq == "epoch" and self.every_n_epochs == 0:
+            self._pending_last = epoch if self.last_path is not None else None  # no ranked file (Lightning)
+        elif self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0:
             self._decide(epoch, None, logs or {})
 
     def on_train_batch_end(self, batch, logs=None):
