@@ -144,6 +144,7 @@ class FitLoop:
         self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
         self._since_agreed = 0  # optimizer steps since the ranks last agreed on a signal (torchrun)
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
+        self.batch: Any = None  # the running batch (x, y, sample_weight), on the device
         self._warned_short = False
         self._warned_single = False
         self._skip_single = has_training_batchnorm(model.module)
@@ -236,7 +237,7 @@ class FitLoop:
                 if self._check_first:
                     self._check_first = False
                     first_batch_check(model, batch, label="first training batch")
-                self.batch_index = step
+                self.batch_index, self.batch = step, batch
                 if want_begin:
                     cbs.on_train_batch_begin(step, {})
                 model.train_step(batch)

@@ -199,6 +199,15 @@ class Model:
         return list(loop.callbacks.callbacks) if loop is not None and loop.running else []
 
     @property
+    def train_batch(self) -> Any:
+        """The batch ``(x, y, sample_weight)`` of the running training step, on the device.
+
+        ``None`` outside ``fit``; read it in the batch hooks (``ThroughputMonitor`` counts its rows).
+        """
+        loop = self._fit
+        return loop.batch if loop is not None and loop.running else None
+
+    @property
     def grad_norm(self) -> torch.Tensor | None:
         """The global gradient 2-norm of the last step, before clipping (``clip_grad_norm`` only)."""
         return None if self._stepper is None else self._stepper.grad_norm

@@ -11,6 +11,7 @@
 - :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA``, ``SwapEMAWeights`` (weight averaging, on
   :mod:`~fitkit.callbacks.weight_averaging`'s ``WeightAveraging``; :mod:`~fitkit.callbacks.scoring`:
   which weights a value scored).
+- :mod:`~fitkit.callbacks.throughput`: ``ThroughputMonitor`` (samples / tokens per second, FLOPs, MFU).
 - :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install fitkit[mlflow]``).
 - :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install fitkit[optuna]``).
 
@@ -28,6 +29,7 @@ from fitkit.callbacks.mlflow import MLflowLogger
 from fitkit.callbacks.monitor import EarlyStopping
 from fitkit.callbacks.optuna import OptunaPruning
 from fitkit.callbacks.progress import ProgressBar
+from fitkit.callbacks.throughput import ThroughputMonitor
 
 __all__ = [
     "Callback",
@@ -51,4 +53,5 @@ __all__ = [
     "WeightAveraging",
     "MLflowLogger",
     "OptunaPruning",
+    "ThroughputMonitor",
 ]
