@@ -166,7 +166,8 @@ class ThroughputMonitor(Callback):
         self.clock = clock
         self.flops_per_batch: int | None = None
         self._counter: FlopCounterMode | None = None
-        self._epoch = self._window = (0, 0, 0)  # (rows, batches, tokens) since the last log point
+        self._epoch: tuple[int, int, int] = (0, 0, 0)  # (rows, batches, tokens) since the last log point
+        self._window: tuple[int, int, int] = (0, 0, 0)
         self._epoch_timer = self._window_timer = _Timer(clock, False)
 
     def on_train_begin(self, logs=None):
@@ -198,8 +199,8 @@ class ThroughputMonitor(Callback):
         tokens = _tokens(x) if x is not None else None
         self._tokens_seen = self._tokens_seen or tokens is not None
         add = (_rows(x) if x is not None else 0, 1, tokens or 0)
-        self._epoch = tuple(a + b for a, b in zip(self._epoch, add, strict=True))  # type: ignore[assignment]
-        self._window = tuple(a + b for a, b in zip(self._window, add, strict=True))  # type: ignore[assignment]
+        self._epoch = (self._epoch[0] + add[0], self._epoch[1] + 1, self._epoch[2] + add[2])
+        self._window = (self._window[0] + add[0], self._window[1] + 1, self._window[2] + add[2])
         n = self.log_every_n_steps
         if n is not None and logs is not None and self._window[1] >= n:
             logs.update(self._rates(self._window, self._window_timer.take()))
@@ -207,6 +208,8 @@ class ThroughputMonitor(Callback):
 
     def _close_counter(self) -> None:
         counter, self._counter, self._flops_pending = self._counter, None, False
+        if counter is None:
+            return
         counter.__exit__(None, None, None)
         total = counter.get_total_flops()
         self.flops_per_batch = int(total) if total else None
