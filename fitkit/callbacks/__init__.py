@@ -12,6 +12,7 @@
   :mod:`~fitkit.callbacks.weight_averaging`'s ``WeightAveraging``; :mod:`~fitkit.callbacks.scoring`:
   which weights a value scored).
 - :mod:`~fitkit.callbacks.throughput`: ``ThroughputMonitor`` (samples / tokens per second, FLOPs, MFU).
+- :mod:`~fitkit.callbacks.profiler`: ``Profiler`` (``torch.profiler`` over a schedule of steps).
 - :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install fitkit[mlflow]``).
 - :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install fitkit[optuna]``).
 
@@ -28,6 +29,7 @@ from fitkit.callbacks.misc import LambdaCallback, TerminateOnNaN
 from fitkit.callbacks.mlflow import MLflowLogger
 from fitkit.callbacks.monitor import EarlyStopping
 from fitkit.callbacks.optuna import OptunaPruning
+from fitkit.callbacks.profiler import Profiler
 from fitkit.callbacks.progress import ProgressBar
 from fitkit.callbacks.throughput import ThroughputMonitor
 
@@ -54,4 +56,5 @@ __all__ = [
     "MLflowLogger",
     "OptunaPruning",
     "ThroughputMonitor",
+    "Profiler",
 ]
