@@ -426,3 +426,15 @@ def compiled_ema(use_ema: bool, ema_momentum: float, ema_overwrite_frequency: in
         return None
     return EMA(decay=ema_momentum, evaluate_with_ema=False, swap_at_end=True, use_buffers=False,
                update_starting_at_step=0, overwrite_every_n_steps=ema_overwrite_frequency)  # fmt: skip
+
+
+def with_compiled_ema(ema: EMA | None, callbacks: Any) -> Any:
+    """``callbacks`` with ``compile(use_ema=True)``'s EMA first (anything else is left to the checks).
+
+    Example:
+        >>> with_compiled_ema(None, None) is None, len(with_compiled_ema(EMA(), []))
+        (True, 1)
+    """
+    if ema is None or not (callbacks is None or isinstance(callbacks, (list, tuple))):
+        return callbacks
+    return [ema, *(callbacks or [])]
