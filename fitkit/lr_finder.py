@@ -250,6 +250,10 @@ def sweep(model: Any, loader: Any, start_lr: float, end_lr: float, num_steps: in
         if epoch is not None:
             loader.epoch = epoch
     result.suggestion = result.suggest()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        box = [result.suggestion]  # every rank applies rank 0's suggestion
+        torch.distributed.broadcast_object_list(box, src=0)
+        result.suggestion = box[0]
     return result
 
 

@@ -33,8 +33,8 @@ from fitkit import compile as _compile
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit import nest, planning
-from fitkit.callbacks.averaging import compiled_ema, with_compiled_ema
 from fitkit.callbacks.base import Callback, History
+from fitkit.callbacks.swap_ema import compiled_ema, with_compiled_ema
 from fitkit.checks import check_bool, check_int, check_number
 from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
 from fitkit.loop import EvalLoop, FitLoop, PredictLoop
@@ -376,7 +376,7 @@ class Model:
             jit_compile: ``"auto"`` (torch.compile on CUDA only), True, False, or a dict of
                 ``torch.compile`` kwargs.
             use_ema: keep an EMA of the weights (Keras' optimizer ``use_ema``): every ``fit``
-                runs :func:`fitkit.callbacks.averaging.compiled_ema`'s callback first; the EMA
+                runs :func:`fitkit.callbacks.swap_ema.compiled_ema`'s callback first; the EMA
                 replaces the weights when ``fit`` ends (validate on it with ``SwapEMAWeights``).
             ema_momentum: ``new_average = ema_momentum * average + (1 - ema_momentum) * weights``.
             ema_overwrite_frequency: copy the EMA into the weights every that many optimizer steps.

@@ -449,6 +449,14 @@ def test_compile_use_ema_has_keras_semantics():
     assert model.evaluate(x, y, verbose=0)["loss"] == pytest.approx(ema**2, rel=1e-7)
 
 
+def test_compile_use_ema_carries_the_average_into_the_next_fit():
+    model = _scalar_model()
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse", use_ema=True, ema_momentum=0.5)
+    _fit_scalar(model, [], n=1)  # the average copies 0.5; the weights become it
+    _fit_scalar(model, [], n=1)  # Keras' iterations > 0: 0.5 * 0.5 + 0.5 * 0.25
+    assert model.compiled_ema.num_averaged == 2 and model.module.weight.item() == 0.375
+
+
 def test_compile_ema_overwrite_frequency():
     model = _scalar_model()
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse", use_ema=True, ema_momentum=0.5,

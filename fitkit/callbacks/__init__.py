@@ -8,9 +8,10 @@
 - :mod:`~fitkit.callbacks.backup`: ``BackupAndRestore``.
 - :mod:`~fitkit.callbacks.logging`: ``CSVLogger``, ``TensorBoard``.
 - :mod:`~fitkit.callbacks.misc`: ``TerminateOnNaN``, ``LambdaCallback``.
-- :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA``, ``SwapEMAWeights`` (weight averaging, on
+- :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA`` (weight averaging, on
   :mod:`~fitkit.callbacks.weight_averaging`'s ``WeightAveraging``; :mod:`~fitkit.callbacks.scoring`:
-  which weights a value scored).
+  which weights a value scored); :mod:`~fitkit.callbacks.swap_ema`: Keras' ``SwapEMAWeights`` and
+  ``compile(use_ema=True)``.
 - :mod:`~fitkit.callbacks.throughput`: ``ThroughputMonitor`` (samples / tokens per second, FLOPs, MFU).
 - :mod:`~fitkit.callbacks.profiler`: ``Profiler`` (``torch.profiler`` over a schedule of steps).
 - :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install fitkit[mlflow]``).
@@ -19,7 +20,7 @@
 The MLflow and Optuna callbacks import their library when they are created, not here.
 """
 
-from fitkit.callbacks.averaging import EMA, SWA, SwapEMAWeights, WeightAveraging
+from fitkit.callbacks.averaging import EMA, SWA, WeightAveraging
 from fitkit.callbacks.backup import BackupAndRestore
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
 from fitkit.callbacks.checkpointing import ModelCheckpoint
@@ -31,6 +32,7 @@ from fitkit.callbacks.monitor import EarlyStopping
 from fitkit.callbacks.optuna import OptunaPruning
 from fitkit.callbacks.profiler import Profiler
 from fitkit.callbacks.progress import ProgressBar
+from fitkit.callbacks.swap_ema import SwapEMAWeights
 from fitkit.callbacks.throughput import ThroughputMonitor
 
 __all__ = [

@@ -108,6 +108,8 @@ class WeightAveraging(Callback):
 
     #: EMA starts from a copy of the weights at ``on_train_begin`` when no start is given.
     _copy_at_start = False
+    #: The average carries over into the next ``fit`` (``compile(use_ema=True)``'s, as Keras' optimizer).
+    _continues = False
 
     def __init__(
         self,
@@ -295,8 +297,8 @@ class WeightAveraging(Callback):
         restored, self._restored = self._restored, False
         self._in_fit = True
         module = self.model.module
-        if restored and self._pending is None and self.averaged_model is not None:
-            self._group(module)  # loaded into the existing average
+        if (restored and self._pending is None or self._continues) and self.averaged_model is not None:
+            self._group(module)  # loaded into the existing average, or the average goes on (Keras' optimizer EMA)
             return
         self._build(module)
         self._last_step = self.model.global_step
