@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from fitkit import data as _data
-from fitkit.checks import FitkitWarning, check_bool, check_number
+from fitkit.checks import FitkitWarning, check_bool, check_that
 
 __all__ = ["find_lr", "LRFinderResult", "apply_lr"]
 
@@ -124,12 +124,6 @@ class LRFinderResult:
         return fig
 
 
-def _check(name: str, value: Any, ok: Any, expected: str) -> None:
-    check_number(name, value)
-    if not ok(value):
-        raise ValueError(f"Expected `{name}` {expected}. Received: {name}={value!r}.")
-
-
 def find_lr(
     model: Any,
     x: Any,
@@ -220,15 +214,15 @@ def check_sweep(model: Any, start_lr: float, end_lr: float, num_steps: int, smoo
     """
     if model is not None and getattr(model, "optimizer", None) is None:
         raise RuntimeError("`find_lr` needs a compiled model. Call `model.compile(optimizer=..., loss=...)` first.")
-    _check("start_lr", start_lr, lambda v: v > 0, "> 0")
-    _check("end_lr", end_lr, lambda v: v > start_lr, f"> start_lr={start_lr!r}")
-    _check("smooth", smooth, lambda v: 0 <= v < 1, "in [0, 1)")
+    check_that("start_lr", start_lr, lambda v: v > 0, "> 0")
+    check_that("end_lr", end_lr, lambda v: v > start_lr, f"> start_lr={start_lr!r}")
+    check_that("smooth", smooth, lambda v: 0 <= v < 1, "in [0, 1)")
     if isinstance(num_steps, bool) or not isinstance(num_steps, int):
         raise TypeError(f"Expected `num_steps` to be an int. Received: num_steps={num_steps!r}.")
     if num_steps < 2:
         raise ValueError(f"Expected `num_steps` >= 2. Received: num_steps={num_steps!r}.")
     if diverge_threshold is not None:
-        _check("diverge_threshold", diverge_threshold, lambda v: v > 1, "> 1 or None")
+        check_that("diverge_threshold", diverge_threshold, lambda v: v > 1, "> 1 or None")
     if mode not in ("exponential", "linear"):
         raise ValueError(f"Expected `mode` to be 'exponential' or 'linear'. Received: mode={mode!r}.")
     check_bool("apply", apply)
@@ -242,13 +236,10 @@ def sweep(model: Any, loader: Any, start_lr: float, end_lr: float, num_steps: in
         The :class:`LRFinderResult`, its ``suggestion`` set.
     """
     snap = _snapshot(model)
-    epoch = getattr(loader, "epoch", None)
     try:
         result = _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold, mode)
     finally:
         _restore(model, snap)
-        if epoch is not None:
-            loader.epoch = epoch
     result.suggestion = result.suggest()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         box = [result.suggestion]  # every rank applies rank 0's suggestion
@@ -309,13 +300,13 @@ def apply_lr(model: Any, lr: float | None) -> bool:
 def _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold, mode) -> LRFinderResult:
     result = LRFinderResult(lrs=[], losses=[], raw_losses=[], mode=mode)
     groups = model.optimizer.param_groups
-    it, avg, best = iter(loader), 0.0, math.inf
+    epoch = 0
+    it, avg, best = loader.epoch_batches(epoch), 0.0, math.inf
     for i in range(num_steps):
         batch = next(it, None)
         if batch is None:  # the data ran out: start another pass
-            if hasattr(loader, "epoch"):
-                loader.epoch += 1
-            it = iter(loader)
+            epoch += 1
+            it = loader.epoch_batches(epoch)
             batch = next(it, None)
             if batch is None:
                 if i == 0:

@@ -17,14 +17,13 @@ import torch
 from fitkit.callbacks.base import Callback
 from fitkit.callbacks.monitor import (
     StatefulCallback,
-    _check_mode,
-    _say,
     check_validation_monitor,
     is_improvement,
     monitor_value,
     resolve_mode,
 )
-from fitkit.checks import check_int, check_number
+from fitkit.checks import check_int, check_mode, check_number
+from fitkit.distributed import say
 from fitkit.lr_finder import LRFinderResult, apply_lr, check_sweep, sweep
 
 __all__ = ["LearningRateScheduler", "ReduceLROnPlateau", "LearningRateFinder"]
@@ -102,7 +101,7 @@ class ReduceLROnPlateau(StatefulCallback):
                 f"Expected `factor` in [0, 1): it multiplies the learning rate. Received: factor={factor!r}."
             )
         check_int("patience", patience, 0)
-        _check_mode(mode)
+        check_mode(mode)
         check_number("min_delta", min_delta, minimum=-math.inf)
         check_int("cooldown", cooldown, 0)
         check_number("min_lr", min_lr, minimum=0.0)
@@ -156,7 +155,7 @@ class ReduceLROnPlateau(StatefulCallback):
                 reduced = True
         if reduced:
             lr = float(self.model.optimizer.param_groups[0]["lr"])
-            _say(self.verbose, f"Epoch {epoch + 1}: ReduceLROnPlateau reduced the learning rate to {lr:.4g}.")
+            say(self.verbose, f"Epoch {epoch + 1}: ReduceLROnPlateau reduced the learning rate to {lr:.4g}.")
             self.cooldown_counter, self.wait = self.cooldown, 0
 
 
@@ -228,7 +227,7 @@ class LearningRateScheduler(StatefulCallback):
                 )
             _set_lr(group, float(lr))
         lr = float(groups[0]["lr"])
-        _say(self.verbose, f"Epoch {epoch + 1}: LearningRateScheduler set the learning rate to {lr:.4g}.")
+        say(self.verbose, f"Epoch {epoch + 1}: LearningRateScheduler set the learning rate to {lr:.4g}.")
 
 
 class LearningRateFinder(Callback):
@@ -285,12 +284,12 @@ class LearningRateFinder(Callback):
         self.result = sweep(model, data, self.start_lr, self.end_lr, self.num_steps, self.smooth,
                             self.diverge_threshold, self.mode)  # fmt: skip
         if apply_lr(model, self.result.suggestion):
-            _say(self.verbose, f"LearningRateFinder: learning rate set to {self.result.suggestion:.3g}.")
+            say(self.verbose, f"LearningRateFinder: learning rate set to {self.result.suggestion:.3g}.")
 
 
 def _resuming(model: Any) -> bool:
     """Whether this fit continues a run: steps taken, a checkpoint loaded, or a backup to load."""
-    if model.global_step > 0 or getattr(model, "_resume", None) is not None:
+    if model.global_step > 0:  # a loaded checkpoint restored its step count too
         return True
     backups = [cb for cb in model.callbacks if getattr(cb, "_is_backup", False)]
     return any(cb.path.is_file() or cb.prev_path.is_file() for cb in backups)

@@ -19,8 +19,8 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_swa_multi_avg_fn
 
 from fitkit.callbacks.base import Callback
-from fitkit.callbacks.monitor import _say
 from fitkit.checks import check_bool, check_int
+from fitkit.distributed import say
 
 __all__ = ["WeightAveraging"]
 
@@ -343,4 +343,4 @@ class WeightAveraging(Callback):
             if not held:
                 for avg, cur in self._groups:
                     _copy(cur, avg)
-            _say(self.verbose, f"{type(self).__name__}: the averaged weights are now the module's.")
+            say(self.verbose, f"{type(self).__name__}: the averaged weights are now the module's.")
