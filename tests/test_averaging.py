@@ -594,19 +594,24 @@ def test_torch_update_parameters_syncs_twice_per_call():
     assert counter.count == 8  # the reason fitkit counts on the host
 
 
-@pytest.mark.parametrize(
-    "make", [lambda: EMA(decay=0.9), lambda: WeightAveraging(), lambda: SWA(swa_lrs=0.05, swa_epoch_start=1)]
-)
+@pytest.mark.parametrize("make", [lambda: EMA(decay=0.9), lambda: WeightAveraging()])
 def test_averaging_adds_no_host_sync_per_step(make):
     x, y = _data(40)
     model = _model()
-    counter = CountSteps(2, 9)  # 7 steady steps, 7 updates (the SWA: an epoch end among them)
+    counter = CountSteps(2, 9)  # 7 steady steps, 7 updates
     model.fit(x, y, batch_size=4, epochs=2, callbacks=[make(), counter], verbose=0, shuffle=False)
     assert counter.count == 0
-    reference = _model()
-    counter = CountSteps(2, 9)  # the plain loop, for reference: 0 too
-    reference.fit(x, y, batch_size=4, epochs=2, callbacks=[counter], verbose=0, shuffle=False)
-    assert counter.count == 0
+
+
+def test_an_epoch_end_average_adds_no_host_sync():
+    """Steps 8 to 13 hold the end of epoch 0, where SWA averages: as many syncs as the plain loop's logs."""
+    x, y = _data(40)
+    counts = []
+    for callbacks in ([], [SWA(swa_lrs=0.05, swa_epoch_start=1)], [WeightAveraging(update_starting_at_epoch=1)]):
+        counter = CountSteps(8, 13)
+        _model().fit(x, y, batch_size=4, epochs=2, callbacks=[*callbacks, counter], verbose=0, shuffle=False)
+        counts.append(counter.count)
+    assert counts[1] == counts[2] == counts[0]
 
 
 def test_the_sync_counter_sees_a_sync():
