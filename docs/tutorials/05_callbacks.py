@@ -311,6 +311,30 @@ assert history.history["val_loss"] != plain_history.history["val_loss"]
 # at the end the average replaces the weights and BatchNorm statistics are recomputed over the
 # training data.
 #
+# Both are :class:`~fitkit.callbacks.WeightAveraging` callbacks (Lightning's
+# ``WeightAveraging``): one base whose ``should_update(step_idx, epoch_idx)`` decides when the
+# weights join the average, with ``update_every_n_steps``, ``update_starting_at_step`` and
+# ``update_starting_at_epoch`` for the usual schedules, and a user ``avg_fn`` /
+# ``multi_avg_fn`` (torch's ``AveragedModel`` signatures) for another average. The count of
+# updates is kept on the host too, so an update never waits for the GPU. Keras' forms work as
+# in Keras: ``compile(use_ema=True, ema_momentum=0.99)`` keeps the optimizer's EMA and puts it
+# in the module when ``fit`` ends, and :class:`~fitkit.callbacks.SwapEMAWeights` validates on it
+# (``swap_on_epoch=True``: also at each epoch end, for the callbacks after it).
+#
+# When validation runs on the EMA, the best ``val_loss`` was scored on the EMA weights, so
+# those are the weights ``EarlyStopping(restore_best_weights=True)`` puts back and
+# ``ModelCheckpoint(save_best_only=True)`` writes (a full checkpoint also carries the training
+# weights, in the EMA's state, so it still resumes exactly):
+
+model = make_model()
+stop = EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True)
+history = model.fit(x, y, epochs=6, validation_split=0.25, verbose=0,
+                    callbacks=[EMA(decay=0.9), stop])
+again = model.evaluate(x[450:], y[450:], verbose=0)["loss"]
+print(f"best {min(history.history['val_loss']):.4f}, after the restore {again:.4f}")
+assert round(again, 4) == round(min(history.history["val_loss"]), 4)
+
+# %%
 # Finding a learning rate
 # -----------------------
 #
@@ -338,6 +362,62 @@ plt.show()
 # %%
 # Here it suggests about ``1e-2``, a few times the ``3e-3`` this page trains with. Start from
 # the suggestion or a little below it (it marks the steepest fall, not the minimum).
+#
+# ``find_lr(..., apply=True)`` also sets the suggestion as the learning rate (every parameter
+# group, their ratios kept, and a scheduler's ``base_lrs``); ``mode="linear"`` sweeps evenly
+# instead of exponentially. :class:`~fitkit.callbacks.LearningRateFinder` does the same at the
+# start of ``fit``, over its training batches, and then trains at the rate found:
+
+from fitkit.callbacks import LearningRateFinder
+
+model = make_model()
+finder = LearningRateFinder(num_steps=50)
+history = model.fit(x, y, epochs=1, callbacks=[finder], verbose=0)
+print(model.optimizer.param_groups[0]["lr"] == finder.result.suggestion,
+      len(finder.result.lrs) <= 50)
+assert model.optimizer.param_groups[0]["lr"] == finder.result.suggestion and len(finder.result.lrs) <= 50
+
+# %%
+# Throughput and profiling
+# ------------------------
+#
+# :class:`~fitkit.callbacks.ThroughputMonitor` (Lightning's) adds the training speed to the
+# epoch logs, so the history, the CSV file and TensorBoard get it like any other key: samples
+# and batches per second (validation time left out), tokens per second for token batches (an
+# integer ``(B, T)`` input), the model's FLOPs per step, counted once on the first batch with
+# ``torch.utils.flop_counter.FlopCounterMode``, and the MFU when the device's peak FLOP/s is
+# known (a table of common GPUs, or ``peak_flops=``). It reads the clock only at epoch ends
+# (and every ``log_every_n_steps`` batches if asked), so no step waits for the GPU.
+
+from fitkit.callbacks import ThroughputMonitor
+
+model = make_model()
+history = model.fit(x, y, epochs=1, verbose=0, callbacks=[ThroughputMonitor(peak_flops=1e12)])
+print(sorted(k for k in history.history if k.startswith("throughput/")))
+print(history.history["throughput/flops_per_step"])
+assert history.history["throughput/flops_per_step"] == [2 * 32 * 70_912 * 2 + 2 * 32 * 65_792]
+
+# %%
+# A step of 32 rows through the 70,912 weights of the three ``Linear`` layers costs
+# ``2 * 32 * 70,912`` FLOPs forward, as much again for the weight gradients, and
+# ``2 * 32 * 65,792`` for the input gradients of the last two layers (the first one's input
+# needs none).
+#
+# :class:`~fitkit.callbacks.Profiler` runs ``torch.profiler`` over a schedule of optimizer
+# steps (``wait`` idle, ``warmup`` traced and dropped, ``active`` recorded, ``repeat`` cycles),
+# writes a trace per cycle (TensorBoard's profiler plugin, or a Chrome trace for
+# ``chrome://tracing`` and Perfetto) and prints the operators that took the most time when
+# ``fit`` ends, like Keras' ``TensorBoard(profile_batch=...)``:
+
+from fitkit.callbacks import Profiler
+
+model = make_model()
+profiler = Profiler(tmp / "profile", wait=1, warmup=1, active=2, trace="chrome", verbose=0)
+model.fit(x[:256], y[:256], epochs=1, verbose=0, callbacks=[profiler])
+print(len(profiler.traces), "aten::addmm" in profiler.table)
+assert len(profiler.traces) == 1 and "aten::addmm" in profiler.table
+
+# %%
 #
 # Other stock callbacks: :class:`~fitkit.callbacks.ReduceLROnPlateau`,
 # :class:`~fitkit.callbacks.LearningRateScheduler`, :class:`~fitkit.callbacks.TerminateOnNaN`
