@@ -31,6 +31,10 @@ from fitkit.callbacks.monitor import (
 from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import check_int, check_number
 from fitkit.files import check_target, remove_stale_temps
+from fitkit.files.content import is_count, is_number, typed_problems
+from fitkit.files.locks import FileLock
+from fitkit.files.owned import Owned
+from fitkit.files.preflight import check_writable_template
 
 __all__ = ["ModelCheckpoint"]
 
@@ -80,6 +84,20 @@ def _last_path(filepath: str, save_last: Any) -> str | None:
     if isinstance(save_last, (str, os.PathLike)):
         return os.fspath(save_last)
     raise TypeError(f"Expected `save_last` to be a bool or a path. Received: save_last={save_last!r}.")
+
+
+def _pairs(kept: Any) -> bool:
+    return isinstance(kept, list) and all(
+        isinstance(vp, (list, tuple)) and len(vp) == 2 and is_number(vp[0]) and isinstance(vp[1], str) for vp in kept
+    )
+
+
+_STATE = {
+    "best": (lambda v: v is None or is_number(v), "a number or None"),
+    "best_path": (lambda v: v is None or isinstance(v, str), "a file name or None"),
+    "kept": (_pairs, "a list of [value, file name] pairs"),
+    "batches_seen": (is_count, "an int >= 0"),
+}
 
 
 class ModelCheckpoint(StatefulCallback):
@@ -188,6 +206,8 @@ class ModelCheckpoint(StatefulCallback):
         self.save_top_k, self.save_freq, self.verbose = save_top_k, save_freq, verbose
         self.initial_value_threshold, self.every_n_epochs = initial_value_threshold, every_n_epochs
         self._mode = mode if mode != "auto" else None
+        self._owned = Owned(self.filepath, "ModelCheckpoint")
+        self._locks: list[FileLock] = []
         self._reset()
 
     @property
@@ -204,15 +224,30 @@ class ModelCheckpoint(StatefulCallback):
         self._pending_last: int | None = None  # the epoch whose event writes `last_path`
 
     def _get_state(self) -> dict[str, Any]:
+        # File names relative to the template's folder: a copied run folder resumes with its
+        # own files, and a restored name is checked against the folder (_set_state).
+        rel = self._owned.relative
         return {
-            "best": self.best, "best_path": self.best_path,
-            "kept": [[v, p] for v, p in self.kept], "batches_seen": self._batches_seen,
+            "best": self.best, "best_path": None if self.best_path is None else rel(self.best_path),
+            "kept": [[v, rel(p)] for v, p in self.kept], "batches_seen": self._batches_seen,
         }  # fmt: skip
 
     def _set_state(self, state: dict[str, Any]) -> None:
-        self.best, self.best_path = state["best"], state["best_path"]
-        self.kept = [(float(v), str(p)) for v, p in state["kept"]]
+        self.best = state["best"]
+        best = state["best_path"]
+        self.best_path = None if best is None else self._owned.restore(best, "its best file")
+        kept = [(float(v), self._owned.restore(p, "a kept file")) for v, p in state["kept"]]
+        self.kept = [(v, p) for v, p in kept if p is not None]  # never a file outside the folder
         self._batches_seen = state["batches_seen"]
+
+    def _state_problems(self, state: Any) -> list[str]:
+        return typed_problems(state, _STATE, "its state")
+
+    def owns(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` is a file of ``filepath``'s pattern inside its folder (the only
+        files this callback deletes, overwrites or lets ``MLflowLogger`` upload)."""
+        last = self.last_path
+        return self._owned.owns(path) or (last is not None and os.path.abspath(path) == os.path.abspath(last))
 
     def on_train_begin(self, logs=None):
         # Before step 1: every key the decisions read can hold a value when they are taken.
@@ -229,12 +264,35 @@ class ModelCheckpoint(StatefulCallback):
             check_log_key(self.monitor, self.params, self.model, "ModelCheckpoint", batch_level=batch_level)
             self._check_schedules_meet()
             self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
+        if is_rank_zero():
+            check_writable_template(self.filepath, self._fields, "ModelCheckpoint", "filepath")
+            if self.last_path is not None:
+                check_writable_template(self.last_path, None, "ModelCheckpoint", "save_last")
+            self._lock()
         super().on_train_begin(logs)
         self._pending = self._pending_last = None  # never a file decided by a fit that raised
         if is_rank_zero():  # temp files of a write a kill interrupted: never a checkpoint
             folders, name = os.path.split(_glob_of(self.filepath))
             for folder in glob.glob(folders or os.curdir):
                 remove_stale_temps(folder, name)
+
+    def _lock(self) -> None:
+        """One lock per template (and one for ``last.pt``): a second run, or a second
+        callback, writing the same files is refused before step 1."""
+        self.close()
+        folder = self._owned.root or os.curdir
+        targets = [(os.path.join(folder, self._owned.lock_name()), f"the checkpoint files {self.filepath!r}")]
+        if self.last_path is not None:
+            last = Path(self.last_path)
+            targets.append((str(last.parent / f".{last.name}.lock"), f"the file {self.last_path!r}"))
+        for path, what in targets:
+            self._locks.append(FileLock(path, what, "ModelCheckpoint").acquire())
+
+    def close(self) -> None:
+        """Release the locks of this fit (idempotent)."""
+        locks, self._locks = self._locks, []
+        for lock in locks:
+            lock.release()
 
     def _check_schedules_meet(self) -> None:
         """A ``val_`` monitor decided every n epochs needs a validation on one of those epochs."""
@@ -362,7 +420,8 @@ class ModelCheckpoint(StatefulCallback):
             self.model.save_checkpoint(path)
         if is_rank_zero():
             for p in evicted:
-                Path(p).unlink(missing_ok=True)
+                if self._owned.owns(p):  # only a file of this template, inside its folder
+                    Path(p).unlink(missing_ok=True)
         _say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
 
     def _worst(self, kept: list[tuple[float, str]]) -> tuple[float, str]:
