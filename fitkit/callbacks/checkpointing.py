@@ -175,6 +175,8 @@ class ModelCheckpoint(StatefulCallback):
         self._fields = _field_names(self.filepath)
         _check_mode(mode)
         _check_save_freq(save_freq)
+        if not isinstance(verbose, bool):
+            check_int("verbose", verbose, 0)
         check_int("every_n_epochs", every_n_epochs, 1)
         if every_n_epochs != 1 and save_freq != "epoch":
             raise ValueError(

@@ -141,10 +141,13 @@ def _check_header(path: Path, where: str) -> None:
         head = f.read(8)
     size = path.stat().st_size
     if len(head) < 8:
-        raise CheckpointError(f"{where} is truncated: {size} bytes, too short for a safetensors header. {_FIX_DAMAGED}")
+        raise CheckpointError(
+            f"{where} is truncated, damaged or not a safetensors file: {size} bytes, too short for a header. "
+            f"{_FIX_DAMAGED}"
+        )
     n = int.from_bytes(head, "little")
     if n > MAX_HEADER_BYTES or n > size - 8:
         raise CheckpointError(
-            f"{where} is damaged or hostile: its header declares {n} bytes (the file has {size}; safetensors "
+            f"{where} is truncated, damaged or not a safetensors file: its header declares {n} bytes (the file has {size}; safetensors "
             f"allows at most {MAX_HEADER_BYTES}), so it is not parsed. {_FIX_DAMAGED}"
         )
