@@ -190,7 +190,9 @@ def first_batch_check(
     if not model.default_test_step:
         _check_with_test_step(model, batch, label)
         return
-    with modes(module, training=False, grad=False), model.autocast():
+    # Training batches build the graph once, to see that the loss has a gradient to follow.
+    grad = training and model.default_train_step and any(p.requires_grad for p in module.parameters())
+    with modes(module, training=False, grad=grad), model.autocast():
         try:
             y_pred = call(module, x)
         except Exception as e:
@@ -202,6 +204,8 @@ def first_batch_check(
                 check_class_range(None, prediction_of(y_pred), y_all)
             elif training:
                 model.compute_loss(x, y, y_pred, w)  # raises: nothing to train on, and the fix
+            if grad:
+                check_loss_has_grad(own_loss(y_pred), label)
         if y is None and model.loss is not None and model.default_compute_loss:
             model.compute_loss(x, y, y_pred, w)  # raises: a compiled loss needs targets
         if y is not None and model.loss is not None:
@@ -212,9 +216,11 @@ def first_batch_check(
                     # Before the loss: torch's own out-of-range error names no fix.
                     prepare(pred, y)  # dtype / shape errors; sets the class layout
                     check_class_range(model.loss, pred, y_all)
-                model.compute_loss(x, y, y_pred, w)
+                loss = model.compute_loss(x, y, y_pred, w)
             except Exception as e:
                 raise wrap("loss", batch, e, module, y_pred, label=label) from e
+            if grad:
+                check_loss_has_grad(loss, label)
         target = targets_of(x, y)
         if model.metrics.entries is None and target is not None:
             pred = require_prediction(y_pred, "the compiled metrics")  # the rule's error names the fix
@@ -222,6 +228,31 @@ def first_batch_check(
                 model.metrics.build(pred, target)
             except Exception as e:
                 raise wrap("metrics", batch, e, module, label=label) from e
+
+
+def check_loss_has_grad(loss: Any, label: str = "first batch") -> None:
+    """A loss that no gradient flows through would train nothing: refuse it before step 1.
+
+    Raises:
+        ValueError: the loss is not a tensor that requires grad (``.detach()``, ``.item()``,
+            an int tensor, a constant), while the module has trainable parameters.
+
+    Example:
+        >>> check_loss_has_grad(torch.tensor(1.0))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: The loss of the first batch has no gradient (a float32 tensor with requires_grad=False)...
+    """
+    if loss is None or isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return
+    what = f"a {str(loss.dtype).removeprefix('torch.')} tensor with requires_grad=False" if isinstance(
+        loss, torch.Tensor) else f"a {type(loss).__name__}"  # fmt: skip
+    raise ValueError(
+        f"The loss of the {label} has no gradient ({what}), though the module has trainable parameters: "
+        "every step would leave the weights unchanged. Fix: compute the loss from the module's output with "
+        "torch operations, without .detach(), .item(), .numpy() or integer casts, and return it as a float "
+        "tensor."
+    )
 
 
 def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:

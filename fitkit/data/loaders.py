@@ -26,6 +26,7 @@ from fitkit.data.arrays import (
     _to_tensor,
     is_in_memory,
 )
+from fitkit.data.collate import NamingCollate
 from fitkit.data.weights import ClassWeights
 from fitkit.devices import move_to_device
 
@@ -333,7 +334,12 @@ def as_loader(
                     "Fix: pass one weight per sample."
                 )
             x = _WeightedDataset(x, w)
-        x = DataLoader(x, batch_size=batch_size, shuffle=shuffle)
+        if len(x) == 0:  # torch's sampler would say "num_samples should be a positive integer"
+            raise ValueError(
+                f"The {type(x).__name__} has 0 samples: there are no batches to run. Fix: pass a Dataset "
+                "with samples (check its __len__)."
+            )
+        x = DataLoader(x, batch_size=batch_size, shuffle=shuffle, collate_fn=NamingCollate())
     elif isinstance(x, IterableDataset):
         x = DataLoader(x, batch_size=batch_size)
     elif sample_weight is not None:

@@ -1,0 +1,50 @@
+"""The collate of the DataLoaders fit builds from a Dataset: torch's, with samples that do not
+stack named by their shapes (torch's own error is a bare "stack expects each tensor to be
+equal size")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from fitkit import nest
+
+__all__ = ["NamingCollate"]
+
+
+def _shapes(sample: Any) -> str:
+    leaves = nest.leaves(sample)
+    return "(" + ", ".join(str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+                           for t in leaves) + ")"  # fmt: skip
+
+
+class NamingCollate:
+    """``default_collate``, counting the batches of each pass, with a clear error for samples
+    that do not stack.
+
+    Example:
+        >>> collate = NamingCollate()
+        >>> collate([torch.zeros(2), torch.zeros(3)])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: A batch of the Dataset (number 1 since the loader was built) cannot be made: ...
+    """
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def __call__(self, samples: list[Any]) -> Any:
+        self.batches += 1
+        try:
+            return default_collate(samples)
+        except (RuntimeError, TypeError) as e:
+            shapes = [_shapes(s) for s in samples[:8]]
+            more = f", ... ({len(samples)} samples)" if len(samples) > 8 else ""
+            raise ValueError(
+                f"A batch of the Dataset (number {self.batches} since the loader was built) cannot be made: its samples have different shapes "
+                f"(each sample's tensors: {', '.join(shapes)}{more}), and torch stacks equal shapes only "
+                f"({type(e).__name__}: {e}). Fix: make every sample the same shape (pad or crop in "
+                "__getitem__), or pass a DataLoader with a collate_fn that pads."
+            ) from e
