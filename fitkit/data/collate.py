@@ -43,7 +43,8 @@ class NamingCollate:
             shapes = [_shapes(s) for s in samples[:8]]
             more = f", ... ({len(samples)} samples)" if len(samples) > 8 else ""
             raise ValueError(
-                f"A batch of the Dataset (number {self.batches} since the loader was built) cannot be made: its samples have different shapes "
+                f"A batch of the Dataset (number {self.batches} since the loader was built) cannot be made: "
+                "its samples have different shapes "
                 f"(each sample's tensors: {', '.join(shapes)}{more}), and torch stacks equal shapes only "
                 f"({type(e).__name__}: {e}). Fix: make every sample the same shape (pad or crop in "
                 "__getitem__), or pass a DataLoader with a collate_fn that pads."

@@ -148,6 +148,6 @@ def _check_header(path: Path, where: str) -> None:
     n = int.from_bytes(head, "little")
     if n > MAX_HEADER_BYTES or n > size - 8:
         raise CheckpointError(
-            f"{where} is truncated, damaged or not a safetensors file: its header declares {n} bytes (the file has {size}; safetensors "
-            f"allows at most {MAX_HEADER_BYTES}), so it is not parsed. {_FIX_DAMAGED}"
+            f"{where} is truncated, damaged or not a safetensors file: its header declares {n} bytes (the "
+            f"file has {size}; safetensors allows at most {MAX_HEADER_BYTES}), so it is not parsed. {_FIX_DAMAGED}"
         )
