@@ -64,7 +64,8 @@ def test_a_crafted_checkpoint_is_refused_before_anything_changes(tmp_path, key, 
     model = _model(lr=0.5)
     model.train_on_batch(X, Y)
     before = _snapshot(model)
-    with pytest.raises(CheckpointError, match=f"(?s)content fitkit does not write.*nothing was loaded.*{expected}.*Fix"):
+    pattern = f"(?s)content fitkit does not write.*nothing was loaded.*{expected}.*Fix"
+    with pytest.raises(CheckpointError, match=pattern):
         model.load_checkpoint(tmp_path / "c.pt")
     assert _same(_snapshot(model), before) and model._resume is None
 

@@ -100,6 +100,7 @@ class FileLock:
     def __init__(self, path: str | os.PathLike, what: str, who: str):
         self.path, self.what, self.who = Path(path), what, who
         self.held = False
+        self._made: list[Path] = []
 
     def acquire(self) -> FileLock:
         """Take the lock (creating missing parent folders).
@@ -108,6 +109,7 @@ class FileLock:
             LockError: a live process (this one included: another callback of the same fit)
                 holds it, or a process on another host does.
         """
+        self._made = _missing_folders(self.path.parent)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         record = json.dumps({"pid": os.getpid(), "host": _HOST}).encode()
         for _ in range(3):  # a dead holder's lock is removed, then taken
@@ -168,6 +170,20 @@ class FileLock:
             except OSError as e:
                 if e.errno != errno.ENOENT:
                     raise
+        for folder in self._made:  # the folders the lock made, when nothing else came into them
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """The folders ``mkdir(parents=True)`` would make, deepest first."""
+    out = []
+    while not folder.exists() and folder.parent != folder:
+        out.append(folder)
+        folder = folder.parent
+    return out
 
 
 def _age(path: Path) -> float:
