@@ -14,10 +14,13 @@ from __future__ import annotations
 import glob
 import math
 import os
-import string
 from pathlib import Path
 from typing import Any
 
+from fitkit.callbacks.checkpoint_paths import STATE as _STATE
+from fitkit.callbacks.checkpoint_paths import field_names as _field_names
+from fitkit.callbacks.checkpoint_paths import glob_of as _glob_of
+from fitkit.callbacks.checkpoint_paths import last_path as _last_path
 from fitkit.callbacks.monitor import (
     StatefulCallback,
     _check_mode,
@@ -31,34 +34,12 @@ from fitkit.callbacks.monitor import (
 from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import check_int, check_number
 from fitkit.files import check_target, remove_stale_temps
-from fitkit.files.content import is_count, is_number, typed_problems
+from fitkit.files.content import typed_problems
 from fitkit.files.locks import FileLock
 from fitkit.files.owned import Owned
 from fitkit.files.preflight import check_writable_template
 
 __all__ = ["ModelCheckpoint"]
-
-
-def _field_names(template: str) -> set[str]:
-    try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-    except ValueError as e:
-        raise ValueError(f"`filepath` is not a valid format string: {e}. Received: {template!r}.") from None
-    names = set()
-    for f in fields:
-        name = f.split(".")[0].split("[")[0]
-        if not name or name.isdigit():
-            raise ValueError(
-                f"`filepath` fields need names, e.g. '{{epoch:02d}}' or '{{val_loss:.2f}}'. Received: {template!r}."
-            )
-        names.add(name)
-    return names
-
-
-def _glob_of(template: str) -> str:
-    """The glob pattern of the paths a ``filepath`` template formats to: each field is ``*``."""
-    parts = string.Formatter().parse(template)
-    return "".join(glob.escape(text) + ("*" if field is not None else "") for text, field, _, _ in parts)
 
 
 def _check_save_freq(save_freq: Any) -> None:
@@ -68,36 +49,6 @@ def _check_save_freq(save_freq: Any) -> None:
         raise ValueError(
             f"Expected `save_freq` to be 'epoch' or a positive int (batches). Received: save_freq={save_freq!r}."
         )
-
-
-def _last_path(filepath: str, save_last: Any) -> str | None:
-    if save_last is False or save_last is None:
-        return None
-    if save_last is True:
-        folder = os.path.dirname(filepath)
-        if "{" in folder:
-            raise ValueError(
-                f"`save_last=True` writes 'last.pt' next to the checkpoints, but the folder of "
-                f"{filepath!r} changes per save. Fix: pass `save_last` as a path."
-            )
-        return os.path.join(folder, "last.pt")
-    if isinstance(save_last, (str, os.PathLike)):
-        return os.fspath(save_last)
-    raise TypeError(f"Expected `save_last` to be a bool or a path. Received: save_last={save_last!r}.")
-
-
-def _pairs(kept: Any) -> bool:
-    return isinstance(kept, list) and all(
-        isinstance(vp, (list, tuple)) and len(vp) == 2 and is_number(vp[0]) and isinstance(vp[1], str) for vp in kept
-    )
-
-
-_STATE = {
-    "best": (lambda v: v is None or is_number(v), "a number or None"),
-    "best_path": (lambda v: v is None or isinstance(v, str), "a file name or None"),
-    "kept": (_pairs, "a list of [value, file name] pairs"),
-    "batches_seen": (is_count, "an int >= 0"),
-}
 
 
 class ModelCheckpoint(StatefulCallback):

@@ -11,7 +11,21 @@ from torch.utils.data import default_collate
 
 from fitkit import nest
 
-__all__ = ["NamingCollate"]
+__all__ = ["NamingCollate", "check_not_empty"]
+
+
+def check_not_empty(dataset: Any) -> None:
+    """A map-style Dataset of 0 samples: torch's sampler would say "num_samples should be a
+    positive integer value" (with ``shuffle=True``) or yield nothing.
+
+    Raises:
+        ValueError: naming the Dataset and the fix.
+    """
+    if len(dataset) == 0:
+        raise ValueError(
+            f"The {type(dataset).__name__} has 0 samples: there are no batches to run. Fix: pass a Dataset "
+            "with samples (check its __len__)."
+        )
 
 
 def _shapes(sample: Any) -> str:

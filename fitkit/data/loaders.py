@@ -26,7 +26,7 @@ from fitkit.data.arrays import (
     _to_tensor,
     is_in_memory,
 )
-from fitkit.data.collate import NamingCollate
+from fitkit.data.collate import NamingCollate, check_not_empty
 from fitkit.data.weights import ClassWeights
 from fitkit.devices import move_to_device
 
@@ -334,11 +334,7 @@ def as_loader(
                     "Fix: pass one weight per sample."
                 )
             x = _WeightedDataset(x, w)
-        if len(x) == 0:  # torch's sampler would say "num_samples should be a positive integer"
-            raise ValueError(
-                f"The {type(x).__name__} has 0 samples: there are no batches to run. Fix: pass a Dataset "
-                "with samples (check its __len__)."
-            )
+        check_not_empty(x)
         x = DataLoader(x, batch_size=batch_size, shuffle=shuffle, collate_fn=NamingCollate())
     elif isinstance(x, IterableDataset):
         x = DataLoader(x, batch_size=batch_size)
