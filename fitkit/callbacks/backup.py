@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fitkit.callbacks.checkpointing import _check_save_freq
+from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import FitkitWarning
@@ -105,9 +106,9 @@ class BackupAndRestore(StatefulCallback):
             # BackupAndRestore of this fit) uses it.
             check_writable(self.backup_dir, "BackupAndRestore", "backup_dir")
             self.close()
-            self._lock = FileLock(
+            self._lock = take_lock(
                 self.backup_dir / ".backup.lock", f"the backup folder {str(self.backup_dir)!r}", "BackupAndRestore"
-            ).acquire()
+            )
             # Temp files of a write a crash interrupted are never a backup: clear them.
             remove_stale_temps(self.backup_dir, self.path.name)
         # Restores module / optimizer / scheduler now; fit applies the RNG states, the

@@ -21,6 +21,7 @@ from fitkit.callbacks.checkpoint_paths import STATE as _STATE
 from fitkit.callbacks.checkpoint_paths import field_names as _field_names
 from fitkit.callbacks.checkpoint_paths import glob_of as _glob_of
 from fitkit.callbacks.checkpoint_paths import last_path as _last_path
+from fitkit.callbacks.locking import restore_name, take_lock
 from fitkit.callbacks.monitor import (
     StatefulCallback,
     _check_mode,
@@ -188,8 +189,8 @@ class ModelCheckpoint(StatefulCallback):
     def _set_state(self, state: dict[str, Any]) -> None:
         self.best = state["best"]
         best = state["best_path"]
-        self.best_path = None if best is None else self._owned.restore(best, "its best file")
-        kept = [(float(v), self._owned.restore(p, "a kept file")) for v, p in state["kept"]]
+        self.best_path = None if best is None else restore_name(self._owned, best, "its best file")
+        kept = [(float(v), restore_name(self._owned, p, "a kept file")) for v, p in state["kept"]]
         self.kept = [(v, p) for v, p in kept if p is not None]  # never a file outside the folder
         self._batches_seen = state["batches_seen"]
 
@@ -239,7 +240,7 @@ class ModelCheckpoint(StatefulCallback):
             last = Path(self.last_path)
             targets.append((str(last.parent / f".{last.name}.lock"), f"the file {self.last_path!r}"))
         for path, what in targets:
-            self._locks.append(FileLock(path, what, "ModelCheckpoint").acquire())
+            self._locks.append(take_lock(path, what, "ModelCheckpoint"))
 
     def close(self) -> None:
         """Release the locks of this fit (idempotent)."""

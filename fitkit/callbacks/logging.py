@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import FitkitWarning
@@ -154,9 +155,7 @@ class CSVLogger(StatefulCallback):
             )
         self.close()
         name = self.filename.name
-        self._lock = FileLock(
-            self.filename.parent / f".{name}.lock", f"the file {str(self.filename)!r}", "CSVLogger"
-        ).acquire()
+        self._lock = take_lock(self.filename.parent / f".{name}.lock", f"the file {str(self.filename)!r}", "CSVLogger")
 
     def _open(self) -> bool:
         """Prepare the file for this fit's first row; return whether a header is needed.

@@ -3,8 +3,8 @@
 A lock is a file, ``.<name>.lock``, created with ``O_CREAT | O_EXCL`` (atomic on local file
 systems and NFSv3+): it holds the holder's pid and host. A second run that asks for the same
 lock gets a :class:`LockError` naming them, before its first step. A lock whose holder is
-dead (same host, no process with that pid) is taken over with a warning, so a killed run's
-folder resumes without a manual step. Temp files carry their writer's pid
+dead (same host, no process with that pid) is taken over (``took_over`` says so; the callbacks
+warn), so a killed run's folder resumes without a manual step. Temp files carry their writer's pid
 (:func:`temp_prefix`), so the clean-up of a run's start removes only a dead process's temps.
 """
 
@@ -15,11 +15,8 @@ import json
 import os
 import re
 import socket
-import warnings
 from pathlib import Path
 from typing import Any
-
-from fitkit.checks import FitkitWarning
 
 __all__ = ["FileLock", "LockError", "temp_prefix", "temp_owner", "pid_alive"]
 
@@ -101,6 +98,7 @@ class FileLock:
         self.path, self.what, self.who = Path(path), what, who
         self.held = False
         self._made: list[Path] = []
+        self.took_over: str | None = None  # what acquire() says when it took a dead run's lock
 
     def acquire(self) -> FileLock:
         """Take the lock (creating missing parent folders).
@@ -121,10 +119,9 @@ class FileLock:
                     continue  # released meanwhile, or unreadable (being written): try again
                 pid, host = holder
                 if host == _HOST and not pid_alive(pid):
-                    warnings.warn(
+                    self.took_over = (
                         f"{self.who}: {self.what} was locked by process {pid} on {host}, which is no "
-                        "longer running (it was killed or crashed); the lock is taken over.",
-                        category=FitkitWarning, stacklevel=3,
+                        "longer running (it was killed or crashed); the lock is taken over."
                     )
                     try:
                         os.unlink(self.path)

@@ -16,9 +16,6 @@ import hashlib
 import os
 import re
 import string
-import warnings
-
-from fitkit.checks import FitkitWarning
 
 __all__ = ["Owned"]
 
@@ -81,21 +78,21 @@ class Owned:
         """The name to store: ``path`` relative to the folder."""
         return os.path.relpath(path, self.root or os.curdir)
 
-    def restore(self, saved: object, what: str = "a file name") -> str | None:
+    def restore(self, saved: object) -> str | None:
         """The path of a stored name (relative, or absolute from an older fitkit), if this
-        template owns it; else ``None``, with a :class:`FitkitWarning`."""
+        template owns it; else ``None`` (the caller warns, with :meth:`refusal`)."""
         if not isinstance(saved, str):
             return None
         path = saved if os.path.isabs(saved) else (os.path.join(self.root, saved) if self.root else saved)
-        if self.owns(path):
-            return path
-        warnings.warn(
+        return path if self.owns(path) else None
+
+    def refusal(self, saved: object, what: str = "a file name") -> str:
+        """Why :meth:`restore` refused ``saved``, for a warning."""
+        return (
             f"{self.who}: the checkpoint lists {saved!r} as {what}, but that is not a file of "
             f"{self.template!r} inside {str(self.root or os.curdir)!r}; it is ignored (never deleted or "
-            "uploaded). A copied or moved run folder, or an edited checkpoint, does this.",
-            category=FitkitWarning, stacklevel=4,
+            "uploaded). A copied or moved run folder, or an edited checkpoint, does this."
         )
-        return None
 
     def lock_name(self) -> str:
         """The name of this template's lock file in the folder, e.g. ``.ep_epoch_02d_.pt.1a2b3c4d.lock``."""
