@@ -14,11 +14,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fitkit.callbacks.checkpointing import _check_save_freq
 from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
-from fitkit.checks import FitkitWarning
+from fitkit.checks import FitkitWarning, check_every
 from fitkit.files import CheckpointError, check_target, remove_stale_temps
 from fitkit.files.content import is_count, typed_problems
 from fitkit.files.locks import FileLock
@@ -66,7 +65,7 @@ class BackupAndRestore(StatefulCallback):
 
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch", delete_checkpoint: bool = True):
         super().__init__()
-        _check_save_freq(save_freq)
+        check_every("save_freq", save_freq, "epoch", "batches")
         check_target(backup_dir, "backup_dir", "BackupAndRestore", "folder")
         self.backup_dir = Path(backup_dir)
         self.save_freq, self.delete_checkpoint = save_freq, bool(delete_checkpoint)

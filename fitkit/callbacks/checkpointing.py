@@ -24,8 +24,6 @@ from fitkit.callbacks.checkpoint_paths import last_path as _last_path
 from fitkit.callbacks.locking import restore_name, take_lock
 from fitkit.callbacks.monitor import (
     StatefulCallback,
-    _check_mode,
-    _say,
     check_log_key,
     is_improvement,
     may_add_keys,
@@ -33,7 +31,8 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.checkpoint import is_rank_zero
-from fitkit.checks import check_int, check_number
+from fitkit.checks import check_every, check_int, check_mode, check_number
+from fitkit.distributed import say
 from fitkit.files import check_target, remove_stale_temps
 from fitkit.files.content import typed_problems
 from fitkit.files.locks import FileLock
@@ -41,15 +40,6 @@ from fitkit.files.owned import Owned
 from fitkit.files.preflight import check_writable_template
 
 __all__ = ["ModelCheckpoint"]
-
-
-def _check_save_freq(save_freq: Any) -> None:
-    if save_freq == "epoch":
-        return
-    if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
-        raise ValueError(
-            f"Expected `save_freq` to be 'epoch' or a positive int (batches). Received: save_freq={save_freq!r}."
-        )
 
 
 class ModelCheckpoint(StatefulCallback):
@@ -125,8 +115,8 @@ class ModelCheckpoint(StatefulCallback):
             raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
         self.filepath = check_target(filepath, "filepath", "ModelCheckpoint")
         self._fields = _field_names(self.filepath)
-        _check_mode(mode)
-        _check_save_freq(save_freq)
+        check_mode(mode)
+        check_every("save_freq", save_freq, "epoch", "batches")
         if not isinstance(verbose, bool):
             check_int("verbose", verbose, 0)
         check_int("every_n_epochs", every_n_epochs, 1)
@@ -359,7 +349,7 @@ class ModelCheckpoint(StatefulCallback):
         if self._pending_last is not None:
             epoch, self._pending_last = self._pending_last, None
             self.model.save_checkpoint(self.last_path)  # after the ranked file, as Lightning does
-            _say(self.verbose, f"Epoch {epoch + 1}: saved {self.last_path}.")
+            say(self.verbose, f"Epoch {epoch + 1}: saved {self.last_path}.")
 
     def _write_ranked(self) -> None:
         if self._pending is None:
@@ -376,7 +366,7 @@ class ModelCheckpoint(StatefulCallback):
             for p in evicted:
                 if self._owned.owns(p):  # only a file of this template, inside its folder
                     Path(p).unlink(missing_ok=True)
-        _say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
+        say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
 
     def _worst(self, kept: list[tuple[float, str]]) -> tuple[float, str]:
         pick = max if self._mode == "min" else min

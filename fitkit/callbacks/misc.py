@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from fitkit.callbacks.base import HOOKS, Callback
-from fitkit.callbacks.monitor import _say
 from fitkit.callbacks.signatures import check_hook_arity
 from fitkit.checks import check_bool
+from fitkit.distributed import say
 
 __all__ = ["TerminateOnNaN", "LambdaCallback"]
 
@@ -61,7 +61,7 @@ class TerminateOnNaN(Callback):
                 f"The loss is {loss.item()} at batch {batch} of epoch {model.epoch}; training "
                 "stopped before that step, so the weights are those of the previous step."
             )
-        _say(self.params.get("verbose", 0), f"Batch {batch}: invalid loss {loss.item()}, terminating training.")
+        say(self.params.get("verbose", 0), f"Batch {batch}: invalid loss {loss.item()}, terminating training.")
 
 
 class LambdaCallback(Callback):
