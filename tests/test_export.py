@@ -1,4 +1,4 @@
-"""Export for serving: torch.export programs and ONNX files that onnxruntime runs (issue 13)."""
+"""Export for serving: torch.export programs and ONNX files that onnxruntime runs."""
 
 import importlib.util
 
