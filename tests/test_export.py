@@ -138,6 +138,7 @@ class OnPair(nn.Module):
         return self.lin(p.a) + p.b
 
 
+@pytest.mark.slow
 def test_a_namedtuple_input_is_one_input_in_torch_and_onnx(tmp_path):
     torch.manual_seed(0)
     model = fitkit.Model(OnPair(), device="cpu")
