@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from fitkit import checkpoint as _checkpoint
-from fitkit import compile as _compile
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit import nest, planning
@@ -38,6 +37,7 @@ from fitkit.callbacks.swap_ema import compiled_ema, with_compiled_ema
 from fitkit.checks import check_bool, check_int, check_number
 from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
 from fitkit.files.differences import check_state_dict_fits
+from fitkit.forward import Forward, resolve_jit_compile
 from fitkit.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
@@ -103,7 +103,7 @@ class Model:
         self.stop_predicting = False
         self.history: History | None = None
         self._stepper: Stepper | None = None
-        self._forward = _compile.Forward(self.module)
+        self._forward = Forward(self.module)
         self._fit: FitLoop | None = None  # the running fit only (None once it returned or raised)
         self._phases = Phases(self.device, _distributed.reduce_loss_totals if self._parallel is not None else None)
         self._resume: _checkpoint.ResumePoint | None = None  # loaded, waiting for the next fit
@@ -278,7 +278,7 @@ class Model:
         if self.optimizer is not None:
             optimizer_to(self.optimizer, self.device)
         self._phases.to(self.device)
-        self._forward = _compile.Forward(self.module, self._wrap_for_training(), self._forward.jit)
+        self._forward = Forward(self.module, self._wrap_for_training(), self._forward.jit)
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -400,7 +400,7 @@ class Model:
         check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1)
         check_number("clip_grad_norm", clip_grad_norm, positive=True, allow_none=True)
         check_number("clip_grad_value", clip_grad_value, positive=True, allow_none=True)
-        jit = _compile.resolve_jit_compile(jit_compile, self.device)
+        jit = resolve_jit_compile(jit_compile, self.device)
         loss_fn = resolve_loss(loss, loss_weights)
         metric_set = MetricSet(metrics)
         ema = compiled_ema(use_ema, ema_momentum, ema_overwrite_frequency)
@@ -417,7 +417,7 @@ class Model:
             opt, sched, scheduler_interval, precision, self.device, int(gradient_accumulation_steps),
             clip_grad_norm, clip_grad_value, self._parallel,
         )  # fmt: skip
-        self._forward = _compile.Forward(self.module, self._wrap_for_training(), jit)
+        self._forward = Forward(self.module, self._wrap_for_training(), jit)
 
     def _require_compiled(self, verb: str) -> Stepper:
         if self._stepper is None:

@@ -19,8 +19,8 @@ from torch import nn
 
 from fitkit import nest
 from fitkit.checks import FitkitWarning
-from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
+from fitkit.forward import call
 from fitkit.gradient_check import check_loss_has_grad, wants_grad_check
 from fitkit.modes import modes
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of

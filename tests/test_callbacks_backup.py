@@ -106,7 +106,7 @@ def test_stale_temps_of_a_killed_write_are_removed_at_the_next_start(tmp_path):
     assert [p.exists() for p in stale] == [False, False] and all(p.exists() for p in kept)
 
 
-# -- log values that load back (issue 11, section 3) --------------------------------------------
+# -- log values that load back ---------------------------------------------------------------------
 class _F1(Callback):
     """A user metric on its own held-out set, as scikit-learn returns it: a numpy float."""
 
