@@ -206,14 +206,21 @@ class Model:
         """The ``GradScaler`` of ``precision="16-mixed"`` (``None`` otherwise; read-only)."""
         return None if self._stepper is None else self._stepper.scaler
 
-    def skip_optimizer_step(self) -> None:
+    def skip_optimizer_step(self, when: torch.Tensor | None = None) -> None:
         """Veto the coming optimizer step (call it from ``on_backward_end``).
 
         The accumulated gradients are dropped, the weights, optimizer state, scheduler and
         ``global_step`` stay as they are (``TerminateOnNaN`` uses it).
+
+        Args:
+            when: a 0-dim bool tensor on the device: skip only where it is true, decided on the
+                device with no host read, for optimizers whose step takes ``found_inf``
+                (torch's ``fused=True`` Adam / AdamW / SGD / Adagrad, as fitkit builds them by
+                name) or under ``precision="16-mixed"``; other optimizers read it on the host.
+                A per-step scheduler reads it too (it must know whether to advance).
         """
         if self._stepper is not None:
-            self._stepper.skip()
+            self._stepper.skip(when)
 
     # -- the module ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

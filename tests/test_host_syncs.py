@@ -149,9 +149,6 @@ def _assert_no_step_reads(counter: SyncCounter, kind: str = "train", steps: int 
 # Averaging reads torch's AveragedModel.n_averaged on the host twice per step (2 per step).
 PENDING = {
     "EMA": "EMA / SWA averaging still reads n_averaged on the host",
-    "TerminateOnNaN": "the non-finite check reads the loss on the host",
-    "TerminateOnNaN 16-mixed": "the non-finite check reads the loss on the host",
-    "TerminateOnNaN fused sgd": "the non-finite check reads the loss on the host",
     "user MulticlassF1Score": "torchmetrics' bincount",
 }
 
