@@ -149,7 +149,6 @@ def _assert_no_step_reads(counter: SyncCounter, kind: str = "train", steps: int 
 # Averaging reads torch's AveragedModel.n_averaged on the host twice per step (2 per step).
 PENDING = {
     "EMA": "EMA / SWA averaging still reads n_averaged on the host",
-    "user MulticlassF1Score": "torchmetrics' bincount",
 }
 
 
