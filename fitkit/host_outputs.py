@@ -80,7 +80,7 @@ class HostOutputs:
         fits = self.rows is not None and bool(ts) and all(t.dim() and t.shape[0] == n for t in ts)
         if fits and self.buffers is None and not self.parts and self._all_tensors(out):
             self.buffers = nest.map_structure(self._buffer, out)
-        if fits and self.buffers is not None and self.filled + n <= self.rows:
+        if fits and self.buffers is not None and self.rows is not None and self.filled + n <= self.rows:
             targets = nest.leaves(self.buffers)
             if [t.shape[1:] for t in targets] == [t.shape[1:] for t in ts]:
                 for dst, src in zip(targets, ts, strict=True):
