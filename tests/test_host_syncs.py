@@ -242,3 +242,22 @@ def test_log_points_are_counted_apart(tmp_path):
     assert counter.per_step() == [0] * 8
     logged = [e for e in counter.outside_steps() if e.phase[0] == "train"]
     assert {e.phase[2] for e in logged} == {1, 3, 5}  # each second batch of each epoch
+
+
+def test_the_gpu_check_runs_the_same_matrix_and_answers_help_without_a_gpu(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--help"])
+    assert exit_info.value.code == 0 and "set_sync_debug_mode" not in capsys.readouterr().err
+    configs = gpu_check._sync_configs(str(tmp_path))
+    for name in ("16-mixed (fused adam)", "TerminateOnNaN", "EMA", "user MulticlassF1Score", "step scheduler"):
+        assert name in configs
+    if not torch.cuda.is_available():
+        assert gpu_check.main([]) == 2  # says it needs a GPU, runs nothing
