@@ -810,13 +810,18 @@ class Model:
         """
         x, y, sample_weight = batch
         stepper = self._stepper or self._require_compiled("train_step")
-        with stepper.no_sync(self.module):
-            with self.autocast():
-                y_pred = self._forward(x)
-                loss = self.compute_loss(x, y, y_pred, sample_weight)
-            if self._parallel is not None and nest.rows(y if y is not None else x) == 0:
-                loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
+        if stepper.plain:  # one process, float32: both contexts below would do nothing
+            y_pred = self._forward(x)
+            loss = self.compute_loss(x, y, y_pred, sample_weight)
             self.backward(loss)
+        else:
+            with stepper.no_sync(self.module):
+                with self.autocast():
+                    y_pred = self._forward(x)
+                    loss = self.compute_loss(x, y, y_pred, sample_weight)
+                if self._parallel is not None and nest.rows(y if y is not None else x) == 0:
+                    loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
+                self.backward(loss)
         # Metrics first: a metric that rejects the batch then fails before the weights change.
         self.update_metrics(loss, y_pred, y if y is not None else targets_of(x, y), sample_weight)
         self.optimizer_step()
@@ -858,7 +863,7 @@ class Model:
 
         A loss that needs no gradient (every parameter frozen) is not backpropagated.
         """
-        stepper = self._require_compiled("backward")
+        stepper = self._stepper or self._require_compiled("backward")
         if loss.requires_grad:
             stepper.backward(loss)
 

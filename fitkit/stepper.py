@@ -109,7 +109,11 @@ class Stepper:
         self._stepped = True
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
         # it ran, so a skipped step does not advance the scheduler (no extra host sync).
-        self._hook = optimizer.register_step_post_hook(self._mark_stepped)
+        # Only torch's GradScaler without found_inf skips step() on the host: the one case to watch.
+        watch = precision == "16-mixed" and not self.takes_found_inf
+        self._hook = optimizer.register_step_post_hook(self._mark_stepped) if watch else None
+        #: one process and float32: train_step's no_sync and autocast contexts do nothing
+        self.plain = parallel is None and precision == "32"
 
     @property
     def global_step(self) -> int:
@@ -137,19 +141,22 @@ class Stepper:
 
     def close(self) -> None:
         """Remove the optimizer hook (a recompiled model builds a new stepper)."""
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
 
     # -- the accumulation window ---------------------------------------------------------------
     def micro_batches(self, batches: Iterator[Any], start: int, stop: Any) -> Iterator[tuple[int, Any]]:
-        """Yield ``(batch_index, batch)`` from ``start``, setting each micro-batch's window place.
+        """``(batch_index, batch)`` from ``start``, each micro-batch's window place set.
 
         ``stop()`` is asked after each batch of a window; a stop ends the epoch there.
         """
-        k = self.accumulation
-        if k == 1 and self.parallel is None:
+        if self.accumulation == 1 and self.parallel is None:  # every batch is a window
             self.micro_last, self.micro_scale = True, None
-            yield from enumerate(batches, start)
-            return
+            return enumerate(batches, start)
+        return self._windows(batches, start, stop)
+
+    def _windows(self, batches: Iterator[Any], start: int, stop: Any) -> Iterator[tuple[int, Any]]:
+        k = self.accumulation
         step = start
         while True:
             group = list(itertools.islice(batches, k))
@@ -195,19 +202,21 @@ class Stepper:
         accumulated gradients, its window and its before-step hook are set aside meanwhile and
         put back afterwards.
         """
-        window = (self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self._before_step)
+        window = (self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto,
+                  self._before_step)  # fmt: skip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grads = [p.grad for p in params]
         for p in params:
             p.grad = None
         self.single_batch()
-        self.window_loss, self.skip_requested, self._before_step = None, False, None
+        self.window_loss, self.skip_requested, self.veto, self._before_step = None, False, None, None
         try:
             yield
         finally:
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
-            self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self._before_step = window
+            (self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto,
+             self._before_step) = window  # fmt: skip
 
     def begin_epoch(self) -> None:
         """A fit epoch starts: the LRs its last step used are recorded afresh."""
@@ -253,7 +262,7 @@ class Stepper:
                 agreed: Any = _distributed.any_rank(self.skip_requested, wants_stop)
                 self.skip_requested, self.stop_agreed = agreed
         self.window_loss = None
-        veto = self._take_veto()
+        veto = None if self.veto is None else self._take_veto()
         if self.skip_requested:  # a callback (e.g. TerminateOnNaN) vetoed this step
             self.skip_requested = False
             opt.zero_grad(set_to_none=True)
@@ -264,7 +273,11 @@ class Stepper:
             self.grad_norm = nn.utils.clip_grad_norm_(module.parameters(), self.clip_grad_norm)
         if self.clip_grad_value is not None:
             nn.utils.clip_grad_value_(module.parameters(), self.clip_grad_value)
-        skipped = self._optimizer_step(opt, veto)  # a device flag, or None: the host knows
+        if self.scaler is None and veto is None:
+            opt.step()
+            skipped, self._stepped = None, True
+        else:
+            skipped = self._optimizer_step(opt, veto)  # a device flag, or None: the host knows
         opt.zero_grad(set_to_none=True)
         return self._count_step(opt, skipped)
 
