@@ -231,7 +231,7 @@ class FitLoop:
                     cbs.on_train_batch_begin(step, {})
                 model.train_step(batch)
                 ran = True
-                position.batches = step + 1  # done (a resume's skipped ones included)
+                position.done(step + 1)
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
                 if model.stop_training if local else self._stop_now():

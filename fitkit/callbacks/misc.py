@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from fitkit.callbacks.base import HOOKS, Callback
-from fitkit.callbacks.monitor import _say
 from fitkit.checks import check_int
+from fitkit.distributed import say
 
 __all__ = ["TerminateOnNaN", "LambdaCallback"]
 
@@ -121,7 +121,7 @@ class TerminateOnNaN(Callback):
                 f"The loss is {loss} at batch {batch} of epoch {epoch}; that optimizer step and every "
                 "later one were skipped, so the weights are those of the last finite step."
             )
-        _say(self.params.get("verbose", 0), f"Batch {batch}: invalid loss {loss}, terminating training.")
+        say(self.params.get("verbose", 0), f"Batch {batch}: invalid loss {loss}, terminating training.")
         self._stop = None
 
 
