@@ -175,6 +175,19 @@ def test_fp16_with_an_optimizer_without_found_inf_reads_the_scalers_verdict_once
     assert all("grad_scaler.py" in e.where() and "_maybe_opt_step" in e.where() for e in counter.step_events())
 
 
+def test_fp16_with_a_per_step_scheduler_reads_the_verdict_once_per_step(tmp_path):
+    # The scheduler must not advance on a skipped step, and its learning rate is a host number.
+    CONFIGS["16-mixed step scheduler"] = ({"precision": "16-mixed", "scheduler_interval": "step",
+                                           "scheduler": lambda o: torch.optim.lr_scheduler.StepLR(o, 1)}, {},
+                                          lambda d: [])  # fmt: skip
+    try:
+        counter = _fit_counter("16-mixed step scheduler", tmp_path)
+    finally:
+        del CONFIGS["16-mixed step scheduler"]
+    assert counter.per_step() == [1] * 8
+    assert all("_count_step" in e.where() for e in counter.step_events())
+
+
 def test_no_host_read_in_a_steady_step_from_a_dataloader(tmp_path):
     _assert_no_step_reads(_fit_counter("metrics by name", tmp_path, loader=True), steps=8)
 
