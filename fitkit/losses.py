@@ -218,7 +218,12 @@ class Loss:
         return out if self.weight == 1.0 else out * self.weight
 
     def _unweighted(self, y_pred: torch.Tensor, y: torch.Tensor, per_sample: bool) -> torch.Tensor:
-        y_pred, y = self.prepare(y_pred, y)
+        matched = (  # targets that already match the prediction: nothing for prepare to do
+            self.kind not in ("class_index", "custom") and type(y_pred) is torch.Tensor and type(y) is torch.Tensor
+            and y.dtype == y_pred.dtype and y.shape == y_pred.shape
+        )  # fmt: skip
+        if not matched:
+            y_pred, y = self.prepare(y_pred, y)
         if self.kind == "custom":
             out = self.fn(y_pred, y)
             if not isinstance(out, torch.Tensor):

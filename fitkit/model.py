@@ -240,14 +240,21 @@ class Model:
         """The ``GradScaler`` of ``precision="16-mixed"`` (``None`` otherwise; read-only)."""
         return None if self._stepper is None else self._stepper.scaler
 
-    def skip_optimizer_step(self) -> None:
+    def skip_optimizer_step(self, when: torch.Tensor | None = None) -> None:
         """Veto the coming optimizer step (call it from ``on_backward_end``).
 
         The accumulated gradients are dropped, the weights, optimizer state, scheduler and
         ``global_step`` stay as they are (``TerminateOnNaN`` uses it).
+
+        Args:
+            when: a 0-dim bool tensor on the device: skip only where it is true, decided on the
+                device with no host read, for optimizers whose step takes ``found_inf``
+                (torch's ``fused=True`` Adam / AdamW / SGD / Adagrad, as fitkit builds them by
+                name) or under ``precision="16-mixed"``; other optimizers read it on the host.
+                A per-step scheduler reads it too (it must know whether to advance).
         """
         if self._stepper is not None:
-            self._stepper.skip()
+            self._stepper.skip(when)
 
     # -- the module ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -835,13 +842,18 @@ class Model:
         """
         x, y, sample_weight = batch
         stepper = self._stepper or self._require_compiled("train_step")
-        with stepper.no_sync(self.module):
-            with self.autocast():
-                y_pred = self._forward(x)
-                loss = self.compute_loss(x, y, y_pred, sample_weight)
-            if self._parallel is not None and nest.rows(y if y is not None else x) == 0:
-                loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
+        if stepper.plain:  # one process, float32: both contexts below would do nothing
+            y_pred = self._forward(x)
+            loss = self.compute_loss(x, y, y_pred, sample_weight)
             self.backward(loss)
+        else:
+            with stepper.no_sync(self.module):
+                with self.autocast():
+                    y_pred = self._forward(x)
+                    loss = self.compute_loss(x, y, y_pred, sample_weight)
+                if self._parallel is not None and nest.rows(y if y is not None else x) == 0:
+                    loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
+                self.backward(loss)
         # Metrics first: a metric that rejects the batch then fails before the weights change.
         self.update_metrics(loss, y_pred, y if y is not None else targets_of(x, y), sample_weight)
         self.optimizer_step()
@@ -883,7 +895,7 @@ class Model:
 
         A loss that needs no gradient (every parameter frozen) is not backpropagated.
         """
-        stepper = self._require_compiled("backward")
+        stepper = self._stepper or self._require_compiled("backward")
         if loss.requires_grad:
             stepper.backward(loss)
 

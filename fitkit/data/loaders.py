@@ -242,6 +242,14 @@ class DeviceLoader:
                 return
 
     def _prepare(self, it: Iterator[Any]) -> Iterator[Batch]:
+        src = self.batches
+        if isinstance(src, TensorBatches) and all(
+            t.device == self.device for t in nest.leaves((src.x, src.y, src.w))
+        ):
+            return it  # in-memory data already on the device: its slices are the batches
+        return self._moved(it)
+
+    def _moved(self, it: Iterator[Any]) -> Iterator[Batch]:
         tensor_path = isinstance(self.batches, TensorBatches)
         device, cw = self.device, self.class_weight
         for batch in it:

@@ -27,11 +27,18 @@ from fitkit.metrics.names import (
 __all__ = ["MetricSet"]
 
 
+def _sync_free(metric: Any) -> Any:
+    from fitkit.metrics.states import sync_free_update
+
+    return sync_free_update(metric)
+
+
 class _Entry:
     __slots__ = ("key", "metric", "kind", "output", "fn")
 
     def __init__(self, key: str, metric: Any, kind: str, output: str | None = None, fn: Any = None):
-        # kind: labels | scores | regression | raw (a torchmetrics object) | callable
+        # kind: labels | scores | regression | raw (a torchmetrics object) | stat_scores (one
+        # updated without a host sync) | callable
         self.key, self.metric, self.kind, self.output, self.fn = key, metric, kind, output, fn
 
 
@@ -228,7 +235,9 @@ class MetricSet:
         entries = []
         for key, m in self.specs:
             if _is_metric(m):
-                entries.append(_Entry(key, m, "raw"))
+                from fitkit.metrics.states import sync_free_update  # the user imported torchmetrics
+
+                entries.append(_Entry(key, m, "stat_scores" if sync_free_update(m) is not None else "raw"))
             elif callable(m.metric):
                 from fitkit.metrics.states import CallableMean  # imports torchmetrics
 
@@ -296,10 +305,13 @@ class MetricSet:
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(f"Metric '{e.key}' must return a tensor. Received {type(out).__name__}.")
                 e.metric.update(out, int(given_y.shape[0]))
-            elif e.kind == "raw":
+            elif e.kind in ("raw", "stat_scores"):
                 # (B, 1) predictions meet (B,) targets as they do in the loss (no broadcast).
                 same = y_pred.shape == y.shape or y_pred.numel() != y.numel()
-                e.metric.update(y_pred if same else y_pred.reshape(y.shape), y)
+                # torchmetrics' multi-class stat scores count with bincount (a host sync):
+                # fitkit's own counts go into the same states (see states.sync_free_update).
+                update = e.metric.update if e.kind == "raw" else _sync_free(e.metric)
+                update(y_pred if same else y_pred.reshape(y.shape), y)
             elif e.kind == "regression":
                 p = y_pred.reshape(y.shape) if y_pred.shape != y.shape and y_pred.numel() == y.numel() else y_pred
                 e.metric.update(p, y.to(p.dtype))
