@@ -26,7 +26,7 @@ from fitkit.data.arrays import (
     _to_tensor,
     is_in_memory,
 )
-from fitkit.data.weights import ClassWeights
+from fitkit.data.weights import ClassWeights, class_weights, combine
 from fitkit.devices import move_to_device
 
 __all__ = ["as_loader", "validation_loader", "device_batch", "DeviceLoader", "ClassWeights", "unpack_batch"]
@@ -229,8 +229,7 @@ class DeviceLoader:
                 y = _to_tensor(y) if isinstance(y, np.ndarray) else y
                 if y.device.type == "cpu":  # checked before it moves: no device sync
                     cw.check(y)
-                cw_w = cw(y)
-                w = cw_w if w is None else cw_w * torch.as_tensor(w, dtype=cw_w.dtype)
+                w = combine(cw(y), w)
             if not tensor_path:
                 x, y, w = (_to_tensor(a) if is_in_memory(a) else a for a in (x, y, w))
             yield move_to_device(x, device), move_to_device(y, device), move_to_device(w, device)
@@ -251,7 +250,7 @@ def device_batch(
         >>> x.dtype, w.tolist()
         (torch.float32, [1.0, 2.0])
     """
-    cw = ClassWeights(class_weight) if class_weight is not None else None
+    cw = class_weights(class_weight)
     return next(iter(DeviceLoader([(x, y, sample_weight)], device, cw)))
 
 
@@ -292,7 +291,7 @@ def as_loader(
         >>> [b[0].shape[0] for b in dl], dl.num_batches
         ([2, 2, 1], 3)
     """
-    cw = ClassWeights(class_weight) if class_weight is not None else None
+    cw = class_weights(class_weight)
     device = torch.device("cpu") if device is None else device
     if is_in_memory(x):
         if y is not None and not is_in_memory(y):
@@ -309,8 +308,7 @@ def as_loader(
             if y is None:
                 raise ValueError("`class_weight` needs targets. Received y=None. Fix: pass `y`.")
             cw.check(y.cpu())
-            cw_w = cw(y)
-            source.w = cw_w if w is None else cw_w * w.to(cw_w.dtype)
+            source.w = combine(cw(y), w)
         if device.type == "cuda" and sum(t.numel() * t.element_size() for t in _leaves((x, y))) < 2**30:
             source.to(device)  # one copy up front beats one per batch for data that fits
         return DeviceLoader(source, device, None, steps)
