@@ -97,6 +97,9 @@ class Stepper:
         self.validates = False  # whether the running fit validates at all (set by the fit loop)
         self.timm = is_timm_scheduler(scheduler)
         self._stepped = True
+        # A fused / capturable optimizer applies the scaler's verdict on the device: its step()
+        # always runs, so a skipped step cannot be told apart without a sync and counts.
+        self.scaler_always_steps = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
         # it ran, so a skipped step does not advance the scheduler (no extra host sync).
         self._hook = optimizer.register_step_post_hook(self._mark_stepped)
@@ -165,6 +168,11 @@ class Stepper:
     def step(self, module: nn.Module, before_step: Any = None, stop_training: Any = None) -> bool:
         """The optimizer step at the end of a window; returns whether the weights changed.
 
+        A step the fp16 GradScaler skips (inf / NaN gradients) is no step: ``global_step``, the
+        per-step scheduler and everything keyed on ``global_step`` (EMA, loggers, checkpoints)
+        stay where they are. (A fused optimizer's step applies the skip on the device and
+        counts; reading its verdict would sync.)
+
         ``before_step()`` runs after the gradients are unscaled and before clipping (the
         ``on_backward_end`` hook); it may call :meth:`skip` to veto this step. Under torchrun
         ``stop_training()`` tells whether this rank wants to stop (agreed over ranks here).
@@ -193,14 +201,18 @@ class Stepper:
         if self.clip_grad_value is not None:
             nn.utils.clip_grad_value_(module.parameters(), self.clip_grad_value)
         if self.scaler is not None:
-            self._stepped = False
+            self._stepped = self.scaler_always_steps  # see below: a fused step cannot tell
             self.scaler.step(opt)
             self.scaler.update()
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)
+        if not self._stepped:
+            # The GradScaler found inf / NaN gradients and skipped optimizer.step(): no step was
+            # taken, so nothing that counts steps moves (global_step, the scheduler, EMA).
+            return False
         self.global_step += 1
-        if self.scheduler is not None and self._stepped and (self.timm or self.interval == "step"):
+        if self.scheduler is not None and (self.timm or self.interval == "step"):
             self.lrs_used = [g["lr"] for g in opt.param_groups]
             if self.timm:
                 self.scheduler.step_update(num_updates=self.global_step)
