@@ -46,7 +46,7 @@ from fitkit.loop import EvalLoop, FitLoop, PredictLoop, groups_differ, validatio
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
 from fitkit.modes import modes
-from fitkit.optim import resolve_optimizer, resolve_scheduler
+from fitkit.optim import check_plateau_mode, resolve_optimizer, resolve_scheduler
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 from fitkit.preflight import cast_to_module, first_batch_check, in_memory_check
 from fitkit.stepper import Stepper
@@ -364,6 +364,7 @@ class Model:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
         opt = resolve_optimizer(optimizer, self.module, self.device)
         sched = resolve_scheduler(scheduler, opt, scheduler_interval)
+        check_plateau_mode(sched)
         self.scheduler_interval = scheduler_interval
         self.loss = loss_fn
         self.metrics = metric_set.configure(loss_fn, self.device)
@@ -535,6 +536,7 @@ class Model:
     def _check_schedules(self, callbacks: list[Callback]) -> None:
         from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
 
+        check_plateau_mode(self.scheduler)  # fitkit feeds it a loss: mode must be "min"
         clash = [type(cb).__name__ for cb in callbacks if isinstance(cb, (LearningRateScheduler, ReduceLROnPlateau))]
         if self.scheduler is not None and clash:
             raise ValueError(
