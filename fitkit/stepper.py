@@ -3,9 +3,10 @@
 One :class:`Stepper` per compiled model. ``fit`` hands it the epoch's batches
 (:meth:`Stepper.micro_batches` groups them into accumulation windows and weights each
 micro-batch by its share of the window), ``train_step`` calls :meth:`Stepper.backward` and
-:meth:`Stepper.step`. Gradient accumulation is sample-exact: each micro-batch's loss is scaled
-by ``its samples / the window's samples`` (sample weights, if any), so a step equals one step on
-the whole window, a short last window included. Nothing here reads a device value on the host.
+:meth:`Stepper.step`. Gradient accumulation is exact: each micro-batch's mean loss is scaled by
+``its denominator / the window's`` (rows, sum of sample weights, or tokens that count: see
+:mod:`fitkit.denominators`), so a step equals one step on the whole window, a short last
+window included. Nothing here reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ def _batch_weight(batch: tuple[Any, Any, Any]) -> Any:
     return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1
 
 
+def _nonzero(total: Any) -> Any:
+    if isinstance(total, torch.Tensor):
+        return torch.where(total == 0, torch.ones_like(total), total)
+    return total or 1
+
+
 class Stepper:
     """Owns everything between ``loss`` and the next weights.
 
@@ -96,6 +103,7 @@ class Stepper:
         self.stop_agreed = False
         self.validates = False  # whether the running fit validates at all (set by the fit loop)
         self.timm = is_timm_scheduler(scheduler)
+        self.weigh: Any = _batch_weight  # batch -> the denominator of its mean loss (set by the model)
         self._stepped = True
         # A fused / capturable optimizer applies the scaler's verdict on the device: its step()
         # always runs, so a skipped step cannot be told apart without a sync and counts.
@@ -131,10 +139,11 @@ class Stepper:
             group = list(itertools.islice(batches, k))
             if not group:
                 return
-            sizes = [_batch_weight(b) for b in group]
+            sizes = [self.weigh(b) for b in group]
             # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
-            # each rank's share makes DDP's gradient average the exact global mean.
-            total = sum(sizes) if self.parallel is None else _distributed.global_share(sizes)
+            # each rank's share makes DDP's gradient average the exact global mean. A window
+            # whose denominator is 0 (all weights 0, every token ignored) contributes nothing.
+            total = _nonzero(sum(sizes)) if self.parallel is None else _distributed.global_share(sizes)
             for i, batch in enumerate(group):
                 self.micro_scale = sizes[i] / total
                 self.micro_last = i == len(group) - 1

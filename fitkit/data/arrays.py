@@ -255,9 +255,9 @@ def _is_map_dataset(x: Any) -> bool:
 
 def _sample_weight_tensor(sample_weight: Any) -> torch.Tensor:
     w = _to_tensor(sample_weight) if is_in_memory(sample_weight) else torch.as_tensor(sample_weight)
-    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+    if not isinstance(w, torch.Tensor) or w.dim() == 0:
         raise ValueError(
-            "Expected `sample_weight` to be a 1-D array with one weight per sample. "
-            f"Received shape {tuple(getattr(w, 'shape', ()))}. Fix: pass shape (N,)."
+            "Expected `sample_weight` to be an array with one weight per sample, (N,), or one per target "
+            f"position, shaped like y. Received shape {tuple(getattr(w, 'shape', ()))}. Fix: pass shape (N,)."
         )
     return w if w.is_floating_point() else w.to(torch.get_default_dtype())
