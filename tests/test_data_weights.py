@@ -60,3 +60,59 @@ def test_a_class_given_twice_is_refused():
 def test_class_weight_must_still_be_a_dict():
     with pytest.raises(TypeError, match="Expected `class_weight` to be a non-empty dict"):
         class_weights([1.0, 2.0])
+
+
+class BiasTokens(nn.Module):
+    """Logits ``b`` (2 classes, 0 at start) at every position: ``(B, T, 2)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        return self.b.expand(x.shape[0], x.shape[1], 2)
+
+
+def _one_step(loss, y, **fit_kw) -> list[float]:
+    model = fitkit.Model(BiasTokens(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss=loss)
+    model.fit(torch.zeros(*y.shape), y, batch_size=len(y), shuffle=False, verbose=0, **fit_kw)
+    return (-model.module.b.detach()).tolist()  # the gradient of the one step
+
+
+def test_class_weight_with_per_position_targets_weighs_each_token():
+    y = torch.tensor([[0, 0, 1], [1, 1, 0]])
+    # CrossEntropyLoss(weight=[1, 3]): sum_t w_t (softmax(0) - onehot_t) / sum_t w_t = [0.25, -0.25].
+    hand = [(3 * -0.5 + 9 * 0.5) / 12, (3 * 0.5 + 9 * -0.5) / 12]
+    assert hand == [0.25, -0.25]
+    assert _one_step("cross_entropy", y, class_weight={0: 1, 1: 3}) == pytest.approx(hand)
+    assert _one_step(nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0])), y) == pytest.approx(hand)
+
+
+def test_class_weight_per_token_skips_ignored_positions_and_meets_sample_weights():
+    y = torch.tensor([[0, 1, -100], [1, -100, -100]])
+    # Tokens: (class 0, w 1 * 2), (class 1, w 3 * 2), (class 1, w 3 * 1); ignored ones weigh 0.
+    w = torch.tensor([2.0, 6.0, 3.0])
+    onehot1 = torch.tensor([0.0, 1.0, 1.0])
+    g1 = float((w * (0.5 - onehot1)).sum() / w.sum())
+    got = _one_step("cross_entropy", y, class_weight={0: 1, 1: 3}, sample_weight=torch.tensor([2.0, 1.0]))
+    assert got == pytest.approx([-g1, g1])
+    # From a DataLoader (weights folded per batch) the same.
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2, 3), y), batch_size=2)
+    model = fitkit.Model(BiasTokens(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss="cross_entropy")
+    model.fit(loader, class_weight={0: 1, 1: 3}, verbose=0)
+    unweighted = float(((0.5 - onehot1) * torch.tensor([1.0, 3.0, 3.0])).sum() / 7)
+    assert (-model.module.b.detach()).tolist() == pytest.approx([-unweighted, unweighted])
+
+
+def test_per_position_class_weights_with_a_per_sample_loss_are_refused_before_step_1():
+    def per_sample(y_pred, y):  # one value per row: it cannot take a weight per token
+        return torch.nn.functional.cross_entropy(y_pred.transpose(1, 2), y, reduction="none").mean(1)
+
+    model = fitkit.Model(BiasTokens(), device="cpu")
+    model.compile(optimizer="sgd", loss=per_sample)
+    y = torch.tensor([[0, 0, 1], [1, 1, 0]])
+    with pytest.raises(ValueError, match=r"`sample_weight` of shape \(2,\) .*Received shape \(2, 3\)"):
+        model.fit(torch.zeros(2, 3), y, class_weight={0: 1, 1: 3}, verbose=0)
+    assert model.module.b.tolist() == [0.0, 0.0]
