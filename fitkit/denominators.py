@@ -65,8 +65,6 @@ def _spread(w: torch.Tensor, like: torch.Tensor, what: str) -> torch.Tensor:
         return w
     if w.dim() == 1 and like.dim() >= 1 and w.shape[0] == like.shape[0]:
         return w.reshape(w.shape + (1,) * (like.dim() - 1))
-    if w.numel() == like.numel() and w.shape[0] == like.shape[0]:
-        return w.reshape(like.shape)  # (B, 1) weights for (B,) terms and the like
     raise ValueError(
         f"Expected `sample_weight` of shape ({like.shape[0]},) (one per sample) or {tuple(like.shape)} "
         f"(one per {what}). Received shape {tuple(w.shape)}. Fix: pass one weight per sample or per {what}."
@@ -155,12 +153,10 @@ def objective(loss: Any, y_pred: Any, y: Any, sample_weight: torch.Tensor | None
     per_sample = loss(y_pred, y, per_sample=True)
     w = sample_weight.to(per_sample.dtype)
     if w.shape != per_sample.shape:
-        if w.numel() != per_sample.numel():
-            raise ValueError(
-                f"Expected `sample_weight` of shape {tuple(per_sample.shape)} (one per sample). "
-                f"Received shape {tuple(w.shape)}. Fix: pass one weight per sample."
-            )
-        w = w.reshape(per_sample.shape)
+        raise ValueError(
+            f"Expected `sample_weight` of shape {tuple(per_sample.shape)} (one per sample). "
+            f"Received shape {tuple(w.shape)}. Fix: pass one weight per sample."
+        )
     return _safe_div((per_sample * w).sum(), w.sum())
 
 

@@ -303,6 +303,12 @@ def as_loader(
         x, y, w = _to_tensor(x), _to_tensor(y) if y is not None else None, None
         if sample_weight is not None:
             w = _sample_weight_tensor(sample_weight)
+            if w.dim() > 1 and not (isinstance(y, torch.Tensor) and w.shape == y.shape):
+                raise ValueError(
+                    "Expected `sample_weight` to be a 1-D array with one weight per sample, or shaped like y "
+                    f"({tuple(y.shape) if isinstance(y, torch.Tensor) else 'a tensor'}) for one weight per target "
+                    f"position. Received shape {tuple(w.shape)}. Fix: pass shape (N,)."
+                )
         source = TensorBatches(x, y, w, batch_size, shuffle)
         if cw is not None:
             if y is None:
