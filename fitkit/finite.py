@@ -5,12 +5,15 @@ a few MB at most, not a copy of the data (``torch.isfinite`` on a whole array al
 than the array itself). :func:`check_in_memory` decides what a non-finite value means:
 
 - in ``sample_weight``: always an error;
-- in ``x`` or ``y``: the rows that hold them are run through the module and the loss (in eval
+- in ``x`` or ``y`` of in-memory data: the rows that hold them are run through the module and the loss (in eval
   mode, changing nothing). A loss or module that handles them (a loss that masks missing
   labels, as multi-task benchmarks such as Tox21 need; a module that imputes its inputs) gives
   a finite loss and, when training, finite gradients: the data trains. A NaN loss or a NaN
   gradient (the ``torch.where`` pitfall: a masked forward whose backward still multiplies NaN
   by 0) is an error before step 1, naming the rows.
+
+Other sources are checked on their first batch (:func:`check_batch_loss`): non-finite values
+in it whose loss is not finite are an error before step 1.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from fitkit.compile import call
 from fitkit.data import device_batch
 from fitkit.modes import modes
 
-__all__ = ["scan", "check_in_memory"]
+__all__ = ["scan", "check_in_memory", "check_batch_loss"]
 
 _CHUNK = 1 << 18  # values per chunk: a 256 KB boolean mask at most
 
@@ -134,3 +137,28 @@ def _trial(model: Any, source: Any, rows: list[int], training: bool) -> str | No
                 "(a masked forward, such as torch.where, still multiplies NaN by 0 in the backward)"
             )
     return None
+
+
+def check_batch_loss(batch: tuple[Any, Any, Any], loss: Any, label: str = "first batch") -> None:
+    """Refuse a batch holding NaN / inf whose loss is not finite (``ValueError``; one sync).
+
+    A batch without non-finite values passes whatever its loss (a diverging model is
+    ``TerminateOnNaN``'s business), and so does one whose loss handles them.
+
+    Example:
+        >>> check_batch_loss((torch.tensor([[float("nan")]]), torch.zeros(1), None), torch.tensor(0.5))
+        >>> check_batch_loss((torch.tensor([[float("nan")]]), torch.zeros(1), None), torch.tensor(float("nan")))
+        Traceback (most recent call last):
+        ...
+        ValueError: The first batch's `x` holds 1 NaN or infinite values (first at row 0), and its loss is not ...
+    """
+    if not isinstance(loss, torch.Tensor) or bool(torch.isfinite(loss.detach()).all()):
+        return
+    for name, part in zip(("x", "y", "sample_weight"), batch, strict=False):
+        count, rows = _scan_part(part, 1) if part is not None else (0, [])
+        if count:
+            raise ValueError(
+                f"The {label}'s `{name}` holds {count} NaN or infinite values (first at row {rows[0]}), and its loss "
+                "is not finite, so it would reach the weights. Fix: clean or impute the data, or mask the "
+                "missing values in your loss (its backward too)."
+            )

@@ -21,7 +21,7 @@ from fitkit import nest
 from fitkit.checks import FitkitWarning
 from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
-from fitkit.finite import check_in_memory
+from fitkit.finite import check_batch_loss, check_in_memory
 from fitkit.modes import modes
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 
@@ -202,9 +202,10 @@ def first_batch_check(
                     # Before the loss: torch's own out-of-range error names no fix.
                     prepare(pred, y)  # dtype / shape errors; sets the class layout
                     check_class_range(model.loss, pred, y_all)
-                model.compute_loss(x, y, y_pred, w)
+                loss = model.compute_loss(x, y, y_pred, w)
             except Exception as e:
                 raise wrap("loss", batch, e, module, y_pred, label=label) from e
+            check_batch_loss(batch, loss, label)  # NaN in the batch that the loss does not handle
         target = targets_of(x, y)
         if model.metrics.entries is None and target is not None:
             pred = require_prediction(y_pred, "the compiled metrics")  # the rule's error names the fix

@@ -133,4 +133,16 @@ def test_the_finite_check_reads_the_data_in_chunks_and_copies_none_of_it(monkeyp
     model.compile(optimizer="sgd", loss="mse")
     model.evaluate(x, y.unsqueeze(1), batch_size=100_000, verbose=0)
     # Every mask is one chunk (2**18 values, a 256 KB mask), never one of the whole array.
-    assert sum(sizes) == 1_500_000 and max(sizes) <= finite._CHUNK
+    assert sum(s for s in sizes if s > 1) == 1_500_000 and max(sizes) <= finite._CHUNK
+
+
+def test_a_loader_whose_first_batch_holds_nan_trains_only_with_a_loss_that_handles_them():
+    x, y = _tox()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+    model = fitkit.Model(_zero_linear(), device="cpu")
+    model.compile(optimizer="sgd", loss="bce_with_logits")
+    with pytest.raises(ValueError, match=r"first training batch's `y` holds 3 NaN .*\(first at row 0\), and its loss"):
+        model.fit(loader, verbose=0)
+    assert model.module.bias.tolist() == [0.0, 0.0, 0.0]
+    model.compile(optimizer="sgd", loss=masked_bce)
+    assert model.fit(loader, verbose=0).history["loss"] == [pytest.approx(0.6931472, rel=1e-3)]
