@@ -244,11 +244,9 @@ def _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold
 
 # -- the model's state (the only code that reads private attributes) -----------------------------
 def _clone(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
     return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-
-
-# The stepper's per-step record that a sweep's steps overwrite (model.grad_norm, the LRs used).
-_STEPPER_FIELDS = ("grad_norm", "lrs_used", "micro_last", "micro_scale", "window_loss", "skip_requested")
 
 
 def _snapshot(model: Any) -> dict[str, Any]:
@@ -265,8 +263,8 @@ def _snapshot(model: Any) -> dict[str, Any]:
         "scheduler": model.scheduler,
         "scheduler_state": None if model.scheduler is None else copy.deepcopy(model.scheduler.state_dict()),
         "scaler": None if scaler is None else copy.deepcopy(scaler.state_dict()),
-        "global_step": model.global_step,
-        "stepper": {k: _clone(getattr(model._stepper, k)) for k in _STEPPER_FIELDS},
+        # The step count and the per-step record a sweep's steps overwrite (grad_norm, LRs used).
+        "stepper": _clone(model._stepper.state_dict(record=True)),
         "stop_training": model.stop_training,
         "rng": (
             random.getstate(), np.random.get_state(), torch.get_rng_state(),
@@ -300,9 +298,7 @@ def _restore(model: Any, snap: dict[str, Any]) -> None:
         model.scheduler.load_state_dict(snap["scheduler_state"])
     if snap["scaler"] is not None:
         model.grad_scaler.load_state_dict(snap["scaler"])
-    model._stepper.global_step = snap["global_step"]
-    for k, v in snap["stepper"].items():
-        setattr(model._stepper, k, v)
+    model._stepper.load_state_dict(snap["stepper"])
     model.stop_training = snap["stop_training"]
     py, np_state, torch_state, cuda = snap["rng"]
     random.setstate(py)

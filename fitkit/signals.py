@@ -7,6 +7,11 @@ is in the callbacks), runs ``on_train_end``, restores the modes, and ends the wa
 asks: ``SystemExit(128 + 15)`` for SIGTERM (status 143, as a killed process), and
 ``KeyboardInterrupt`` for SIGINT. A second signal while the first is handled acts at once.
 The previous handlers come back when ``fit`` returns.
+
+Under torchrun every rank must run the same steps, so a stop or a signal on one rank takes
+effect where the ranks agree (:class:`RankAgreement`): every ``AGREE_EVERY`` optimizer steps
+for a signal, after ``on_backward_end`` for a stop when a callback uses that hook (the
+stepper agrees there), and at every epoch end for both.
 """
 
 from __future__ import annotations
@@ -17,7 +22,12 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Interrupt", "deferred"]
+from fitkit.distributed.group import any_rank
+
+__all__ = ["Interrupt", "deferred", "RankAgreement", "AGREE_EVERY"]
+
+#: Under torchrun, the ranks agree on a SIGTERM / SIGINT every this many optimizer steps.
+AGREE_EVERY = 8
 
 
 class Interrupt:
@@ -69,3 +79,49 @@ def deferred(enabled: bool = True) -> Iterator[Interrupt]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+class RankAgreement:
+    """Where the ranks of a torchrun ``fit`` agree to stop (one process: at once, alone).
+
+    Args:
+        interrupt: the fit's :class:`Interrupt` (a signal to another rank is recorded in it
+            as a SIGTERM, so this rank stops and saves the same way).
+        distributed: whether the fit runs under torchrun (else every answer is local).
+
+    Example:
+        >>> agree = RankAgreement(Interrupt(), distributed=False)
+        >>> agree.at_step_boundary(), agree.at_epoch_end(stop_training=True)
+        (False, True)
+    """
+
+    def __init__(self, interrupt: Interrupt, distributed: bool):
+        self.interrupt, self.distributed = interrupt, distributed
+        self._since_agreed = 0  # optimizer steps since the ranks last agreed on a signal
+
+    def at_step_boundary(self) -> bool:
+        """Whether a SIGTERM / SIGINT stops training after this optimizer step.
+
+        Under torchrun the ranks agree every ``AGREE_EVERY`` optimizer steps (one tiny
+        all-reduce), so a signal to any rank stops all of them within that many steps, and at
+        the latest at the end of the epoch.
+        """
+        local = self.interrupt.signum is not None
+        if not self.distributed:
+            return local
+        self._since_agreed += 1
+        if self._since_agreed < AGREE_EVERY:
+            return False
+        self._since_agreed = 0
+        if any_rank(local) and not local:
+            self.interrupt.signum = signal.SIGTERM  # another rank was signalled: stop with it
+        return self.interrupt.signum is not None
+
+    def at_epoch_end(self, stop_training: bool) -> bool:
+        """Whether training stops after this epoch: any rank's stop (or signal) holds for all."""
+        if not self.distributed:
+            return stop_training
+        agreed: Any = any_rank(stop_training, self.interrupt.signum is not None)
+        if agreed[1] and self.interrupt.signum is None:
+            self.interrupt.signum = signal.SIGTERM  # another rank was signalled: stop with it
+        return bool(agreed[0])
