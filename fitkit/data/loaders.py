@@ -80,6 +80,7 @@ class _IterableBatches:
 
     def __init__(self, source: Iterable):
         self.source = source
+        self.resumed = False  # a StatefulDataLoader restored inside an epoch (fitkit.data.order)
 
     @property
     def num_batches(self) -> int | None:
@@ -97,6 +98,8 @@ class _IterableBatches:
                 if set_epoch is not None:
                     set_epoch(epoch)
         it = iter(self.source)
+        if self.resumed:  # it continues where its state_dict was taken: nothing to skip
+            self.resumed, skip = False, 0
         for _ in range(skip):
             next(it, None)
         return it
