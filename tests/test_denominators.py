@@ -167,3 +167,38 @@ def test_evaluate_with_every_weight_zero_is_an_error_and_an_epoch_a_warning():
     with pytest.warns(FitkitWarning, match="counted nothing.*logged as NaN"):
         h = model.fit(x, y, sample_weight=torch.zeros(3), verbose=0)
     assert math.isnan(h.history["loss"][0]) and model.module.b.item() == 0.0
+
+
+def _host_reads(fn) -> int:
+    """How many times ``fn`` reads a device value on the host (``.item()``, ``bool()``, ``.tolist()``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) in ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.unique.default"):
+                Count.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.reads
+
+
+@pytest.mark.parametrize("weights", [None, "rows", "tokens"])
+def test_token_denominators_read_nothing_back_per_step(weights):
+    def fit(rows: int) -> None:
+        y = Y.repeat(rows // 2, 1)
+        kw = {"rows": {"sample_weight": torch.rand(rows) + 0.5},
+              "tokens": {"sample_weight": torch.rand(rows, 4)}}.get(weights, {})  # fmt: skip
+        batches = [(X[:1].expand(2, 4), y[i : i + 2], *(
+            [kw["sample_weight"][i : i + 2]] if kw else [])) for i in range(0, rows, 2)]  # fmt: skip
+        model = fitkit.Model(BiasLM(), device="cpu")
+        model.compile(optimizer="sgd", loss="cross_entropy", gradient_accumulation_steps=2)
+        model.fit(batches, verbose=0)
+
+    # 4 more windows of 2 micro-batches add no host read: the counts stay on the device (the
+    # reads counted are the epoch's end and the first-batch checks).
+    base = _host_reads(lambda: fit(16))
+    assert base > 0 and _host_reads(lambda: fit(32)) == base
