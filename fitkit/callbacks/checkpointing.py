@@ -15,21 +15,22 @@ import glob
 import math
 import os
 import string
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from fitkit.callbacks.monitor import (
     StatefulCallback,
-    _check_mode,
-    _say,
     check_log_key,
     is_improvement,
     may_add_keys,
     monitor_value,
     resolve_mode,
 )
+from fitkit.callbacks.scoring import scored_weights
 from fitkit.checkpoint import is_rank_zero
-from fitkit.checks import check_int, check_number
+from fitkit.checks import check_every, check_int, check_mode, check_number
+from fitkit.distributed import say
 from fitkit.files import check_target, remove_stale_temps
 
 __all__ = ["ModelCheckpoint"]
@@ -55,15 +56,6 @@ def _glob_of(template: str) -> str:
     """The glob pattern of the paths a ``filepath`` template formats to: each field is ``*``."""
     parts = string.Formatter().parse(template)
     return "".join(glob.escape(text) + ("*" if field is not None else "") for text, field, _, _ in parts)
-
-
-def _check_save_freq(save_freq: Any) -> None:
-    if save_freq == "epoch":
-        return
-    if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
-        raise ValueError(
-            f"Expected `save_freq` to be 'epoch' or a positive int (batches). Received: save_freq={save_freq!r}."
-        )
 
 
 def _last_path(filepath: str, save_last: Any) -> str | None:
@@ -109,7 +101,8 @@ class ModelCheckpoint(StatefulCallback):
             until ``monitor`` is strictly better than it.
         every_n_epochs: decide only every n-th epoch, counted 1-based: epochs n, 2n, ...
             (Lightning's ``every_n_epochs``, Poutyne's ``period``); the others write nothing.
-            Only with ``save_freq="epoch"``.
+            0 writes no file of ``filepath`` at all, only ``save_last``'s, every epoch
+            (Lightning). Only with ``save_freq="epoch"``.
         save_last: also keep ``last.pt`` in the folder of ``filepath`` (or the path given as a
             string): the full training state (resumable, whatever ``save_weights_only`` says),
             replaced at every save event, i.e. every epoch (or ``save_freq`` batches) that
@@ -155,9 +148,9 @@ class ModelCheckpoint(StatefulCallback):
             raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
         self.filepath = check_target(filepath, "filepath", "ModelCheckpoint")
         self._fields = _field_names(self.filepath)
-        _check_mode(mode)
-        _check_save_freq(save_freq)
-        check_int("every_n_epochs", every_n_epochs, 1)
+        check_mode(mode)
+        check_every("save_freq", save_freq, "epoch", "batches")
+        check_int("every_n_epochs", every_n_epochs, 0)
         if every_n_epochs != 1 and save_freq != "epoch":
             raise ValueError(
                 f"`every_n_epochs` counts epochs, but save_freq={save_freq!r} saves every that many "
@@ -240,7 +233,8 @@ class ModelCheckpoint(StatefulCallback):
         """A ``val_`` monitor decided every n epochs needs a validation on one of those epochs."""
         scheduled = self.params.get("validation_epochs")
         epochs = self.params.get("epochs")
-        if not self.monitor.startswith("val_") or self.save_freq != "epoch" or not scheduled or epochs is None:
+        if not self.monitor.startswith("val_") or self.save_freq != "epoch" or not scheduled or epochs is None \
+                or not self.every_n_epochs:
             return
         if may_add_keys(self.model):
             return  # a callback of the user's may write the key on other epochs
@@ -254,7 +248,9 @@ class ModelCheckpoint(StatefulCallback):
             )
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0:
+        if self.save_freq == "epoch" and self.every_n_epochs == 0:
+            self._pending_last = epoch if self.last_path is not None else None  # no ranked file (Lightning)
+        elif self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0:
             self._decide(epoch, None, logs or {})
 
     def on_train_batch_end(self, batch, logs=None):
@@ -347,7 +343,7 @@ class ModelCheckpoint(StatefulCallback):
         if self._pending_last is not None:
             epoch, self._pending_last = self._pending_last, None
             self.model.save_checkpoint(self.last_path)  # after the ranked file, as Lightning does
-            _say(self.verbose, f"Epoch {epoch + 1}: saved {self.last_path}.")
+            say(self.verbose, f"Epoch {epoch + 1}: saved {self.last_path}.")
 
     def _write_ranked(self) -> None:
         if self._pending is None:
@@ -356,14 +352,15 @@ class ModelCheckpoint(StatefulCallback):
         self._pending = None
         # Every rank calls save (gathering FSDP shards is a collective); rank 0 writes. The
         # file first, then the eviction: a crash in between leaves k + 1 files, never k - 1.
-        if self.save_weights_only:
-            self.model.save_weights(path)
-        else:
-            self.model.save_checkpoint(path)
+        with scored_weights(self.model, self.monitor) if self._ranked else nullcontext():
+            if self.save_weights_only:
+                self.model.save_weights(path)
+            else:
+                self.model.save_checkpoint(path)
         if is_rank_zero():
             for p in evicted:
                 Path(p).unlink(missing_ok=True)
-        _say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
+        say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
 
     def _worst(self, kept: list[tuple[float, str]]) -> tuple[float, str]:
         pick = max if self._mode == "min" else min
