@@ -414,9 +414,8 @@ class Model:
             self._stepper.close()
         self._stepper = Stepper(
             opt, sched, scheduler_interval, precision, self.device, int(gradient_accumulation_steps),
-            clip_grad_norm, clip_grad_value, self._parallel,
+            clip_grad_norm, clip_grad_value, self._parallel, weigh=self._batch_denominator,
         )  # fmt: skip
-        self._stepper.weigh = self._batch_denominator  # each micro-batch's share of its window
         self._forward = _compile.Forward(self.module, self._wrap_for_training(), jit)
 
     def _require_compiled(self, verb: str) -> Stepper:

@@ -70,6 +70,8 @@ class Stepper:
         clip_grad_norm: max global 2-norm of the gradients, or ``None``.
         clip_grad_value: max absolute gradient element, or ``None``.
         parallel: the model's :class:`fitkit.distributed.Parallel` under torchrun, else ``None``.
+        weigh: ``batch -> the denominator of its mean loss`` (rows, weights or tokens; see
+            :mod:`fitkit.denominators`); default: rows, or the sum of sample weights.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class Stepper:
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         parallel: Any = None,
+        weigh: Any = None,
     ):
         self.optimizer, self.scheduler, self.interval = optimizer, scheduler, scheduler_interval
         self.precision = precision
@@ -102,7 +105,7 @@ class Stepper:
         self._before_step: Any = None
         self._stop_training: Any = None
         self.timm = is_timm_scheduler(scheduler)
-        self.weigh: Any = _batch_weight  # batch -> the denominator of its mean loss (set by the model)
+        self.weigh: Any = weigh or _batch_weight  # batch -> the denominator of its mean loss
         self._stepped = True
         # A fused / capturable optimizer applies the scaler's verdict on the device: its step()
         # always runs, so a skipped step cannot be told apart without a sync and counts.

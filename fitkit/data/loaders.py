@@ -82,6 +82,10 @@ class _IterableBatches:
         self.source = source
         self.resumed = False  # a StatefulDataLoader restored inside an epoch (fitkit.data.order)
 
+    def continue_own_position(self) -> None:
+        """The source restored its own position (a StatefulDataLoader): the next pass skips nothing."""
+        self.resumed = True
+
     @property
     def num_batches(self) -> int | None:
         try:

@@ -111,7 +111,7 @@ def restore(loader: Any, state: dict[str, Any] | None) -> bool:
                 f"{type(source).__name__}. Fix: resume with the same kind of loader."
             )
         source.load_state_dict(state["stateful"])  # type: ignore[attr-defined]
-        loader.batches.resumed = True  # it continues where it was: skip nothing
+        loader.batches.continue_own_position()  # it continues where it was: skip nothing
         return True
     gens, samplers = _generators(source), _stateful_samplers(source)
     if len(gens) != len(state["generators"]) or len(samplers) != len(state["samplers"]):
