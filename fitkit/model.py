@@ -38,6 +38,7 @@ from fitkit.callbacks.swap_ema import compiled_ema, with_compiled_ema
 from fitkit.checks import check_bool, check_int, check_number
 from fitkit.denominators import denominator, objective
 from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
+from fitkit.files.differences import check_state_dict_fits
 from fitkit.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
@@ -312,8 +313,9 @@ class Model:
             ``unexpected_keys``.
 
         Raises:
-            RuntimeError: keys that do not match (with ``strict=True``) or tensors of the
-                wrong shape.
+            RuntimeError: keys that do not match (with ``strict=True``), or tensors of another
+                shape or dtype; every difference is listed and nothing is loaded (with
+                ``strict=False`` the keys both hold must still fit).
 
         Example:
             >>> a, b = Model(nn.Linear(2, 1), device="cpu"), Model(nn.Linear(2, 1), device="cpu")
@@ -322,6 +324,7 @@ class Model:
         """
         if self._parallel is not None:
             return self._parallel.load_state_dict(self.module, state_dict, strict=strict)
+        check_state_dict_fits(self.module, state_dict, strict)  # all or nothing, as load_weights
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def _wrap_for_training(self) -> Any:
