@@ -63,7 +63,7 @@ class EvalLoop:
                     "least one sample; a generator is used up after one pass, so pass a re-iterable "
                     "such as a DataLoader or a list for validation in every epoch."
                 )
-            logs = self.totals.result()
+            logs = self.totals.result(self.what if self.what == "evaluate" else None)
             cbs.on_test_end(logs)
         model._phases.adopt(self.totals)
         return logs

@@ -3,9 +3,10 @@
 One :class:`Stepper` per compiled model. ``fit`` hands it the epoch's batches
 (:meth:`Stepper.micro_batches` groups them into accumulation windows and weights each
 micro-batch by its share of the window), ``train_step`` calls :meth:`Stepper.backward` and
-:meth:`Stepper.step`. Gradient accumulation is sample-exact: each micro-batch's loss is scaled
-by ``its samples / the window's samples`` (sample weights, if any), so a step equals one step on
-the whole window, a short last window included. Nothing here reads a device value on the host.
+:meth:`Stepper.step`. Gradient accumulation is exact: each micro-batch's mean loss is scaled by
+``its denominator / the window's`` (rows, sum of sample weights, or tokens that count: see
+:mod:`fitkit.denominators`), so a step equals one step on the whole window, a short last
+window included. Nothing here reads a device value on the host.
 
 A step can be skipped on the device, with no host read: the fp16 GradScaler's ``found_inf``
 and a callback's device-side veto (``model.skip_optimizer_step(when=flag)``, used by
@@ -58,6 +59,12 @@ def _batch_weight(batch: tuple[Any, Any, Any]) -> Any:
     return w.sum() if w is not None else nest.rows(y if y is not None else x)
 
 
+def _nonzero(total: Any) -> Any:
+    if isinstance(total, torch.Tensor):
+        return torch.where(total == 0, torch.ones_like(total), total)
+    return total or 1
+
+
 class Stepper:
     """Owns everything between ``loss`` and the next weights.
 
@@ -71,6 +78,8 @@ class Stepper:
         clip_grad_norm: max global 2-norm of the gradients, or ``None``.
         clip_grad_value: max absolute gradient element, or ``None``.
         parallel: the model's :class:`fitkit.distributed.Parallel` under torchrun, else ``None``.
+        weigh: ``batch -> the denominator of its mean loss`` (rows, weights or tokens; see
+            :mod:`fitkit.denominators`); default: rows, or the sum of sample weights.
     """
 
     def __init__(
@@ -84,6 +93,7 @@ class Stepper:
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         parallel: Any = None,
+        weigh: Any = None,
     ):
         self.optimizer, self.scheduler, self.interval = optimizer, scheduler, scheduler_interval
         self.precision = precision
@@ -106,6 +116,7 @@ class Stepper:
         self._before_step: Any = None
         self._stop_training: Any = None
         self.timm = is_timm_scheduler(scheduler)
+        self.weigh: Any = weigh or _batch_weight  # batch -> the denominator of its mean loss
         self._stepped = True
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
         # it ran, so a skipped step does not advance the scheduler (no extra host sync).
@@ -162,10 +173,11 @@ class Stepper:
             group = list(itertools.islice(batches, k))
             if not group:
                 return
-            sizes = [_batch_weight(b) for b in group]
+            sizes = [self.weigh(b) for b in group]
             # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
             # each rank's share makes DDP's gradient average the exact global mean.
-            total = sum(sizes) if self.parallel is None else _distributed.global_share(sizes)
+            # A window whose denominator is 0 (all weights 0, every token ignored) adds nothing.
+            total = _nonzero(sum(sizes)) if self.parallel is None else _distributed.global_share(sizes)
             for i, batch in enumerate(group):
                 self.micro_scale = sizes[i] / total
                 self.micro_last = i == len(group) - 1
@@ -242,6 +254,11 @@ class Stepper:
 
     def step(self, module: nn.Module) -> bool:
         """The optimizer step at the end of a window; returns whether the weights changed.
+
+        A step the fp16 GradScaler skips (inf / NaN gradients) is no step: ``global_step``, the
+        per-step scheduler and everything keyed on ``global_step`` (EMA, loggers, checkpoints)
+        stay where they are. (A fused optimizer's step applies the skip on the device and
+        counts; reading its verdict would sync.)
 
         The running fit's before-step hook (see :meth:`fitting`) runs after the gradients are
         unscaled and before clipping (the ``on_backward_end`` hook); it may call :meth:`skip`

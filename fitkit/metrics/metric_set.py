@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from fitkit.losses import resolve_loss
@@ -284,7 +285,7 @@ class MetricSet:
             y: the targets, ``(B, ...)``.
 
         Raises:
-            TypeError: a metric callable that does not return a tensor.
+            TypeError: a metric callable that returns neither a tensor nor a number.
             ValueError: a metric callable whose result is neither 0-dim nor ``(B, ...)``.
         """
         if self.entries is None:
@@ -301,9 +302,7 @@ class MetricSet:
         prepared: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
         for e in self.entries:
             if e.kind == "callable":
-                out = e.fn(given_pred, given_y)
-                if not isinstance(out, torch.Tensor):
-                    raise TypeError(f"Metric '{e.key}' must return a tensor. Received {type(out).__name__}.")
+                out = _metric_value(e.key, e.fn(given_pred, given_y))
                 e.metric.update(out, int(given_y.shape[0]))
             elif e.kind in ("raw", "stat_scores"):
                 # (B, 1) predictions meet (B,) targets as they do in the loss (no broadcast).
@@ -376,3 +375,18 @@ class MetricSet:
         self.device = torch.device(device)
         for e in self.entries or []:
             e.metric.to(self.device)
+
+
+def _metric_value(key: str, out: Any) -> Any:
+    """A callable metric's result: a tensor, or a Python / NumPy number taken as the batch mean.
+
+    Keras averages plain numbers over the batches (weighted by their sizes), and so does fitkit.
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (int, float, np.number)):  # bool is an int: 0 or 1, as Keras reads it
+        return torch.tensor(float(out), dtype=torch.float64)
+    raise TypeError(
+        f"Metric '{key}' must return a tensor or a number. Received {type(out).__name__}. "
+        "Fix: return a 0-dim tensor (the batch mean), one value per sample, or a float."
+    )
