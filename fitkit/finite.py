@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fitkit import nest
-from fitkit.compile import call
+from fitkit.forward import call
 from fitkit.data import device_batch
 from fitkit.modes import modes
 

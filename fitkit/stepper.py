@@ -257,8 +257,8 @@ class Stepper:
 
         A step the fp16 GradScaler skips (inf / NaN gradients) is no step: ``global_step``, the
         per-step scheduler and everything keyed on ``global_step`` (EMA, loggers, checkpoints)
-        stay where they are. (A fused optimizer's step applies the skip on the device and
-        counts; reading its verdict would sync.)
+        stay where they are. (A fused optimizer's step applies the skip on the device; the
+        skip is counted there and subtracted when ``global_step`` is read.)
 
         The running fit's before-step hook (see :meth:`fitting`) runs after the gradients are
         unscaled and before clipping (the ``on_backward_end`` hook); it may call :meth:`skip`
