@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fitkit
 
-__all__ = ["SyncCounter", "StepMarks", "Event", "count_syncs"]
+__all__ = ["SyncCounter", "StepMarks", "CountSteps", "Event", "count_syncs"]
 
 #: aten ops that read a device value on the host, or whose output size depends on the data.
 SYNC_OPS = (
@@ -167,6 +167,11 @@ class SyncCounter:
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
 
+    @property
+    def count(self) -> int:
+        """Every host read seen, wherever it fell."""
+        return len(self.events)
+
     # -- the counts ----------------------------------------------------------------------------
     def steady(self, kind: str = "train") -> dict[tuple[Any, ...], list[Event]]:
         """``{(kind, pass, batch): events}`` of every steady-state step of ``kind`` (log points
@@ -248,3 +253,22 @@ def count_syncs(run: Any) -> SyncCounter:
     with counter:
         run(marks)
     return counter
+
+
+class CountSteps(fitkit.callbacks.Callback):
+    """Counts host reads from the batch end of optimizer step ``start`` to that of step ``stop``
+    (``count``, once ``stop`` is reached): a quick check for one callback's per-step cost."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        super().__init__()
+        self.start, self.stop = start, stop
+        self.counter: SyncCounter | None = None
+        self.count: int | None = None
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        step = self.model.global_step
+        if step == self.start:
+            self.counter = SyncCounter().__enter__()
+        elif step == self.stop and self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.count, self.counter = self.counter.count, None
