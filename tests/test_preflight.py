@@ -1,15 +1,204 @@
-"""The first-batch check: a dict batch whose keys do not fit ``forward``."""
+"""Batches the run did not plan for: a one-row batch under BatchNorm, a resume with another batch size."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 import fitkit
+from fitkit.callbacks import BackupAndRestore, LambdaCallback
 
 
+def _bn_model() -> fitkit.Model:
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _fit_recording(model: fitkit.Model, *args, **kwargs) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(*args, verbose=0, **kwargs)
+    return [str(w.message) for w in caught]
+
+
+# -- a one-row training batch under BatchNorm --------------------------------------------------------
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_in_memory_one_row_tail_is_dropped_with_one_warning_per_fit(shuffle):
+    x, y = torch.randn(65, 3), torch.randn(65, 1)
+    model = _bn_model()
+    w0 = model.module[0].weight.detach().clone()
+    messages = _fit_recording(model, x, y, batch_size=64, epochs=3, shuffle=shuffle)
+    assert messages == [
+        "65 training samples with batch_size=64 leave a last batch of one row, which BatchNorm cannot train on; "
+        "that row is left out of each epoch. Fix: choose a batch_size that does not leave one sample over."
+    ]
+    assert model.global_step == 3  # one batch of 64 per epoch; no crash in epoch 1
+    assert not torch.equal(model.module[0].weight, w0)
+    assert model.history.params["steps"] == 1
+
+
+def test_in_memory_one_row_tail_is_kept_without_batchnorm_or_with_frozen_batchnorm():
+    x, y = torch.randn(65, 3), torch.randn(65, 1)
+    model = _bn_model()
+    model.module[1].eval()  # frozen statistics: one row is fine
+    messages = _fit_recording(model, x, y, batch_size=64, epochs=1)
+    assert model.global_step == 2 and not any("one row" in m for m in messages)
+
+
+def test_validation_with_a_one_row_tail_is_not_touched():
+    x, y = torch.randn(64, 3), torch.randn(64, 1)
+    model = _bn_model()
+    messages = _fit_recording(model, x, y, batch_size=32, epochs=1, validation_data=(x[:33], y[:33]))
+    assert model.global_step == 2 and messages == []  # validation runs in eval mode
+
+
+@pytest.mark.parametrize("source", ["dataloader", "list"])
+def test_an_iterable_one_row_batch_is_skipped_with_one_warning(source):
+    x, y = torch.randn(65, 3), torch.randn(65, 1)
+    batches = [(x[:64], y[:64]), (x[64:], y[64:])]
+    data = DataLoader(TensorDataset(x, y), batch_size=64) if source == "dataloader" else batches
+    model = _bn_model()
+    w0 = model.module[0].weight.detach().clone()
+    messages = _fit_recording(model, data, epochs=3)
+    assert messages == [
+        "Batch 1 of epoch 1 has one row, which BatchNorm cannot train on; it is skipped, as is every later "
+        "one-row training batch of this fit. Fix: use `drop_last=True` in the DataLoader, or a batch size that "
+        "leaves no single row."
+    ]
+    assert model.global_step == 3 and not torch.equal(model.module[0].weight, w0)
+
+
+@pytest.mark.parametrize("n, batch_size", [(5, 1), (1, 4)])
+def test_in_memory_batches_of_one_row_each_are_an_error_before_step_1(n, batch_size):
+    model = _bn_model()
+    before = [t.clone() for t in model.module.state_dict().values()]
+    with pytest.raises(ValueError, match=rf"every training batch here has one row \({n} samples, "
+                       rf"batch_size={batch_size}\)\. Fix: use batch_size >= 2"):  # fmt: skip
+        model.fit(torch.randn(n, 3), torch.randn(n, 1), batch_size=batch_size, epochs=2, verbose=0)
+    assert model.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.module.state_dict().values(), strict=True))
+
+
+def test_an_iterable_of_one_row_batches_is_an_error_not_an_empty_epoch():
+    model = _bn_model()
+    data = DataLoader(TensorDataset(torch.randn(3, 3), torch.randn(3, 1)), batch_size=1)
+    before = [t.clone() for t in model.module.state_dict().values()]
+    with pytest.warns(UserWarning, match="Batch 0 of epoch 1 has one row"):
+        with pytest.raises(ValueError, match=r"Every training batch of epoch 1 \(3\) had one row.*Fix: use batches"):
+            model.fit(data, epochs=2, verbose=0)
+    assert model.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.module.state_dict().values(), strict=True))
+
+
+# -- resuming a mid-epoch backup with another batch size -------------------------------------------
+class _Recorder(nn.Module):
+    """``Linear(1, 1)`` that records the row ids (its input) of every training forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 1)
+        self.seen: list[list[int]] = []
+
+    def forward(self, x):
+        if self.training:
+            self.seen.append(x[:, 0].long().tolist())
+        return self.lin(x)
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crash_before(batch_index: int) -> LambdaCallback:
+    # At the start of batch 3 the backup of batch 2 is written: the crash comes "at the end of batch 2".
+    def crash(batch, logs):
+        if batch == batch_index:
+            raise _Crash
+
+    return LambdaCallback(on_train_batch_begin=crash)
+
+
+def _recorder_model() -> fitkit.Model:
+    torch.manual_seed(0)
+    model = fitkit.Model(_Recorder(), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+ROWS = torch.arange(40.0).unsqueeze(1)  # each row's input is its index
+TARGETS = torch.zeros(40, 1)
+
+
+def _crashed_run(folder, data=None, seed=None, **kwargs) -> list[list[int]]:
+    model = _recorder_model()
+    if seed is not None:
+        torch.manual_seed(seed)
+    with pytest.raises(_Crash):
+        args = (ROWS, TARGETS) if data is None else (data,)
+        model.fit(*args, epochs=2, verbose=0, callbacks=[BackupAndRestore(folder, save_freq=1), _crash_before(3)],
+                  **kwargs)  # fmt: skip
+    state = torch.load(folder / "backup.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"], state["samples_in_epoch"], state["batch_size"]) == (0, 3, 12, 4)
+    return model.module.seen
+
+
+def test_in_memory_resume_with_another_batch_size_starts_at_the_first_untrained_row(tmp_path):
+    first = _crashed_run(tmp_path, batch_size=4, shuffle=False)
+    assert first == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    model = _recorder_model()
+    batch_ids = []
+    cb = LambdaCallback(on_train_batch_begin=lambda batch, logs: batch_ids.append((model.epoch, batch)))
+    callbacks = [BackupAndRestore(tmp_path, save_freq=1), cb]
+    model.fit(ROWS, TARGETS, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    epoch0 = [list(range(i, min(i + 8, 40))) for i in range(12, 40, 8)]  # rows 12-39, in batches of 8
+    assert model.module.seen == epoch0 + [list(range(i, i + 8)) for i in range(0, 40, 8)]
+    assert sorted(r for b in first + epoch0 for r in b) == list(range(40))  # each row once in epoch 0
+    assert model.global_step == 3 + 4 + 5
+    # Batches counted in this fit's size: 12 rows done are 1 batch of 8, so the rest are 1..4 of 5.
+    assert batch_ids == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4)]
+    assert not tmp_path.joinpath("backup.pt").exists()
+
+
+def test_in_memory_resume_with_another_batch_size_replays_the_shuffled_order(tmp_path):
+    reference = _recorder_model()
+    torch.manual_seed(5)
+    reference.fit(ROWS, TARGETS, batch_size=4, epochs=1, shuffle=True, verbose=0)
+    order = [r for b in reference.module.seen for r in b]  # epoch 0's permutation
+    assert sorted(order) == list(range(40)) and order != list(range(40))
+    first = _crashed_run(tmp_path, seed=5, batch_size=4, shuffle=True)
+    assert first == [order[0:4], order[4:8], order[8:12]]
+    model = _recorder_model()
+    torch.manual_seed(99)  # the backup's RNG states replace this one
+    model.fit(ROWS, TARGETS, batch_size=8, epochs=1, shuffle=True, verbose=0,
+              callbacks=[BackupAndRestore(tmp_path, save_freq=1)])  # fmt: skip
+    assert model.module.seen == [order[12:20], order[20:28], order[28:36], order[36:40]]
+
+
+def test_a_dataloader_resumed_with_another_batch_size_names_both_sizes(tmp_path):
+    def loader(batch_size):
+        return DataLoader(TensorDataset(ROWS, TARGETS), batch_size=batch_size)
+
+    _crashed_run(tmp_path, data=loader(4))
+    model = _recorder_model()
+    saved = torch.load(tmp_path / "backup.pt", weights_only=True)["module"]
+    with pytest.raises(ValueError, match=r"inside epoch 1 with batch_size=4, but this fit uses batch_size=8.*"
+                       r"Fix: resume with batch_size=4, or pass in-memory data"):  # fmt: skip
+        model.fit(loader(8), epochs=2, verbose=0, callbacks=[BackupAndRestore(tmp_path, save_freq=1)])
+    assert model.module.seen == [] and model.global_step == 3  # no step; the backup's state only
+    assert all(torch.equal(v, model.module.state_dict()[k]) for k, v in saved.items())
+    assert tmp_path.joinpath("backup.pt").exists()  # kept for the right re-run:
+    model = _recorder_model()
+    model.fit(loader(4), epochs=1, verbose=0, callbacks=[BackupAndRestore(tmp_path, save_freq=1)])
+    assert model.module.seen == [list(range(i, i + 4)) for i in range(12, 40, 4)]
+
+
+# -- a dict batch whose keys do not fit forward ---------------------------------------------------
 class TokenNet(nn.Module):
     def __init__(self):
         super().__init__()

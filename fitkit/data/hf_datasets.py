@@ -19,9 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
 
-__all__ = ["is_hf_dataset", "check_hf_dataset", "collate_rows"]
+__all__ = ["is_hf_dataset", "check_hf_dataset", "padding_error"]
 
 _PAD_FIX = (
     "Fix: pad each batch with a collator, e.g. DataLoader(dataset, batch_size=32, shuffle=True, "
@@ -55,24 +54,23 @@ def check_hf_dataset(x: Any, name: str = "x") -> None:
         )
 
 
-def collate_rows(rows: list[Any]) -> Any:
-    """``torch``'s ``default_collate``, with the fix named when rows of different lengths meet.
+def padding_error(rows: list[Any]) -> ValueError | None:
+    """The error for dict rows whose tensors differ in length (token ids), naming the collators.
+
+    ``None`` when the rows are not dicts of tensors of different lengths (the caller's own
+    error applies). :class:`fitkit.data.collate.NamingCollate` raises it.
 
     Example:
-        >>> collate_rows([{"ids": torch.tensor([1, 2])}, {"ids": torch.tensor([3, 4])}])["ids"]
-        tensor([[1, 2],
-                [3, 4]])
+        >>> print(padding_error([{"ids": torch.tensor([1, 2])}, {"ids": torch.tensor([3])}]).args[0][:80])
+        Rows of different lengths cannot be stacked into a batch: 'ids' has lengths [1, 2]
     """
-    try:
-        return default_collate(rows)
-    except RuntimeError as e:
-        lengths = _lengths(rows)
-        if not lengths:
-            raise
-        raise ValueError(
-            f"Rows of different lengths cannot be stacked into a batch: {lengths}. fitkit does not pad "
-            f"(the pad id and the label padding are the tokenizer's and collator's to choose). {_PAD_FIX}"
-        ) from e
+    lengths = _lengths(rows)
+    if not lengths:
+        return None
+    return ValueError(
+        f"Rows of different lengths cannot be stacked into a batch: {lengths}. fitkit does not pad "
+        f"(the pad id and the label padding are the tokenizer's and collator's to choose). {_PAD_FIX}"
+    )
 
 
 def _lengths(rows: list[Any]) -> str:
