@@ -43,7 +43,7 @@ CASES = [
      lambda m: _model(compile=False).evaluate(X, Y, verbose=0)),
     ("unknown-optimizer", ValueError, r"Unknown optimizer 'adamm'\. Valid names: adam, adamw, sgd, rmsprop",
      lambda m: m.compile("adamm", "mse")),
-    ("unknown-loss", ValueError, 
+    ("unknown-loss", ValueError,
      r"Unknown loss 'crossentropy'\. Did you mean 'cross_entropy'\? Valid names: mse, .*cross_entropy, nll",
      lambda m: m.compile("adam", "crossentropy")),
     ("unknown-metric", ValueError, r"Unknown metric 'f2'\. Valid names: accuracy, precision, recall, f1",

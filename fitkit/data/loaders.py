@@ -296,6 +296,14 @@ def device_batch(
     return next(iter(DeviceLoader([(x, y, sample_weight)], device, cw)))
 
 
+def _map_style(x: Any) -> bool:
+    """A map-style torch ``Dataset``, or a Hugging Face ``datasets.Dataset`` (checked: torch format)."""
+    if is_hf_dataset(x):  # indexable with a length, though not a torch Dataset
+        check_hf_dataset(x)
+        return True
+    return _is_map_dataset(x)
+
+
 def as_loader(
     x: Any,
     y: Any = None,
@@ -368,15 +376,13 @@ def as_loader(
             f"`y` must be None when `x` is a {type(x).__name__}: the targets come from its "
             "batches. Fix: have it yield `(x, y)` batches and drop `y=`."
         )
-    hf = is_hf_dataset(x)  # a datasets.Dataset: map-style, though not a torch Dataset
-    if hf:
-        check_hf_dataset(x)
-    if isinstance(x, (str, bytes)) or not isinstance(x, Iterable) and not _is_map_dataset(x):
+    map_style = _map_style(x)
+    if isinstance(x, (str, bytes)) or not isinstance(x, Iterable) and not map_style:
         raise TypeError(
             "Expected `x` to be tensors, numpy arrays (or tuples / lists / dicts of them), a "
             f"Dataset, a DataLoader or an iterable of batches. Received: {type(x).__name__}."
         )
-    if _is_map_dataset(x) or hf:
+    if map_style:
         if sample_weight is not None:
             w = _sample_weight_tensor(sample_weight)
             if len(w) != len(x):
