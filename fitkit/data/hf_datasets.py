@@ -61,7 +61,7 @@ def padding_error(rows: list[Any]) -> ValueError | None:
     error applies). :class:`fitkit.data.collate.NamingCollate` raises it.
 
     Example:
-        >>> print(padding_error([{"ids": torch.tensor([1, 2])}, {"ids": torch.tensor([3])}]).args[0][:80])
+        >>> print(padding_error([{"ids": torch.tensor([1, 2])}, {"ids": torch.tensor([3])}]).args[0].split(". ")[0])
         Rows of different lengths cannot be stacked into a batch: 'ids' has lengths [1, 2]
     """
     lengths = _lengths(rows)
