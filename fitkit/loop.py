@@ -14,6 +14,7 @@ at the epoch end :meth:`EvalLoop.run` (validation) -> ``CallbackList.on_epoch_en
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any
 
@@ -110,15 +111,16 @@ class FitLoop:
         validation: the validation :class:`~fitkit.data.DeviceLoader`, or ``None``.
         schedule: the epochs that validate (:class:`ValidationSchedule`).
         validation_steps: batches per validation (``None``: all).
+        max_steps: stop once ``global_step`` reaches it (:mod:`fitkit.budget`), or ``None``.
     """
 
-    def __init__(self, model: Any, train: Any, callbacks: CallbackList, *, initial_epoch: int, epochs: int,
+    def __init__(self, model: Any, train: Any, callbacks: CallbackList, *, initial_epoch: int, epochs: int | None,
                  validation: Any = None, schedule: ValidationSchedule | None = None,
-                 validation_steps: int | None = None):  # fmt: skip
+                 validation_steps: int | None = None, max_steps: int | None = None):  # fmt: skip
         self.model, self.train, self.callbacks = model, train, callbacks
         self.val, self.val_schedule, self.val_steps = validation, schedule, validation_steps
         self.history: Any = next(cb for cb in callbacks.callbacks if type(cb).__name__ == "History")
-        self.start_epoch, self.epochs = initial_epoch, epochs
+        self.start_epoch, self.epochs, self.max_steps = initial_epoch, epochs, max_steps
         batches = getattr(train, "batches", None)
         self.position = Position(initial_epoch, batch_size=getattr(train, "batch_size", None),
                                  world=getattr(batches, "world", 1),
@@ -161,7 +163,10 @@ class FitLoop:
                 model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
                 cbs.on_train_begin({})
                 self._take_resume(pending)
-                for epoch in range(self.start_epoch, self.epochs):
+                for epoch in itertools.count(self.start_epoch) if self.epochs is None else \
+                        range(self.start_epoch, self.epochs):  # fmt: skip
+                    if self._budget_spent():
+                        break
                     epoch_logs = self.run_epoch(epoch)
                     if epoch_logs is None:  # no batch, or a signal: no partial epoch for callbacks
                         break
@@ -170,7 +175,7 @@ class FitLoop:
                     stepper.step_epoch(epoch, logs, self.validated)
                     self.position.end_epoch(epoch)
                     cbs.on_epoch_end(epoch, logs)
-                    if self._stop_now(epoch_end=True) or self.interrupt.signum is not None:
+                    if self._stop_now(epoch_end=True) or self.interrupt.signum is not None or self._budget_spent():
                         break
                 if self.interrupt.signum is not None and not self.interrupted:
                     self.interrupted = True
@@ -216,6 +221,7 @@ class FitLoop:
         guard, agreement, interrupt = self.guard, self.agreement, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first
         local = model._parallel is None  # one process: stops and signals need no agreement
+        budget = self.max_steps
         position.enter()
         ran, skipped = False, 0
         with phases.running(totals):
@@ -236,6 +242,8 @@ class FitLoop:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
                 if model.stop_training if local else self._stop_now():
                     break
+                if budget is not None and stepper.micro_last and stepper.global_step >= budget:
+                    break  # the step budget (a host-side count): the epoch ends here
                 if stepper.micro_last and (not local or interrupt.signum is not None) and agreement.at_step_boundary():
                     self.interrupted = True
                     cbs.save_on_interrupt()  # at this step boundary, inside the epoch
@@ -278,6 +286,10 @@ class FitLoop:
         )
 
     # -- stopping ----------------------------------------------------------------------------------
+    def _budget_spent(self) -> bool:
+        """``max_steps`` optimizer steps are done (a resumed fit counts the checkpoint's)."""
+        return self.max_steps is not None and self.model._stepper.global_step >= self.max_steps
+
     def _stop_now(self, epoch_end: bool = False) -> bool:
         """Whether training stops here (``model.stop_training``; agreed over ranks under torchrun,
         see :class:`~fitkit.signals.RankAgreement`)."""

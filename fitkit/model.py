@@ -33,6 +33,7 @@ from fitkit import compile as _compile
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit import nest, planning
+from fitkit.budget import PlannedScheduler
 from fitkit.callbacks.base import Callback, History
 from fitkit.checks import check_int, check_number
 from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
@@ -40,7 +41,7 @@ from fitkit.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
 from fitkit.modes import modes
-from fitkit.optim import resolve_optimizer, resolve_scheduler
+from fitkit.optim import build_planned, resolve_optimizer, resolve_scheduler
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 from fitkit.preflight import cast_to_module
 from fitkit.stepper import Stepper
@@ -351,7 +352,10 @@ class Model:
                 outputs and as many losses, one weight per loss (``loss`` is then a list or dict
                 like the outputs).
             scheduler: a ``torch.optim.lr_scheduler`` object, a timm scheduler, or a factory
-                ``optimizer -> scheduler``. A timm scheduler gets ``step_update(num_updates)``
+                ``optimizer -> scheduler``. A factory with a ``total_steps`` (or
+                ``num_training_steps``) parameter is built at the start of the first ``fit``
+                with the optimizer steps that fit plans (``max_steps``, else ``epochs`` times the
+                steps per epoch; see :mod:`fitkit.budget`). A timm scheduler gets ``step_update(num_updates)``
                 after each optimizer step and ``step(epoch + 1, metric)`` after each epoch
                 (``metric``: ``val_loss``, else ``loss``), as timm's ``train.py`` calls them.
             scheduler_interval: ``"epoch"`` or ``"step"`` (per optimizer step).
@@ -386,6 +390,7 @@ class Model:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
         opt = resolve_optimizer(optimizer, self.module, self.device)
         sched = resolve_scheduler(scheduler, opt, scheduler_interval)
+        planned, sched = (sched, None) if isinstance(sched, PlannedScheduler) else (None, sched)
         self.loss = loss_fn
         self._phases.configure(metric_set.configure(loss_fn, self.device))
         if self._stepper is not None:
@@ -394,6 +399,7 @@ class Model:
             opt, sched, scheduler_interval, precision, self.device, int(gradient_accumulation_steps),
             clip_grad_norm, clip_grad_value, self._parallel,
         )  # fmt: skip
+        self._stepper.planned = planned
         self._forward = _compile.Forward(self.module, self._wrap_for_training(), jit)
 
     def _require_compiled(self, verb: str) -> Stepper:
@@ -411,7 +417,7 @@ class Model:
         y: Any = None,
         *,
         batch_size: int | None = 32,
-        epochs: int = 1,
+        epochs: int | None = None,
         verbose: int | str = "auto",
         callbacks: list[Callback] | None = None,
         validation_split: float = 0.0,
@@ -424,6 +430,7 @@ class Model:
         validation_steps: int | None = None,
         validation_batch_size: int | None = None,
         validation_freq: int | list[int] = 1,
+        max_steps: int | None = None,
     ) -> History:
         """Train for ``range(initial_epoch, epochs)`` and return the :class:`~fitkit.History`.
 
@@ -442,7 +449,8 @@ class Model:
             y: targets ``(N, ...)`` for in-memory ``x``; ``None`` for the other kinds.
             batch_size: samples per batch (in-memory ``x`` and Datasets); per process under
                 torchrun.
-            epochs: index of the last epoch (not a count; see above).
+            epochs: index of the last epoch (not a count; see above). ``None`` (the
+                default): 1, or unbounded when ``max_steps`` is given (Lightning's rule).
             verbose: 0 silent, 1 progress bar, 2 one line per epoch, ``"auto"``: 1 on a
                 terminal or notebook, else 2.
             callbacks: :class:`~fitkit.callbacks.Callback` objects, called in list order
@@ -463,6 +471,13 @@ class Model:
             validation_steps: batches per validation.
             validation_batch_size: default ``batch_size``.
             validation_freq: validate every n epochs, or at the listed (1-based) epochs.
+            max_steps: stop once ``model.global_step`` (optimizer steps, one per accumulation
+                window, counted over every fit of the model and resumed from a checkpoint)
+                reaches this, whichever of ``epochs`` and ``max_steps`` comes first (Lightning's
+                and Transformers' ``max_steps``). A window is never cut; the epoch the budget
+                cuts still ends with its logs, validation, ``on_epoch_end`` and ``History``
+                entry. Callbacks find it in ``params["max_steps"]``, and the planned optimizer
+                steps in ``params["total_steps"]`` (see :mod:`fitkit.budget`).
 
         Returns:
             The :class:`~fitkit.History`: ``history.history[key]`` is a list of floats per
@@ -484,6 +499,11 @@ class Model:
             ...                     batch_size=5, verbose=0)
             >>> history.epoch, sorted(history.history)
             ([0, 1, 2], ['learning_rate', 'loss'])
+            >>> # a step budget: 3 optimizer steps more (2 per epoch), the second epoch cut after 1
+            >>> model.fit(torch.zeros(10, 2), torch.ones(10, 1), batch_size=5, max_steps=9, verbose=0).epoch
+            [0, 1]
+            >>> model.global_step
+            9
         """
         self._require_compiled("fit")
         plan = planning.plan_fit(
@@ -491,14 +511,15 @@ class Model:
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq, max_steps=max_steps,
         )  # fmt: skip
         self._keep_example(plan.example)
+        build_planned(self._stepper, plan.total_steps)
         self.history = History()
-        cbs = planning.callback_list(self, plan.callbacks, plan.verbose, epochs, plan.train.num_batches,
+        cbs = planning.callback_list(self, plan.callbacks, plan.verbose, plan.shown_epochs, plan.train.num_batches,
                                      self.history, **plan.params)  # fmt: skip
-        loop = FitLoop(self, plan.train, cbs, initial_epoch=initial_epoch, epochs=epochs, validation=plan.val,
-                       schedule=plan.schedule, validation_steps=validation_steps)  # fmt: skip
+        loop = FitLoop(self, plan.train, cbs, initial_epoch=initial_epoch, epochs=plan.epochs, validation=plan.val,
+                       schedule=plan.schedule, validation_steps=validation_steps, max_steps=max_steps)  # fmt: skip
         del plan, cbs  # the loop holds the call's data and callbacks; it lets go when it ends
         outer, self._fit = self._fit, loop
         try:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
+from fitkit.budget import planned_scheduler
 from fitkit.stepper import is_timm_scheduler
 
 __all__ = ["OPTIMIZERS", "resolve_optimizer", "resolve_scheduler", "current_lr"]
@@ -116,6 +117,9 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
             timm scheduler (anything with timm's ``step(epoch, metric=None)`` and
             ``step_update(num_updates, metric=None)``, such as ``CosineLRScheduler``), or a
             factory ``optimizer -> scheduler`` of either kind (a class counts as a factory).
+            A factory with a ``total_steps`` (or ``num_training_steps``) parameter comes back
+            as a :class:`~fitkit.budget.PlannedScheduler`, built at the start of the first
+            ``fit`` with the number of optimizer steps that fit plans.
         optimizer: the compiled optimizer.
         interval: ``"epoch"`` or ``"step"`` (one step per optimizer step).
 
@@ -135,6 +139,9 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
         )
     if scheduler is None:
         return None
+    planned = planned_scheduler(scheduler)
+    if planned is not None:  # built at the first fit, with the planned step count
+        return planned
     if is_timm_scheduler(scheduler):  # timm's protocol: step(epoch, metric) and step_update(num_updates)
         if getattr(scheduler, "optimizer", optimizer) is not optimizer:
             raise ValueError(
@@ -159,6 +166,19 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
             "such as `lambda opt: StepLR(opt, 10)`, or build it on `model.optimizer` after compile."
         )
     return scheduler
+
+
+def build_planned(stepper: Any, total: int | None) -> None:
+    """Build a :class:`~fitkit.budget.PlannedScheduler` with ``total`` optimizer steps (the
+    start of the first ``fit``), and load the state a checkpoint left for it, if any."""
+    planned = stepper.planned
+    if planned is None or total is None:
+        return
+    sched = resolve_scheduler(planned.build(stepper.optimizer, total), stepper.optimizer, stepper.interval)
+    if planned.state is not None and sched is not None:
+        sched.load_state_dict(planned.state)
+    stepper.set_scheduler(sched)
+    stepper.planned = None
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float | torch.Tensor:

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from fitkit import budget as _budget
 from fitkit import checkpoint as _checkpoint
 from fitkit import data as _data
 from fitkit import distributed as _distributed
@@ -48,19 +49,24 @@ class FitPlan:
     """What :func:`plan_fit` learned: the loaders, the schedule, the callbacks' params."""
 
     def __init__(self, train: Any, val: Any, schedule: ValidationSchedule, verbose: int, callbacks: list[Callback],
-                 params: dict[str, Any], example: Any):  # fmt: skip
+                 params: dict[str, Any], example: Any, epochs: int | None = None,
+                 total_steps: int | None = None):  # fmt: skip
         self.train, self.val, self.schedule = train, val, schedule
         self.verbose, self.callbacks, self.params = verbose, callbacks, params
         self.example = example  # the last first batch checked (summary's input), or None
+        self.epochs = epochs  # the last-epoch bound (None: unbounded, the step budget ends the fit)
+        self.total_steps = total_steps  # the optimizer steps the fit plans (None: unknown)
+        self.shown_epochs = epochs
 
 
-def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int, verbose: Any, callbacks: Any,
+def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int | None, verbose: Any, callbacks: Any,
              validation_split: float, validation_data: Any, shuffle: bool, class_weight: Any, sample_weight: Any,
              initial_epoch: int, steps_per_epoch: int | None, validation_steps: int | None,
-             validation_batch_size: int | None, validation_freq: Any) -> FitPlan:  # fmt: skip
+             validation_batch_size: int | None, validation_freq: Any,
+             max_steps: int | None = None) -> FitPlan:  # fmt: skip
     """Check every argument of ``fit``, build its loaders and check its data (nothing changes)."""
     batch_size, verbose, callbacks = call_args(batch_size, steps_per_epoch, verbose, callbacks, "steps_per_epoch")
-    check_int("epochs", epochs, 0)
+    epochs = _budget.check_max_steps(max_steps, epochs)
     check_int("initial_epoch", initial_epoch, 0)
     check_int("validation_steps", validation_steps, 1, allow_none=True)
     check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
@@ -100,14 +106,36 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int,
         example = example if val_example is None else val_example
     _warn_nothing_to_train(model, initial_epoch, epochs)
     validates = val is not None
+    total, shown = _plan_steps(model, train, epochs, max_steps)
     params = {"batch_size": batch_size, "do_validation": validates, "metrics": planned_keys(model, validates),
               # the (0-based) epochs whose validation is scheduled
-              "validation_epochs": schedule.epochs(initial_epoch, epochs) if validates else []}
-    return FitPlan(train, val, schedule, verbose, callbacks, params, example)
+              "validation_epochs": schedule.epochs(initial_epoch, shown) if validates and shown else [],
+              "max_steps": max_steps, "total_steps": total}  # fmt: skip
+    plan = FitPlan(train, val, schedule, verbose, callbacks, params, example, epochs, total)
+    plan.shown_epochs = shown  # params["epochs"]: the bound, or the epochs the budget takes
+    return plan
 
 
-def _warn_nothing_to_train(model: Any, initial_epoch: int, epochs: int) -> None:
-    if initial_epoch >= epochs:
+def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | None) -> tuple[int | None, int | None]:
+    """``(total_steps, epochs shown to callbacks)``; ``ValueError`` when a scheduler factory
+    asks for the step count and it cannot be known."""
+    stepper = model._stepper
+    k = stepper.accumulation
+    accumulation = getattr(stepper, "accumulation_of", None) or (lambda epoch: k)
+    batches = train.num_batches
+    total = _budget.planned_steps(batches, accumulation, epochs, max_steps)
+    if stepper.planned is not None and total is None:
+        raise ValueError(
+            f"compile(scheduler=...) is a factory that takes `{stepper.planned.keyword}`, but the number of "
+            f"optimizer steps of this fit is unknown: the training data ({type(train.batches).__name__}) has "
+            "no length. Fix: pass `max_steps=` (or `steps_per_epoch=`) to fit."
+        )
+    shown = epochs if epochs is not None else _budget.budget_epochs(batches, accumulation, max_steps or 1)
+    return total, shown
+
+
+def _warn_nothing_to_train(model: Any, initial_epoch: int, epochs: int | None) -> None:
+    if epochs is not None and initial_epoch >= epochs:
         warnings.warn(
             f"initial_epoch={initial_epoch} >= epochs={epochs}: nothing will train (`epochs` is the index "
             "of the last epoch, as in Keras). Fix: pass epochs > initial_epoch.",

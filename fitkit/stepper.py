@@ -95,6 +95,7 @@ class Stepper:
         self._before_step: Any = None
         self._stop_training: Any = None
         self.timm = is_timm_scheduler(scheduler)
+        self.planned: Any = None  # a factory built at the first fit (fitkit.budget.PlannedScheduler)
         self._stepped = True
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
         # it ran, so a skipped step does not advance the scheduler (no extra host sync).
