@@ -29,6 +29,7 @@ from fitkit.modes import modes, warn_if_all_eval
 from fitkit.position import Position
 from fitkit.preflight import BatchGuard
 from fitkit.signals import RankAgreement, deferred
+from fitkit.step_validation import StepValidation, ValidationInterval, record_validation
 from fitkit.tracking import RunningTotals
 
 __all__ = ["FitLoop", "EvalLoop", "PredictLoop", "ValidationSchedule"]
@@ -112,15 +113,18 @@ class FitLoop:
         schedule: the epochs that validate (:class:`ValidationSchedule`).
         validation_steps: batches per validation (``None``: all).
         max_steps: stop once ``global_step`` reaches it (:mod:`fitkit.budget`), or ``None``.
+        validation_interval: validate inside epochs (:mod:`fitkit.step_validation`), or ``None``.
     """
 
     def __init__(self, model: Any, train: Any, callbacks: CallbackList, *, initial_epoch: int, epochs: int | None,
                  validation: Any = None, schedule: ValidationSchedule | None = None,
-                 validation_steps: int | None = None, max_steps: int | None = None):  # fmt: skip
+                 validation_steps: int | None = None, max_steps: int | None = None,
+                 validation_interval: ValidationInterval | None = None):  # fmt: skip
         self.model, self.train, self.callbacks = model, train, callbacks
         self.val, self.val_schedule, self.val_steps = validation, schedule, validation_steps
         self.history: Any = next(cb for cb in callbacks.callbacks if type(cb).__name__ == "History")
         self.start_epoch, self.epochs, self.max_steps = initial_epoch, epochs, max_steps
+        self.step_val = None if validation_interval is None else StepValidation(self, validation_interval)
         batches = getattr(train, "batches", None)
         self.position = Position(initial_epoch, batch_size=getattr(train, "batch_size", None),
                                  world=getattr(batches, "world", 1),
@@ -172,7 +176,8 @@ class FitLoop:
                         break
                     logs = epoch_logs
                     self._validate(epoch, logs)
-                    stepper.step_epoch(epoch, logs, self.validated)
+                    # inside-epoch validations stepped a plateau scheduler already
+                    stepper.step_epoch(epoch, logs, self.validated and self.step_val is None)
                     self.position.end_epoch(epoch)
                     cbs.on_epoch_end(epoch, logs)
                     if self._stop_now(epoch_end=True) or self.interrupt.signum is not None or self._budget_spent():
@@ -195,12 +200,17 @@ class FitLoop:
 
     def _validate(self, epoch: int, logs: dict[str, float]) -> None:
         self.validated = False
+        if self.step_val is not None:  # validated inside the epoch: its last validation's values
+            val_logs = self.step_val.epoch_logs(epoch)
+            self.validated = val_logs is not None
+            logs.update(val_logs or {})
+            return
         if self.val is None or self.val_schedule is None or not self.val_schedule(epoch):
             return
         loop = EvalLoop(self.model, self.val, self.callbacks, self.val_steps, what="validation_data")
         val_logs = loop.run()
         self.validated = True
-        logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        logs.update(record_validation(self, epoch, val_logs))
 
     def run_epoch(self, epoch: int) -> dict[str, float] | None:
         """One epoch of training batches; ``None`` if the source yielded no batch."""
@@ -215,13 +225,15 @@ class FitLoop:
             cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
         stepper.begin_epoch()
+        if self.step_val is not None:
+            self.step_val.begin_epoch(loader.next_epoch_batches or loader.num_batches, stepper.accumulation)
         position.set_rng(torch.get_rng_state())  # replays this epoch's data order on resume
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self._batches(epoch)
         guard, agreement, interrupt = self.guard, self.agreement, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first
         local = model._parallel is None  # one process: stops and signals need no agreement
-        budget = self.max_steps
+        budget, step_val = self.max_steps, self.step_val
         position.enter()
         ran, skipped = False, 0
         with phases.running(totals):
@@ -238,6 +250,8 @@ class FitLoop:
                 model.train_step(batch)
                 ran = True
                 position.done(step + 1)
+                if step_val is not None and stepper.micro_last:
+                    step_val.after_step(step + 1)  # before the batch's hooks: a backup there holds it
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
                 if model.stop_training if local else self._stop_now():
@@ -254,14 +268,7 @@ class FitLoop:
         if not ran and not start:
             self._no_batches(epoch, skipped)
             return None
-        if getattr(loader, "ran_out", False) and not self._warned_short:
-            self._warned_short = True
-            warnings.warn(
-                f"The training data ran out after {position.batches} of steps_per_epoch="
-                f"{loader.steps} batches in epoch {epoch + 1}; that epoch ends early and the next "
-                "starts a fresh pass (Keras' rule). Fix: lower `steps_per_epoch` to fit the data.",
-                category=FitkitWarning, stacklevel=4,
-            )
+        self._warn_ran_out(epoch)
         if model._parallel is not None:
             model._parallel.sync_buffers(model.module)  # rank 0's BatchNorm statistics on every rank
         logs = totals.result()
@@ -269,6 +276,17 @@ class FitLoop:
         # The LR the epoch's last step used (a per-step scheduler has moved it on since).
         logs.update(_lr_logs(stepper.lrs_used or model.optimizer.param_groups, self.per_group_lr))
         return logs
+
+    def _warn_ran_out(self, epoch: int) -> None:
+        loader = self.train
+        if getattr(loader, "ran_out", False) and not self._warned_short:
+            self._warned_short = True
+            warnings.warn(
+                f"The training data ran out after {self.position.batches} of steps_per_epoch="
+                f"{loader.steps} batches in epoch {epoch + 1}; that epoch ends early and the next "
+                "starts a fresh pass (Keras' rule). Fix: lower `steps_per_epoch` to fit the data.",
+                category=FitkitWarning, stacklevel=5,
+            )
 
     def _no_batches(self, epoch: int, skipped: int = 0) -> None:
         if epoch == self.start_epoch:

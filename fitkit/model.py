@@ -431,6 +431,7 @@ class Model:
         validation_batch_size: int | None = None,
         validation_freq: int | list[int] = 1,
         max_steps: int | None = None,
+        validation_interval: int | float | None = None,
     ) -> History:
         """Train for ``range(initial_epoch, epochs)`` and return the :class:`~fitkit.History`.
 
@@ -478,6 +479,14 @@ class Model:
                 cuts still ends with its logs, validation, ``on_epoch_end`` and ``History``
                 entry. Callbacks find it in ``params["max_steps"]``, and the planned optimizer
                 steps in ``params["total_steps"]`` (see :mod:`fitkit.budget`).
+            validation_interval: validate inside epochs: an int ``N``, after every ``N``-th
+                optimizer step (``global_step % N == 0``; Transformers' ``eval_steps``), or a
+                float in ``(0, 1]``, every ``max(1, int(f * S))`` of an epoch's ``S`` steps
+                (Lightning's ``val_check_interval``). Validations then run only there; each is
+                recorded in ``history.validations`` with its ``step`` and fires
+                ``on_validation_end``; the training stream (totals, data order, RNG) is that
+                of a fit without them. Not with ``validation_freq``. See
+                :mod:`fitkit.step_validation`.
 
         Returns:
             The :class:`~fitkit.History`: ``history.history[key]`` is a list of floats per
@@ -512,6 +521,7 @@ class Model:
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq, max_steps=max_steps,
+            validation_interval=validation_interval,
         )  # fmt: skip
         self._keep_example(plan.example)
         build_planned(self._stepper, plan.total_steps)
@@ -519,7 +529,8 @@ class Model:
         cbs = planning.callback_list(self, plan.callbacks, plan.verbose, plan.shown_epochs, plan.train.num_batches,
                                      self.history, **plan.params)  # fmt: skip
         loop = FitLoop(self, plan.train, cbs, initial_epoch=initial_epoch, epochs=plan.epochs, validation=plan.val,
-                       schedule=plan.schedule, validation_steps=validation_steps, max_steps=max_steps)  # fmt: skip
+                       schedule=plan.schedule, validation_steps=validation_steps, max_steps=max_steps,
+                       validation_interval=plan.interval)  # fmt: skip
         del plan, cbs  # the loop holds the call's data and callbacks; it lets go when it ends
         outer, self._fit = self._fit, loop
         try:

@@ -23,6 +23,7 @@ from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
 from fitkit.loop import ValidationSchedule, groups_differ
 from fitkit.preflight import first_batch_check, in_memory_check
+from fitkit.step_validation import ValidationInterval
 
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
 
@@ -57,13 +58,14 @@ class FitPlan:
         self.epochs = epochs  # the last-epoch bound (None: unbounded, the step budget ends the fit)
         self.total_steps = total_steps  # the optimizer steps the fit plans (None: unknown)
         self.shown_epochs = epochs
+        self.interval: Any = None  # a fitkit.step_validation.ValidationInterval, or None
 
 
 def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int | None, verbose: Any, callbacks: Any,
              validation_split: float, validation_data: Any, shuffle: bool, class_weight: Any, sample_weight: Any,
              initial_epoch: int, steps_per_epoch: int | None, validation_steps: int | None,
              validation_batch_size: int | None, validation_freq: Any,
-             max_steps: int | None = None) -> FitPlan:  # fmt: skip
+             max_steps: int | None = None, validation_interval: Any = None) -> FitPlan:  # fmt: skip
     """Check every argument of ``fit``, build its loaders and check its data (nothing changes)."""
     batch_size, verbose, callbacks = call_args(batch_size, steps_per_epoch, verbose, callbacks, "steps_per_epoch")
     epochs = _budget.check_max_steps(max_steps, epochs)
@@ -78,6 +80,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
             "Fix: pass a fraction such as 0.2."
         )
     schedule = ValidationSchedule(validation_freq)
+    interval = _check_interval(validation_interval, validation_freq, validation_data, validation_split)
     check_schedules(model, callbacks)
     if x is None:
         raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")
@@ -107,13 +110,36 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     _warn_nothing_to_train(model, initial_epoch, epochs)
     validates = val is not None
     total, shown = _plan_steps(model, train, epochs, max_steps)
+    if interval is not None and interval.fraction:
+        interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
+    by_epoch = validates and shown and interval is None
     params = {"batch_size": batch_size, "do_validation": validates, "metrics": planned_keys(model, validates),
               # the (0-based) epochs whose validation is scheduled
-              "validation_epochs": schedule.epochs(initial_epoch, shown) if validates and shown else [],
+              "validation_epochs": schedule.epochs(initial_epoch, shown) if by_epoch and shown else [],
+              "validation_interval": validation_interval,
               "max_steps": max_steps, "total_steps": total}  # fmt: skip
     plan = FitPlan(train, val, schedule, verbose, callbacks, params, example, epochs, total)
     plan.shown_epochs = shown  # params["epochs"]: the bound, or the epochs the budget takes
+    plan.interval = interval
     return plan
+
+
+def _check_interval(value: Any, validation_freq: Any, validation_data: Any, validation_split: float) -> Any:
+    """``fit``'s ``validation_interval`` checked (a :class:`ValidationInterval`, or ``None``)."""
+    if value is None:
+        return None
+    interval = ValidationInterval(value)
+    if validation_data is None and not validation_split:
+        raise ValueError(
+            f"validation_interval={value!r} validates inside epochs, but fit has no validation data. Fix: pass "
+            "`validation_data=` or `validation_split=`, or drop `validation_interval`."
+        )
+    if validation_freq != 1:
+        raise ValueError(
+            f"validation_interval={value!r} and validation_freq={validation_freq!r} both say when to validate. "
+            "Fix: pass one of them (validation_interval validates inside epochs only)."
+        )
+    return interval
 
 
 def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | None) -> tuple[int | None, int | None]:

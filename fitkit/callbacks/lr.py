@@ -20,6 +20,7 @@ from fitkit.callbacks.monitor import (
     check_validation_monitor,
     is_improvement,
     monitor_value,
+    per_validation,
     resolve_mode,
 )
 from fitkit.checks import check_int, check_number
@@ -126,6 +127,14 @@ class ReduceLROnPlateau(StatefulCallback):
         super().on_train_begin(logs)
 
     def on_epoch_end(self, epoch, logs=None):
+        if not per_validation(self):  # else decided at each validation
+            self._decide(epoch, logs)
+
+    def on_validation_end(self, logs=None):
+        if per_validation(self):
+            self._decide(self.model.epoch, logs)
+
+    def _decide(self, epoch: int, logs: Any) -> None:
         current = monitor_value(logs, self.monitor, "ReduceLROnPlateau", self.params, self.model)
         if current is None:
             return

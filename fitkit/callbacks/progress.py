@@ -174,6 +174,15 @@ class ProgressBar(Callback):
     def on_epoch_end(self, epoch, logs=None):
         self._close(f"Epoch {epoch + 1}/{self.params.get('epochs')}", logs)
 
+    def on_validation_end(self, logs=None):
+        """A validation inside the epoch (``validation_interval``): one line above the bar."""
+        if not self.params.get("validation_interval") or not is_rank_zero() or not logs:
+            return
+        text = format_logs({k: v for k, v in logs.items() if k.startswith("val_")})
+        line = f"Validation at step {logs['step']} (epoch {logs['epoch'] + 1}) - {text}"
+        target = self._progress.console if self._progress is not None else self.console
+        target.print(line, highlight=False, markup=False, soft_wrap=True)
+
     # -- evaluate / predict (validation inside fit draws no bar of its own) -------------
     def on_test_begin(self, logs=None):
         if not self._in_fit:
