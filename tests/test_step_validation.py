@@ -41,7 +41,8 @@ def test_validation_every_n_optimizer_steps_is_recorded_with_its_step_and_exact_
     x, y = _data()
     xv, yv = x[:5], y[:5]
     model, direct = _model(), []
-    check = LambdaCallback(on_validation_end=lambda logs: direct.append(model.evaluate(xv, yv, batch_size=2, verbose=0)))
+    check = LambdaCallback(
+        on_validation_end=lambda logs: direct.append(model.evaluate(xv, yv, batch_size=2, verbose=0)))
     h = model.fit(x, y, batch_size=2, epochs=2, validation_data=(xv, yv), validation_interval=4, verbose=0,
                   callbacks=[check])  # fmt: skip
     assert [(r["epoch"], r["step"]) for r in h.validations] == [(0, 4), (1, 8), (1, 12)]
@@ -68,7 +69,7 @@ def test_inside_epoch_validation_leaves_the_training_stream_unchanged():
     runs = []
     for validation in ({}, {"validation_data": val, "validation_interval": 3}):
         model, order = _model(), []
-        watch = LambdaCallback(on_train_batch_begin=lambda b, logs: order.append(torch.rand(1).item()))
+        watch = LambdaCallback(on_train_batch_begin=lambda b, logs, order=order: order.append(torch.rand(1).item()))
         h = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[watch], **validation)
         runs.append((model.state_dict(), h.history["loss"], h.history["mae"], order))
     (w0, loss0, mae0, order0), (w1, loss1, mae1, order1) = runs
@@ -112,7 +113,8 @@ def test_early_stopping_acts_at_each_validation_and_stops_inside_the_epoch():
 
 def test_model_checkpoint_names_its_files_by_step_at_each_validation(tmp_path):
     x, y = _data()
-    ckpt = ModelCheckpoint(str(tmp_path / "s{step}.pt"), monitor="val_loss", save_best_only=True, save_weights_only=True)
+    ckpt = ModelCheckpoint(str(tmp_path / "s{step}.pt"), monitor="val_loss", save_best_only=True,
+                           save_weights_only=True)  # fmt: skip
     _model().fit(x, y, batch_size=2, epochs=2, validation_data=(x, y), validation_interval=3, verbose=0,
                  callbacks=[_script([3.0, 2.0, 2.5, 1.0]), ckpt])  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s12.pt", "s3.pt", "s6.pt"]
@@ -127,8 +129,10 @@ def _lr_at_validations(model: fitkit.Model, seen: list) -> LambdaCallback:
 def test_plateau_reductions_follow_the_validations_not_the_epochs(form):
     # The loss stays 0: no validation after the first improves; 6 validations in 2 epochs.
     x = torch.zeros(12, 3)
-    sched = (lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5)) if form == "compiled" else None
-    model = _model(scheduler=sched)
+    def plateau(o):
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5)
+
+    model = _model(scheduler=plateau if form == "compiled" else None)
     nn.init.zeros_(model.module[-1].weight), nn.init.zeros_(model.module[-1].bias)
     callbacks = [ReduceLROnPlateau(monitor="val_loss", patience=1, factor=0.5)] if form == "callback" else []
     seen: list = []
