@@ -224,7 +224,7 @@ class FitLoop:
         if loader.next_epoch_batches is not None:  # the batches this epoch will really run
             cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
-        stepper.begin_epoch()
+        stepper.begin_epoch(epoch)
         if self.step_val is not None:
             self.step_val.begin_epoch(loader.next_epoch_batches or loader.num_batches, stepper.accumulation)
         position.set_rng(torch.get_rng_state())  # replays this epoch's data order on resume

@@ -33,6 +33,7 @@ from fitkit import compile as _compile
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit import nest, planning
+from fitkit.accumulation import AccumulationSchedule
 from fitkit.budget import PlannedScheduler
 from fitkit.callbacks.base import Callback, History
 from fitkit.checks import check_int, check_number
@@ -330,7 +331,7 @@ class Model:
         scheduler: Any = None,
         scheduler_interval: str = "epoch",
         precision: str = "32",
-        gradient_accumulation_steps: int = 1,
+        gradient_accumulation_steps: int | dict[int, int] = 1,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         jit_compile: bool | str | dict = "auto",
@@ -360,7 +361,10 @@ class Model:
                 (``metric``: ``val_loss``, else ``loss``), as timm's ``train.py`` calls them.
             scheduler_interval: ``"epoch"`` or ``"step"`` (per optimizer step).
             precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (with a GradScaler).
-            gradient_accumulation_steps: micro-batches per optimizer step (sample-exact).
+            gradient_accumulation_steps: micro-batches per optimizer step (sample-exact), or a
+                dict ``{first_epoch: micro-batches}`` that changes it at epoch starts
+                (``{0: 8, 4: 4, 8: 1}``; epochs before the first key: 1), as Lightning's
+                ``GradientAccumulationScheduler`` (see :mod:`fitkit.accumulation`).
             clip_grad_norm: clip the global gradient 2-norm to this value before each step.
             clip_grad_value: clip each gradient element to ``[-v, v]`` before each step.
             jit_compile: ``"auto"`` (torch.compile on CUDA only), True, False, or a dict of
@@ -379,7 +383,12 @@ class Model:
             raise ValueError(
                 f"precision='16-mixed' is not supported on {self.device.type}. Fix: use 'bf16-mixed' or '32'."
             )
-        check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1)
+        accumulation = None
+        if isinstance(gradient_accumulation_steps, dict):
+            accumulation = AccumulationSchedule(gradient_accumulation_steps, name="gradient_accumulation_steps")
+        else:
+            check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1,
+                      fix="pass an int >= 1, or a dict {first_epoch: micro-batches} such as {0: 8, 4: 4}.")
         check_number("clip_grad_norm", clip_grad_norm, positive=True, allow_none=True)
         check_number("clip_grad_value", clip_grad_value, positive=True, allow_none=True)
         jit = _compile.resolve_jit_compile(jit_compile, self.device)
@@ -396,10 +405,11 @@ class Model:
         if self._stepper is not None:
             self._stepper.close()
         self._stepper = Stepper(
-            opt, sched, scheduler_interval, precision, self.device, int(gradient_accumulation_steps),
+            opt, sched, scheduler_interval, precision, self.device,
+            accumulation(0) if accumulation is not None else int(gradient_accumulation_steps),  # type: ignore[arg-type]
             clip_grad_norm, clip_grad_value, self._parallel,
         )  # fmt: skip
-        self._stepper.planned = planned
+        self._stepper.planned, self._stepper.accumulation_schedule = planned, accumulation
         self._forward = _compile.Forward(self.module, self._wrap_for_training(), jit)
 
     def _require_compiled(self, verb: str) -> Stepper:

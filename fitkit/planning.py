@@ -109,7 +109,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
         example = example if val_example is None else val_example
     _warn_nothing_to_train(model, initial_epoch, epochs)
     validates = val is not None
-    total, shown = _plan_steps(model, train, epochs, max_steps)
+    total, shown = _plan_steps(model, train, epochs, max_steps, callbacks)
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
     by_epoch = validates and shown and interval is None
@@ -142,12 +142,12 @@ def _check_interval(value: Any, validation_freq: Any, validation_data: Any, vali
     return interval
 
 
-def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | None) -> tuple[int | None, int | None]:
+def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | None,
+                callbacks: list[Callback]) -> tuple[int | None, int | None]:  # fmt: skip
     """``(total_steps, epochs shown to callbacks)``; ``ValueError`` when a scheduler factory
     asks for the step count and it cannot be known."""
     stepper = model._stepper
-    k = stepper.accumulation
-    accumulation = getattr(stepper, "accumulation_of", None) or (lambda epoch: k)
+    accumulation = _accumulation_of(stepper, callbacks)
     batches = train.num_batches
     total = _budget.planned_steps(batches, accumulation, epochs, max_steps)
     if stepper.planned is not None and total is None:
@@ -158,6 +158,23 @@ def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | Non
         )
     shown = epochs if epochs is not None else _budget.budget_epochs(batches, accumulation, max_steps or 1)
     return total, shown
+
+
+def _accumulation_of(stepper: Any, callbacks: list[Callback]) -> Any:
+    """``epoch -> micro-batches per step`` of this fit (a GradientAccumulationScheduler's, the
+    compiled schedule, or the compiled int)."""
+    by_callback: list[Any] = [cb for cb in callbacks if callable(getattr(cb, "accumulation_for", None))]
+    if by_callback and (len(by_callback) > 1 or stepper.accumulation_schedule is not None):
+        both = "compile(gradient_accumulation_steps={...}) and a GradientAccumulationScheduler"
+        n = len(by_callback)
+        two = both if stepper.accumulation_schedule is not None else f"{n} GradientAccumulationScheduler callbacks"
+        raise ValueError(f"Two accumulation schedules for one fit: {two}. Fix: keep one of them.")
+    if by_callback:
+        return by_callback[0].accumulation_for(stepper.accumulation)
+    if stepper.accumulation_schedule is not None:
+        return stepper.accumulation_schedule
+    k = stepper.accumulation
+    return lambda epoch: k
 
 
 def _warn_nothing_to_train(model: Any, initial_epoch: int, epochs: int | None) -> None:

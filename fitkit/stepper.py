@@ -81,6 +81,8 @@ class Stepper:
         self.precision = precision
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
         self.accumulation = accumulation
+        # micro-batches per step by epoch (fitkit.accumulation.AccumulationSchedule), applied at epoch begin
+        self.accumulation_schedule: Any = None
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
         self.parallel = parallel
         self.global_step = 0
@@ -182,9 +184,12 @@ class Stepper:
                 p.grad = g
             self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self._before_step = window
 
-    def begin_epoch(self) -> None:
-        """A fit epoch starts: the LRs its last step used are recorded afresh."""
+    def begin_epoch(self, epoch: int | None = None) -> None:
+        """A fit epoch starts: the LRs its last step used are recorded afresh, and an
+        accumulation schedule sets this epoch's micro-batches per step."""
         self.lrs_used = None
+        if self.accumulation_schedule is not None and epoch is not None:
+            self.accumulation = self.accumulation_schedule(epoch)
 
     def no_sync(self, module: nn.Module):
         """Non-final micro-batches of a window skip DDP's / FSDP's gradient all-reduce."""

@@ -15,6 +15,7 @@
 The MLflow and Optuna callbacks import their library when they are created, not here.
 """
 
+from fitkit.callbacks.accumulation import GradientAccumulationScheduler
 from fitkit.callbacks.averaging import EMA, SWA
 from fitkit.callbacks.backup import BackupAndRestore
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
@@ -28,6 +29,7 @@ from fitkit.callbacks.optuna import OptunaPruning
 from fitkit.callbacks.progress import ProgressBar
 
 __all__ = [
+    "GradientAccumulationScheduler",
     "Callback",
     "CallbackList",
     "History",
