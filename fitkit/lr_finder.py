@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fitkit import data as _data
-from fitkit.checks import check_number
+from fitkit.checks import check_that
 
 __all__ = ["find_lr", "LRFinderResult"]
 
@@ -119,12 +119,6 @@ class LRFinderResult:
         return fig
 
 
-def _check(name: str, value: Any, ok: Any, expected: str) -> None:
-    check_number(name, value)
-    if not ok(value):
-        raise ValueError(f"Expected `{name}` {expected}. Received: {name}={value!r}.")
-
-
 def find_lr(
     model: Any,
     x: Any,
@@ -187,15 +181,15 @@ def find_lr(
     """
     if getattr(model, "optimizer", None) is None:
         raise RuntimeError("`find_lr` needs a compiled model. Call `model.compile(optimizer=..., loss=...)` first.")
-    _check("start_lr", start_lr, lambda v: v > 0, "> 0")
-    _check("end_lr", end_lr, lambda v: v > start_lr, f"> start_lr={start_lr!r}")
-    _check("smooth", smooth, lambda v: 0 <= v < 1, "in [0, 1)")
+    check_that("start_lr", start_lr, lambda v: v > 0, "> 0")
+    check_that("end_lr", end_lr, lambda v: v > start_lr, f"> start_lr={start_lr!r}")
+    check_that("smooth", smooth, lambda v: 0 <= v < 1, "in [0, 1)")
     if isinstance(num_steps, bool) or not isinstance(num_steps, int):
         raise TypeError(f"Expected `num_steps` to be an int. Received: num_steps={num_steps!r}.")
     if num_steps < 2:
         raise ValueError(f"Expected `num_steps` >= 2. Received: num_steps={num_steps!r}.")
     if diverge_threshold is not None:
-        _check("diverge_threshold", diverge_threshold, lambda v: v > 1, "> 1 or None")
+        check_that("diverge_threshold", diverge_threshold, lambda v: v > 1, "> 1 or None")
     loader = _data.as_loader(x, y, None, batch_size=batch_size, shuffle=True, device=model.device)
     snap = _snapshot(model)
     try:
@@ -211,12 +205,13 @@ def find_lr(
 def _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold) -> LRFinderResult:
     result = LRFinderResult(lrs=[], losses=[], raw_losses=[])
     groups = model.optimizer.param_groups
-    it, avg, best = iter(loader), 0.0, math.inf
+    epoch = 0
+    it, avg, best = loader.epoch_batches(epoch), 0.0, math.inf
     for i in range(num_steps):
         batch = next(it, None)
         if batch is None:  # the data ran out: start another pass
-            loader.epoch += 1
-            it = iter(loader)
+            epoch += 1
+            it = loader.epoch_batches(epoch)
             batch = next(it, None)
             if batch is None:
                 if i == 0:

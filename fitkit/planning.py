@@ -43,7 +43,7 @@ def call_args(batch_size: int | None, steps: int | None, verbose: Any, callbacks
     batch_size = 32 if batch_size is None else batch_size
     check_int("batch_size", batch_size, 1)
     check_int(steps_name, steps, 1, allow_none=True)
-    return batch_size, resolve_verbose(verbose), check_callbacks(callbacks)
+    return batch_size, resolve_verbose(verbose), check_callbacks(callbacks, Callback)
 
 
 class FitPlan:

@@ -13,10 +13,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fitkit.callbacks.checkpointing import _check_save_freq
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
-from fitkit.checks import FitkitWarning
+from fitkit.checks import FitkitWarning, check_every
 from fitkit.files import CheckpointError, check_target, remove_stale_temps
 
 __all__ = ["BackupAndRestore"]
@@ -61,7 +60,7 @@ class BackupAndRestore(StatefulCallback):
 
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch", delete_checkpoint: bool = True):
         super().__init__()
-        _check_save_freq(save_freq)
+        check_every("save_freq", save_freq, "epoch", "batches")
         check_target(backup_dir, "backup_dir", "BackupAndRestore", "folder")
         self.backup_dir = Path(backup_dir)
         self.save_freq, self.delete_checkpoint = save_freq, bool(delete_checkpoint)

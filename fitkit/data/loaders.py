@@ -171,6 +171,14 @@ class DeviceLoader:
         left = n - self._pass_done if self._persistent is not None else n
         return min(self.steps, left if left > 0 else n)
 
+    def use_shards(self, batches: Any, sharded: bool | str) -> None:
+        """Iterate ``batches``, one process's share (:func:`fitkit.distributed.shard` calls it).
+
+        ``sharded``: ``True`` when fitkit split the data, ``"user"`` for data marked
+        ``already_sharded``, ``False`` on one process.
+        """
+        self.batches, self.sharded = batches, sharded
+
     @property
     def carried_over(self) -> int:
         """With ``steps``: batches of the running pass that the next epoch continues after."""
