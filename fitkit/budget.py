@@ -108,6 +108,10 @@ class PlannedScheduler:
         self.factory, self.keyword = factory, keyword
         self.state: dict[str, Any] | None = None
 
+    def keep(self, state: dict[str, Any] | None) -> None:
+        """Keep a checkpoint's scheduler state until the scheduler is built."""
+        self.state = state
+
     def build(self, optimizer: Any, total: int) -> Any:
         """Call the factory with ``total`` optimizer steps."""
         return self.factory(optimizer, **{self.keyword: total})

@@ -197,7 +197,7 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
     if state["scheduler"] is not None and model.scheduler is not None:
         model.scheduler.load_state_dict(state["scheduler"])
     elif planned is not None:
-        planned.state = state["scheduler"]  # loaded once the first fit has built it
+        model._stepper.keep_scheduler_state(state["scheduler"])  # loaded once the first fit has built it
     stepper = model._stepper
     stepper.load_state_dict({"scaler": state["scaler"], "global_step": state["global_step"]})
     if stepper.global_step and model.scheduler is not None:

@@ -114,17 +114,19 @@ class FitLoop:
         validation_steps: batches per validation (``None``: all).
         max_steps: stop once ``global_step`` reaches it (:mod:`fitkit.budget`), or ``None``.
         validation_interval: validate inside epochs (:mod:`fitkit.step_validation`), or ``None``.
+        accumulation: this fit's accumulation schedule (:mod:`fitkit.accumulation`), or ``None``.
     """
 
     def __init__(self, model: Any, train: Any, callbacks: CallbackList, *, initial_epoch: int, epochs: int | None,
                  validation: Any = None, schedule: ValidationSchedule | None = None,
                  validation_steps: int | None = None, max_steps: int | None = None,
-                 validation_interval: ValidationInterval | None = None):  # fmt: skip
+                 validation_interval: ValidationInterval | None = None, accumulation: Any = None):  # fmt: skip
         self.model, self.train, self.callbacks = model, train, callbacks
         self.val, self.val_schedule, self.val_steps = validation, schedule, validation_steps
         self.history: Any = next(cb for cb in callbacks.callbacks if type(cb).__name__ == "History")
         self.start_epoch, self.epochs, self.max_steps = initial_epoch, epochs, max_steps
         self.step_val = None if validation_interval is None else StepValidation(self, validation_interval)
+        self.accumulation = accumulation
         batches = getattr(train, "batches", None)
         self.position = Position(initial_epoch, batch_size=getattr(train, "batch_size", None),
                                  world=getattr(batches, "world", 1),
@@ -160,8 +162,8 @@ class FitLoop:
         finished = False
         self.running = True
         try:
-            with modes(model.module, training=None, grad=True), deferred() as self.interrupt, \
-                    stepper.fitting(before_step, model._wants_stop, self.val is not None):  # fmt: skip
+            fitting = stepper.fitting(before_step, model._wants_stop, self.val is not None, self.accumulation)
+            with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting:
                 self.agreement = RankAgreement(self.interrupt, model._parallel is not None)
                 warn_if_all_eval(model.module)
                 model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in

@@ -34,7 +34,6 @@ from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit import nest, planning
 from fitkit.accumulation import AccumulationSchedule
-from fitkit.budget import PlannedScheduler
 from fitkit.callbacks.base import Callback, History
 from fitkit.checks import check_int, check_number
 from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
@@ -42,7 +41,7 @@ from fitkit.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
 from fitkit.modes import modes
-from fitkit.optim import build_planned, resolve_optimizer, resolve_scheduler
+from fitkit.optim import resolve_optimizer, resolve_scheduler
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 from fitkit.preflight import cast_to_module
 from fitkit.stepper import Stepper
@@ -399,17 +398,15 @@ class Model:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
         opt = resolve_optimizer(optimizer, self.module, self.device)
         sched = resolve_scheduler(scheduler, opt, scheduler_interval)
-        planned, sched = (sched, None) if isinstance(sched, PlannedScheduler) else (None, sched)
         self.loss = loss_fn
         self._phases.configure(metric_set.configure(loss_fn, self.device))
         if self._stepper is not None:
             self._stepper.close()
         self._stepper = Stepper(
             opt, sched, scheduler_interval, precision, self.device,
-            accumulation(0) if accumulation is not None else int(gradient_accumulation_steps),  # type: ignore[arg-type]
+            accumulation if accumulation is not None else int(gradient_accumulation_steps),  # type: ignore[arg-type]
             clip_grad_norm, clip_grad_value, self._parallel,
         )  # fmt: skip
-        self._stepper.planned, self._stepper.accumulation_schedule = planned, accumulation
         self._forward = _compile.Forward(self.module, self._wrap_for_training(), jit)
 
     def _require_compiled(self, verb: str) -> Stepper:
@@ -534,13 +531,13 @@ class Model:
             validation_interval=validation_interval,
         )  # fmt: skip
         self._keep_example(plan.example)
-        build_planned(self._stepper, plan.total_steps)
+        self._require_compiled("fit").build_planned(plan.total_steps, resolve_scheduler)
         self.history = History()
         cbs = planning.callback_list(self, plan.callbacks, plan.verbose, plan.shown_epochs, plan.train.num_batches,
                                      self.history, **plan.params)  # fmt: skip
         loop = FitLoop(self, plan.train, cbs, initial_epoch=initial_epoch, epochs=plan.epochs, validation=plan.val,
                        schedule=plan.schedule, validation_steps=validation_steps, max_steps=max_steps,
-                       validation_interval=plan.interval)  # fmt: skip
+                       validation_interval=plan.interval, accumulation=plan.accumulation)  # fmt: skip
         del plan, cbs  # the loop holds the call's data and callbacks; it lets go when it ends
         outer, self._fit = self._fit, loop
         try:

@@ -168,19 +168,6 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
     return scheduler
 
 
-def build_planned(stepper: Any, total: int | None) -> None:
-    """Build a :class:`~fitkit.budget.PlannedScheduler` with ``total`` optimizer steps (the
-    start of the first ``fit``), and load the state a checkpoint left for it, if any."""
-    planned = stepper.planned
-    if planned is None or total is None:
-        return
-    sched = resolve_scheduler(planned.build(stepper.optimizer, total), stepper.optimizer, stepper.interval)
-    if planned.state is not None and sched is not None:
-        sched.load_state_dict(planned.state)
-    stepper.set_scheduler(sched)
-    stepper.planned = None
-
-
 def current_lr(optimizer: torch.optim.Optimizer) -> float | torch.Tensor:
     """The learning rate of the first parameter group (a float, or a tensor for capturable LRs)."""
     return optimizer.param_groups[0]["lr"]

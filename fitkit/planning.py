@@ -59,6 +59,7 @@ class FitPlan:
         self.total_steps = total_steps  # the optimizer steps the fit plans (None: unknown)
         self.shown_epochs = epochs
         self.interval: Any = None  # a fitkit.step_validation.ValidationInterval, or None
+        self.accumulation: Any = None  # a GradientAccumulationScheduler's AccumulationSchedule, or None
 
 
 def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int | None, verbose: Any, callbacks: Any,
@@ -109,7 +110,8 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
         example = example if val_example is None else val_example
     _warn_nothing_to_train(model, initial_epoch, epochs)
     validates = val is not None
-    total, shown = _plan_steps(model, train, epochs, max_steps, callbacks)
+    fit_accumulation = _callback_schedule(model._stepper, callbacks)
+    total, shown = _plan_steps(model, train, epochs, max_steps, fit_accumulation)
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
     by_epoch = validates and shown and interval is None
@@ -121,6 +123,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     plan = FitPlan(train, val, schedule, verbose, callbacks, params, example, epochs, total)
     plan.shown_epochs = shown  # params["epochs"]: the bound, or the epochs the budget takes
     plan.interval = interval
+    plan.accumulation = fit_accumulation
     return plan
 
 
@@ -143,11 +146,12 @@ def _check_interval(value: Any, validation_freq: Any, validation_data: Any, vali
 
 
 def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | None,
-                callbacks: list[Callback]) -> tuple[int | None, int | None]:  # fmt: skip
+                fit_accumulation: Any) -> tuple[int | None, int | None]:  # fmt: skip
     """``(total_steps, epochs shown to callbacks)``; ``ValueError`` when a scheduler factory
     asks for the step count and it cannot be known."""
     stepper = model._stepper
-    accumulation = _accumulation_of(stepper, callbacks)
+    k = stepper.accumulation
+    accumulation = fit_accumulation or stepper.accumulation_schedule or (lambda epoch: k)
     batches = train.num_batches
     total = _budget.planned_steps(batches, accumulation, epochs, max_steps)
     if stepper.planned is not None and total is None:
@@ -160,21 +164,15 @@ def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | Non
     return total, shown
 
 
-def _accumulation_of(stepper: Any, callbacks: list[Callback]) -> Any:
-    """``epoch -> micro-batches per step`` of this fit (a GradientAccumulationScheduler's, the
-    compiled schedule, or the compiled int)."""
+def _callback_schedule(stepper: Any, callbacks: list[Callback]) -> Any:
+    """A GradientAccumulationScheduler's schedule for this fit (``None``: none in the list)."""
     by_callback: list[Any] = [cb for cb in callbacks if callable(getattr(cb, "accumulation_for", None))]
     if by_callback and (len(by_callback) > 1 or stepper.accumulation_schedule is not None):
         both = "compile(gradient_accumulation_steps={...}) and a GradientAccumulationScheduler"
         n = len(by_callback)
         two = both if stepper.accumulation_schedule is not None else f"{n} GradientAccumulationScheduler callbacks"
         raise ValueError(f"Two accumulation schedules for one fit: {two}. Fix: keep one of them.")
-    if by_callback:
-        return by_callback[0].accumulation_for(stepper.accumulation)
-    if stepper.accumulation_schedule is not None:
-        return stepper.accumulation_schedule
-    k = stepper.accumulation
-    return lambda epoch: k
+    return by_callback[0].accumulation_for(stepper.accumulation) if by_callback else None
 
 
 def _warn_nothing_to_train(model: Any, initial_epoch: int, epochs: int | None) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fitkit.accumulation import AccumulationSchedule
 from fitkit.callbacks.base import Callback
 
@@ -19,7 +17,8 @@ class GradientAccumulationScheduler(Callback):
     The value is applied when each epoch begins; accumulation stays sample-exact, the planned
     step count (``params["total_steps"]``, a ``total_steps`` scheduler factory) follows the
     schedule, and a resumed fit continues exactly (see :mod:`fitkit.accumulation`). The
-    compiled value is back in place when ``fit`` ends.
+    compiled value is back in place when ``fit`` ends. The fit loop reads the schedule when
+    ``fit`` starts (the callback has no hook of its own).
 
     Args:
         scheduling: a dict of 0-based epochs (ints >= 0) to micro-batches per step (ints >= 1).
@@ -42,20 +41,7 @@ class GradientAccumulationScheduler(Callback):
     def __init__(self, scheduling: dict[int, int]):
         super().__init__()
         self.scheduling = AccumulationSchedule(scheduling, name="scheduling").scheduling
-        self._outer: Any = None
 
     def accumulation_for(self, compiled: int) -> AccumulationSchedule:
         """The schedule, with ``compiled`` for the epochs before its first key."""
         return AccumulationSchedule(self.scheduling, default=compiled)
-
-    def on_train_begin(self, logs=None):
-        stepper = self.model._stepper
-        self._outer = (stepper.accumulation, stepper.accumulation_schedule)
-        stepper.accumulation_schedule = self.accumulation_for(stepper.accumulation)
-
-    def close(self) -> None:
-        """Put the compiled accumulation back (also after a fit that raised)."""
-        if self._outer is not None:
-            stepper = self.model._stepper
-            stepper.accumulation, stepper.accumulation_schedule = self._outer
-            self._outer = None
