@@ -251,3 +251,52 @@ def test_max_steps_and_step_validation_together():
     # 6 steps per epoch: both validations fall in epoch 0; epoch 1 (step 7) has none
     assert [(r["epoch"], r["step"]) for r in h.validations] == [(0, 3), (0, 6)] and h.epoch == [0, 1]
     assert h.history["val_loss"] == [h.validations[1]["val_loss"]]
+
+
+_DIST_FIT = """
+model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss="mse", metrics=["mae"])
+h = model.fit(x, y, sample_weight=w, batch_size=BATCH, max_steps=7, validation_data=(xv, yv), validation_interval=2,
+              shuffle=True, verbose=0, callbacks=[fitkit.callbacks.GradientAccumulationScheduler({0: 2, 1: 1})])
+result = {"epoch": h.epoch, "step": model.global_step, "validations": h.validations, "loss": h.history["loss"],
+          "weights": [p.detach().flatten().tolist() for p in model.module.parameters()]}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_max_steps_step_validation_and_an_accumulation_schedule_under_torchrun_equal_one_process(tmp_path):
+    import json
+
+    from _dist_scenarios import data, net
+    from _torchrun import run_torchrun
+
+    setup = """
+import json, torch, fitkit
+from fitkit.distributed import rank
+from _dist_scenarios import data, net
+torch.manual_seed(0)
+x, y, w = data(40)
+xv, yv, _ = data(11, seed=1)
+model = fitkit.Model(net(), device="cpu")
+BATCH = 4
+"""
+    run_torchrun(setup + _DIST_FIT + "(OUT / f'rank{rank()}.json').write_text(json.dumps(result))\n", tmp_path)
+    torch.manual_seed(0)
+    x, y, w = data(40)
+    xv, yv, _ = data(11, seed=1)
+    scope = {"torch": torch, "fitkit": fitkit, "x": x, "y": y, "w": w, "xv": xv, "yv": yv, "BATCH": 8,
+             "model": fitkit.Model(net(), device="cpu")}  # fmt: skip
+    exec(_DIST_FIT, scope)
+    ref = scope["result"]
+    # 5 global batches per epoch: epoch 0 at accumulation 2 (3 steps), then 1 per step; 7 steps
+    assert (ref["epoch"], ref["step"]) == ([0, 1], 7)
+    assert [(v["epoch"], v["step"]) for v in ref["validations"]] == [(0, 2), (1, 4), (1, 6)]
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert (got["epoch"], got["step"]) == (ref["epoch"], ref["step"])
+        assert [(v["epoch"], v["step"]) for v in got["validations"]] == [(0, 2), (1, 4), (1, 6)]
+        for a, b in zip(got["validations"], ref["validations"], strict=True):
+            assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        for a, b in zip(got["weights"], ref["weights"], strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
