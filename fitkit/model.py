@@ -29,14 +29,16 @@ import torch
 from torch import nn
 
 from fitkit import checkpoint as _checkpoint
-from fitkit import compile as _compile
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit import nest, planning
 from fitkit.accumulation import AccumulationSchedule
 from fitkit.callbacks.base import Callback, History
-from fitkit.checks import check_int, check_number
+from fitkit.callbacks.swap_ema import compiled_ema, with_compiled_ema
+from fitkit.checks import check_bool, check_int, check_number
 from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
+from fitkit.files.differences import check_state_dict_fits
+from fitkit.forward import Forward, resolve_jit_compile
 from fitkit.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
@@ -95,13 +97,14 @@ class Model:
         # and the step options are the stepper's, the metric template the phase stack's: see the
         # properties below).
         self.loss: Any = None
+        self.compiled_ema: Any = None  # compile(use_ema=True)'s EMA callback, first in every fit
         # Flags a callback sets; the running loop reads them.
         self.stop_training = False
         self.stop_evaluating = False
         self.stop_predicting = False
         self.history: History | None = None
         self._stepper: Stepper | None = None
-        self._forward = _compile.Forward(self.module)
+        self._forward = Forward(self.module)
         self._fit: FitLoop | None = None  # the running fit only (None once it returned or raised)
         self._phases = Phases(self.device, _distributed.reduce_loss_totals if self._parallel is not None else None)
         self._resume: _checkpoint.ResumePoint | None = None  # loaded, waiting for the next fit
@@ -220,6 +223,15 @@ class Model:
         return list(loop.callbacks.callbacks) if loop is not None and loop.running else []
 
     @property
+    def train_batch(self) -> Any:
+        """The batch ``(x, y, sample_weight)`` of the running training step, on the device.
+
+        ``None`` outside ``fit``; read it in the batch hooks (``ThroughputMonitor`` counts its rows).
+        """
+        loop = self._running_fit()
+        return None if loop is None else loop.batch
+
+    @property
     def grad_norm(self) -> torch.Tensor | None:
         """The global gradient 2-norm of the last step, before clipping (``clip_grad_norm`` only)."""
         return None if self._stepper is None else self._stepper.grad_norm
@@ -267,7 +279,7 @@ class Model:
         if self.optimizer is not None:
             optimizer_to(self.optimizer, self.device)
         self._phases.to(self.device)
-        self._forward = _compile.Forward(self.module, self._wrap_for_training(), self._forward.jit)
+        self._forward = Forward(self.module, self._wrap_for_training(), self._forward.jit)
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -301,8 +313,9 @@ class Model:
             ``unexpected_keys``.
 
         Raises:
-            RuntimeError: keys that do not match (with ``strict=True``) or tensors of the
-                wrong shape.
+            RuntimeError: keys that do not match (with ``strict=True``), or tensors of another
+                shape or dtype; every difference is listed and nothing is loaded (with
+                ``strict=False`` the keys both hold must still fit).
 
         Example:
             >>> a, b = Model(nn.Linear(2, 1), device="cpu"), Model(nn.Linear(2, 1), device="cpu")
@@ -311,6 +324,7 @@ class Model:
         """
         if self._parallel is not None:
             return self._parallel.load_state_dict(self.module, state_dict, strict=strict)
+        check_state_dict_fits(self.module, state_dict, strict)  # all or nothing, as load_weights
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def _wrap_for_training(self) -> Any:
@@ -334,6 +348,9 @@ class Model:
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         jit_compile: bool | str | dict = "auto",
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
     ) -> None:
         """Set the optimizer, loss, metrics and step options. Checks everything first.
 
@@ -368,6 +385,11 @@ class Model:
             clip_grad_value: clip each gradient element to ``[-v, v]`` before each step.
             jit_compile: ``"auto"`` (torch.compile on CUDA only), True, False, or a dict of
                 ``torch.compile`` kwargs.
+            use_ema: keep an EMA of the weights (Keras' optimizer ``use_ema``): every ``fit``
+                runs :func:`fitkit.callbacks.swap_ema.compiled_ema`'s callback first; the EMA
+                replaces the weights when ``fit`` ends (validate on it with ``SwapEMAWeights``).
+            ema_momentum: ``new_average = ema_momentum * average + (1 - ema_momentum) * weights``.
+            ema_overwrite_frequency: copy the EMA into the weights every that many optimizer steps.
 
         Raises:
             ValueError: unknown names (the message lists valid ones), bad values.
@@ -390,15 +412,16 @@ class Model:
                       fix="pass an int >= 1, or a dict {first_epoch: micro-batches} such as {0: 8, 4: 4}.")
         check_number("clip_grad_norm", clip_grad_norm, positive=True, allow_none=True)
         check_number("clip_grad_value", clip_grad_value, positive=True, allow_none=True)
-        jit = _compile.resolve_jit_compile(jit_compile, self.device)
+        jit = resolve_jit_compile(jit_compile, self.device)
         loss_fn = resolve_loss(loss, loss_weights)
         metric_set = MetricSet(metrics)
+        ema = compiled_ema(use_ema, ema_momentum, ema_overwrite_frequency)
         # Everything that can be checked is checked: only now does anything change.
         if self._parallel is not None:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
         opt = resolve_optimizer(optimizer, self.module, self.device)
         sched = resolve_scheduler(scheduler, opt, scheduler_interval)
-        self.loss = loss_fn
+        self.loss, self.compiled_ema = loss_fn, ema
         self._phases.configure(metric_set.configure(loss_fn, self.device))
         if self._stepper is not None:
             self._stepper.close()
@@ -407,7 +430,7 @@ class Model:
             accumulation if accumulation is not None else int(gradient_accumulation_steps),  # type: ignore[arg-type]
             clip_grad_norm, clip_grad_value, self._parallel,
         )  # fmt: skip
-        self._forward = _compile.Forward(self.module, self._wrap_for_training(), jit)
+        self._forward = Forward(self.module, self._wrap_for_training(), jit)
 
     def _require_compiled(self, verb: str) -> Stepper:
         if self._stepper is None:
@@ -523,7 +546,8 @@ class Model:
         """
         self._require_compiled("fit")
         plan = planning.plan_fit(
-            self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=with_compiled_ema(self.compiled_ema, callbacks),
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
@@ -580,7 +604,8 @@ class Model:
         sample_weight: Any = None,
         steps: int | None = None,
         callbacks: list[Callback] | None = None,
-    ) -> dict[str, float]:
+        return_dict: bool = True,
+    ) -> Any:
         """Loss and metrics over the data, as exact per-sample means: ``{"loss": ..., ...}``.
 
         Runs every submodule in eval mode with autograd off and restores both afterwards. A
@@ -597,9 +622,11 @@ class Model:
             steps: evaluate this many batches only (an infinite generator needs it, or a
                 callback that sets ``model.stop_evaluating``).
             callbacks: callbacks whose ``on_test_*`` hooks run.
+            return_dict: ``False`` returns Keras' form: the loss alone (a float) without
+                metrics, else the list ``[loss, *metrics]`` in the order of ``compile``.
 
         Returns:
-            ``{"loss": float, <metric>: float, ...}``.
+            ``{"loss": float, <metric>: float, ...}`` (or Keras' scalar / list).
 
         Raises:
             RuntimeError: ``compile`` was not called.
@@ -613,15 +640,20 @@ class Model:
             >>> model.evaluate(torch.zeros(5, 1), torch.tensor([[1.0], [1], [1], [1], [4]]),
             ...                batch_size=2, verbose=0)
             {'loss': 4.0, 'mae': 1.600000023841858}
+            >>> model.evaluate(torch.zeros(2, 1), torch.ones(2, 1), verbose=0, return_dict=False)  # Keras' list
+            [1.0, 1.0]
         """
         self._require_compiled("evaluate")
+        check_bool("return_dict", return_dict)
         batch_size, verbose, callbacks = planning.call_args(batch_size, steps, verbose, callbacks)
         loader = _distributed.sharded(
             _data.as_loader, x, y, sample_weight, batch_size=batch_size, device=self.device, steps=steps
         )
         self._keep_example(planning.check_data(self, loader, "x", training=False))
         cbs = planning.callback_list(self, callbacks, verbose, None, loader.num_batches)
-        return EvalLoop(self, loader, cbs, steps).run()
+        logs = EvalLoop(self, loader, cbs, steps).run()
+        values = [logs[k] for k in ("loss", *self.metrics.keys) if k in logs]
+        return logs if return_dict else values[0] if len(values) == 1 else values
 
     def predict(
         self,

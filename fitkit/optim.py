@@ -106,6 +106,14 @@ def resolve_optimizer(optimizer: Any, module: nn.Module, device: torch.device) -
             "`model.module.parameters()` (after `fitkit.Model(...)` moved the module), or pass a "
             "factory such as functools.partial(torch.optim.Adam, lr=1e-3)."
         )
+    outside = [i for i, p in enumerate(held) if id(p) not in own]
+    if held and own and outside:
+        raise ValueError(
+            f"The optimizer also holds {len(outside)} parameter(s) that are not the module's (the first at "
+            f"position {outside[0]} of its param groups, shape {tuple(held[outside[0]].shape)}): fit would "
+            "step them, but they are neither saved nor moved with the module. Fix: build the optimizer on "
+            "`model.module.parameters()` only, or make those parameters part of the module."
+        )
     return opt
 
 

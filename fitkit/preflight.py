@@ -19,8 +19,9 @@ from torch import nn
 
 from fitkit import nest
 from fitkit.checks import FitkitWarning
-from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
+from fitkit.forward import call
+from fitkit.gradient_check import check_loss_has_grad, wants_grad_check
 from fitkit.modes import modes
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 
@@ -191,7 +192,9 @@ def first_batch_check(
     if not model.default_test_step:
         _check_with_test_step(model, batch, label)
         return x
-    with modes(module, training=False, grad=False), model.autocast():
+    # Training batches build the graph once, to see that the loss has a gradient to follow.
+    grad = wants_grad_check(model, training)
+    with modes(module, training=False, grad=grad), model.autocast():
         try:
             y_pred = call(module, x)
         except Exception as e:
@@ -203,6 +206,8 @@ def first_batch_check(
                 check_class_range(None, prediction_of(y_pred), y_all)
             elif training:
                 model.compute_loss(x, y, y_pred, w)  # raises: nothing to train on, and the fix
+            if grad:
+                check_loss_has_grad(own_loss(y_pred), label)
         if y is None and model.loss is not None and model.default_compute_loss:
             model.compute_loss(x, y, y_pred, w)  # raises: a compiled loss needs targets
         if y is not None and model.loss is not None:
@@ -213,9 +218,11 @@ def first_batch_check(
                     # Before the loss: torch's own out-of-range error names no fix.
                     prepare(pred, y)  # dtype / shape errors; sets the class layout
                     check_class_range(model.loss, pred, y_all)
-                model.compute_loss(x, y, y_pred, w)
+                loss = model.compute_loss(x, y, y_pred, w)
             except Exception as e:
                 raise wrap("loss", batch, e, module, y_pred, label=label) from e
+            if grad:
+                check_loss_has_grad(loss, label)
         target = targets_of(x, y)
         if model.metrics.entries is None and target is not None:
             pred = require_prediction(y_pred, "the compiled metrics")  # the rule's error names the fix

@@ -7,6 +7,7 @@ world_size()``, so both runs see the same global batches.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
@@ -104,6 +105,14 @@ class TwoHeads(nn.Module):
         return {"same": x, "double": 2 * x}
 
 
+Heads = collections.namedtuple("Heads", "same double")
+
+
+class NamedHeads(nn.Module):
+    def forward(self, x):
+        return Heads(x, 2 * x)
+
+
 def exact_predict(strategy: str = "auto") -> dict:
     """5 samples over the ranks: 5 rows, in input order."""
     model = identity_model(strategy)
@@ -114,6 +123,7 @@ def exact_predict(strategy: str = "auto") -> dict:
         "dataloader": model.predict(DataLoader(TensorDataset(x), batch_size=2), verbose=0),
         "xy_batches": model.predict(DataLoader(TensorDataset(x, torch.zeros(5)), batch_size=3), verbose=0),
         "dict_outputs": heads.predict(x, batch_size=1, verbose=0),
+        "namedtuple_outputs": fitkit.Model(NamedHeads(), device="cpu").predict(x, batch_size=1, verbose=0),
     }
 
 

@@ -166,6 +166,8 @@ def test_predict_returns_every_row_once_in_order(job, strategy):
             assert torch.equal(results[key][kind], x), kind
         heads = results[key]["dict_outputs"]
         assert torch.equal(heads["same"], x) and torch.equal(heads["double"], 2 * x)
+        named = results[key]["namedtuple_outputs"]  # the gather over ranks keeps the namedtuple
+        assert type(named).__name__ == "Heads" and torch.equal(named.same, x) and torch.equal(named.double, 2 * x)
 
 
 @pytest.mark.distributed

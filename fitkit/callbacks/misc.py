@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from fitkit.callbacks.base import HOOKS, Callback
+from fitkit.callbacks.signatures import check_hook_arity
+from fitkit.checks import check_bool
 from fitkit.distributed import say
 
 __all__ = ["TerminateOnNaN", "LambdaCallback"]
@@ -28,6 +30,7 @@ class TerminateOnNaN(Callback):
         raise_error: raise ``RuntimeError`` instead of stopping quietly.
 
     Raises:
+        TypeError: ``raise_error`` is not a bool.
         RuntimeError: with ``raise_error=True``, at the first non-finite loss.
 
     Example:
@@ -42,6 +45,7 @@ class TerminateOnNaN(Callback):
 
     def __init__(self, raise_error: bool = False):
         super().__init__()
+        check_bool("raise_error", raise_error)
         self.raise_error = bool(raise_error)
 
     def on_backward_end(self, batch):
@@ -72,7 +76,8 @@ class LambdaCallback(Callback):
         **hooks: ``hook_name=function`` pairs.
 
     Raises:
-        TypeError: an unknown hook name, or a value that is not callable.
+        TypeError: an unknown hook name, a value that is not callable, or a function that
+            cannot take the hook's arguments (``on_epoch_end=lambda: None``).
 
     Example:
         >>> seen = []
@@ -91,4 +96,5 @@ class LambdaCallback(Callback):
                 raise TypeError(f"Unknown hook {name!r}. Valid names: {', '.join(HOOKS)}.")
             if not callable(fn):
                 raise TypeError(f"Expected `{name}` to be callable. Received: {fn!r}.")
+            check_hook_arity(hook, fn, name)
             setattr(self, hook, fn)  # an instance attribute: CallbackList calls only these

@@ -26,6 +26,7 @@ from fitkit.data.arrays import (
     _to_tensor,
     is_in_memory,
 )
+from fitkit.data.collate import NamingCollate, check_not_empty
 from fitkit.data.weights import ClassWeights
 from fitkit.devices import move_to_device
 
@@ -358,7 +359,8 @@ def as_loader(
                     "Fix: pass one weight per sample."
                 )
             x = _WeightedDataset(x, w)
-        x = DataLoader(x, batch_size=batch_size, shuffle=shuffle)
+        check_not_empty(x)
+        x = DataLoader(x, batch_size=batch_size, shuffle=shuffle, collate_fn=NamingCollate())
     elif isinstance(x, IterableDataset):
         x = DataLoader(x, batch_size=batch_size)
     elif sample_weight is not None:

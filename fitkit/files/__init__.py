@@ -11,16 +11,22 @@ reader never checks them; :func:`safe_load` does), and a fitkit checkpoint also 
 ``"fitkit_checksum"``, a SHA-256 of its payload, verified after loading. Measured on one CPU
 core: 16 ms for a 4 MB module with its Adam state (a 12 MB file), plus 8 ms to verify the
 CRC-32s when loading.
+
+A run's folder is its own: callbacks lock their folder or file (:class:`FileLock`), delete
+only files their own path template makes there (:mod:`fitkit.files.owned`), and check a
+checkpoint's content before anything loads (:mod:`fitkit.files.content`). See the guide
+"What fitkit guarantees about your files".
 """
 
-from fitkit.files.differences import optimizer_differences, state_dict_differences
+from fitkit.files.differences import check_state_dict_fits, optimizer_differences, state_dict_differences
+from fitkit.files.locks import FileLock, LockError
 from fitkit.files.payload import (
     CHECKSUM_KEY,
     check_weights_only,
     payload_checksum,
     to_python,
 )
-from fitkit.files.reading import CheckpointError, safe_load
+from fitkit.files.reading import CheckpointError, RefusedCheckpointError, safe_load
 from fitkit.files.safe_tensors import load_safetensors, save_safetensors
 from fitkit.files.writing import (
     atomic_save,
@@ -33,4 +39,5 @@ __all__ = [
     "CheckpointError", "atomic_save", "safe_load", "remove_stale_temps", "cut_to_last_line",
     "payload_checksum", "check_weights_only", "to_python", "save_safetensors", "load_safetensors",
     "state_dict_differences", "optimizer_differences", "check_target", "CHECKSUM_KEY",
+    "FileLock", "LockError", "RefusedCheckpointError", "check_state_dict_fits",
 ]  # fmt: skip

@@ -18,6 +18,8 @@ from fitkit.metrics.names import (
     _is_metric,
     _make_classification,
     _make_regression,
+    check_regression_shapes,
+    check_reserved_keys,
     infer_task,
     snake_case,
 )
@@ -99,6 +101,7 @@ class MetricSet:
         keys = [k for k, _ in self.specs]
         if len(set(keys)) != len(keys):
             raise ValueError(f"Metric log names must be unique. Received: {keys}. Fix: pass a dict.")
+        check_reserved_keys(keys)
         self.entries: list[_Entry] | None = None if self.specs else []
         self.loss_kind: str | None = None
         self.output: str | None = None
@@ -232,6 +235,7 @@ class MetricSet:
                 dtype = torch.float32 if device.type == "mps" else torch.float64
                 entries.append(_Entry(key, CallableMean(dtype), "callable", fn=m.metric))
             elif m.metric in _REGRESSION:
+                check_regression_shapes(key, y_pred, y)
                 entries.append(_Entry(key, _make_regression(m.metric), "regression"))
             else:
                 entries.append(self._classification_entry(key, m, task, n, y_pred, y))

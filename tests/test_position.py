@@ -82,3 +82,32 @@ def test_a_checkpoint_deciding_on_epochs_without_validation_fails_before_step_1(
         model.fit(X[:1], Y[:1], epochs=6, batch_size=1, validation_data=(X[:1], Y[:1]),
                   validation_freq=[1, 3, 5], callbacks=[ckpt], verbose=0)  # fmt: skip
     assert model.module.b.item() == 0.0 and list(tmp_path.iterdir()) == []
+
+
+# -- the Position value itself --------------------------------------------------------------------
+def test_position_counts_global_samples_and_reads_checkpoints_of_every_version():
+    from fitkit.data import DeviceLoader, TensorBatches
+    from fitkit.position import Position
+
+    running = Position(2, batch_size=4, world=2, n_used=20)  # two ranks: a global batch of 8
+    running.begin_epoch(2)
+    running.enter()
+    running.done(2)
+    assert running.samples == 16
+    running.done(3)
+    assert running.samples == 20  # capped at the samples an epoch uses
+    saved = running.state_dict(pass_offset=0)
+    assert saved == {"epoch": 2, "step_in_epoch": 3, "samples_in_epoch": 20, "pass_offset": 0}
+    old = Position.load_state_dict({"epoch": 1, "step_in_epoch": 2, "batch_size": 4})  # no samples, no pass
+    assert (old.epoch, old.batches, old.pass_offset) == (1, 2, 0)
+    tensors = DeviceLoader(TensorBatches(torch.zeros(8, 1), None, None, 4, False), torch.device("cpu"))
+    assert old.skip_for(tensors) == (2, None)  # no sample count saved: by batches
+    assert Position.load_state_dict({**saved, "batch_size": 4}).skip_for(tensors) == (0, 20)  # by samples
+    tensors_of_3 = DeviceLoader([(torch.zeros(3, 1),)], torch.device("cpu"))
+    tensors_of_3.batch_size = 3
+    with pytest.raises(ValueError, match="batch_size=4.*Fix: resume with batch_size=4"):
+        old.skip_for(tensors_of_3)
+    running.leave()
+    running.end_epoch(2)
+    assert running.state_dict(pass_offset=5) == {"epoch": 3, "step_in_epoch": 0, "samples_in_epoch": 0,
+                                                 "pass_offset": 5}  # fmt: skip

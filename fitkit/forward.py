@@ -1,4 +1,5 @@
-"""``torch.compile`` policy: when to compile, and falling back to eager when it fails.
+"""The training forward: ``torch.compile`` policy (when to compile, falling back to eager when it fails)
+and :class:`Forward`, the callable that runs the module in a step.
 
 ``jit_compile="auto"`` compiles on CUDA, where it pays off, and stays eager elsewhere (on the
 CPU the compile time rarely comes back within a typical run). The compiled module shares the
