@@ -543,6 +543,11 @@ class Model:
             [0, 1]
             >>> model.global_step
             9
+            >>> # validation every 2 optimizer steps, recorded with its step
+            >>> h = model.fit(torch.zeros(10, 2), torch.ones(10, 1), batch_size=5, epochs=2, verbose=0,
+            ...               validation_data=(torch.zeros(4, 2), torch.ones(4, 1)), validation_interval=2)
+            >>> [(v["epoch"], v["step"]) for v in h.validations]
+            [(0, 10), (1, 12)]
         """
         self._require_compiled("fit")
         plan = planning.plan_fit(
