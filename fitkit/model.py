@@ -520,7 +520,8 @@ class Model:
 
         Returns:
             The :class:`~fitkit.History`: ``history.history[key]`` is a list of floats per
-            epoch (``loss``, metrics, ``learning_rate``, ``val_*``).
+            epoch (``loss``, metrics, ``learning_rate``, ``val_*``); ``history.validations``
+            one record per validation (``epoch``, ``step``, ``val_*``).
 
         Raises:
             RuntimeError: ``compile`` was not called.

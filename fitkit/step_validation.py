@@ -16,7 +16,8 @@ epoch end) is recorded in ``history.validations`` as ``{"epoch", "step", "val_..
 (``step``: ``global_step`` when it was taken), and then fires ``on_validation_end(logs)`` with
 that record. ``EarlyStopping``, ``ModelCheckpoint`` and ``ReduceLROnPlateau`` with a ``val_``
 monitor, and a compiled ``ReduceLROnPlateau`` scheduler, act on each validation then (and not
-again at the epoch end); ``patience`` counts validations.
+again at the epoch end); ``patience`` counts validations. A timm plateau scheduler is not
+stepped then (other timm schedulers still get ``step(epoch + 1)`` at epoch ends).
 """
 
 from __future__ import annotations

@@ -171,3 +171,20 @@ def test_a_planned_scheduler_without_a_known_step_count_is_an_error_before_step_
     with pytest.raises(ValueError, match=r"takes `total_steps`.*unknown.*Fix: pass `max_steps="):
         model.fit(batches, epochs=2, verbose=0)
     assert model.global_step == 0 and model.scheduler is None
+
+
+def test_the_progress_line_of_an_unbounded_budget_run_names_no_epoch_count():
+    import io
+
+    from rich.console import Console
+
+    from fitkit.callbacks import ProgressBar
+
+    def endless():
+        while True:
+            yield torch.zeros(2, 3), torch.zeros(2, 1)
+
+    console = Console(file=io.StringIO(), force_terminal=False, width=200)
+    _model().fit(endless(), max_steps=3, callbacks=[ProgressBar(2, console=console)])
+    out = console.file.getvalue()
+    assert out.startswith("Epoch 1 - 3 steps - ") and "None" not in out

@@ -54,7 +54,9 @@ class ReduceLROnPlateau(StatefulCallback):
 
     A NaN value is never the best: it counts as an epoch without improvement (as in Keras).
     On epochs that ``validation_freq`` leaves out, a ``val_`` monitor has no value and the
-    epoch is skipped (see :attr:`fitkit.Model.validated`).
+    epoch is skipped (see :attr:`fitkit.Model.validated`). With
+    ``fit(validation_interval=...)`` and a ``val_`` monitor it decides at each validation
+    (``on_validation_end``) instead, and ``patience`` / ``cooldown`` count validations.
 
     Args:
         monitor: the epoch log key to watch.

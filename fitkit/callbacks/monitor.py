@@ -145,7 +145,9 @@ class EarlyStopping(StatefulCallback):
     none. With a ``baseline``, the wait only restarts on values that also beat the baseline,
     so a baseline never beaten stops training after ``patience`` epochs. With
     ``restore_best_weights``, the weights of the best epoch (a deep copy, taken when it ended)
-    are put back when training ends, whatever ended it.
+    are put back when training ends, whatever ended it. With ``fit(validation_interval=...)``
+    and a ``val_`` monitor it decides at each validation (``on_validation_end``) instead of at
+    epoch ends, and ``patience`` counts validations (:mod:`fitkit.step_validation`).
 
     Three more criteria stop at once, checked in this order before the patience rule
     (Lightning's ``EarlyStopping``): ``check_finite`` stops on a NaN or infinite value,
