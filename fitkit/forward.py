@@ -133,6 +133,8 @@ class Forward:
 
     def __call__(self, x: Any) -> Any:
         """Call the forward on a batch's inputs (see :func:`call`)."""
+        if self._fn is self.eager and isinstance(x, torch.Tensor):
+            return self.eager(x)  # the common case: an eager module and one input tensor
         return call(self.run, x)
 
     @contextlib.contextmanager

@@ -20,6 +20,7 @@ from torch import nn
 from fitkit import nest
 from fitkit.checks import FitkitWarning
 from fitkit.data import TensorBatches, device_batch
+from fitkit.finite import check_batch_loss, check_in_memory
 from fitkit.forward import call
 from fitkit.gradient_check import check_loss_has_grad, wants_grad_check
 from fitkit.modes import modes
@@ -74,30 +75,18 @@ def has_training_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
 
 
-def _check_finite(name: str, part: Any) -> None:
-    for t in nest.leaves(part):
-        if not t.is_floating_point() or t.numel() == 0:
-            continue
-        bad = ~torch.isfinite(t)
-        if bool(bad.any()):
-            rows = bad.reshape(t.shape[0], -1).any(1) if t.dim() else bad.reshape(1)
-            first = int(rows.nonzero()[0, 0])
-            raise ValueError(
-                f"`{name}` holds {int(bad.sum())} NaN or infinite values (first at row {first}). "
-                f"Fix: clean or impute `{name}` before fit; a NaN input turns every weight NaN."
-            )
-
-
-def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool) -> None:
+def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool, model: Any = None) -> None:
     """Check and adapt in-memory data before any step (nothing else changes on an error).
 
+    NaN / inf values are looked for without copying the data; in ``x`` / ``y`` they are refused
+    only where the ``model``'s loss (or gradient) on those rows is not finite (see
+    :mod:`fitkit.finite`; without a model, always).
+
     Raises:
-        ValueError: NaN / inf in ``x``, ``y`` or ``sample_weight``, a negative weight, or training
-            batches of one row each for a module with BatchNorm.
+        ValueError: NaN / inf in ``sample_weight``, or in ``x`` / ``y`` that the loss does not
+            handle, a negative weight, or training batches of one row each for a module with
+            BatchNorm.
     """
-    _check_finite("x", source.x)
-    _check_finite("y", source.y)
-    _check_finite("sample_weight", source.w)
     if source.w is not None and source.w.numel() and bool((source.w < 0).any()):
         first = int((source.w < 0).nonzero()[0, 0])
         raise ValueError(
@@ -105,6 +94,7 @@ def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool) 
             f"({float(source.w[first])}). Fix: weights scale each sample's loss; use 0 to ignore one."
         )
     cast_to_module(source, module)
+    check_in_memory(model, source, training)
     batchnorm = training and has_training_batchnorm(module)
     if batchnorm and (source.batch_size == 1 or source.n == 1):
         raise ValueError(
@@ -221,6 +211,7 @@ def first_batch_check(
                 loss = model.compute_loss(x, y, y_pred, w)
             except Exception as e:
                 raise wrap("loss", batch, e, module, y_pred, label=label) from e
+            check_batch_loss(batch, loss, label)  # NaN in the batch that the loss does not handle
             if grad:
                 check_loss_has_grad(loss, label)
         target = targets_of(x, y)
@@ -310,7 +301,7 @@ def in_memory_check(model: Any, source: TensorBatches, training: bool) -> Any:
     Returns:
         The first batch's ``x`` (a copy) when it was run, else ``None``.
     """
-    prepare_in_memory(source, model.module, training)
+    prepare_in_memory(source, model.module, training, model)
     if source.n == 0 or training and not model.default_train_step and model.default_test_step:
         return None
     return first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y),

@@ -301,9 +301,9 @@ def check_sample_weight_kind(sample_weight: Any) -> None:
 def _sample_weight_tensor(sample_weight: Any) -> torch.Tensor:
     check_sample_weight_kind(sample_weight)
     w = _to_tensor(sample_weight) if is_in_memory(sample_weight) else torch.as_tensor(sample_weight)
-    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+    if not isinstance(w, torch.Tensor) or w.dim() == 0:
         raise ValueError(
-            "Expected `sample_weight` to be a 1-D array with one weight per sample. "
-            f"Received shape {tuple(getattr(w, 'shape', ()))}. Fix: pass shape (N,)."
+            "Expected `sample_weight` to be an array with one weight per sample, (N,), or one per target "
+            f"position, shaped like y. Received shape {tuple(getattr(w, 'shape', ()))}. Fix: pass shape (N,)."
         )
     return w if w.is_floating_point() else w.to(torch.get_default_dtype())

@@ -60,6 +60,7 @@ from fitkit.distributed.group import (  # noqa: F401
     all_gather_object,
     all_reduce_sum,
     any_rank,
+    any_rank_on_device,
     global_share,
     init_if_needed,
     is_distributed,
