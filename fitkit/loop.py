@@ -23,52 +23,17 @@ import torch
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checkpoint import ResumePoint, set_rng_state
-from fitkit.checks import FitkitWarning, check_int
+from fitkit.checks import FitkitWarning
 from fitkit.data import order as _order
 from fitkit.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.modes import modes, warn_if_all_eval
 from fitkit.position import Position
 from fitkit.preflight import BatchGuard
 from fitkit.signals import RankAgreement, deferred
-from fitkit.step_validation import StepValidation, ValidationInterval, record_validation
+from fitkit.step_validation import StepValidation, ValidationInterval, ValidationSchedule, record_validation
 from fitkit.tracking import RunningTotals
 
 __all__ = ["FitLoop", "EvalLoop", "PredictLoop", "ValidationSchedule"]
-
-
-class ValidationSchedule:
-    """After which (0-based) epochs ``fit`` validates: ``validation_freq`` (Keras' argument).
-
-    Args:
-        validation_freq: validate every n epochs (an int), or after the listed 1-based epochs.
-
-    Raises:
-        TypeError / ValueError: not an int >= 1, or a list of them.
-
-    Example:
-        >>> every2, listed = ValidationSchedule(2), ValidationSchedule([1, 5])
-        >>> [e for e in range(6) if every2(e)], listed.epochs(0, 6)
-        ([1, 3, 5], [0, 4])
-    """
-
-    def __init__(self, validation_freq: Any):
-        self.every: int | None = None
-        self.listed: set[int] = set()
-        if isinstance(validation_freq, (list, tuple, set)):
-            for v in validation_freq:
-                check_int("validation_freq", v, 1)
-                self.listed.add(int(v))
-        else:
-            check_int("validation_freq", validation_freq, 1)
-            self.every = int(validation_freq)
-
-    def __call__(self, epoch: int) -> bool:
-        """Whether validation is scheduled after (0-based) ``epoch``."""
-        return (epoch + 1) % self.every == 0 if self.every is not None else epoch + 1 in self.listed
-
-    def epochs(self, start: int, stop: int) -> list[int]:
-        """The scheduled (0-based) epochs of ``range(start, stop)``."""
-        return [e for e in range(start, stop) if self(e)]
 
 
 def _lr_logs(groups: list[Any], keys: list[tuple[int, str]]) -> dict[str, float]:

@@ -21,10 +21,10 @@ from fitkit import distributed as _distributed
 from fitkit.callbacks.base import Callback, CallbackList
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
-from fitkit.loop import ValidationSchedule, lr_keys
+from fitkit.loop import lr_keys
 from fitkit.optim import check_plateau_mode
 from fitkit.preflight import first_batch_check, in_memory_check
-from fitkit.step_validation import ValidationInterval
+from fitkit.step_validation import ValidationInterval, ValidationSchedule
 
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
 

@@ -1,4 +1,5 @@
-"""Validation inside an epoch: ``fit(validation_interval=...)``, and the record of every validation.
+"""When ``fit`` validates: after epochs (``validation_freq``, :class:`ValidationSchedule`) or
+inside them (``validation_interval``), and the record of every validation.
 
 ``validation_interval=N`` (an int) validates after every ``N``-th optimizer step, counted by
 ``global_step`` across epochs (Transformers' ``eval_steps``; Lightning's ``val_check_interval``
@@ -29,10 +30,45 @@ import torch
 
 from fitkit import checkpoint as _checkpoint
 from fitkit.callbacks.logkeys import per_validation
-from fitkit.checks import check_number
+from fitkit.checks import check_int, check_number
 from fitkit.eval_loop import EvalLoop
 
-__all__ = ["ValidationInterval", "StepValidation", "record_validation", "per_validation"]
+__all__ = ["ValidationSchedule", "ValidationInterval", "StepValidation", "record_validation", "per_validation"]
+
+
+class ValidationSchedule:
+    """After which (0-based) epochs ``fit`` validates: ``validation_freq`` (Keras' argument).
+
+    Args:
+        validation_freq: validate every n epochs (an int), or after the listed 1-based epochs.
+
+    Raises:
+        TypeError / ValueError: not an int >= 1, or a list of them.
+
+    Example:
+        >>> every2, listed = ValidationSchedule(2), ValidationSchedule([1, 5])
+        >>> [e for e in range(6) if every2(e)], listed.epochs(0, 6)
+        ([1, 3, 5], [0, 4])
+    """
+
+    def __init__(self, validation_freq: Any):
+        self.every: int | None = None
+        self.listed: set[int] = set()
+        if isinstance(validation_freq, (list, tuple, set)):
+            for v in validation_freq:
+                check_int("validation_freq", v, 1)
+                self.listed.add(int(v))
+        else:
+            check_int("validation_freq", validation_freq, 1)
+            self.every = int(validation_freq)
+
+    def __call__(self, epoch: int) -> bool:
+        """Whether validation is scheduled after (0-based) ``epoch``."""
+        return (epoch + 1) % self.every == 0 if self.every is not None else epoch + 1 in self.listed
+
+    def epochs(self, start: int, stop: int) -> list[int]:
+        """The scheduled (0-based) epochs of ``range(start, stop)``."""
+        return [e for e in range(start, stop) if self(e)]
 
 
 class ValidationInterval:
