@@ -188,3 +188,18 @@ def test_the_progress_line_of_an_unbounded_budget_run_names_no_epoch_count():
     _model().fit(endless(), max_steps=3, callbacks=[ProgressBar(2, console=console)])
     out = console.file.getvalue()
     assert out.startswith("Epoch 1 - 3 steps - ") and "None" not in out
+
+
+def test_the_budget_the_accumulation_schedule_and_step_validation_add_no_host_sync_per_step():
+    from _syncs import CountSteps
+
+    from fitkit.callbacks import GradientAccumulationScheduler
+
+    x, y = _data(40)
+    counts = []
+    for options in ({}, {"max_steps": 12, "validation_data": (x, y), "validation_interval": 11}):
+        model, count = _model(), CountSteps(2, 8)  # steps 3-8: no validation falls in them
+        extra = [GradientAccumulationScheduler({0: 2})] if options else []
+        model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[count, *extra], **options)
+        counts.append(count.count)
+    assert counts[1] == counts[0] == 0
