@@ -190,7 +190,9 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
     differences = state_dict_differences(model.module.state_dict(), state["module"])
     if state["optimizer"] is not None:
         differences += optimizer_differences(model.optimizer, state["optimizer"], state.get("optimizer_class"))
-    differences += _scheduler_differences(model.scheduler, state)
+    planned = getattr(model._stepper, "planned", None)  # a scheduler built at the first fit
+    if planned is None:
+        differences += _scheduler_differences(model.scheduler, state)
     _raise_differences(path, differences)
     model.load_state_dict(state["module"])
     if state["optimizer"] is not None:
@@ -200,6 +202,8 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
             model.optimizer.load_state_dict(state["optimizer"])
     if state["scheduler"] is not None and model.scheduler is not None:
         model.scheduler.load_state_dict(state["scheduler"])
+    elif planned is not None:
+        model._stepper.keep_scheduler_state(state["scheduler"])  # loaded once the first fit has built it
     stepper = model._stepper
     stepper.load_state_dict({"scaler": state["scaler"], "global_step": state["global_step"]})
     if stepper.global_step and model.scheduler is not None:

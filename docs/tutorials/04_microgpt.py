@@ -174,6 +174,46 @@ assert sample.startswith("First Citizen:\n") and len(sample) == 15 + 120
 # (without it, the history would count its epochs from 0 again); :doc:`05_callbacks` shows the automatic version,
 # :class:`~fitkit.callbacks.BackupAndRestore`.
 #
+# A step budget, validated every N steps
+# --------------------------------------
+#
+# Language models are trained for a number of optimizer steps rather than epochs, often inside
+# one long epoch, and validated every so many steps. ``fit(max_steps=...)`` stops after that many
+# optimizer steps (``epochs`` is then unbounded: the budget ends the fit, and the epoch it cuts
+# still ends with its logs and ``History`` entry); ``validation_interval=`` validates every that
+# many optimizer steps (Lightning's ``max_steps`` / ``val_check_interval``, Transformers'
+# ``max_steps`` / ``eval_steps``). Both count optimizer steps, so with two micro-batches per step
+# the 30 steps below are 60 batches. A scheduler factory with a ``total_steps`` parameter is
+# built when ``fit`` starts, with the planned count (here 30): a linear warm-up, then a linear
+# decay to 0 at the last step.
+
+def warmup_decay(optimizer, total_steps, warmup=10):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, (total_steps - s) / (total_steps - warmup)))
+
+torch.manual_seed(0)
+llm = fitkit.Model(GPT(vocab_size=tokenizer.vocab_size, block_size=block_size,
+                       n_layer=1, n_head=2, n_embd=32))
+llm.compile(optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
+            loss="cross_entropy", clip_grad_norm=1.0, gradient_accumulation_steps=2,
+            scheduler=warmup_decay, scheduler_interval="step")
+history = llm.fit(train_set, batch_size=8, max_steps=30, validation_data=val_set,
+                  validation_steps=4, validation_interval=10, verbose=0)
+print(llm.global_step, history.epoch, history.params["total_steps"])
+for v in history.validations:            # one record per validation, with its step
+    print(f"step {v['step']}: val_loss {v['val_loss']:.3f}")
+assert (llm.global_step, history.epoch, history.params["total_steps"]) == (30, [0], 30)
+assert [v["step"] for v in history.validations] == [10, 20, 30]
+
+# %%
+# ``history.history`` stays per epoch (its ``val_loss`` is the epoch's last validation);
+# ``history.validations`` holds every validation with its ``epoch`` and ``step``, and each one
+# fires the ``on_validation_end`` hook: ``EarlyStopping``, ``ModelCheckpoint`` (``{step}`` in a
+# file name) and ``ReduceLROnPlateau`` with a ``val_`` monitor act there, and ``CSVLogger``,
+# ``TensorBoard`` and ``MLflowLogger`` write each value at its step. A validation inside the
+# epoch leaves the training stream alone (same data order, dropout masks and epoch totals as a
+# fit without it), and a ``BackupAndRestore`` backup taken after it resumes exactly.
+#
 # .. _microgpt-full:
 #
 # The full recipe
