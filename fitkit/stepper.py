@@ -327,9 +327,13 @@ class Stepper:
             nn.utils.clip_grad_value_(module.parameters(), self.clip_grad_value)
         if self.scaler is None and veto is None:
             opt.step()
-            skipped, self._stepped = None, True
-        else:
-            skipped = self._optimizer_step(opt, veto)  # a device flag, or None: the host knows
+            opt.zero_grad(set_to_none=True)
+            self._stepped = True
+            if self.scheduler is None:  # nothing else counts steps: the common case inline (hot path)
+                self._steps += 1
+                return True
+            return self._count_step(opt, None)
+        skipped = self._optimizer_step(opt, veto)  # a device flag, or None: the host knows
         opt.zero_grad(set_to_none=True)
         return self._count_step(opt, skipped)
 
