@@ -166,6 +166,7 @@ class FitLoop:
                 self.interrupt.raise_now()
         finally:
             self.running = False
+            _distributed.dcp.wait()  # an async checkpoint still being written ends with fit
             cbs.params.pop("train_data", None)  # History keeps params: not the data
             cbs.close(finished)
             model._resume = None  # a loaded resume point serves one fit only

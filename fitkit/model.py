@@ -1070,24 +1070,29 @@ class Model:
         """
         return _checkpoint.checkpoint_state(self)
 
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
+    def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool | None = None,
+                        async_save: bool = False) -> None:  # fmt: skip
         """Write the full training state (:meth:`checkpoint_state`) to ``path`` atomically.
 
         Under torchrun rank 0 writes (its RNG states); the state is unwrapped, so the file
-        resumes at any world size. With ``strategy="fsdp"`` call it on every rank (gathering
-        the shards is a collective).
+        resumes at any world size. With ``strategy="fsdp"`` the checkpoint is a folder of shards
+        (``torch.distributed.checkpoint``, see :mod:`fitkit.distributed.dcp`): every rank
+        writes its own shards and no rank gathers the full state; it loads at any world size,
+        one process included. Call it on every rank.
 
         Args:
-            path: the file to write; missing parent folders are created, an existing file is
-                replaced.
+            path: the file (or folder) to write; missing parent folders are created, an
+                existing one is replaced once the new one is complete.
+            sharded: write a folder of shards; ``None``: under ``strategy="fsdp"`` only.
+            async_save: for a sharded checkpoint: return once the state is copied off the
+                training tensors and write it in a background thread (one save in flight;
+                the next save, the end of ``fit`` and a SIGTERM wait for it).
 
         Raises:
             OSError: the file cannot be written (the old file, if any, is left as it was).
+            ValueError: ``async_save=True`` for a one-file checkpoint.
         """
-        _checkpoint.check_path(path)
-        state = _checkpoint.checkpoint_state(self)
-        if _distributed.is_rank_zero():
-            _checkpoint.atomic_save(state, path)
+        _checkpoint.save_checkpoint(self, path, sharded, async_save)
 
     def load_checkpoint(self, path: str | os.PathLike) -> int:
         """Restore a checkpoint; the next ``fit(..., initial_epoch=k)`` continues from it.
@@ -1097,7 +1102,7 @@ class Model:
         between does not change the result. A ``BackupAndRestore`` calls it for you.
 
         Args:
-            path: a file written by :meth:`save_checkpoint`.
+            path: a file or a folder of shards written by :meth:`save_checkpoint`.
 
         Returns:
             ``k``: the epoch to pass as ``initial_epoch`` (0-based).

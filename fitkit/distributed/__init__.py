@@ -32,9 +32,12 @@ What a script should know:
 - ``model.stop_training`` set on some ranks only stops every rank where the ranks agree: after
   ``on_backward_end`` when a callback uses that hook (``TerminateOnNaN``), else at the end of
   the epoch. A step vetoed on one rank (``TerminateOnNaN``) is skipped on all.
-- Rank 0 prints and writes files; ``save_weights`` / ``save_checkpoint`` write on rank 0 only
-  and hold the plain module's state. Under ``strategy="fsdp"`` gathering that state is a
-  collective, so those two must be called on every rank.
+- Rank 0 prints and writes files; ``save_weights`` writes on rank 0 only and holds the plain
+  module's full state (under ``strategy="fsdp"`` gathering it is a collective: call it on
+  every rank; it is the full-weights export). ``save_checkpoint`` writes one file on rank 0
+  under DDP, and under ``strategy="fsdp"`` a folder in which every rank writes its own shards
+  (:mod:`~fitkit.distributed.dcp`); call it on every rank. ``fitkit.files.consolidate_weights``
+  turns such a folder into one weights file, offline.
 - A process group you start yourself is used as it is; create the ``Model`` after it.
 
 The package, one concern per module (everything is re-exported here):
@@ -43,6 +46,8 @@ The package, one concern per module (everything is re-exported here):
   loss reductions (``init_if_needed``, ``rank``, ``any_rank``, ``global_share``, ...).
 - :mod:`~fitkit.distributed.parallel`: ``Model(strategy=...)``, DDP / FSDP2 wrapping and full
   state dicts (``check_strategy``, ``Parallel``).
+- :mod:`~fitkit.distributed.dcp`: sharded checkpoints (``torch.distributed.checkpoint``),
+  sync and async, loading at any world size.
 - :mod:`~fitkit.distributed.sharding`: each rank's share of the data and ``predict``'s rows
   gathered back (``already_sharded``, ``shard``, ``gather_predictions``).
 
@@ -55,7 +60,7 @@ Example:
 
 # Names outside __all__ are re-exported too: the model, the loops and the stepper call
 # `fitkit.distributed.sharded`, `.global_share`, `.gather_predictions`, ...
-from fitkit.distributed import parallel
+from fitkit.distributed import dcp, parallel  # noqa: F401
 from fitkit.distributed.group import (  # noqa: F401
     all_gather_object,
     all_reduce_sum,

@@ -11,6 +11,10 @@ reader never checks them; :func:`safe_load` does), and a fitkit checkpoint also 
 ``"fitkit_checksum"``, a SHA-256 of its payload, verified after loading. Measured on one CPU
 core: 16 ms for a 4 MB module with its Adam state (a 12 MB file), plus 8 ms to verify the
 CRC-32s when loading.
+
+A sharded checkpoint (``strategy="fsdp"``) is a folder of ``torch.distributed.checkpoint``
+shards plus a small checksummed file of the rest (:mod:`fitkit.files.sharded`);
+:func:`consolidate_weights` turns one into a single weights file offline.
 """
 
 from fitkit.files.differences import optimizer_differences, state_dict_differences
@@ -22,6 +26,7 @@ from fitkit.files.payload import (
 )
 from fitkit.files.reading import CheckpointError, safe_load
 from fitkit.files.safe_tensors import load_safetensors, save_safetensors
+from fitkit.files.sharded import STATE_NAME, check_sharded, consolidate_weights, is_sharded, remove_path
 from fitkit.files.writing import (
     atomic_save,
     check_target,
@@ -33,4 +38,5 @@ __all__ = [
     "CheckpointError", "atomic_save", "safe_load", "remove_stale_temps", "cut_to_last_line",
     "payload_checksum", "check_weights_only", "to_python", "save_safetensors", "load_safetensors",
     "state_dict_differences", "optimizer_differences", "check_target", "CHECKSUM_KEY",
+    "consolidate_weights", "check_sharded", "is_sharded", "remove_path", "STATE_NAME",
 ]  # fmt: skip
