@@ -200,6 +200,8 @@ class FitLoop:
         self.epoch_rng = torch.get_rng_state()  # replays this epoch's data order on resume
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self._batches()
+        batches = _distributed.agree_on_epoch_end(loader, batches, start)  # already_sharded: even steps
+        stepper.host_rows = _distributed.host_rows(loader)  # fitkit's shards: global batch sizes on the host
         self.in_epoch = True
         ran, skipped = False, 0
         with model._phase(self.totals):

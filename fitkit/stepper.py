@@ -94,6 +94,7 @@ class Stepper:
         self.grad_norm: torch.Tensor | None = None
         self.lrs_used: list[Any] | None = None  # the LRs of the last step, before a scheduler moved them
         self.stop_agreed = False
+        self.host_rows: Any = None  # under torchrun: batch index -> rows of that global batch, if known
         self.validates = False  # whether the running fit validates at all (set by the fit loop)
         self.timm = is_timm_scheduler(scheduler)
         self._stepped = True
@@ -131,7 +132,10 @@ class Stepper:
             sizes = [_batch_weight(b) for b in group]
             # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
             # each rank's share makes DDP's gradient average the exact global mean.
-            total = sum(sizes) if self.parallel is None else _distributed.global_share(sizes)
+            if self.parallel is None:
+                total = sum(sizes)
+            else:  # no collective when every rank's rows are known on the host
+                total = _distributed.global_share(sizes, _distributed.known_rows(self.host_rows, sizes, step))
             for i, batch in enumerate(group):
                 self.micro_scale = sizes[i] / total
                 self.micro_last = i == len(group) - 1

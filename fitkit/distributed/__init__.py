@@ -48,6 +48,8 @@ The package, one concern per module (everything is re-exported here):
   state dicts (``check_strategy``, ``Parallel``).
 - :mod:`~fitkit.distributed.dcp`: sharded checkpoints (``torch.distributed.checkpoint``),
   sync and async, loading at any world size.
+- :mod:`~fitkit.distributed.split`: iterables split by rank and DataLoader worker
+  (``split_by_rank_and_worker``), and one training epoch end agreed by all ranks.
 - :mod:`~fitkit.distributed.sharding`: each rank's share of the data and ``predict``'s rows
   gathered back (``already_sharded``, ``shard``, ``gather_predictions``).
 
@@ -69,6 +71,7 @@ from fitkit.distributed.group import (  # noqa: F401
     init_if_needed,
     is_distributed,
     is_rank_zero,
+    known_rows,
     launched_by_torchrun,
     rank,
     reduce_loss_totals,
@@ -80,10 +83,12 @@ from fitkit.distributed.sharding import (  # noqa: F401
     ShardedTensorBatches,
     already_sharded,
     gather_predictions,
+    host_rows,
     shard,
     sharded,
     unwrap,
 )
+from fitkit.distributed.split import RankWorkerSplit, agree_on_epoch_end, split_by_rank_and_worker  # noqa: F401
 
 #: Values of ``Model(strategy=...)``: "auto" is DDP under torchrun, nothing on one process.
 STRATEGIES = parallel.STRATEGIES  # the same tuple; bound here too so Sphinx finds this comment
@@ -100,6 +105,7 @@ __all__ = [
     "any_rank",
     "all_gather_object",
     "already_sharded",
+    "split_by_rank_and_worker",
     "check_strategy",
     "Parallel",
     "shard",

@@ -156,8 +156,19 @@ def _draw_seed(generator: torch.Generator | None = None) -> int:
 
 
 # -- exact reductions of the loss --------------------------------------------------------
-def global_share(sizes: list[Any]) -> torch.Tensor:
+def known_rows(host_rows: Any, sizes: list[Any], step: int) -> int | None:
+    """The rows of global batches ``step, step + 1, ...`` (one per size) summed, when known on the
+    host: plain row counts (no sample weights) and ``host_rows`` given (fitkit's own shards)."""
+    if host_rows is None or any(isinstance(s, torch.Tensor) for s in sizes):
+        return None
+    return sum(host_rows(step + i) for i in range(len(sizes)))
+
+
+def global_share(sizes: list[Any], host_total: int | None = None) -> torch.Tensor | float:
     """``total / W`` with ``total`` the sum of ``sizes`` over all ranks, as a device tensor.
+
+    ``host_total``: that total, known on the host (every rank's rows of the global batch, from
+    fitkit's own sharding): the share is then a Python float and no collective runs.
 
     ``size / global_share(sizes)`` is then a micro-batch's share ``size * W / total`` of the
     global group: DDP divides the summed gradients by ``W``, so scaling each rank's mean loss by
@@ -165,6 +176,8 @@ def global_share(sizes: list[Any]) -> torch.Tensor:
     gets a share of 0, not 0/0. Host sizes are filled into the device tensor (a kernel
     argument, no copy), so nothing waits for the device.
     """
+    if host_total is not None:
+        return (host_total or 1) / dist.get_world_size()
     total = sum(sizes)
     dev = _comm_device()
     dtype = torch.float64 if dev.type != "mps" else torch.float32

@@ -13,6 +13,7 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    default_collate,
 )
 
 from fitkit.data import (
@@ -113,6 +114,11 @@ class ShardedTensorBatches(TensorBatches):
             idx = slice(a, b) if perm is None else perm[a:b]
             yield _index(x, idx), _index(y, idx), None if w is None else w[idx]
 
+    def global_rows(self, step: int) -> int:
+        """Rows of global batch ``step`` summed over all ranks (known on every rank's host)."""
+        g = self.batch_size * self.world
+        return max(0, min(g, self.n - step * g))
+
     def positions(self) -> torch.Tensor:
         """Global positions (in epoch order) of the rows this rank yields, in yield order."""
         return torch.cat([torch.arange(a, b) for a, b in self._bounds()] or [torch.zeros(0, dtype=torch.int64)])
@@ -152,8 +158,33 @@ class ShardedLoaderBatches(_IterableBatches):
                 continue
             yield batch if keep == m else _index(batch, slice(0, keep))
 
+    def global_rows(self, step: int) -> int:
+        """Rows of batch ``step`` summed over all ranks (each rank's kept share, on the host)."""
+        b = self.source.batch_size  # type: ignore[attr-defined]
+        reals = (max(0, -(-(self.n - r) // self.world)) for r in range(self.world))
+        return sum(max(0, min((step + 1) * b, real) - step * b) for real in reals)
+
     def positions(self) -> torch.Tensor:
         return self.rank + self.world * torch.arange(self.real)
+
+
+def host_rows(loader: DeviceLoader) -> Any:
+    """``step -> rows of global batch step`` for fitkit's own shards, else ``None``.
+
+    Known on the host for in-memory data, and for a DataLoader whose batches are its samples
+    (the default collate; rows cut off by fitkit are counted); not with ``steps_per_epoch``
+    (an epoch's batch index is not the pass's) or a DataLoader that drops its last batch.
+    """
+    src = getattr(loader, "batches", None)
+    if loader.steps is not None or loader.sharded is not True:
+        return None
+    if isinstance(src, ShardedTensorBatches):
+        return src.global_rows
+    if isinstance(src, ShardedLoaderBatches):
+        dl: Any = src.source
+        if dl.collate_fn is default_collate and not dl.drop_last:
+            return src.global_rows
+    return None
 
 
 def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
@@ -167,7 +198,9 @@ def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
     if isinstance(dl.dataset, IterableDataset):
         raise ValueError(
             f"Under torchrun fitkit shards the data per rank, but an IterableDataset "
-            f"({type(dl.dataset).__name__}) cannot be split by index. {fix}"
+            f"({type(dl.dataset).__name__}) cannot be split by index. Fix: split it by rank and worker "
+            "and mark the loader: already_sharded(DataLoader(split_by_rank_and_worker(dataset), "
+            "batch_size=..., num_workers=...)) (both in fitkit.distributed), or pass a map-style Dataset."
         )
     sampler = dl.sampler
     if isinstance(sampler, DistributedSampler):
