@@ -32,10 +32,6 @@ from fitkit.tracking import RunningTotals
 
 __all__ = ["FitLoop", "EvalLoop", "PredictLoop", "validation_epochs"]
 
-#: Under torchrun, the ranks agree on a SIGTERM / SIGINT every this many optimizer steps.
-AGREE_EVERY = 8
-
-
 def validation_epochs(validation_freq: Any):
     """``epoch -> bool``: whether validation is scheduled after that (0-based) epoch.
 
@@ -116,7 +112,7 @@ class FitLoop:
         # on_backward_end, run by the stepper before each optimizer step (None: nobody listens).
         self.before_step = self._on_backward_end if callbacks.wants("on_backward_end") else None
         self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
-        self._since_agreed = 0  # optimizer steps since the ranks last agreed on a signal (torchrun)
+        self._agreement: Any = None  # when the ranks agree on a signal (torchrun), made at the first step
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
         self._warned_short = False
         self._warned_single = False
@@ -301,18 +297,19 @@ class FitLoop:
     def _interrupt_now(self) -> bool:
         """Whether a SIGTERM / SIGINT stops training at this step boundary.
 
-        Under torchrun every rank must stop at the same step: the ranks agree every
-        ``AGREE_EVERY`` optimizer steps (one tiny all-reduce), so a signal to any rank stops all
-        of them within that many steps, and at the latest at the end of the epoch.
+        Under torchrun every rank must stop at the same step: the ranks agree (one tiny
+        all-reduce) after at most 8 optimizer steps and about every 2 seconds
+        (:mod:`fitkit.distributed.agreement`), and at the latest at the end of the epoch.
         """
         local = self.interrupt.signum is not None
         if self.model._parallel is None:
             return local
-        self._since_agreed += 1
-        if self._since_agreed < AGREE_EVERY:
+        if self._agreement is None:
+            self._agreement = _distributed.SignalAgreement()
+        agreed = self._agreement.after_step(local)
+        if agreed is None:  # between agreements: every rank goes on
             return False
-        self._since_agreed = 0
-        if _distributed.any_rank(local) and not local:
+        if agreed and not local:
             self.interrupt.signum = signal.SIGTERM  # another rank was signalled: stop with it
         return self.interrupt.signum is not None
 

@@ -69,10 +69,15 @@ class Model:
             module in DDP at ``compile()``, ``"fsdp"`` shards it with FSDP2 ``fully_shard``;
             the process group starts here if needed (see :mod:`fitkit.distributed`). On one
             process every strategy trains plainly, so the same script runs both ways.
+        timeout: under torchrun, seconds a collective may wait for the other ranks before the
+            job ends with an error (a rank that hangs or died without its process ending);
+            ``None``: the ``FITKIT_DIST_TIMEOUT`` environment variable, else torch's default
+            (10 min for nccl, 30 min for gloo). Used when fitkit starts the process group.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``, ``strategy`` not a string.
-        ValueError: an unknown ``strategy``.
+        TypeError: ``module`` is not an ``nn.Module``, ``strategy`` not a string, ``timeout``
+            not a number.
+        ValueError: an unknown ``strategy``; a ``timeout`` that is not positive.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -86,15 +91,17 @@ class Model:
         [3.0, 2.0]
     """
 
-    def __init__(self, module: nn.Module, *, device: str | torch.device = "auto", strategy: str = "auto"):
+    def __init__(self, module: nn.Module, *, device: str | torch.device = "auto", strategy: str = "auto",
+                 timeout: float | None = None):  # fmt: skip
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"Expected `module` to be a torch.nn.Module. Received: {type(module).__name__}. "
                 "Fix: wrap your network, e.g. fitkit.Model(nn.Sequential(...))."
             )
         _distributed.check_strategy(strategy)
+        timeout = _distributed.check_timeout(timeout)
         self.device = resolve_device(device)
-        _distributed.init_if_needed(self.device)  # under torchrun: nccl on CUDA, gloo on CPU
+        _distributed.init_if_needed(self.device, timeout)  # under torchrun: nccl on CUDA, gloo on CPU
         self.module = module.to(self.device)
         self.strategy = strategy
         self._parallel = _distributed.Parallel(strategy, self.device) if _distributed.is_distributed() else None

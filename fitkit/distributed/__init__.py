@@ -63,10 +63,12 @@ Example:
 # Names outside __all__ are re-exported too: the model, the loops and the stepper call
 # `fitkit.distributed.sharded`, `.global_share`, `.gather_predictions`, ...
 from fitkit.distributed import dcp, parallel  # noqa: F401
+from fitkit.distributed.agreement import SignalAgreement  # noqa: F401
 from fitkit.distributed.group import (  # noqa: F401
     all_gather_object,
     all_reduce_sum,
     any_rank,
+    check_timeout,
     global_share,
     init_if_needed,
     is_distributed,
