@@ -33,6 +33,7 @@ from fitkit.files import (
     save_safetensors,
     state_dict_differences,
 )
+from fitkit.position import Position
 
 __all__ = [
     "atomic_save", "safe_load", "is_rank_zero", "check_path", "checkpoint_state", "load_checkpoint", "ResumePoint",
@@ -90,21 +91,22 @@ class ResumePoint:
     """A loaded checkpoint's position, applied by the next ``fit``.
 
     Attributes:
-        epoch: the epoch to run next (0-based).
-        step_in_epoch: batches of it already done (0: an epoch boundary).
-        samples_in_epoch: samples of it already done (in-memory data resumes by samples).
+        position: the :class:`~fitkit.position.Position` to continue at (epoch, batches and
+            samples done in it, pass offset, the epoch's RNG state).
+        rng: the RNG states of the moment the checkpoint was taken.
+        trackers: the running totals of a checkpoint taken inside an epoch, else ``None``.
     """
 
     def __init__(self, state: dict[str, Any]):
         self.state = state
-        self.epoch = int(state["epoch"])
-        self.step_in_epoch = int(state["step_in_epoch"])
-        self.samples_in_epoch = int(state.get("samples_in_epoch") or 0)
-        self.pass_offset = int(state.get("pass_offset") or 0)  # steps_per_epoch: batches of the pass before
-        self.batch_size = state.get("batch_size")
+        self.position = Position.load_state_dict(state)
         self.rng = state["rng"]
-        self.epoch_rng = state.get("epoch_rng")
         self.trackers = state.get("trackers")
+
+    @property
+    def epoch(self) -> int:
+        """The epoch to run next (0-based)."""
+        return self.position.epoch
 
     def apply_callbacks(self, callbacks: Any) -> None:
         """Callback states and the history (after ``on_train_begin``, so they are this fit's)."""
@@ -128,30 +130,6 @@ class ResumePoint:
             if type(cb).__name__ == "History" and history is not None:
                 cb.load_state_dict(history)
 
-    def skip_for(self, loader: Any) -> tuple[int, int | None]:
-        """``(batches, samples)`` to skip in the resumed epoch of ``loader``.
-
-        In-memory data resumes at the first untrained sample whatever the batch size; other
-        sources resume by batches and need the batch size the checkpoint was taken with.
-
-        Raises:
-            ValueError: another batch size than the checkpoint's, for a source that cannot
-                resume by samples.
-        """
-        from fitkit.data import TensorBatches
-
-        if type(loader.batches) is TensorBatches and self.samples_in_epoch:
-            return 0, self.samples_in_epoch
-        now = getattr(loader, "batch_size", None)
-        if self.batch_size is not None and now is not None and now != self.batch_size:
-            raise ValueError(
-                f"The checkpoint was taken inside epoch {self.epoch + 1} with batch_size={self.batch_size}, "
-                f"but this fit uses batch_size={now}, so the untrained samples of that epoch cannot be "
-                f"found in this source. Fix: resume with batch_size={self.batch_size}, or pass in-memory data."
-            )
-        return self.step_in_epoch, None
-
-
 def checkpoint_state(model: Any, tensors: bool = True) -> dict[str, Any]:
     """The full training state of ``model`` as a ``weights_only``-loadable dict.
 
@@ -160,12 +138,17 @@ def checkpoint_state(model: Any, tensors: bool = True) -> dict[str, Any]:
     """
     from fitkit import __version__
 
-    loop = model._fit
-    position = loop.position() if loop is not None else {"epoch": 0, "step_in_epoch": 0, "samples_in_epoch": 0}
-    position.setdefault("pass_offset", 0)
-    callbacks = loop.callbacks.callbacks if loop is not None and loop.running else []
+    loop = model._running_fit()
+    if loop is not None:
+        part = loop.state_dict()  # inside an epoch: its RNG state and totals too
+    else:  # no fit running: where the last fit ended (plain values), else the start
+        part = dict(model._fit_ended or {"epoch": 0, "step_in_epoch": 0, "samples_in_epoch": 0,
+                                         "pass_offset": 0, "batch_size": None})  # fmt: skip
+    callbacks = loop.callbacks.callbacks if loop is not None else []
     stepper = model._stepper
     history = model.history.state_dict() if model.history is not None else None
+    steps = stepper.state_dict() if stepper is not None else {"scaler": None, "global_step": 0}
+    trackers = {k: part.pop(k) for k in ("epoch_rng", "trackers") if k in part}
     state: dict[str, Any] = {
         "fitkit_version": __version__,
         "module": model.state_dict() if tensors else None,
@@ -173,18 +156,15 @@ def checkpoint_state(model: Any, tensors: bool = True) -> dict[str, Any]:
         "optimizer_class": type(model.optimizer).__name__ if model.optimizer is not None else None,
         "scheduler": model.scheduler.state_dict() if model.scheduler is not None else None,
         "scheduler_class": type(model.scheduler).__name__ if model.scheduler is not None else None,
-        "scaler": stepper.scaler.state_dict() if stepper is not None and stepper.scaler is not None else None,
-        **position,
-        "batch_size": getattr(loop.train, "batch_size", None) if loop is not None else None,
-        "global_step": model.global_step,
+        "scaler": steps["scaler"],
+        **part,
+        "global_step": steps["global_step"],
         "rng": rng_state(),
         "callbacks": {k: cb.state_dict() for k, cb in _stateful(callbacks).items()},
         "callback_config": {k: _config(cb) for k, cb in _stateful(callbacks).items()},
         "history": history,
+        **trackers,
     }
-    if position["step_in_epoch"]:
-        state["epoch_rng"] = loop.epoch_rng
-        state["trackers"] = loop.totals.state_dict()
     return state
 
 
@@ -231,15 +211,13 @@ def _load_rest(model: Any, state: dict[str, Any]) -> int:
     if state["scheduler"] is not None and model.scheduler is not None:
         model.scheduler.load_state_dict(state["scheduler"])
     stepper = model._stepper
-    if state["scaler"] is not None and stepper.scaler is not None:
-        stepper.scaler.load_state_dict(state["scaler"])
-    stepper.global_step = int(state["global_step"])
+    stepper.load_state_dict({"scaler": state["scaler"], "global_step": state["global_step"]})
     if stepper.global_step and model.scheduler is not None:
         # The optimizer did step, in another process: tell torch's scheduler so, or its
         # "scheduler.step() before optimizer.step()" check warns when the resumed epoch
         # has no batch left to run.
         model.optimizer._opt_called = True
-    model._resume = ResumePoint(state)
+    model._await_resume(ResumePoint(state))
     return int(state["epoch"])
 
 

@@ -11,7 +11,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_int", "check_bool", "check_number", "check_choice", "check_callbacks", "FitkitWarning"]
+__all__ = [
+    "check_int", "check_bool", "check_number", "check_choice", "check_callbacks", "check_mode", "check_probability",
+    "check_every", "check_that", "FitkitWarning",
+]
 
 
 def _fix(fix: str | None) -> str:
@@ -96,10 +99,74 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
         raise ValueError(f"Expected `{name}` to be one of {valid}. Received: {name}={value!r}.")
 
 
-def check_callbacks(callbacks: Any) -> list[Any]:
-    """Require ``None`` or a list / tuple of :class:`fitkit.callbacks.Callback`; return a list."""
-    from fitkit.callbacks.base import Callback
+def check_mode(mode: Any) -> None:
+    """Require a monitoring callback's ``mode``: ``"auto"``, ``"min"`` or ``"max"``.
 
+    Example:
+        >>> check_mode("up")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `mode` to be 'auto', 'min' or 'max'. Received: mode='up'.
+    """
+    if mode not in ("auto", "min", "max"):
+        raise ValueError(f"Expected `mode` to be 'auto', 'min' or 'max'. Received: mode={mode!r}.")
+
+
+def check_probability(name: str, value: Any) -> None:
+    """Require a probability in ``[0, 1)`` (a dropout rate).
+
+    Example:
+        >>> check_probability("drop", 1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `drop` to be a probability in [0, 1). Received: drop=1.0.
+    """
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        raise ValueError(f"Expected `{name}` to be a probability in [0, 1). Received: {name}={value!r}.")
+
+
+def check_every(name: str, value: Any, word: str, unit: str) -> None:
+    """Require ``word`` or a positive int (a count of ``unit``), as ``save_freq="epoch"`` or ``100``.
+
+    Example:
+        >>> check_every("save_freq", 0, "epoch", "batches")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `save_freq` to be 'epoch' or a positive int (batches). Received: save_freq=0.
+    """
+    if value == word:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"Expected `{name}` to be {word!r} or a positive int ({unit}). Received: {name}={value!r}."
+        )
+
+
+def check_that(name: str, value: Any, ok: Any, expected: str) -> None:
+    """Require a number for which ``ok(value)`` holds; ``expected`` says what that means.
+
+    Example:
+        >>> check_that("smooth", 1.5, lambda v: 0 <= v < 1, "in [0, 1)")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `smooth` in [0, 1). Received: smooth=1.5.
+    """
+    check_number(name, value)
+    if not ok(value):
+        raise ValueError(f"Expected `{name}` {expected}. Received: {name}={value!r}.")
+
+
+def check_callbacks(callbacks: Any, base: type) -> list[Any]:
+    """Require ``None`` or a list / tuple of ``base`` objects; return a list.
+
+    ``base`` is :class:`fitkit.callbacks.Callback`, passed in: this module imports nothing
+    of fitkit (the callbacks import it).
+
+    Example:
+        >>> class Callback: ...
+        >>> check_callbacks(None, Callback), len(check_callbacks((Callback(),), Callback))
+        ([], 1)
+    """
     if callbacks is None:
         return []
     if not isinstance(callbacks, (list, tuple)):
@@ -108,7 +175,7 @@ def check_callbacks(callbacks: Any) -> list[Any]:
             "Fix: pass callbacks=[...]."
         )
     for cb in callbacks:
-        if not isinstance(cb, Callback):
+        if not isinstance(cb, base):
             raise TypeError(
                 f"Expected every callback to subclass fitkit.callbacks.Callback. Received: {cb!r}. "
                 "Fix: subclass Callback, or wrap functions in LambdaCallback."

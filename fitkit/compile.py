@@ -8,8 +8,9 @@ no file ever carries the ``_orig_mod.`` prefix.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -132,3 +133,14 @@ class Forward:
     def __call__(self, x: Any) -> Any:
         """Call the forward on a batch's inputs (see :func:`call`)."""
         return call(self.run, x)
+
+    @contextlib.contextmanager
+    def plain(self) -> Iterator[None]:
+        """While the body runs, the module itself is the forward: no wrapper, no compilation
+        (the checks before step 1 run an overridden ``test_step`` this way)."""
+        outer = self._fn, self.eager
+        self._fn = self.eager = self.module
+        try:
+            yield
+        finally:
+            self._fn, self.eager = outer

@@ -7,6 +7,7 @@ device type.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -17,6 +18,10 @@ from fitkit import nest
 __all__ = ["resolve_device", "move_to_device", "optimizer_to", "autocast", "PRECISIONS"]
 
 #: Precision names accepted by ``Model.compile(precision=...)`` and the autocast dtype of each.
+#: A reusable no-op context (``autocast`` at ``"32"``, a window's last micro-batch without
+#: ``no_sync``): nothing is built per step.
+NO_CONTEXT = contextlib.nullcontext()
+
 PRECISIONS: dict[str, torch.dtype | None] = {
     "32": None,
     "bf16-mixed": torch.bfloat16,

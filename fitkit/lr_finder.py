@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fitkit import data as _data
-from fitkit.checks import check_number
+from fitkit.checks import check_that
 
 __all__ = ["find_lr", "LRFinderResult"]
 
@@ -119,12 +119,6 @@ class LRFinderResult:
         return fig
 
 
-def _check(name: str, value: Any, ok: Any, expected: str) -> None:
-    check_number(name, value)
-    if not ok(value):
-        raise ValueError(f"Expected `{name}` {expected}. Received: {name}={value!r}.")
-
-
 def find_lr(
     model: Any,
     x: Any,
@@ -187,15 +181,15 @@ def find_lr(
     """
     if getattr(model, "optimizer", None) is None:
         raise RuntimeError("`find_lr` needs a compiled model. Call `model.compile(optimizer=..., loss=...)` first.")
-    _check("start_lr", start_lr, lambda v: v > 0, "> 0")
-    _check("end_lr", end_lr, lambda v: v > start_lr, f"> start_lr={start_lr!r}")
-    _check("smooth", smooth, lambda v: 0 <= v < 1, "in [0, 1)")
+    check_that("start_lr", start_lr, lambda v: v > 0, "> 0")
+    check_that("end_lr", end_lr, lambda v: v > start_lr, f"> start_lr={start_lr!r}")
+    check_that("smooth", smooth, lambda v: 0 <= v < 1, "in [0, 1)")
     if isinstance(num_steps, bool) or not isinstance(num_steps, int):
         raise TypeError(f"Expected `num_steps` to be an int. Received: num_steps={num_steps!r}.")
     if num_steps < 2:
         raise ValueError(f"Expected `num_steps` >= 2. Received: num_steps={num_steps!r}.")
     if diverge_threshold is not None:
-        _check("diverge_threshold", diverge_threshold, lambda v: v > 1, "> 1 or None")
+        check_that("diverge_threshold", diverge_threshold, lambda v: v > 1, "> 1 or None")
     loader = _data.as_loader(x, y, None, batch_size=batch_size, shuffle=True, device=model.device)
     snap = _snapshot(model)
     try:
@@ -211,12 +205,13 @@ def find_lr(
 def _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold) -> LRFinderResult:
     result = LRFinderResult(lrs=[], losses=[], raw_losses=[])
     groups = model.optimizer.param_groups
-    it, avg, best = iter(loader), 0.0, math.inf
+    epoch = 0
+    it, avg, best = loader.epoch_batches(epoch), 0.0, math.inf
     for i in range(num_steps):
         batch = next(it, None)
         if batch is None:  # the data ran out: start another pass
-            loader.epoch += 1
-            it = iter(loader)
+            epoch += 1
+            it = loader.epoch_batches(epoch)
             batch = next(it, None)
             if batch is None:
                 if i == 0:
@@ -244,11 +239,9 @@ def _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold
 
 # -- the model's state (the only code that reads private attributes) -----------------------------
 def _clone(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
     return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-
-
-# The stepper's per-step record that a sweep's steps overwrite (model.grad_norm, the LRs used).
-_STEPPER_FIELDS = ("grad_norm", "lrs_used", "micro_last", "micro_scale", "window_loss", "skip_requested")
 
 
 def _snapshot(model: Any) -> dict[str, Any]:
@@ -265,8 +258,8 @@ def _snapshot(model: Any) -> dict[str, Any]:
         "scheduler": model.scheduler,
         "scheduler_state": None if model.scheduler is None else copy.deepcopy(model.scheduler.state_dict()),
         "scaler": None if scaler is None else copy.deepcopy(scaler.state_dict()),
-        "global_step": model.global_step,
-        "stepper": {k: _clone(getattr(model._stepper, k)) for k in _STEPPER_FIELDS},
+        # The step count and the per-step record a sweep's steps overwrite (grad_norm, LRs used).
+        "stepper": _clone(model._stepper.state_dict(record=True)),
         "stop_training": model.stop_training,
         "rng": (
             random.getstate(), np.random.get_state(), torch.get_rng_state(),
@@ -300,9 +293,7 @@ def _restore(model: Any, snap: dict[str, Any]) -> None:
         model.scheduler.load_state_dict(snap["scheduler_state"])
     if snap["scaler"] is not None:
         model.grad_scaler.load_state_dict(snap["scaler"])
-    model._stepper.global_step = snap["global_step"]
-    for k, v in snap["stepper"].items():
-        setattr(model._stepper, k, v)
+    model._stepper.load_state_dict(snap["stepper"])
     model.stop_training = snap["stop_training"]
     py, np_state, torch_state, cuda = snap["rng"]
     random.setstate(py)

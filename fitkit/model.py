@@ -1,14 +1,17 @@
 """The ``Model``: compile, fit, evaluate, predict around any ``nn.Module``.
 
-The model is a facade. It holds what outlives a call (the module, the compiled loss, metrics,
-optimizer and :class:`~fitkit.stepper.Stepper`, the history) and hands each call to an object
-that owns that call's state. The data flow of ``fit``, in the order a batch meets it::
+The model is a facade. It holds what outlives a call (the module, the compiled loss, the
+metric template and phase stack, the :class:`~fitkit.stepper.Stepper`, the history, a pending
+resume point) and hands each call to an object that owns that call's state; once a call
+returns or raises, nothing of it stays reachable from the model. The data flow of ``fit``, in
+the order a batch meets it::
 
-    Model.fit                     checks every argument (model.py)
+    Model.fit                     the verb (model.py)
+    -> planning.plan_fit          checks every argument, builds the loaders (planning.py)
     -> distributed.sharded        as_loader, then each rank's share (data/, distributed/)
     -> preflight.in_memory_check  in-memory data and its first batch (preflight.py)
-    -> FitLoop.run / run_epoch    epochs, position, resume, totals (loop.py)
-    -> DeviceLoader.__iter__      the only place a batch changes device (data/loaders.py)
+    -> FitLoop.run / run_epoch    epochs, Position, resume, totals (loop.py, position.py)
+    -> DeviceLoader.epoch_batches the only place a batch changes device (data/loaders.py)
     -> Stepper.micro_batches      the accumulation window (stepper.py)
     -> Model.train_step           forward, compute_loss, backward, update_metrics,
                                   optimizer_step -> Stepper.step (model.py, stepper.py)
@@ -17,10 +20,8 @@ that owns that call's state. The data flow of ``fit``, in the order a batch meet
 
 from __future__ import annotations
 
-import contextlib
 import os
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,31 +32,22 @@ from fitkit import checkpoint as _checkpoint
 from fitkit import compile as _compile
 from fitkit import data as _data
 from fitkit import distributed as _distributed
-from fitkit import nest
-from fitkit.callbacks.base import Callback, CallbackList, History
-from fitkit.callbacks.progress import ProgressBar, resolve_verbose
-from fitkit.checks import (
-    FitkitWarning,
-    check_bool,
-    check_callbacks,
-    check_int,
-    check_number,
-)
-from fitkit.devices import PRECISIONS, optimizer_to, resolve_device
-from fitkit.loop import EvalLoop, FitLoop, PredictLoop, groups_differ, validation_epochs
+from fitkit import nest, planning
+from fitkit.callbacks.base import Callback, History
+from fitkit.checks import check_int, check_number
+from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
+from fitkit.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
 from fitkit.modes import modes
 from fitkit.optim import resolve_optimizer, resolve_scheduler
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
-from fitkit.preflight import cast_to_module, first_batch_check, in_memory_check
+from fitkit.preflight import cast_to_module
 from fitkit.stepper import Stepper
 from fitkit.summary import summary_table
-from fitkit.tracking import RunningTotals, fresh_metrics
+from fitkit.tracking import Phases
 
 __all__ = ["Model"]
-
-_NO_CONTEXT = contextlib.nullcontext()  # reusable: no object built per step
 
 
 class Model:
@@ -105,15 +97,10 @@ class Model:
         self.module = module.to(self.device)
         self.strategy = strategy
         self._parallel = _distributed.Parallel(strategy, self.device) if _distributed.is_distributed() else None
-        # What compile sets (public, read by callbacks and loggers; the optimizer and the
-        # scheduler are the stepper's, see the properties below).
-        self.scheduler_interval = "epoch"
+        # What compile sets (public, read by callbacks and loggers; the optimizer, the scheduler
+        # and the step options are the stepper's, the metric template the phase stack's: see the
+        # properties below).
         self.loss: Any = None
-        self.metrics = MetricSet()
-        self.precision = "32"
-        self.gradient_accumulation_steps = 1
-        self.clip_grad_norm: float | None = None
-        self.clip_grad_value: float | None = None
         # Flags a callback sets; the running loop reads them.
         self.stop_training = False
         self.stop_evaluating = False
@@ -121,10 +108,14 @@ class Model:
         self.history: History | None = None
         self._stepper: Stepper | None = None
         self._forward = _compile.Forward(self.module)
-        self._fit: FitLoop | None = None  # the running fit, or the last one (``_fit.running``)
-        self._phases: list[RunningTotals] = []  # totals of the running phases, innermost last
+        self._fit: FitLoop | None = None  # the running fit only (None once it returned or raised)
+        self._phases = Phases(self.device, _distributed.reduce_loss_totals if self._parallel is not None else None)
         self._resume: _checkpoint.ResumePoint | None = None  # loaded, waiting for the next fit
         self._example_x: Any = None  # the last first batch checked (summary's output shapes)
+        # What the model keeps of the last fit: plain values (model.epoch, model.validated, and
+        # where a checkpoint taken now continues).
+        self._fit_ended: dict[str, Any] | None = None
+        self._last_epoch, self._last_validated = 0, False
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -140,6 +131,37 @@ class Model:
     def scheduler(self, value: Any) -> None:
         self._require_compiled("scheduler").set_scheduler(value)
 
+    @property
+    def metrics(self) -> MetricSet:
+        """The compiled metrics: the template each phase (epoch, validation, evaluate) copies."""
+        return self._phases.template
+
+    # The step options compile set, stored once, in the stepper (read-only here).
+    @property
+    def precision(self) -> str:
+        """The compiled precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``."""
+        return "32" if self._stepper is None else self._stepper.precision
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (1 before ``compile``)."""
+        return 1 if self._stepper is None else self._stepper.accumulation
+
+    @property
+    def clip_grad_norm(self) -> float | None:
+        """The compiled max global gradient 2-norm, or ``None``."""
+        return None if self._stepper is None else self._stepper.clip_grad_norm
+
+    @property
+    def clip_grad_value(self) -> float | None:
+        """The compiled max absolute gradient element, or ``None``."""
+        return None if self._stepper is None else self._stepper.clip_grad_value
+
+    @property
+    def scheduler_interval(self) -> str:
+        """When a torch scheduler steps: ``"epoch"`` or ``"step"``."""
+        return "epoch" if self._stepper is None else self._stepper.interval
+
     # -- the public vocabulary of callbacks and overrides ------------------------------------
     @property
     def global_step(self) -> int:
@@ -149,7 +171,7 @@ class Model:
     @property
     def epoch(self) -> int:
         """The running epoch of ``fit`` (0-based; after fit, the last one run; read-only)."""
-        return 0 if self._fit is None else self._fit.epoch
+        return self._last_epoch if self._fit is None else self._fit.epoch
 
     @property
     def validated(self) -> bool:
@@ -173,7 +195,7 @@ class Model:
             [False, True, False, True]
         """
         loop = self._fit
-        return bool(loop is not None and loop.validated)
+        return self._last_validated if loop is None else bool(loop.validated)
 
     @property
     def closes_accumulation_window(self) -> bool:
@@ -250,7 +272,7 @@ class Model:
         self.module.to(self.device)
         if self.optimizer is not None:
             optimizer_to(self.optimizer, self.device)
-        self.metrics.to(self.device)
+        self._phases.to(self.device)
         self._forward = _compile.Forward(self.module, self._wrap_for_training(), self._forward.jit)
         return self
 
@@ -371,16 +393,12 @@ class Model:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
         opt = resolve_optimizer(optimizer, self.module, self.device)
         sched = resolve_scheduler(scheduler, opt, scheduler_interval)
-        self.scheduler_interval = scheduler_interval
         self.loss = loss_fn
-        self.metrics = metric_set.configure(loss_fn, self.device)
-        self.precision = precision
-        self.gradient_accumulation_steps = int(gradient_accumulation_steps)
-        self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
+        self._phases.configure(metric_set.configure(loss_fn, self.device))
         if self._stepper is not None:
             self._stepper.close()
         self._stepper = Stepper(
-            opt, sched, scheduler_interval, precision, self.device, self.gradient_accumulation_steps,
+            opt, sched, scheduler_interval, precision, self.device, int(gradient_accumulation_steps),
             clip_grad_norm, clip_grad_value, self._parallel,
         )  # fmt: skip
         self._forward = _compile.Forward(self.module, self._wrap_for_training(), jit)
@@ -475,133 +493,49 @@ class Model:
             ([0, 1, 2], ['learning_rate', 'loss'])
         """
         self._require_compiled("fit")
-        batch_size = 32 if batch_size is None else batch_size
-        check_int("batch_size", batch_size, 1)
-        check_int("epochs", epochs, 0)
-        check_int("initial_epoch", initial_epoch, 0)
-        check_int("steps_per_epoch", steps_per_epoch, 1, allow_none=True)
-        check_int("validation_steps", validation_steps, 1, allow_none=True)
-        check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
-        check_bool("shuffle", shuffle)
-        check_number("validation_split", validation_split)
-        if not 0 <= validation_split < 1:
-            raise ValueError(
-                f"Expected `validation_split` in [0, 1). Received: validation_split={validation_split!r}. "
-                "Fix: pass a fraction such as 0.2."
-            )
-        val_epochs = validation_epochs(validation_freq)
-        verbose = resolve_verbose(verbose)
-        callbacks = check_callbacks(callbacks)
-        self._check_schedules(callbacks)
-        if x is None:
-            raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")
-        if validation_split:
-            if validation_data is not None:
-                warnings.warn(
-                    "`validation_data` is given, so `validation_split` is ignored.",
-                    category=FitkitWarning,
-                    stacklevel=2,
-                )
-            else:
-                (x, y, sample_weight), validation_data = _data.split_validation(x, y, sample_weight, validation_split)
-        train = _distributed.sharded(
-            _data.as_loader, x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-            class_weight=class_weight, steps=steps_per_epoch, device=self.device,
+        plan = planning.plan_fit(
+            self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+            class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
         )  # fmt: skip
-        val = None
-        if validation_data is not None:
-            val = _distributed.sharded(
-                _data.validation_loader, validation_data, batch_size=validation_batch_size or batch_size,
-                device=self.device,
-            )  # fmt: skip
-        self._check_data(train, "x", training=True)
-        if val is not None:
-            self._check_data(val, "validation_data", training=False, validation=True)
-        if initial_epoch >= epochs:
-            warnings.warn(
-                f"initial_epoch={initial_epoch} >= epochs={epochs}: nothing will train (`epochs` is the index "
-                "of the last epoch, as in Keras). Fix: pass epochs > initial_epoch.",
-                category=FitkitWarning, stacklevel=2,
-            )
-        if not any(p.requires_grad for p in self.module.parameters()):
-            warnings.warn(
-                "The module has no trainable parameter: fit computes and logs the loss and metrics, but "
-                "no weight changes. Fix: set `requires_grad=True` on the parameters to train.",
-                category=FitkitWarning, stacklevel=2,
-            )
-        validates = val is not None
-        params = {"batch_size": batch_size, "do_validation": validates, "metrics": self._planned_keys(validates),
-                  # the (0-based) epochs whose validation is scheduled
-                  "validation_epochs": [e for e in range(initial_epoch, epochs) if validates and val_epochs(e)]}
-        cbs = self._callback_list(callbacks, verbose, epochs, train.num_batches, history=True, **params)
-        loop = FitLoop(self, train, (val, val_epochs, validation_steps), cbs, initial_epoch, epochs)
-        self._fit = loop
-        loop.run()
-        return loop.history
-
-    def _check_schedules(self, callbacks: list[Callback]) -> None:
-        from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
-
-        clash = [type(cb).__name__ for cb in callbacks if isinstance(cb, (LearningRateScheduler, ReduceLROnPlateau))]
-        if self.scheduler is not None and clash:
-            raise ValueError(
-                f"compile(scheduler={type(self.scheduler).__name__}) and a {clash[0]} callback would both "
-                "set the learning rate of the same optimizer, and their changes would multiply. Fix: "
-                "use one of them: drop `scheduler=` from compile, or the callback."
-            )
-
-    def _check_data(self, loader: _data.DeviceLoader, name: str, training: bool, validation: bool = False) -> None:
-        src = loader.batches
-        if not isinstance(src, _data.TensorBatches):
-            if getattr(src, "num_batches", None) == 0:  # a DataLoader over an empty Dataset: known before step 1
-                raise ValueError(
-                    f"`{name}` ({type(getattr(src, 'source', src)).__name__}) has 0 batches. Fix: pass data "
-                    "with at least one sample (an empty Dataset or filter?)."
-                )
-            if validation:  # fit's validation runs after epoch 1: check its first batch now
-                self._check_first_validation_batch(loader)
-            return
-        if src.n == 0:
-            raise ValueError(
-                f"`{name}` has 0 samples. Fix: pass at least one sample (an empty split or filter?)."
-            )
-        in_memory_check(self, src, training=training and type(src) is _data.TensorBatches)
-
-    def _check_first_validation_batch(self, loader: _data.DeviceLoader) -> None:
-        """A re-iterable validation source (a DataLoader, a list) gets its first batch checked
-        before step 1, as training data does; the RNG is put back, so shuffling is unchanged."""
-        source = getattr(loader.batches, "source", None)
-        if source is None or isinstance(source, Iterator) or getattr(loader, "sharded", False):
-            return  # a one-shot iterator would lose its batch; under torchrun each rank has its own
-        rng = _checkpoint.rng_state()
+        self._keep_example(plan.example)
+        self.history = History()
+        cbs = planning.callback_list(self, plan.callbacks, plan.verbose, epochs, plan.train.num_batches,
+                                     self.history, **plan.params)  # fmt: skip
+        loop = FitLoop(self, plan.train, cbs, initial_epoch=initial_epoch, epochs=epochs, validation=plan.val,
+                       schedule=plan.schedule, validation_steps=validation_steps)  # fmt: skip
+        del plan, cbs  # the loop holds the call's data and callbacks; it lets go when it ends
+        outer, self._fit = self._fit, loop
         try:
-            batch = next(iter(loader), None)
+            loop.run()
         finally:
-            _checkpoint.set_rng_state(rng)
-        if batch is not None:
-            first_batch_check(self, batch, label="first validation batch", training=False)
+            self._fit = outer
+            self._let_go(loop)
+        return self.history
 
-    def _planned_keys(self, validates: bool) -> list[str]:
-        """Epoch-log keys fit will write, in order (``params["metrics"]``, as Keras has it)."""
-        keys = ["loss", *self.metrics.keys]
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        per_group = self.optimizer is not None and groups_differ(self.optimizer, self.scheduler)
-        lr_keys = ["learning_rate"] + ([f"learning_rate/pg{i}" for i in range(1, len(groups))] if per_group else [])
-        val_keys = [f"val_{k}" for k in ("loss", *self.metrics.keys)] if validates else []
-        return keys + lr_keys + val_keys
+    def _let_go(self, loop: FitLoop) -> None:
+        """Keep plain values of a finished (or failed) fit; the loop and its data go."""
+        self._last_epoch, self._last_validated = loop.epoch, bool(loop.validated)
+        self._fit_ended = loop.state_dict(boundary=True)
+        self._keep_example(loop.example)
 
-    def _callback_list(self, callbacks: list[Callback], verbose: int, epochs: int | None, steps: int | None,
-                       history: bool = False, **params: Any) -> CallbackList:  # fmt: skip
-        verbose = verbose if _distributed.is_rank_zero() else 0  # torchrun: rank 0 prints
-        cbs = list(callbacks)
-        all_params = {"verbose": verbose, "epochs": epochs, "steps": steps, **params}
-        if history:
-            self.history = History()
-            self.history.params = all_params
-            cbs.append(self.history)
-        if verbose and not any(isinstance(c, ProgressBar) for c in cbs):
-            cbs.append(ProgressBar(verbose))
-        return CallbackList(cbs, self, all_params)
+    def _keep_example(self, x: Any) -> None:
+        if x is not None:
+            self._example_x = x  # the last first batch checked: summary's input
+
+    def _running_fit(self) -> FitLoop | None:
+        """The running fit loop (a checkpoint taken now holds its position), else ``None``."""
+        loop = self._fit
+        return loop if loop is not None and loop.running else None
+
+    def _await_resume(self, point: _checkpoint.ResumePoint) -> None:
+        self._resume = point  # a loaded checkpoint's position, for the next fit
+
+    def _pop_resume(self) -> _checkpoint.ResumePoint | None:
+        point, self._resume = self._resume, None
+        return point
 
     # -- evaluate / predict ------------------------------------------------------------------
     def evaluate(
@@ -649,16 +583,12 @@ class Model:
             {'loss': 4.0, 'mae': 1.600000023841858}
         """
         self._require_compiled("evaluate")
-        batch_size = 32 if batch_size is None else batch_size
-        check_int("batch_size", batch_size, 1)
-        check_int("steps", steps, 1, allow_none=True)
-        verbose = resolve_verbose(verbose)
-        callbacks = check_callbacks(callbacks)
+        batch_size, verbose, callbacks = planning.call_args(batch_size, steps, verbose, callbacks)
         loader = _distributed.sharded(
             _data.as_loader, x, y, sample_weight, batch_size=batch_size, device=self.device, steps=steps
         )
-        self._check_data(loader, "x", training=False)
-        cbs = self._callback_list(callbacks, verbose, None, loader.num_batches)
+        self._keep_example(planning.check_data(self, loader, "x", training=False))
+        cbs = planning.callback_list(self, callbacks, verbose, None, loader.num_batches)
         return EvalLoop(self, loader, cbs, steps).run()
 
     def predict(
@@ -699,18 +629,14 @@ class Model:
             >>> model.predict(torch.zeros(10, 3), batch_size=4, verbose=0).shape
             torch.Size([10, 2])
         """
-        batch_size = 32 if batch_size is None else batch_size
-        check_int("batch_size", batch_size, 1)
-        check_int("steps", steps, 1, allow_none=True)
-        verbose = resolve_verbose(verbose)
-        callbacks = check_callbacks(callbacks)
+        batch_size, verbose, callbacks = planning.call_args(batch_size, steps, verbose, callbacks)
         loader = _distributed.sharded(_data.as_loader, x, batch_size=batch_size, device=self.device, steps=steps)
         src = loader.batches
         if isinstance(src, _data.TensorBatches):
             cast_to_module(src, self.module)  # float64 arrays into a float32 module, as fit does
         if isinstance(src, _data.TensorBatches) and src.n == 0 and not _distributed.is_distributed():
             return self.predict_on_batch(src.x)
-        cbs = self._callback_list(callbacks, verbose, None, loader.num_batches)
+        cbs = planning.callback_list(self, callbacks, verbose, None, loader.num_batches)
         out = PredictLoop(self, loader, cbs, steps).run()
         nothing = isinstance(out, torch.Tensor) and out.numel() == 0 and out.dim() == 1
         if nothing and not isinstance(src, _data.TensorBatches):
@@ -750,10 +676,11 @@ class Model:
         """
         stepper = self._require_compiled("train_on_batch")
         batch = _data.device_batch(x, y, sample_weight, device=self.device, class_weight=class_weight)
-        totals = self._new_totals()
-        with self._step_of_its_own(stepper), modes(self.module, training=None, grad=True), self._phase(totals):
+        phases = self._phases
+        totals = phases.new_totals()
+        with stepper.step_of_its_own(), modes(self.module, training=None, grad=True), phases.running(totals):
             self.train_step(batch)
-        self._adopt_metrics(totals)
+        phases.adopt(totals)
         return totals.result()
 
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
@@ -779,8 +706,8 @@ class Model:
         """
         self._require_compiled("test_on_batch")
         batch = _data.device_batch(x, y, sample_weight, device=self.device)
-        totals = self._new_totals()
-        with modes(self.module, training=False, grad=False), self._phase(totals):
+        totals = self._phases.new_totals()
+        with modes(self.module, training=False, grad=False), self._phases.running(totals):
             self.test_step(batch)
         return totals.result()
 
@@ -887,7 +814,7 @@ class Model:
             with self.autocast():
                 y_pred = self._forward(x)
                 loss = self.compute_loss(x, y, y_pred, sample_weight)
-            if self._parallel is not None and _rows(y if y is not None else x) == 0:
+            if self._parallel is not None and nest.rows(y if y is not None else x) == 0:
                 loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
             self.backward(loss)
         # Metrics first: a metric that rejects the batch then fails before the weights change.
@@ -923,9 +850,7 @@ class Model:
     def autocast(self) -> Any:
         """The autocast context of the compiled ``precision`` (a no-op for ``"32"``)."""
         if self.precision == "32":
-            return _NO_CONTEXT
-        from fitkit.devices import autocast
-
+            return NO_CONTEXT
         return autocast(self.device, self.precision)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -944,12 +869,7 @@ class Model:
         GradScaler and a per-step scheduler. Returns whether the weights changed.
         """
         stepper = self._stepper or self._require_compiled("optimizer_step")
-        loop = self._fit
-        # The fit's on_backward_end, for the fit's own steps (not a nested train_on_batch).
-        before = None
-        if loop is not None and loop.running and self._phases and self._phases[-1] is loop.totals:
-            before = loop.before_step
-        return stepper.step(self.module, before, self._wants_stop)
+        return stepper.step(self.module)
 
     def _wants_stop(self) -> bool:
         return self.stop_training
@@ -966,52 +886,17 @@ class Model:
         Raises:
             RuntimeError: called outside ``fit`` / ``evaluate`` / ``*_on_batch``.
         """
-        if not self._phases:
+        stack = self._phases.stack
+        if not stack:
             raise RuntimeError(
                 "`update_metrics` adds to the running fit / evaluate; it was called outside one. "
                 "Fix: call it from train_step or test_step."
             )
-        totals = self._phases[-1]
+        totals = stack[-1]
         pred = y_pred if isinstance(y_pred, torch.Tensor) else prediction_of(y_pred)
         if pred is None and y is not None and totals.metrics.entries != []:
             require_prediction(y_pred, "the compiled metrics")  # raises, naming the rule and the fix
         totals.update(loss, y_pred if pred is None else pred, y, sample_weight)
-
-    # -- phases ------------------------------------------------------------------------------
-    def _new_totals(self) -> RunningTotals:
-        reduce = _distributed.reduce_loss_totals if self._parallel is not None else None
-        return RunningTotals(fresh_metrics(self.metrics), self.device, reduce)
-
-    @contextlib.contextmanager
-    def _phase(self, totals: RunningTotals) -> Iterator[None]:
-        self._phases.append(totals)
-        try:
-            yield
-        finally:
-            self._phases.pop()
-
-    @contextlib.contextmanager
-    def _step_of_its_own(self, stepper: Stepper) -> Iterator[None]:
-        """A ``train_on_batch`` step is a window of its own, also when a callback calls it
-        inside a ``fit``: the fit's accumulated gradients and window are set aside meanwhile."""
-        window = (stepper.micro_last, stepper.micro_scale, stepper.window_loss, stepper.skip_requested)
-        params = [p for g in stepper.optimizer.param_groups for p in g["params"]]
-        grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        stepper.single_batch()
-        stepper.window_loss, stepper.skip_requested = None, False
-        try:
-            yield
-        finally:
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            stepper.micro_last, stepper.micro_scale, stepper.window_loss, stepper.skip_requested = window
-
-    def _adopt_metrics(self, totals: RunningTotals) -> None:
-        # Metrics built from a phase's first batch (iterable data) serve later phases too.
-        if self.metrics.entries is None and totals.metrics.entries is not None:
-            self.metrics = fresh_metrics(totals.metrics)
 
     # -- files -------------------------------------------------------------------------------
     def save_weights(self, path: str | os.PathLike) -> None:
@@ -1232,7 +1117,3 @@ class Model:
 
         return find_lr(self, x, y, **kwargs)
 
-
-def _rows(x: Any) -> int:
-    ts = nest.leaves(x)
-    return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1

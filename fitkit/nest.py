@@ -3,7 +3,8 @@
 Batches and module outputs are tensors, or tuples, lists, namedtuples and dicts (any depth) of
 them. :func:`map_structure` rebuilds such a structure with a function applied to each tensor;
 :func:`leaves` lists the tensors; :func:`concat` joins a list of same-shaped structures along
-dim 0 (``predict``'s batches), keeping namedtuples as namedtuples.
+dim 0 (``predict``'s batches), keeping namedtuples as namedtuples; :func:`rows` counts the
+samples of a batch; :func:`rebuild` makes a container like another from new items.
 """
 
 from __future__ import annotations
@@ -13,10 +14,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["map_structure", "leaves", "concat"]
+__all__ = ["map_structure", "leaves", "concat", "rows", "rebuild"]
 
 
-def _rebuild(like: Any, items: list[Any]) -> Any:
+def rebuild(like: Any, items: list[Any]) -> Any:
+    """A tuple, namedtuple or list of the same type as ``like``, holding ``items``.
+
+    Example:
+        >>> from collections import namedtuple
+        >>> P = namedtuple("P", "a b")
+        >>> rebuild(P(1, 2), [3, 4]), rebuild((1,), [5]), rebuild([1], [6])
+        (P(a=3, b=4), (5,), [6])
+    """
     if isinstance(like, tuple) and hasattr(like, "_fields"):
         return type(like)(*items)
     if isinstance(like, tuple):
@@ -38,7 +47,7 @@ def map_structure(fn: Callable[[Any], Any], obj: Any, leaf: type | tuple[type, .
     if isinstance(obj, leaf):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
-        return _rebuild(obj, [map_structure(fn, o, leaf) for o in obj])
+        return rebuild(obj, [map_structure(fn, o, leaf) for o in obj])
     if isinstance(obj, Mapping):
         return {k: map_structure(fn, v, leaf) for k, v in obj.items()}
     return obj
@@ -78,7 +87,24 @@ def concat(parts: list[Any]) -> Any:
     if isinstance(first, torch.Tensor):
         return torch.cat(parts).cpu()
     if isinstance(first, (tuple, list)):
-        return _rebuild(first, [concat([p[i] for p in parts]) for i in range(len(first))])
+        return rebuild(first, [concat([p[i] for p in parts]) for i in range(len(first))])
     if isinstance(first, Mapping):
         return {k: concat([p[k] for p in parts]) for k in first}
     return parts
+
+
+def rows(obj: Any, unbatched: int = 1) -> int:
+    """Samples in a batch (or a batch's part): dim 0 of its first tensor, depth first.
+
+    The one rule of fitkit for "rows in a batch". A structure without a batch dimension (no
+    tensor, or a 0-dim first tensor) is one sample by default, as a single value is for a
+    loss; ``unbatched=0`` counts it as no row instead (the rows of a prediction to gather).
+
+    Example:
+        >>> rows({"a": torch.zeros(5, 2)}), rows(torch.tensor(3.0)), rows(torch.tensor(3.0), unbatched=0)
+        (5, 1, 0)
+    """
+    if isinstance(obj, torch.Tensor):  # the common case first: one tensor, no walk
+        return int(obj.shape[0]) if obj.dim() else unbatched
+    ts = leaves(obj)
+    return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else unbatched

@@ -24,7 +24,10 @@ from fitkit.data import TensorBatches, device_batch
 from fitkit.modes import modes
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 
-__all__ = ["prepare_in_memory", "cast_to_module", "first_batch_check", "wrap", "describe", "has_training_batchnorm"]
+__all__ = [
+    "prepare_in_memory", "cast_to_module", "first_batch_check", "wrap", "describe", "has_training_batchnorm",
+    "BatchGuard",
+]
 
 
 def describe(batch: Any) -> str:
@@ -109,7 +112,7 @@ def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool) 
             "or put the BatchNorm layers in eval mode before fit."
         )
     if batchnorm and source.n % source.batch_size == 1:
-        source.drop_last_single = True
+        source.drop_single_tail()
         warnings.warn(
             f"{source.n} training samples with batch_size={source.batch_size} leave a last batch of "
             "one row, which BatchNorm cannot train on; that row is left out of each epoch. "
@@ -131,17 +134,13 @@ def cast_to_module(source: TensorBatches, module: nn.Module) -> None:
     if dtype is None:
         return
 
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-
-    source.x = nest.map_structure(cast, source.x)
-    if source.y is not None:
-        source.y = nest.map_structure(cast, source.y)
+    source.cast_floats(dtype)
 
 
 def _first_batch(source: TensorBatches, device: torch.device) -> tuple[Any, Any, Any]:
     sl = slice(0, min(source.batch_size, source.n))
-    x, y = nest.map_structure(lambda t: t[sl], source.x), nest.map_structure(lambda t: t[sl], source.y)
+    # Copies, not views: the batch outlives the check (summary's example), the data must not.
+    x, y = nest.map_structure(lambda t: t[sl].clone(), source.x), nest.map_structure(lambda t: t[sl].clone(), source.y)
     w = None if source.w is None else source.w[sl]
     return device_batch(x, y, w, device=device)  # through DeviceLoader, as every batch
 
@@ -174,7 +173,7 @@ def wrap(what: str, batch: Any, e: Exception, module: nn.Module | None = None, y
 
 def first_batch_check(
     model: Any, batch: tuple[Any, Any, Any], y_all: Any = None, label: str = "first batch", training: bool = True
-) -> None:
+) -> Any:
     """Run one batch through the module, the loss and the metrics, changing nothing.
 
     Shape, dtype and class-range errors surface here, named by the call that failed
@@ -183,13 +182,15 @@ def first_batch_check(
     the module's outputs. ``label``: how the message names the batch. ``training``: the batches
     train, so with ``loss=None`` the output must carry its own loss (evaluation may log metrics
     alone).
+
+    Returns:
+        The batch's ``x``: the example input that ``summary`` runs when given none.
     """
     x, y, w = batch
-    model._example_x = x
     module = model.module
     if not model.default_test_step:
         _check_with_test_step(model, batch, label)
-        return
+        return x
     with modes(module, training=False, grad=False), model.autocast():
         try:
             y_pred = call(module, x)
@@ -222,6 +223,7 @@ def first_batch_check(
                 model.metrics.build(pred, target)
             except Exception as e:
                 raise wrap("metrics", batch, e, module, label=label) from e
+    return x
 
 
 def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:
@@ -241,18 +243,15 @@ def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:
 
 def _check_with_test_step(model: Any, batch: tuple[Any, Any, Any], label: str) -> None:
     """An overridden ``test_step`` knows what the module's output means: run it, eagerly."""
-    from fitkit.compile import Forward
-
-    compiled, model._forward = model._forward, Forward(model.module)  # no compilation here
-    totals = model._new_totals()
+    phases = model._phases
+    totals = phases.new_totals()
     try:
-        with modes(model.module, training=False, grad=False), model._phase(totals):
+        # The module itself, not the compiled forward: no compilation here.
+        with modes(model.module, training=False, grad=False), phases.running(totals), model._forward.plain():
             model.test_step(batch)
     except Exception as e:
         raise wrap("test_step", batch, e, label=label) from e
-    finally:
-        model._forward = compiled
-    model._adopt_metrics(totals)
+    phases.adopt(totals)
 
 
 def check_class_range(loss: Any, y_pred: Any, y_all: Any) -> None:
@@ -295,13 +294,71 @@ def check_class_range(loss: Any, y_pred: Any, y_all: Any) -> None:
         )
 
 
-def in_memory_check(model: Any, source: TensorBatches, training: bool) -> None:
+def in_memory_check(model: Any, source: TensorBatches, training: bool) -> Any:
     """:func:`prepare_in_memory`, then the first batch and the class range of every label.
 
     A custom ``train_step`` with the default ``test_step`` may read the module's output in a
     way only it knows: its training data gets the data checks, not the first-batch run.
+
+    Returns:
+        The first batch's ``x`` (a copy) when it was run, else ``None``.
     """
     prepare_in_memory(source, model.module, training)
     if source.n == 0 or training and not model.default_train_step and model.default_test_step:
-        return
-    first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y), training=training)
+        return None
+    return first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y),
+                             training=training)  # fmt: skip
+
+
+class BatchGuard:
+    """The decisions about a fit's training batches as they come, for what preflight could not
+    see before step 1: a source's first batch, and one-row batches under BatchNorm.
+
+    Args:
+        model: the :class:`fitkit.Model`.
+        train: the fit's :class:`~fitkit.data.DeviceLoader`.
+
+    Attributes:
+        skip_single: a BatchNorm layer trains, so a one-row batch that is a window of its own is
+            skipped (with one warning per fit).
+        check_first: the first training batch still needs :func:`first_batch_check` (sources
+            other than in-memory data, which had theirs before fit; a custom ``train_step`` with
+            the default ``test_step`` is skipped, as preflight skips it).
+    """
+
+    def __init__(self, model: Any, train: Any):
+        self.skip_single = has_training_batchnorm(model.module)
+        self.check_first = not isinstance(getattr(train, "batches", None), TensorBatches) and (
+            model.default_train_step or not model.default_test_step
+        )
+        self._warned_single = False
+
+    def single(self, batch: tuple[Any, Any, Any], stepper: Any, step: int, epoch: int) -> bool:
+        """Whether ``batch`` is a one-row batch BatchNorm cannot train on (it is then skipped)."""
+        x, y, _ = batch
+        if nest.rows(y if y is not None else x) != 1 or not stepper.micro_last or stepper.micro_scale is not None:
+            return False
+        if not self._warned_single:
+            self._warned_single = True  # one warning per fit
+            warnings.warn(
+                f"Batch {step} of epoch {epoch + 1} has one row, which BatchNorm cannot train on; it is "
+                "skipped, as is every later one-row training batch of this fit. Fix: use `drop_last=True` in "
+                "the DataLoader, or a batch size that leaves no single row.",
+                category=FitkitWarning, stacklevel=5,
+            )
+        return True
+
+    def first(self, model: Any, batch: tuple[Any, Any, Any]) -> Any:
+        """:func:`first_batch_check` of the first training batch, once; returns its ``x``."""
+        self.check_first = False
+        return first_batch_check(model, batch, label="first training batch")
+
+    @staticmethod
+    def nothing_trained(epoch: int, skipped: int) -> None:
+        """``ValueError`` when every batch of the fit's first epoch was a skipped one-row batch."""
+        if skipped:
+            raise ValueError(
+                f"Every training batch of epoch {epoch + 1} ({skipped}) had one row, and BatchNorm cannot "
+                "train on one row, so nothing was trained. Fix: use batches of at least 2 rows, or put the "
+                "BatchNorm layers in eval mode (`module.eval()` on them) before fit."
+            )

@@ -7,6 +7,12 @@ is in the callbacks), runs ``on_train_end``, restores the modes, and ends the wa
 asks: ``SystemExit(128 + 15)`` for SIGTERM (status 143, as a killed process), and
 ``KeyboardInterrupt`` for SIGINT. A second signal while the first is handled acts at once.
 The previous handlers come back when ``fit`` returns.
+
+Under torchrun every rank must run the same steps, so a stop or a signal on one rank takes
+effect where the ranks agree (:class:`RankAgreement`): after at most ``AGREE_EVERY`` optimizer
+steps and about every 2 seconds
+for a signal, after ``on_backward_end`` for a stop when a callback uses that hook (the
+stepper agrees there), and at every epoch end for both.
 """
 
 from __future__ import annotations
@@ -17,7 +23,13 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Interrupt", "deferred"]
+from fitkit.distributed.agreement import SignalAgreement
+from fitkit.distributed.group import any_rank
+
+__all__ = ["Interrupt", "deferred", "RankAgreement", "AGREE_EVERY"]
+
+#: Under torchrun, the ranks agree on a SIGTERM / SIGINT every this many optimizer steps.
+AGREE_EVERY = 8  # the default of FITKIT_SIGNAL_STEPS (fitkit.distributed.agreement)
 
 
 class Interrupt:
@@ -69,3 +81,51 @@ def deferred(enabled: bool = True) -> Iterator[Interrupt]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+class RankAgreement:
+    """Where the ranks of a torchrun ``fit`` agree to stop (one process: at once, alone).
+
+    Args:
+        interrupt: the fit's :class:`Interrupt` (a signal to another rank is recorded in it
+            as a SIGTERM, so this rank stops and saves the same way).
+        distributed: whether the fit runs under torchrun (else every answer is local).
+
+    Example:
+        >>> agree = RankAgreement(Interrupt(), distributed=False)
+        >>> agree.at_step_boundary(), agree.at_epoch_end(stop_training=True)
+        (False, True)
+    """
+
+    def __init__(self, interrupt: Interrupt, distributed: bool):
+        self.interrupt, self.distributed = interrupt, distributed
+        self._schedule: SignalAgreement | None = None  # made at the first step (reads the settings)
+
+    def at_step_boundary(self) -> bool:
+        """Whether a SIGTERM / SIGINT stops training after this optimizer step.
+
+        Under torchrun the ranks agree (one tiny all-reduce) after at most ``AGREE_EVERY``
+        optimizer steps and about every 2 seconds (:mod:`fitkit.distributed.agreement`:
+        ``FITKIT_SIGNAL_STEPS``, ``FITKIT_SIGNAL_SECONDS``), and at the latest at the end of
+        the epoch.
+        """
+        local = self.interrupt.signum is not None
+        if not self.distributed:
+            return local
+        if self._schedule is None:
+            self._schedule = SignalAgreement()
+        agreed = self._schedule.after_step(local)
+        if agreed is None:  # between agreements: every rank goes on
+            return False
+        if agreed and not local:
+            self.interrupt.signum = signal.SIGTERM  # another rank was signalled: stop with it
+        return self.interrupt.signum is not None
+
+    def at_epoch_end(self, stop_training: bool) -> bool:
+        """Whether training stops after this epoch: any rank's stop (or signal) holds for all."""
+        if not self.distributed:
+            return stop_training
+        agreed: Any = any_rank(stop_training, self.interrupt.signum is not None)
+        if agreed[1] and self.interrupt.signum is None:
+            self.interrupt.signum = signal.SIGTERM  # another rank was signalled: stop with it
+        return bool(agreed[0])

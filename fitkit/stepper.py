@@ -20,11 +20,9 @@ from torch import nn
 
 from fitkit import distributed as _distributed
 from fitkit import nest
+from fitkit.devices import NO_CONTEXT
 
 __all__ = ["Stepper", "is_timm_scheduler"]
-
-
-_NO_CONTEXT = contextlib.nullcontext()  # reusable: no object built per step
 
 
 def is_timm_scheduler(scheduler: Any) -> bool:
@@ -49,10 +47,7 @@ def is_timm_scheduler(scheduler: Any) -> bool:
 
 def _batch_weight(batch: tuple[Any, Any, Any]) -> Any:
     x, y, w = batch
-    if w is not None:
-        return w.sum()
-    ts = nest.leaves(y if y is not None else x)
-    return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1
+    return w.sum() if w is not None else nest.rows(y if y is not None else x)
 
 
 class Stepper:
@@ -83,6 +78,7 @@ class Stepper:
         parallel: Any = None,
     ):
         self.optimizer, self.scheduler, self.interval = optimizer, scheduler, scheduler_interval
+        self.precision = precision
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
         self.accumulation = accumulation
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
@@ -95,7 +91,10 @@ class Stepper:
         self.lrs_used: list[Any] | None = None  # the LRs of the last step, before a scheduler moved them
         self.stop_agreed = False
         self.host_rows: Any = None  # under torchrun: batch index -> rows of that global batch, if known
-        self.validates = False  # whether the running fit validates at all (set by the fit loop)
+        self.validates = False  # whether the running fit validates at all (see fitting())
+        # The running fit's on_backward_end and stop query (see fitting(); None outside a fit).
+        self._before_step: Any = None
+        self._stop_training: Any = None
         self.timm = is_timm_scheduler(scheduler)
         self._stepped = True
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
@@ -148,10 +147,57 @@ class Stepper:
         """A batch outside ``fit`` (``train_on_batch``) is a window of its own."""
         self.micro_last, self.micro_scale = True, None
 
+    @contextlib.contextmanager
+    def fitting(self, before_step: Any, stop_training: Any, validates: bool) -> Iterator[None]:
+        """Entered once per ``fit``: the fit's hook and stop query for each of its steps.
+
+        ``before_step()`` (``on_backward_end``, or ``None`` when no callback listens) runs
+        before each optimizer step of the fit; under torchrun ``stop_training()`` tells whether
+        this rank wants to stop. ``validates``: whether the fit validates at all (the per-epoch
+        scheduler step reads it). All three are put back on exit.
+        """
+        outer = self._before_step, self._stop_training, self.validates
+        self._before_step, self._stop_training, self.validates = before_step, stop_training, validates
+        try:
+            yield
+        finally:
+            self._before_step, self._stop_training, self.validates = outer
+
+    @contextlib.contextmanager
+    def step_of_its_own(self) -> Iterator[None]:
+        """One ``train_on_batch`` step: a window of its own, also inside a ``fit``.
+
+        A callback may call ``train_on_batch`` inside a fit's accumulation window: the fit's
+        accumulated gradients, its window and its before-step hook are set aside meanwhile and
+        put back afterwards.
+        """
+        window = (self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self._before_step)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self.single_batch()
+        self.window_loss, self.skip_requested, self._before_step = None, False, None
+        try:
+            yield
+        finally:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self._before_step = window
+
+    def begin_epoch(self, host_rows: Any = None) -> None:
+        """A fit epoch starts: the LRs its last step used are recorded afresh.
+
+        ``host_rows``: under torchrun, ``batch index -> rows of that global batch`` when the
+        host knows them (fitkit's own shards), so a window's global size needs no all-reduce.
+        """
+        self.lrs_used = None
+        self.host_rows = host_rows
+
     def no_sync(self, module: nn.Module):
         """Non-final micro-batches of a window skip DDP's / FSDP's gradient all-reduce."""
         if self.parallel is None or self.micro_last:
-            return _NO_CONTEXT
+            return NO_CONTEXT
         return self.parallel.no_sync(module)
 
     # -- backward and step -----------------------------------------------------------------------
@@ -166,18 +212,20 @@ class Stepper:
         else:
             loss.backward()
 
-    def step(self, module: nn.Module, before_step: Any = None, stop_training: Any = None) -> bool:
+    def step(self, module: nn.Module) -> bool:
         """The optimizer step at the end of a window; returns whether the weights changed.
 
-        ``before_step()`` runs after the gradients are unscaled and before clipping (the
-        ``on_backward_end`` hook); it may call :meth:`skip` to veto this step. Under torchrun
-        ``stop_training()`` tells whether this rank wants to stop (agreed over ranks here).
+        The running fit's before-step hook (see :meth:`fitting`) runs after the gradients are
+        unscaled and before clipping (the ``on_backward_end`` hook); it may call :meth:`skip`
+        to veto this step. Under torchrun the veto and the fit's stop query are agreed over
+        ranks here.
         """
         if not self.micro_last:
             return False
         opt = self.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
+        before_step, stop_training = self._before_step, self._stop_training
         if before_step is not None:
             before_step()
             if self.parallel is not None:
@@ -243,6 +291,33 @@ class Stepper:
             sched.step()
 
     # -- checkpoints -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """GradScaler state and the step count."""
-        return {"scaler": None if self.scaler is None else self.scaler.state_dict(), "global_step": self.global_step}
+    def state_dict(self, record: bool = False) -> dict[str, Any]:
+        """GradScaler state and the step count (the checkpoint's ``scaler`` and ``global_step``).
+
+        ``record=True`` adds the per-step record (the last ``grad_norm``, the LRs used, the
+        window's place and loss, a pending veto): an in-process snapshot, as the LR finder's.
+
+        Example:
+            >>> opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+            >>> a, b = Stepper(opt, None, "epoch", "32", torch.device("cpu")), Stepper(opt, None, "epoch", "32",
+            ...     torch.device("cpu"))
+            >>> a.global_step = 3; b.load_state_dict(a.state_dict()); b.global_step
+            3
+        """
+        state: dict[str, Any] = {"scaler": None if self.scaler is None else self.scaler.state_dict(),
+                                 "global_step": self.global_step}  # fmt: skip
+        if record:
+            state["record"] = {k: getattr(self, k) for k in _RECORD}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (a saved GradScaler state loads only into a GradScaler)."""
+        if state.get("scaler") is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.global_step = int(state["global_step"])
+        for k, v in state.get("record", {}).items():
+            setattr(self, k, v)
+
+
+# The per-step record that a step overwrites (``state_dict(record=True)``).
+_RECORD = ("grad_norm", "lrs_used", "micro_last", "micro_scale", "window_loss", "skip_requested")

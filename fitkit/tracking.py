@@ -10,7 +10,9 @@ values, at the end of the phase) turn them into means. Each phase gets its own
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,14 +21,7 @@ from fitkit import nest
 from fitkit.checks import FitkitWarning
 from fitkit.metrics import MetricSet
 
-__all__ = ["RunningTotals"]
-
-
-def _batch_size(y: Any) -> int:
-    if isinstance(y, torch.Tensor):
-        return int(y.shape[0]) if y.dim() else 1
-    ts = nest.leaves(y)
-    return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1
+__all__ = ["RunningTotals", "Phases", "fresh_metrics"]
 
 
 def fresh_metrics(template: MetricSet) -> MetricSet:
@@ -70,7 +65,9 @@ class RunningTotals:
         """Add one batch: its mean loss (weighted by its size or weights) and its metrics."""
         if loss is not None:
             if sample_weight is None:
-                n = _batch_size(y if y is not None else y_pred)
+                part = y if y is not None else y_pred
+                # nest.rows' rule; a plain tensor (the common case) without the call
+                n = (int(part.shape[0]) if part.dim() else 1) if isinstance(part, torch.Tensor) else nest.rows(part)
                 if n:  # an empty batch (a rank's share of a short last batch) adds nothing, not 0/0
                     self.loss_total.add_(loss.detach(), alpha=n)
                     self.loss_count += n
@@ -163,3 +160,59 @@ class RunningTotals:
                     e.metric._update_count = v
                 else:
                     setattr(e.metric, k, v)
+
+
+class Phases:
+    """The phase stack of one model: the running phases' totals, innermost last.
+
+    A fit epoch, its validation, an ``evaluate`` (nested in a callback too) and a
+    ``*_on_batch`` call each push their own :class:`RunningTotals` while they run;
+    ``update_metrics`` adds to the innermost one. The stack also owns the metric template
+    that each phase copies (``model.metrics``): metrics built from a phase's first batch
+    (iterable data) serve the later phases too.
+
+    Args:
+        device: where the sums live.
+        reduce: as for :class:`RunningTotals` (torchrun), or ``None``.
+
+    Example:
+        >>> phases = Phases(torch.device("cpu"))
+        >>> outer, inner = phases.new_totals(), phases.new_totals()
+        >>> with phases.running(outer), phases.running(inner):
+        ...     phases.stack[-1] is inner
+        True
+        >>> phases.stack
+        []
+    """
+
+    def __init__(self, device: torch.device, reduce: Any = None):
+        self.template = MetricSet()
+        self.device, self.reduce = device, reduce
+        self.stack: list[RunningTotals] = []  # read by update_metrics; changed by running() only
+
+    def configure(self, template: MetricSet) -> None:
+        """The compiled metrics: the template every later phase copies."""
+        self.template = template
+
+    def to(self, device: torch.device) -> None:
+        """Later phases keep their sums on ``device`` (the template's states move too)."""
+        self.device = device
+        self.template.to(device)
+
+    def new_totals(self) -> RunningTotals:
+        """Fresh totals for a phase, with its own copy of the metrics."""
+        return RunningTotals(fresh_metrics(self.template), self.device, self.reduce)
+
+    @contextlib.contextmanager
+    def running(self, totals: RunningTotals) -> Iterator[None]:
+        """``totals`` is the innermost running phase while the body runs."""
+        self.stack.append(totals)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+
+    def adopt(self, totals: RunningTotals) -> None:
+        """Metrics that ``totals`` built from its first batch become the template (once)."""
+        if self.template.entries is None and totals.metrics.entries is not None:
+            self.template = fresh_metrics(totals.metrics)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,16 +48,27 @@ def _imports(path: Path, name: str) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
+    """``module -> the fitkit modules importing it runs``, function-level imports included.
+
+    Importing ``fitkit.a.b`` runs ``fitkit/a/__init__.py`` first, so it counts as an import of
+    the package ``fitkit.a`` too, unless ``fitkit.a`` is a package of the importing module
+    itself (it is being initialized already: a sibling import inside a package is no cycle).
+    """
     modules = {_module_name(p): p for p in PKG.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
         deps = set()
+        own = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}  # the packages above
+        if path.name == "__init__.py":
+            own.add(name)
         for imp in _imports(path, name):
             # "from fitkit.data import as_loader" names fitkit.data; keep only real modules.
             while imp and imp not in modules:
                 imp = imp.rpartition(".")[0]
-            if imp and imp != name:
-                deps.add(imp)
+            while imp and imp != name:
+                if imp not in own:
+                    deps.add(imp)
+                imp = imp.rpartition(".")[0]  # and every package it runs on the way
         graph[name] = deps
     return graph
 
@@ -100,6 +112,23 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+def test_a_function_level_import_of_a_submodule_counts_as_an_import_of_its_package(tmp_path, monkeypatch):
+    # fitkit.checks importing fitkit.callbacks.base inside a function ran fitkit/callbacks/__init__.py,
+    # which imports modules that import fitkit.checks: a cycle the graph must show.
+    pkg = tmp_path / "fitkit"
+    (pkg / "callbacks").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "checks.py").write_text("def check():\n    from fitkit.callbacks.base import Callback\n")
+    (pkg / "callbacks" / "__init__.py").write_text("from fitkit.callbacks.monitor import M\n")
+    (pkg / "callbacks" / "base.py").write_text("class Callback: ...\n")
+    (pkg / "callbacks" / "monitor.py").write_text("from fitkit.checks import check\nfrom fitkit.callbacks.base import Callback\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
+    graph = _graph()
+    assert graph["fitkit.checks"] == {"fitkit.callbacks", "fitkit.callbacks.base"}
+    assert graph["fitkit.callbacks.monitor"] == {"fitkit.checks", "fitkit.callbacks.base"}  # a sibling: no edge up
+    assert _cycle(graph) == ["fitkit.callbacks", "fitkit.callbacks.monitor", "fitkit.checks", "fitkit.callbacks"]
+
+
 def test_data_knows_nothing_of_ranks():
     graph = _graph()
     for name in ("fitkit.data", "fitkit.data.arrays", "fitkit.data.loaders"):
@@ -124,6 +153,83 @@ def test_no_callback_reads_a_private_model_attribute():
                     if str(args[1].value).startswith("_"):
                         offenders.append(f"{path.name}:{node.lineno} getattr {args[1].value}")
     assert offenders == []
+
+
+# -- state: each object changes its own -----------------------------------------------------------
+def _targets(node: ast.AST) -> list[ast.Attribute]:
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+        targets = [node.target]
+    else:
+        return []
+    flat = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+    return [e for e in flat if isinstance(e, ast.Attribute)]
+
+
+def _own_attributes(tree: ast.AST) -> set[str]:
+    """Attributes the classes of a module set on ``self`` (and the properties they let be set)."""
+    names = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            names |= {e.attr for e in _targets(node) if isinstance(e.value, ast.Name) and e.value.id == "self"}
+            if isinstance(node, ast.FunctionDef) and any(
+                isinstance(d, ast.Attribute) and d.attr == "setter" for d in node.decorator_list
+            ):
+                names.add(node.name)
+    return names
+
+
+def _foreign_writes(pkg: Path) -> list[str]:
+    """``obj.attr = ...`` where ``obj`` is not ``self`` and ``attr`` belongs to a fitkit class of
+    another module (an attribute no class of the writing module has)."""
+    trees = {p: ast.parse(p.read_text()) for p in sorted(pkg.rglob("*.py"))}
+    owned = {p: _own_attributes(t) for p, t in trees.items()}
+    found = []
+    for path, tree in trees.items():
+        others = set().union(*(names for p, names in owned.items() if p != path))
+        for node in ast.walk(tree):
+            for e in _targets(node):
+                if isinstance(e.value, ast.Name) and e.value.id in ("self", "cls"):
+                    continue
+                if e.attr in others and e.attr not in owned[path]:
+                    found.append(f"{path.relative_to(pkg).as_posix()}: {ast.unparse(e)}")
+    return found
+
+
+#: The writes across modules that are public API or not of a fitkit object, each with its reason.
+FOREIGN_WRITES_ALLOWED = {
+    # The stop flags are the model's public API: a callback sets them, the loop of the call
+    # resets (and under torchrun agrees) them; a nested evaluate / predict keeps its own.
+    "loop.py: model.stop_training": "the fit loop resets and agrees the public stop flag",
+    "eval_loop.py: model.stop_evaluating": "evaluate sets aside and restores the public flag",
+    "eval_loop.py: model.stop_predicting": "predict sets aside and restores the public flag",
+    "callbacks/monitor.py: self.model.stop_training": "EarlyStopping stops training (public API)",
+    "callbacks/misc.py: model.stop_training": "TerminateOnNaN stops training (public API)",
+    "lr_finder.py: model.stop_training": "the LR finder restores the flag it found",
+    # `model.scheduler` is a public property with a setter (the stepper owns the value).
+    "lr_finder.py: model.scheduler": "the sweep sets the scheduler aside and restores it",
+    "callbacks/averaging.py: model.scheduler": "SWA replaces the scheduler (public setter)",
+    "callbacks/averaging.py: self.model.scheduler": "SWA replaces the scheduler (public setter)",
+    # A flag of the callbacks' restore protocol: a state loaded after on_train_begin consumes it.
+    "checkpoint.py: cb._restored": "a callback state loaded by the fit itself is not restored twice",
+    # Not fitkit objects: a torch parameter tied to another, an argparse namespace.
+    "layers/gpt.py: self.embed.wte.weight": "weight tying of torch modules",
+    "examples/shakespeare.py: args.verbose": "an argparse namespace",
+}
+
+
+def test_no_module_writes_the_state_of_another_modules_object():
+    found = _foreign_writes(PKG)
+    unexpected = [w for w in found if w not in FOREIGN_WRITES_ALLOWED]
+    assert unexpected == []
+    assert set(FOREIGN_WRITES_ALLOWED) <= set(found)  # every exception is still needed
+
+
+def test_the_write_finder_finds_a_write_into_another_modules_object(tmp_path):
+    (tmp_path / "stepper.py").write_text("class Stepper:\n    def __init__(self):\n        self.global_step = 0\n")
+    (tmp_path / "checkpoint.py").write_text("def load(model, step):\n    model._stepper.global_step = step\n")
+    assert _foreign_writes(tmp_path) == ["checkpoint.py: model._stepper.global_step"]
 
 
 # -- nested evaluate / predict leave the training epoch exact --------------------------------

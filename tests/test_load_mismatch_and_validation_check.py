@@ -66,7 +66,7 @@ def test_the_validation_check_leaves_a_shuffled_fit_unchanged(monkeypatch):
     checked = _classifier()
     torch.manual_seed(1)
     checked.fit(X, Y, epochs=2, batch_size=8, verbose=0, validation_data=val)
-    monkeypatch.setattr(fitkit.Model, "_check_first_validation_batch", lambda self, loader: None)
+    monkeypatch.setattr(fitkit.planning, "_check_first_validation_batch", lambda model, loader: None)
     unchecked = _classifier()
     torch.manual_seed(1)
     unchecked.fit(X, Y, epochs=2, batch_size=8, verbose=0, validation_data=val)

@@ -16,16 +16,11 @@ from torch import nn
 from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
 
 from fitkit.callbacks.base import Callback
-from fitkit.callbacks.monitor import _say
-from fitkit.checks import FitkitWarning, check_int, check_number
+from fitkit.checks import FitkitWarning, check_bool, check_int, check_number
+from fitkit.distributed import say
 from fitkit.modes import modes
 
 __all__ = ["EMA", "SWA"]
-
-
-def _check_flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"Expected `{name}` to be a bool. Received: {name}={value!r}.")
 
 
 def _refuse_fsdp(model: Any, who: str) -> None:
@@ -114,7 +109,7 @@ class EMA(Callback):
             raise ValueError(f"Expected `decay` in [0, 1]. Received: decay={decay!r}.")
         for name, flag in (("evaluate_with_ema", evaluate_with_ema), ("swap_at_end", swap_at_end),
                            ("use_buffers", use_buffers)):
-            _check_flag(name, flag)
+            check_bool(name, flag)
         self.decay, self.evaluate_with_ema, self.swap_at_end = float(decay), evaluate_with_ema, swap_at_end
         self.use_buffers, self.verbose = use_buffers, verbose
         self.averaged_model: AveragedModel | None = None
@@ -190,7 +185,7 @@ class EMA(Callback):
         self._in_fit = False
         if self.swap_at_end and self.averaged_model is not None:
             _copy_into(_pairs(self.model.module, self.averaged_model, self.use_buffers))
-            _say(self.verbose, "EMA: the averaged weights are now the module's.")
+            say(self.verbose, "EMA: the averaged weights are now the module's.")
 
 
 class SWA(Callback):

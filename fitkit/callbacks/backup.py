@@ -13,10 +13,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fitkit.callbacks.checkpointing import _check_save_freq
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
-from fitkit.checks import FitkitWarning
+from fitkit.checks import FitkitWarning, check_every
 from fitkit.distributed import dcp
 from fitkit.files import CheckpointError, check_target, remove_path, remove_stale_temps
 
@@ -73,7 +72,7 @@ class BackupAndRestore(StatefulCallback):
         if not isinstance(async_save, bool):
             raise TypeError(f"Expected `async_save` to be a bool. Received: async_save={async_save!r}.")
         self.async_save = async_save
-        _check_save_freq(save_freq)
+        check_every("save_freq", save_freq, "epoch", "batches")
         check_target(backup_dir, "backup_dir", "BackupAndRestore", "folder")
         self.backup_dir = Path(backup_dir)
         self.save_freq, self.delete_checkpoint = save_freq, bool(delete_checkpoint)

@@ -20,8 +20,6 @@ from typing import Any
 
 from fitkit.callbacks.monitor import (
     StatefulCallback,
-    _check_mode,
-    _say,
     check_log_key,
     is_improvement,
     may_add_keys,
@@ -29,7 +27,8 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.checkpoint import is_rank_zero
-from fitkit.checks import check_int, check_number
+from fitkit.checks import check_every, check_int, check_mode, check_number
+from fitkit.distributed import say
 from fitkit.files import check_target, remove_stale_temps
 
 __all__ = ["ModelCheckpoint"]
@@ -55,15 +54,6 @@ def _glob_of(template: str) -> str:
     """The glob pattern of the paths a ``filepath`` template formats to: each field is ``*``."""
     parts = string.Formatter().parse(template)
     return "".join(glob.escape(text) + ("*" if field is not None else "") for text, field, _, _ in parts)
-
-
-def _check_save_freq(save_freq: Any) -> None:
-    if save_freq == "epoch":
-        return
-    if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
-        raise ValueError(
-            f"Expected `save_freq` to be 'epoch' or a positive int (batches). Received: save_freq={save_freq!r}."
-        )
 
 
 def _last_path(filepath: str, save_last: Any) -> str | None:
@@ -155,8 +145,8 @@ class ModelCheckpoint(StatefulCallback):
             raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
         self.filepath = check_target(filepath, "filepath", "ModelCheckpoint")
         self._fields = _field_names(self.filepath)
-        _check_mode(mode)
-        _check_save_freq(save_freq)
+        check_mode(mode)
+        check_every("save_freq", save_freq, "epoch", "batches")
         check_int("every_n_epochs", every_n_epochs, 1)
         if every_n_epochs != 1 and save_freq != "epoch":
             raise ValueError(
@@ -347,7 +337,7 @@ class ModelCheckpoint(StatefulCallback):
         if self._pending_last is not None:
             epoch, self._pending_last = self._pending_last, None
             self.model.save_checkpoint(self.last_path)  # after the ranked file, as Lightning does
-            _say(self.verbose, f"Epoch {epoch + 1}: saved {self.last_path}.")
+            say(self.verbose, f"Epoch {epoch + 1}: saved {self.last_path}.")
 
     def _write_ranked(self) -> None:
         if self._pending is None:
@@ -363,7 +353,7 @@ class ModelCheckpoint(StatefulCallback):
         if is_rank_zero():
             for p in evicted:
                 Path(p).unlink(missing_ok=True)
-        _say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
+        say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
 
     def _worst(self, kept: list[tuple[float, str]]) -> tuple[float, str]:
         pick = max if self._mode == "min" else min

@@ -15,14 +15,13 @@ import torch
 
 from fitkit.callbacks.monitor import (
     StatefulCallback,
-    _check_mode,
-    _say,
     check_validation_monitor,
     is_improvement,
     monitor_value,
     resolve_mode,
 )
-from fitkit.checks import check_int, check_number
+from fitkit.checks import check_int, check_mode, check_number
+from fitkit.distributed import say
 
 __all__ = ["LearningRateScheduler", "ReduceLROnPlateau"]
 
@@ -99,7 +98,7 @@ class ReduceLROnPlateau(StatefulCallback):
                 f"Expected `factor` in [0, 1): it multiplies the learning rate. Received: factor={factor!r}."
             )
         check_int("patience", patience, 0)
-        _check_mode(mode)
+        check_mode(mode)
         check_number("min_delta", min_delta, minimum=-math.inf)
         check_int("cooldown", cooldown, 0)
         check_number("min_lr", min_lr, minimum=0.0)
@@ -153,7 +152,7 @@ class ReduceLROnPlateau(StatefulCallback):
                 reduced = True
         if reduced:
             lr = float(self.model.optimizer.param_groups[0]["lr"])
-            _say(self.verbose, f"Epoch {epoch + 1}: ReduceLROnPlateau reduced the learning rate to {lr:.4g}.")
+            say(self.verbose, f"Epoch {epoch + 1}: ReduceLROnPlateau reduced the learning rate to {lr:.4g}.")
             self.cooldown_counter, self.wait = self.cooldown, 0
 
 
@@ -225,4 +224,4 @@ class LearningRateScheduler(StatefulCallback):
                 )
             _set_lr(group, float(lr))
         lr = float(groups[0]["lr"])
-        _say(self.verbose, f"Epoch {epoch + 1}: LearningRateScheduler set the learning rate to {lr:.4g}.")
+        say(self.verbose, f"Epoch {epoch + 1}: LearningRateScheduler set the learning rate to {lr:.4g}.")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fitkit.callbacks.base import HOOKS, Callback
-from fitkit.callbacks.monitor import _say
+from fitkit.distributed import say
 
 __all__ = ["TerminateOnNaN", "LambdaCallback"]
 
@@ -57,7 +57,7 @@ class TerminateOnNaN(Callback):
                 f"The loss is {loss.item()} at batch {batch} of epoch {model.epoch}; training "
                 "stopped before that step, so the weights are those of the previous step."
             )
-        _say(self.params.get("verbose", 0), f"Batch {batch}: invalid loss {loss.item()}, terminating training.")
+        say(self.params.get("verbose", 0), f"Batch {batch}: invalid loss {loss.item()}, terminating training.")
 
 
 class LambdaCallback(Callback):

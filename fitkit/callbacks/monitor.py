@@ -20,8 +20,8 @@ from fitkit.callbacks.logkeys import (
     may_add_keys,
     monitor_value,
 )
-from fitkit.checkpoint import is_rank_zero
-from fitkit.checks import check_int, check_number
+from fitkit.checks import check_int, check_mode, check_number
+from fitkit.distributed import say
 
 __all__ = [
     "EarlyStopping",
@@ -124,16 +124,6 @@ class StatefulCallback(Callback):
             self._reset()
 
 
-def _check_mode(mode: Any) -> None:
-    if mode not in ("auto", "min", "max"):
-        raise ValueError(f"Expected `mode` to be 'auto', 'min' or 'max'. Received: mode={mode!r}.")
-
-
-def _say(verbose: int, message: str) -> None:
-    if verbose and is_rank_zero():
-        print(message)
-
-
 class EarlyStopping(StatefulCallback):
     """Stop training when ``monitor`` has stopped improving (Keras semantics).
 
@@ -220,7 +210,7 @@ class EarlyStopping(StatefulCallback):
             raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
         check_number("min_delta", min_delta, minimum=-math.inf)
         check_int("patience", patience, 0)
-        _check_mode(mode)
+        check_mode(mode)
         for name, value in (("baseline", baseline), ("stopping_threshold", stopping_threshold),
                             ("divergence_threshold", divergence_threshold)):
             if value is not None:
@@ -309,7 +299,7 @@ class EarlyStopping(StatefulCallback):
 
     def on_train_end(self, logs=None):
         if self.stop_reason is not None:
-            _say(self.verbose, f"Epoch {self.stopped_epoch + 1}: early stopping ({self.stop_reason})")
+            say(self.verbose, f"Epoch {self.stopped_epoch + 1}: early stopping ({self.stop_reason})")
         if self.restore_best_weights and self.best_weights is not None:
-            _say(self.verbose, f"Restoring the weights of epoch {self.best_epoch + 1}, the best one.")
+            say(self.verbose, f"Restoring the weights of epoch {self.best_epoch + 1}, the best one.")
             self.model.load_state_dict(self.best_weights)

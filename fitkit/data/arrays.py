@@ -147,6 +147,26 @@ class TensorBatches:
         """
         return math.ceil(self.n_used / self.batch_size)
 
+    def cast_floats(self, dtype: torch.dtype) -> None:
+        """Floating ``x`` and ``y`` in ``dtype`` (a copy of the data); other dtypes stay.
+
+        Example:
+            >>> tb = TensorBatches(torch.zeros(4, 2, dtype=torch.float64), torch.arange(4), None, 2, False)
+            >>> tb.cast_floats(torch.float32); tb.x.dtype, tb.y.dtype
+            (torch.float32, torch.int64)
+        """
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+        self.x = nest.map_structure(cast, self.x)
+        if self.y is not None:
+            self.y = nest.map_structure(cast, self.y)
+
+    def drop_single_tail(self) -> None:
+        """Leave out a one-row last batch from every epoch (BatchNorm cannot train on it)."""
+        self.drop_last_single = True
+
     def to(self, device: torch.device) -> TensorBatches:
         """Keep the data on ``device`` (done once, for small data sets on an accelerator)."""
         self.x, self.y, self.w = (move_to_device(a, device) for a in (self.x, self.y, self.w))

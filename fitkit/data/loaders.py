@@ -133,16 +133,13 @@ class DeviceLoader:
         self.device = device
         self.class_weight = class_weight
         self.steps = steps
-        self.epoch = 0
-        self.skip = 0  # batches to leave out at the start of the next epoch (a resume)
-        self.skip_samples: int | None = None  # or samples, for in-memory data
+        self.epoch = 0  # the epoch last iterated (``epoch_batches``); plain iteration repeats it
         self.batch_size: int | None = getattr(source, "batch_size", None)
         self.ran_out = False  # the last epoch ended early: the data ran out before `steps`
         self.sharded: bool | str = False  # set by fitkit.distributed.shard
         self._persistent: Iterator | None = None
         self._pass_done = 0  # batches taken from the persistent iterator (with `steps`)
         self.pass_offset = 0  # batches of the current pass taken before the running epoch began
-        self.resume_pass = 0  # a resume: batches of the pass to fast-forward before the epoch
 
     @property
     def num_batches(self) -> int | None:
@@ -174,9 +171,38 @@ class DeviceLoader:
         left = n - self._pass_done if self._persistent is not None else n
         return min(self.steps, left if left > 0 else n)
 
+    def use_shards(self, batches: Any, sharded: bool | str) -> None:
+        """Iterate ``batches``, one process's share (:func:`fitkit.distributed.shard` calls it).
+
+        ``sharded``: ``True`` when fitkit split the data, ``"user"`` for data marked
+        ``already_sharded``, ``False`` on one process.
+        """
+        self.batches, self.sharded = batches, sharded
+
+    @property
+    def carried_over(self) -> int:
+        """With ``steps``: batches of the running pass that the next epoch continues after."""
+        return self._pass_done if self.steps is not None and self._persistent is not None else 0
+
     def __iter__(self) -> Iterator[Batch]:
-        skip, self.skip = self.skip, 0
-        skip_samples, self.skip_samples = self.skip_samples, None
+        return self.epoch_batches(self.epoch)
+
+    def epoch_batches(self, epoch: int, skip: tuple[int, int | None] = (0, None),
+                      pass_offset: int = 0) -> Iterator[Batch]:  # fmt: skip
+        """The batches of (0-based) ``epoch``, on the device.
+
+        Args:
+            epoch: the epoch (a ``DistributedSampler``'s ``set_epoch``).
+            skip: ``(batches, samples)`` a resume leaves out at the start of the epoch
+                (``samples``, in-memory data only, wins when not ``None``; see
+                :meth:`fitkit.position.Position.skip_for`).
+            pass_offset: with ``steps``, a resume: batches of the pass to fast-forward past
+                before the epoch (the pass carried over from the epochs before).
+        """
+        self.epoch = epoch
+        return self._epoch_batches(skip[0], skip[1], pass_offset)
+
+    def _epoch_batches(self, skip: int, skip_samples: int | None, offset: int) -> Iterator[Batch]:
         self.ran_out = False
         if self.steps is None:
             if skip_samples is not None and isinstance(self.batches, TensorBatches):
@@ -191,7 +217,6 @@ class DeviceLoader:
         # inside an epoch, that epoch ends early and the next one starts a fresh pass.
         if skip_samples:  # in-memory data resumed by samples: whole batches of this size
             skip = skip_samples // (self.batch_size or 1)
-        offset, self.resume_pass = self.resume_pass, 0
         if offset or skip:  # a resume: the pass as it was, fast-forwarded to where it stopped
             self._persistent = self._prepare(self.batches.iterate(self.epoch, offset + skip))
             self._pass_done = offset + skip

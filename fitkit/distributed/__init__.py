@@ -77,6 +77,7 @@ from fitkit.distributed.group import (  # noqa: F401
     launched_by_torchrun,
     rank,
     reduce_loss_totals,
+    say,
     world_size,
 )
 from fitkit.distributed.parallel import Parallel, check_strategy
@@ -101,6 +102,7 @@ __all__ = [
     "init_if_needed",
     "is_distributed",
     "is_rank_zero",
+    "say",
     "rank",
     "world_size",
     "all_reduce_sum",

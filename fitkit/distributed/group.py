@@ -7,6 +7,7 @@ input), so callers need no ``if is_distributed()`` of their own.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import os
@@ -50,6 +51,17 @@ def is_rank_zero() -> bool:
         True
     """
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def say(verbose: Any, message: str) -> None:
+    """Print ``message`` when ``verbose`` is truthy, on rank 0 only (callbacks' messages).
+
+    Example:
+        >>> say(1, "Epoch 3: early stopping"); say(0, "not printed")
+        Epoch 3: early stopping
+    """
+    if verbose and is_rank_zero():
+        print(message)
 
 
 def rank() -> int:
@@ -167,6 +179,12 @@ def _record_uncaught() -> None:
 
 def _teardown() -> None:
     if _started_here and dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            # Every rank reaches its exit before any destroys the group: a gloo group destroyed
+            # while a peer still tears down its own can abort that peer's exit (SIGABRT, seen
+            # on a loaded 2-core machine). A peer that died instead is waited for 10 s at most.
+            with contextlib.suppress(Exception):  # teardown never raises
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
         dist.destroy_process_group()
 
 

@@ -267,14 +267,14 @@ def shard(loader: DeviceLoader, already: bool = False) -> DeviceLoader:
         ValueError: an input that cannot be sharded (an iterable of batches, an
             ``IterableDataset``, a DataLoader with a custom sampler or batch sampler).
     """
-    loader.sharded = "user" if already else False
-    if already or not is_distributed():
-        return loader
     src = loader.batches
+    if already or not is_distributed():
+        loader.use_shards(src, "user" if already else False)
+        return loader
     if isinstance(src, TensorBatches):
-        loader.batches = ShardedTensorBatches(src)
+        shards: Any = ShardedTensorBatches(src)
     elif isinstance(src, _IterableBatches) and isinstance(src.source, DataLoader):
-        loader.batches = _shard_dataloader(src.source)
+        shards = _shard_dataloader(src.source)
     else:
         raise ValueError(
             f"Under torchrun fitkit shards the data per rank, but an iterable of batches "
@@ -282,7 +282,7 @@ def shard(loader: DeviceLoader, already: bool = False) -> DeviceLoader:
             "duplicates. Fix: pass tensors, a Dataset or a DataLoader, or shard the batches "
             "per rank yourself and pass fitkit.distributed.already_sharded(batches)."
         )
-    loader.sharded = True
+    loader.use_shards(shards, True)
     return loader
 
 

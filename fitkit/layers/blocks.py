@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fitkit.checks import check_int, check_probability
+
 __all__ = ["FFN", "MultiHeadSelfAttention", "TransformerBlock"]
 
 # Factories rather than classes, so that "gelu_tanh" can carry its keyword argument.
@@ -18,21 +20,6 @@ _ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"
                 "identity": nn.Identity, "relu": nn.ReLU, "sigmoid": nn.Sigmoid,
                 "silu": nn.SiLU, "tanh": nn.Tanh}
 _NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    # bool is an int subclass; True as a width is always a mistake.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"Expected `{name}` to be an int. Received: {name}={value!r} "
-                        f"of type {type(value).__name__}.")
-    if value < 1:
-        raise ValueError(f"Expected `{name}` >= 1. Received: {name}={value}.")
-
-
-def _check_dropout(name: str, value: object) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
-        raise ValueError(f"Expected `{name}` to be a probability in [0, 1). "
-                         f"Received: {name}={value!r}.")
 
 
 def _lookup(arg: str, kind: str, value: object, table: dict, example: str):
@@ -89,8 +76,8 @@ class FFN(nn.Module):
         out_features = in_features if out_features is None else out_features
         for name, value in [("in_features", in_features), ("hidden_features", hidden_features),
                             ("out_features", out_features)]:
-            _check_positive_int(name, value)
-        _check_dropout("drop", drop)
+            check_int(name, value, 1)
+        check_probability("drop", drop)
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
         self.act = _lookup("act_layer", "activation", act_layer, _ACTIVATIONS, "GELU")()
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias)
@@ -136,9 +123,9 @@ class MultiHeadSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, causal: bool = False, dropout: float = 0.0,
                  bias: bool = True) -> None:
         super().__init__()
-        _check_positive_int("n_embd", n_embd)
-        _check_positive_int("n_head", n_head)
-        _check_dropout("dropout", dropout)
+        check_int("n_embd", n_embd, 1)
+        check_int("n_head", n_head, 1)
+        check_probability("dropout", dropout)
         if n_embd % n_head:
             hint = max(h for h in range(1, n_head + 1) if n_embd % h == 0)
             raise ValueError(f"Expected `n_embd` to be divisible by `n_head`. Received: "
@@ -228,7 +215,7 @@ class TransformerBlock(nn.Module):
                  dropout: float = 0.0, bias: bool = True, act_layer: str | type[nn.Module] = "gelu",
                  norm_layer: str | type[nn.Module] = "layernorm") -> None:
         super().__init__()
-        _check_positive_int("n_embd", n_embd)
+        check_int("n_embd", n_embd, 1)
         if not isinstance(mlp_ratio, (int, float)) or isinstance(mlp_ratio, bool) \
                 or int(mlp_ratio * n_embd) < 1:
             raise ValueError("Expected `mlp_ratio` > 0 with mlp_ratio * n_embd >= 1. "

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fitkit.layers.blocks import TransformerBlock, _check_dropout, _check_positive_int
+from fitkit.checks import check_int, check_probability
+from fitkit.layers.blocks import TransformerBlock
 from fitkit.modes import modes
 
 __all__ = ["Embedding", "GPT", "param_groups_weight_decay"]
@@ -53,8 +54,8 @@ class Embedding(nn.Module):
         super().__init__()
         for name, value in [("vocab_size", vocab_size), ("n_embd", n_embd),
                             ("block_size", block_size)]:
-            _check_positive_int(name, value)
-        _check_dropout("dropout", dropout)
+            check_int(name, value, 1)
+        check_probability("dropout", dropout)
         self.block_size = block_size
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
@@ -125,7 +126,7 @@ class GPT(nn.Module):
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int,
                  n_embd: int, dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
-        _check_positive_int("n_layer", n_layer)
+        check_int("n_layer", n_layer, 1)
         self.vocab_size, self.block_size, self.n_layer = vocab_size, block_size, n_layer
         self.embed = Embedding(vocab_size, n_embd, block_size, dropout=dropout)
         self.blocks = nn.ModuleList(

@@ -1,0 +1,193 @@
+"""Planning a call before its first step: arguments, data, preflight, the callback list.
+
+``fit``, ``evaluate`` and ``predict`` check everything they can here, before anything
+changes: the arguments (:func:`call_args`, :func:`plan_fit`), the data and its first batch
+(:func:`check_data`, through :mod:`fitkit.preflight`), the schedules, and the epoch-log keys
+callbacks are told about (``params["metrics"]``). What a plan learns (the loaders, the
+validation schedule, the example input for ``summary``) comes back in a :class:`FitPlan`; the
+model stores what outlives the call.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from fitkit import checkpoint as _checkpoint
+from fitkit import data as _data
+from fitkit import distributed as _distributed
+from fitkit.callbacks.base import Callback, CallbackList
+from fitkit.callbacks.progress import ProgressBar, resolve_verbose
+from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
+from fitkit.loop import ValidationSchedule, groups_differ
+from fitkit.preflight import first_batch_check, in_memory_check
+
+__all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
+
+
+def call_args(batch_size: int | None, steps: int | None, verbose: Any, callbacks: Any,
+              steps_name: str = "steps") -> tuple[int, int, list[Callback]]:  # fmt: skip
+    """The arguments ``fit``, ``evaluate`` and ``predict`` share, checked.
+
+    Returns:
+        ``(batch_size, verbose, callbacks)``: ``None`` is a batch size of 32 (Keras), the
+        verbosity resolved, the callbacks as a list.
+
+    Example:
+        >>> call_args(None, None, 0, None)
+        (32, 0, [])
+    """
+    batch_size = 32 if batch_size is None else batch_size
+    check_int("batch_size", batch_size, 1)
+    check_int(steps_name, steps, 1, allow_none=True)
+    return batch_size, resolve_verbose(verbose), check_callbacks(callbacks, Callback)
+
+
+class FitPlan:
+    """What :func:`plan_fit` learned: the loaders, the schedule, the callbacks' params."""
+
+    def __init__(self, train: Any, val: Any, schedule: ValidationSchedule, verbose: int, callbacks: list[Callback],
+                 params: dict[str, Any], example: Any):  # fmt: skip
+        self.train, self.val, self.schedule = train, val, schedule
+        self.verbose, self.callbacks, self.params = verbose, callbacks, params
+        self.example = example  # the last first batch checked (summary's input), or None
+
+
+def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int, verbose: Any, callbacks: Any,
+             validation_split: float, validation_data: Any, shuffle: bool, class_weight: Any, sample_weight: Any,
+             initial_epoch: int, steps_per_epoch: int | None, validation_steps: int | None,
+             validation_batch_size: int | None, validation_freq: Any) -> FitPlan:  # fmt: skip
+    """Check every argument of ``fit``, build its loaders and check its data (nothing changes)."""
+    batch_size, verbose, callbacks = call_args(batch_size, steps_per_epoch, verbose, callbacks, "steps_per_epoch")
+    check_int("epochs", epochs, 0)
+    check_int("initial_epoch", initial_epoch, 0)
+    check_int("validation_steps", validation_steps, 1, allow_none=True)
+    check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
+    check_bool("shuffle", shuffle)
+    check_number("validation_split", validation_split)
+    if not 0 <= validation_split < 1:
+        raise ValueError(
+            f"Expected `validation_split` in [0, 1). Received: validation_split={validation_split!r}. "
+            "Fix: pass a fraction such as 0.2."
+        )
+    schedule = ValidationSchedule(validation_freq)
+    check_schedules(model, callbacks)
+    if x is None:
+        raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")
+    if validation_split:
+        if validation_data is not None:
+            warnings.warn(
+                "`validation_data` is given, so `validation_split` is ignored.",
+                category=FitkitWarning,
+                stacklevel=3,
+            )
+        else:
+            (x, y, sample_weight), validation_data = _data.split_validation(x, y, sample_weight, validation_split)
+    train = _distributed.sharded(
+        _data.as_loader, x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+        class_weight=class_weight, steps=steps_per_epoch, device=model.device,
+    )  # fmt: skip
+    val = None
+    if validation_data is not None:
+        val = _distributed.sharded(
+            _data.validation_loader, validation_data, batch_size=validation_batch_size or batch_size,
+            device=model.device,
+        )  # fmt: skip
+    example = check_data(model, train, "x", training=True)
+    if val is not None:
+        val_example = check_data(model, val, "validation_data", training=False, validation=True)
+        example = example if val_example is None else val_example
+    _warn_nothing_to_train(model, initial_epoch, epochs)
+    validates = val is not None
+    params = {"batch_size": batch_size, "do_validation": validates, "metrics": planned_keys(model, validates),
+              # the (0-based) epochs whose validation is scheduled
+              "validation_epochs": schedule.epochs(initial_epoch, epochs) if validates else []}
+    return FitPlan(train, val, schedule, verbose, callbacks, params, example)
+
+
+def _warn_nothing_to_train(model: Any, initial_epoch: int, epochs: int) -> None:
+    if initial_epoch >= epochs:
+        warnings.warn(
+            f"initial_epoch={initial_epoch} >= epochs={epochs}: nothing will train (`epochs` is the index "
+            "of the last epoch, as in Keras). Fix: pass epochs > initial_epoch.",
+            category=FitkitWarning, stacklevel=4,
+        )
+    if not any(p.requires_grad for p in model.module.parameters()):
+        warnings.warn(
+            "The module has no trainable parameter: fit computes and logs the loss and metrics, but "
+            "no weight changes. Fix: set `requires_grad=True` on the parameters to train.",
+            category=FitkitWarning, stacklevel=4,
+        )
+
+
+def check_schedules(model: Any, callbacks: list[Callback]) -> None:
+    """``ValueError`` when a compiled scheduler and an LR callback would both set the LR."""
+    from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
+
+    clash = [type(cb).__name__ for cb in callbacks if isinstance(cb, (LearningRateScheduler, ReduceLROnPlateau))]
+    if model.scheduler is not None and clash:
+        raise ValueError(
+            f"compile(scheduler={type(model.scheduler).__name__}) and a {clash[0]} callback would both "
+            "set the learning rate of the same optimizer, and their changes would multiply. Fix: "
+            "use one of them: drop `scheduler=` from compile, or the callback."
+        )
+
+
+def check_data(model: Any, loader: _data.DeviceLoader, name: str, training: bool, validation: bool = False) -> Any:
+    """The data checks before step 1 (:mod:`fitkit.preflight`); returns the first batch's ``x``
+    when one was run (``summary``'s example), else ``None``."""
+    src = loader.batches
+    if not isinstance(src, _data.TensorBatches):
+        if getattr(src, "num_batches", None) == 0:  # a DataLoader over an empty Dataset: known before step 1
+            raise ValueError(
+                f"`{name}` ({type(getattr(src, 'source', src)).__name__}) has 0 batches. Fix: pass data "
+                "with at least one sample (an empty Dataset or filter?)."
+            )
+        if validation:  # fit's validation runs after epoch 1: check its first batch now
+            return _check_first_validation_batch(model, loader)
+        return None
+    if src.n == 0:
+        raise ValueError(
+            f"`{name}` has 0 samples. Fix: pass at least one sample (an empty split or filter?)."
+        )
+    return in_memory_check(model, src, training=training and type(src) is _data.TensorBatches)
+
+
+def _check_first_validation_batch(model: Any, loader: _data.DeviceLoader) -> Any:
+    """A re-iterable validation source (a DataLoader, a list) gets its first batch checked
+    before step 1, as training data does; the RNG is put back, so shuffling is unchanged."""
+    source = getattr(loader.batches, "source", None)
+    if source is None or isinstance(source, Iterator) or getattr(loader, "sharded", False):
+        return None  # a one-shot iterator would lose its batch; under torchrun each rank has its own
+    rng = _checkpoint.rng_state()
+    try:
+        batch = next(iter(loader), None)
+    finally:
+        _checkpoint.set_rng_state(rng)
+    if batch is None:
+        return None
+    return first_batch_check(model, batch, label="first validation batch", training=False)
+
+
+def planned_keys(model: Any, validates: bool) -> list[str]:
+    """Epoch-log keys fit will write, in order (``params["metrics"]``, as Keras has it)."""
+    keys = ["loss", *model.metrics.keys]
+    groups = model.optimizer.param_groups if model.optimizer is not None else []
+    per_group = model.optimizer is not None and groups_differ(model.optimizer, model.scheduler)
+    lr_keys = ["learning_rate"] + ([f"learning_rate/pg{i}" for i in range(1, len(groups))] if per_group else [])
+    val_keys = [f"val_{k}" for k in ("loss", *model.metrics.keys)] if validates else []
+    return keys + lr_keys + val_keys
+
+
+def callback_list(model: Any, callbacks: list[Callback], verbose: int, epochs: int | None, steps: int | None,
+                  history: Any = None, **params: Any) -> CallbackList:  # fmt: skip
+    """The call's :class:`CallbackList`: the user's callbacks, then ``history`` and the bar."""
+    verbose = verbose if _distributed.is_rank_zero() else 0  # torchrun: rank 0 prints
+    cbs = list(callbacks)
+    all_params = {"verbose": verbose, "epochs": epochs, "steps": steps, **params}
+    if history is not None:
+        cbs.append(history)  # its params: the shared dict, set by CallbackList
+    if verbose and not any(isinstance(c, ProgressBar) for c in cbs):
+        cbs.append(ProgressBar(verbose))
+    return CallbackList(cbs, model, all_params)

@@ -1,0 +1,160 @@
+"""Where a fit is in its data, and the arithmetic of resuming there.
+
+One :class:`Position` per ``fit`` (the running one) and one per loaded checkpoint (where the
+next ``fit`` continues). It holds the epoch, the batches and the samples done in it, the
+``steps_per_epoch`` pass offset and the epoch's RNG state, with ``state_dict`` /
+``load_state_dict`` in the checkpoint's keys (``epoch``, ``step_in_epoch``,
+``samples_in_epoch``, ``pass_offset``, ``batch_size``, ``epoch_rng``).
+
+The sample count is the primary quantity of a resume: in-memory data continues at the first
+untrained sample whatever the batch size, and it is counted over all ranks (global), so a
+checkpoint taken under torchrun resumes at any world size. Other sources can only skip whole
+batches, and need the batch size the checkpoint was taken with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["Position"]
+
+
+class Position:
+    """The position in the data: epoch, batches and samples done in it, pass offset, RNG state.
+
+    Args:
+        epoch: the running epoch, or the next one at an epoch boundary (0-based).
+        batches: batches of ``epoch`` done (a resume counts the skipped ones).
+        samples: samples of ``epoch`` done, over all ranks (a loaded checkpoint's; a running
+            fit computes it from its batches, see :attr:`samples`).
+        pass_offset: with ``steps_per_epoch``, batches of the data's running pass taken before
+            ``epoch`` began (the iterator carries over across epochs).
+        batch_size: samples per batch of one process (``None``: unknown, e.g. a generator).
+        world: processes whose batches make one global batch (torchrun's world size for
+            sharded data, else 1).
+        n_used: samples an epoch trains on (in-memory data; ``None`` otherwise).
+
+    Example:
+        >>> p = Position(batch_size=4, n_used=10)
+        >>> p.begin_epoch(0); p.enter(); p.done(2)
+        >>> p.samples, p.state_dict(pass_offset=0)["samples_in_epoch"]
+        (8, 8)
+        >>> p.done(3); p.samples  # the short last batch: capped at the 10 samples
+        10
+    """
+
+    def __init__(self, epoch: int = 0, batches: int = 0, samples: int = 0, pass_offset: int = 0,
+                 batch_size: int | None = None, world: int = 1, n_used: int | None = None,
+                 epoch_rng: Any = None):  # fmt: skip
+        self.epoch = epoch
+        self.batches = batches
+        self._samples = samples
+        self.pass_offset = pass_offset
+        self.batch_size = batch_size
+        self.world = world
+        self.n_used = n_used
+        self.epoch_rng: torch.Tensor | None = epoch_rng
+        self.in_epoch = False  # between the first and the last batch of an epoch
+        self.epochs_done = epoch
+        # (batches, samples) a resume skipped in the running epoch: counting goes on from there
+        # (samples None: a source that resumed by batches, whose samples are not known).
+        self._base: tuple[int, int | None] = (batches, samples)
+
+    # -- the running fit ---------------------------------------------------------------------
+    def starts_at(self, epoch: int) -> None:
+        """The fit starts at ``epoch`` (a backup restored before the first epoch moved it)."""
+        self.epochs_done = epoch
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Epoch ``epoch`` starts from its first batch."""
+        self.epoch, self.batches, self._base, self.epoch_rng = epoch, 0, (0, 0), None
+
+    def set_rng(self, rng: torch.Tensor) -> None:
+        """The torch RNG state the epoch's data order is drawn from (replayed on resume)."""
+        self.epoch_rng = rng
+
+    def enter(self) -> None:
+        """The epoch's batches start: a checkpoint now is taken inside the epoch."""
+        self.in_epoch = True
+
+    def leave(self) -> None:
+        """The epoch's batches are over."""
+        self.in_epoch = False
+
+    def done(self, batches: int) -> None:
+        """``batches`` of the running epoch are done (a resume's skipped ones included)."""
+        self.batches = batches
+
+    def end_epoch(self, epoch: int) -> None:
+        """Epoch ``epoch`` is complete: a checkpoint now continues at the next one."""
+        self.epochs_done = epoch + 1
+
+    @property
+    def samples(self) -> int:
+        """Samples of the running epoch done, over all ranks (exact for fixed-size batches).
+
+        0 when the batch size is unknown or the epoch resumed by batches.
+        """
+        batches, samples = self._base
+        if self.batch_size is None or samples is None:
+            return 0
+        size = self.batch_size * self.world  # a batch index counts one global batch of every rank's share
+        done = (samples or batches * size) + (self.batches - batches) * size
+        return done if self.n_used is None else min(done, self.n_used)
+
+    # -- resume --------------------------------------------------------------------------------
+    def skip_for(self, loader: Any) -> tuple[int, int | None]:
+        """``(batches, samples)`` to skip in this position's epoch of ``loader``.
+
+        In-memory data resumes at the first untrained sample whatever the batch size
+        (``(0, samples)``); other sources resume by batches (``(batches, None)``) and need the
+        batch size the checkpoint was taken with.
+
+        Raises:
+            ValueError: another batch size than the checkpoint's, for a source that cannot
+                resume by samples.
+        """
+        from fitkit.data import TensorBatches
+
+        if type(loader.batches) is TensorBatches and self._samples:
+            return 0, self._samples
+        now = getattr(loader, "batch_size", None)
+        if self.batch_size is not None and now is not None and now != self.batch_size:
+            raise ValueError(
+                f"The checkpoint was taken inside epoch {self.epoch + 1} with batch_size={self.batch_size}, "
+                f"but this fit uses batch_size={now}, so the untrained samples of that epoch cannot be "
+                f"found in this source. Fix: resume with batch_size={self.batch_size}, or pass in-memory data."
+            )
+        return self.batches, None
+
+    def resume_at(self, point: Position, skip: tuple[int, int | None], batch_size: int | None) -> int:
+        """Continue inside ``point``'s epoch after ``skip`` (:meth:`skip_for`); returns the
+        index of the first batch to run, counted in this fit's ``batch_size``."""
+        done = point.batches if skip[1] is None else skip[1] // (batch_size or 1)
+        self.batches = done
+        self._base = (done, point._samples if skip[1] is not None else None)
+        self.epoch_rng = None if point.epoch_rng is None else point.epoch_rng.cpu()
+        return done
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self, pass_offset: int) -> dict[str, Any]:
+        """Where a checkpoint taken now resumes: inside the running epoch, or at the next one.
+
+        ``pass_offset``: the loader's (:attr:`~fitkit.data.DeviceLoader.pass_offset` inside an
+        epoch, :attr:`~fitkit.data.DeviceLoader.carried_over` between epochs).
+        """
+        if self.in_epoch:
+            return {"epoch": self.epoch, "step_in_epoch": self.batches, "samples_in_epoch": self.samples,
+                    "pass_offset": pass_offset}  # fmt: skip
+        return {"epoch": self.epochs_done, "step_in_epoch": 0, "samples_in_epoch": 0, "pass_offset": pass_offset}
+
+    @classmethod
+    def load_state_dict(cls, state: dict[str, Any]) -> Position:
+        """The position a checkpoint's ``state`` holds (files of every fitkit version read)."""
+        return cls(
+            epoch=int(state["epoch"]), batches=int(state["step_in_epoch"]),
+            samples=int(state.get("samples_in_epoch") or 0), pass_offset=int(state.get("pass_offset") or 0),
+            batch_size=state.get("batch_size"), epoch_rng=state.get("epoch_rng"),
+        )  # fmt: skip
