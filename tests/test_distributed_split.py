@@ -11,7 +11,7 @@ from _torchrun import run_torchrun
 from fitkit.distributed import RankWorkerSplit, split_by_rank_and_worker
 
 JOB = """
-import warnings, torch, fitkit
+import os, warnings, torch, fitkit
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from fitkit.distributed import already_sharded, split_by_rank_and_worker, rank
@@ -74,6 +74,7 @@ def per_step(fit_kwargs, callbacks=()):
     m = model_of(net())
     m.fit(**fit_kwargs, epochs=1, verbose=0, callbacks=[cb, *callbacks])
     return [b - a for a, b in zip(marks, marks[1:])]
+os.environ["FITKIT_SIGNAL_SECONDS"] = "1000"  # the signal agreement by steps only: after steps 1, 9, ...
 x, y, w = data(37)
 res["count_tensors"] = per_step({"x": x, "y": y, "batch_size": 4})
 res["count_loader"] = per_step({"x": DataLoader(TensorDataset(x, y), batch_size=4)})
@@ -120,9 +121,11 @@ def test_uneven_lengths_end_every_rank_at_the_shortest(job, kind):
 def test_no_collective_per_step_beyond_ddps_for_fitkits_own_shards(job):
     r0, r1 = job
     for r in (r0, r1):
-        assert r["count_tensors"] == [0] * 4  # 5 steps: 4 gaps between batch ends
-        assert r["count_loader"] == [0] * 4
-        assert r["count_weighted"] == [1] * 4  # the global weight sum: the feature needs it
+        # 5 steps, 4 gaps between batch ends; the 1 after step 1 is the signal agreement
+        # (fitkit.distributed.agreement: after step 1, then at most every 8 steps)
+        assert r["count_tensors"] == [1, 0, 0, 0]
+        assert r["count_loader"] == [1, 0, 0, 0]
+        assert r["count_weighted"] == [2, 1, 1, 1]  # + the global weight sum: the feature needs it
 
 
 def test_split_covers_every_item_once_over_ranks_and_workers(monkeypatch):
