@@ -189,3 +189,22 @@ def parity_loader(n: int = 37) -> dict:
     model.fit(DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True), epochs=2, verbose=0)
     out["shuffled_params"] = full_params(model)
     return out
+
+
+class IdRecorder(nn.Module):
+    """``net`` that records, per epoch, the sample ids it trains on (``x[:, 0]`` looked up in
+    ``data(37)``'s inputs)."""
+
+    def __init__(self, net: nn.Module, n: int = 37):
+        super().__init__()
+        self.net, self.seen = net, []
+        self._ids = {float(v): i for i, v in enumerate(data(n)[0][:, 0])}
+
+    def forward(self, x):
+        if self.training and self.seen:
+            self.seen[-1] += [self._ids[float(v)] for v in x[:, 0]]
+        return self.net(x)
+
+    def epochs(self) -> LambdaCallback:
+        """The callback that starts a new list at each epoch."""
+        return LambdaCallback(on_epoch_begin=lambda epoch, logs: self.seen.append([]))

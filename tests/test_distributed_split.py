@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dist_scenarios import OPTIMIZERS, IdRecorder, data, net
 from _torchrun import run_torchrun
 
+import fitkit
 from fitkit.distributed import RankWorkerSplit, split_by_rank_and_worker
 
 JOB = """
@@ -79,13 +81,47 @@ x, y, w = data(37)
 res["count_tensors"] = per_step({"x": x, "y": y, "batch_size": 4})
 res["count_loader"] = per_step({"x": DataLoader(TensorDataset(x, y), batch_size=4)})
 res["count_weighted"] = per_step({"x": x, "y": y, "sample_weight": w, "batch_size": 4})
+
+# A mid-epoch backup of one process (batch 8, 24 samples of epoch 1 done) resumed on 2 ranks.
+os.environ.pop("FITKIT_SIGNAL_SECONDS")
+from _dist_scenarios import IdRecorder
+for per_rank in (4, 5):  # global batches of 8 (as the backup's) and of 10
+    torch.manual_seed(0)
+    x, y, _ = data(37)
+    rec = IdRecorder(net())
+    m = fitkit.Model(rec, device="cpu")
+    m.compile(optimizer=OPTIMIZERS["adam"], loss="mse")
+    m.fit(x, y, batch_size=per_rank, epochs=3, shuffle=True, verbose=0,
+          callbacks=[fitkit.callbacks.BackupAndRestore(OUT / f"bk{per_rank}", delete_checkpoint=False), rec.epochs()])
+    res[f"resume_{per_rank}"] = {"ids": rec.seen, "params": [p.detach().clone() for p in rec.net.parameters()]}
 torch.save(res, OUT / f"rank{rank()}.pt")
 """
+
+
+def _one_process(backup=None, stop_after=None):
+    """Adam, 37 samples, batch 8, 3 epochs; ``stop_after``: a crash after that many batches of
+    epoch 1 (the backup, every 4 batches: at batch 8 of 10, holds 24 samples of epoch 1).
+    Returns the ids per epoch and the parameters."""
+    torch.manual_seed(0)
+    x, y, _ = data(37)
+    rec = IdRecorder(net())
+    model = fitkit.Model(rec, device="cpu")
+    model.compile(optimizer=OPTIMIZERS["adam"], loss="mse")
+    callbacks = [rec.epochs()]
+    if backup is not None:
+        callbacks.append(fitkit.callbacks.BackupAndRestore(backup, save_freq=4, delete_checkpoint=False))
+    if stop_after is not None:
+        callbacks.append(fitkit.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: (
+            model.epoch == 1 and b == stop_after - 1 and setattr(model, "stop_training", True))))
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=True, verbose=0, callbacks=callbacks)
+    return rec.seen, [p.detach().clone() for p in rec.net.parameters()]
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("split")
+    for per_rank in (4, 5):
+        _one_process(out / f"bk{per_rank}", stop_after=4)
     run_torchrun(JOB, out, nproc=2, timeout=150)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
@@ -147,3 +183,20 @@ def test_split_covers_every_item_once_over_ranks_and_workers(monkeypatch):
 def test_split_refuses_a_non_iterable():
     with pytest.raises(TypeError, match="Expected `source` to be an iterable of samples. Received: a int"):
         RankWorkerSplit(3)  # type: ignore[arg-type]
+
+
+@_torchrun_test
+@pytest.mark.parametrize("per_rank", [4, 5])
+def test_a_mid_epoch_backup_of_one_process_resumes_by_sample_on_two(job, per_rank):
+    """1 -> 2 ranks: the resumed epoch trains each of its untrained samples exactly once, in
+    global batches of 8 (the backup's) or 10 (24 done: the first is cut at sample 24)."""
+    r0, r1 = job
+    ref_ids, ref_params = _one_process()
+    done = ref_ids[1][:24]  # what the backup's run trained of epoch 1 (the same order)
+    resumed = r0[f"resume_{per_rank}"]["ids"][0] + r1[f"resume_{per_rank}"]["ids"][0]
+    assert sorted(done + resumed) == list(range(37))
+    last = r0[f"resume_{per_rank}"]["ids"][1] + r1[f"resume_{per_rank}"]["ids"][1]
+    assert len(r0[f"resume_{per_rank}"]["ids"]) == 2 and sorted(last) == list(range(37))  # epochs 1 and 2
+    if per_rank == 4:  # the same global batches: the uninterrupted run's weights
+        for a, b in zip(r0["resume_4"]["params"], ref_params, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

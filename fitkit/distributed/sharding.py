@@ -88,19 +88,30 @@ class ShardedTensorBatches(TensorBatches):
     def __init__(self, src: TensorBatches):
         super().__init__(src.x, src.y, src.w, src.batch_size, src.shuffle)
         self.rank, self.world = rank(), world_size()
+        self._origin = 0  # where global batch 0 starts (a resume by samples moves it)
 
     @property
     def num_batches(self) -> int:
         return math.ceil(self.n / (self.batch_size * self.world))
 
-    def _bounds(self) -> Iterator[tuple[int, int]]:
+    def _bounds(self, start: int = 0) -> Iterator[tuple[int, int]]:
         g = self.batch_size * self.world
-        for lo in range(0, self.n, g):
+        for lo in range(start, self.n, g):
             yield _share(lo, min(g, self.n - lo), self.rank, self.world)
 
     def iterate(self, epoch: int, skip: int = 0, skip_samples: int | None = None) -> Iterator[Any]:
-        # Sharded data resumes by batches (``skip``); ``skip_samples`` is for one process.
+        """This rank's shares of the epoch's global batches.
+
+        ``skip``: global batches to leave out; ``skip_samples``: samples of the epoch's order
+        to leave out instead (a resume at any world size and batch size: the rest of the
+        order is cut into global batches of this fit).
+        """
         x, y, w = self.x, self.y, self.w
+        start = 0 if skip_samples is None else skip_samples
+        g = self.batch_size * self.world
+        # the global batch at index i starts at origin + i * g (indices count from the resume's)
+        self._origin = 0 if skip_samples is None else start - (start // g) * g
+        skip = skip if skip_samples is None else 0
         perm = None
         if self.shuffle:
             perm = torch.randperm(self.n) if self.rank == 0 else torch.empty(self.n, dtype=torch.int64)
@@ -108,7 +119,7 @@ class ShardedTensorBatches(TensorBatches):
             leaves = _leaves(x)
             if leaves and leaves[0].device != perm.device:
                 perm = perm.to(leaves[0].device)
-        for s, (a, b) in enumerate(self._bounds()):
+        for s, (a, b) in enumerate(self._bounds(start)):
             if s < skip:
                 continue
             idx = slice(a, b) if perm is None else perm[a:b]
@@ -117,7 +128,7 @@ class ShardedTensorBatches(TensorBatches):
     def global_rows(self, step: int) -> int:
         """Rows of global batch ``step`` summed over all ranks (known on every rank's host)."""
         g = self.batch_size * self.world
-        return max(0, min(g, self.n - step * g))
+        return max(0, min(g, self.n - (self._origin + step * g)))
 
     def positions(self) -> torch.Tensor:
         """Global positions (in epoch order) of the rows this rank yields, in yield order."""
