@@ -68,12 +68,38 @@ class ValidationSchedule:
         return [e for e in range(start, stop) if self(e)]
 
 
-def _lr_logs(groups: list[Any], per_group: bool) -> dict[str, float]:
+def _lr_logs(groups: list[Any], keys: list[tuple[int, str]]) -> dict[str, float]:
     lrs = [float(g["lr"] if isinstance(g, dict) else g) for g in groups]
     logs = {"learning_rate": lrs[0]}
-    if per_group:
-        logs.update({f"learning_rate/pg{i}": lr for i, lr in enumerate(lrs) if i})
+    logs.update({key: lrs[i] for i, key in keys})
     return logs
+
+
+def lr_keys(optimizer: torch.optim.Optimizer, scheduler: Any) -> list[tuple[int, str]]:
+    """``(group index, log key)`` of the per-group learning rates, besides ``learning_rate``.
+
+    A group with a ``"name"`` is logged as ``learning_rate/<name>`` (Lightning's convention);
+    the others, when the rates differ (:func:`groups_differ`), as ``learning_rate/pg<i>``
+    (``i >= 1``; group 0 is ``learning_rate``).
+
+    Raises:
+        ValueError: a name that is not a non-empty string, or two groups of one name.
+
+    Example:
+        >>> p, q = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+        >>> lr_keys(torch.optim.SGD([{"params": [p], "name": "body"}, {"params": [q], "lr": 0.01}], lr=0.1), None)
+        [(0, 'learning_rate/body'), (1, 'learning_rate/pg1')]
+    """
+    groups, per_group = optimizer.param_groups, groups_differ(optimizer, scheduler)
+    names = [g.get("name") for g in groups]
+    for name in names:
+        if name is not None and (not isinstance(name, str) or not name or names.count(name) > 1):
+            raise ValueError(
+                f"A parameter group's 'name' gives its log key learning_rate/<name>, so names must be distinct, "
+                f"non-empty strings. Received: names {names}. Fix: name each group once, e.g. 'head', 'body'."
+            )
+    return [(i, f"learning_rate/{n}" if n is not None else f"learning_rate/pg{i}")
+            for i, n in enumerate(names) if n is not None or (per_group and i)]  # fmt: skip
 
 
 def groups_differ(optimizer: torch.optim.Optimizer, scheduler: Any) -> bool:
@@ -127,7 +153,7 @@ class FitLoop:
         self._epoch_pass = 0  # steps_per_epoch: a boundary resume's carried-over pass, for the next epoch
         self.totals: RunningTotals | None = None
         self.validated = False  # this epoch: validation was scheduled and ran over > 0 batches
-        self.per_group_lr = groups_differ(model.optimizer, model.scheduler)
+        self.lr_keys = lr_keys(model.optimizer, model.scheduler)
         self.guard = BatchGuard(model, train)
         self.example: Any = None  # the first training batch's x, if checked here (summary's input)
         self.interrupt: Any = None
@@ -135,6 +161,7 @@ class FitLoop:
         self.running = False
         self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
+        self.batch: Any = None  # the running batch (x, y, sample_weight), on the device
         self._warned_short = False
 
     @property
@@ -228,7 +255,7 @@ class FitLoop:
                 if check_first:
                     check_first = False
                     self.example = guard.first(model, batch)
-                self.batch_index = step
+                self.batch_index, self.batch = step, batch
                 if want_begin:
                     cbs.on_train_batch_begin(step, {})
                 model.train_step(batch)
@@ -261,7 +288,7 @@ class FitLoop:
         logs = totals.result()
         phases.adopt(totals)
         # The LR the epoch's last step used (a per-step scheduler has moved it on since).
-        logs.update(_lr_logs(stepper.lrs_used or model.optimizer.param_groups, self.per_group_lr))
+        logs.update(_lr_logs(stepper.lrs_used or model.optimizer.param_groups, self.lr_keys))
         return logs
 
     def _no_batches(self, epoch: int, skipped: int = 0) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +20,9 @@ import numpy as np
 import torch
 
 from fitkit import data as _data
-from fitkit.checks import check_that
+from fitkit.checks import FitkitWarning, check_bool, check_that
 
-__all__ = ["find_lr", "LRFinderResult"]
+__all__ = ["find_lr", "LRFinderResult", "apply_lr"]
 
 
 @dataclass
@@ -35,6 +36,7 @@ class LRFinderResult:
         raw_losses: the loss of each step's batch, as ``train_on_batch`` returned it.
         suggestion: the learning rate of the steepest descent of ``losses`` before their
             minimum (:meth:`suggest` with its defaults); ``None`` when no point qualifies.
+        mode: the sweep, ``"exponential"`` or ``"linear"`` (the axis :meth:`suggest` uses).
 
     Example:
         >>> r = LRFinderResult(lrs=[10.0**-i for i in range(6, 0, -1)], losses=[], raw_losses=[])
@@ -47,13 +49,14 @@ class LRFinderResult:
     losses: list[float]
     raw_losses: list[float]
     suggestion: float | None = field(default=None)
+    mode: str = field(default="exponential")
 
     def suggest(self, skip_begin: int = 10, skip_end: int = 1) -> float | None:
         """The learning rate where the smoothed loss falls fastest, on the log-LR axis.
 
         Lightning's rule, with two changes that keep noise from deciding. Each point's slope
-        is ``torch.gradient``'s over all finite points, taken against ``log(lr)``, the axis of
-        the plot (fastai's "steep", and Lightning's per-step gradient before 2025): against
+        is ``torch.gradient``'s over all finite points, taken against ``log(lr)`` (``lr`` for
+        a linear sweep), the axis of the plot (fastai's "steep", and Lightning's per-step gradient before 2025): against
         ``lr`` itself, on an exponential sweep, the tiny spacing of the first points turns
         their noise into the steepest slopes. And the candidates end before the lowest
         smoothed loss: past it the loss is diverging, and its wiggles there are no descent.
@@ -74,7 +77,8 @@ class LRFinderResult:
         lowest = min(finite, key=lambda i: self.losses[i])
         end = min(len(self.losses) - max(skip_end, 1), lowest)
         losses = torch.tensor([self.losses[i] for i in finite], dtype=torch.float64)
-        log_lrs = torch.tensor([math.log(self.lrs[i]) for i in finite], dtype=torch.float64)
+        axis = (lambda v: v) if self.mode == "linear" else math.log  # the sweep's own spacing
+        log_lrs = torch.tensor([axis(self.lrs[i]) for i in finite], dtype=torch.float64)
         slope = torch.gradient(losses, spacing=[log_lrs])[0]
         candidates = [k for k, i in enumerate(finite) if skip_begin <= i < end]
         if not candidates:
@@ -109,7 +113,8 @@ class LRFinderResult:
         if self.suggestion is not None:
             i = self.lrs.index(self.suggestion)
             ax.plot([self.suggestion], [self.losses[i]], "o", color="red", label=f"suggestion {self.suggestion:.2e}")
-        ax.set_xscale("log")
+        if self.mode != "linear":
+            ax.set_xscale("log")
         ax.set_xlabel("learning rate")
         ax.set_ylabel("loss")
         ax.legend()
@@ -132,19 +137,23 @@ def find_lr(
     diverge_threshold: float | None = 4.0,
     plot: bool = False,
     path: str | None = None,
+    mode: str = "exponential",
+    apply: bool = False,
 ) -> LRFinderResult:
-    """Sweep the learning rate exponentially and suggest one (the LR range test, Smith 2017).
+    """Sweep the learning rate and suggest one (the LR range test, Smith 2017).
 
     Step ``i`` (0-based) trains one batch with every parameter group's learning rate set to
-    ``start_lr * (end_lr / start_lr) ** (i / (num_steps - 1))``, cycling over the data as
-    often as needed. The loss is smoothed as fastai and Lightning do:
+    ``start_lr * (end_lr / start_lr) ** (i / (num_steps - 1))`` (``mode="exponential"``) or
+    ``start_lr + (end_lr - start_lr) * i / (num_steps - 1)`` (``mode="linear"``), cycling
+    over the data as often as needed. The loss is smoothed as fastai and Lightning do:
     ``avg = smooth * avg + (1 - smooth) * loss`` and ``smoothed = avg / (1 - smooth ** (i + 1))``.
     The sweep stops early once the smoothed loss exceeds ``diverge_threshold`` times the best
     so far (or is not finite). The suggestion is the steepest descent of the smoothed loss
     (:meth:`LRFinderResult.suggest`, Lightning's rule). Afterwards the model, its optimizer
     (state and learning rates), scheduler, gradients and step count, and the RNG states
     (python, numpy, torch, CUDA) are exactly as before; the compiled scheduler does not step
-    during the sweep.
+    during the sweep. With ``apply`` the suggestion then becomes the learning rate
+    (Lightning's ``update_attr``, see :func:`apply_lr`).
 
     Args:
         model: a compiled :class:`fitkit.Model`.
@@ -159,6 +168,9 @@ def find_lr(
             (> 1); ``None`` runs every step.
         plot: draw the curve (:meth:`LRFinderResult.plot`).
         path: save the plot there as a PNG (implies ``plot``).
+        mode: ``"exponential"`` or ``"linear"`` (Lightning's ``mode``).
+        apply: set the suggested rate on the optimizer (and scheduler) after the sweep; no
+            suggestion: a ``FitkitWarning`` and nothing changes.
 
     Returns:
         An :class:`LRFinderResult` with ``lrs``, ``losses``, ``raw_losses`` and ``suggestion``.
@@ -178,8 +190,29 @@ def find_lr(
         >>> result = find_lr(model, x, y, batch_size=16, start_lr=1e-4, end_lr=10.0, num_steps=30)
         >>> len(result.lrs) <= 30, result.lrs[0], torch.equal(model.module.weight, before)
         (True, 0.0001, True)
+        >>> result = find_lr(model, x, y, batch_size=16, end_lr=1.0, num_steps=30, mode="linear", apply=True)
+        >>> model.optimizer.param_groups[0]["lr"] == result.suggestion
+        True
     """
-    if getattr(model, "optimizer", None) is None:
+    check_sweep(model, start_lr, end_lr, num_steps, smooth, diverge_threshold, mode, apply)
+    loader = _data.as_loader(x, y, None, batch_size=batch_size, shuffle=True, device=model.device)
+    result = sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold, mode)
+    if apply:
+        apply_lr(model, result.suggestion)
+    if plot or path is not None:
+        result.plot(path)
+    return result
+
+
+def check_sweep(model: Any, start_lr: float, end_lr: float, num_steps: int, smooth: float,
+                diverge_threshold: float | None, mode: str, apply: bool) -> None:  # fmt: skip
+    """The checks of :func:`find_lr`'s arguments (also ``LearningRateFinder``'s, at construction).
+
+    Raises:
+        RuntimeError: the model is not compiled (``model=None`` skips that check).
+        TypeError / ValueError: as :func:`find_lr` documents.
+    """
+    if model is not None and getattr(model, "optimizer", None) is None:
         raise RuntimeError("`find_lr` needs a compiled model. Call `model.compile(optimizer=..., loss=...)` first.")
     check_that("start_lr", start_lr, lambda v: v > 0, "> 0")
     check_that("end_lr", end_lr, lambda v: v > start_lr, f"> start_lr={start_lr!r}")
@@ -190,20 +223,82 @@ def find_lr(
         raise ValueError(f"Expected `num_steps` >= 2. Received: num_steps={num_steps!r}.")
     if diverge_threshold is not None:
         check_that("diverge_threshold", diverge_threshold, lambda v: v > 1, "> 1 or None")
-    loader = _data.as_loader(x, y, None, batch_size=batch_size, shuffle=True, device=model.device)
+    if mode not in ("exponential", "linear"):
+        raise ValueError(f"Expected `mode` to be 'exponential' or 'linear'. Received: mode={mode!r}.")
+    check_bool("apply", apply)
+
+
+def sweep(model: Any, loader: Any, start_lr: float, end_lr: float, num_steps: int, smooth: float,
+          diverge_threshold: float | None, mode: str = "exponential") -> LRFinderResult:  # fmt: skip
+    """Run the sweep over ``loader`` (batches ``(x, y, sample_weight)``), then restore everything.
+
+    Returns:
+        The :class:`LRFinderResult`, its ``suggestion`` set.
+    """
     snap = _snapshot(model)
     try:
-        result = _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold)
+        result = _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold, mode)
     finally:
         _restore(model, snap)
     result.suggestion = result.suggest()
-    if plot or path is not None:
-        result.plot(path)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        box = [result.suggestion]  # every rank applies rank 0's suggestion
+        torch.distributed.broadcast_object_list(box, src=0)
+        result.suggestion = box[0]
     return result
 
 
-def _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold) -> LRFinderResult:
-    result = LRFinderResult(lrs=[], losses=[], raw_losses=[])
+def apply_lr(model: Any, lr: float | None) -> bool:
+    """Make ``lr`` the learning rate of the first parameter group, keeping the others' ratios.
+
+    Every group's ``lr`` (and ``initial_lr``, ``max_lr``, ``min_lr`` where present) is
+    multiplied by ``lr / reference``, where the reference is the compiled scheduler's first
+    ``base_lrs`` if it has them (so a warm-up or decay keeps its shape), else the first
+    group's ``lr``; the scheduler's ``base_lrs`` and last LRs follow. Tensor learning rates
+    are filled in place.
+
+    Args:
+        model: a compiled :class:`fitkit.Model`.
+        lr: the rate; ``None`` (no suggestion) warns and changes nothing.
+
+    Returns:
+        Whether it applied a rate.
+
+    Example:
+        >>> import torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
+        >>> model.compile(optimizer=lambda p: torch.optim.SGD(
+        ...     [{"params": [p[0]], "lr": 0.1}, {"params": [p[1]], "lr": 0.01}]), loss="mse")
+        >>> apply_lr(model, 0.5), [g["lr"] for g in model.optimizer.param_groups]
+        (True, [0.5, 0.05])
+    """
+    if lr is None:
+        warnings.warn("The LR finder made no suggestion (too few steps, or a flat loss): the learning rate "
+                      "is left as it was. Fix: widen [start_lr, end_lr] or take more steps.",
+                      category=FitkitWarning, stacklevel=2)  # fmt: skip
+        return False
+    scheduler = model.scheduler
+    base = getattr(scheduler, "base_lrs", None) or None
+    groups = model.optimizer.param_groups
+    factor = lr / float(base[0] if base else groups[0]["lr"])
+
+    def scaled(value: Any, exact: bool) -> Any:
+        new = lr if exact else value * factor  # the first group's reference gets `lr` exactly
+        return value.fill_(new) if isinstance(value, torch.Tensor) else new
+
+    for i, g in enumerate(groups):
+        for key in ("lr", "initial_lr", "max_lr", "min_lr"):
+            if key in g:
+                g[key] = scaled(g[key], i == 0 and key == ("initial_lr" if base else "lr"))
+    if base:
+        scheduler.base_lrs = [lr] + [b * factor for b in base[1:]]
+        if getattr(scheduler, "_last_lr", None) is not None:
+            scheduler._last_lr = [float(g["lr"]) for g in groups]
+    return True
+
+
+def _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold, mode) -> LRFinderResult:
+    result = LRFinderResult(lrs=[], losses=[], raw_losses=[], mode=mode)
     groups = model.optimizer.param_groups
     epoch = 0
     it, avg, best = loader.epoch_batches(epoch), 0.0, math.inf
@@ -217,7 +312,8 @@ def _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold
                 if i == 0:
                     raise ValueError("`find_lr` got data that yields no batch. Fix: pass at least one sample.")
                 break  # a one-shot iterable: the sweep ends with the data
-        lr = start_lr * (end_lr / start_lr) ** (i / (num_steps - 1))
+        t = i / (num_steps - 1)
+        lr = start_lr + (end_lr - start_lr) * t if mode == "linear" else start_lr * (end_lr / start_lr) ** t
         for g in groups:
             if isinstance(g["lr"], torch.Tensor):
                 g["lr"].fill_(lr)

@@ -34,7 +34,8 @@ from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit import nest, planning
 from fitkit.callbacks.base import Callback, History
-from fitkit.checks import check_int, check_number
+from fitkit.callbacks.swap_ema import compiled_ema, with_compiled_ema
+from fitkit.checks import check_bool, check_int, check_number
 from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
 from fitkit.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.losses import MultiLoss, resolve_loss
@@ -101,6 +102,7 @@ class Model:
         # and the step options are the stepper's, the metric template the phase stack's: see the
         # properties below).
         self.loss: Any = None
+        self.compiled_ema: Any = None  # compile(use_ema=True)'s EMA callback, first in every fit
         # Flags a callback sets; the running loop reads them.
         self.stop_training = False
         self.stop_evaluating = False
@@ -226,6 +228,15 @@ class Model:
         return list(loop.callbacks.callbacks) if loop is not None and loop.running else []
 
     @property
+    def train_batch(self) -> Any:
+        """The batch ``(x, y, sample_weight)`` of the running training step, on the device.
+
+        ``None`` outside ``fit``; read it in the batch hooks (``ThroughputMonitor`` counts its rows).
+        """
+        loop = self._running_fit()
+        return None if loop is None else loop.batch
+
+    @property
     def grad_norm(self) -> torch.Tensor | None:
         """The global gradient 2-norm of the last step, before clipping (``clip_grad_norm`` only)."""
         return None if self._stepper is None else self._stepper.grad_norm
@@ -340,6 +351,9 @@ class Model:
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         jit_compile: bool | str | dict = "auto",
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
     ) -> None:
         """Set the optimizer, loss, metrics and step options. Checks everything first.
 
@@ -368,6 +382,11 @@ class Model:
             clip_grad_value: clip each gradient element to ``[-v, v]`` before each step.
             jit_compile: ``"auto"`` (torch.compile on CUDA only), True, False, or a dict of
                 ``torch.compile`` kwargs.
+            use_ema: keep an EMA of the weights (Keras' optimizer ``use_ema``): every ``fit``
+                runs :func:`fitkit.callbacks.swap_ema.compiled_ema`'s callback first; the EMA
+                replaces the weights when ``fit`` ends (validate on it with ``SwapEMAWeights``).
+            ema_momentum: ``new_average = ema_momentum * average + (1 - ema_momentum) * weights``.
+            ema_overwrite_frequency: copy the EMA into the weights every that many optimizer steps.
 
         Raises:
             ValueError: unknown names (the message lists valid ones), bad values.
@@ -388,12 +407,13 @@ class Model:
         jit = _compile.resolve_jit_compile(jit_compile, self.device)
         loss_fn = resolve_loss(loss, loss_weights)
         metric_set = MetricSet(metrics)
+        ema = compiled_ema(use_ema, ema_momentum, ema_overwrite_frequency)
         # Everything that can be checked is checked: only now does anything change.
         if self._parallel is not None:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
         opt = resolve_optimizer(optimizer, self.module, self.device)
         sched = resolve_scheduler(scheduler, opt, scheduler_interval)
-        self.loss = loss_fn
+        self.loss, self.compiled_ema = loss_fn, ema
         self._phases.configure(metric_set.configure(loss_fn, self.device))
         if self._stepper is not None:
             self._stepper.close()
@@ -494,7 +514,8 @@ class Model:
         """
         self._require_compiled("fit")
         plan = planning.plan_fit(
-            self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=with_compiled_ema(self.compiled_ema, callbacks),
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
@@ -548,7 +569,8 @@ class Model:
         sample_weight: Any = None,
         steps: int | None = None,
         callbacks: list[Callback] | None = None,
-    ) -> dict[str, float]:
+        return_dict: bool = True,
+    ) -> Any:
         """Loss and metrics over the data, as exact per-sample means: ``{"loss": ..., ...}``.
 
         Runs every submodule in eval mode with autograd off and restores both afterwards. A
@@ -565,9 +587,11 @@ class Model:
             steps: evaluate this many batches only (an infinite generator needs it, or a
                 callback that sets ``model.stop_evaluating``).
             callbacks: callbacks whose ``on_test_*`` hooks run.
+            return_dict: ``False`` returns Keras' form: the loss alone (a float) without
+                metrics, else the list ``[loss, *metrics]`` in the order of ``compile``.
 
         Returns:
-            ``{"loss": float, <metric>: float, ...}``.
+            ``{"loss": float, <metric>: float, ...}`` (or Keras' scalar / list).
 
         Raises:
             RuntimeError: ``compile`` was not called.
@@ -581,15 +605,20 @@ class Model:
             >>> model.evaluate(torch.zeros(5, 1), torch.tensor([[1.0], [1], [1], [1], [4]]),
             ...                batch_size=2, verbose=0)
             {'loss': 4.0, 'mae': 1.600000023841858}
+            >>> model.evaluate(torch.zeros(2, 1), torch.ones(2, 1), verbose=0, return_dict=False)  # Keras' list
+            [1.0, 1.0]
         """
         self._require_compiled("evaluate")
+        check_bool("return_dict", return_dict)
         batch_size, verbose, callbacks = planning.call_args(batch_size, steps, verbose, callbacks)
         loader = _distributed.sharded(
             _data.as_loader, x, y, sample_weight, batch_size=batch_size, device=self.device, steps=steps
         )
         self._keep_example(planning.check_data(self, loader, "x", training=False))
         cbs = planning.callback_list(self, callbacks, verbose, None, loader.num_batches)
-        return EvalLoop(self, loader, cbs, steps).run()
+        logs = EvalLoop(self, loader, cbs, steps).run()
+        values = [logs[k] for k in ("loss", *self.metrics.keys) if k in logs]
+        return logs if return_dict else values[0] if len(values) == 1 else values
 
     def predict(
         self,

@@ -20,7 +20,7 @@ from fitkit import distributed as _distributed
 from fitkit.callbacks.base import Callback, CallbackList
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
-from fitkit.loop import ValidationSchedule, groups_differ
+from fitkit.loop import ValidationSchedule, lr_keys
 from fitkit.preflight import first_batch_check, in_memory_check
 
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
@@ -173,11 +173,10 @@ def _check_first_validation_batch(model: Any, loader: _data.DeviceLoader) -> Any
 def planned_keys(model: Any, validates: bool) -> list[str]:
     """Epoch-log keys fit will write, in order (``params["metrics"]``, as Keras has it)."""
     keys = ["loss", *model.metrics.keys]
-    groups = model.optimizer.param_groups if model.optimizer is not None else []
-    per_group = model.optimizer is not None and groups_differ(model.optimizer, model.scheduler)
-    lr_keys = ["learning_rate"] + ([f"learning_rate/pg{i}" for i in range(1, len(groups))] if per_group else [])
+    per_group = lr_keys(model.optimizer, model.scheduler) if model.optimizer is not None else []
+    lr_names = ["learning_rate"] + [key for _, key in per_group]
     val_keys = [f"val_{k}" for k in ("loss", *model.metrics.keys)] if validates else []
-    return keys + lr_keys + val_keys
+    return keys + lr_names + val_keys
 
 
 def callback_list(model: Any, callbacks: list[Callback], verbose: int, epochs: int | None, steps: int | None,

@@ -337,3 +337,368 @@ def test_swa_resumes_exactly(tmp_path):
         assert torch.equal(a, b)
     assert model.history.history == ref_model.history.history
     assert model.scheduler.last_epoch == ref_model.scheduler.last_epoch == 1
+
+
+# -- the WeightAveraging base: rules, functions, exact steps -------------------------------------
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from fitkit.callbacks import EarlyStopping, ModelCheckpoint, SwapEMAWeights, WeightAveraging  # noqa: E402
+
+
+def _scalar_model(lr: float = 0.25) -> fitkit.Model:
+    """w <- w - lr * 2w on x = 1, y = 0 (mse): from 1, w_k = (1 - 2 lr)**k."""
+    model = fitkit.Model(nn.Linear(1, 1, bias=False), device="cpu")
+    nn.init.ones_(model.module.weight)
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=lr), loss="mse")
+    return model
+
+
+def _fit_scalar(model, callbacks, epochs=1, n=4, **kw):
+    x = torch.ones(n, 1)
+    return model.fit(x, torch.zeros(n, 1), batch_size=1, epochs=epochs, callbacks=callbacks, verbose=0,
+                     shuffle=False, **kw)
+
+
+class Steps(Callback):
+    """Records global_step at each update of the averaging callback it watches."""
+
+    def __init__(self, avg):
+        super().__init__()
+        self.avg, self.updates, self.seen = avg, [], 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.avg.num_averaged != self.seen:
+            self.seen = self.avg.num_averaged
+            self.updates.append(self.model.global_step)
+
+
+def test_weight_averaging_updates_at_the_exact_steps_with_the_equal_mean():
+    model = _scalar_model()
+    avg = WeightAveraging(update_every_n_steps=3, update_starting_at_step=2, swap_at_end=False)
+    steps = Steps(avg)
+    _fit_scalar(model, [avg, steps], epochs=3)  # 12 steps; 0-based 3, 6, 9 -> global steps 4, 7, 10
+    assert steps.updates == [4, 7, 10]
+    assert avg.num_averaged == int(avg.averaged_model.n_averaged) == 3
+    expected = (0.5**4 + 0.5**7 + 0.5**10) / 3
+    assert avg.averaged_model.module.weight.item() == pytest.approx(expected, rel=1e-6)
+    assert model.module.weight.item() == 0.5**12  # swap_at_end=False: the trained weights stay
+
+
+def test_weight_averaging_start_epoch_counts_under_accumulation():
+    model = _scalar_model()
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse", gradient_accumulation_steps=2)
+    avg = WeightAveraging(update_starting_at_epoch=1)
+    steps = Steps(avg)
+    _fit_scalar(model, [avg, steps], epochs=3)  # 2 optimizer steps per epoch: epochs 1, 2 -> steps 3..6
+    assert steps.updates == [3, 4, 5, 6]
+    assert model.module.weight.item() == pytest.approx(sum(0.5**k for k in (3, 4, 5, 6)) / 4, rel=1e-6)
+
+
+def test_weight_averaging_user_functions_and_rule():
+    calls = []
+
+    def avg_fn(a, c, n):
+        calls.append(int(n))
+        return a + c  # a running sum
+
+    class EveryOtherEpoch(WeightAveraging):
+        def should_update(self, step_idx=None, epoch_idx=None):
+            return epoch_idx is not None and epoch_idx % 2 == 0
+
+    model = _scalar_model()
+    avg = EveryOtherEpoch(avg_fn=avg_fn, swap_at_end=False)
+    _fit_scalar(model, [avg], epochs=5, n=1)  # epoch ends 0, 2, 4: w = 0.5, 0.125, 0.03125
+    assert calls == [1, 2]  # the first update copies; then n_averaged = 1, 2 (a device tensor)
+    assert avg.averaged_model.module.weight.item() == 0.5 + 0.125 + 0.03125
+
+    def multi(avgs, curs, n):
+        torch._foreach_lerp_(avgs, curs, 0.25)
+
+    model = _scalar_model()
+    avg = WeightAveraging(multi_avg_fn=multi, swap_at_end=False)
+    _fit_scalar(model, [avg], n=3)  # 0.5 copied, then lerp to 0.25 and 0.125
+    first = 0.5 + 0.25 * (0.25 - 0.5)
+    assert avg.averaged_model.module.weight.item() == pytest.approx(first + 0.25 * (0.125 - first), rel=1e-7)
+
+
+def test_ema_start_and_thinning_follow_the_hand_formula():
+    model = _scalar_model()
+    ema = EMA(decay=0.5, update_starting_at_step=1, update_every_n_steps=2)
+    steps = Steps(ema)
+    _fit_scalar(model, [ema, steps], n=6)  # 0-based 2, 4 -> global 3, 5; the first one copies
+    assert steps.updates == [3, 5]
+    assert ema.averaged_model.module.weight.item() == 0.5 * 0.5**3 + 0.5 * 0.5**5
+
+
+def test_ema_overwrite_every_n_steps_trains_on_from_the_average():
+    model = _scalar_model()
+    _fit_scalar(model, [EMA(decay=0.5, overwrite_every_n_steps=2)], n=2)
+    # ema_0 = 1; step 1: w = .5, ema .75; step 2: w = .25, ema .5 -> the weights become .5
+    assert model.module.weight.item() == 0.5
+
+
+def test_compile_use_ema_has_keras_semantics():
+    model = _scalar_model()
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse", use_ema=True, ema_momentum=0.75)
+    x, y = torch.ones(2, 1), torch.zeros(2, 1)
+    h = model.fit(x, y, batch_size=1, epochs=1, validation_data=(x, y), verbose=0)
+    # the first step's weights 0.5 copied, then 0.75 * 0.5 + 0.25 * 0.25
+    ema = 0.75 * 0.5 + 0.25 * 0.25
+    assert h.history["val_loss"] == [0.25**2]  # validation on the training weights (Keras)
+    assert model.module.weight.item() == ema  # finalize_variable_values at the end of fit
+    assert model.evaluate(x, y, verbose=0)["loss"] == pytest.approx(ema**2, rel=1e-7)
+
+
+def test_compile_use_ema_carries_the_average_into_the_next_fit():
+    model = _scalar_model()
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse", use_ema=True, ema_momentum=0.5)
+    _fit_scalar(model, [], n=1)  # the average copies 0.5; the weights become it
+    _fit_scalar(model, [], n=1)  # Keras' iterations > 0: 0.5 * 0.5 + 0.5 * 0.25
+    assert model.compiled_ema.num_averaged == 2 and model.module.weight.item() == 0.375
+
+
+def test_compile_ema_overwrite_frequency():
+    model = _scalar_model()
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse", use_ema=True, ema_momentum=0.5,
+                  ema_overwrite_frequency=2)  # fmt: skip
+    w = []
+    _fit_scalar(model, [LambdaCallback(on_train_batch_end=lambda b, logs: w.append(model.module.weight.item()))], n=3)
+    # steps: w .5 (ema .5), .25 (ema .375 -> w .375), .1875 (ema .28125); the end: w = ema
+    assert w == [0.5, 0.375, 0.1875]
+    assert model.module.weight.item() == 0.28125
+
+
+def test_swap_ema_weights_validates_on_the_ema_and_swap_on_epoch():
+    model = _scalar_model()
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse", use_ema=True, ema_momentum=0.5)
+    x, y = torch.ones(1, 1), torch.zeros(1, 1)
+    seen = []
+    probe = LambdaCallback(on_epoch_end=lambda e, logs: seen.append(model.module.weight.item()))
+    h = model.fit(x, y, epochs=2, validation_data=(x, y), verbose=0,
+                  callbacks=[SwapEMAWeights(swap_on_epoch=True), probe])
+    # ema: 0.5, then 0.5 * 0.5 + 0.5 * 0.25 = 0.375; the weights after step 2: 0.25
+    assert h.history["val_loss"] == [0.25, 0.375**2]
+    assert seen == [0.5, 0.375]  # callbacks after it see the EMA at the epoch end
+    assert model.module.weight.item() == 0.375
+    plain = _scalar_model()
+    plain.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse", use_ema=True, ema_momentum=0.5)
+    seen.clear()
+    h = plain.fit(x, y, epochs=2, validation_data=(x, y), verbose=0,
+                  callbacks=[SwapEMAWeights(), LambdaCallback(on_epoch_end=lambda e, logs: seen.append(
+                      plain.module.weight.item()))])  # fmt: skip
+    assert h.history["val_loss"] == [0.25, 0.375**2] and seen == [0.5, 0.25]
+
+
+def test_swap_ema_weights_without_an_ema_is_an_error_before_step_1():
+    model = _scalar_model()
+    with pytest.raises(ValueError, match="use_ema=True"):
+        _fit_scalar(model, [SwapEMAWeights()])
+    assert model.global_step == 0 and model.module.weight.item() == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"avg_fn": 3}, TypeError, "avg_fn"),
+        ({"avg_fn": lambda a, c, n: a, "multi_avg_fn": lambda a, c, n: None}, ValueError, "not both"),
+        ({"update_every_n_steps": 0}, ValueError, "update_every_n_steps"),
+        ({"update_starting_at_step": -1}, ValueError, "update_starting_at_step"),
+        ({"update_starting_at_epoch": 1.5}, TypeError, "update_starting_at_epoch"),
+        ({"swap_at_end": 1}, TypeError, "swap_at_end"),
+    ],
+)
+def test_weight_averaging_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        WeightAveraging(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"use_ema": "yes"}, TypeError, "use_ema"),
+        ({"use_ema": True, "ema_momentum": 1.5}, ValueError, "ema_momentum"),
+        ({"use_ema": True, "ema_overwrite_frequency": 0}, ValueError, "ema_overwrite_frequency"),
+    ],
+)
+def test_compile_ema_errors(kwargs, error, match):
+    model = _scalar_model()
+    with pytest.raises(error, match=match):
+        model.compile(optimizer="sgd", loss="mse", **kwargs)
+    assert model.compiled_ema is None
+
+
+# -- host syncs ----------------------------------------------------------------------------------
+_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+             "unique_consecutive", "unique_dim", "bincount"}  # fmt: skip
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the ops that read a device value on the host or have a data-dependent shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self._wrapped = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        boolean_index = name == "index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
+        )
+        if name in _SYNC_OPS or boolean_index:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        for method in ("item", "tolist", "cpu", "numpy"):
+            original = getattr(torch.Tensor, method)
+            self._wrapped[method] = original
+
+            def counted(t, *a, _original=original, _m=method, **k):
+                if _m != "item":  # item is counted as _local_scalar_dense
+                    self.count += 1
+                return _original(t, *a, **k)
+
+            setattr(torch.Tensor, method, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for method, original in self._wrapped.items():
+            setattr(torch.Tensor, method, original)
+        return super().__exit__(*exc)
+
+
+class CountSteps(Callback):
+    """Counts host syncs from the batch end of step ``start`` to the batch end of step ``stop``."""
+
+    def __init__(self, start, stop):
+        super().__init__()
+        self.start, self.stop, self.counter, self.count = start, stop, None, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = self.model.global_step
+        if step == self.start:
+            self.counter = SyncCounter().__enter__()
+        elif step == self.stop and self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.count, self.counter = self.counter.count, None
+
+
+def test_torch_update_parameters_syncs_twice_per_call():
+    module = nn.Linear(3, 1)
+    averaged = torch.optim.swa_utils.AveragedModel(module, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    averaged.update_parameters(module)
+    with SyncCounter() as counter:
+        for _ in range(4):
+            averaged.update_parameters(module)
+    assert counter.count == 8  # the reason fitkit counts on the host
+
+
+@pytest.mark.parametrize("make", [lambda: EMA(decay=0.9), lambda: WeightAveraging()])
+def test_averaging_adds_no_host_sync_per_step(make):
+    x, y = _data(40)
+    model = _model()
+    counter = CountSteps(2, 9)  # 7 steady steps, 7 updates
+    model.fit(x, y, batch_size=4, epochs=2, callbacks=[make(), counter], verbose=0, shuffle=False)
+    assert counter.count == 0
+
+
+def test_an_epoch_end_average_adds_no_host_sync():
+    """Steps 8 to 13 hold the end of epoch 0, where SWA averages: as many syncs as the plain loop's logs."""
+    x, y = _data(40)
+    counts = []
+    for callbacks in ([], [SWA(swa_lrs=0.05, swa_epoch_start=1)], [WeightAveraging(update_starting_at_epoch=1)]):
+        counter = CountSteps(8, 13)
+        _model().fit(x, y, batch_size=4, epochs=2, callbacks=[*callbacks, counter], verbose=0, shuffle=False)
+        counts.append(counter.count)
+    assert counts[1] == counts[2] == counts[0]
+
+
+def test_the_sync_counter_sees_a_sync():
+    model = _model()
+    x, y = _data(40)
+    counter = CountSteps(2, 9)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[counter, LambdaCallback(
+        on_train_batch_end=lambda b, logs: float(model.module[0].weight.detach().sum()))])  # fmt: skip
+    assert counter.count == 7
+
+
+# -- the weights that were scored are the weights kept -------------------------------------------
+def _noisy_run(callbacks, epochs=6, ema_first=True, **compile_kwargs):
+    x, y = _data(24)
+    vx, vy = _data(10, 3)
+    model = _model(lr=0.3, **compile_kwargs)
+    h = model.fit(x, y, batch_size=4, epochs=epochs, validation_data=(vx + 0.5, vy), callbacks=callbacks,
+                  verbose=0, shuffle=False)
+    return model, h, (vx + 0.5, vy)
+
+
+@pytest.mark.parametrize("order", ["ema_first", "stop_first"])
+def test_early_stopping_restores_the_ema_weights_that_scored_best(order):
+    ema, stop = EMA(decay=0.9), EarlyStopping(monitor="val_loss", patience=10, restore_best_weights=True)
+    model, h, (vx, vy) = _noisy_run([ema, stop] if order == "ema_first" else [stop, ema])
+    best = min(h.history["val_loss"])
+    assert stop.best == best
+    assert model.evaluate(vx, vy, verbose=0)["loss"] == pytest.approx(best, rel=1e-6)
+    assert best != pytest.approx(h.history["val_loss"][-1], rel=1e-3)  # a restore that matters
+
+
+def test_model_checkpoint_best_files_hold_the_scored_ema_weights(tmp_path):
+    ema = EMA(decay=0.9)
+    weights = ModelCheckpoint(tmp_path / "best.pt", save_best_only=True, save_weights_only=True)
+    full = ModelCheckpoint(tmp_path / "best_full.pt", save_best_only=True)
+    model, h, (vx, vy) = _noisy_run([weights, ema, full])
+    best = min(h.history["val_loss"])
+    for name in ("best.pt", "best_full.pt"):
+        other = _model()
+        other.load_weights(tmp_path / name)
+        assert other.evaluate(vx, vy, verbose=0)["loss"] == pytest.approx(best, rel=1e-6)
+
+
+def test_a_best_full_checkpoint_resumes_the_training_weights_exactly(tmp_path):
+    """The best file of an EMA-scored run: module = the EMA, the EMA's state carries the training weights."""
+    ema = EMA(decay=0.9)
+    full = ModelCheckpoint(tmp_path / "best.pt", save_best_only=True)
+    raw = []
+    probe = LambdaCallback(on_epoch_end=lambda e, logs: raw.append(_weights(probe.model.module)))
+    model, h, _ = _noisy_run([ema, full, probe])
+    best_epoch = h.history["val_loss"].index(min(h.history["val_loss"]))
+    again, ema2 = _model(lr=0.3), EMA(decay=0.9)
+    again.load_checkpoint(tmp_path / "best.pt")
+    resumed = []
+    again.fit(*_data(24), batch_size=4, epochs=best_epoch + 2, initial_epoch=best_epoch + 1, verbose=0,
+              callbacks=[ema2, LambdaCallback(on_epoch_begin=lambda e, logs: resumed.append(_weights(again.module)))])
+    assert not all(torch.equal(a, b) for a, b in zip(_weights(ema2.averaged_model.module), raw[best_epoch],
+                                                      strict=True))  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(resumed[0], raw[best_epoch], strict=True))
+
+
+def test_swa_with_early_stopping_restores_the_training_weights_it_scored():
+    swa = SWA(swa_lrs=0.05, swa_epoch_start=3)
+    stop = EarlyStopping(monitor="val_loss", patience=10, restore_best_weights=True)
+    model, h, (vx, vy) = _noisy_run([swa, stop])  # validation scores the training weights
+    assert model.evaluate(vx, vy, verbose=0)["loss"] == pytest.approx(min(h.history["val_loss"]), rel=1e-6)
+
+
+def _swap_run(folder, crash_step=None):
+    x, y = _data(20)
+    model = _model(use_ema=True, ema_momentum=0.8)
+
+    def crash(batch, logs):
+        if model.global_step == crash_step:
+            raise _Crash
+
+    callbacks = [LambdaCallback(on_train_batch_end=crash), SwapEMAWeights(swap_on_epoch=True),
+                 BackupAndRestore(folder)]  # fmt: skip
+    model.fit(x, y, batch_size=4, epochs=3, validation_data=(x[:6], y[:6]), callbacks=callbacks, verbose=0)
+    return model
+
+
+def test_swap_on_epoch_backups_resume_bit_exact(tmp_path):
+    """An epoch-end backup holds the EMA in the module and the training weights in the EMA's state."""
+    ref = _swap_run(tmp_path / "ref")
+    with pytest.raises(_Crash):
+        _swap_run(tmp_path / "run", crash_step=7)  # the backup of the end of epoch 1
+    model = _swap_run(tmp_path / "run")
+    assert all(torch.equal(a, b) for a, b in zip(_weights(model.module), _weights(ref.module), strict=True))
+    assert model.history.history == ref.history.history

@@ -67,6 +67,17 @@ def test_every_n_epochs(tmp_path):
     assert _files(tmp_path) == ["ep3.pt", "ep6.pt"]
 
 
+def test_every_n_epochs_0_writes_no_ranked_file_only_last(tmp_path):
+    ckpt = ModelCheckpoint(tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_top_k=2, every_n_epochs=0,
+                           save_last=True)  # fmt: skip
+    model, _ = _fit([Feed([3.0, 2.0, 1.0]), ckpt], epochs=3)
+    assert _files(tmp_path) == ["last.pt"] and ckpt.kept == [] and ckpt.best is None
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 3  # written at every epoch end
+    alone = ModelCheckpoint(tmp_path / "none" / "ep{epoch}.pt", every_n_epochs=0)
+    _fit([alone], epochs=2)
+    assert not (tmp_path / "none").exists()
+
+
 def test_every_n_epochs_with_save_best_only_decides_on_those_epochs_only(tmp_path):
     ckpt = ModelCheckpoint(tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_best_only=True,
                            save_weights_only=True, every_n_epochs=2)
@@ -119,7 +130,8 @@ def test_save_top_k_never_evicts_last(tmp_path):
     [
         ({"initial_value_threshold": 0.5}, ValueError, "needs `save_best_only=True` or `save_top_k=k`"),
         ({"initial_value_threshold": "a", "save_best_only": True}, TypeError, "to be a number"),
-        ({"every_n_epochs": 0}, ValueError, r"Expected `every_n_epochs` >= 1\. Received: every_n_epochs=0"),
+        ({"every_n_epochs": -1}, ValueError, r"Expected `every_n_epochs` >= 0\. Received: every_n_epochs=-1"),
+        ({"every_n_epochs": 0, "save_freq": 5}, ValueError, "`every_n_epochs` counts epochs"),
         ({"every_n_epochs": 2, "save_freq": 5}, ValueError, "`every_n_epochs` counts epochs"),
         ({"save_last": 3}, TypeError, "Expected `save_last` to be a bool or a path"),
     ],

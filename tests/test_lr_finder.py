@@ -246,3 +246,69 @@ def test_digits_suggestion_trains_the_cnn_to_097():
     accuracy = model.evaluate(x_test, y_test, verbose=0)["accuracy"]
     print(f"digits CNN: suggestion {suggestion:.3g}, trained at {lr:.3g}: test accuracy {accuracy:.4f}")
     assert accuracy >= 0.97
+
+
+# -- mode="linear" and apply=True --------------------------------------------------------------
+def test_linear_mode_sweeps_evenly_and_suggests_on_the_linear_axis():
+    model = _scalar_model()
+    result = find_lr(model, torch.ones(8, 1), torch.zeros(8, 1), batch_size=4, start_lr=0.01, end_lr=0.1,
+                     num_steps=10, diverge_threshold=None, mode="linear")  # fmt: skip
+    assert result.lrs == [0.01 + (0.1 - 0.01) * (i / 9) for i in range(10)]
+    assert result.mode == "linear"
+    lrs, losses = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [4.0, 3.0, 2.6, 2.2, 1.6, 3.0]
+    r = LRFinderResult(lrs=lrs, losses=losses, raw_losses=[], mode="linear")
+    # even spacing: slopes -1 (edge), -0.7, -0.4, -0.5 (central differences): steepest at lr 1
+    assert r.suggest(skip_begin=0, skip_end=1) == 1.0
+    r.mode = "exponential"  # per log unit the last drop is the steepest: about -1.44, -1.16, -1.22, -2.12
+    assert r.suggest(skip_begin=0, skip_end=1) == 4.0
+
+
+def _two_groups(scheduler=None) -> fitkit.Model:
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Linear(2, 1), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD([{"params": [p[0]], "lr": 0.1},
+                                                       {"params": [p[1]], "lr": 0.02}]),
+                  loss="mse", scheduler=scheduler)  # fmt: skip
+    return model
+
+
+def test_apply_sets_the_suggestion_on_every_group_keeping_their_ratios():
+    x = torch.randn(64, 2, generator=torch.Generator().manual_seed(0))
+    y = x @ torch.tensor([[1.0], [-2.0]])
+    model = _two_groups()
+    before = [p.detach().clone() for p in model.module.parameters()]
+    result = find_lr(model, x, y, batch_size=8, start_lr=1e-4, end_lr=1.0, num_steps=30, apply=True)
+    s = result.suggestion
+    assert s is not None
+    assert [g["lr"] for g in model.optimizer.param_groups] == [s, s * (0.02 / 0.1)]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters(), strict=True))
+
+
+def test_apply_updates_the_scheduler_base_lrs_and_its_shape():
+    x = torch.randn(64, 2, generator=torch.Generator().manual_seed(0))
+    y = x @ torch.tensor([[1.0], [-2.0]])
+    model = _two_groups(scheduler=lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=4))
+    result = find_lr(model, x, y, batch_size=8, start_lr=1e-4, end_lr=1.0, num_steps=30, apply=True)
+    s, groups = result.suggestion, model.optimizer.param_groups
+    assert model.scheduler.base_lrs == [s, 0.02 * (s / 0.1)]
+    assert groups[0]["initial_lr"] == s
+    assert groups[0]["lr"] == pytest.approx(0.5 * s, rel=1e-12)  # the warm-up still starts at half
+    assert groups[1]["lr"] == pytest.approx(0.5 * 0.02 * s / 0.1, rel=1e-12)
+
+
+def test_apply_without_a_suggestion_warns_and_changes_nothing():
+    model = _scalar_model()
+    with pytest.warns(fitkit.checks.FitkitWarning, match="no suggestion"):
+        find_lr(model, torch.ones(4, 1), torch.zeros(4, 1), num_steps=2, apply=True)
+    assert model.optimizer.param_groups[0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [({"mode": "cubic"}, ValueError, "'exponential' or 'linear'"), ({"apply": 1}, TypeError, "apply")],
+)
+def test_mode_and_apply_errors(kwargs, error, match):
+    model = _scalar_model()
+    with pytest.raises(error, match=match):
+        find_lr(model, torch.ones(4, 1), torch.zeros(4, 1), **kwargs)
+    assert model.optimizer.param_groups[0]["lr"] == 0.1 and model.global_step == 0

@@ -537,3 +537,17 @@ def test_cuda_matches_cpu_and_predict_returns_cpu_tensors():
     assert cuda_out.device.type == "cpu"
     assert cuda_logs == pytest.approx(cpu_logs, abs=1e-4)
     assert torch.allclose(cpu_out, cuda_out, atol=1e-4)
+
+
+def test_evaluate_return_dict_false_is_keras_scalar_or_list_in_metrics_order():
+    model = fitkit.Model(nn.Linear(1, 1), device="cpu")
+    nn.init.zeros_(model.module.weight)
+    nn.init.zeros_(model.module.bias)
+    x, y = torch.zeros(4, 1), torch.tensor([[1.0], [1.0], [1.0], [5.0]])
+    model.compile(loss="mse")
+    assert model.evaluate(x, y, verbose=0, return_dict=False) == 7.0  # (1 + 1 + 1 + 25) / 4
+    model.compile(loss="mse", metrics=["mae", "mse"])
+    assert model.evaluate(x, y, verbose=0, return_dict=False) == [7.0, 2.0, 7.0]  # loss, mae, mse
+    assert model.evaluate(x, y, verbose=0) == {"loss": 7.0, "mae": 2.0, "mse": 7.0}
+    with pytest.raises(TypeError, match="return_dict"):
+        model.evaluate(x, y, verbose=0, return_dict="no")

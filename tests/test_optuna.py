@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fitkit
-from fitkit.callbacks import CSVLogger, OptunaPruning
+from fitkit.callbacks import CSVLogger, LambdaCallback, OptunaPruning
 
 optuna = pytest.importorskip("optuna")
 
@@ -113,3 +113,21 @@ def test_bad_arguments(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "optuna" else real(n, *a))
     with pytest.raises(ImportError, match=r"needs optuna\. Install it with `pip install fitkit\[optuna\]`"):
         OptunaPruning(FakeTrial())
+
+
+def test_interval_reports_and_prunes_every_n_th_epoch_only():
+    x, y = _data()
+    model = fitkit.Model(_net(), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    trial, losses = FakeTrial(prune_at=5), []
+    record = LambdaCallback(on_epoch_end=lambda epoch, logs: losses.append(logs["loss"]))
+    with pytest.raises(optuna.TrialPruned, match="epoch 5"):
+        model.fit(x, y, epochs=9, batch_size=16, verbose=0,
+                  callbacks=[record, OptunaPruning(trial, "loss", interval=3)])  # fmt: skip
+    assert len(losses) == 6 and trial.reports == [(2, losses[2]), (5, losses[5])]  # epochs 3 and 6 (1-based)
+
+
+@pytest.mark.parametrize(("interval", "error"), [(0, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_interval_errors(interval, error):
+    with pytest.raises(error, match="interval"):
+        OptunaPruning(FakeTrial(), "loss", interval=interval)

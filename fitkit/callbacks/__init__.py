@@ -3,29 +3,37 @@
 - :mod:`~fitkit.callbacks.base`: ``Callback``, ``CallbackList``, ``History``, ``BatchLogs``.
 - :mod:`~fitkit.callbacks.monitor`: ``EarlyStopping`` and the shared monitor / mode logic.
 - :mod:`~fitkit.callbacks.logkeys`: which log keys a callback can read, checked before step 1.
-- :mod:`~fitkit.callbacks.lr`: ``LearningRateScheduler``, ``ReduceLROnPlateau``.
+- :mod:`~fitkit.callbacks.lr`: ``LearningRateScheduler``, ``ReduceLROnPlateau``, ``LearningRateFinder``.
 - :mod:`~fitkit.callbacks.checkpointing`: ``ModelCheckpoint``.
 - :mod:`~fitkit.callbacks.backup`: ``BackupAndRestore``.
 - :mod:`~fitkit.callbacks.logging`: ``CSVLogger``, ``TensorBoard``.
 - :mod:`~fitkit.callbacks.misc`: ``TerminateOnNaN``, ``LambdaCallback``.
-- :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA`` (weight averaging).
+- :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA`` (weight averaging, on
+  :mod:`~fitkit.callbacks.weight_averaging`'s ``WeightAveraging``; :mod:`~fitkit.callbacks.scoring`:
+  which weights a value scored); :mod:`~fitkit.callbacks.swap_ema`: Keras' ``SwapEMAWeights`` and
+  ``compile(use_ema=True)``.
+- :mod:`~fitkit.callbacks.throughput`: ``ThroughputMonitor`` (samples / tokens per second, FLOPs, MFU).
+- :mod:`~fitkit.callbacks.profiler`: ``Profiler`` (``torch.profiler`` over a schedule of steps).
 - :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install fitkit[mlflow]``).
 - :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install fitkit[optuna]``).
 
 The MLflow and Optuna callbacks import their library when they are created, not here.
 """
 
-from fitkit.callbacks.averaging import EMA, SWA
+from fitkit.callbacks.averaging import EMA, SWA, WeightAveraging
 from fitkit.callbacks.backup import BackupAndRestore
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
 from fitkit.callbacks.checkpointing import ModelCheckpoint
 from fitkit.callbacks.logging import CSVLogger, TensorBoard
-from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
+from fitkit.callbacks.lr import LearningRateFinder, LearningRateScheduler, ReduceLROnPlateau
 from fitkit.callbacks.misc import LambdaCallback, TerminateOnNaN
 from fitkit.callbacks.mlflow import MLflowLogger
 from fitkit.callbacks.monitor import EarlyStopping
 from fitkit.callbacks.optuna import OptunaPruning
+from fitkit.callbacks.profiler import Profiler
 from fitkit.callbacks.progress import ProgressBar
+from fitkit.callbacks.swap_ema import SwapEMAWeights
+from fitkit.callbacks.throughput import ThroughputMonitor
 
 __all__ = [
     "Callback",
@@ -42,8 +50,13 @@ __all__ = [
     "TerminateOnNaN",
     "LambdaCallback",
     "LearningRateScheduler",
+    "LearningRateFinder",
     "EMA",
     "SWA",
+    "SwapEMAWeights",
+    "WeightAveraging",
     "MLflowLogger",
     "OptunaPruning",
+    "ThroughputMonitor",
+    "Profiler",
 ]

@@ -1,7 +1,8 @@
-"""Weight averaging with torch's own tools: ``EMA`` and ``SWA`` (``torch.optim.swa_utils``).
+"""Weight averaging: ``EMA`` and ``SWA`` (Keras' ``SwapEMAWeights`` is in :mod:`fitkit.callbacks.swap_ema`).
 
-Both keep an :class:`~torch.optim.swa_utils.AveragedModel` next to ``model.module`` and copy
-weights between the two in place (``Tensor.copy_``), so the optimizer, hooks and a compiled
+``EMA`` and ``SWA`` are :class:`~fitkit.callbacks.weight_averaging.WeightAveraging` callbacks
+(one base over :mod:`torch.optim.swa_utils`): the average lives in an ``AveragedModel`` and
+weights move between it and ``model.module`` in place, so the optimizer, hooks and a compiled
 forward keep pointing at the module's own parameters.
 """
 
@@ -13,54 +14,38 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
+from torch.optim.swa_utils import SWALR, get_ema_multi_avg_fn, update_bn
 
-from fitkit.callbacks.base import Callback
+from fitkit.callbacks.weight_averaging import WeightAveraging
 from fitkit.checks import FitkitWarning, check_bool, check_int, check_number
-from fitkit.distributed import say
 from fitkit.modes import modes
 
-__all__ = ["EMA", "SWA"]
+__all__ = ["EMA", "SWA", "WeightAveraging"]
 
 
-def _refuse_fsdp(model: Any, who: str) -> None:
-    if getattr(model, "strategy", None) == "fsdp" and torch.distributed.is_initialized():
-        raise ValueError(
-            f"{who} keeps a full copy of the module, which a sharded (strategy='fsdp') module "
-            "does not have. Fix: use strategy='ddp'."
-        )
-
-
-def _pairs(module: nn.Module, averaged: AveragedModel, buffers: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(module tensor, averaged tensor)`` pairs: parameters, and buffers if ``buffers``."""
-    mine: list[torch.Tensor] = list(module.parameters())
-    theirs: list[torch.Tensor] = list(averaged.module.parameters())
-    if buffers:
-        mine += list(module.buffers())
-        theirs += list(averaged.module.buffers())
-    return list(zip(mine, theirs, strict=True))
-
-
-@torch.no_grad()
-def _copy_into(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for dst, src in pairs:
-        dst.copy_(src)
-
-
-class EMA(Callback):
+class EMA(WeightAveraging):
     """Keep an exponential moving average of the weights (Keras' ``use_ema``, timm's ``ModelEma``).
 
-    Built on :class:`torch.optim.swa_utils.AveragedModel` with
-    :func:`~torch.optim.swa_utils.get_ema_multi_avg_fn`. At ``on_train_begin`` the average is a
-    copy of the module; after each optimizer step (a batch end at which ``model.global_step``
-    advanced, so with gradient accumulation once per group, and never for a step that mixed
-    precision skipped) it becomes ``decay * ema + (1 - decay) * weights``. After ``k`` steps
-    from weights ``w_0`` (the start) to ``w_k`` it is
-    ``decay**k * w_0 + sum_i (1 - decay) * decay**(k - i) * w_i``.
+    A :class:`~fitkit.callbacks.weight_averaging.WeightAveraging` with torch's
+    :func:`~torch.optim.swa_utils.get_ema_multi_avg_fn` (``torch._foreach_lerp_``; no host
+    sync per step). At ``on_train_begin`` the average is a copy of the module; after each
+    optimizer step (a batch end at which ``model.global_step`` advanced, so with gradient
+    accumulation once per group, and never for a step that mixed precision skipped) it
+    becomes ``decay * ema + (1 - decay) * weights``. After ``k`` steps from weights ``w_0``
+    (the start) to ``w_k`` it is ``decay**k * w_0 + sum_i (1 - decay) * decay**(k - i) * w_i``.
+    With ``update_starting_at_step`` or ``update_starting_at_epoch`` (Lightning's
+    ``EMAWeightAveraging``) there is no copy at the start: the first update copies the
+    weights of that step, and ``update_every_n_steps`` thins the updates (steps ``k`` with
+    ``k % n == 0``, 0-based). ``overwrite_every_n_steps`` (Keras' ``ema_overwrite_frequency``)
+    copies the average into the module after every n-th optimizer step (1-based), and training
+    continues from it.
 
     With ``evaluate_with_ema`` the validation inside ``fit`` runs on the averaged weights: they
     are copied into ``model.module`` at ``on_test_begin`` and the training weights are copied
-    back, bit for bit, at ``on_test_end``. With ``swap_at_end`` the averaged weights replace
+    back, bit for bit, at ``on_test_end``; :meth:`scored_weights` gives those weights to
+    ``EarlyStopping(restore_best_weights=True)`` and ``ModelCheckpoint(save_best_only=True)``,
+    so the weights they keep are the ones that scored the best ``val_`` value. With
+    ``swap_at_end`` the averaged weights replace
     the module's when ``fit`` ends. The average is part of the callback's state, so it is saved
     in checkpoints and a resumed run continues it exactly. Floating-point tensors follow
     torch's formula; integer buffers (BatchNorm's ``num_batches_tracked``) with
@@ -74,15 +59,19 @@ class EMA(Callback):
         use_buffers: average the buffers too (BatchNorm statistics), as timm does; ``False``
             averages the parameters only and evaluates with the module's own buffers.
         verbose: 1 prints a line when the weights are swapped in at the end.
+        update_every_n_steps: update at every n-th optimizer step.
+        update_starting_at_step: the 0-based first step that updates (the first copies).
+        update_starting_at_epoch: the 0-based first epoch whose steps update.
+        overwrite_every_n_steps: copy the average into the module every n optimizer steps.
 
     Attributes:
         averaged_model: the ``AveragedModel``; ``averaged_model.module`` is a module holding
             the averaged weights (``None`` before the first ``fit``).
 
     Raises:
-        TypeError: ``decay`` is not a number, a flag not a bool.
-        ValueError: ``decay`` outside ``[0, 1]``; at ``on_train_begin``, a module sharded with
-            ``strategy="fsdp"``.
+        TypeError: ``decay`` is not a number, a flag not a bool, a step count not an int.
+        ValueError: ``decay`` outside ``[0, 1]``, a step count below its minimum; at
+            ``on_train_begin``, a module sharded with ``strategy="fsdp"``.
 
     Example:
         >>> import torch, fitkit
@@ -95,6 +84,8 @@ class EMA(Callback):
         (0.25, 0.5)
     """
 
+    _copy_at_start = True
+
     def __init__(
         self,
         decay: float = 0.999,
@@ -102,103 +93,50 @@ class EMA(Callback):
         swap_at_end: bool = False,
         use_buffers: bool = True,
         verbose: int = 0,
+        *,
+        update_every_n_steps: int = 1,
+        update_starting_at_step: int | None = None,
+        update_starting_at_epoch: int | None = None,
+        overwrite_every_n_steps: int | None = None,
     ):
-        super().__init__()
         check_number("decay", decay, minimum=0.0)
         if decay > 1:
             raise ValueError(f"Expected `decay` in [0, 1]. Received: decay={decay!r}.")
-        for name, flag in (("evaluate_with_ema", evaluate_with_ema), ("swap_at_end", swap_at_end),
-                           ("use_buffers", use_buffers)):
-            check_bool(name, flag)
-        self.decay, self.evaluate_with_ema, self.swap_at_end = float(decay), evaluate_with_ema, swap_at_end
-        self.use_buffers, self.verbose = use_buffers, verbose
-        self.averaged_model: AveragedModel | None = None
-        self._last_step = 0
-        self._pending: dict[str, Any] | None = None  # a state loaded before the average exists
-        self._restored = False
-        self._in_fit = False
-        self._saved: list[torch.Tensor] | None = None  # the training weights during validation
+        check_bool("evaluate_with_ema", evaluate_with_ema)
+        check_int("overwrite_every_n_steps", overwrite_every_n_steps, 1, allow_none=True)
+        super().__init__(
+            multi_avg_fn=get_ema_multi_avg_fn(float(decay)), use_buffers=use_buffers,
+            update_every_n_steps=update_every_n_steps, update_starting_at_step=update_starting_at_step,
+            update_starting_at_epoch=update_starting_at_epoch, evaluate_with_average=evaluate_with_ema,
+            swap_at_end=swap_at_end, verbose=verbose,
+        )  # fmt: skip
+        self.decay, self.overwrite_every_n_steps = float(decay), overwrite_every_n_steps
 
-    # -- state -----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        if self.averaged_model is None:
-            return {}
-        return {"averaged": self.averaged_model.state_dict(), "last_step": self._last_step}
+    @property
+    def evaluate_with_ema(self) -> bool:
+        """Whether the validation inside ``fit`` runs on the averaged weights."""
+        return self.evaluate_with_average
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            return
-        if self.averaged_model is None:
-            self._pending = state
-        else:
-            self._load(state)
-        self._restored = True  # the next on_train_begin keeps it
-
-    def _load(self, state: dict[str, Any]) -> None:
-        if self.averaged_model is None:
-            raise RuntimeError(
-                f"{type(self).__name__}: no averaged model to load into; it is built at on_train_begin."
-            )
-        self.averaged_model.load_state_dict(state["averaged"])
-        self._last_step = int(state["last_step"])
-
-    # -- hooks -----------------------------------------------------------------------------
-    def on_train_begin(self, logs=None):
-        _refuse_fsdp(self.model, "EMA")
-        restored, self._restored = self._restored, False
-        self._in_fit = True
-        if restored and self._pending is None:
-            return  # loaded into the existing average
-        module = self.model.module
-        self.averaged_model = AveragedModel(
-            module, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=self.use_buffers
-        )
-        if self._pending is not None:
-            state, self._pending = self._pending, None
-            self._load(state)
-        else:
-            self.averaged_model.update_parameters(module)  # the first update copies: ema = w_0
-            self._last_step = self.model.global_step
-
-    def on_train_batch_end(self, batch, logs=None):
-        step = self.model.global_step
-        if step != self._last_step:  # an optimizer step ran
-            # AveragedModel reads its step count on the host: one small sync per step.
-            self.averaged_model.update_parameters(self.model.module)
-            self._last_step = step
-
-    def on_test_begin(self, logs=None):
-        if not (self._in_fit and self.evaluate_with_ema and self.averaged_model is not None):
-            return
-        pairs = _pairs(self.model.module, self.averaged_model, self.use_buffers)
-        self._saved = [dst.detach().clone() for dst, _ in pairs]
-        _copy_into(pairs)
-
-    def on_test_end(self, logs=None):
-        if self._saved is None:
-            return
-        pairs = _pairs(self.model.module, self.averaged_model, self.use_buffers)
-        _copy_into([(dst, saved) for (dst, _), saved in zip(pairs, self._saved, strict=True)])
-        self._saved = None
-
-    def on_train_end(self, logs=None):
-        self._in_fit = False
-        if self.swap_at_end and self.averaged_model is not None:
-            _copy_into(_pairs(self.model.module, self.averaged_model, self.use_buffers))
-            say(self.verbose, "EMA: the averaged weights are now the module's.")
+    def _after_update(self, step: int) -> None:
+        n = self.overwrite_every_n_steps
+        if n is not None and step % n == 0 and self._saved is None:
+            for avg, cur in self._groups:  # Keras' ema_overwrite_frequency: train on from the average
+                torch._foreach_copy_(cur, avg)
 
 
-class SWA(Callback):
+class SWA(WeightAveraging):
     """Stochastic weight averaging (Izmailov et al. 2018; Lightning's ``StochasticWeightAveraging``).
 
     From epoch ``swa_epoch_start`` on, :class:`~torch.optim.swa_utils.SWALR` anneals every
     parameter group's learning rate to its ``swa_lrs`` over ``annealing_epochs`` epochs (it is
     stepped once per epoch by this callback), and at the end of that epoch and of every later
     one the weights join an equal-weight average (:class:`~torch.optim.swa_utils.AveragedModel`),
-    as in torch's SWA recipe. When ``fit`` ends, the average is copied into ``model.module`` and
-    BatchNorm statistics are recomputed with :func:`~torch.optim.swa_utils.update_bn` over one
-    pass of the training data (``params["train_data"]``), since the averaged weights never ran
-    with the statistics training left behind.
+    as in torch's SWA recipe (the base's :meth:`should_update` asked with ``epoch_idx``; the
+    validation runs on the training weights, as in Lightning). When ``fit`` ends, the average
+    is copied into ``model.module`` and BatchNorm statistics are recomputed with
+    :func:`~torch.optim.swa_utils.update_bn` over one pass of the training data
+    (``params["train_data"]``), since the averaged weights never ran with the statistics
+    training left behind.
 
     A scheduler given to ``compile`` is set aside while SWA runs (Lightning replaces it the
     same way): ``model.scheduler`` is ``None`` from the start epoch on, so it no longer steps,
@@ -239,7 +177,7 @@ class SWA(Callback):
         annealing_epochs: int = 10,
         annealing_strategy: str = "cos",
     ):
-        super().__init__()
+        super().__init__(use_buffers=False, evaluate_with_average=False, swap_at_end=True)
         lrs = swa_lrs if isinstance(swa_lrs, (list, tuple)) else [swa_lrs]
         for lr in lrs:
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
@@ -264,29 +202,30 @@ class SWA(Callback):
         self.swa_lrs = list(swa_lrs) if isinstance(swa_lrs, (list, tuple)) else float(swa_lrs)
         self.swa_epoch_start, self.annealing_epochs = swa_epoch_start, annealing_epochs
         self.annealing_strategy = annealing_strategy
-        self.averaged_model: AveragedModel | None = None
         self.swa_scheduler: SWALR | None = None
         self._start = 0  # 0-based first averaged epoch
         self._set_aside: Any = None  # the compiled scheduler, while SWA runs
         self._set_aside_state: dict[str, Any] | None = None
-        self._pending: dict[str, Any] | None = None
+        self._swa_pending: dict[str, Any] | None = None
+
+    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+        """The ends of the epochs from ``swa_epoch_start`` on (SWALR runs then)."""
+        return epoch_idx is not None and self.swa_scheduler is not None
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        if self.averaged_model is None:
-            return {}
-        return {
-            "averaged": self.averaged_model.state_dict(),
-            "swa_scheduler": None if self.swa_scheduler is None else self.swa_scheduler.state_dict(),
-            "set_aside": self._set_aside_state,
-        }
+        state = super().state_dict()
+        if state:
+            state["swa_scheduler"] = None if self.swa_scheduler is None else self.swa_scheduler.state_dict()
+            state["set_aside"] = self._set_aside_state
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._pending = state or None  # applied at the next epoch begin (the average exists then)
+        super().load_state_dict(state)
+        self._swa_pending = state or None  # SWALR exists from the start epoch on
 
     # -- hooks -----------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
-        _refuse_fsdp(self.model, "SWA")
         groups = len(self.model.optimizer.param_groups)
         if isinstance(self.swa_lrs, list) and len(self.swa_lrs) != groups:
             raise ValueError(
@@ -296,19 +235,18 @@ class SWA(Callback):
         start = self.swa_epoch_start
         epochs = self.params.get("epochs") or 1
         self._start = max(int(start * epochs) - 1, 0) if isinstance(start, float) else start - 1
-        self.averaged_model = AveragedModel(self.model.module)
         self.swa_scheduler, self._set_aside, self._set_aside_state = None, None, None
+        super().on_train_begin(logs)
 
     def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
         if epoch < self._start or self.swa_scheduler is not None:
             return
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self.averaged_model.load_state_dict(pending["averaged"])
+        pending, self._swa_pending = self._swa_pending, None
         model = self.model
         self._set_aside = model.scheduler
         if self._set_aside is not None:
-            if pending is not None and pending["set_aside"] is not None:
+            if pending is not None and pending.get("set_aside") is not None:
                 self._set_aside.load_state_dict(pending["set_aside"])
             self._set_aside_state = self._set_aside.state_dict()
             model.scheduler = None  # the loop steps model.scheduler: now it steps nothing
@@ -316,23 +254,20 @@ class SWA(Callback):
             model.optimizer, swa_lr=self.swa_lrs, anneal_epochs=self.annealing_epochs,
             anneal_strategy=self.annealing_strategy,
         )  # fmt: skip
-        if pending is not None and pending["swa_scheduler"] is not None:
+        if pending is not None and pending.get("swa_scheduler") is not None:
             self.swa_scheduler.load_state_dict(pending["swa_scheduler"])
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.swa_scheduler is None:
-            return
-        self.averaged_model.update_parameters(self.model.module)
-        self.swa_scheduler.step()  # the learning rate of the next epoch
+        super().on_epoch_end(epoch, logs)
+        if self.swa_scheduler is not None:
+            self.swa_scheduler.step()  # the learning rate of the next epoch
 
     def on_train_end(self, logs=None):
         if self._set_aside is not None:
             self.model.scheduler, self._set_aside = self._set_aside, None
-        if self.averaged_model is None or int(self.averaged_model.n_averaged) == 0:
-            return  # stopped before the first averaged epoch: the weights stay as trained
-        module = self.model.module
-        _copy_into(_pairs(module, self.averaged_model, buffers=False))
-        self._update_bn(module)
+        super().on_train_end(logs)  # the average into the module, if any epoch was averaged
+        if self.num_averaged > 0:
+            self._update_bn(self.model.module)
 
     def _update_bn(self, module: nn.Module) -> None:
         if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
@@ -365,4 +300,5 @@ class _FeedX(nn.Module):
         if isinstance(x, dict):
             return self.module(**x)
         return self.module(x)
+
 

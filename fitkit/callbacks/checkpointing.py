@@ -15,6 +15,7 @@ import glob
 import math
 import os
 import string
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from fitkit.callbacks.monitor import (
     monitor_value,
     resolve_mode,
 )
+from fitkit.callbacks.scoring import scored_weights
 from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import check_every, check_int, check_mode, check_number
 from fitkit.distributed import say
@@ -99,7 +101,8 @@ class ModelCheckpoint(StatefulCallback):
             until ``monitor`` is strictly better than it.
         every_n_epochs: decide only every n-th epoch, counted 1-based: epochs n, 2n, ...
             (Lightning's ``every_n_epochs``, Poutyne's ``period``); the others write nothing.
-            Only with ``save_freq="epoch"``.
+            0 writes no file of ``filepath`` at all, only ``save_last``'s, every epoch
+            (Lightning). Only with ``save_freq="epoch"``.
         save_last: also keep ``last.pt`` in the folder of ``filepath`` (or the path given as a
             string): the full training state (resumable, whatever ``save_weights_only`` says),
             replaced at every save event, i.e. every epoch (or ``save_freq`` batches) that
@@ -147,7 +150,7 @@ class ModelCheckpoint(StatefulCallback):
         self._fields = _field_names(self.filepath)
         check_mode(mode)
         check_every("save_freq", save_freq, "epoch", "batches")
-        check_int("every_n_epochs", every_n_epochs, 1)
+        check_int("every_n_epochs", every_n_epochs, 0)
         if every_n_epochs != 1 and save_freq != "epoch":
             raise ValueError(
                 f"`every_n_epochs` counts epochs, but save_freq={save_freq!r} saves every that many "
@@ -230,7 +233,8 @@ class ModelCheckpoint(StatefulCallback):
         """A ``val_`` monitor decided every n epochs needs a validation on one of those epochs."""
         scheduled = self.params.get("validation_epochs")
         epochs = self.params.get("epochs")
-        if not self.monitor.startswith("val_") or self.save_freq != "epoch" or not scheduled or epochs is None:
+        if not self.monitor.startswith("val_") or self.save_freq != "epoch" or not scheduled or epochs is None \
+                or not self.every_n_epochs:
             return
         if may_add_keys(self.model):
             return  # a callback of the user's may write the key on other epochs
@@ -244,7 +248,9 @@ class ModelCheckpoint(StatefulCallback):
             )
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0:
+        if self.save_freq == "epoch" and self.every_n_epochs == 0:
+            self._pending_last = epoch if self.last_path is not None else None  # no ranked file (Lightning)
+        elif self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0:
             self._decide(epoch, None, logs or {})
 
     def on_train_batch_end(self, batch, logs=None):
@@ -346,10 +352,11 @@ class ModelCheckpoint(StatefulCallback):
         self._pending = None
         # Every rank calls save (gathering FSDP shards is a collective); rank 0 writes. The
         # file first, then the eviction: a crash in between leaves k + 1 files, never k - 1.
-        if self.save_weights_only:
-            self.model.save_weights(path)
-        else:
-            self.model.save_checkpoint(path)
+        with scored_weights(self.model, self.monitor) if self._ranked else nullcontext():
+            if self.save_weights_only:
+                self.model.save_weights(path)
+            else:
+                self.model.save_checkpoint(path)
         if is_rank_zero():
             for p in evicted:
                 Path(p).unlink(missing_ok=True)

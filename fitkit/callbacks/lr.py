@@ -1,4 +1,5 @@
-"""Learning-rate callbacks: ``LearningRateScheduler`` and ``ReduceLROnPlateau`` (Keras).
+"""Learning-rate callbacks: ``LearningRateScheduler``, ``ReduceLROnPlateau`` (Keras) and
+``LearningRateFinder`` (Lightning).
 
 Both change ``optimizer.param_groups[i]["lr"]`` through :func:`_set_lr`, which also handles
 the tensor learning rates of capturable / fused optimizers.
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fitkit.callbacks.base import Callback
 from fitkit.callbacks.monitor import (
     StatefulCallback,
     check_validation_monitor,
@@ -22,8 +24,9 @@ from fitkit.callbacks.monitor import (
 )
 from fitkit.checks import check_int, check_mode, check_number
 from fitkit.distributed import say
+from fitkit.lr_finder import LRFinderResult, apply_lr, check_sweep, sweep
 
-__all__ = ["LearningRateScheduler", "ReduceLROnPlateau"]
+__all__ = ["LearningRateScheduler", "ReduceLROnPlateau", "LearningRateFinder"]
 
 
 def _set_lr(group: dict[str, Any], lr: float) -> None:
@@ -225,3 +228,68 @@ class LearningRateScheduler(StatefulCallback):
             _set_lr(group, float(lr))
         lr = float(groups[0]["lr"])
         say(self.verbose, f"Epoch {epoch + 1}: LearningRateScheduler set the learning rate to {lr:.4g}.")
+
+
+class LearningRateFinder(Callback):
+    """Run the LR range test when ``fit`` starts and train with its suggestion (Lightning's).
+
+    At ``on_train_begin`` it sweeps the learning rate over the training batches of this
+    ``fit`` (:func:`fitkit.lr_finder.sweep`, the sweep of :func:`fitkit.lr_finder.find_lr`),
+    puts everything back (weights, optimizer state, scheduler, step count, RNG states: the
+    model is bit for bit as before), sets the suggestion as the learning rate
+    (:func:`fitkit.lr_finder.apply_lr`: every parameter group, their ratios kept, the
+    scheduler's ``base_lrs`` too), then training starts. A resumed ``fit`` (``global_step >
+    0``, a loaded checkpoint, or a ``BackupAndRestore`` with a backup to resume from: the
+    checkpoint holds the rate found before) skips the sweep.
+
+    Args:
+        start_lr, end_lr, num_steps, smooth, diverge_threshold, mode: as for
+            :func:`fitkit.lr_finder.find_lr`.
+        verbose: 1 prints the rate it sets.
+
+    Attributes:
+        result: the :class:`~fitkit.lr_finder.LRFinderResult` of the last sweep (``None``
+            before it).
+
+    Raises:
+        TypeError, ValueError: bad arguments, as :func:`fitkit.lr_finder.find_lr` raises them.
+
+    Example:
+        >>> import torch, fitkit
+        >>> _ = torch.manual_seed(0)
+        >>> x = torch.randn(64, 4); y = x @ torch.ones(4, 1)
+        >>> model = fitkit.Model(torch.nn.Linear(4, 1), device="cpu")
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> finder = LearningRateFinder(start_lr=1e-4, end_lr=1.0, num_steps=20)
+        >>> _ = model.fit(x, y, batch_size=16, epochs=1, callbacks=[finder], verbose=0)
+        >>> model.optimizer.param_groups[0]["lr"] == finder.result.suggestion
+        True
+    """
+
+    def __init__(self, start_lr: float = 1e-7, end_lr: float = 10.0, num_steps: int = 100, smooth: float = 0.98,
+                 diverge_threshold: float | None = 4.0, mode: str = "exponential", verbose: int = 0):  # fmt: skip
+        super().__init__()
+        check_sweep(None, start_lr, end_lr, num_steps, smooth, diverge_threshold, mode, False)
+        self.start_lr, self.end_lr, self.num_steps, self.smooth = start_lr, end_lr, num_steps, smooth
+        self.diverge_threshold, self.mode, self.verbose = diverge_threshold, mode, verbose
+        self.result: LRFinderResult | None = None
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        if _resuming(model):
+            return  # resumed: the optimizer's learning rate is the one found before
+        data = self.params.get("train_data")
+        if data is None:
+            raise ValueError("LearningRateFinder sweeps the training data of `fit`; it runs only inside `fit`.")
+        self.result = sweep(model, data, self.start_lr, self.end_lr, self.num_steps, self.smooth,
+                            self.diverge_threshold, self.mode)  # fmt: skip
+        if apply_lr(model, self.result.suggestion):
+            say(self.verbose, f"LearningRateFinder: learning rate set to {self.result.suggestion:.3g}.")
+
+
+def _resuming(model: Any) -> bool:
+    """Whether this fit continues a run: steps taken, a checkpoint loaded, or a backup to load."""
+    if model.global_step > 0:  # a loaded checkpoint restored its step count too
+        return True
+    backups = [cb for cb in model.callbacks if getattr(cb, "_is_backup", False)]
+    return any(cb.path.is_file() or cb.prev_path.is_file() for cb in backups)

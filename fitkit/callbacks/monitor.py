@@ -20,6 +20,7 @@ from fitkit.callbacks.logkeys import (
     may_add_keys,
     monitor_value,
 )
+from fitkit.callbacks.scoring import scored_weights
 from fitkit.checks import check_int, check_mode, check_number
 from fitkit.distributed import say
 
@@ -69,18 +70,28 @@ def resolve_mode(monitor: str, mode: str, model: Any = None, who: str = "The cal
     )
 
 
-def is_improvement(current: float, reference: float, mode: str, min_delta: float = 0.0) -> bool:
+def is_improvement(current: float, reference: float, mode: str, min_delta: float = 0.0,
+                   threshold_mode: str = "abs") -> bool:  # fmt: skip
     """Whether ``current`` beats ``reference`` by more than ``min_delta`` (NaN never does).
+
+    ``threshold_mode="rel"`` counts ``min_delta`` as a fraction of ``reference``, as torch's
+    ``ReduceLROnPlateau`` and skorch do: better than ``reference * (1 - min_delta)`` for
+    ``min``, than ``reference * (1 + min_delta)`` for ``max``.
 
     Example:
         >>> is_improvement(0.5, 1.0, "min"), is_improvement(0.95, 1.0, "min", min_delta=0.1)
         (True, False)
+        >>> is_improvement(9.0, 10.0, "min", 0.05, "rel"), is_improvement(9.6, 10.0, "min", 0.05, "rel")
+        (True, False)
     """
     if math.isnan(current):
         return False
+    delta = abs(min_delta)
+    if threshold_mode == "rel":
+        return current < reference * (1 - delta) if mode == "min" else current > reference * (1 + delta)
     if mode == "min":
-        return current + abs(min_delta) < reference
-    return current - abs(min_delta) > reference
+        return current + delta < reference
+    return current - delta > reference
 
 
 class StatefulCallback(Callback):
@@ -152,6 +163,10 @@ class EarlyStopping(StatefulCallback):
     Args:
         monitor: the epoch log key to watch, e.g. ``"val_loss"``.
         min_delta: the smallest change that counts as an improvement.
+        threshold_mode: ``"abs"`` (Keras): better than the best by more than ``min_delta``;
+            ``"rel"`` (torch's plateau scheduler, skorch): better than ``best * (1 -
+            min_delta)`` for ``min``, ``best * (1 + min_delta)`` for ``max``. Also for
+            ``baseline``.
         patience: epochs without improvement before stopping.
         mode: ``"min"``, ``"max"`` or ``"auto"`` (see :func:`resolve_mode`).
         baseline: a value the monitor must beat for the wait to restart.
@@ -204,11 +219,17 @@ class EarlyStopping(StatefulCallback):
         stopping_threshold: float | None = None,
         divergence_threshold: float | None = None,
         check_finite: bool = False,
+        threshold_mode: str = "abs",
     ):
         super().__init__()
         if not isinstance(monitor, str):
             raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
         check_number("min_delta", min_delta, minimum=-math.inf)
+        if threshold_mode not in ("abs", "rel"):
+            raise ValueError(
+                f"Expected `threshold_mode` to be 'abs' or 'rel'. Received: threshold_mode={threshold_mode!r}."
+            )
+        self.threshold_mode = threshold_mode
         check_int("patience", patience, 0)
         check_mode(mode)
         for name, value in (("baseline", baseline), ("stopping_threshold", stopping_threshold),
@@ -253,8 +274,10 @@ class EarlyStopping(StatefulCallback):
         super().on_train_begin(logs)
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        # A deep copy: the live parameters keep changing after this epoch.
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        # A deep copy of the weights that scored the monitor (an EMA's when validation ran on
+        # them): the live parameters keep changing after this epoch.
+        with scored_weights(self.model, self.monitor):
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def on_epoch_end(self, epoch, logs=None):
         current = monitor_value(logs, self.monitor, "EarlyStopping", self.params, self.model)
@@ -273,14 +296,15 @@ class EarlyStopping(StatefulCallback):
                               f"{self.divergence_threshold:.4g}.")
         self.wait += 1
         improved = not math.isnan(current) and (
-            self.best is None or is_improvement(current, self.best, self._mode, self.min_delta)
+            self.best is None or is_improvement(current, self.best, self._mode, self.min_delta, self.threshold_mode)
         )
         if improved:
             self.best, self.best_epoch = current, epoch
             if self.restore_best_weights:
                 self.best_weights = self._snapshot()
             # The wait restarts only on a value that beats the baseline too.
-            if self.baseline is None or is_improvement(current, self.baseline, self._mode, self.min_delta):
+            if self.baseline is None or is_improvement(current, self.baseline, self._mode, self.min_delta,
+                                                       self.threshold_mode):  # fmt: skip
                 self.wait = 0
         if self.stopping_threshold is not None and is_improvement(current, self.stopping_threshold, self._mode):
             better = "<" if self._mode == "min" else ">"

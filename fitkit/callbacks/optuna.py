@@ -7,6 +7,7 @@ from typing import Any
 
 from fitkit.callbacks.base import Callback
 from fitkit.callbacks.monitor import check_validation_monitor, monitor_value
+from fitkit.checks import check_int
 
 __all__ = ["OptunaPruning"]
 
@@ -31,10 +32,14 @@ class OptunaPruning(Callback):
         trial: the ``optuna.trial.Trial`` of the objective function.
         monitor: the epoch log key to report, e.g. ``"val_loss"`` or ``"val_accuracy"``;
             the study's ``direction`` must match it (minimize a loss, maximize an accuracy).
+        interval: report and decide every n-th epoch only, counted 1-based: epochs n, 2n, ...
+            (Optuna's ``KerasPruningCallback(interval=n)``).
 
     Raises:
         ImportError: optuna is not installed (``pip install fitkit[optuna]``).
-        TypeError: ``trial`` has no ``report`` / ``should_prune`` methods.
+        TypeError: ``trial`` has no ``report`` / ``should_prune`` methods, ``interval`` is
+            not an int.
+        ValueError: ``interval`` < 1.
         ValueError: at ``on_train_begin``, a ``val_`` monitor without validation data; at an
             epoch end, a ``monitor`` that the logs do not hold.
 
@@ -52,9 +57,16 @@ class OptunaPruning(Callback):
         >>> study.optimize(objective, n_trials=2)
         >>> [sorted(t.intermediate_values) for t in study.trials]
         [[0, 1, 2], [0, 1, 2]]
+        >>> trial = study.ask()
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> _ = model.fit(torch.ones(4, 1), torch.ones(4, 1), epochs=5, verbose=0,
+        ...               callbacks=[OptunaPruning(trial, "loss", interval=2)])
+        >>> sorted(study.trials[-1].intermediate_values)  # epochs 2 and 4 (1-based)
+        [1, 3]
     """
 
-    def __init__(self, trial: Any, monitor: str = "val_loss"):
+    def __init__(self, trial: Any, monitor: str = "val_loss", interval: int = 1):
         super().__init__()
         if importlib.util.find_spec("optuna") is None:
             raise ImportError("OptunaPruning needs optuna. Install it with `pip install fitkit[optuna]`.")
@@ -65,12 +77,15 @@ class OptunaPruning(Callback):
             )
         if not isinstance(monitor, str):
             raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
-        self.trial, self.monitor = trial, monitor
+        check_int("interval", interval, 1)
+        self.trial, self.monitor, self.interval = trial, monitor, interval
 
     def on_train_begin(self, logs=None):
         check_validation_monitor(self.monitor, self.params, "OptunaPruning", self.model)
 
     def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self.interval:
+            return
         value = monitor_value(logs, self.monitor, "OptunaPruning", self.params, self.model)
         if value is None:  # no validation this epoch
             return

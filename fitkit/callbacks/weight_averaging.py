@@ -1,0 +1,346 @@
+"""``WeightAveraging``: the one base of ``EMA`` and ``SWA`` (over ``torch.optim.swa_utils``).
+
+The average lives in an :class:`~torch.optim.swa_utils.AveragedModel` next to ``model.module``;
+weights move between the two in place (``Tensor.copy_``), so the optimizer, hooks and a
+compiled forward keep pointing at the module's own parameters. Each update runs
+``AveragedModel``'s functions (``avg_fn`` / ``multi_avg_fn``) but counts the updates on the
+host as well as in the ``n_averaged`` buffer, so that no update reads a device value on the
+host (torch's ``update_parameters`` reads ``n_averaged`` twice per call: a CUDA sync each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_swa_multi_avg_fn
+
+from fitkit.callbacks.base import Callback
+from fitkit.checks import check_bool, check_int
+from fitkit.distributed import say
+
+__all__ = ["WeightAveraging"]
+
+Tensors = list[torch.Tensor]
+
+
+def _refuse_fsdp(model: Any, who: str) -> None:
+    if getattr(model, "strategy", None) == "fsdp" and torch.distributed.is_initialized():
+        raise ValueError(
+            f"{who} keeps a full copy of the module, which a sharded (strategy='fsdp') module "
+            "does not have. Fix: use strategy='ddp'."
+        )
+
+
+def _check_fn(name: str, fn: Any) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"Expected `{name}` to be a function or None. Received: {name}={fn!r}.")
+
+
+@torch.no_grad()
+def _copy(dst: Tensors, src: Tensors) -> None:
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+class WeightAveraging(Callback):
+    """Average the weights during ``fit`` (Lightning's ``WeightAveraging``); base of EMA and SWA.
+
+    After each optimizer step (``model.global_step`` advanced: once per accumulation group,
+    never for a step mixed precision skipped) the callback asks :meth:`should_update` with
+    ``step_idx``, the 0-based index of that step (``global_step - 1``); at each epoch end it
+    asks with ``epoch_idx``. When it says yes, the weights join the average: the first update
+    copies them, each later one calls ``avg_fn(averaged, current, num_averaged)`` on every
+    tensor, or ``multi_avg_fn(averaged_list, current_list, num_averaged)`` on the tensors of
+    each device and dtype (``num_averaged``: the ``n_averaged`` buffer, a device tensor, as
+    in :class:`~torch.optim.swa_utils.AveragedModel`); neither given: the equal-weight mean
+    (SWA). The default rule updates at the steps ``k`` with ``k % update_every_n_steps == 0``,
+    from step ``update_starting_at_step`` and epoch ``update_starting_at_epoch`` (0-based) on;
+    override :meth:`should_update` for another one.
+
+    With ``evaluate_with_average`` the validation inside ``fit`` runs on the averaged weights
+    (once one update ran): they go into ``model.module`` at ``on_test_begin`` and the training
+    weights come back, bit for bit, at ``on_test_end``. Those are then the weights that
+    ``val_`` keys score, and :meth:`scored_weights` puts them back in place for the callbacks
+    that keep or write the best weights (``EarlyStopping(restore_best_weights=True)``,
+    ``ModelCheckpoint(save_best_only=True)``; see :mod:`fitkit.callbacks.scoring`). With
+    ``swap_at_end`` the averaged weights replace the module's when ``fit`` ends. The average,
+    its count and the step of the last update are the callback's state: a checkpoint resumes
+    it bit for bit.
+
+    Args:
+        avg_fn: ``(averaged, current, num_averaged) -> new averaged``, per tensor.
+        multi_avg_fn: ``(averaged_list, current_list, num_averaged) -> None``, in place.
+        use_buffers: average the buffers too (BatchNorm statistics); ``False`` averages the
+            parameters and keeps the module's own buffers.
+        update_every_n_steps: update at every n-th optimizer step (an int >= 1).
+        update_starting_at_step: the 0-based first step that may update (``None``: from the
+            start).
+        update_starting_at_epoch: the 0-based first epoch whose steps may update.
+        evaluate_with_average: validate on the averaged weights during ``fit``.
+        swap_at_end: put the averaged weights into ``model.module`` when ``fit`` ends.
+        verbose: 1 prints a line when the weights are swapped in at the end.
+
+    Attributes:
+        averaged_model: the ``AveragedModel`` (``None`` before the first ``fit``);
+            ``averaged_model.module`` holds the averaged weights.
+        num_averaged: updates so far (a host int, equal to ``averaged_model.n_averaged``).
+
+    Raises:
+        TypeError: a function that is not callable, a flag that is not a bool, a step that is
+            not an int.
+        ValueError: both ``avg_fn`` and ``multi_avg_fn``; a count below its minimum; at
+            ``on_train_begin``, a module sharded with ``strategy="fsdp"``.
+
+    Example:
+        >>> import torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1, bias=False), device="cpu")
+        >>> _ = torch.nn.init.ones_(model.module.weight)
+        >>> model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse")
+        >>> avg = WeightAveraging(update_every_n_steps=2)  # the mean of steps 0 and 2 (1-based 1 and 3)
+        >>> _ = model.fit(torch.ones(1, 1), torch.zeros(1, 1), epochs=4, callbacks=[avg], verbose=0)
+        >>> avg.num_averaged, model.module.weight.item()  # (0.5 + 0.125) / 2, swapped in at the end
+        (2, 0.3125)
+    """
+
+    #: EMA starts from a copy of the weights at ``on_train_begin`` when no start is given.
+    _copy_at_start = False
+    #: The average carries over into the next ``fit`` (``compile(use_ema=True)``'s, as Keras' optimizer).
+    _continues = False
+
+    def __init__(
+        self,
+        avg_fn: Callable[..., torch.Tensor] | None = None,
+        multi_avg_fn: Callable[..., None] | None = None,
+        *,
+        use_buffers: bool = True,
+        update_every_n_steps: int = 1,
+        update_starting_at_step: int | None = None,
+        update_starting_at_epoch: int | None = None,
+        evaluate_with_average: bool = True,
+        swap_at_end: bool = True,
+        verbose: int = 0,
+    ):
+        super().__init__()
+        _check_fn("avg_fn", avg_fn)
+        _check_fn("multi_avg_fn", multi_avg_fn)
+        if avg_fn is not None and multi_avg_fn is not None:
+            raise ValueError("Pass `avg_fn` (per tensor) or `multi_avg_fn` (per list), not both.")
+        for name, flag in (("use_buffers", use_buffers), ("evaluate_with_average", evaluate_with_average),
+                           ("swap_at_end", swap_at_end)):  # fmt: skip
+            check_bool(name, flag)
+        check_int("update_every_n_steps", update_every_n_steps, 1)
+        check_int("update_starting_at_step", update_starting_at_step, 0, allow_none=True)
+        check_int("update_starting_at_epoch", update_starting_at_epoch, 0, allow_none=True)
+        self.avg_fn, self.multi_avg_fn, self.use_buffers = avg_fn, multi_avg_fn, use_buffers
+        self.update_every_n_steps = update_every_n_steps
+        self.update_starting_at_step, self.update_starting_at_epoch = update_starting_at_step, update_starting_at_epoch
+        self.evaluate_with_average, self.swap_at_end, self.verbose = evaluate_with_average, swap_at_end, verbose
+        self.averaged_model: AveragedModel | None = None
+        self.num_averaged = 0
+        self._last_step = 0
+        self._pending: dict[str, Any] | None = None  # a state loaded before the average exists
+        self._restored = False
+        self._in_fit = False
+        self._saved: Tensors | None = None  # the training weights while the average is swapped in
+        self._groups: list[tuple[Tensors, Tensors]] = []  # (averaged, module) per device and dtype
+        self._swapped_for_test = False
+
+    # -- the rule ----------------------------------------------------------------------------
+    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+        """Whether the weights join the average now (Lightning's ``should_update``).
+
+        Args:
+            step_idx: after an optimizer step, its 0-based index (``global_step - 1``).
+            epoch_idx: at an epoch end, its 0-based index (``step_idx`` is then ``None``).
+
+        Returns:
+            The default: after steps only, at ``step_idx % update_every_n_steps == 0``, from
+            ``update_starting_at_step`` and ``update_starting_at_epoch`` on.
+        """
+        if step_idx is None:
+            return False
+        if self.update_starting_at_step is not None and step_idx < self.update_starting_at_step:
+            return False
+        if self.update_starting_at_epoch is not None and self.model.epoch < self.update_starting_at_epoch:
+            return False
+        return step_idx % self.update_every_n_steps == 0
+
+    # -- the average -------------------------------------------------------------------------
+    def _tensors(self, module: nn.Module, averaged: bool) -> Tensors:
+        mod = self.averaged_model.module if averaged else module  # type: ignore[union-attr]
+        out = [p.detach() for p in mod.parameters()]
+        return out + [b.detach() for b in mod.buffers()] if self.use_buffers else out
+
+    def _build(self, module: nn.Module) -> None:
+        self.averaged_model = AveragedModel(
+            module, avg_fn=self.avg_fn, multi_avg_fn=self.multi_avg_fn, use_buffers=self.use_buffers
+        )
+        self.num_averaged, self._saved = 0, None
+        self._group(module)
+
+    def _group(self, module: nn.Module) -> None:
+        groups: dict[tuple[torch.device, torch.dtype], tuple[Tensors, Tensors]] = {}
+        for a, m in zip(self._tensors(module, True), self._tensors(module, False), strict=True):
+            mine = groups.setdefault((a.device, a.dtype), ([], []))
+            mine[0].append(a)
+            mine[1].append(m)
+        self._groups = list(groups.values())
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Add the module's current weights to the average (no host read of a device value)."""
+        averaged = self.averaged_model
+        if averaged is None:
+            raise RuntimeError(f"{type(self).__name__}.update: no average yet; it is built at on_train_begin.")
+        n = averaged.n_averaged  # a device tensor; the host count is self.num_averaged
+        for avg, cur in self._groups:
+            if self.num_averaged == 0:
+                _copy(avg, cur)
+            elif self.avg_fn is not None:
+                for a, c in zip(avg, cur, strict=True):
+                    a.copy_(self.avg_fn(a, c, n.to(a.device)))
+            elif self.multi_avg_fn is not None:
+                self.multi_avg_fn(avg, cur, n.to(avg[0].device))
+            else:  # the equal-weight mean, with the count from the host
+                get_swa_multi_avg_fn()(avg, cur, self.num_averaged)
+        if not self.use_buffers:  # the module's own buffers, as AveragedModel keeps them
+            _copy([b.detach() for b in averaged.module.buffers()], [b.detach() for b in self.model.module.buffers()])
+        averaged.n_averaged += 1
+        self.num_averaged += 1
+
+    # -- moving weights ----------------------------------------------------------------------
+    def swap_in(self) -> bool:
+        """Put the averaged weights into ``model.module``, keeping the training ones aside.
+
+        Returns:
+            Whether the module now holds the average (nothing to swap before the first update).
+        """
+        if self._saved is not None:
+            return True
+        if self.averaged_model is None or self.num_averaged == 0:
+            return False
+        pairs = self._groups
+        self._saved = [t.clone() for _, cur in pairs for t in cur]
+        for avg, cur in pairs:
+            _copy(cur, avg)
+        return True
+
+    def swap_out(self) -> None:
+        """Put the training weights back, bit for bit (nothing if they were not set aside)."""
+        if self._saved is None:
+            return
+        saved, self._saved = self._saved, None
+        _copy([t for _, cur in self._groups for t in cur], saved)
+
+    @contextmanager
+    def scored_weights(self, monitor: str) -> Iterator[None]:
+        """Inside the block, ``model.module`` holds the weights that scored ``monitor``.
+
+        The hook of :func:`fitkit.callbacks.scoring.scored_weights`: a ``val_`` key of a
+        validation run on the averaged weights was scored on the average, so the block sees
+        it; training keys were scored on the training weights, which stay. The training
+        weights are back, bit for bit, after the block.
+
+        Args:
+            monitor: the log key whose weights are asked for.
+        """
+        swapped = (
+            self._in_fit and self.evaluate_with_average and monitor.startswith("val_") and self._saved is None
+            and self.swap_in()
+        )  # fmt: skip
+        try:
+            yield
+        finally:
+            if swapped:
+                self.swap_out()
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.averaged_model is None:
+            return {}
+        state = {"averaged": self.averaged_model.state_dict(), "last_step": self._last_step,
+                 "num_averaged": self.num_averaged}  # fmt: skip
+        if self._saved is not None:  # a save while the average is in the module: the training weights
+            state["training_weights"] = list(self._saved)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if self.averaged_model is None:
+            self._pending = state
+        else:
+            self._load(state)
+        self._restored = True  # the next on_train_begin keeps it
+
+    def _load(self, state: dict[str, Any]) -> None:
+        averaged = self.averaged_model
+        if averaged is None:
+            raise RuntimeError(f"{type(self).__name__}: no average to load into; it is built at on_train_begin.")
+        averaged.load_state_dict(state["averaged"])
+        self._last_step = int(state["last_step"])
+        count = state.get("num_averaged")
+        self.num_averaged = int(averaged.n_averaged) if count is None else int(count)  # once, at load
+        self._saved = None
+        if state.get("training_weights") is not None:  # saved with the average swapped in
+            self._saved = [t.to(cur.device) for t, cur in
+                           zip(state["training_weights"], [c for _, cs in self._groups for c in cs], strict=True)]
+            self.swap_out()
+
+    # -- hooks -------------------------------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        _refuse_fsdp(self.model, type(self).__name__)
+        restored, self._restored = self._restored, False
+        self._in_fit = True
+        module = self.model.module
+        if (restored and self._pending is None or self._continues) and self.averaged_model is not None:
+            self._group(module)  # loaded into the existing average, or the average goes on (Keras' optimizer EMA)
+            return
+        self._build(module)
+        self._last_step = self.model.global_step
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self._load(state)
+        elif self._copy_at_start and self.update_starting_at_step is None and self.update_starting_at_epoch is None:
+            self.update()  # the first update copies: the average starts at the weights of step 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = self.model.global_step
+        if step != self._last_step:  # an optimizer step ran
+            self._last_step = step
+            if self.should_update(step_idx=step - 1):
+                self.update()
+                self._after_update(step)
+
+    def _after_update(self, step: int) -> None:
+        """Subclasses: what follows an update at ``global_step`` ``step``."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.swap_out()  # training runs on the training weights
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.should_update(epoch_idx=epoch):
+            self.update()
+
+    def on_test_begin(self, logs=None):
+        if self._in_fit and self.evaluate_with_average:
+            self._swapped_for_test = self._saved is None and self.swap_in()
+
+    def on_test_end(self, logs=None):
+        if getattr(self, "_swapped_for_test", False):
+            self._swapped_for_test = False
+            self.swap_out()
+
+    def on_train_end(self, logs=None):
+        self._in_fit = False
+        held = self._saved is not None
+        self._saved = None  # swapped in at the end (SwapEMAWeights(swap_on_epoch=True)): it stays
+        if self.swap_at_end and self.averaged_model is not None and self.num_averaged > 0:
+            if not held:
+                for avg, cur in self._groups:
+                    _copy(cur, avg)
+            say(self.verbose, f"{type(self).__name__}: the averaged weights are now the module's.")
