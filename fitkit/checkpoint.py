@@ -25,6 +25,7 @@ from fitkit.checks import FitkitWarning
 from fitkit.distributed import dcp as _dcp
 from fitkit.distributed.group import is_rank_zero
 from fitkit.files import (
+    CheckpointError,
     atomic_save,
     is_sharded,
     load_safetensors,
@@ -33,6 +34,7 @@ from fitkit.files import (
     save_safetensors,
     state_dict_differences,
 )
+from fitkit.files.content import callback_state_problems, checkpoint_problems
 from fitkit.position import Position
 
 __all__ = [
@@ -111,6 +113,7 @@ class ResumePoint:
     def apply_callbacks(self, callbacks: Any) -> None:
         """Callback states and the history (after ``on_train_begin``, so they are this fit's)."""
         saved, config = self.state["callbacks"], self.state.get("callback_config", {})
+        _raise_problems("The checkpoint", callback_state_problems(saved, _stateful(callbacks.callbacks)), ValueError)
         for key, cb in _stateful(callbacks.callbacks).items():
             if key in config and config[key] != _config(cb):
                 warnings.warn(
@@ -188,10 +191,13 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
         return _load_rest(model, state)
     state = safe_load(path, model.device)
     if not isinstance(state, dict) or "fitkit_version" not in state:
-        raise ValueError(
+        raise CheckpointError(
             f"{str(path)!r} is not a fitkit checkpoint. Fix: use load_weights for a state dict."
         )
-    # All or nothing: compare everything before changing anything.
+    # All or nothing: its content, then whether it fits, before changing anything.
+    loop = model._running_fit()
+    running = loop.callbacks.callbacks if loop is not None else []
+    _raise_problems(repr(str(path)), checkpoint_problems(state, _stateful(running)), CheckpointError)
     differences = state_dict_differences(model.module.state_dict(), state["module"])
     if state["optimizer"] is not None:
         differences += optimizer_differences(model.optimizer, state["optimizer"], state.get("optimizer_class"))
@@ -312,6 +318,16 @@ def _scheduler_differences(scheduler: Any, state: dict[str, Any]) -> list[str]:
     if saved_class is None and keys != now:
         return [f"scheduler: its state has the fields {sorted(keys)}, the model's {mine} has {sorted(now)}"]
     return []
+
+
+def _raise_problems(what: str, problems: list[str], error: type[Exception]) -> None:
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise error(
+            f"{what} holds content fitkit does not write (damaged, or edited), so nothing was loaded:\n"
+            f"{lines}\nFix: use an earlier checkpoint (BackupAndRestore keeps the previous backup as "
+            "backup.prev.pt) or the file as fitkit wrote it."
+        )
 
 
 def _raise_differences(path: str | os.PathLike, differences: list[str]) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from fitkit import distributed as _distributed
-from fitkit import nest
 from fitkit.callbacks.base import BatchLogs, CallbackList
+from fitkit.host_outputs import HostOutputs
 from fitkit.modes import modes
 from fitkit.preflight import wrap
 
@@ -63,7 +63,7 @@ class EvalLoop:
                     "least one sample; a generator is used up after one pass, so pass a re-iterable "
                     "such as a DataLoader or a list for validation in every epoch."
                 )
-            logs = self.totals.result()
+            logs = self.totals.result(self.what if self.what == "evaluate" else None)
             cbs.on_test_end(logs)
         model._phases.adopt(self.totals)
         return logs
@@ -77,14 +77,14 @@ class PredictLoop:
 
     def run(self) -> Any:
         model, cbs = self.model, self.callbacks
-        outputs: list[Any] = []
+        outputs = HostOutputs(model.device, _known_rows(self.loader))  # off the device as they come
         outer, model.stop_predicting = model.stop_predicting, False  # a nested predict's flag stays its own
         try:
             return self._run(model, cbs, outputs)
         finally:
             model.stop_predicting = outer
 
-    def _run(self, model: Any, cbs: CallbackList, outputs: list[Any]) -> Any:
+    def _run(self, model: Any, cbs: CallbackList, outputs: HostOutputs) -> Any:
         with modes(model.module, training=False, grad=False):
             cbs.on_predict_begin({})
             for step, batch in enumerate(self.loader):
@@ -97,9 +97,20 @@ class PredictLoop:
                     except Exception as e:
                         custom = type(model).predict_step.__qualname__ != "Model.predict_step"
                         raise wrap("predict_step" if custom else "module's forward", batch, e, model.module) from e
-                outputs.append(out)
                 cbs.on_predict_batch_end(step, {"outputs": out})
+                outputs.add(out)
+                del out  # the device holds this batch's output only until the next one
                 if model.stop_predicting or self.steps is not None and step + 1 >= self.steps:
                     break
             cbs.on_predict_end({})
-        return _distributed.gather_predictions(nest.concat(outputs), self.loader)  # torchrun: all rows
+        return _distributed.gather_predictions(outputs.result(), self.loader)  # torchrun: all rows
+
+
+def _known_rows(loader: Any) -> int | None:
+    """The rows in-memory data will yield on this process (``None`` for other sources)."""
+    from fitkit.data import TensorBatches
+
+    src = getattr(loader, "batches", None)
+    if type(src) is not TensorBatches or getattr(loader, "sharded", False):
+        return None
+    return int(src.n_used)

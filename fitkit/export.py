@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from fitkit import nest
 from fitkit.modes import modes
 
 __all__ = ["export", "FORMATS"]
@@ -31,10 +33,11 @@ _ONNX_INLINE_LIMIT = 1 << 30
 
 
 def _as_call(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    # fitkit's calling convention: a tuple calls module(*x), a dict module(**x).
-    if isinstance(example_input, dict):
+    # fitkit's calling convention (fitkit.forward.call): a tuple calls module(*x), a dict
+    # module(**x); a namedtuple is one input.
+    if isinstance(example_input, Mapping):
         return (), dict(example_input)
-    if isinstance(example_input, tuple):
+    if isinstance(example_input, tuple) and not hasattr(example_input, "_fields"):
         return tuple(example_input), {}
     return (example_input,), {}
 
@@ -42,24 +45,23 @@ def _as_call(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 def _batch_of_two(x: Any) -> Any:
     # torch.export specializes dimensions of size 0 and 1, so an example batch of one would
     # pin the batch to 1: repeat it to two rows (the traced graph never reads the values).
-    if isinstance(x, torch.Tensor):
-        return x.expand(2, *x.shape[1:]).contiguous() if x.dim() >= 1 and x.size(0) == 1 else x
-    if isinstance(x, (tuple, list)):
-        return type(x)(_batch_of_two(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _batch_of_two(v) for k, v in x.items()}
-    return x
+    return nest.map_structure(lambda t: t.expand(2, *t.shape[1:]).contiguous() if t.dim() >= 1 and t.size(0) == 1
+                              else t, x)  # fmt: skip
 
 
 def _batch_specs(x: Any, batch: Any) -> Any:
-    # One spec per input leaf: dim 0 of every batched tensor is the shared batch dimension.
-    if isinstance(x, torch.Tensor):
-        return {0: batch} if x.dim() >= 1 else None
-    if isinstance(x, (tuple, list)):
-        return type(x)(_batch_specs(v, batch) for v in x)
-    if isinstance(x, dict):
-        return {k: _batch_specs(v, batch) for k, v in x.items()}
-    return None
+    # One spec per input leaf: dim 0 of every batched tensor is the shared batch dimension;
+    # the specs have the inputs' structure (a namedtuple stays one).
+    return nest.map_structure(lambda t: {0: batch} if t.dim() >= 1 else None, x, other=None)
+
+
+def _register_namedtuples(example_input: Any) -> None:
+    # torch.export.save writes a namedtuple input's class by name: each needs that name once.
+    from torch.utils import _pytree
+
+    for cls in nest.namedtuple_types(example_input):
+        if cls not in _pytree.SUPPORTED_SERIALIZED_TYPES:
+            _pytree._register_namedtuple(cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
 
 
 def _trace(module: nn.Module, example_input: Any, dynamic_batch: bool) -> Any:
@@ -154,7 +156,9 @@ def export(
         path: the file to write (``.pt2`` by convention for ``"torch"``, ``.onnx`` for
             ``"onnx"``); missing parent folders are created.
         example_input: one input batch on the module's device: a tensor (``module(x)``), a
-            tuple (``module(*x)``) or a dict (``module(**x)``), as ``fit`` passes batches.
+            tuple (``module(*x)``) or a dict (``module(**x)``), as ``fit`` passes batches; a
+            namedtuple is one input (load its ``.pt2`` under
+            ``torch.serialization.safe_globals([TheNamedTuple])``).
         format: ``"torch"`` or ``"onnx"``.
         dynamic_batch: make dimension 0 of the inputs (and outputs) symbolic.
 
@@ -189,6 +193,7 @@ def export(
     program = _trace(module, example_input, bool(dynamic_batch))
     path.parent.mkdir(parents=True, exist_ok=True)
     if format == "torch":
+        _register_namedtuples(example_input)
         torch.export.save(program, path)
     else:
         _write_onnx(program, module, path)

@@ -23,6 +23,7 @@ from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checkpoint import ResumePoint, set_rng_state
 from fitkit.checks import FitkitWarning, check_int
+from fitkit.data import order as _order
 from fitkit.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.modes import modes, warn_if_all_eval
 from fitkit.position import Position
@@ -150,6 +151,7 @@ class FitLoop:
                                  world=getattr(batches, "world", 1),
                                  n_used=getattr(batches, "n_used", None))  # fmt: skip
         self.resume: ResumePoint | None = None
+        self.epoch_order: dict[str, Any] | None = None  # the loader's own order state at the epoch start
         self._epoch_pass = 0  # steps_per_epoch: a boundary resume's carried-over pass, for the next epoch
         self.totals: RunningTotals | None = None
         self.validated = False  # this epoch: validation was scheduled and ran over > 0 batches
@@ -239,6 +241,7 @@ class FitLoop:
         cbs.on_epoch_begin(epoch, {})
         stepper.begin_epoch(_distributed.host_rows(loader))  # fitkit's shards: global batch sizes on the host
         position.set_rng(torch.get_rng_state())  # replays this epoch's data order on resume
+        self.epoch_order = _order.capture(loader)  # and the loader's own generators / state
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self._batches(epoch)
         batches = _distributed.agree_on_epoch_end(loader, batches, start)  # already_sharded: even steps
@@ -343,6 +346,7 @@ class FitLoop:
         self._epoch_pass = 0
         if point is not None and point.epoch == epoch and not point.position.batches:
             set_rng_state(point.rng)  # an epoch-boundary checkpoint
+            _order.restore(self.train, point.state.get("data_order"))
             self._epoch_pass = point.position.pass_offset  # steps_per_epoch: the carried-over pass
             self.resume = None
 
@@ -362,6 +366,7 @@ class FitLoop:
         skip = saved.skip_for(self.train)
         done = self.position.resume_at(saved, skip, self.train.batch_size)
         torch.set_rng_state(saved.epoch_rng.cpu())
+        _order.resume_inside_epoch(self.train, point.state.get("data_order"), point.epoch)
         # steps_per_epoch: where the carried-over pass was
         it = self.train.epoch_batches(epoch, skip=skip, pass_offset=saved.pass_offset)
         first = next(it, None)
@@ -383,6 +388,9 @@ class FitLoop:
             position.leave()
         state = position.state_dict(loader.pass_offset if inside else loader.carried_over)
         state["batch_size"] = getattr(loader, "batch_size", None)
+        order = _order.at_checkpoint(loader, self.epoch_order, inside)
+        if order is not None:  # a loader's own generators / state (fitkit.data.order)
+            state["data_order"] = order
         if state["step_in_epoch"]:
             state["epoch_rng"] = position.epoch_rng
             state["trackers"] = self.totals.state_dict() if self.totals is not None else None

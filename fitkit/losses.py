@@ -160,6 +160,7 @@ class Loss:
         self.name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
         self.output, self.ignore_index, self.weight = output, ignore_index, float(weight)
         self.class_last = False  # set per call for class_index losses
+        self.class_weights: torch.Tensor | None = None  # nn.CrossEntropyLoss(weight=...)'s
         self._layout: str | None = None  # the class layout seen first, kept when ambiguous
 
     def prepare(self, y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +219,12 @@ class Loss:
         return out if self.weight == 1.0 else out * self.weight
 
     def _unweighted(self, y_pred: torch.Tensor, y: torch.Tensor, per_sample: bool) -> torch.Tensor:
-        y_pred, y = self.prepare(y_pred, y)
+        matched = (  # targets that already match the prediction: nothing for prepare to do
+            self.kind not in ("class_index", "custom") and type(y_pred) is torch.Tensor and type(y) is torch.Tensor
+            and y.dtype == y_pred.dtype and y.shape == y_pred.shape
+        )  # fmt: skip
+        if not matched:
+            y_pred, y = self.prepare(y_pred, y)
         if self.kind == "custom":
             out = self.fn(y_pred, y)
             if not isinstance(out, torch.Tensor):
@@ -329,7 +335,10 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
             # Exact types only: a subclass may redefine forward, and with it what it expects.
             output = _MODULE_OUTPUTS.get(type(loss))
             ignore = getattr(loss, "ignore_index", None) if module_kind == "class_index" else None
-            return Loss(call, module_kind, type(loss).__name__, output=output, ignore_index=ignore)
+            out = Loss(call, module_kind, type(loss).__name__, output=output, ignore_index=ignore)
+            weight = getattr(loss, "weight", None) if module_kind == "class_index" else None
+            out.class_weights = weight if isinstance(weight, torch.Tensor) else None
+            return out
         return Loss(loss, "custom", type(loss).__name__)
     if callable(loss):
         return Loss(loss, "custom", getattr(loss, "__name__", type(loss).__name__))

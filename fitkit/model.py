@@ -29,19 +29,21 @@ import torch
 from torch import nn
 
 from fitkit import checkpoint as _checkpoint
-from fitkit import compile as _compile
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit import nest, planning
 from fitkit.callbacks.base import Callback, History
 from fitkit.callbacks.swap_ema import compiled_ema, with_compiled_ema
 from fitkit.checks import check_bool, check_int, check_number
+from fitkit.denominators import denominator, objective
 from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
+from fitkit.files.differences import check_state_dict_fits
+from fitkit.forward import Forward, resolve_jit_compile
 from fitkit.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.metrics import MetricSet
 from fitkit.modes import modes
-from fitkit.optim import resolve_optimizer, resolve_scheduler
+from fitkit.optim import check_plateau_mode, resolve_optimizer, resolve_scheduler
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 from fitkit.preflight import cast_to_module
 from fitkit.stepper import Stepper
@@ -109,7 +111,7 @@ class Model:
         self.stop_predicting = False
         self.history: History | None = None
         self._stepper: Stepper | None = None
-        self._forward = _compile.Forward(self.module)
+        self._forward = Forward(self.module)
         self._fit: FitLoop | None = None  # the running fit only (None once it returned or raised)
         self._phases = Phases(self.device, _distributed.reduce_loss_totals if self._parallel is not None else None)
         self._resume: _checkpoint.ResumePoint | None = None  # loaded, waiting for the next fit
@@ -246,14 +248,21 @@ class Model:
         """The ``GradScaler`` of ``precision="16-mixed"`` (``None`` otherwise; read-only)."""
         return None if self._stepper is None else self._stepper.scaler
 
-    def skip_optimizer_step(self) -> None:
+    def skip_optimizer_step(self, when: torch.Tensor | None = None) -> None:
         """Veto the coming optimizer step (call it from ``on_backward_end``).
 
         The accumulated gradients are dropped, the weights, optimizer state, scheduler and
         ``global_step`` stay as they are (``TerminateOnNaN`` uses it).
+
+        Args:
+            when: a 0-dim bool tensor on the device: skip only where it is true, decided on the
+                device with no host read, for optimizers whose step takes ``found_inf``
+                (torch's ``fused=True`` Adam / AdamW / SGD / Adagrad, as fitkit builds them by
+                name) or under ``precision="16-mixed"``; other optimizers read it on the host.
+                A per-step scheduler reads it too (it must know whether to advance).
         """
         if self._stepper is not None:
-            self._stepper.skip()
+            self._stepper.skip(when)
 
     # -- the module ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -284,7 +293,7 @@ class Model:
         if self.optimizer is not None:
             optimizer_to(self.optimizer, self.device)
         self._phases.to(self.device)
-        self._forward = _compile.Forward(self.module, self._wrap_for_training(), self._forward.jit)
+        self._forward = Forward(self.module, self._wrap_for_training(), self._forward.jit)
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -318,8 +327,9 @@ class Model:
             ``unexpected_keys``.
 
         Raises:
-            RuntimeError: keys that do not match (with ``strict=True``) or tensors of the
-                wrong shape.
+            RuntimeError: keys that do not match (with ``strict=True``), or tensors of another
+                shape or dtype; every difference is listed and nothing is loaded (with
+                ``strict=False`` the keys both hold must still fit).
 
         Example:
             >>> a, b = Model(nn.Linear(2, 1), device="cpu"), Model(nn.Linear(2, 1), device="cpu")
@@ -328,6 +338,7 @@ class Model:
         """
         if self._parallel is not None:
             return self._parallel.load_state_dict(self.module, state_dict, strict=strict)
+        check_state_dict_fits(self.module, state_dict, strict)  # all or nothing, as load_weights
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def _wrap_for_training(self) -> Any:
@@ -404,7 +415,7 @@ class Model:
         check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1)
         check_number("clip_grad_norm", clip_grad_norm, positive=True, allow_none=True)
         check_number("clip_grad_value", clip_grad_value, positive=True, allow_none=True)
-        jit = _compile.resolve_jit_compile(jit_compile, self.device)
+        jit = resolve_jit_compile(jit_compile, self.device)
         loss_fn = resolve_loss(loss, loss_weights)
         metric_set = MetricSet(metrics)
         ema = compiled_ema(use_ema, ema_momentum, ema_overwrite_frequency)
@@ -413,15 +424,16 @@ class Model:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
         opt = resolve_optimizer(optimizer, self.module, self.device)
         sched = resolve_scheduler(scheduler, opt, scheduler_interval)
+        check_plateau_mode(sched)
         self.loss, self.compiled_ema = loss_fn, ema
         self._phases.configure(metric_set.configure(loss_fn, self.device))
         if self._stepper is not None:
             self._stepper.close()
         self._stepper = Stepper(
             opt, sched, scheduler_interval, precision, self.device, int(gradient_accumulation_steps),
-            clip_grad_norm, clip_grad_value, self._parallel,
+            clip_grad_norm, clip_grad_value, self._parallel, weigh=self._batch_denominator,
         )  # fmt: skip
-        self._forward = _compile.Forward(self.module, self._wrap_for_training(), jit)
+        self._forward = Forward(self.module, self._wrap_for_training(), jit)
 
     def _require_compiled(self, verb: str) -> Stepper:
         if self._stepper is None:
@@ -774,17 +786,20 @@ class Model:
         return type(self).test_step is Model.test_step
 
     def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: torch.Tensor | None) -> torch.Tensor:
-        """The batch's training objective: ``sum(w * l) / sum(w)``, or the plain mean.
+        """The batch's training objective: ``sum(w * l) / sum(w)`` over its loss terms.
 
-        Override it to add terms (e.g. a regularizer); ``x`` is there for losses that need it.
-        With ``compile(loss=None)``, a module output that carries its own ``"loss"`` (Hugging
-        Face models called with ``labels``) is the objective.
+        The terms are the tokens that count for a class-index loss (``"cross_entropy"``,
+        ``"nll"``: every target position but ``ignore_index``) and the rows for the others;
+        ``w`` is 1 without sample weights (see :mod:`fitkit.denominators`). Override it to add
+        terms (e.g. a regularizer); ``x`` is there for losses that need it. With
+        ``compile(loss=None)``, a module output that carries its own ``"loss"`` (Hugging Face
+        models called with ``labels``) is the objective.
 
         Args:
             x: the batch's inputs.
             y: its targets (``None`` if the batches have none).
             y_pred: the module's output.
-            sample_weight: ``(B,)`` weights or ``None``.
+            sample_weight: ``(B,)`` weights, per-position weights shaped like ``y``, or ``None``.
 
         Returns:
             A 0-dim tensor.
@@ -815,18 +830,7 @@ class Model:
                 y_pred = pred
             elif self.loss.kind != "custom":
                 require_prediction(y_pred, f"the loss '{self.loss.name}'")
-        if sample_weight is None:
-            return self.loss(y_pred, y)
-        per_sample = self.loss(y_pred, y, per_sample=True)
-        w = sample_weight.to(per_sample.dtype)
-        if w.shape != per_sample.shape:
-            raise ValueError(
-                f"Expected `sample_weight` of shape {tuple(per_sample.shape)} (one per sample). "
-                f"Received shape {tuple(w.shape)}. Fix: pass one weight per sample."
-            )
-        total = w.sum()
-        # A batch whose weights are all zero contributes a zero loss, not 0/0.
-        return (per_sample * w).sum() / torch.where(total == 0, torch.ones_like(total), total)
+        return objective(self.loss, y_pred, y, sample_weight)  # sum(w * l) / sum(w) over rows or tokens
 
     def train_step(self, batch: tuple[Any, Any, Any]) -> None:
         """One (micro-)batch of training: forward, loss, backward, metrics, optimizer step.
@@ -839,13 +843,18 @@ class Model:
         """
         x, y, sample_weight = batch
         stepper = self._stepper or self._require_compiled("train_step")
-        with stepper.no_sync(self.module):
-            with self.autocast():
-                y_pred = self._forward(x)
-                loss = self.compute_loss(x, y, y_pred, sample_weight)
-            if self._parallel is not None and nest.rows(y if y is not None else x) == 0:
-                loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
+        if stepper.plain:  # one process, float32: both contexts below would do nothing
+            y_pred = self._forward(x)
+            loss = self.compute_loss(x, y, y_pred, sample_weight)
             self.backward(loss)
+        else:
+            with stepper.no_sync(self.module):
+                with self.autocast():
+                    y_pred = self._forward(x)
+                    loss = self.compute_loss(x, y, y_pred, sample_weight)
+                if self._parallel is not None and nest.rows(y if y is not None else x) == 0:
+                    loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
+                self.backward(loss)
         # Metrics first: a metric that rejects the batch then fails before the weights change.
         self.update_metrics(loss, y_pred, y if y is not None else targets_of(x, y), sample_weight)
         self.optimizer_step()
@@ -887,7 +896,7 @@ class Model:
 
         A loss that needs no gradient (every parameter frozen) is not backpropagated.
         """
-        stepper = self._require_compiled("backward")
+        stepper = self._stepper or self._require_compiled("backward")
         if loss.requires_grad:
             stepper.backward(loss)
 
@@ -925,7 +934,12 @@ class Model:
         pred = y_pred if isinstance(y_pred, torch.Tensor) else prediction_of(y_pred)
         if pred is None and y is not None and totals.metrics.entries != []:
             require_prediction(y_pred, "the compiled metrics")  # raises, naming the rule and the fix
-        totals.update(loss, y_pred if pred is None else pred, y, sample_weight)
+        count = denominator(self.loss, y, sample_weight, y_pred) if loss is not None else None
+        totals.update(loss, y_pred if pred is None else pred, y, sample_weight, denominator=count)
+
+    def _batch_denominator(self, batch: tuple[Any, Any, Any]) -> int | torch.Tensor:
+        x, y, w = batch
+        return denominator(self.loss, y if y is not None else targets_of(x, y), w, x)
 
     # -- files -------------------------------------------------------------------------------
     def save_weights(self, path: str | os.PathLike) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["map_structure", "leaves", "concat", "rows", "rebuild"]
+__all__ = ["map_structure", "leaves", "concat", "rows", "rebuild", "namedtuple_types"]
 
 
 def rebuild(like: Any, items: list[Any]) -> Any:
@@ -33,10 +33,14 @@ def rebuild(like: Any, items: list[Any]) -> Any:
     return list(items)
 
 
-def map_structure(fn: Callable[[Any], Any], obj: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> Any:
+_KEEP: Any = object()
+
+
+def map_structure(fn: Callable[[Any], Any], obj: Any, leaf: type | tuple[type, ...] = torch.Tensor,
+                  other: Any = _KEEP) -> Any:  # fmt: skip
     """Apply ``fn`` to every leaf (a tensor, or ``leaf`` types) of a nested structure.
 
-    Leaves of other types are kept as they are.
+    Leaves of other types are kept as they are, or replaced by ``other`` when it is given.
 
     Example:
         >>> from collections import namedtuple
@@ -47,10 +51,10 @@ def map_structure(fn: Callable[[Any], Any], obj: Any, leaf: type | tuple[type, .
     if isinstance(obj, leaf):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
-        return rebuild(obj, [map_structure(fn, o, leaf) for o in obj])
+        return rebuild(obj, [map_structure(fn, o, leaf, other) for o in obj])
     if isinstance(obj, Mapping):
-        return {k: map_structure(fn, v, leaf) for k, v in obj.items()}
-    return obj
+        return {k: map_structure(fn, v, leaf, other) for k, v in obj.items()}
+    return obj if other is _KEEP else other
 
 
 def leaves(obj: Any) -> list[torch.Tensor]:
@@ -67,6 +71,24 @@ def leaves(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, Mapping):
         return [t for v in obj.values() for t in leaves(v)]
     return []
+
+
+def namedtuple_types(obj: Any) -> list[type]:
+    """The namedtuple classes in a nested structure, each once, depth first.
+
+    Example:
+        >>> from collections import namedtuple
+        >>> P = namedtuple("P", "a b")
+        >>> [t.__name__ for t in namedtuple_types({"x": [P(torch.ones(1), P(1, 2))]})]
+        ['P']
+    """
+    found: list[type] = []
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        found.append(type(obj))
+    children = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (tuple, list)) else ()
+    for child in children:
+        found += [t for t in namedtuple_types(child) if t not in found]
+    return found
 
 
 def concat(parts: list[Any]) -> Any:

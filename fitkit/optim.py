@@ -11,7 +11,7 @@ from torch.optim import lr_scheduler
 
 from fitkit.stepper import is_timm_scheduler
 
-__all__ = ["OPTIMIZERS", "resolve_optimizer", "resolve_scheduler", "current_lr"]
+__all__ = ["OPTIMIZERS", "resolve_optimizer", "resolve_scheduler", "current_lr", "check_plateau_mode"]
 
 #: Optimizer names accepted by ``compile(optimizer=...)``, each with torch's default
 #: hyper-parameters.
@@ -105,6 +105,14 @@ def resolve_optimizer(optimizer: Any, module: nn.Module, device: torch.device) -
             "`model.module.parameters()` (after `fitkit.Model(...)` moved the module), or pass a "
             "factory such as functools.partial(torch.optim.Adam, lr=1e-3)."
         )
+    outside = [i for i, p in enumerate(held) if id(p) not in own]
+    if held and own and outside:
+        raise ValueError(
+            f"The optimizer also holds {len(outside)} parameter(s) that are not the module's (the first at "
+            f"position {outside[0]} of its param groups, shape {tuple(held[outside[0]].shape)}): fit would "
+            "step them, but they are neither saved nor moved with the module. Fix: build the optimizer on "
+            "`model.module.parameters()` only, or make those parameters part of the module."
+        )
     return opt
 
 
@@ -165,3 +173,36 @@ def current_lr(optimizer: torch.optim.Optimizer) -> float | torch.Tensor:
     """The learning rate of the first parameter group (a float, or a tensor for capturable LRs)."""
     return optimizer.param_groups[0]["lr"]
 
+
+
+def check_plateau_mode(scheduler: Any) -> None:
+    """A plateau scheduler of ``compile`` must watch the way fitkit's loss goes: ``mode="min"``.
+
+    fitkit steps torch's ``ReduceLROnPlateau`` (and timm's ``PlateauLRScheduler``, which wraps
+    it) on ``val_loss``, or on ``loss`` when fit has no validation; a loss falls as the model
+    improves, so ``mode="max"`` would read every improvement as a plateau and cut the LR.
+
+    Raises:
+        ValueError: a plateau scheduler with ``mode="max"`` (before the first step).
+
+    Example:
+        >>> opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0)
+        >>> check_plateau_mode(lr_scheduler.ReduceLROnPlateau(opt, mode="min"))
+        >>> check_plateau_mode(lr_scheduler.ReduceLROnPlateau(opt, mode="max"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: compile(scheduler=ReduceLROnPlateau(mode='max')) is stepped on val_loss ...
+    """
+    plateau = scheduler if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau) else None
+    if plateau is None and is_timm_scheduler(scheduler):
+        inner = getattr(scheduler, "lr_scheduler", None)
+        plateau = inner if isinstance(inner, lr_scheduler.ReduceLROnPlateau) else None
+    if plateau is None or plateau.mode == "min":
+        return
+    raise ValueError(
+        f"compile(scheduler={type(scheduler).__name__}(mode={plateau.mode!r})) is stepped on val_loss (on "
+        "loss when fit has no validation data), which falls as the model improves: this mode would read "
+        "every improvement as a plateau and cut the learning rate. Fix: mode='min'; to follow a metric "
+        "that rises, drop `scheduler=` and pass fitkit.callbacks.ReduceLROnPlateau(monitor='val_accuracy', "
+        "mode='max') to fit."
+    )

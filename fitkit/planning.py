@@ -21,6 +21,7 @@ from fitkit.callbacks.base import Callback, CallbackList
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
 from fitkit.loop import ValidationSchedule, lr_keys
+from fitkit.optim import check_plateau_mode
 from fitkit.preflight import first_batch_check, in_memory_check
 
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
@@ -125,6 +126,7 @@ def check_schedules(model: Any, callbacks: list[Callback]) -> None:
     """``ValueError`` when a compiled scheduler and an LR callback would both set the LR."""
     from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
 
+    check_plateau_mode(model.scheduler)  # fitkit feeds it a loss: mode must be "min"
     clash = [type(cb).__name__ for cb in callbacks if isinstance(cb, (LearningRateScheduler, ReduceLROnPlateau))]
     if model.scheduler is not None and clash:
         raise ValueError(

@@ -19,8 +19,10 @@ from torch import nn
 
 from fitkit import nest
 from fitkit.checks import FitkitWarning
-from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
+from fitkit.finite import check_batch_loss, check_in_memory
+from fitkit.forward import call
+from fitkit.gradient_check import check_loss_has_grad, wants_grad_check
 from fitkit.modes import modes
 from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
 
@@ -73,30 +75,18 @@ def has_training_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
 
 
-def _check_finite(name: str, part: Any) -> None:
-    for t in nest.leaves(part):
-        if not t.is_floating_point() or t.numel() == 0:
-            continue
-        bad = ~torch.isfinite(t)
-        if bool(bad.any()):
-            rows = bad.reshape(t.shape[0], -1).any(1) if t.dim() else bad.reshape(1)
-            first = int(rows.nonzero()[0, 0])
-            raise ValueError(
-                f"`{name}` holds {int(bad.sum())} NaN or infinite values (first at row {first}). "
-                f"Fix: clean or impute `{name}` before fit; a NaN input turns every weight NaN."
-            )
-
-
-def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool) -> None:
+def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool, model: Any = None) -> None:
     """Check and adapt in-memory data before any step (nothing else changes on an error).
 
+    NaN / inf values are looked for without copying the data; in ``x`` / ``y`` they are refused
+    only where the ``model``'s loss (or gradient) on those rows is not finite (see
+    :mod:`fitkit.finite`; without a model, always).
+
     Raises:
-        ValueError: NaN / inf in ``x``, ``y`` or ``sample_weight``, a negative weight, or training
-            batches of one row each for a module with BatchNorm.
+        ValueError: NaN / inf in ``sample_weight``, or in ``x`` / ``y`` that the loss does not
+            handle, a negative weight, or training batches of one row each for a module with
+            BatchNorm.
     """
-    _check_finite("x", source.x)
-    _check_finite("y", source.y)
-    _check_finite("sample_weight", source.w)
     if source.w is not None and source.w.numel() and bool((source.w < 0).any()):
         first = int((source.w < 0).nonzero()[0, 0])
         raise ValueError(
@@ -104,6 +94,7 @@ def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool) 
             f"({float(source.w[first])}). Fix: weights scale each sample's loss; use 0 to ignore one."
         )
     cast_to_module(source, module)
+    check_in_memory(model, source, training)
     batchnorm = training and has_training_batchnorm(module)
     if batchnorm and (source.batch_size == 1 or source.n == 1):
         raise ValueError(
@@ -191,7 +182,9 @@ def first_batch_check(
     if not model.default_test_step:
         _check_with_test_step(model, batch, label)
         return x
-    with modes(module, training=False, grad=False), model.autocast():
+    # Training batches build the graph once, to see that the loss has a gradient to follow.
+    grad = wants_grad_check(model, training)
+    with modes(module, training=False, grad=grad), model.autocast():
         try:
             y_pred = call(module, x)
         except Exception as e:
@@ -203,6 +196,8 @@ def first_batch_check(
                 check_class_range(None, prediction_of(y_pred), y_all)
             elif training:
                 model.compute_loss(x, y, y_pred, w)  # raises: nothing to train on, and the fix
+            if grad:
+                check_loss_has_grad(own_loss(y_pred), label)
         if y is None and model.loss is not None and model.default_compute_loss:
             model.compute_loss(x, y, y_pred, w)  # raises: a compiled loss needs targets
         if y is not None and model.loss is not None:
@@ -213,9 +208,12 @@ def first_batch_check(
                     # Before the loss: torch's own out-of-range error names no fix.
                     prepare(pred, y)  # dtype / shape errors; sets the class layout
                     check_class_range(model.loss, pred, y_all)
-                model.compute_loss(x, y, y_pred, w)
+                loss = model.compute_loss(x, y, y_pred, w)
             except Exception as e:
                 raise wrap("loss", batch, e, module, y_pred, label=label) from e
+            check_batch_loss(batch, loss, label)  # NaN in the batch that the loss does not handle
+            if grad:
+                check_loss_has_grad(loss, label)
         target = targets_of(x, y)
         if model.metrics.entries is None and target is not None:
             pred = require_prediction(y_pred, "the compiled metrics")  # the rule's error names the fix
@@ -303,7 +301,7 @@ def in_memory_check(model: Any, source: TensorBatches, training: bool) -> Any:
     Returns:
         The first batch's ``x`` (a copy) when it was run, else ``None``.
     """
-    prepare_in_memory(source, model.module, training)
+    prepare_in_memory(source, model.module, training, model)
     if source.n == 0 or training and not model.default_train_step and model.default_test_step:
         return None
     return first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y),

@@ -3,9 +3,18 @@
 One :class:`Stepper` per compiled model. ``fit`` hands it the epoch's batches
 (:meth:`Stepper.micro_batches` groups them into accumulation windows and weights each
 micro-batch by its share of the window), ``train_step`` calls :meth:`Stepper.backward` and
-:meth:`Stepper.step`. Gradient accumulation is sample-exact: each micro-batch's loss is scaled
-by ``its samples / the window's samples`` (sample weights, if any), so a step equals one step on
-the whole window, a short last window included. Nothing here reads a device value on the host.
+:meth:`Stepper.step`. Gradient accumulation is exact: each micro-batch's mean loss is scaled by
+``its denominator / the window's`` (rows, sum of sample weights, or tokens that count: see
+:mod:`fitkit.denominators`), so a step equals one step on the whole window, a short last
+window included. Nothing here reads a device value on the host.
+
+A step can be skipped on the device, with no host read: the fp16 GradScaler's ``found_inf``
+and a callback's device-side veto (``model.skip_optimizer_step(when=flag)``, used by
+``TerminateOnNaN``) reach optimizers whose step takes ``found_inf`` (torch's ``fused=True``
+Adam, AdamW, SGD, Adagrad: ``_step_supports_amp_scaling``), which leave the weights and their
+state untouched where it is set. Such steps are counted on the device and subtracted from
+``global_step`` when it is read (one host read then, :attr:`Stepper.global_step`). A per-step
+scheduler must know at once: with one, the verdict is read on the host each step.
 """
 
 from __future__ import annotations
@@ -50,6 +59,12 @@ def _batch_weight(batch: tuple[Any, Any, Any]) -> Any:
     return w.sum() if w is not None else nest.rows(y if y is not None else x)
 
 
+def _nonzero(total: Any) -> Any:
+    if isinstance(total, torch.Tensor):
+        return torch.where(total == 0, torch.ones_like(total), total)
+    return total or 1
+
+
 class Stepper:
     """Owns everything between ``loss`` and the next weights.
 
@@ -63,6 +78,8 @@ class Stepper:
         clip_grad_norm: max global 2-norm of the gradients, or ``None``.
         clip_grad_value: max absolute gradient element, or ``None``.
         parallel: the model's :class:`fitkit.distributed.Parallel` under torchrun, else ``None``.
+        weigh: ``batch -> the denominator of its mean loss`` (rows, weights or tokens; see
+            :mod:`fitkit.denominators`); default: rows, or the sum of sample weights.
     """
 
     def __init__(
@@ -76,6 +93,7 @@ class Stepper:
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         parallel: Any = None,
+        weigh: Any = None,
     ):
         self.optimizer, self.scheduler, self.interval = optimizer, scheduler, scheduler_interval
         self.precision = precision
@@ -83,7 +101,10 @@ class Stepper:
         self.accumulation = accumulation
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
         self.parallel = parallel
-        self.global_step = 0
+        self._steps = 0  # steps taken, minus the device-side skips not yet read (see global_step)
+        self._device_skips: torch.Tensor | None = None  # steps skipped on the device, not yet read
+        self.veto: torch.Tensor | None = None  # device bool: skip the coming step where True
+        self.takes_found_inf = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self.micro_last, self.micro_scale = True, None  # the current micro-batch's place in its window
         self.skip_requested = False
         self.window_loss: torch.Tensor | None = None  # the window's loss so far (detached)
@@ -96,10 +117,32 @@ class Stepper:
         self._before_step: Any = None
         self._stop_training: Any = None
         self.timm = is_timm_scheduler(scheduler)
+        self.weigh: Any = weigh or _batch_weight  # batch -> the denominator of its mean loss
         self._stepped = True
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
         # it ran, so a skipped step does not advance the scheduler (no extra host sync).
-        self._hook = optimizer.register_step_post_hook(self._mark_stepped)
+        # Only torch's GradScaler without found_inf skips step() on the host: the one case to watch.
+        watch = precision == "16-mixed" and not self.takes_found_inf
+        self._hook = optimizer.register_step_post_hook(self._mark_stepped) if watch else None
+        #: one process and float32: train_step's no_sync and autocast contexts do nothing
+        self.plain = parallel is None and precision == "32"
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken. Steps skipped on the device are subtracted here: reading it
+        after such steps reads their count on the host (one sync, only when it is read)."""
+        if self._device_skips is not None:
+            skips, self._device_skips = self._device_skips, None
+            self._steps -= int(skips)
+        return self._steps
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self._steps, self._device_skips = int(value), None
+
+    def _count_device_skip(self, flag: torch.Tensor) -> None:
+        flag = flag.detach().reshape(()).to(torch.int64)
+        self._device_skips = flag if self._device_skips is None else self._device_skips + flag
 
     def set_scheduler(self, scheduler: Any) -> None:
         """Replace the scheduler (``None``: the LR moves only by callbacks)."""
@@ -110,31 +153,36 @@ class Stepper:
 
     def close(self) -> None:
         """Remove the optimizer hook (a recompiled model builds a new stepper)."""
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
 
     # -- the accumulation window ---------------------------------------------------------------
     def micro_batches(self, batches: Iterator[Any], start: int, stop: Any) -> Iterator[tuple[int, Any]]:
-        """Yield ``(batch_index, batch)`` from ``start``, setting each micro-batch's window place.
+        """``(batch_index, batch)`` from ``start``, each micro-batch's window place set.
 
         ``stop()`` is asked after each batch of a window; a stop ends the epoch there.
         """
-        k = self.accumulation
-        if k == 1 and self.parallel is None:
+        if self.accumulation == 1 and self.parallel is None:  # every batch is a window
             self.micro_last, self.micro_scale = True, None
-            yield from enumerate(batches, start)
-            return
+            return enumerate(batches, start)
+        return self._windows(batches, start, stop)
+
+    def _windows(self, batches: Iterator[Any], start: int, stop: Any) -> Iterator[tuple[int, Any]]:
+        k = self.accumulation
         step = start
         while True:
             group = list(itertools.islice(batches, k))
             if not group:
                 return
-            sizes = [_batch_weight(b) for b in group]
+            sizes = [self.weigh(b) for b in group]
             # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
             # each rank's share makes DDP's gradient average the exact global mean.
+            # A window whose denominator is 0 (all weights 0, every token ignored) adds nothing.
             if self.parallel is None:
-                total = sum(sizes)
-            else:  # no collective when every rank's rows are known on the host
-                total = _distributed.global_share(sizes, _distributed.known_rows(self.host_rows, sizes, step))
+                total = _nonzero(sum(sizes))
+            else:  # no collective when the sizes are rows that every rank's host knows
+                rows = self.host_rows if self.weigh is _batch_weight else None
+                total = _distributed.global_share(sizes, _distributed.known_rows(rows, sizes, step))
             for i, batch in enumerate(group):
                 self.micro_scale = sizes[i] / total
                 self.micro_last = i == len(group) - 1
@@ -171,19 +219,21 @@ class Stepper:
         accumulated gradients, its window and its before-step hook are set aside meanwhile and
         put back afterwards.
         """
-        window = (self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self._before_step)
+        window = (self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto,
+                  self._before_step)  # fmt: skip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grads = [p.grad for p in params]
         for p in params:
             p.grad = None
         self.single_batch()
-        self.window_loss, self.skip_requested, self._before_step = None, False, None
+        self.window_loss, self.skip_requested, self.veto, self._before_step = None, False, None, None
         try:
             yield
         finally:
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
-            self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self._before_step = window
+            (self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto,
+             self._before_step) = window  # fmt: skip
 
     def begin_epoch(self, host_rows: Any = None) -> None:
         """A fit epoch starts: the LRs its last step used are recorded afresh.
@@ -215,6 +265,11 @@ class Stepper:
     def step(self, module: nn.Module) -> bool:
         """The optimizer step at the end of a window; returns whether the weights changed.
 
+        A step the fp16 GradScaler skips (inf / NaN gradients) is no step: ``global_step``, the
+        per-step scheduler and everything keyed on ``global_step`` (EMA, loggers, checkpoints)
+        stay where they are. (A fused optimizer's step applies the skip on the device; the
+        skip is counted there and subtracted when ``global_step`` is read.)
+
         The running fit's before-step hook (see :meth:`fitting`) runs after the gradients are
         unscaled and before clipping (the ``on_backward_end`` hook); it may call :meth:`skip`
         to veto this step. Under torchrun the veto and the fit's stop query are agreed over
@@ -234,6 +289,7 @@ class Stepper:
                 agreed: Any = _distributed.any_rank(self.skip_requested, wants_stop)
                 self.skip_requested, self.stop_agreed = agreed
         self.window_loss = None
+        veto = None if self.veto is None else self._take_veto()
         if self.skip_requested:  # a callback (e.g. TerminateOnNaN) vetoed this step
             self.skip_requested = False
             opt.zero_grad(set_to_none=True)
@@ -244,25 +300,80 @@ class Stepper:
             self.grad_norm = nn.utils.clip_grad_norm_(module.parameters(), self.clip_grad_norm)
         if self.clip_grad_value is not None:
             nn.utils.clip_grad_value_(module.parameters(), self.clip_grad_value)
-        if self.scaler is not None:
-            self._stepped = False
-            self.scaler.step(opt)
-            self.scaler.update()
-        else:
+        if self.scaler is None and veto is None:
             opt.step()
+            skipped, self._stepped = None, True
+        else:
+            skipped = self._optimizer_step(opt, veto)  # a device flag, or None: the host knows
         opt.zero_grad(set_to_none=True)
-        self.global_step += 1
-        if self.scheduler is not None and self._stepped and (self.timm or self.interval == "step"):
+        return self._count_step(opt, skipped)
+
+    def _take_veto(self) -> torch.Tensor | None:
+        """The device veto of the coming step (agreed over ranks), or ``None``."""
+        veto, self.veto = self.veto, None
+        if veto is not None and self.parallel is not None:
+            veto = _distributed.any_rank_on_device(veto)  # the ranks skip together (no host read)
+        if veto is not None and not self.takes_found_inf and self.scaler is None:
+            self.skip_requested |= bool(veto)  # this optimizer cannot skip on the device: one host read
+            return None
+        return veto
+
+    def _count_step(self, opt: torch.optim.Optimizer, skipped: torch.Tensor | None) -> bool:
+        """``global_step`` and a per-step scheduler after ``opt.step()``; whether it counted."""
+        per_step = self.scheduler is not None and (self.timm or self.interval == "step")
+        if skipped is not None and per_step:
+            # The scheduler must not advance on a skipped step and its LR is a host number:
+            # the one host read per step of fp16 / a device veto with a per-step scheduler.
+            self._stepped = not bool(skipped)
+        elif skipped is not None:
+            self._count_device_skip(skipped)
+        if not self._stepped:
+            return False  # the step was skipped (GradScaler or veto): nothing that counts steps moves
+        self._steps += 1
+        if per_step:
             self.lrs_used = [g["lr"] for g in opt.param_groups]
             if self.timm:
                 self.scheduler.step_update(num_updates=self.global_step)
-            elif self.interval == "step":
+            else:
                 self.scheduler.step()
         return True
 
-    def skip(self) -> None:
-        """Veto the coming optimizer step (its gradients are dropped)."""
-        self.skip_requested = True
+    def _optimizer_step(self, opt: torch.optim.Optimizer, veto: torch.Tensor | None) -> torch.Tensor | None:
+        """``opt.step()``, through the GradScaler under fp16; ``veto`` skips it on the device.
+
+        Returns the device flag of a step skipped on the device (``None`` when the host knows:
+        ``self._stepped`` says then whether it ran).
+        """
+        self._stepped = True
+        if self.scaler is not None:
+            found = self.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+            if veto is not None:  # the veto joins the scaler's verdict (the scale backs off too)
+                for key, flag in found.items():
+                    found[key] = torch.maximum(flag, veto.to(flag))
+            skipped = sum(found.values()) if self.takes_found_inf else None
+            self._stepped = self.takes_found_inf  # else the post-hook tells whether step() ran
+            self.scaler.step(opt)
+            self.scaler.update()
+            return skipped
+        if veto is None:
+            opt.step()
+            return None
+        flag = veto.to(torch.float32).reshape(())
+        opt.found_inf = flag  # type: ignore[attr-defined]  # torch's protocol, as GradScaler sets it
+        try:
+            opt.step()
+        finally:
+            del opt.found_inf  # type: ignore[attr-defined]
+        return flag
+
+    def skip(self, when: torch.Tensor | None = None) -> None:
+        """Veto the coming optimizer step (its gradients are dropped); ``when``: only where
+        that device bool is true, decided on the device (several calls are or-ed)."""
+        if when is None:
+            self.skip_requested = True
+        else:
+            when = when.detach().reshape(()).to(torch.bool)
+            self.veto = when if self.veto is None else self.veto | when
 
     def step_epoch(self, epoch: int, logs: dict[str, float], validated: bool) -> None:
         """The per-epoch scheduler step, after validation.

@@ -29,6 +29,23 @@ def fresh_metrics(template: MetricSet) -> MetricSet:
     return template.clone()
 
 
+def _nothing_counted(what: str | None) -> None:
+    cause = (
+        "every sample weight was 0 (or every target token was the loss's ignore_index), so the weighted "
+        "mean loss sum(w * l) / sum(w) is 0 / 0"
+    )
+    if what is not None:
+        raise ValueError(
+            f"`{what}` has no loss to report: {cause}. Fix: pass data with at least one sample of weight > 0 "
+            "(or one target that counts)."
+        )
+    warnings.warn(
+        f"The loss of this epoch or validation counted nothing: {cause}; it is logged as NaN. Fix: give "
+        "some samples a weight > 0 (or targets that count).",
+        category=FitkitWarning, stacklevel=4,
+    )
+
+
 class RunningTotals:
     """Loss sum, sample count and metric states of one phase, on the device.
 
@@ -61,9 +78,25 @@ class RunningTotals:
         w = 0.0 if self.loss_wsum is None else float(self.loss_wsum)
         return self.loss_count + w
 
-    def update(self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None) -> None:
-        """Add one batch: its mean loss (weighted by its size or weights) and its metrics."""
-        if loss is not None:
+    def update(
+        self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None,
+        denominator: int | torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Add one batch: its mean loss times its denominator, and its metrics.
+
+        ``denominator``: what the batch's mean loss divides by (rows, the sum of weights, the
+        tokens that count; see :mod:`fitkit.denominators`); ``None``: its rows, or the sum of
+        its ``sample_weight``.
+        """
+        if loss is not None and denominator is not None:
+            if isinstance(denominator, torch.Tensor):
+                d = denominator.detach().to(self.dtype)
+                self.loss_total.add_(loss.detach() * d)
+                self.loss_wsum = d if self.loss_wsum is None else self.loss_wsum + d
+            elif denominator:
+                self.loss_total.add_(loss.detach(), alpha=denominator)
+                self.loss_count += denominator
+        elif loss is not None:
             if sample_weight is None:
                 part = y if y is not None else y_pred
                 # nest.rows' rule; a plain tensor (the common case) without the call
@@ -97,8 +130,13 @@ class RunningTotals:
                     logs[e.key] = e.metric.compute()
         return logs
 
-    def result(self) -> dict[str, float]:
-        """The phase's means as Python floats, reduced over ranks: one host sync for all."""
+    def result(self, what: str | None = None) -> dict[str, float]:
+        """The phase's means as Python floats, reduced over ranks: one host sync for all.
+
+        A phase whose loss counted nothing (every sample weight 0, every token ignored) has no
+        mean loss: with ``what`` (``"evaluate"``) that is a ``ValueError`` naming it, otherwise
+        the loss is logged as NaN with a :class:`~fitkit.checks.FitkitWarning`.
+        """
         total, count, wsum = self.loss_total, self.loss_count, self.loss_wsum
         if self.reduce is not None:  # sums over ranks before the division (metrics sync in compute)
             total, count, wsum = self.reduce(total, count, wsum)
@@ -109,8 +147,13 @@ class RunningTotals:
         logs.update(self.metrics.compute())
         if not logs:
             return {}
+        parts = [v.detach().to(self.dtype).reshape(()) for v in logs.values()]
+        if wsum is not None and loss is not None:
+            parts.append((wsum + count).to(self.dtype).reshape(()))  # the denominator, in the same transfer
         # float64 keeps the loss, summed in float64, exact (5/3 stays 1.6666666666666667).
-        values = torch.stack([v.detach().to(self.dtype).reshape(()) for v in logs.values()]).tolist()
+        values = torch.stack(parts).tolist()
+        if wsum is not None and loss is not None and values.pop() == 0:
+            _nothing_counted(what)
         return dict(zip(logs.keys(), values, strict=True))
 
     # -- mid-epoch checkpoints -----------------------------------------------------------------

@@ -7,6 +7,7 @@ world_size()``, so both runs see the same global batches.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
@@ -104,6 +105,14 @@ class TwoHeads(nn.Module):
         return {"same": x, "double": 2 * x}
 
 
+Heads = collections.namedtuple("Heads", "same double")
+
+
+class NamedHeads(nn.Module):
+    def forward(self, x):
+        return Heads(x, 2 * x)
+
+
 def exact_predict(strategy: str = "auto") -> dict:
     """5 samples over the ranks: 5 rows, in input order."""
     model = identity_model(strategy)
@@ -114,6 +123,7 @@ def exact_predict(strategy: str = "auto") -> dict:
         "dataloader": model.predict(DataLoader(TensorDataset(x), batch_size=2), verbose=0),
         "xy_batches": model.predict(DataLoader(TensorDataset(x, torch.zeros(5)), batch_size=3), verbose=0),
         "dict_outputs": heads.predict(x, batch_size=1, verbose=0),
+        "namedtuple_outputs": fitkit.Model(NamedHeads(), device="cpu").predict(x, batch_size=1, verbose=0),
     }
 
 
@@ -189,6 +199,64 @@ def parity_loader(n: int = 37) -> dict:
     model.fit(DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True), epochs=2, verbose=0)
     out["shuffled_params"] = full_params(model)
     return out
+
+
+def token_data(n: int = 21, t: int = 5, classes: int = 4):
+    """``(x, y, w)`` for a per-position classifier: ``(n, t, 3)`` inputs, ``(n, t)`` class targets
+    padded with -100 to lengths 0..t (rows 0 and 1 hold no real token), ``(n,)`` weights."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, t, 3, generator=g)
+    y = torch.randint(0, classes, (n, t), generator=g)
+    lengths = torch.randint(0, t + 1, (n,), generator=g)
+    lengths[:2] = 0
+    y[torch.arange(t)[None, :] >= lengths[:, None]] = -100
+    w = torch.rand(n, generator=g) + 0.5
+    return x, y, w
+
+
+class PerPosition(nn.Module):
+    """Linear(3, 4) at every position: logits ``(B, T, 4)``, or ``(B, 4, T)`` with ``channels_first``."""
+
+    def __init__(self, channels_first: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(99)
+        self.linear = nn.Linear(3, 4)
+        with torch.no_grad():
+            for p in self.linear.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        self.channels_first = channels_first
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out.transpose(1, 2) if self.channels_first else out
+
+
+def tokens(case: str, batch_size: int | None = None, accumulation: int = 2) -> dict:
+    """Token-level cross-entropy with accumulation: ``case`` picks the weights.
+
+    ``plain``: none; ``weighted``: ``(n,)`` sample weights; ``per_token``: ``(n, t)`` weights;
+    ``class_weight``: ``{0: 1, 1: 3, 2: 0.5, 3: 2}`` per token; ``channels_first``: logits
+    ``(B, C, T)``; ``zero_window``: unshuffled, the first 16 rows weigh 0 (the first window of 2
+    global batches of 8 counts nothing).
+    """
+    torch.manual_seed(0)
+    x, y, w = token_data()
+    kw: dict = {}
+    if case == "weighted":
+        kw["sample_weight"] = w
+    elif case == "per_token":
+        kw["sample_weight"] = (w[:, None] * torch.arange(1, 6)).remainder(2.0)
+    elif case == "class_weight":
+        kw["class_weight"] = {0: 1, 1: 3, 2: 0.5, 3: 2}
+    elif case == "zero_window":
+        kw["sample_weight"] = torch.cat([torch.zeros(16), w[16:]])
+    model = fitkit.Model(PerPosition(case == "channels_first"), device="cpu")
+    model.compile(optimizer=OPTIMIZERS["sgd"], loss="cross_entropy", gradient_accumulation_steps=accumulation)
+    bs = batch_size if batch_size is not None else GLOBAL_BATCH // world_size()
+    history = model.fit(x, y, batch_size=bs, epochs=2, shuffle=case != "zero_window", verbose=0, **kw)
+    ev_w = kw.get("sample_weight")
+    ev = model.evaluate(x, y, batch_size=max(1, bs // 2), sample_weight=ev_w, verbose=0)
+    return {"params": full_params(model), "history": history.history, "evaluate": ev}
 
 
 class IdRecorder(nn.Module):

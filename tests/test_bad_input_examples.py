@@ -1,4 +1,4 @@
-"""The bad inputs of issue 14 section 6, one test each: a clear error before step 1, nothing changed."""
+"""Bad inputs, one test each: a clear error before step 1, nothing changed."""
 
 from __future__ import annotations
 

@@ -29,7 +29,9 @@ from fitkit.callbacks import (
     ModelCheckpoint,
     ReduceLROnPlateau,
     TensorBoard,
+    TerminateOnNaN,
 )
+from fitkit.files import atomic_save
 
 N, FEATURES, CLASSES = 20, 4, 3
 
@@ -120,6 +122,52 @@ def _evil_pickle(name):
             return (print, ("pwned",))
 
     return lambda model, tmp: torch.save({"w": Evil()}, tmp / name)
+
+
+class _Samples(torch.utils.data.Dataset):
+    """A map-style Dataset of ``n`` samples; sample ``ragged_at`` has one feature more."""
+
+    def __init__(self, n=N, ragged_at=None):
+        self.n, self.ragged_at = n, ragged_at
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return _x(self.n)[i, :] if i != self.ragged_at else torch.zeros(FEATURES + 1), _y(self.n)[i]
+
+
+def _recompile(**kwargs):
+    kwargs = {"optimizer": "adam", "loss": "cross_entropy", **kwargs}
+    return lambda model, tmp: model.compile(**kwargs)
+
+
+def _crafted_checkpoint(name, **changes):
+    def setup(model, tmp):
+        model.save_checkpoint(tmp / name)
+        state = torch.load(tmp / name, weights_only=True)
+        state.update(changes)
+        atomic_save(state, tmp / name)  # the checksum is recomputed: only the content is wrong
+
+    return setup
+
+
+def _link(name, target):
+    def setup(model, tmp):
+        (tmp / target).write_text("not mine\n")
+        (tmp / name).symlink_to(tmp / target)
+
+    return setup
+
+
+def _weights_with_bad_aliases(name):
+    def setup(model, tmp):
+        import safetensors.torch
+
+        state = {k: v.contiguous() for k, v in model.module.state_dict().items()}
+        safetensors.torch.save_file(state, tmp / name, metadata={"fitkit_aliases": "{oops"})
+
+    return setup
 
 
 def _empty_source():
@@ -310,6 +358,80 @@ CASES = [
          setup=_evil_pickle("evil.pt")),
     Case("load_checkpoint of weights", lambda m, tmp: m.load_checkpoint(tmp / "w.pt"), ValueError,
          "not a fitkit checkpoint.*Fix", setup=lambda m, tmp: m.save_weights(tmp / "w.pt")),
+    # -- files: templates, names, links, locks (before step 1) -------------------------------------
+    Case("ModelCheckpoint {epoch:s}", fit_cb(lambda tmp: ModelCheckpoint(tmp / "ep{epoch:s}.pt")), ValueError,
+         r"cannot format the values it will get.*\{epoch\} and \{batch\} are ints.*Fix"),
+    Case("ModelCheckpoint {loss:d}", fit_cb(lambda tmp: ModelCheckpoint(tmp / "m{loss:d}.pt")), ValueError,
+         "cannot format.*Fix"),
+    Case("ModelCheckpoint name past NAME_MAX", fit_cb(lambda tmp: ModelCheckpoint(tmp / ("a" * 240 + "{epoch}.pt"))),
+         ValueError, r"bytes \(with the temp file's 22 extra characters\), past this file system's limit of 255.*Fix"),
+    Case("CSVLogger name past NAME_MAX", fit_cb(lambda tmp: CSVLogger(tmp / ("b" * 250 + ".csv"))), ValueError,
+         "past this file system's limit.*Fix"),
+    Case("CSVLogger append through a symlink", fit_cb(lambda tmp: CSVLogger(tmp / "log.csv", append=True)),
+         ValueError, "append through the symlink.*target.txt.*Fix", setup=_link("log.csv", "target.txt")),
+    Case("two CSVLoggers on one file", lambda m, tmp: m.fit(_x(), _y(), epochs=1, verbose=0,
+         callbacks=[CSVLogger(tmp / "log.csv"), CSVLogger(tmp / "log.csv")]), RuntimeError,
+         "CSVLogger cannot use the file.*in use by another callback of this fit.*Fix"),
+    Case("two BackupAndRestore on one folder", lambda m, tmp: m.fit(_x(), _y(), epochs=1, verbose=0,
+         callbacks=[BackupAndRestore(tmp / "bk"), BackupAndRestore(tmp / "bk")]), RuntimeError,
+         "BackupAndRestore cannot use the backup folder.*another callback of this fit.*Fix"),
+    Case("ModelCheckpoint verbose str", build(lambda tmp: ModelCheckpoint(tmp / "m.pt", verbose="yes")), TypeError,
+         "`verbose`"),
+    Case("TerminateOnNaN raise_error str", build(lambda tmp: TerminateOnNaN(raise_error="yes")), TypeError,
+         "`raise_error`"),
+    Case("LambdaCallback wrong arity", build(lambda tmp: LambdaCallback(on_epoch_end=lambda: None)), TypeError,
+         r"`on_epoch_end` is called as on_epoch_end\(epoch, logs\).*Fix"),
+    Case("LambdaCallback batch hook of 1 argument", build(lambda tmp: LambdaCallback(on_batch_end=lambda b: 0)),
+         TypeError, r"on_train_batch_end\(batch, logs\).*Fix"),
+    # -- training that would do nothing, or log the wrong thing -----------------------------------
+    Case("fit loss detached", fit(), ValueError, r"loss of the first batch has no gradient.*Fix.*without \.detach\(\)",
+         setup=_recompile(loss=lambda p, t: nn.functional.cross_entropy(p, t).detach())),
+    Case("fit loss int tensor", fit(), ValueError, r"no gradient \(a int64 tensor",
+         setup=_recompile(loss=lambda p, t: torch.tensor(3))),
+    Case("fit loss constant", fit(), ValueError, "no gradient.*trainable parameters",
+         setup=_recompile(loss=lambda p, t: torch.tensor(1.0))),
+    Case("fit loss detached, DataLoader", fit(x=_loader(_x(), _y()), y=None), ValueError, "no gradient",
+         setup=_recompile(loss=lambda p, t: nn.functional.cross_entropy(p, t).detach())),
+    Case("compile metric named loss", compile_(metrics={"loss": "accuracy"}), ValueError,
+         "metric name 'loss' is a key fit writes itself.*Fix"),
+    Case("compile metric named val_acc", compile_(metrics={"val_acc": "accuracy"}), ValueError,
+         "'val_acc'.*`val_` prefix.*Fix"),
+    Case("compile metric named learning_rate", compile_(metrics={"learning_rate": "accuracy"}), ValueError,
+         "learning rate's key"),
+    Case("compile metric named learning_rate/pg1", compile_(metrics={"learning_rate/pg1": "mae"}), ValueError,
+         "learning rate's key"),
+    Case("compile optimizer with a parameter outside the module",
+         lambda m, tmp: m.compile(optimizer=torch.optim.SGD([*m.module.parameters(), nn.Parameter(torch.zeros(2))],
+                                                           lr=0.1), loss="cross_entropy"),
+         ValueError, r"also holds 1 parameter\(s\) that are not the module's.*shape \(2,\).*Fix"),
+    Case("fit sample_weight complex", fit(sample_weight=torch.ones(N, dtype=torch.complex64)), TypeError,
+         "`sample_weight` to hold real numbers.*complex64.*Fix"),
+    Case("fit sample_weight numpy str", fit(sample_weight=np.array(["1"] * N)), TypeError,
+         "`sample_weight` to hold real numbers.*<U1.*Fix"),
+    Case("fit zero-length Dataset shuffle", fit(x=_Samples(0), y=None, shuffle=True), ValueError,
+         "_Samples has 0 samples.*Fix"),
+    Case("fit mae on a 3-class classifier", fit(), ValueError,
+         r"metric 'mae' compares.*\(5, 3\) and \(5,\).*Fix", setup=_recompile(metrics=["mae"])),
+    Case("fit r2 on a 3-class classifier", fit(), ValueError, "metric 'r2' compares.*Fix",
+         setup=_recompile(metrics=["r2"])),
+    Case("fit ragged Dataset samples", fit(x=_Samples(ragged_at=2), y=None, shuffle=False), ValueError,
+         r"batch of the Dataset \(number 1.*different shapes.*\(4,\).*\(5,\).*Fix"),
+    # -- damaged and crafted files ---------------------------------------------------------------
+    Case("load_checkpoint epoch str", lambda m, tmp: m.load_checkpoint(tmp / "c.pt"), ValueError,
+         r"content fitkit does not write.*checkpoint\['epoch'\] is 'x'.*Fix",
+         setup=_crafted_checkpoint("c.pt", epoch="x")),
+    Case("load_checkpoint global_step negative", lambda m, tmp: m.load_checkpoint(tmp / "c.pt"), ValueError,
+         r"checkpoint\['global_step'\] is -1", setup=_crafted_checkpoint("c.pt", global_step=-1)),
+    Case("load_checkpoint callbacks str", lambda m, tmp: m.load_checkpoint(tmp / "c.pt"), ValueError,
+         r"checkpoint\['callbacks'\] is 'x'", setup=_crafted_checkpoint("c.pt", callbacks="x")),
+    Case("load_state_dict extra key", lambda m, tmp: m.load_state_dict({**m.module.state_dict(), "x": torch.ones(1)}),
+         RuntimeError, "nothing was loaded.*'x': in the file, not in the module.*Fix"),
+    Case("load_state_dict dtype", lambda m, tmp: m.load_state_dict({k: v.double() for k, v in
+                                                                    m.module.state_dict().items()}),
+         RuntimeError, "nothing was loaded.*dtype torch.float64 in the file"),
+    Case("load_weights safetensors aliases not JSON", lambda m, tmp: m.load_weights(tmp / "w.safetensors"),
+         ValueError, "metadata 'fitkit_aliases' is not the JSON.*Fix",
+         setup=_weights_with_bad_aliases("w.safetensors")),
     Case("load_checkpoint SGD into Adam", lambda m, tmp: m.load_checkpoint(tmp / "sgd.pt"), ValueError,
          "SGD.*Fix", setup=_sgd_checkpoint("sgd.pt")),
 ]

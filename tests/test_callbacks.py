@@ -306,16 +306,47 @@ def _nan_data():
     return [(x[i : i + 2], torch.ones(2, 1)) for i in range(0, 8, 2)], None
 
 
-def test_terminate_on_nan_skips_the_step_and_stops_at_that_batch():
+def _optimizer_state(model: fitkit.Model) -> list[torch.Tensor]:
+    state = model.optimizer.state_dict()["state"]
+    return [v.clone() for s in state.values() for v in s.values()]  # step, exp_avg, exp_avg_sq
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_terminate_on_nan_skips_the_step_and_every_later_one_and_stops_at_the_check(fused):
+    # Fused Adam takes the veto on the device (no host read); torch's default Adam reads it.
     x, y = _nan_data()
-    model = _model(optimizer=torch.optim.Adam)
+    model = _model(optimizer=lambda p, lr: torch.optim.Adam(p, lr=lr, fused=fused))
     steps = []
-    after = LambdaCallback(on_train_batch_end=lambda b, logs: steps.append((b, _weights(model))))
+    after = LambdaCallback(
+        on_train_batch_end=lambda b, logs: steps.append((b, _weights(model), _optimizer_state(model))))
     h = model.fit(x, y, epochs=3, verbose=0, callbacks=[TerminateOnNaN(), after])
-    assert [b for b, _ in steps] == [0, 1, 2] and h.epoch == [0]
+    # The verdict is read at the epoch end: batch 3 runs, and its step is vetoed too.
+    assert [b for b, _, _ in steps] == [0, 1, 2, 3] and h.epoch == [0]
     assert torch.equal(model.module.weight, steps[1][1]["weight"])  # the NaN step never happened
     assert model.global_step == 2
+    # Adam's state is that of step 2 exactly: step count, first and second moments.
+    assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(model), steps[1][2], strict=True))
     assert all(s["step"].item() == 2 for s in model.optimizer.state_dict()["state"].values())
+
+
+def test_terminate_on_nan_with_check_every_1_stops_at_that_batch():
+    x, y = _nan_data()
+    model = _model(optimizer=torch.optim.Adam)
+    seen = []
+    after = LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(b))
+    h = model.fit(x, y, epochs=3, verbose=0, callbacks=[TerminateOnNaN(check_every=1), after])
+    assert seen == [0, 1, 2] and h.epoch == [0] and model.global_step == 2
+
+
+def test_terminate_on_nan_stops_inside_the_epoch_at_the_next_check():
+    x = torch.ones(20, 1)
+    x[5] = float("nan")  # batch 2 (batch_size 2)
+    batches = [(x[i : i + 2], torch.ones(2, 1)) for i in range(0, 20, 2)]
+    model = _model(optimizer=lambda p, lr: torch.optim.SGD(p, lr=lr, fused=True))
+    seen = []
+    after = LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(b))
+    model.fit(batches, epochs=2, verbose=0, callbacks=[TerminateOnNaN(check_every=4), after])
+    assert seen == [0, 1, 2, 3] and model.global_step == 2  # read after 4 steps: batch 3
 
 
 def test_terminate_on_nan_with_gradient_accumulation_checks_every_micro_batch():
@@ -330,10 +361,25 @@ def test_terminate_on_nan_with_gradient_accumulation_checks_every_micro_batch():
 
 def test_terminate_on_nan_can_raise():
     x, y = _nan_data()
-    model = _model()
-    with pytest.raises(RuntimeError, match="The loss is nan at batch 2 of epoch 0"):
+    model = _model(optimizer=lambda p, lr: torch.optim.SGD(p, lr=lr, fused=True))
+    with pytest.raises(RuntimeError, match="The loss is nan at batch 2 of epoch 0; that optimizer step and every"):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[TerminateOnNaN(raise_error=True)])
     assert model.module.weight.isfinite().all() and model.global_step == 2
+
+
+def test_terminate_on_nan_under_fp16_joins_the_scalers_verdict():
+    x, y = _nan_data()
+    model = _model(optimizer=lambda p, lr: torch.optim.SGD(p, lr=lr, fused=True), precision="16-mixed")
+    after = []
+    record = LambdaCallback(on_train_batch_end=lambda b, logs: after.append(_weights(model)))
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[TerminateOnNaN(), record])
+    assert len(after) == 4 and model.global_step == 2
+    assert torch.equal(model.module.weight, after[1]["weight"])
+
+
+def test_terminate_on_nan_check_every_must_be_positive():
+    with pytest.raises(ValueError, match="check_every"):
+        TerminateOnNaN(check_every=0)
 
 
 def test_early_stopping_fed_synthetic_logs_directly():

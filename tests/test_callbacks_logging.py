@@ -126,3 +126,41 @@ def test_history_plot_writes_a_png(tmp_path):
     assert [ax.get_title() for ax in fig.axes] == ["loss", "mae"]
     with pytest.raises(ValueError, match="Unknown history keys"):
         h.plot(keys=["accuracy"])
+
+
+# -- whole rows, no writes through links, a deleted file or folder ------------------------------
+def _line_fit(callbacks, epochs=3):
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Linear(1, 1, bias=False), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss="mse")
+    x = torch.zeros(4, 1)  # the loss is 0.0 in every epoch
+    model.fit(x, x, epochs=epochs, callbacks=callbacks, verbose=0)
+    return model
+
+
+def test_csv_logger_replaces_a_symlink_instead_of_writing_through_it(tmp_path):
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("precious\n")
+    link = tmp_path / "log.csv"
+    link.symlink_to(target)
+    _line_fit([CSVLogger(link)], epochs=2)
+    assert target.read_text() == "precious\n"
+    assert not link.is_symlink()
+    assert link.read_text() == "epoch,learning_rate,loss\n0,0.5,0.0\n1,0.5,0.0\n"
+
+
+def test_csv_logger_recreates_a_file_deleted_mid_run_with_its_header(tmp_path):
+    path = tmp_path / "log.csv"
+    delete = LambdaCallback(on_epoch_begin=lambda epoch, logs: path.unlink() if epoch == 1 else None)
+    _line_fit([CSVLogger(path), delete])
+    assert path.read_text() == "epoch,learning_rate,loss\n1,0.5,0.0\n2,0.5,0.0\n"
+
+
+def test_tensorboard_names_a_folder_deleted_mid_run(tmp_path):
+    pytest.importorskip("tensorboard")
+    import shutil
+
+    log_dir = tmp_path / "tb"
+    delete = LambdaCallback(on_epoch_begin=lambda epoch, logs: shutil.rmtree(log_dir) if epoch == 1 else None)
+    with pytest.raises(FileNotFoundError, match=r"TensorBoard's folder '.*tb/train' was deleted while fit.*Fix"):
+        _line_fit([TensorBoard(log_dir), delete])

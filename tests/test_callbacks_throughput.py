@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_averaging import CountSteps
+from _syncs import CountSteps
 from torch import nn
 
 import fitkit

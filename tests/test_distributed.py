@@ -41,6 +41,8 @@ res["predict"] = sc.exact_predict()
 res["stop"] = sc.stop_on_one_rank()
 res["unshardable"] = sc.unshardable_error()
 res["checkpoint"] = sc.checkpoint_epochs(OUT / "ddp.pt", ckpt_dir=OUT)
+for case in ("plain", "weighted", "per_token", "class_weight", "channels_first", "zero_window"):
+    res[f"tokens_{case}"] = sc.tokens(case)
 res["fsdp_sgd"] = sc.parity("sgd", 33, strategy="fsdp")
 res["fsdp_adam_weighted"] = sc.parity("adam", 37, weighted=True, strategy="fsdp")
 res["fsdp_evaluate"] = sc.exact_evaluate("fsdp")
@@ -143,6 +145,43 @@ def test_gradient_accumulation_under_ddp(job, reference):
     _assert_close(r0["accumulation"]["params"], reference["accumulation"]["params"])
 
 
+TOKEN_CASES = ["plain", "weighted", "per_token", "class_weight", "channels_first", "zero_window"]
+
+
+@pytest.fixture(scope="module")
+def token_reference():
+    """One process, global batch 8 with accumulation 2, and one window as one batch of 16."""
+    return {case: (sc.tokens(case), sc.tokens(case, batch_size=16, accumulation=1)) for case in TOKEN_CASES}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TOKEN_CASES)
+def test_token_denominators_are_global_under_ddp(job, token_reference, case):
+    """Token-level cross-entropy (rows of 0..5 real tokens) with accumulation on 2 ranks: each
+    rank's micro-batch weighs by its tokens (times its sample / class weights) over the global
+    window's, so the steps, the epoch losses and evaluate equal one process's."""
+    r0, r1, _, _ = job
+    ref, _ = token_reference[case]
+    got = r0[f"tokens_{case}"]
+    _assert_identical(got["params"], r1[f"tokens_{case}"]["params"])
+    _assert_close(got["params"], ref["params"], atol=1e-5)
+    assert got["history"] == r1[f"tokens_{case}"]["history"]
+    assert got["history"]["loss"] == pytest.approx(ref["history"]["loss"], rel=1e-5)
+    assert got["evaluate"]["loss"] == pytest.approx(ref["evaluate"]["loss"], rel=1e-6)
+    assert all(v == v for v in got["history"]["loss"])  # no NaN, the zero window included
+
+
+def test_token_accumulation_equals_one_batch_of_the_window(token_reference):
+    """One process: 2 micro-batches of 8 rows are one step on the 16 rows (the first epoch's
+    first step; shuffling makes later windows differ from the big batches only in grouping)."""
+    for case in TOKEN_CASES:
+        accumulated, whole = token_reference[case]
+        assert accumulated["evaluate"]["loss"] == accumulated["evaluate"]["loss"]
+        assert whole["history"]["loss"] == pytest.approx(accumulated["history"]["loss"], rel=1e-5), case
+        _assert_close(accumulated["params"], whole["params"], atol=1e-5)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -167,6 +206,8 @@ def test_predict_returns_every_row_once_in_order(job, strategy):
             assert torch.equal(results[key][kind], x), kind
         heads = results[key]["dict_outputs"]
         assert torch.equal(heads["same"], x) and torch.equal(heads["double"], 2 * x)
+        named = results[key]["namedtuple_outputs"]  # the gather over ranks keeps the namedtuple
+        assert type(named).__name__ == "Heads" and torch.equal(named.same, x) and torch.equal(named.double, 2 * x)
 
 
 @pytest.mark.distributed

@@ -1,4 +1,4 @@
-"""Edge semantics from the peers' suites (issue 11 section 5).
+"""Edge semantics from the peers' suites.
 
 Frozen or parameterless modules, two schedules on one optimizer, bad backup folders, NaN
 monitor values, and ``ReduceLROnPlateau``'s ``cooldown`` as Keras 3 implements it.

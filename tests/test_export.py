@@ -1,4 +1,4 @@
-"""Export for serving: torch.export programs and ONNX files that onnxruntime runs (issue 13)."""
+"""Export for serving: torch.export programs and ONNX files that onnxruntime runs."""
 
 import importlib.util
 
@@ -124,3 +124,34 @@ def test_bad_arguments(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"needs onnxscript\. Install it with `pip install fitkit\[onnx\]`"):
         export(nn.Linear(2, 2), tmp_path / "x.onnx", torch.rand(2, 2), format="onnx")
     assert not (tmp_path / "x.onnx").exists()
+
+
+Pair = __import__("collections").namedtuple("Pair", "a b")
+
+
+class OnPair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+
+    def forward(self, p):
+        return self.lin(p.a) + p.b
+
+
+@pytest.mark.slow
+def test_a_namedtuple_input_is_one_input_in_torch_and_onnx(tmp_path):
+    torch.manual_seed(0)
+    model = fitkit.Model(OnPair(), device="cpu")
+    example = Pair(torch.ones(1, 2), torch.ones(1, 1))
+    three = Pair(torch.arange(6.0).reshape(3, 2), torch.tensor([[1.0], [2.0], [3.0]]))
+    with torch.no_grad():
+        expected = model.module(three)  # lin(a) + b, shape (3, 1)
+    path = model.export(tmp_path / "pair.pt2", example)
+    with torch.serialization.safe_globals([Pair]):  # torch loads the example input weights_only
+        program = torch.export.load(path).module()
+    torch.testing.assert_close(program(three), expected)
+    _needs_onnx()
+    _, names, (out,) = _onnx_outputs(model.export(tmp_path / "pair.onnx", example, format="onnx"),
+                                     [(three.a.numpy(), three.b.numpy())])  # fmt: skip
+    assert len(names) == 2 and out.shape == (3, 1)
+    torch.testing.assert_close(torch.from_numpy(out), expected)

@@ -4,11 +4,12 @@ validation DataLoader before step 1, and a CSV row that a full disk cut short.""
 from __future__ import annotations
 
 import errno
+import os
 from functools import partial
 
 import pytest
 import torch
-from conftest import WrappedFile, line_data, line_model, params_of, same_params
+from conftest import line_data, line_model, params_of, same_params
 from torch.optim import lr_scheduler
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -79,18 +80,15 @@ def test_a_full_disk_leaves_whole_csv_rows_and_names_the_file(tmp_path, monkeypa
     x, y = line_data(8)
     line_model().fit(x, y, epochs=2, verbose=0, callbacks=[logger])
     whole = path.read_text()
-    real_open = open
+    real_write = os.write
 
-    class HalfWrite(WrappedFile):
-        def write(self, data):
-            self.f.write(data[: len(data) // 2])  # part of the row reaches the disk, then it is full
-            raise OSError(errno.ENOSPC, "No space left on device")
+    def full_disk_write(fd, data):  # part of the row reaches the disk, then it is full
+        if os.readlink(f"/proc/self/fd/{fd}") != str(path):
+            return real_write(fd, data)
+        real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    def full_disk_open(file, mode="r", *args, **kwargs):
-        f = real_open(file, mode, *args, **kwargs)
-        return HalfWrite(f) if str(file) == str(path) and "a" in mode else f
-
-    monkeypatch.setattr("builtins.open", full_disk_open)
+    monkeypatch.setattr(os, "write", full_disk_write)
     with pytest.raises(OSError, match="log.csv") as caught:
         line_model().fit(x, y, epochs=1, verbose=0, callbacks=[CSVLogger(path, append=True)])
     monkeypatch.undo()

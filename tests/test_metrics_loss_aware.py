@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ import torchmetrics
 from conftest import cpu_model, fixed_linear, params_of, same_params
 from torch import nn
 
+import fitkit
 from fitkit.losses import Loss, resolve_loss
 from fitkit.metrics import MetricSet, MetricSpec
 from fitkit.metrics.states import masked_multiclass
@@ -266,12 +268,39 @@ def test_callable_metric_names_and_directions():
 
 
 def test_callable_metric_results_are_checked():
-    ms = MetricSet({"bad": lambda y_pred, y: 1.0})
-    with pytest.raises(TypeError, match="Metric 'bad' must return a tensor. Received float"):
+    ms = MetricSet({"bad": lambda y_pred, y: "1.0"})
+    with pytest.raises(TypeError, match="Metric 'bad' must return a tensor or a number. Received str"):
         ms.update(torch.zeros(2, 1), torch.zeros(2))
     ms = MetricSet({"bad": lambda y_pred, y: torch.zeros(3)})
     with pytest.raises(ValueError, match=r"0-dim batch mean or one value per sample, \(B,\) with B=2"):
         ms.update(torch.zeros(2, 1), torch.zeros(2))
+
+
+def test_callable_metrics_returning_python_numbers_are_averaged_over_samples():
+    # Keras averages a plain number per batch, weighted by the batch size.
+    calls = iter([1.0, 4, np.float32(2.5)])
+    ms = MetricSet({"n": lambda y_pred, y: next(calls)})
+    ms.update(torch.zeros(2, 1), torch.zeros(2))
+    ms.update(torch.zeros(1, 1), torch.zeros(1))
+    ms.update(torch.zeros(1, 1), torch.zeros(1))
+    assert float(ms.compute()["n"]) == (1.0 * 2 + 4 + 2.5) / 4
+
+
+def test_fit_and_evaluate_accept_a_metric_that_returns_a_float():
+    model = fitkit.Model(nn.Linear(1, 1), device="cpu")
+
+    def zero(y_true, y_pred):
+        return 0.0
+
+    def half(y_pred, y):
+        return 0.5
+
+    model.compile(optimizer="sgd", loss="mse", metrics=[zero, half])
+    x = torch.zeros(5, 1)
+    h = model.fit(x, x, batch_size=2, verbose=0)
+    assert h.history["zero"] == [0.0] and h.history["half"] == [0.5]
+    ev = model.evaluate(x, x, batch_size=3, verbose=0)
+    assert (ev["zero"], ev["half"]) == (0.0, 0.5) and list(ev) == ["loss", "zero", "half"]
 
 
 def test_callable_metrics_see_the_tensors_as_the_module_gave_them():

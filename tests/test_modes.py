@@ -41,9 +41,10 @@ def test_training_runs_in_train_mode_with_grad_and_validation_in_eval_without():
     with torch.no_grad():  # fit turns grad on for training even here, and turns it back off
         model.fit(X, Y, batch_size=4, epochs=2, validation_data=(X[:4], Y[:4]), callbacks=[Phase()], verbose=0)
         assert not torch.is_grad_enabled()
-    # Skip the two shape-check forwards fit runs before the first step (eval, no grad).
+    # Skip the two shape-check forwards fit runs before the first step, in eval mode: the
+    # training batch's with grad (its loss must have a gradient), the validation batch's without.
     calls = probe.calls[2:]
-    assert probe.calls[:2] == [(False, False), (False, False)]
+    assert probe.calls[:2] == [(False, True), (False, False)]
     assert phases == ["train", "train", "val", "train", "train", "val"]
     assert calls == [(True, True), (True, True), (False, False)] * 2
 

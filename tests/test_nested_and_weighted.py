@@ -26,7 +26,7 @@ class FixedLogits(nn.Module):
         return self.logits[x[:, 0].long()] + 0 * self.p
 
 
-def test_sample_weights_average_each_sample_over_its_real_tokens_only():
+def test_a_sample_weight_weighs_each_of_its_real_tokens():
     class0 = torch.tensor([5.0, 0.0, 0.0])
     logits = torch.stack([class0.expand(4, 3), class0.expand(4, 3)])  # (B, T, C), always class 0
     targets = torch.tensor([[0, 0, -100, -100], [1, 1, 1, -100]])
@@ -35,10 +35,12 @@ def test_sample_weights_average_each_sample_over_its_real_tokens_only():
     right, wrong = math.log(1 + 2 * math.exp(-5)), math.log(math.exp(5) + 2)  # CE of class 0 / 1
     idx = torch.tensor([[0.0], [1.0]])
     weighted = model.evaluate(idx, targets, sample_weight=torch.tensor([1.0, 3.0]), verbose=0)["loss"]
-    assert weighted == pytest.approx((1 * right + 3 * wrong) / 4, rel=1e-6)
-    # A weight of one for every sample is the unweighted token mean of each sample.
-    one = model.evaluate(idx[:1], targets[:1], sample_weight=torch.ones(1), verbose=0)["loss"]
-    assert one == model.evaluate(idx[:1], targets[:1], verbose=0)["loss"] == pytest.approx(right, rel=1e-6)
+    # Row 0 has 2 real tokens of weight 1, row 1 has 3 of weight 3: sum(w * l) / sum(w) over tokens.
+    assert weighted == pytest.approx((2 * 1 * right + 3 * 3 * wrong) / (2 * 1 + 3 * 3), rel=1e-6)
+    # A weight of one for every sample is the unweighted mean over the real tokens.
+    ones = model.evaluate(idx, targets, sample_weight=torch.ones(2), verbose=0)["loss"]
+    assert ones == pytest.approx(model.evaluate(idx, targets, verbose=0)["loss"], rel=1e-12)
+    assert ones == pytest.approx((2 * right + 3 * wrong) / 5, rel=1e-6)
 
 
 def _accumulating():

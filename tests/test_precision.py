@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fitkit
-from fitkit.callbacks import Callback
+from fitkit.callbacks import Callback, LambdaCallback
 
 
 class DtypeProbe(nn.Module):
@@ -125,3 +125,52 @@ def test_predict_under_bf16_returns_float32():
         ref = model.module(x)
     assert ref.dtype == torch.bfloat16
     assert torch.equal(out, ref.float())
+
+
+# -- fp16 with a fused optimizer: the GradScaler's verdict stays on the device ------------------
+
+
+def _fp16_fused(optimizer, **compile_kwargs) -> fitkit.Model:
+    model = fitkit.Model(InfOnFirstBatch(), device="cpu")
+    model.compile(optimizer=optimizer, loss="mse", precision="16-mixed", **compile_kwargs)
+    return model
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_fp16_with_a_fused_optimizer_skips_on_the_device_and_does_not_count_the_step(name):
+    x = torch.tensor([[1.0], [99.0], [2.0]])  # batch 1 has an inf gradient
+    model = _fp16_fused(name)
+    assert model.optimizer.defaults["fused"] and model._stepper.takes_found_inf
+    seen = []
+    record = LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(
+        (model.module.w.detach().clone(), copy.deepcopy(model.optimizer.state_dict()["state"]))))
+    model.fit(x, torch.zeros(3, 1), batch_size=1, epochs=1, shuffle=False, verbose=0, callbacks=[record])
+    assert torch.equal(seen[1][0], seen[0][0])  # the skipped step left the weight
+    assert seen[1][1].keys() == seen[0][1].keys()  # and the optimizer state (Adam's step and moments)
+    for pid, state in seen[0][1].items():
+        assert all(torch.equal(seen[1][1][pid][k], v) for k, v in state.items())
+    assert not torch.equal(seen[2][0], seen[1][0])
+    assert model.global_step == 2  # read lazily: the device counted the skip
+    assert model.grad_scaler.get_scale() == 65536.0 * 0.5
+
+
+def test_fp16_fused_with_a_per_step_scheduler_does_not_advance_it_on_a_skipped_step():
+    x = torch.tensor([[99.0], [1.0], [2.0]])
+    model = _fp16_fused("sgd", scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
+                        scheduler_interval="step")  # fmt: skip
+    model.optimizer.param_groups[0]["lr"] = model.scheduler.base_lrs[0] = 0.1
+    steps_taken = []
+    watch = LambdaCallback(on_train_batch_end=lambda b, logs: steps_taken.append(model.module.w.item()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.fit(x, torch.zeros(3, 1), batch_size=1, epochs=1, shuffle=False, verbose=0, callbacks=[watch])
+    assert model.scheduler.last_epoch == 2 and model.global_step == 2
+    w1 = 1.0 - 0.1 * 2 * 1.0 * 1.0
+    assert steps_taken == pytest.approx([1.0, w1, w1 - 0.05 * 2 * w1 * 4.0], abs=1e-6)
+
+
+def test_global_step_counts_device_skips_in_checkpoints(tmp_path):
+    model = _fp16_fused("sgd")
+    model.fit(torch.tensor([[99.0], [1.0]]), torch.zeros(2, 1), batch_size=1, epochs=1, shuffle=False, verbose=0)
+    model.save_checkpoint(tmp_path / "ckpt.pt")
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["global_step"] == 1

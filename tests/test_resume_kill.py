@@ -70,7 +70,7 @@ def _run(script, folder, kill_at: int) -> subprocess.CompletedProcess:
 def _all_files_load(folder) -> list[str]:
     names = []
     for path in sorted(folder.rglob("*")):
-        if path.is_file() and path.name != "final.pt":
+        if path.is_file() and path.name != "final.pt" and path.suffix != ".lock":  # a killed run's locks stay
             torch.load(path, weights_only=True)  # raises on a partial or corrupt file
             names.append(str(path.relative_to(folder)))
     return names

@@ -1,4 +1,4 @@
-"""``steps_per_epoch`` as Keras 3 defines it (issue 11 section 4).
+"""``steps_per_epoch`` as Keras 3 defines it.
 
 The data iterator carries over across epochs; an epoch ends early (one warning) when the data
 runs out, and the next starts a fresh pass. ``params["steps"]`` is, at each ``on_epoch_begin``,

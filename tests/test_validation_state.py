@@ -1,4 +1,4 @@
-"""Validation as an explicit state (issue 11 section 1) and monitors checked before step 1.
+"""Validation as an explicit state and monitors checked before step 1.
 
 Whether an epoch validated is the fit loop's state (``model.validated``, ``params["do_validation"]``);
 CSVLogger, the monitoring callbacks and a ``ReduceLROnPlateau`` scheduler read it instead of

@@ -8,16 +8,21 @@ SIGTERM / SIGINT during fit (``_save_on_interrupt``) and keeps that backup for t
 
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 from pathlib import Path
 from typing import Any
 
+from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import FitkitWarning, check_every
 from fitkit.distributed import dcp
 from fitkit.files import CheckpointError, check_target, remove_path, remove_stale_temps
+from fitkit.files.content import is_count, typed_problems
+from fitkit.files.locks import FileLock
+from fitkit.files.preflight import check_writable
 
 __all__ = ["BackupAndRestore"]
 
@@ -76,6 +81,7 @@ class BackupAndRestore(StatefulCallback):
         check_target(backup_dir, "backup_dir", "BackupAndRestore", "folder")
         self.backup_dir = Path(backup_dir)
         self.save_freq, self.delete_checkpoint = save_freq, bool(delete_checkpoint)
+        self._lock: FileLock | None = None
         self._reset()
 
     @property
@@ -99,12 +105,22 @@ class BackupAndRestore(StatefulCallback):
     def _set_state(self, state: dict[str, Any]) -> None:
         self._batches_seen = state["batches_seen"]
 
+    def _state_problems(self, state: Any) -> list[str]:
+        return typed_problems(state, {"batches_seen": (is_count, "an int >= 0")}, "its state")
+
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         self._due = False
         self._interrupted = False
-        # Temp files of a write a crash interrupted are never a backup: clear them.
-        if is_rank_zero() and self.backup_dir.is_dir():
+        if is_rank_zero():
+            # Before step 1: the folder is writable, and no other run (or other
+            # BackupAndRestore of this fit) uses it.
+            check_writable(self.backup_dir, "BackupAndRestore", "backup_dir")
+            self.close()
+            self._lock = take_lock(
+                self.backup_dir / ".backup.lock", f"the backup folder {str(self.backup_dir)!r}", "BackupAndRestore"
+            )
+            # Temp files of a write a crash interrupted are never a backup: clear them.
             remove_stale_temps(self.backup_dir, self.path.name)
             remove_path(self.backup_dir / f".{self.path.name}.tmp")  # a sharded write cut short
         # Restores module / optimizer / scheduler now; fit applies the RNG states, the
@@ -154,19 +170,39 @@ class BackupAndRestore(StatefulCallback):
         # resume past the stop. Every rank calls save_checkpoint; rank 0 writes.
         if not self.model.stop_training:
             dcp.wait()  # the write in flight, if any, is the backup to keep as the previous one
-            if self._rotate and is_rank_zero() and self.path.exists():
+            moved = self._rotate and is_rank_zero() and self.path.exists()
+            if moved:
                 if self.path.is_dir() or self.prev_path.is_dir():
                     remove_path(self.prev_path)  # a folder cannot be replaced in one rename
                 os.replace(self.path, self.prev_path)  # atomic; a crash now resumes from it
             background = self.async_save and not at_once and dcp.is_sharded_default(self.model)
-            self.model.save_checkpoint(self.path, async_save=background)
+            try:
+                if background:
+                    self.model.save_checkpoint(self.path, async_save=True)
+                else:
+                    self.model.save_checkpoint(self.path)
+            except OSError as e:
+                if not moved or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise OSError(
+                    e.errno, f"{os.strerror(e.errno)} while writing the backup {str(self.path)!r}. The last good "
+                    f"backup was moved to {str(self.prev_path)!r} before the write and is intact: a re-run "
+                    "resumes from it. Fix: free space or choose another folder."
+                ) from e
             self._rotate = True
+
+    def close(self) -> None:
+        """Release the folder's lock (idempotent)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def on_train_end(self, logs=None):
         dcp.wait()
         if self._interrupted:
             return  # the backup is what the re-run resumes from
         if self.delete_checkpoint and is_rank_zero():
+            self.close()  # before the folder goes
             remove_path(self.path)
             remove_path(self.prev_path)
             try:

@@ -14,11 +14,15 @@ from __future__ import annotations
 import glob
 import math
 import os
-import string
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from fitkit.callbacks.checkpoint_paths import STATE as _STATE
+from fitkit.callbacks.checkpoint_paths import field_names as _field_names
+from fitkit.callbacks.checkpoint_paths import glob_of as _glob_of
+from fitkit.callbacks.checkpoint_paths import last_path as _last_path
+from fitkit.callbacks.locking import restore_name, take_lock
 from fitkit.callbacks.monitor import (
     StatefulCallback,
     check_log_key,
@@ -32,46 +36,12 @@ from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import check_every, check_int, check_mode, check_number
 from fitkit.distributed import say
 from fitkit.files import check_target, remove_stale_temps
+from fitkit.files.content import typed_problems
+from fitkit.files.locks import FileLock
+from fitkit.files.owned import Owned
+from fitkit.files.preflight import check_writable_template
 
 __all__ = ["ModelCheckpoint"]
-
-
-def _field_names(template: str) -> set[str]:
-    try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-    except ValueError as e:
-        raise ValueError(f"`filepath` is not a valid format string: {e}. Received: {template!r}.") from None
-    names = set()
-    for f in fields:
-        name = f.split(".")[0].split("[")[0]
-        if not name or name.isdigit():
-            raise ValueError(
-                f"`filepath` fields need names, e.g. '{{epoch:02d}}' or '{{val_loss:.2f}}'. Received: {template!r}."
-            )
-        names.add(name)
-    return names
-
-
-def _glob_of(template: str) -> str:
-    """The glob pattern of the paths a ``filepath`` template formats to: each field is ``*``."""
-    parts = string.Formatter().parse(template)
-    return "".join(glob.escape(text) + ("*" if field is not None else "") for text, field, _, _ in parts)
-
-
-def _last_path(filepath: str, save_last: Any) -> str | None:
-    if save_last is False or save_last is None:
-        return None
-    if save_last is True:
-        folder = os.path.dirname(filepath)
-        if "{" in folder:
-            raise ValueError(
-                f"`save_last=True` writes 'last.pt' next to the checkpoints, but the folder of "
-                f"{filepath!r} changes per save. Fix: pass `save_last` as a path."
-            )
-        return os.path.join(folder, "last.pt")
-    if isinstance(save_last, (str, os.PathLike)):
-        return os.fspath(save_last)
-    raise TypeError(f"Expected `save_last` to be a bool or a path. Received: save_last={save_last!r}.")
 
 
 class ModelCheckpoint(StatefulCallback):
@@ -150,6 +120,8 @@ class ModelCheckpoint(StatefulCallback):
         self._fields = _field_names(self.filepath)
         check_mode(mode)
         check_every("save_freq", save_freq, "epoch", "batches")
+        if not isinstance(verbose, bool):
+            check_int("verbose", verbose, 0)
         check_int("every_n_epochs", every_n_epochs, 0)
         if every_n_epochs != 1 and save_freq != "epoch":
             raise ValueError(
@@ -181,6 +153,8 @@ class ModelCheckpoint(StatefulCallback):
         self.save_top_k, self.save_freq, self.verbose = save_top_k, save_freq, verbose
         self.initial_value_threshold, self.every_n_epochs = initial_value_threshold, every_n_epochs
         self._mode = mode if mode != "auto" else None
+        self._owned = Owned(self.filepath, "ModelCheckpoint")
+        self._locks: list[FileLock] = []
         self._reset()
 
     @property
@@ -197,15 +171,30 @@ class ModelCheckpoint(StatefulCallback):
         self._pending_last: int | None = None  # the epoch whose event writes `last_path`
 
     def _get_state(self) -> dict[str, Any]:
+        # File names relative to the template's folder: a copied run folder resumes with its
+        # own files, and a restored name is checked against the folder (_set_state).
+        rel = self._owned.relative
         return {
-            "best": self.best, "best_path": self.best_path,
-            "kept": [[v, p] for v, p in self.kept], "batches_seen": self._batches_seen,
+            "best": self.best, "best_path": None if self.best_path is None else rel(self.best_path),
+            "kept": [[v, rel(p)] for v, p in self.kept], "batches_seen": self._batches_seen,
         }  # fmt: skip
 
     def _set_state(self, state: dict[str, Any]) -> None:
-        self.best, self.best_path = state["best"], state["best_path"]
-        self.kept = [(float(v), str(p)) for v, p in state["kept"]]
+        self.best = state["best"]
+        best = state["best_path"]
+        self.best_path = None if best is None else restore_name(self._owned, best, "its best file")
+        kept = [(float(v), restore_name(self._owned, p, "a kept file")) for v, p in state["kept"]]
+        self.kept = [(v, p) for v, p in kept if p is not None]  # never a file outside the folder
         self._batches_seen = state["batches_seen"]
+
+    def _state_problems(self, state: Any) -> list[str]:
+        return typed_problems(state, _STATE, "its state")
+
+    def owns(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` is a file of ``filepath``'s pattern inside its folder (the only
+        files this callback deletes, overwrites or lets ``MLflowLogger`` upload)."""
+        last = self.last_path
+        return self._owned.owns(path) or (last is not None and os.path.abspath(path) == os.path.abspath(last))
 
     def on_train_begin(self, logs=None):
         # Before step 1: every key the decisions read can hold a value when they are taken.
@@ -222,12 +211,35 @@ class ModelCheckpoint(StatefulCallback):
             check_log_key(self.monitor, self.params, self.model, "ModelCheckpoint", batch_level=batch_level)
             self._check_schedules_meet()
             self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
+        if is_rank_zero():
+            check_writable_template(self.filepath, self._fields, "ModelCheckpoint", "filepath")
+            if self.last_path is not None:
+                check_writable_template(self.last_path, None, "ModelCheckpoint", "save_last")
+            self._lock()
         super().on_train_begin(logs)
         self._pending = self._pending_last = None  # never a file decided by a fit that raised
         if is_rank_zero():  # temp files of a write a kill interrupted: never a checkpoint
             folders, name = os.path.split(_glob_of(self.filepath))
             for folder in glob.glob(folders or os.curdir):
                 remove_stale_temps(folder, name)
+
+    def _lock(self) -> None:
+        """One lock per template (and one for ``last.pt``): a second run, or a second
+        callback, writing the same files is refused before step 1."""
+        self.close()
+        folder = self._owned.root or os.curdir
+        targets = [(os.path.join(folder, self._owned.lock_name()), f"the checkpoint files {self.filepath!r}")]
+        if self.last_path is not None:
+            last = Path(self.last_path)
+            targets.append((str(last.parent / f".{last.name}.lock"), f"the file {self.last_path!r}"))
+        for path, what in targets:
+            self._locks.append(take_lock(path, what, "ModelCheckpoint"))
+
+    def close(self) -> None:
+        """Release the locks of this fit (idempotent)."""
+        locks, self._locks = self._locks, []
+        for lock in locks:
+            lock.release()
 
     def _check_schedules_meet(self) -> None:
         """A ``val_`` monitor decided every n epochs needs a validation on one of those epochs."""
@@ -359,7 +371,8 @@ class ModelCheckpoint(StatefulCallback):
                 self.model.save_checkpoint(path)
         if is_rank_zero():
             for p in evicted:
-                Path(p).unlink(missing_ok=True)
+                if self._owned.owns(p):  # only a file of this template, inside its folder
+                    Path(p).unlink(missing_ok=True)
         say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
 
     def _worst(self, kept: list[tuple[float, str]]) -> tuple[float, str]:

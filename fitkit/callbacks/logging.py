@@ -8,6 +8,7 @@ no file behind.
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import os
 import warnings
@@ -16,12 +17,52 @@ from typing import Any
 
 import torch
 
+from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import FitkitWarning
 from fitkit.files import check_target, cut_to_last_line, to_python
+from fitkit.files.content import typed_problems
+from fitkit.files.locks import FileLock
+from fitkit.files.preflight import check_writable_template
 
 __all__ = ["CSVLogger", "TensorBoard"]
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _append_whole(path: Path, row: bytes, header: bytes) -> int:
+    """Append ``row`` with one ``os.write`` (no buffer that a later flush could split), never
+    through a symlink; a file deleted meanwhile is recreated, ``header`` first. On a failed or
+    short write the file is cut back to its size before, so it keeps whole rows. Returns the
+    file's size after."""
+    flags = os.O_WRONLY | os.O_APPEND | _NOFOLLOW
+    data = row
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:  # deleted mid-run: a new file, with its header
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, data = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666), header + row
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise OSError(
+            e.errno, f"CSVLogger will not write through the symlink {str(path)!r} (it would change a file "
+            "elsewhere). Fix: pass the real file, or remove the link."
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            os.ftruncate(fd, size)  # shrinking needs no space: the half row goes
+            raise
+        return size + written
+    finally:
+        os.close(fd)
 
 
 def _cell(value: Any) -> str:
@@ -78,6 +119,7 @@ class CSVLogger(StatefulCallback):
             raise ValueError(f"Expected `separator` to be one character. Received: separator={separator!r}.")
         self.filename = Path(check_target(filename, "filename", "CSVLogger"))
         self.separator, self.append = separator, bool(append)
+        self._lock: FileLock | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -94,6 +136,27 @@ class CSVLogger(StatefulCallback):
         self.keys, self._size = state["keys"], state["size"]
         self._opened, self._resumed = False, True
 
+    def _state_problems(self, state: Any) -> list[str]:
+        keys = (lambda v: v is None or (isinstance(v, list) and all(isinstance(k, str) for k in v)), "a list of str")
+        size = (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "an int >= 0")
+        return typed_problems(state, {"keys": keys, "size": size}, "its state")
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        if not is_rank_zero():
+            return
+        # Before step 1: a folder it can write, a name the file system takes, no link to
+        # follow when appending, and no other run (or CSVLogger of this fit) on the file.
+        check_writable_template(str(self.filename), None, "CSVLogger", "filename")
+        if self.append and self.filename.is_symlink():
+            raise ValueError(
+                f"CSVLogger(append=True) would append through the symlink {str(self.filename)!r} to "
+                f"{os.path.realpath(self.filename)!r}, a file elsewhere. Fix: pass the real file, or remove the link."
+            )
+        self.close()
+        name = self.filename.name
+        self._lock = take_lock(self.filename.parent / f".{name}.lock", f"the file {str(self.filename)!r}", "CSVLogger")
+
     def _open(self) -> bool:
         """Prepare the file for this fit's first row; return whether a header is needed.
 
@@ -102,6 +165,11 @@ class CSVLogger(StatefulCallback):
         self._opened = True
         path = self.filename
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_symlink() and (self._resumed or self.append):
+            raise ValueError(
+                f"CSVLogger will not continue {str(path)!r}: it is a symlink to a file elsewhere. Fix: pass the "
+                "real file, or remove the link."
+            )
         exists = path.is_file() and path.stat().st_size > 0
         if self._resumed and self._size is not None and exists:
             os.truncate(path, min(self._size, path.stat().st_size))  # rows after the checkpoint go
@@ -114,7 +182,9 @@ class CSVLogger(StatefulCallback):
             if header:
                 self.keys = [k for k in header if k != "epoch"]
             return not header
-        path.write_text("")
+        if path.is_symlink():  # replaced, never followed (as the checkpoint writers do)
+            path.unlink()
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o666))
         return True
 
     def _columns(self, logs: Any) -> list[str]:
@@ -139,28 +209,27 @@ class CSVLogger(StatefulCallback):
             )
         if not is_rank_zero():
             return
-        text = io.StringIO()
+        text, head = io.StringIO(), io.StringIO()
         writer = csv.writer(text, delimiter=self.separator, lineterminator="\n")
-        if header:
-            writer.writerow(["epoch", *self.keys])
+        csv.writer(head, delimiter=self.separator, lineterminator="\n").writerow(["epoch", *self.keys])
         writer.writerow([epoch, *(_cell(logs[k]) if k in logs else "NA" for k in self.keys)])
-        row = text.getvalue().encode()
-        with open(self.filename, "ab") as f:  # whole rows, one write: never half a row
-            size = f.tell()
-            try:
-                f.write(row)
-                f.flush()
-            except OSError as e:  # a full disk may have taken part of the row: cut it off
-                f.truncate(size)
-                raise OSError(
-                    e.errno, f"CSVLogger could not write epoch {epoch + 1} to {self.filename!r}: {e.strerror}. "
-                    "The file keeps its whole rows. Fix: free space or choose another folder."
-                ) from e
-            self._size = f.tell()
+        row = (head.getvalue() if header else "") + text.getvalue()
+        try:
+            self._size = _append_whole(self.filename, row.encode(), head.getvalue().encode())
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise
+            raise OSError(
+                e.errno, f"CSVLogger could not write epoch {epoch + 1} to {str(self.filename)!r}: {e.strerror}. "
+                "The file keeps its whole rows. Fix: free space or choose another folder."
+            ) from e
 
     def close(self) -> None:
-        """Nothing to release: the file is opened for each row and closed after it. Idempotent,
-        like every file-owning callback's ``close()``."""
+        """Release the file's lock (the file itself is opened for each row and closed after
+        it). Idempotent, like every file-owning callback's ``close()``."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
 
 class TensorBoard(StatefulCallback):
@@ -218,6 +287,23 @@ class TensorBoard(StatefulCallback):
     def _set_state(self, state: dict[str, Any]) -> None:
         self._batches_seen = state["batches_seen"]
 
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        if is_rank_zero():  # before step 1: a folder it can write
+            check_writable_template(str(self.log_dir / "validation" / "events.out.tfevents.0"), None,
+                                    "TensorBoard", "log_dir")  # fmt: skip
+
+    def _check_folders(self) -> None:
+        """A writer whose folder was deleted fails in its thread with a raw error: name it."""
+        gone = [name for name in self._writers if not (self.log_dir / name).is_dir()]
+        if gone:
+            self.close()
+            raise FileNotFoundError(
+                errno.ENOENT, f"TensorBoard's folder {str(self.log_dir / gone[0])!r} was deleted while fit was "
+                "writing to it, so its event file is gone. Fix: leave `log_dir` in place while fit runs, or "
+                "pass a new one."
+            )
+
     def _writer(self, name: str):
         if name not in self._writers:
             self._writers[name] = self._writer_cls(log_dir=str(self.log_dir / name))
@@ -243,10 +329,12 @@ class TensorBoard(StatefulCallback):
         if self._batches_seen >= self.update_freq:
             self._batches_seen = 0
             if is_rank_zero():
+                self._check_folders()
                 self._write("batch", logs or {}, self.model.global_step)
 
     def on_epoch_end(self, epoch, logs=None):
         if is_rank_zero():
+            self._check_folders()
             self._write("epoch", logs or {}, epoch)
             for w in self._writers.values():
                 w.flush()
@@ -257,5 +345,9 @@ class TensorBoard(StatefulCallback):
     def close(self) -> None:
         """Close the writers and their threads (idempotent; the next write opens new ones)."""
         writers, self._writers = self._writers, {}
-        for w in writers.values():
-            w.close()
+        for name, w in writers.items():
+            try:
+                w.close()
+            except OSError:
+                if (self.log_dir / name).is_dir():
+                    raise  # a folder that was deleted: the error is _check_folders' to give

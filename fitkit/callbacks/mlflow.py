@@ -15,6 +15,7 @@ import torch
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import FitkitWarning
+from fitkit.files.preflight import check_writable
 
 __all__ = ["MLflowLogger"]
 
@@ -240,6 +241,9 @@ class MLflowLogger(StatefulCallback):
     # -- hooks -------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
+        folder = _local_sqlite_dir(self.tracking_uri or "")
+        if folder is not None and is_rank_zero():  # a local store: its folder must be writable
+            check_writable(folder, "MLflowLogger", "tracking_uri")
         # The run starts at the first epoch, not here: a resumed fit restores this callback's
         # state (the run id) after on_train_begin.
         self._active = False
@@ -300,7 +304,16 @@ class MLflowLogger(StatefulCallback):
         if source is None:
             return None
         path = getattr(source, "best_path", source)
-        return None if path is None else os.fspath(path)
+        if path is None:
+            return None
+        owns = getattr(source, "owns", None)
+        if callable(owns) and not owns(path):  # a name a crafted or moved checkpoint restored
+            warnings.warn(
+                f"MLflowLogger: {os.fspath(path)!r} is not a file of the ModelCheckpoint's filepath "
+                f"{source.filepath!r}, so it is not uploaded.", category=FitkitWarning, stacklevel=3,
+            )  # fmt: skip
+            return None
+        return os.fspath(path)
 
     def _log_files(self) -> None:
         client = self._client

@@ -239,6 +239,7 @@ def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float
             "`validation_split` works with tensors, numpy arrays and map-style Datasets only. "
             f"Received x of type {type(x).__name__}. Fix: pass `validation_data=` instead."
         )
+    check_sample_weight_kind(sample_weight)
     if not _is_map_dataset(x):  # numpy -> torch first: lengths and slices are the tensors'
         x, y, sample_weight = (_to_tensor(a) if is_in_memory(a) else a for a in (x, y, sample_weight))
     n = len(x) if _is_map_dataset(x) else _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
@@ -273,11 +274,36 @@ def _is_map_dataset(x: Any) -> bool:
     return isinstance(x, Dataset) and not isinstance(x, IterableDataset) and hasattr(x, "__len__")
 
 
+def check_sample_weight_kind(sample_weight: Any) -> None:
+    """Refuse weights that are not real numbers (strings, objects, complex) by name.
+
+    Example:
+        >>> check_sample_weight_kind(np.array(["1", "2"]))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: Expected `sample_weight` to hold real numbers. Received an array of dtype <U1...
+    """
+    dtype = getattr(sample_weight, "dtype", None)
+    if dtype is None:
+        return
+    if isinstance(sample_weight, torch.Tensor):
+        bad = sample_weight.is_complex()
+    else:
+        bad = isinstance(dtype, np.dtype) and dtype.kind not in "iufb"
+    if bad:
+        raise TypeError(
+            f"Expected `sample_weight` to hold real numbers. Received an array of dtype {dtype}. Fix: pass "
+            "float weights, e.g. np.asarray(w, dtype=np.float32) (a complex weight's imaginary part would be "
+            "dropped, a string cannot scale a loss)."
+        )
+
+
 def _sample_weight_tensor(sample_weight: Any) -> torch.Tensor:
+    check_sample_weight_kind(sample_weight)
     w = _to_tensor(sample_weight) if is_in_memory(sample_weight) else torch.as_tensor(sample_weight)
-    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+    if not isinstance(w, torch.Tensor) or w.dim() == 0:
         raise ValueError(
-            "Expected `sample_weight` to be a 1-D array with one weight per sample. "
-            f"Received shape {tuple(getattr(w, 'shape', ()))}. Fix: pass shape (N,)."
+            "Expected `sample_weight` to be an array with one weight per sample, (N,), or one per target "
+            f"position, shaped like y. Received shape {tuple(getattr(w, 'shape', ()))}. Fix: pass shape (N,)."
         )
     return w if w.is_floating_point() else w.to(torch.get_default_dtype())

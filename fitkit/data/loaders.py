@@ -26,7 +26,8 @@ from fitkit.data.arrays import (
     _to_tensor,
     is_in_memory,
 )
-from fitkit.data.weights import ClassWeights
+from fitkit.data.collate import NamingCollate, check_not_empty
+from fitkit.data.weights import ClassWeights, class_weights, combine
 from fitkit.devices import move_to_device
 
 __all__ = ["as_loader", "validation_loader", "device_batch", "DeviceLoader", "ClassWeights", "unpack_batch"]
@@ -80,6 +81,11 @@ class _IterableBatches:
 
     def __init__(self, source: Iterable):
         self.source = source
+        self.resumed = False  # a StatefulDataLoader restored inside an epoch (fitkit.data.order)
+
+    def continue_own_position(self) -> None:
+        """The source restored its own position (a StatefulDataLoader): the next pass skips nothing."""
+        self.resumed = True
 
     @property
     def num_batches(self) -> int | None:
@@ -97,6 +103,8 @@ class _IterableBatches:
                 if set_epoch is not None:
                     set_epoch(epoch)
         it = iter(self.source)
+        if self.resumed:  # it continues where its state_dict was taken: nothing to skip
+            self.resumed, skip = False, 0
         for _ in range(skip):
             next(it, None)
         return it
@@ -241,6 +249,14 @@ class DeviceLoader:
                 return
 
     def _prepare(self, it: Iterator[Any]) -> Iterator[Batch]:
+        src = self.batches
+        if isinstance(src, TensorBatches) and all(
+            t.device == self.device for t in nest.leaves((src.x, src.y, src.w))
+        ):
+            return it  # in-memory data already on the device: its slices are the batches
+        return self._moved(it)
+
+    def _moved(self, it: Iterator[Any]) -> Iterator[Batch]:
         tensor_path = isinstance(self.batches, TensorBatches)
         device, cw = self.device, self.class_weight
         for batch in it:
@@ -254,8 +270,7 @@ class DeviceLoader:
                 y = _to_tensor(y) if isinstance(y, np.ndarray) else y
                 if y.device.type == "cpu":  # checked before it moves: no device sync
                     cw.check(y)
-                cw_w = cw(y)
-                w = cw_w if w is None else cw_w * torch.as_tensor(w, dtype=cw_w.dtype)
+                w = combine(cw(y), w)
             if not tensor_path:
                 x, y, w = (_to_tensor(a) if is_in_memory(a) else a for a in (x, y, w))
             yield move_to_device(x, device), move_to_device(y, device), move_to_device(w, device)
@@ -276,7 +291,7 @@ def device_batch(
         >>> x.dtype, w.tolist()
         (torch.float32, [1.0, 2.0])
     """
-    cw = ClassWeights(class_weight) if class_weight is not None else None
+    cw = class_weights(class_weight)
     return next(iter(DeviceLoader([(x, y, sample_weight)], device, cw)))
 
 
@@ -317,7 +332,7 @@ def as_loader(
         >>> [b[0].shape[0] for b in dl], dl.num_batches
         ([2, 2, 1], 3)
     """
-    cw = ClassWeights(class_weight) if class_weight is not None else None
+    cw = class_weights(class_weight)
     device = torch.device("cpu") if device is None else device
     if is_in_memory(x):
         if y is not None and not is_in_memory(y):
@@ -329,13 +344,18 @@ def as_loader(
         x, y, w = _to_tensor(x), _to_tensor(y) if y is not None else None, None
         if sample_weight is not None:
             w = _sample_weight_tensor(sample_weight)
+            if w.dim() > 1 and not (isinstance(y, torch.Tensor) and w.shape == y.shape):
+                raise ValueError(
+                    "Expected `sample_weight` to be a 1-D array with one weight per sample, or shaped like y "
+                    f"({tuple(y.shape) if isinstance(y, torch.Tensor) else 'a tensor'}) for one weight per target "
+                    f"position. Received shape {tuple(w.shape)}. Fix: pass shape (N,)."
+                )
         source = TensorBatches(x, y, w, batch_size, shuffle)
         if cw is not None:
             if y is None:
                 raise ValueError("`class_weight` needs targets. Received y=None. Fix: pass `y`.")
             cw.check(y.cpu())
-            cw_w = cw(y)
-            source.w = cw_w if w is None else cw_w * w.to(cw_w.dtype)
+            source.w = combine(cw(y), w)
         if device.type == "cuda" and sum(t.numel() * t.element_size() for t in _leaves((x, y))) < 2**30:
             source.to(device)  # one copy up front beats one per batch for data that fits
         return DeviceLoader(source, device, None, steps)
@@ -358,7 +378,8 @@ def as_loader(
                     "Fix: pass one weight per sample."
                 )
             x = _WeightedDataset(x, w)
-        x = DataLoader(x, batch_size=batch_size, shuffle=shuffle)
+        check_not_empty(x)
+        x = DataLoader(x, batch_size=batch_size, shuffle=shuffle, collate_fn=NamingCollate())
     elif isinstance(x, IterableDataset):
         x = DataLoader(x, batch_size=batch_size)
     elif sample_weight is not None:

@@ -68,6 +68,7 @@ from fitkit.distributed.group import (  # noqa: F401
     all_gather_object,
     all_reduce_sum,
     any_rank,
+    any_rank_on_device,
     check_timeout,
     global_share,
     init_if_needed,

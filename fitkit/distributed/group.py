@@ -225,6 +225,20 @@ def any_rank(*flags: bool) -> tuple[bool, ...] | bool:
     return bool(flags[0]) if len(flags) == 1 else tuple(bool(f) for f in flags)
 
 
+def any_rank_on_device(flag: torch.Tensor) -> torch.Tensor:
+    """A device bool set where ``flag`` is set on any rank: one all-reduce, no host read.
+
+    Example:
+        >>> any_rank_on_device(torch.tensor(True))
+        tensor(True)
+    """
+    if not is_distributed():
+        return flag
+    t = flag.to(_comm_device(), torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.to(flag.device).bool()
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj`` in rank order (pickled: for small or CPU-side objects only)."""
     if not is_distributed():

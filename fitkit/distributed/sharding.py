@@ -16,6 +16,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from fitkit import nest
 from fitkit.data import (
     DeviceLoader,
     TensorBatches,
@@ -307,18 +308,13 @@ def gather_predictions(out: Any, loader: DeviceLoader) -> Any:
     sharded = getattr(loader, "sharded", False)
     if not sharded or not is_distributed():
         return out
-    rows = _rows(out)
+    rows = nest.rows(out, unbatched=0)
     pos = loader.batches.positions()[:rows] if sharded is True else None  # type: ignore[union-attr]
     parts = all_gather_object((pos, out))
     if pos is None:
         return _merge([p for _, p in parts], None, 0)
     total = sum(len(p) for p, _ in parts)
     return _merge([o for _, o in parts], [p for p, _ in parts], total)
-
-
-def _rows(out: Any) -> int:
-    leaves = _leaves(out)
-    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 0
 
 
 def _merge(parts: list[Any], positions: list[torch.Tensor] | None, total: int) -> Any:
@@ -331,7 +327,7 @@ def _merge(parts: list[Any], positions: list[torch.Tensor] | None, total: int) -
             merged[pos] = part
         return merged
     if isinstance(first, (tuple, list)):
-        return type(first)(_merge([p[i] for p in parts], positions, total) for i in range(len(first)))
+        return nest.rebuild(first, [_merge([p[i] for p in parts], positions, total) for i in range(len(first))])
     if isinstance(first, Mapping):
         return {k: _merge([p[k] for p in parts], positions, total) for k in first}
     return [o for p in parts for o in p]  # non-tensor outputs: a list of batch outputs per rank

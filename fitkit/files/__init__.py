@@ -15,16 +15,22 @@ CRC-32s when loading.
 A sharded checkpoint (``strategy="fsdp"``) is a folder of ``torch.distributed.checkpoint``
 shards plus a small checksummed file of the rest (:mod:`fitkit.files.sharded`);
 :func:`consolidate_weights` turns one into a single weights file offline.
+
+A run's folder is its own: callbacks lock their folder or file (:class:`FileLock`), delete
+only files their own path template makes there (:mod:`fitkit.files.owned`), and check a
+checkpoint's content before anything loads (:mod:`fitkit.files.content`). See the guide
+"What fitkit guarantees about your files".
 """
 
-from fitkit.files.differences import optimizer_differences, state_dict_differences
+from fitkit.files.differences import check_state_dict_fits, optimizer_differences, state_dict_differences
+from fitkit.files.locks import FileLock, LockError
 from fitkit.files.payload import (
     CHECKSUM_KEY,
     check_weights_only,
     payload_checksum,
     to_python,
 )
-from fitkit.files.reading import CheckpointError, safe_load
+from fitkit.files.reading import CheckpointError, RefusedCheckpointError, safe_load
 from fitkit.files.safe_tensors import load_safetensors, save_safetensors
 from fitkit.files.sharded import STATE_NAME, check_sharded, consolidate_weights, is_sharded, remove_path
 from fitkit.files.writing import (
@@ -39,4 +45,5 @@ __all__ = [
     "payload_checksum", "check_weights_only", "to_python", "save_safetensors", "load_safetensors",
     "state_dict_differences", "optimizer_differences", "check_target", "CHECKSUM_KEY",
     "consolidate_weights", "check_sharded", "is_sharded", "remove_path", "STATE_NAME",
+    "FileLock", "LockError", "RefusedCheckpointError", "check_state_dict_fits",
 ]  # fmt: skip

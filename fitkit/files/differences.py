@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["state_dict_differences", "optimizer_differences"]
+__all__ = ["state_dict_differences", "optimizer_differences", "check_state_dict_fits"]
 
 # Param-group keys that are implementation switches torch added over versions, not what makes
 # one optimizer another: ignored when a file does not name its optimizer class.
@@ -62,6 +62,32 @@ def state_dict_differences(current: Mapping[str, Any], incoming: Mapping[str, An
         if theirs.dtype != mine.dtype:
             out.append(f"{key!r}: dtype {theirs.dtype} in the file, {mine.dtype} in the module")
     return out
+
+
+def check_state_dict_fits(module: torch.nn.Module, state: Any, strict: bool = True) -> None:
+    """Raise, changing nothing, unless ``state`` loads into ``module`` whole.
+
+    ``nn.Module.load_state_dict`` copies tensor by tensor and raises at the end (or at a bad
+    tensor), after the others changed; this lists every difference first.
+
+    Raises:
+        RuntimeError: one line per difference (torch's error type for a state that does not fit).
+
+    Example:
+        >>> check_state_dict_fits(torch.nn.Linear(2, 1), {"weight": torch.zeros(1, 2)})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: The state dict does not fit the module, so nothing was loaded:
+          - 'bias': in the module, missing from the file...
+    """
+    differences = state_dict_differences(module.state_dict(), state, strict)
+    if differences:
+        lines = "\n".join(f"  - {d}" for d in differences)
+        raise RuntimeError(
+            f"The state dict does not fit the module, so nothing was loaded:\n{lines}\nFix: pass the state "
+            "dict of the same architecture (cast tensors with .to(dtype) first), or strict=False to load only "
+            "the keys both hold."
+        )
 
 
 def optimizer_differences(

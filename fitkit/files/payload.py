@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CHECKSUM_KEY", "payload_checksum", "check_weights_only", "to_python"]
+__all__ = ["CHECKSUM_KEY", "payload_checksum", "check_weights_only", "to_python", "with_weights_checksum",
+           "pop_weights_checksum"]
 
 CHECKSUM_KEY = "fitkit_checksum"
 
@@ -60,6 +61,37 @@ def _feed(h: Any, obj: Any) -> None:
         h.update(b"f" + obj.hex().encode() + b";")
     else:  # None, bool, int, complex, torch.dtype / device / layout
         h.update(f"{type(obj).__name__}:{obj!r};".encode())
+
+
+def with_weights_checksum(state: Mapping[str, Any]) -> OrderedDict:
+    """A copy of a module state dict that carries ``"fitkit_checksum"`` in its ``_metadata``.
+
+    ``nn.Module.state_dict()`` keeps per-module metadata (versions) in the attribute
+    ``_metadata``, which ``torch.save`` stores and ``torch.load(weights_only=True)`` restores,
+    in the zip and the legacy format alike; ``load_state_dict`` ignores keys it does not know.
+    So the file stays a plain state dict for every torch tool, and a flipped byte is caught.
+
+    Example:
+        >>> sd = with_weights_checksum(torch.nn.Linear(1, 1).state_dict())
+        >>> sorted(sd), sd._metadata[""][CHECKSUM_KEY].startswith("sha256:")
+        (['bias', 'weight'], True)
+    """
+    out: OrderedDict = OrderedDict(state)
+    meta = getattr(state, "_metadata", None)
+    copied = OrderedDict((k, dict(v)) for k, v in meta.items()) if isinstance(meta, Mapping) else OrderedDict()
+    copied.setdefault("", {})[CHECKSUM_KEY] = payload_checksum(dict(out))
+    out._metadata = copied  # type: ignore[attr-defined]
+    return out
+
+
+def pop_weights_checksum(state: Any) -> str | None:
+    """Remove and return the checksum :func:`with_weights_checksum` put into a loaded state dict."""
+    meta = getattr(state, "_metadata", None)
+    root = meta.get("") if isinstance(meta, Mapping) else None
+    if isinstance(root, dict):
+        value = root.pop(CHECKSUM_KEY, None)
+        return value if isinstance(value, str) else None
+    return None
 
 
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.layout)

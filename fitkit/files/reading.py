@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fitkit.files.payload import CHECKSUM_KEY, payload_checksum
+from fitkit.files.payload import CHECKSUM_KEY, payload_checksum, pop_weights_checksum
 
 __all__ = ["CheckpointError", "safe_load"]
 
@@ -40,6 +40,18 @@ class CheckpointError(ValueError):
 
 
 CheckpointError.__module__ = "fitkit.files"
+
+
+class RefusedCheckpointError(CheckpointError, RuntimeError):
+    """A file that holds pickled code or objects: refused before anything in it ran. A
+    :class:`CheckpointError` (so a backup falls back past it) and a ``RuntimeError``."""
+
+
+RefusedCheckpointError.__module__ = "fitkit.files"
+
+# torch's zip format: one top folder holding these records, data/<n> and .data/<record>.
+_TORCH_RECORDS = {"data.pkl", ".format_version", ".storage_alignment", "byteorder", "version"}
+_TORCH_RECORD = re.compile(r"(data/\d+|\.data/[A-Za-z0-9_.]+)")
 
 
 def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
@@ -82,7 +94,7 @@ def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
         state = torch.load(p, map_location=map_location, weights_only=True)
     except Exception as e:
         if "weights_only" in str(e) or "Unsupported global" in str(e) or "Weights only load failed" in str(e):
-            raise RuntimeError(
+            raise RefusedCheckpointError(
                 f"Refused to load {where}: it holds pickled objects that could run code, and "
                 "fitkit loads with weights_only=True. Fix: save with model.save_weights / "
                 "save_checkpoint, or re-save a plain state dict from code you trust."
@@ -90,6 +102,9 @@ def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
         raise CheckpointError(
             f"{where} is damaged: torch.load failed with {type(e).__name__}: {e}. {_FIX_DAMAGED}"
         ) from e
+    weights_sum = pop_weights_checksum(state)  # a weights file of save_weights
+    if weights_sum is not None and weights_sum.startswith("sha256:") and payload_checksum(dict(state)) != weights_sum:
+        raise CheckpointError(f"{where} is corrupted: its checksum does not match its tensors. {_FIX_DAMAGED}")
     if isinstance(state, dict) and isinstance(state.get("fitkit_version"), str):
         _check_version(state["fitkit_version"], where)
         expected = state.pop(CHECKSUM_KEY, None)
@@ -105,6 +120,7 @@ def _verify_archive(p: Path, where: str) -> None:
         what = "truncated (its end is missing)" if "not a zip file" in str(e) else f"damaged ({e})"
         raise CheckpointError(f"{where} is {what}: a write was cut short or the file was cut. {_FIX_DAMAGED}") from None
     with archive:
+        _check_records(archive, p.stat().st_size, where)
         for info in archive.infolist():
             if info.CRC == 0 and info.file_size:  # written with torch's compute_crc32 off
                 continue
@@ -117,6 +133,30 @@ def _verify_archive(p: Path, where: str) -> None:
                 raise CheckpointError(
                     f"{where} is corrupted: {what} in its record {info.filename!r}. {_FIX_DAMAGED}"
                 ) from None
+
+
+def _check_records(archive: zipfile.ZipFile, size: int, where: str) -> None:
+    """Refuse records torch does not write, compressed ones, and declared sizes past the file's:
+    verifying a hostile archive then costs at most one read of the file."""
+    infos = archive.infolist()
+    tops = {info.filename.split("/", 1)[0] for info in infos}
+    top = tops.pop() if len(tops) == 1 else None
+    # The names are checked only in what looks like torch's archive; other zips fail in
+    # torch.load, which names what it misses.
+    torch_like = top is not None and any(info.filename == f"{top}/data.pkl" for info in infos)
+    problem = None
+    for info in infos:
+        name = info.filename[len(top) + 1 :] if top is not None else info.filename
+        if torch_like and name not in _TORCH_RECORDS and not _TORCH_RECORD.fullmatch(name):
+            problem = f"its record {info.filename!r} is not part of torch's format"
+        elif info.compress_type != zipfile.ZIP_STORED:
+            problem = f"its record {info.filename!r} is compressed, which torch never does"
+        elif info.file_size > size or info.compress_size > size:
+            problem = f"its record {info.filename!r} declares {info.file_size} bytes, more than the file's {size}"
+        if problem is not None:
+            break
+    if problem is not None:
+        raise CheckpointError(f"{where} is damaged or is not a torch file: {problem}. {_FIX_DAMAGED}")
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -103,6 +103,7 @@ def load_safetensors(path: str | os.PathLike, device: Any = "cpu") -> dict[str, 
         raise FileNotFoundError(f"No weights file at {where}.")
     if Path(path).stat().st_size == 0:
         raise CheckpointError(f"{where} is empty (0 bytes): the write that made it was cut short. {_FIX_DAMAGED}")
+    _check_header(Path(path), where)
     try:
         with st.safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
             metadata = f.metadata() or {}
@@ -115,6 +116,38 @@ def load_safetensors(path: str | os.PathLike, device: Any = "cpu") -> dict[str, 
     if expected is not None and payload_checksum(dict(sorted(state.items()))) != expected:
         raise CheckpointError(f"{where} is corrupted: its checksum does not match its tensors. {_FIX_DAMAGED}")
     if "fitkit_aliases" in metadata:
-        for alias, name in json.loads(metadata["fitkit_aliases"]).items():
+        try:
+            aliases = json.loads(metadata["fitkit_aliases"])
+            pairs = [(a, n) for a, n in aliases.items() if isinstance(a, str) and n in state]
+            if len(pairs) != len(aliases):
+                raise ValueError("an alias names no tensor of the file")
+        except (ValueError, AttributeError, TypeError) as e:  # JSONDecodeError is a ValueError
+            raise CheckpointError(
+                f"{where} is damaged: its metadata 'fitkit_aliases' is not the JSON of {{alias: tensor name}} "
+                f"fitkit writes ({type(e).__name__}: {e}). {_FIX_DAMAGED}"
+            ) from None
+        for alias, name in pairs:
             state[alias] = state[name]
     return state
+
+
+# safetensors' own bound on the JSON header (its Rust reader refuses larger ones).
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _check_header(path: Path, where: str) -> None:
+    """Refuse a header larger than safetensors allows, or than the file, before it is parsed."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    size = path.stat().st_size
+    if len(head) < 8:
+        raise CheckpointError(
+            f"{where} is truncated, damaged or not a safetensors file: {size} bytes, too short for a header. "
+            f"{_FIX_DAMAGED}"
+        )
+    n = int.from_bytes(head, "little")
+    if n > MAX_HEADER_BYTES or n > size - 8:
+        raise CheckpointError(
+            f"{where} is truncated, damaged or not a safetensors file: its header declares {n} bytes (the "
+            f"file has {size}; safetensors allows at most {MAX_HEADER_BYTES}), so it is not parsed. {_FIX_DAMAGED}"
+        )

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from fitkit.files.payload import CHECKSUM_KEY, check_weights_only, payload_checksum
+from fitkit.files.locks import pid_alive, temp_owner, temp_prefix
+from fitkit.files.payload import CHECKSUM_KEY, check_weights_only, payload_checksum, with_weights_checksum
 
 __all__ = ["atomic_save", "remove_stale_temps", "cut_to_last_line", "check_target"]
 
@@ -27,8 +28,9 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     A reader (or a crash) never sees a partial file: it sees the old file or the new one. The
     payload is checked first (:func:`check_weights_only`), so a file that would not load back
     is never written. A fitkit checkpoint (a dict holding ``"fitkit_version"``) also gets
-    ``"fitkit_checksum"`` (:func:`payload_checksum`); other payloads, e.g. a module's state
-    dict, keep exactly their own keys. The file gets the mode the process umask gives
+    ``"fitkit_checksum"`` (:func:`payload_checksum`); a module's state dict (it has
+    ``_metadata``) carries it in its metadata (:func:`fitkit.files.payload.with_weights_checksum`)
+    and keeps exactly its own keys; other payloads are saved as given. The file gets the mode the process umask gives
     (``0o666 & ~umask``), as ``open()`` would.
 
     Args:
@@ -52,6 +54,8 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
         if "fitkit_version" in obj:
             obj = {k: v for k, v in obj.items() if k != CHECKSUM_KEY}
             obj[CHECKSUM_KEY] = payload_checksum(obj)
+        elif hasattr(obj, "_metadata"):  # a module state dict: the checksum rides in its metadata
+            obj = with_weights_checksum(obj)
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
@@ -90,7 +94,13 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None
     """Run ``write(temp_path)``, then give the temp file the umask's mode and rename it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=".tmp", dir=path.parent)
+    except PermissionError as e:  # name the file asked for, not the temp file
+        raise PermissionError(
+            e.errno, f"Cannot write {str(path)!r}: the folder {str(path.parent)!r} is not writable "
+            f"({e.strerror}). Fix: choose a folder you can write to, or change its permissions."
+        ) from None
     os.close(fd)
     try:
         write(tmp)
@@ -142,7 +152,10 @@ def _disk_error(exc: BaseException) -> int | None:
 def remove_stale_temps(folder: str | os.PathLike, name: str) -> list[Path]:
     """Delete the temp files ``.{name}.*.tmp`` that a write killed mid-way left in ``folder``.
 
-    Called when a callback that owns the file starts, so a killed run leaves no orphan.
+    Called when a callback that owns the file starts, so a killed run leaves no orphan. Only
+    a dead process's temps go: a temp name carries its writer's pid
+    (:func:`fitkit.files.locks.temp_prefix`), and one whose writer is alive (another run
+    writing the same folder) is left alone. A name without a pid (an older fitkit's) goes.
 
     Args:
         folder: the folder of the file.
@@ -155,11 +168,15 @@ def remove_stale_temps(folder: str | os.PathLike, name: str) -> list[Path]:
     Example:
         >>> import tempfile, os
         >>> d = tempfile.mkdtemp(); open(os.path.join(d, ".w.pt.k2j4.tmp"), "w").close()
-        >>> [p.name for p in remove_stale_temps(d, "w.pt")], os.listdir(d)
-        (['.w.pt.k2j4.tmp'], [])
+        >>> open(os.path.join(d, f".w.pt.{os.getpid()}-x1.tmp"), "w").close()  # this live process's
+        >>> [p.name for p in remove_stale_temps(d, "w.pt")], len(os.listdir(d))
+        (['.w.pt.k2j4.tmp'], 1)
     """
     removed = []
     for tmp in glob.glob(os.path.join(glob.escape(os.fspath(folder)), f".{name}.*.tmp")):
+        owner = temp_owner(os.path.basename(tmp))
+        if owner is not None and pid_alive(owner):
+            continue  # a live writer's (another run, or this one): never ours to delete
         try:
             os.unlink(tmp)
             removed.append(Path(tmp))

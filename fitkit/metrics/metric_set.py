@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from fitkit.losses import resolve_loss
@@ -18,6 +19,8 @@ from fitkit.metrics.names import (
     _is_metric,
     _make_classification,
     _make_regression,
+    check_regression_shapes,
+    check_reserved_keys,
     infer_task,
     snake_case,
 )
@@ -25,11 +28,18 @@ from fitkit.metrics.names import (
 __all__ = ["MetricSet"]
 
 
+def _sync_free(metric: Any) -> Any:
+    from fitkit.metrics.states import sync_free_update
+
+    return sync_free_update(metric)
+
+
 class _Entry:
     __slots__ = ("key", "metric", "kind", "output", "fn")
 
     def __init__(self, key: str, metric: Any, kind: str, output: str | None = None, fn: Any = None):
-        # kind: labels | scores | regression | raw (a torchmetrics object) | callable
+        # kind: labels | scores | regression | raw (a torchmetrics object) | stat_scores (one
+        # updated without a host sync) | callable
         self.key, self.metric, self.kind, self.output, self.fn = key, metric, kind, output, fn
 
 
@@ -99,6 +109,7 @@ class MetricSet:
         keys = [k for k, _ in self.specs]
         if len(set(keys)) != len(keys):
             raise ValueError(f"Metric log names must be unique. Received: {keys}. Fix: pass a dict.")
+        check_reserved_keys(keys)
         self.entries: list[_Entry] | None = None if self.specs else []
         self.loss_kind: str | None = None
         self.output: str | None = None
@@ -225,13 +236,16 @@ class MetricSet:
         entries = []
         for key, m in self.specs:
             if _is_metric(m):
-                entries.append(_Entry(key, m, "raw"))
+                from fitkit.metrics.states import sync_free_update  # the user imported torchmetrics
+
+                entries.append(_Entry(key, m, "stat_scores" if sync_free_update(m) is not None else "raw"))
             elif callable(m.metric):
                 from fitkit.metrics.states import CallableMean  # imports torchmetrics
 
                 dtype = torch.float32 if device.type == "mps" else torch.float64
                 entries.append(_Entry(key, CallableMean(dtype), "callable", fn=m.metric))
             elif m.metric in _REGRESSION:
+                check_regression_shapes(key, y_pred, y)
                 entries.append(_Entry(key, _make_regression(m.metric), "regression"))
             else:
                 entries.append(self._classification_entry(key, m, task, n, y_pred, y))
@@ -271,7 +285,7 @@ class MetricSet:
             y: the targets, ``(B, ...)``.
 
         Raises:
-            TypeError: a metric callable that does not return a tensor.
+            TypeError: a metric callable that returns neither a tensor nor a number.
             ValueError: a metric callable whose result is neither 0-dim nor ``(B, ...)``.
         """
         if self.entries is None:
@@ -288,14 +302,15 @@ class MetricSet:
         prepared: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
         for e in self.entries:
             if e.kind == "callable":
-                out = e.fn(given_pred, given_y)
-                if not isinstance(out, torch.Tensor):
-                    raise TypeError(f"Metric '{e.key}' must return a tensor. Received {type(out).__name__}.")
+                out = _metric_value(e.key, e.fn(given_pred, given_y))
                 e.metric.update(out, int(given_y.shape[0]))
-            elif e.kind == "raw":
+            elif e.kind in ("raw", "stat_scores"):
                 # (B, 1) predictions meet (B,) targets as they do in the loss (no broadcast).
                 same = y_pred.shape == y.shape or y_pred.numel() != y.numel()
-                e.metric.update(y_pred if same else y_pred.reshape(y.shape), y)
+                # torchmetrics' multi-class stat scores count with bincount (a host sync):
+                # fitkit's own counts go into the same states (see states.sync_free_update).
+                update = e.metric.update if e.kind == "raw" else _sync_free(e.metric)
+                update(y_pred if same else y_pred.reshape(y.shape), y)
             elif e.kind == "regression":
                 p = y_pred.reshape(y.shape) if y_pred.shape != y.shape and y_pred.numel() == y.numel() else y_pred
                 e.metric.update(p, y.to(p.dtype))
@@ -360,3 +375,18 @@ class MetricSet:
         self.device = torch.device(device)
         for e in self.entries or []:
             e.metric.to(self.device)
+
+
+def _metric_value(key: str, out: Any) -> Any:
+    """A callable metric's result: a tensor, or a Python / NumPy number taken as the batch mean.
+
+    Keras averages plain numbers over the batches (weighted by their sizes), and so does fitkit.
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (int, float, np.number)):  # bool is an int: 0 or 1, as Keras reads it
+        return torch.tensor(float(out), dtype=torch.float64)
+    raise TypeError(
+        f"Metric '{key}' must return a tensor or a number. Received {type(out).__name__}. "
+        "Fix: return a 0-dim tensor (the batch mean), one value per sample, or a float."
+    )

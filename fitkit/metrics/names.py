@@ -195,3 +195,57 @@ class MetricSpec:
 
     def __repr__(self) -> str:
         return f"MetricSpec({self.metric!r}, output={self.output!r})"
+
+
+def check_reserved_keys(keys: list[str]) -> None:
+    """Refuse metric log names that would take over a key fit writes itself.
+
+    ``loss`` is the objective's key (EarlyStopping and friends monitor it), the ``val_``
+    prefix marks validation values, and ``learning_rate`` / ``learning_rate/pg<i>`` are the
+    learning rates: a metric under one of these names would log a training value in their place.
+
+    Raises:
+        ValueError: naming the metric and the fix.
+
+    Example:
+        >>> check_reserved_keys(["accuracy", "f1"])
+        >>> check_reserved_keys(["val_acc"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: The metric name 'val_acc' is a key fit writes itself (the `val_` prefix ...
+    """
+    for key in keys:
+        if key == "loss":
+            what = "the loss's key"
+        elif key.startswith("val_"):
+            what = "the `val_` prefix of validation values: fit adds it to every metric it validates"
+        elif key == "learning_rate" or key.startswith("learning_rate/"):
+            what = "a learning rate's key"
+        else:
+            continue
+        raise ValueError(
+            f"The metric name {key!r} is a key fit writes itself ({what}), so the metric would take its "
+            f"place in the logs. Fix: name the metric otherwise, e.g. {{'{key.removeprefix('val_')}_metric': ...}}."
+        )
+
+
+def check_regression_shapes(key: str, y_pred: torch.Tensor, y: torch.Tensor) -> None:
+    """A regression metric compares predictions and targets element by element: they must
+    have the same number of elements (``(B, 1)`` meets ``(B,)``).
+
+    Raises:
+        ValueError: e.g. ``"mae"`` on a 3-class classifier's ``(B, 3)`` scores and ``(B,)`` labels.
+
+    Example:
+        >>> check_regression_shapes("mae", torch.zeros(4, 3), torch.zeros(4))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: The metric 'mae' compares predictions and targets element by element, but they have ...
+    """
+    if y_pred.shape == y.shape or y_pred.numel() == y.numel():
+        return
+    raise ValueError(
+        f"The metric {key!r} compares predictions and targets element by element, but they have shapes "
+        f"{tuple(y_pred.shape)} and {tuple(y.shape)} (a classifier's scores and labels?). Fix: use a "
+        "classification metric such as 'accuracy' here, or regression targets of the prediction's shape."
+    )

@@ -13,13 +13,16 @@ builds its metrics, which keeps ``import fitkit`` fast.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torchmetrics import Metric
 from torchmetrics import classification as _tmc
+from torchmetrics.functional.classification.stat_scores import _multiclass_stat_scores_format
 
-__all__ = ["CallableMean", "masked_multiclass", "multiclass_stat_scores"]
+__all__ = ["CallableMean", "masked_multiclass", "multiclass_stat_scores", "sync_free_update"]
 
 
 class CallableMean(Metric):
@@ -74,7 +77,7 @@ class CallableMean(Metric):
 
 
 def multiclass_stat_scores(
-    preds: torch.Tensor, target: torch.Tensor, num_classes: int, average: str | None, ignore_index: int
+    preds: torch.Tensor, target: torch.Tensor, num_classes: int, average: str | None, ignore_index: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(tp, fp, tn, fn)`` of integer labels, skipping targets equal to ``ignore_index``.
 
@@ -87,14 +90,14 @@ def multiclass_stat_scores(
         target: labels of the same shape; entries equal to ``ignore_index`` count for nothing.
         num_classes: ``C``.
         average: torchmetrics' ``average`` of the metric the counts are for.
-        ignore_index: the target value to skip.
+        ignore_index: the target value to skip (``None``: none).
 
     Example:
         >>> multiclass_stat_scores(torch.tensor([0, 1, 1]), torch.tensor([0, 1, -100]), 2, "micro", -100)
         (tensor(2), tensor(0), tensor(2), tensor(0))
     """
     preds, target = preds.reshape(-1), target.reshape(-1)
-    valid = target != ignore_index  # (N,) bool
+    valid = target != ignore_index if ignore_index is not None else torch.ones_like(target, dtype=torch.bool)  # (N,)
     hit = (preds == target) & valid
     if average == "micro":  # torchmetrics' micro rule: every miss is one fp and one fn
         tp, miss, n = hit.sum(), (valid & ~hit).sum(), valid.sum()
@@ -147,3 +150,50 @@ def masked_multiclass(name: str, num_classes: int, ignore_index: int, **kwargs: 
     """
     cls = globals()["Masked" + name]
     return cls(num_classes, ignore_index=ignore_index, validate_args=False, **kwargs)
+
+
+_UPDATES: weakref.WeakKeyDictionary[Metric, Callable[..., None]] = weakref.WeakKeyDictionary()
+
+
+def sync_free_update(metric: Metric) -> Callable[..., None] | None:
+    """An ``update`` for a user's torchmetrics multi-class stat-scores metric with no host sync.
+
+    torchmetrics' ``MulticlassAccuracy``, ``MulticlassPrecision``, ``MulticlassRecall``,
+    ``MulticlassF1Score``, ``MulticlassFBetaScore``, ``MulticlassSpecificity`` and
+    ``MulticlassStatScores`` count with ``bincount`` (an output size the host must read: a
+    sync on every step on CUDA) and check their arguments on the host (``validate_args``).
+    For top-1, ``multidim_average="global"`` and an ``update`` that is torchmetrics' own, this
+    returns an update that adds the same four counts (:func:`multiclass_stat_scores`) into the
+    metric's own states through torchmetrics' update wrapper (update count, cache), so
+    ``compute``, ``reset``, the distributed sync and the state dict stay torchmetrics'. The
+    argument checks are left out (fitkit checks the first batch's class range). ``None`` for
+    any other metric, which is then updated as given.
+
+    Example:
+        >>> from torchmetrics.classification import MulticlassF1Score
+        >>> f1 = MulticlassF1Score(3)
+        >>> sync_free_update(f1)(torch.tensor([[2.0, 0, 0], [0, 1, 0], [0, 0, 1]]), torch.tensor([0, 1, 1]))
+        >>> round(f1.compute().item(), 4), f1.update_count
+        (0.5556, 1)
+    """
+    update = _UPDATES.get(metric)
+    if update is not None:
+        return update
+    eligible = (
+        isinstance(metric, _tmc.MulticlassStatScores)
+        and type(metric).update is _tmc.MulticlassStatScores.update
+        and metric.top_k == 1
+        and metric.multidim_average == "global"
+        and metric.num_classes is not None
+    )
+    if not eligible:
+        return None
+    m: Any = metric
+
+    def counts(preds: torch.Tensor, target: torch.Tensor) -> None:
+        preds, target = _multiclass_stat_scores_format(preds, target, 1)  # logits -> labels, as torchmetrics
+        m._update_state(*multiclass_stat_scores(preds, target, m.num_classes, m.average, m.ignore_index))
+
+    update = metric._wrap_update(counts)
+    _UPDATES[metric] = update
+    return update

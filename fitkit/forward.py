@@ -1,4 +1,5 @@
-"""``torch.compile`` policy: when to compile, and falling back to eager when it fails.
+"""The training forward: ``torch.compile`` policy (when to compile, falling back to eager when it fails)
+and :class:`Forward`, the callable that runs the module in a step.
 
 ``jit_compile="auto"`` compiles on CUDA, where it pays off, and stays eager elsewhere (on the
 CPU the compile time rarely comes back within a typical run). The compiled module shares the
@@ -132,6 +133,8 @@ class Forward:
 
     def __call__(self, x: Any) -> Any:
         """Call the forward on a batch's inputs (see :func:`call`)."""
+        if self._fn is self.eager and isinstance(x, torch.Tensor):
+            return self.eager(x)  # the common case: an eager module and one input tensor
         return call(self.run, x)
 
     @contextlib.contextmanager

@@ -340,7 +340,7 @@ def test_swa_resumes_exactly(tmp_path):
 
 
 # -- the WeightAveraging base: rules, functions, exact steps -------------------------------------
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from _syncs import CountSteps, SyncCounter  # noqa: E402
 
 from fitkit.callbacks import EarlyStopping, ModelCheckpoint, SwapEMAWeights, WeightAveraging  # noqa: E402
 
@@ -528,62 +528,6 @@ def test_compile_ema_errors(kwargs, error, match):
 
 
 # -- host syncs ----------------------------------------------------------------------------------
-_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
-             "unique_consecutive", "unique_dim", "bincount"}  # fmt: skip
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts the ops that read a device value on the host or have a data-dependent shape."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-        self._wrapped = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        boolean_index = name == "index" and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
-        )
-        if name in _SYNC_OPS or boolean_index:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        for method in ("item", "tolist", "cpu", "numpy"):
-            original = getattr(torch.Tensor, method)
-            self._wrapped[method] = original
-
-            def counted(t, *a, _original=original, _m=method, **k):
-                if _m != "item":  # item is counted as _local_scalar_dense
-                    self.count += 1
-                return _original(t, *a, **k)
-
-            setattr(torch.Tensor, method, counted)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for method, original in self._wrapped.items():
-            setattr(torch.Tensor, method, original)
-        return super().__exit__(*exc)
-
-
-class CountSteps(Callback):
-    """Counts host syncs from the batch end of step ``start`` to the batch end of step ``stop``."""
-
-    def __init__(self, start, stop):
-        super().__init__()
-        self.start, self.stop, self.counter, self.count = start, stop, None, None
-
-    def on_train_batch_end(self, batch, logs=None):
-        step = self.model.global_step
-        if step == self.start:
-            self.counter = SyncCounter().__enter__()
-        elif step == self.stop and self.counter is not None:
-            self.counter.__exit__(None, None, None)
-            self.count, self.counter = self.counter.count, None
-
-
 def test_torch_update_parameters_syncs_twice_per_call():
     module = nn.Linear(3, 1)
     averaged = torch.optim.swa_utils.AveragedModel(module, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))

@@ -1,0 +1,172 @@
+"""Python calls and aten ops of one steady-state training step: ``fit(tensors)`` against a hand loop.
+
+Deterministic where timings are not: on a fast GPU the Python that runs per step is the step's
+cost, and the count of calls does not depend on the load of the machine.
+
+Method: a tiny MLP (16 -> 32 -> 1, MSE, ``torch.optim.Adam``) trains on in-memory tensors,
+batch 32, in ``fit(x, y, verbose=0)`` and in the hand loop of ``benchmarks/overhead.py``
+(one ``randperm`` per epoch, index slicing, the epoch loss summed on the device).
+``sys.setprofile`` counts the ``call`` (Python functions, generator resumptions included) and
+``c_call`` (builtins such as ``isinstance``) events from one call of ``F.mse_loss`` (once per
+step in both) to the next, in the middle of the epoch, median over 4 such steps; nothing is
+added to the runs (no callback, no marker). A ``TorchDispatchMode`` counts the aten ops of the
+same steps in a separate run (it adds calls of its own). The goal: at most 15 Python functions
+per step more than the hand loop, on the same aten ops.
+
+Run: ``python benchmarks/hot_path.py [--top 15]``: prints both counts, their difference, and
+fitkit's functions that run per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fitkit
+
+FITKIT = os.path.dirname(fitkit.__file__)
+N, FEATURES, BATCH = 384, 16, 32  # 12 batches per epoch
+MEASURED = range(5, 9)  # the steps counted: from the loss of batch 5 to that of batch 9
+_BOUNDARY = F.mse_loss.__code__
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, FEATURES, generator=g)
+    return x, x[:, :1] * 2 - x[:, 1:2]
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+class _Counter:
+    """Counts profile events between marks; ``steps[i]`` holds the events of step ``i``."""
+
+    def __init__(self) -> None:
+        self.step = -1  # fit's pre-flight check computes the loss once before batch 0
+        self.steps: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.fitkit: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+    def profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is _BOUNDARY:
+            self.step += 1
+        if self.step not in MEASURED:
+            return
+        if event == "call":
+            code = frame.f_code
+            self.steps[self.step]["call"] += 1
+            if code.co_filename.startswith(FITKIT):
+                self.fitkit[self.step][f"{os.path.basename(code.co_filename)}:{code.co_name}"] += 1
+        elif event == "c_call":
+            self.steps[self.step]["c_call"] += 1
+            self.steps[self.step][f"builtin {getattr(arg, '__name__', arg)}"] += 1
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self, counter: _Counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counter.step in MEASURED:
+            self.counter.steps[self.counter.step]["aten"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_ops(run: Any) -> _Counter:
+    # The step boundary seen by a profile function that counts nothing else.
+    counter = _Counter()
+
+    def boundary(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is _BOUNDARY:
+            counter.step += 1
+
+    sys.setprofile(boundary)
+    try:
+        with _Ops(counter):
+            run(counter)
+    finally:
+        sys.setprofile(None)
+    return counter
+
+
+def _fit(counter: _Counter) -> None:
+    model = fitkit.Model(_net(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), loss="mse", jit_compile=False)
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+def _hand(counter: _Counter) -> None:
+    net, (x, y) = _net(), _data()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    perm = torch.randperm(N)
+    total = torch.zeros(())
+    for i in range(0, N, BATCH):
+        idx = perm[i : i + BATCH]
+        xb, yb = x[idx], y[idx]
+        loss = F.mse_loss(net(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total += loss.detach() * len(xb)
+    float(total / N)
+
+
+def count(run: Any) -> dict[str, Any]:
+    """``{"calls", "c_calls", "aten", "fitkit"}`` per steady step (medians) of ``run(counter)``."""
+    counter = _Counter()
+    sys.setprofile(counter.profile)
+    try:
+        run(counter)
+    finally:
+        sys.setprofile(None)
+    ops = _count_ops(run)
+    steps = [counter.steps[s] for s in MEASURED]
+    fitkit_calls = [sum(counter.fitkit[s].values()) for s in MEASURED]
+    return {
+        "calls": int(statistics.median(s["call"] + s["c_call"] for s in steps)),
+        "python_functions": int(statistics.median(s["call"] for s in steps)),
+        "c_calls": int(statistics.median(s["c_call"] for s in steps)),
+        "aten": int(statistics.median(ops.steps[s]["aten"] for s in MEASURED)),
+        "fitkit_functions": int(statistics.median(fitkit_calls)),
+        "fitkit_by_function": counter.fitkit[MEASURED[0]],
+        "builtins": collections.Counter({k: v for k, v in steps[0].items() if k.startswith("builtin ")}),
+    }
+
+
+def counts() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The counts of ``fit(tensors)`` and of the hand loop, in that order."""
+    return count(_fit), count(_hand)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--top", type=int, default=15, help="fitkit functions and builtins to list")
+    args = parser.parse_args()
+    fit, hand = counts()
+    print(f"per steady step       {'fit(tensors)':>14} {'hand loop':>10} {'extra':>6}")
+    for key in ("calls", "python_functions", "c_calls", "aten", "fitkit_functions"):
+        print(f"{key:21} {fit[key]:>14} {hand[key]:>10} {fit[key] - hand[key]:>+6}")
+    print("\nfitkit's functions in one step:")
+    for name, n in fit["fitkit_by_function"].most_common(args.top):
+        print(f"  {n:3}  {name}")
+    extra = fit["builtins"] - hand["builtins"]
+    print("\nbuiltins fit calls more often than the hand loop:")
+    for name, n in extra.most_common(args.top):
+        print(f"  {n:3}  {name}")
+
+
+if __name__ == "__main__":
+    main()

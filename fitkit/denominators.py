@@ -1,0 +1,193 @@
+"""The loss's denominator: what one batch's mean loss divides by, so that means can be summed.
+
+Every batch's loss is ``sum(w_i * l_i) / sum(w_i)`` over its loss terms ``i``, and the batch
+reports that denominator ``sum(w_i)`` next to the mean. The accumulation window
+(:class:`fitkit.stepper.Stepper`), the ranks under torchrun and the epoch totals
+(:class:`fitkit.tracking.RunningTotals`) then combine batches as ``sum / sum``, so a step
+equals one step on the whole window and an epoch's loss is the mean over all its terms,
+however the data is cut. The terms are:
+
+- **tokens** for ``"cross_entropy"`` / ``"nll"`` (and ``nn.CrossEntropyLoss`` /
+  ``nn.NLLLoss``) with integer class targets, in every layout (``(B, C)`` with ``(B,)``,
+  ``(B, C, T)`` or ``(B, T, C)`` with ``(B, T)``): each target position that is not
+  ``ignore_index``, weighted by the module's class ``weight`` if it has one;
+- **rows** for every other loss (a ``(B, T)`` regression target has ``T`` values per row in
+  every row, so its mean over rows is its mean over values).
+
+Sample weights multiply the terms: a ``(B,)`` weight weighs each term of its row (every token
+of a sequence), a weight shaped like the targets (``(B, T)``: per token, or per value of a
+multi-task regression / binary target) weighs each term alone. ``class_weight`` with integer
+``(B, T)`` targets is such a per-position weight (see :mod:`fitkit.data.weights`). A batch, a
+window or an epoch whose denominator is 0 contributes nothing (a 0 loss, not 0/0).
+
+Losses fitkit does not know the terms of (callables, several losses, a module's own loss)
+count rows. Nothing here reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fitkit import nest
+from fitkit.losses import Loss
+
+__all__ = ["denominator", "objective", "counts_tokens"]
+
+
+def counts_tokens(loss: Any, y: Any) -> bool:
+    """Whether ``loss`` on targets ``y`` has tokens as terms: a class-index loss, integer ``y``.
+
+    Example:
+        >>> from fitkit.losses import resolve_loss
+        >>> ce = resolve_loss("cross_entropy")
+        >>> counts_tokens(ce, torch.tensor([[0, 1]])), counts_tokens(ce, torch.zeros(2, 3))
+        (True, False)
+    """
+    return (
+        isinstance(loss, Loss)
+        and loss.kind == "class_index"
+        and isinstance(y, torch.Tensor)
+        and not y.is_floating_point()
+        and y.dtype != torch.bool
+    )
+
+
+def _rows(y: Any, x: Any = None) -> int:
+    ts = nest.leaves(y if y is not None else x)
+    return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1
+
+
+def _spread(w: torch.Tensor, like: torch.Tensor, what: str) -> torch.Tensor:
+    """Sample weights ``(B,)`` spread over the positions of ``like``, or per-position as given."""
+    if w.shape == like.shape:
+        return w
+    if w.dim() == 1 and like.dim() >= 1 and w.shape[0] == like.shape[0]:
+        return w.reshape(w.shape + (1,) * (like.dim() - 1))
+    raise ValueError(
+        f"Expected `sample_weight` of shape ({like.shape[0]},) (one per sample) or {tuple(like.shape)} "
+        f"(one per {what}). Received shape {tuple(w.shape)}. Fix: pass one weight per sample or per {what}."
+    )
+
+
+def _token_weights(loss: Loss, y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor | None:
+    """Each target position's weight (0 where ignored), or ``None`` when all weigh 1."""
+    out: torch.Tensor | None = None
+    ignore = loss.ignore_index
+    if ignore is not None:
+        out = y != ignore
+    cw = loss.class_weights
+    if cw is not None:
+        safe = y if out is None else y.masked_fill(~out, 0)
+        picked = cw.to(y.device)[safe]
+        out = picked if out is None else picked * out
+    if w is not None:
+        spread = _spread(w, y, "target position")
+        out = spread if out is None else out * spread
+    return out
+
+
+def denominator(loss: Any, y: Any, sample_weight: torch.Tensor | None, x: Any = None) -> int | torch.Tensor:
+    """The denominator of a batch's mean loss: rows, the sum of weights, or the tokens that count.
+
+    A host ``int`` when it needs no device value (rows, or tokens with nothing ignored or
+    weighted), else a 0-dim device tensor (no sync).
+
+    Args:
+        loss: the compiled loss (a :class:`~fitkit.losses.Loss`, a ``MultiLoss`` or ``None``).
+        y: the batch's targets (``None``: rows of ``x``).
+        sample_weight: ``(B,)`` or per-position weights, or ``None``.
+        x: the batch's inputs (for the rows of a batch without targets).
+
+    Example:
+        >>> from fitkit.losses import resolve_loss
+        >>> ce = resolve_loss("cross_entropy")
+        >>> y = torch.tensor([[0, 1, 2, 1], [2, -100, -100, -100]])
+        >>> denominator(ce, y, None), denominator(ce, y, torch.tensor([1.0, 3.0]))
+        (tensor(5), tensor(7.))
+        >>> denominator(resolve_loss("mse"), torch.zeros(3, 2), None)
+        3
+    """
+    if counts_tokens(loss, y):
+        tw = _token_weights(loss, y, sample_weight)
+        return y.numel() if tw is None else tw.sum()
+    if sample_weight is not None:
+        return sample_weight.sum()
+    return _rows(y, x)
+
+
+def _safe_div(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``total / count``, and 0 where nothing counts (a 0 loss, not 0/0)."""
+    count = count.to(total.dtype)
+    return total / torch.where(count == 0, torch.ones_like(count), count)
+
+
+def objective(loss: Any, y_pred: Any, y: Any, sample_weight: torch.Tensor | None) -> torch.Tensor:
+    """The batch's mean loss ``sum(w_i * l_i) / sum(w_i)`` over its terms (see the module).
+
+    Raises:
+        ValueError: sample weights of a shape that is neither ``(B,)`` nor the targets'.
+
+    Example:
+        >>> from fitkit.losses import resolve_loss
+        >>> ce = resolve_loss("cross_entropy")
+        >>> logits = torch.zeros(2, 4, 3)
+        >>> y = torch.tensor([[0, 1, 2, 1], [2, -100, -100, -100]])
+        >>> objective(ce, logits, y, None)  # the mean over the 5 real tokens: log(3)
+        tensor(1.0986)
+        >>> objective(ce, logits, torch.full((2, 4), -100), None)  # nothing counts: 0, not 0/0
+        tensor(0.)
+    """
+    if counts_tokens(loss, y):
+        return _token_objective(loss, y_pred, y, sample_weight)
+    if sample_weight is None:
+        return loss(y_pred, y)
+    if isinstance(loss, Loss) and sample_weight.dim() > 1 and loss.kind != "custom":
+        return _elementwise_objective(loss, y_pred, y, sample_weight)
+    if isinstance(loss, Loss) and loss.kind == "custom" and sample_weight.dim() > 1:
+        out = loss.fn(*loss.prepare(y_pred, y))
+        if isinstance(out, torch.Tensor) and out.dim() > 1:
+            w = _spread(sample_weight.to(out.dtype), out, "loss value")
+            return _safe_div((out * w).sum(), w.sum()) * loss.weight
+    per_sample = loss(y_pred, y, per_sample=True)
+    w = sample_weight.to(per_sample.dtype)
+    if w.shape != per_sample.shape:
+        raise ValueError(
+            f"Expected `sample_weight` of shape {tuple(per_sample.shape)} (one per sample). "
+            f"Received shape {tuple(w.shape)}. Fix: pass one weight per sample."
+        )
+    return _safe_div((per_sample * w).sum(), w.sum())
+
+
+def _token_objective(loss: Loss, y_pred: Any, y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    y_pred, y = loss.prepare(y_pred, y)
+    tw = _token_weights(loss, y, w)
+    reduction = "sum" if w is None else "none"
+    try:
+        if loss.class_last:
+            out = loss.fn(y_pred.reshape(-1, y_pred.shape[-1]), y.reshape(-1), reduction=reduction)
+            out = out if w is None else out.reshape(y.shape)
+        else:
+            out = loss.fn(y_pred, y, reduction=reduction)
+    except IndexError as e:  # torch's CPU kernels: a class label out of range
+        n = y_pred.shape[-1] if loss.class_last else y_pred.shape[1]
+        raise ValueError(
+            f"Loss '{loss.name}' got a class label outside [0, {n - 1}] for logits {tuple(y_pred.shape)} ({e}). "
+            "Fix: remap the labels, or give the module one output per class."
+        ) from None
+    if w is not None:
+        out = (out * _spread(w.to(out.dtype), y, "target position")).sum()
+    count: Any = y.numel() if tw is None else tw.sum()
+    mean = out / count if isinstance(count, int) else _safe_div(out, count)
+    return mean if loss.weight == 1.0 else mean * loss.weight
+
+
+def _elementwise_objective(loss: Loss, y_pred: Any, y: Any, w: torch.Tensor) -> torch.Tensor:
+    """Per-value weights (a ``(B, T)`` multi-task mask) on a regression / binary loss."""
+    y_pred, y = loss.prepare(y_pred, y)
+    out = loss.fn(y_pred, y, reduction="none")
+    spread = _spread(w.to(out.dtype), out, "target value")
+    mean = _safe_div((out * spread).sum(), spread.sum())
+    return mean if loss.weight == 1.0 else mean * loss.weight
+

@@ -1,0 +1,192 @@
+"""Locks that keep a run's folder (or file) its own, and the process tags of temp files.
+
+A lock is a file, ``.<name>.lock``, created with ``O_CREAT | O_EXCL`` (atomic on local file
+systems and NFSv3+): it holds the holder's pid and host. A second run that asks for the same
+lock gets a :class:`LockError` naming them, before its first step. A lock whose holder is
+dead (same host, no process with that pid) is taken over (``took_over`` says so; the callbacks
+warn), so a killed run's folder resumes without a manual step. Temp files carry their writer's pid
+(:func:`temp_prefix`), so the clean-up of a run's start removes only a dead process's temps.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FileLock", "LockError", "temp_prefix", "temp_owner", "pid_alive"]
+
+_HOST = socket.gethostname()
+
+
+class LockError(RuntimeError):
+    """Another live run (or another callback of this fit) holds the lock of a folder or file."""
+
+
+LockError.__module__ = "fitkit.files"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with ``pid`` exists on this host (a zombie counts as alive).
+
+    Example:
+        >>> pid_alive(os.getpid())
+        True
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except OSError:
+        return True
+    return True
+
+
+def temp_prefix(name: str) -> str:
+    """The start of a temp file's name for the file ``name``: ``.<name>.<pid>-``.
+
+    Example:
+        >>> temp_prefix("w.pt") == f".w.pt.{os.getpid()}-"
+        True
+    """
+    return f".{name}.{os.getpid()}-"
+
+
+_OWNER = re.compile(r"\.(\d+)-[^.]*\.tmp$")
+
+
+def temp_owner(tmp_name: str) -> int | None:
+    """The pid a temp file's name carries (see :func:`temp_prefix`); ``None`` for an older name.
+
+    Example:
+        >>> temp_owner(".w.pt.4242-k2j4.tmp"), temp_owner(".w.pt.k2j4.tmp")
+        (4242, None)
+    """
+    match = _OWNER.search(tmp_name)
+    return int(match.group(1)) if match else None
+
+
+class FileLock:
+    """An exclusive lock on a folder or a file, held by this process until :meth:`release`.
+
+    Args:
+        path: the lock file, e.g. ``folder/.backup.lock``.
+        what: what it guards, for messages, e.g. ``"the backup folder 'runs/bk'"``.
+        who: the callback that takes it, for messages.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> a = FileLock(os.path.join(folder, ".x.lock"), "x", "CSVLogger").acquire()
+        >>> FileLock(os.path.join(folder, ".x.lock"), "x", "CSVLogger").acquire()  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        fitkit.files.LockError: CSVLogger cannot use x: it is in use by another callback of this fit ...
+        >>> a.release(); os.listdir(folder)
+        []
+    """
+
+    def __init__(self, path: str | os.PathLike, what: str, who: str):
+        self.path, self.what, self.who = Path(path), what, who
+        self.held = False
+        self._made: list[Path] = []
+        self.took_over: str | None = None  # what acquire() says when it took a dead run's lock
+
+    def acquire(self) -> FileLock:
+        """Take the lock (creating missing parent folders).
+
+        Raises:
+            LockError: a live process (this one included: another callback of the same fit)
+                holds it, or a process on another host does.
+        """
+        self._made = _missing_folders(self.path.parent)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = json.dumps({"pid": os.getpid(), "host": _HOST}).encode()
+        for _ in range(3):  # a dead holder's lock is removed, then taken
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:
+                    continue  # released meanwhile, or unreadable (being written): try again
+                pid, host = holder
+                if host == _HOST and not pid_alive(pid):
+                    self.took_over = (
+                        f"{self.who}: {self.what} was locked by process {pid} on {host}, which is no "
+                        "longer running (it was killed or crashed); the lock is taken over."
+                    )
+                    try:
+                        os.unlink(self.path)
+                    except FileNotFoundError:
+                        pass
+                    continue
+                mine = host == _HOST and pid == os.getpid()
+                by = "another callback of this fit" if mine else f"another run: process {pid} on host {host}"
+                raise LockError(
+                    f"{self.who} cannot use {self.what}: it is in use by {by} (lock file "
+                    f"{str(self.path)!r}). Two runs writing one folder would delete each other's "
+                    "files. Fix: give each run (and each callback) a folder or file of its own, or "
+                    "wait for that run to end; if it is over, delete the lock file."
+                ) from None
+            try:
+                os.write(fd, record)
+            finally:
+                os.close(fd)
+            self.held = True
+            return self
+        raise LockError(f"{self.who} could not take the lock {str(self.path)!r} of {self.what}. Fix: try again.")
+
+    def _holder(self) -> tuple[int, str] | None:
+        try:
+            data: Any = json.loads(self.path.read_text())
+            return int(data["pid"]), str(data["host"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError):
+            # An empty or garbled lock: its writer died between create and write, or it is
+            # being written now. Treat an old one as dead (pid 0), a fresh one as a retry.
+            return (0, _HOST) if _age(self.path) > 5 else None
+
+    def release(self) -> None:
+        """Give the lock up (idempotent; only the lock this object took is removed)."""
+        if not self.held:
+            return
+        self.held = False
+        holder = self._holder()
+        if holder is not None and holder == (os.getpid(), _HOST):
+            try:
+                os.unlink(self.path)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+        for folder in self._made:  # the folders the lock made, when nothing else came into them
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """The folders ``mkdir(parents=True)`` would make, deepest first."""
+    out = []
+    while not folder.exists() and folder.parent != folder:
+        out.append(folder)
+        folder = folder.parent
+    return out
+
+
+def _age(path: Path) -> float:
+    import time
+
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0

@@ -1,0 +1,164 @@
+"""NaN / inf in in-memory data: found without copying the data, refused only where they would hurt.
+
+:func:`scan` walks a tensor in chunks of rows (about a million values each), so the check adds
+a few MB at most, not a copy of the data (``torch.isfinite`` on a whole array allocates more
+than the array itself). :func:`check_in_memory` decides what a non-finite value means:
+
+- in ``sample_weight``: always an error;
+- in ``x`` or ``y`` of in-memory data: the rows that hold them are run through the module and the loss (in eval
+  mode, changing nothing). A loss or module that handles them (a loss that masks missing
+  labels, as multi-task benchmarks such as Tox21 need; a module that imputes its inputs) gives
+  a finite loss and, when training, finite gradients: the data trains. A NaN loss or a NaN
+  gradient (the ``torch.where`` pitfall: a masked forward whose backward still multiplies NaN
+  by 0) is an error before step 1, naming the rows.
+
+Other sources are checked on their first batch (:func:`check_batch_loss`): non-finite values
+in it whose loss is not finite are an error before step 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fitkit import nest
+from fitkit.forward import call
+from fitkit.data import device_batch
+from fitkit.modes import modes
+
+__all__ = ["scan", "check_in_memory", "check_batch_loss"]
+
+_CHUNK = 1 << 18  # values per chunk: a 256 KB boolean mask at most
+
+
+def scan(t: torch.Tensor, keep: int = 0) -> tuple[int, list[int]]:
+    """``(number of NaN / inf values, the first ``keep`` rows that hold one)`` of ``t``.
+
+    Reads ``t`` in chunks of rows; only a chunk's mask is allocated. Integer tensors are finite.
+
+    Example:
+        >>> scan(torch.tensor([[1.0, float("nan")], [2.0, 3.0], [float("inf"), 0.0]]), keep=4)
+        (2, [0, 2])
+        >>> scan(torch.arange(3))
+        (0, [])
+    """
+    if not t.is_floating_point() and not t.is_complex() or t.numel() == 0:
+        return 0, []
+    rows = t.reshape(1) if t.dim() == 0 else t
+    per_row = max(1, rows[0].numel())
+    step = max(1, _CHUNK // per_row)
+    count = 0
+    first: list[int] = []
+    for start in range(0, rows.shape[0], step):
+        ok = torch.isfinite(rows[start : start + step])
+        if bool(ok.all()):
+            continue
+        bad = ~ok
+        count += int(bad.sum())
+        if len(first) < keep:
+            hit = bad.reshape(bad.shape[0], -1).any(1).nonzero()[: keep - len(first), 0]
+            first.extend(int(i) + start for i in hit)
+    return count, first
+
+
+def _scan_part(part: Any, keep: int) -> tuple[int, list[int]]:
+    count, rows = 0, set()
+    for t in nest.leaves(part):
+        c, r = scan(t, keep)
+        count += c
+        rows.update(r)
+    return count, sorted(rows)[:keep]
+
+
+def check_in_memory(model: Any, source: Any, training: bool) -> None:
+    """Refuse non-finite in-memory values that would reach the loss or the weights (``ValueError``).
+
+    Args:
+        model: the :class:`fitkit.Model` (``None``: any non-finite ``x`` / ``y`` is refused).
+        source: the :class:`fitkit.data.TensorBatches`.
+        training: whether the data trains (the gradients must then be finite too).
+    """
+    count, first_w = _scan_part(source.w, 1) if source.w is not None else (0, [])
+    if count:
+        raise ValueError(
+            f"`sample_weight` holds {count} NaN or infinite values (first at row {first_w[0]}). Fix: weights "
+            "scale each sample's loss; use 0 to leave a sample out."
+        )
+    keep = max(1, min(source.batch_size, 64))
+    found = {name: _scan_part(part, keep) for name, part in (("x", source.x), ("y", source.y)) if part is not None}
+    bad = {name: v for name, v in found.items() if v[0]}
+    if not bad:
+        return
+    rows = sorted({r for _, rs in bad.values() for r in rs})[:keep]
+    problem = _trial(model, source, rows, training) if model is not None else "no model to try them on"
+    if problem is None:
+        return  # the user's loss / module handles them
+    name, (count, first) = next(iter(bad.items()))
+    message = (
+        f"`{name}` holds {count} NaN or infinite values (first at row {first[0]}). Fix: clean or impute "
+        f"`{name}` before fit; a NaN input turns every weight NaN."
+    )
+    if not _builtin(model):
+        message += (
+            f" Here {problem}. A loss that handles missing values trains: mask them in the loss (its backward "
+            "too), or replace them and pass a `sample_weight` of 0 there (shaped like y)."
+        )
+    raise ValueError(message)
+
+
+def _builtin(model: Any) -> bool:
+    """Whether the loss is one of fitkit's own (they never handle NaN), under the default compute_loss."""
+    loss = getattr(model, "loss", None)
+    return loss is not None and getattr(loss, "kind", "custom") != "custom" and model.default_compute_loss
+
+
+def _trial(model: Any, source: Any, rows: list[int], training: bool) -> str | None:
+    """Run the rows holding non-finite values through the module and the loss; ``None`` if all is finite."""
+    index = torch.tensor(rows, device=nest.leaves(source.x)[0].device)
+    x = nest.map_structure(lambda t: t.index_select(0, index), source.x)
+    y = None if source.y is None else nest.map_structure(lambda t: t.index_select(0, index), source.y)
+    w = None if source.w is None else source.w.index_select(0, index.to(source.w.device))
+    batch = device_batch(x, y, w, device=model.device)
+    params = [p for p in model.module.parameters() if p.requires_grad]
+    with modes(model.module, training=False, grad=training), model.autocast():
+        try:
+            y_pred = call(model.module, batch[0])
+            loss = model.compute_loss(batch[0], batch[1], y_pred, batch[2])
+        except Exception as e:  # the first-batch check names failures of other kinds
+            return f"the rows holding them fail in the module or the loss ({type(e).__name__}: {e})"
+    if not isinstance(loss, torch.Tensor) or not bool(torch.isfinite(loss.detach()).all()):
+        return f"the loss of the rows holding them ({rows[:5]}...) is not finite, so it would reach the weights"
+    if training and loss.requires_grad and params:
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+            return (
+                f"the loss of the rows holding them ({rows[:5]}...) is finite but its gradient is not "
+                "(a masked forward, such as torch.where, still multiplies NaN by 0 in the backward)"
+            )
+    return None
+
+
+def check_batch_loss(batch: tuple[Any, Any, Any], loss: Any, label: str = "first batch") -> None:
+    """Refuse a batch holding NaN / inf whose loss is not finite (``ValueError``; one sync).
+
+    A batch without non-finite values passes whatever its loss (a diverging model is
+    ``TerminateOnNaN``'s business), and so does one whose loss handles them.
+
+    Example:
+        >>> check_batch_loss((torch.tensor([[float("nan")]]), torch.zeros(1), None), torch.tensor(0.5))
+        >>> check_batch_loss((torch.tensor([[float("nan")]]), torch.zeros(1), None), torch.tensor(float("nan")))
+        Traceback (most recent call last):
+        ...
+        ValueError: The first batch's `x` holds 1 NaN or infinite values (first at row 0), and its loss is not ...
+    """
+    if not isinstance(loss, torch.Tensor) or bool(torch.isfinite(loss.detach()).all()):
+        return
+    for name, part in zip(("x", "y", "sample_weight"), batch, strict=False):
+        count, rows = _scan_part(part, 1) if part is not None else (0, [])
+        if count:
+            raise ValueError(
+                f"The {label}'s `{name}` holds {count} NaN or infinite values (first at row {rows[0]}), and its loss "
+                "is not finite, so it would reach the weights. Fix: clean or impute the data, or mask the "
+                "missing values in your loss (its backward too)."
+            )

@@ -1,0 +1,43 @@
+"""Is there a gradient to train on? A loss that none flows through would run its steps with the
+weights unchanged and no word: refused on the first batch, before step 1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["check_loss_has_grad", "wants_grad_check"]
+
+
+def wants_grad_check(model: Any, training: bool) -> bool:
+    """Whether the first-batch check of ``model`` builds the graph to look at the loss: for
+    training batches of the default ``train_step``, when the module has trainable parameters."""
+    return training and model.default_train_step and any(p.requires_grad for p in model.module.parameters())
+
+
+def check_loss_has_grad(loss: Any, label: str = "first batch") -> None:
+    """A loss that no gradient flows through would train nothing: refuse it before step 1.
+
+    Raises:
+        ValueError: the loss is not a tensor that requires grad (``.detach()``, ``.item()``,
+            an int tensor, a constant), while the module has trainable parameters.
+
+    Example:
+        >>> check_loss_has_grad(torch.tensor(1.0))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: The loss of the first batch has no gradient (a float32 tensor with requires_grad=False)...
+    """
+    if loss is None or isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return
+    if isinstance(loss, torch.Tensor):
+        what = f"a {str(loss.dtype).removeprefix('torch.')} tensor with requires_grad=False"
+    else:
+        what = f"a {type(loss).__name__}"
+    raise ValueError(
+        f"The loss of the {label} has no gradient ({what}), though the module has trainable parameters: "
+        "every step would leave the weights unchanged. Fix: compute the loss from the module's output with "
+        "torch operations, without .detach(), .item(), .numpy() or integer casts, and return it as a float "
+        "tensor."
+    )

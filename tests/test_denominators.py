@@ -1,0 +1,204 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import Bias
+from torch import nn
+
+import fitkit
+from fitkit.checks import FitkitWarning
+from fitkit.denominators import denominator
+from fitkit.losses import resolve_loss
+
+B0 = torch.tensor([1.0, 0.5, 0.0])
+Y = torch.tensor([[0, 1, 2, 1], [2, -100, -100, -100]])  # 4 real tokens and 1
+X = torch.zeros(2, 4)
+
+
+class BiasLM(nn.Module):
+    """Logits ``b`` at every position: ``(B, T, 3)``, or ``(B, 3, T)`` with ``channels_first``."""
+
+    def __init__(self, channels_first: bool = False):
+        super().__init__()
+        self.b = nn.Parameter(B0.clone())
+        self.channels_first = channels_first
+
+    def forward(self, x):
+        out = self.b.expand(x.shape[0], x.shape[1], 3)
+        return out.transpose(1, 2) if self.channels_first else out
+
+
+def _hand_gradient(weights: torch.Tensor | None = None) -> list[float]:
+    """d/db of sum_t w_t * CE_t / sum_t w_t over the real tokens: softmax(b) - weighted one-hot mean."""
+    p = torch.softmax(B0.double(), 0)
+    tokens = Y[Y != -100]
+    w = torch.ones(len(tokens), dtype=torch.float64) if weights is None else weights.double()
+    onehot = torch.nn.functional.one_hot(tokens, 3).double()
+    return (p - (w[:, None] * onehot).sum(0) / w.sum()).tolist()
+
+
+def _trained(loss="cross_entropy", channels_first=False, batch_size=2, accumulation=1, **fit_kw):
+    model = fitkit.Model(BiasLM(channels_first), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss=loss, gradient_accumulation_steps=accumulation)
+    model.fit(X, Y, batch_size=batch_size, shuffle=False, verbose=0, **fit_kw)
+    return (B0 - model.module.b.detach()).tolist()  # the gradient of the one step
+
+
+def test_the_full_batch_gradient_is_the_mean_over_the_real_tokens():
+    assert _hand_gradient() == pytest.approx([0.3065, -0.0928, -0.2137], abs=5e-5)
+    assert _trained() == pytest.approx(_hand_gradient(), abs=1e-6)
+
+
+@pytest.mark.parametrize("channels_first", [False, True])
+@pytest.mark.parametrize("loss", ["cross_entropy", nn.CrossEntropyLoss()])
+def test_accumulated_micro_batches_weigh_by_their_tokens(loss, channels_first):
+    # Two micro-batches of one row (4 tokens and 1): one step on the whole window.
+    grad = _trained(loss, channels_first, batch_size=1, accumulation=2)
+    assert grad == pytest.approx([0.3065, -0.0928, -0.2137], abs=5e-5)
+    assert grad == pytest.approx(_hand_gradient(), abs=1e-6)
+
+
+def test_nll_with_its_own_ignore_index_counts_its_tokens():
+    class LogSoftmaxLM(BiasLM):
+        def forward(self, x):
+            return torch.log_softmax(super().forward(x), -1)
+
+    model = fitkit.Model(LogSoftmaxLM(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss=nn.NLLLoss(ignore_index=7),
+                  gradient_accumulation_steps=2)  # fmt: skip
+    model.fit(X, Y.masked_fill(Y == -100, 7), batch_size=1, shuffle=False, verbose=0)
+    assert (B0 - model.module.b.detach()).tolist() == pytest.approx(_hand_gradient(), abs=1e-6)
+
+
+def test_sample_weights_of_one_give_the_token_mean():
+    assert _trained(sample_weight=torch.ones(2)) == pytest.approx(_hand_gradient(), abs=1e-6)
+    grad = _trained(batch_size=1, accumulation=2, sample_weight=torch.ones(2))
+    assert grad == pytest.approx(_hand_gradient(), abs=1e-6)
+
+
+def test_a_row_weight_weighs_each_of_its_tokens_across_micro_batches():
+    # Row 0 (4 tokens) weight 1, row 1 (1 token) weight 3.
+    hand = _hand_gradient(torch.tensor([1.0, 1.0, 1.0, 1.0, 3.0]))
+    assert _trained(sample_weight=torch.tensor([1.0, 3.0])) == pytest.approx(hand, abs=1e-6)
+    grad = _trained(batch_size=1, accumulation=2, sample_weight=torch.tensor([1.0, 3.0]))
+    assert grad == pytest.approx(hand, abs=1e-6)
+
+
+def test_per_token_sample_weights_weigh_each_token():
+    w = torch.tensor([[1.0, 2.0, 0.0, 1.0], [4.0, 9.0, 9.0, 9.0]])  # the 9s sit on ignored positions
+    hand = _hand_gradient(torch.tensor([1.0, 2.0, 0.0, 1.0, 4.0]))
+    assert _trained(sample_weight=w) == pytest.approx(hand, abs=1e-6)
+    assert _trained(batch_size=1, accumulation=2, sample_weight=w) == pytest.approx(hand, abs=1e-6)
+
+
+def test_a_module_class_weight_is_the_denominator_across_micro_batches():
+    weight = torch.tensor([1.0, 2.0, 5.0])
+    hand = _hand_gradient(weight[Y[Y != -100]])
+    full = _trained(nn.CrossEntropyLoss(weight=weight))
+    assert full == pytest.approx(hand, abs=1e-6)
+    assert _trained(nn.CrossEntropyLoss(weight=weight), batch_size=1, accumulation=2) == pytest.approx(hand, abs=1e-6)
+
+
+def _token_ce() -> float:
+    nll = -torch.log_softmax(B0.double(), 0)
+    return float(nll[Y[Y != -100]].mean())
+
+
+def test_evaluate_and_the_epoch_loss_are_token_means_however_the_data_is_cut():
+    assert _token_ce() == pytest.approx(1.2803, abs=5e-5)
+    model = fitkit.Model(BiasLM(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss="cross_entropy")
+    for bs in (1, 2):
+        assert model.evaluate(X, Y, batch_size=bs, verbose=0)["loss"] == pytest.approx(_token_ce(), rel=1e-6)
+        h = model.fit(X, Y, batch_size=bs, shuffle=False, verbose=0)  # lr 0: the weights stay
+        assert h.history["loss"] == [pytest.approx(_token_ce(), rel=1e-6)]
+    ones = model.evaluate(X, Y, batch_size=1, sample_weight=torch.ones(2), verbose=0)["loss"]
+    assert ones == pytest.approx(_token_ce(), rel=1e-6)
+
+
+def test_denominators_of_the_known_losses():
+    ce = resolve_loss("cross_entropy")
+    assert denominator(ce, Y, None).item() == 5
+    assert denominator(ce, Y, torch.tensor([2.0, 1.0])).item() == 9
+    assert denominator(resolve_loss(nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 5.0]))), Y, None).item() == 15
+    assert denominator(resolve_loss(nn.CrossEntropyLoss(ignore_index=1)), Y, None).item() == 6
+    assert denominator(resolve_loss("mse"), torch.zeros(3, 4), None) == 3  # rows: a host int, no sync
+    assert denominator(resolve_loss("mse"), torch.zeros(3, 4), torch.tensor([0.5, 1.0, 0.0])).item() == 1.5
+    assert denominator(resolve_loss("cross_entropy"), torch.zeros(3, 4), None) == 3  # class probabilities: rows
+    with pytest.raises(ValueError, match=r"Expected `sample_weight` of shape \(2,\) .*or \(2, 4\)"):
+        denominator(ce, Y, torch.ones(3))
+
+
+# -- zero denominators ---------------------------------------------------------------------------
+
+
+def test_a_window_whose_weights_are_all_zero_adds_nothing():
+    model = fitkit.Model(Bias(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse", gradient_accumulation_steps=2)
+    y = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
+    h = model.fit(torch.zeros(4, 1), y, batch_size=1, sample_weight=torch.tensor([0.0, 0.0, 1.0, 1.0]),
+                  shuffle=False, verbose=0)  # fmt: skip
+    # Window 1 weighs 0; window 2 at b = 0: loss (9 + 16) / 2, gradient 2 * (0 - 3.5), b = 0.7.
+    assert model.module.b.item() == pytest.approx(0.7)
+    assert h.history["loss"] == [12.5]
+
+
+def test_a_micro_batch_of_ignored_tokens_adds_nothing():
+    y = torch.tensor([[0, 1, 2, 1], [-100, -100, -100, -100], [2, -100, -100, -100]])
+    model = fitkit.Model(BiasLM(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss="cross_entropy", gradient_accumulation_steps=3)
+    h = model.fit(torch.zeros(3, 4), y, batch_size=1, shuffle=False, verbose=0)
+    assert (B0 - model.module.b.detach()).tolist() == pytest.approx(_hand_gradient(), abs=1e-6)
+    assert h.history["loss"] == [pytest.approx(_token_ce(), rel=1e-6)]
+    with pytest.raises(ValueError, match=r"`evaluate` has no loss to report: .*ignore_index"):
+        model.evaluate(torch.zeros(1, 4), y[1:2], verbose=0)
+
+
+def test_evaluate_with_every_weight_zero_is_an_error_and_an_epoch_a_warning():
+    model = fitkit.Model(Bias(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
+    x, y = torch.zeros(3, 1), torch.ones(3, 1)
+    with pytest.raises(ValueError, match=r"`evaluate` has no loss to report: every sample weight was 0.*Fix"):
+        model.evaluate(x, y, sample_weight=torch.zeros(3), verbose=0)
+    with pytest.raises(ValueError, match="`evaluate` has no loss to report"):
+        model.evaluate(x, y, sample_weight=torch.zeros(3), batch_size=1, verbose=0)
+    with pytest.warns(FitkitWarning, match="counted nothing.*logged as NaN"):
+        h = model.fit(x, y, sample_weight=torch.zeros(3), verbose=0)
+    assert math.isnan(h.history["loss"][0]) and model.module.b.item() == 0.0
+
+
+def _host_reads(fn) -> int:
+    """How many times ``fn`` reads a device value on the host (``.item()``, ``bool()``, ``.tolist()``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) in ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.unique.default"):
+                Count.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.reads
+
+
+@pytest.mark.parametrize("weights", [None, "rows", "tokens"])
+def test_token_denominators_read_nothing_back_per_step(weights):
+    def fit(rows: int) -> None:
+        y = Y.repeat(rows // 2, 1)
+        kw = {"rows": {"sample_weight": torch.rand(rows) + 0.5},
+              "tokens": {"sample_weight": torch.rand(rows, 4)}}.get(weights, {})  # fmt: skip
+        batches = [(X[:1].expand(2, 4), y[i : i + 2], *(
+            [kw["sample_weight"][i : i + 2]] if kw else [])) for i in range(0, rows, 2)]  # fmt: skip
+        model = fitkit.Model(BiasLM(), device="cpu")
+        model.compile(optimizer="sgd", loss="cross_entropy", gradient_accumulation_steps=2)
+        model.fit(batches, verbose=0)
+
+    # 4 more windows of 2 micro-batches add no host read: the counts stay on the device (the
+    # reads counted are the epoch's end and the first-batch checks).
+    base = _host_reads(lambda: fit(16))
+    assert base > 0 and _host_reads(lambda: fit(32)) == base

@@ -1,0 +1,152 @@
+"""Two runs on one folder: the second is refused before step 1, naming the first's pid and host;
+a dead run's lock is taken over with a warning; stale-temp clean-up spares a live writer's temps."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import fitkit
+from fitkit.callbacks import BackupAndRestore, CSVLogger, ModelCheckpoint
+from fitkit.checks import FitkitWarning
+from fitkit.files import remove_stale_temps
+from fitkit.files.locks import FileLock, LockError, pid_alive, temp_owner
+
+X, Y = torch.randn(8, 2, generator=torch.Generator().manual_seed(0)), torch.randn(8, 1)
+
+# The first run: it signals when its first step ran, then waits for the test's word to go on.
+FIRST_RUN = textwrap.dedent("""
+    import os, sys, time, torch, fitkit
+    from fitkit.callbacks import BackupAndRestore, LambdaCallback, ModelCheckpoint
+    folder = sys.argv[1]
+    def hold(batch, logs):
+        if batch == 0:
+            open(os.path.join(folder, "started"), "w").close()
+            while not os.path.exists(os.path.join(folder, "go")):
+                time.sleep(0.02)
+    torch.manual_seed(0)
+    model = fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    cbs = [ModelCheckpoint(os.path.join(folder, "ep{epoch}.pt")), BackupAndRestore(os.path.join(folder, "bk")),
+           LambdaCallback(on_train_batch_end=hold)]
+    model.fit(torch.randn(8, 2), torch.randn(8, 1), epochs=2, batch_size=4, callbacks=cbs, verbose=0)
+    print("first run done", sorted(os.listdir(folder)))
+""")
+
+
+def _model():
+    torch.manual_seed(0)
+    model = fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _wait_for(path, proc):
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(proc.communicate())
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_running_runs_folder_is_refused_before_step_1(tmp_path):
+    script = tmp_path / "first.py"
+    script.write_text(FIRST_RUN)
+    run = tmp_path / "run"
+    run.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen([sys.executable, str(script), str(run)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        _wait_for(run / "started", first)
+        model = _model()
+        before = {k: v.clone() for k, v in model.module.state_dict().items()}
+        host = socket.gethostname()
+        for cbs, what in [([BackupAndRestore(run / "bk")], "backup folder"),
+                          ([ModelCheckpoint(run / "ep{epoch}.pt")], "checkpoint files")]:  # fmt: skip
+            with pytest.raises(LockError, match=f"{what}.*another run: process {first.pid} on host {host}.*Fix"):
+                model.fit(X, Y, epochs=2, callbacks=cbs, verbose=0)
+        assert all(torch.equal(before[k], v) for k, v in model.module.state_dict().items())
+        assert model.global_step == 0
+        (run / "go").touch()
+        out, err = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err  # the first run was never disturbed
+    assert "first run done ['ep1.pt', 'ep2.pt', 'go', 'started']" in out  # its backup folder went at its end
+    assert not any(p.suffix == ".lock" for p in run.rglob("*"))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_dead_runs_lock_is_taken_over_with_a_warning(tmp_path):
+    folder = tmp_path / "bk"
+    folder.mkdir()
+    pid = _dead_pid()
+    assert not pid_alive(pid)
+    (folder / ".backup.lock").write_text(f'{{"pid": {pid}, "host": "{socket.gethostname()}"}}')
+    with pytest.warns(FitkitWarning, match=f"locked by process {pid} .* no longer running .* taken over"):
+        _model().fit(X, Y, epochs=1, callbacks=[BackupAndRestore(folder)], verbose=0)
+    assert not folder.exists()  # the backup and its lock went at the end, as after any fit
+
+
+def test_a_lock_of_another_host_is_never_taken_over(tmp_path):
+    lock = tmp_path / ".x.lock"
+    lock.write_text('{"pid": 1, "host": "elsewhere"}')
+    with pytest.raises(LockError, match="process 1 on host elsewhere.*delete the lock file"):
+        FileLock(lock, "x", "CSVLogger").acquire()
+    assert lock.read_text() == '{"pid": 1, "host": "elsewhere"}'
+
+
+@pytest.mark.parametrize("make", [
+    lambda tmp: [CSVLogger(tmp / "log.csv"), CSVLogger(tmp / "log.csv")],
+    lambda tmp: [BackupAndRestore(tmp / "bk"), BackupAndRestore(tmp / "bk")],
+    lambda tmp: [ModelCheckpoint(tmp / "m.pt"), ModelCheckpoint(tmp / "m.pt")],
+], ids=["CSVLogger", "BackupAndRestore", "ModelCheckpoint"])  # fmt: skip
+def test_two_callbacks_on_one_file_in_one_fit_are_refused_before_step_1(tmp_path, make):
+    model = _model()
+    before = {k: v.clone() for k, v in model.module.state_dict().items()}
+    with pytest.raises(LockError, match="in use by another callback of this fit.*Fix"):
+        model.fit(X, Y, epochs=2, callbacks=make(tmp_path), verbose=0)
+    assert all(torch.equal(before[k], v) for k, v in model.module.state_dict().items())
+    assert model.global_step == 0 and not list(tmp_path.rglob("*.lock"))  # both released
+    assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.rglob("*.csv"))
+
+
+def test_a_lock_is_held_while_fit_runs_and_released_after(tmp_path):
+    seen = []
+    from fitkit.callbacks import LambdaCallback
+
+    spy = LambdaCallback(on_epoch_begin=lambda epoch, logs: seen.append(sorted(p.name for p in tmp_path.iterdir())))
+    _model().fit(X, Y, epochs=1, callbacks=[CSVLogger(tmp_path / "log.csv"), spy], verbose=0)
+    assert seen == [[".log.csv.lock"]] and sorted(p.name for p in tmp_path.iterdir()) == ["log.csv"]
+
+
+def test_stale_temp_clean_up_removes_only_a_dead_processs_temps(tmp_path):
+    live, dead = os.getppid(), _dead_pid()
+    names = [f".c.pt.{live}-abc.tmp", f".c.pt.{dead}-abc.tmp", ".c.pt.legacy.tmp"]
+    for name in names:
+        (tmp_path / name).touch()
+    removed = sorted(p.name for p in remove_stale_temps(tmp_path, "c.pt"))
+    assert removed == sorted([f".c.pt.{dead}-abc.tmp", ".c.pt.legacy.tmp"])
+    assert os.listdir(tmp_path) == [f".c.pt.{live}-abc.tmp"]
+    assert temp_owner(names[0]) == live
+
+
+def test_temp_files_carry_the_writers_pid(tmp_path, monkeypatch):
+    seen = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (seen.append(os.path.basename(a)), real(a, b)))
+    _model().save_weights(tmp_path / "w.pt")
+    assert len(seen) == 1 and temp_owner(seen[0]) == os.getpid() and seen[0].startswith(".w.pt.")
