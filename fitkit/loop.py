@@ -239,7 +239,7 @@ class FitLoop:
         if loader.next_epoch_batches is not None:  # the batches this epoch will really run
             cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
-        stepper.begin_epoch(_distributed.host_rows(loader))  # fitkit's shards: global batch sizes on the host
+        stepper.begin_epoch(_distributed.host_rows(loader, model.loss))  # fitkit's shards: batch sizes on the host
         position.set_rng(torch.get_rng_state())  # replays this epoch's data order on resume
         self.epoch_order = _order.capture(loader)  # and the loader's own generators / state
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")

@@ -181,8 +181,7 @@ class Stepper:
             if self.parallel is None:
                 total = _nonzero(sum(sizes))
             else:  # no collective when the sizes are rows that every rank's host knows
-                rows = self.host_rows if self.weigh is _batch_weight else None
-                total = _distributed.global_share(sizes, _distributed.known_rows(rows, sizes, step))
+                total = _distributed.global_share(sizes, _distributed.known_rows(self.host_rows, sizes, step))
             for i, batch in enumerate(group):
                 self.micro_scale = sizes[i] / total
                 self.micro_last = i == len(group) - 1

@@ -180,8 +180,22 @@ class ShardedLoaderBatches(_IterableBatches):
         return self.rank + self.world * torch.arange(self.real)
 
 
-def host_rows(loader: DeviceLoader) -> Any:
+def _rows_are_denominators(loss: Any, y: Any) -> bool:
+    """Whether every batch's loss denominator is its row count (or its weights' sum, a tensor),
+    the same rule on every rank: not for tokens (class indices of more than one per row)."""
+    from fitkit.losses import Loss
+
+    if loss is None:
+        return True
+    if not isinstance(loss, Loss):  # several losses: their own denominators
+        return False
+    return loss.kind != "class_index" or (isinstance(y, torch.Tensor) and y.dim() <= 1)
+
+
+def host_rows(loader: DeviceLoader, loss: Any = None) -> Any:
     """``step -> rows of global batch step`` for fitkit's own shards, else ``None``.
+
+    ``loss``: the compiled loss; a loss whose denominators are tokens gets ``None``.
 
     Known on the host for in-memory data, and for a DataLoader whose batches are its samples
     (the default collate; rows cut off by fitkit are counted); not with ``steps_per_epoch``
@@ -191,8 +205,8 @@ def host_rows(loader: DeviceLoader) -> Any:
     if loader.steps is not None or loader.sharded is not True:
         return None
     if isinstance(src, ShardedTensorBatches):
-        return src.global_rows
-    if isinstance(src, ShardedLoaderBatches):
+        return src.global_rows if _rows_are_denominators(loss, src.y) else None
+    if isinstance(src, ShardedLoaderBatches) and _rows_are_denominators(loss, None):
         dl: Any = src.source
         if dl.collate_fn is default_collate and not dl.drop_last:
             return src.global_rows
