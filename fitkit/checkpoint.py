@@ -186,7 +186,9 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
     check_path(path)
     if is_sharded(path):  # a folder of shards (strategy="fsdp"): each rank reads its own
         state, differences = _dcp.inspect(model, path)
-        _raise_differences(path, differences + _scheduler_differences(model.scheduler, state))
+        if getattr(model._stepper, "planned", None) is None:  # else a scheduler built at the first fit
+            differences += _scheduler_differences(model.scheduler, state)
+        _raise_differences(path, differences)
         _dcp.load_tensors(model, path)
         return _load_rest(model, state)
     state = safe_load(path, model.device)
@@ -201,7 +203,9 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
     differences = state_dict_differences(model.module.state_dict(), state["module"])
     if state["optimizer"] is not None:
         differences += optimizer_differences(model.optimizer, state["optimizer"], state.get("optimizer_class"))
-    differences += _scheduler_differences(model.scheduler, state)
+    planned = getattr(model._stepper, "planned", None)  # a scheduler built at the first fit
+    if planned is None:
+        differences += _scheduler_differences(model.scheduler, state)
     _raise_differences(path, differences)
     model.load_state_dict(state["module"])
     if state["optimizer"] is not None:
@@ -216,6 +220,8 @@ def _load_rest(model: Any, state: dict[str, Any]) -> int:
     """Scheduler, scaler, step count and the resume point (after module and optimizer)."""
     if state["scheduler"] is not None and model.scheduler is not None:
         model.scheduler.load_state_dict(state["scheduler"])
+    elif getattr(model._stepper, "planned", None) is not None:
+        model._stepper.keep_scheduler_state(state["scheduler"])  # loaded once the first fit has built it
     stepper = model._stepper
     stepper.load_state_dict({"scaler": state["scaler"], "global_step": state["global_step"]})
     if stepper.global_step and model.scheduler is not None:

@@ -14,6 +14,7 @@ at the epoch end :meth:`EvalLoop.run` (validation) -> ``CallbackList.on_epoch_en
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any
 
@@ -22,51 +23,17 @@ import torch
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checkpoint import ResumePoint, set_rng_state
-from fitkit.checks import FitkitWarning, check_int
+from fitkit.checks import FitkitWarning
 from fitkit.data import order as _order
 from fitkit.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.modes import modes, warn_if_all_eval
 from fitkit.position import Position
 from fitkit.preflight import BatchGuard
 from fitkit.signals import RankAgreement, deferred
+from fitkit.step_validation import StepValidation, ValidationInterval, ValidationSchedule, record_validation
 from fitkit.tracking import RunningTotals
 
 __all__ = ["FitLoop", "EvalLoop", "PredictLoop", "ValidationSchedule"]
-
-
-class ValidationSchedule:
-    """After which (0-based) epochs ``fit`` validates: ``validation_freq`` (Keras' argument).
-
-    Args:
-        validation_freq: validate every n epochs (an int), or after the listed 1-based epochs.
-
-    Raises:
-        TypeError / ValueError: not an int >= 1, or a list of them.
-
-    Example:
-        >>> every2, listed = ValidationSchedule(2), ValidationSchedule([1, 5])
-        >>> [e for e in range(6) if every2(e)], listed.epochs(0, 6)
-        ([1, 3, 5], [0, 4])
-    """
-
-    def __init__(self, validation_freq: Any):
-        self.every: int | None = None
-        self.listed: set[int] = set()
-        if isinstance(validation_freq, (list, tuple, set)):
-            for v in validation_freq:
-                check_int("validation_freq", v, 1)
-                self.listed.add(int(v))
-        else:
-            check_int("validation_freq", validation_freq, 1)
-            self.every = int(validation_freq)
-
-    def __call__(self, epoch: int) -> bool:
-        """Whether validation is scheduled after (0-based) ``epoch``."""
-        return (epoch + 1) % self.every == 0 if self.every is not None else epoch + 1 in self.listed
-
-    def epochs(self, start: int, stop: int) -> list[int]:
-        """The scheduled (0-based) epochs of ``range(start, stop)``."""
-        return [e for e in range(start, stop) if self(e)]
 
 
 def _lr_logs(groups: list[Any], keys: list[tuple[int, str]]) -> dict[str, float]:
@@ -137,15 +104,21 @@ class FitLoop:
         validation: the validation :class:`~fitkit.data.DeviceLoader`, or ``None``.
         schedule: the epochs that validate (:class:`ValidationSchedule`).
         validation_steps: batches per validation (``None``: all).
+        max_steps: stop once ``global_step`` reaches it (:mod:`fitkit.budget`), or ``None``.
+        validation_interval: validate inside epochs (:mod:`fitkit.step_validation`), or ``None``.
+        accumulation: this fit's accumulation schedule (:mod:`fitkit.accumulation`), or ``None``.
     """
 
-    def __init__(self, model: Any, train: Any, callbacks: CallbackList, *, initial_epoch: int, epochs: int,
+    def __init__(self, model: Any, train: Any, callbacks: CallbackList, *, initial_epoch: int, epochs: int | None,
                  validation: Any = None, schedule: ValidationSchedule | None = None,
-                 validation_steps: int | None = None):  # fmt: skip
+                 validation_steps: int | None = None, max_steps: int | None = None,
+                 validation_interval: ValidationInterval | None = None, accumulation: Any = None):  # fmt: skip
         self.model, self.train, self.callbacks = model, train, callbacks
         self.val, self.val_schedule, self.val_steps = validation, schedule, validation_steps
         self.history: Any = next(cb for cb in callbacks.callbacks if type(cb).__name__ == "History")
-        self.start_epoch, self.epochs = initial_epoch, epochs
+        self.start_epoch, self.epochs, self.max_steps = initial_epoch, epochs, max_steps
+        self.step_val = None if validation_interval is None else StepValidation(self, validation_interval)
+        self.accumulation = accumulation
         batches = getattr(train, "batches", None)
         self.position = Position(initial_epoch, batch_size=getattr(train, "batch_size", None),
                                  world=getattr(batches, "world", 1),
@@ -183,23 +156,27 @@ class FitLoop:
         finished = False
         self.running = True
         try:
-            with modes(model.module, training=None, grad=True), deferred() as self.interrupt, \
-                    stepper.fitting(before_step, model._wants_stop, self.val is not None):  # fmt: skip
+            fitting = stepper.fitting(before_step, model._wants_stop, self.val is not None, self.accumulation)
+            with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting:
                 self.agreement = RankAgreement(self.interrupt, model._parallel is not None)
                 warn_if_all_eval(model.module)
                 model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
                 cbs.on_train_begin({})
                 self._take_resume(pending)
-                for epoch in range(self.start_epoch, self.epochs):
+                for epoch in itertools.count(self.start_epoch) if self.epochs is None else \
+                        range(self.start_epoch, self.epochs):  # fmt: skip
+                    if self._budget_spent():
+                        break
                     epoch_logs = self.run_epoch(epoch)
                     if epoch_logs is None:  # no batch, or a signal: no partial epoch for callbacks
                         break
                     logs = epoch_logs
                     self._validate(epoch, logs)
-                    stepper.step_epoch(epoch, logs, self.validated)
+                    # inside-epoch validations stepped a plateau scheduler already
+                    stepper.step_epoch(epoch, logs, self.validated and self.step_val is None)
                     self.position.end_epoch(epoch)
                     cbs.on_epoch_end(epoch, logs)
-                    if self._stop_now(epoch_end=True) or self.interrupt.signum is not None:
+                    if self._stop_now(epoch_end=True) or self.interrupt.signum is not None or self._budget_spent():
                         break
                 if self.interrupt.signum is not None and not self.interrupted:
                     self.interrupted = True
@@ -220,12 +197,17 @@ class FitLoop:
 
     def _validate(self, epoch: int, logs: dict[str, float]) -> None:
         self.validated = False
+        if self.step_val is not None:  # validated inside the epoch: its last validation's values
+            val_logs = self.step_val.epoch_logs(epoch)
+            self.validated = val_logs is not None
+            logs.update(val_logs or {})
+            return
         if self.val is None or self.val_schedule is None or not self.val_schedule(epoch):
             return
         loop = EvalLoop(self.model, self.val, self.callbacks, self.val_steps, what="validation_data")
         val_logs = loop.run()
         self.validated = True
-        logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        logs.update(record_validation(self, epoch, val_logs))
 
     def run_epoch(self, epoch: int) -> dict[str, float] | None:
         """One epoch of training batches; ``None`` if the source yielded no batch."""
@@ -239,7 +221,9 @@ class FitLoop:
         if loader.next_epoch_batches is not None:  # the batches this epoch will really run
             cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
-        stepper.begin_epoch(_distributed.host_rows(loader, model.loss))  # fitkit's shards: batch sizes on the host
+        stepper.begin_epoch(epoch, _distributed.host_rows(loader, model.loss))  # host rows: fitkit's shards
+        if self.step_val is not None:
+            self.step_val.begin_epoch(loader.next_epoch_batches or loader.num_batches, stepper.accumulation)
         position.set_rng(torch.get_rng_state())  # replays this epoch's data order on resume
         self.epoch_order = _order.capture(loader)  # and the loader's own generators / state
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
@@ -248,6 +232,7 @@ class FitLoop:
         guard, agreement, interrupt = self.guard, self.agreement, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first
         local = model._parallel is None  # one process: stops and signals need no agreement
+        budget, step_val = self.max_steps, self.step_val
         position.enter()
         ran, skipped = False, 0
         with phases.running(totals):
@@ -264,10 +249,14 @@ class FitLoop:
                 model.train_step(batch)
                 ran = True
                 position.done(step + 1)
+                if step_val is not None and stepper.micro_last:
+                    step_val.after_step(step + 1)  # before the batch's hooks: a backup there holds it
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
                 if model.stop_training if local else self._stop_now():
                     break
+                if budget is not None and stepper.micro_last and stepper.global_step >= budget:
+                    break  # the step budget (a host-side count): the epoch ends here
                 if stepper.micro_last and (not local or interrupt.signum is not None) and agreement.at_step_boundary():
                     self.interrupted = True
                     cbs.save_on_interrupt()  # at this step boundary, inside the epoch
@@ -278,14 +267,7 @@ class FitLoop:
         if not ran and not start:
             self._no_batches(epoch, skipped)
             return None
-        if getattr(loader, "ran_out", False) and not self._warned_short:
-            self._warned_short = True
-            warnings.warn(
-                f"The training data ran out after {position.batches} of steps_per_epoch="
-                f"{loader.steps} batches in epoch {epoch + 1}; that epoch ends early and the next "
-                "starts a fresh pass (Keras' rule). Fix: lower `steps_per_epoch` to fit the data.",
-                category=FitkitWarning, stacklevel=4,
-            )
+        self._warn_ran_out(epoch)
         if model._parallel is not None:
             model._parallel.sync_buffers(model.module)  # rank 0's BatchNorm statistics on every rank
         logs = totals.result()
@@ -293,6 +275,17 @@ class FitLoop:
         # The LR the epoch's last step used (a per-step scheduler has moved it on since).
         logs.update(_lr_logs(stepper.lrs_used or model.optimizer.param_groups, self.lr_keys))
         return logs
+
+    def _warn_ran_out(self, epoch: int) -> None:
+        loader = self.train
+        if getattr(loader, "ran_out", False) and not self._warned_short:
+            self._warned_short = True
+            warnings.warn(
+                f"The training data ran out after {self.position.batches} of steps_per_epoch="
+                f"{loader.steps} batches in epoch {epoch + 1}; that epoch ends early and the next "
+                "starts a fresh pass (Keras' rule). Fix: lower `steps_per_epoch` to fit the data.",
+                category=FitkitWarning, stacklevel=5,
+            )
 
     def _no_batches(self, epoch: int, skipped: int = 0) -> None:
         if epoch == self.start_epoch:
@@ -310,6 +303,10 @@ class FitLoop:
         )
 
     # -- stopping ----------------------------------------------------------------------------------
+    def _budget_spent(self) -> bool:
+        """``max_steps`` optimizer steps are done (a resumed fit counts the checkpoint's)."""
+        return self.max_steps is not None and self.model._stepper.global_step >= self.max_steps
+
     def _stop_now(self, epoch_end: bool = False) -> bool:
         """Whether training stops here (``model.stop_training``; agreed over ranks under torchrun,
         see :class:`~fitkit.signals.RankAgreement`)."""

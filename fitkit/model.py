@@ -32,6 +32,7 @@ from fitkit import checkpoint as _checkpoint
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit import nest, planning
+from fitkit.accumulation import AccumulationSchedule
 from fitkit.callbacks.base import Callback, History
 from fitkit.callbacks.swap_ema import compiled_ema, with_compiled_ema
 from fitkit.checks import check_bool, check_int, check_number
@@ -358,7 +359,7 @@ class Model:
         scheduler: Any = None,
         scheduler_interval: str = "epoch",
         precision: str = "32",
-        gradient_accumulation_steps: int = 1,
+        gradient_accumulation_steps: int | dict[int, int] = 1,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         jit_compile: bool | str | dict = "auto",
@@ -383,12 +384,18 @@ class Model:
                 outputs and as many losses, one weight per loss (``loss`` is then a list or dict
                 like the outputs).
             scheduler: a ``torch.optim.lr_scheduler`` object, a timm scheduler, or a factory
-                ``optimizer -> scheduler``. A timm scheduler gets ``step_update(num_updates)``
+                ``optimizer -> scheduler``. A factory with a ``total_steps`` (or
+                ``num_training_steps``) parameter is built at the start of the first ``fit``
+                with the optimizer steps that fit plans (``max_steps``, else ``epochs`` times the
+                steps per epoch; see :mod:`fitkit.budget`). A timm scheduler gets ``step_update(num_updates)``
                 after each optimizer step and ``step(epoch + 1, metric)`` after each epoch
                 (``metric``: ``val_loss``, else ``loss``), as timm's ``train.py`` calls them.
             scheduler_interval: ``"epoch"`` or ``"step"`` (per optimizer step).
             precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (with a GradScaler).
-            gradient_accumulation_steps: micro-batches per optimizer step (sample-exact).
+            gradient_accumulation_steps: micro-batches per optimizer step (sample-exact), or a
+                dict ``{first_epoch: micro-batches}`` that changes it at epoch starts
+                (``{0: 8, 4: 4, 8: 1}``; epochs before the first key: 1), as Lightning's
+                ``GradientAccumulationScheduler`` (see :mod:`fitkit.accumulation`).
             clip_grad_norm: clip the global gradient 2-norm to this value before each step.
             clip_grad_value: clip each gradient element to ``[-v, v]`` before each step.
             jit_compile: ``"auto"`` (torch.compile on CUDA only), True, False, or a dict of
@@ -412,7 +419,12 @@ class Model:
             raise ValueError(
                 f"precision='16-mixed' is not supported on {self.device.type}. Fix: use 'bf16-mixed' or '32'."
             )
-        check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1)
+        accumulation = None
+        if isinstance(gradient_accumulation_steps, dict):
+            accumulation = AccumulationSchedule(gradient_accumulation_steps, name="gradient_accumulation_steps")
+        else:
+            check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1,
+                      fix="pass an int >= 1, or a dict {first_epoch: micro-batches} such as {0: 8, 4: 4}.")
         check_number("clip_grad_norm", clip_grad_norm, positive=True, allow_none=True)
         check_number("clip_grad_value", clip_grad_value, positive=True, allow_none=True)
         jit = resolve_jit_compile(jit_compile, self.device)
@@ -430,7 +442,8 @@ class Model:
         if self._stepper is not None:
             self._stepper.close()
         self._stepper = Stepper(
-            opt, sched, scheduler_interval, precision, self.device, int(gradient_accumulation_steps),
+            opt, sched, scheduler_interval, precision, self.device,
+            accumulation if accumulation is not None else int(gradient_accumulation_steps),  # type: ignore[arg-type]
             clip_grad_norm, clip_grad_value, self._parallel, weigh=self._batch_denominator,
         )  # fmt: skip
         self._forward = Forward(self.module, self._wrap_for_training(), jit)
@@ -450,7 +463,7 @@ class Model:
         y: Any = None,
         *,
         batch_size: int | None = 32,
-        epochs: int = 1,
+        epochs: int | None = None,
         verbose: int | str = "auto",
         callbacks: list[Callback] | None = None,
         validation_split: float = 0.0,
@@ -463,6 +476,8 @@ class Model:
         validation_steps: int | None = None,
         validation_batch_size: int | None = None,
         validation_freq: int | list[int] = 1,
+        max_steps: int | None = None,
+        validation_interval: int | float | None = None,
     ) -> History:
         """Train for ``range(initial_epoch, epochs)`` and return the :class:`~fitkit.History`.
 
@@ -481,7 +496,8 @@ class Model:
             y: targets ``(N, ...)`` for in-memory ``x``; ``None`` for the other kinds.
             batch_size: samples per batch (in-memory ``x`` and Datasets); per process under
                 torchrun.
-            epochs: index of the last epoch (not a count; see above).
+            epochs: index of the last epoch (not a count; see above). ``None`` (the
+                default): 1, or unbounded when ``max_steps`` is given (Lightning's rule).
             verbose: 0 silent, 1 progress bar, 2 one line per epoch, ``"auto"``: 1 on a
                 terminal or notebook, else 2.
             callbacks: :class:`~fitkit.callbacks.Callback` objects, called in list order
@@ -502,10 +518,26 @@ class Model:
             validation_steps: batches per validation.
             validation_batch_size: default ``batch_size``.
             validation_freq: validate every n epochs, or at the listed (1-based) epochs.
+            max_steps: stop once ``model.global_step`` (optimizer steps, one per accumulation
+                window, counted over every fit of the model and resumed from a checkpoint)
+                reaches this, whichever of ``epochs`` and ``max_steps`` comes first (Lightning's
+                and Transformers' ``max_steps``). A window is never cut; the epoch the budget
+                cuts still ends with its logs, validation, ``on_epoch_end`` and ``History``
+                entry. Callbacks find it in ``params["max_steps"]``, and the planned optimizer
+                steps in ``params["total_steps"]`` (see :mod:`fitkit.budget`).
+            validation_interval: validate inside epochs: an int ``N``, after every ``N``-th
+                optimizer step (``global_step % N == 0``; Transformers' ``eval_steps``), or a
+                float in ``(0, 1]``, every ``max(1, int(f * S))`` of an epoch's ``S`` steps
+                (Lightning's ``val_check_interval``). Validations then run only there; each is
+                recorded in ``history.validations`` with its ``step`` and fires
+                ``on_validation_end``; the training stream (totals, data order, RNG) is that
+                of a fit without them. Not with ``validation_freq``. See
+                :mod:`fitkit.step_validation`.
 
         Returns:
             The :class:`~fitkit.History`: ``history.history[key]`` is a list of floats per
-            epoch (``loss``, metrics, ``learning_rate``, ``val_*``).
+            epoch (``loss``, metrics, ``learning_rate``, ``val_*``); ``history.validations``
+            one record per validation (``epoch``, ``step``, ``val_*``).
 
         Raises:
             RuntimeError: ``compile`` was not called.
@@ -523,6 +555,16 @@ class Model:
             ...                     batch_size=5, verbose=0)
             >>> history.epoch, sorted(history.history)
             ([0, 1, 2], ['learning_rate', 'loss'])
+            >>> # a step budget: 3 optimizer steps more (2 per epoch), the second epoch cut after 1
+            >>> model.fit(torch.zeros(10, 2), torch.ones(10, 1), batch_size=5, max_steps=9, verbose=0).epoch
+            [0, 1]
+            >>> model.global_step
+            9
+            >>> # validation every 2 optimizer steps, recorded with its step
+            >>> h = model.fit(torch.zeros(10, 2), torch.ones(10, 1), batch_size=5, epochs=2, verbose=0,
+            ...               validation_data=(torch.zeros(4, 2), torch.ones(4, 1)), validation_interval=2)
+            >>> [(v["epoch"], v["step"]) for v in h.validations]
+            [(0, 10), (1, 12)]
         """
         self._require_compiled("fit")
         plan = planning.plan_fit(
@@ -531,14 +573,17 @@ class Model:
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq, max_steps=max_steps,
+            validation_interval=validation_interval,
         )  # fmt: skip
         self._keep_example(plan.example)
+        self._require_compiled("fit").build_planned(plan.total_steps, resolve_scheduler)
         self.history = History()
-        cbs = planning.callback_list(self, plan.callbacks, plan.verbose, epochs, plan.train.num_batches,
+        cbs = planning.callback_list(self, plan.callbacks, plan.verbose, plan.shown_epochs, plan.train.num_batches,
                                      self.history, **plan.params)  # fmt: skip
-        loop = FitLoop(self, plan.train, cbs, initial_epoch=initial_epoch, epochs=epochs, validation=plan.val,
-                       schedule=plan.schedule, validation_steps=validation_steps)  # fmt: skip
+        loop = FitLoop(self, plan.train, cbs, initial_epoch=initial_epoch, epochs=plan.epochs, validation=plan.val,
+                       schedule=plan.schedule, validation_steps=validation_steps, max_steps=max_steps,
+                       validation_interval=plan.interval, accumulation=plan.accumulation)  # fmt: skip
         del plan, cbs  # the loop holds the call's data and callbacks; it lets go when it ends
         outer, self._fit = self._fit, loop
         try:

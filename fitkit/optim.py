@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
+from fitkit.budget import planned_scheduler
 from fitkit.stepper import is_timm_scheduler
 
 __all__ = ["OPTIMIZERS", "resolve_optimizer", "resolve_scheduler", "current_lr", "check_plateau_mode"]
@@ -124,6 +125,9 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
             timm scheduler (anything with timm's ``step(epoch, metric=None)`` and
             ``step_update(num_updates, metric=None)``, such as ``CosineLRScheduler``), or a
             factory ``optimizer -> scheduler`` of either kind (a class counts as a factory).
+            A factory with a ``total_steps`` (or ``num_training_steps``) parameter comes back
+            as a :class:`~fitkit.budget.PlannedScheduler`, built at the start of the first
+            ``fit`` with the number of optimizer steps that fit plans.
         optimizer: the compiled optimizer.
         interval: ``"epoch"`` or ``"step"`` (one step per optimizer step).
 
@@ -143,6 +147,9 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
         )
     if scheduler is None:
         return None
+    planned = planned_scheduler(scheduler)
+    if planned is not None:  # built at the first fit, with the planned step count
+        return planned
     if is_timm_scheduler(scheduler):  # timm's protocol: step(epoch, metric) and step_update(num_updates)
         if getattr(scheduler, "optimizer", optimizer) is not optimizer:
             raise ValueError(

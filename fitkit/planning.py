@@ -14,15 +14,17 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from fitkit import budget as _budget
 from fitkit import checkpoint as _checkpoint
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import Callback, CallbackList
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
-from fitkit.loop import ValidationSchedule, lr_keys
+from fitkit.loop import lr_keys
 from fitkit.optim import check_plateau_mode
 from fitkit.preflight import first_batch_check, in_memory_check
+from fitkit.step_validation import ValidationInterval, ValidationSchedule
 
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
 
@@ -49,19 +51,26 @@ class FitPlan:
     """What :func:`plan_fit` learned: the loaders, the schedule, the callbacks' params."""
 
     def __init__(self, train: Any, val: Any, schedule: ValidationSchedule, verbose: int, callbacks: list[Callback],
-                 params: dict[str, Any], example: Any):  # fmt: skip
+                 params: dict[str, Any], example: Any, epochs: int | None = None,
+                 total_steps: int | None = None):  # fmt: skip
         self.train, self.val, self.schedule = train, val, schedule
         self.verbose, self.callbacks, self.params = verbose, callbacks, params
         self.example = example  # the last first batch checked (summary's input), or None
+        self.epochs = epochs  # the last-epoch bound (None: unbounded, the step budget ends the fit)
+        self.total_steps = total_steps  # the optimizer steps the fit plans (None: unknown)
+        self.shown_epochs = epochs
+        self.interval: Any = None  # a fitkit.step_validation.ValidationInterval, or None
+        self.accumulation: Any = None  # a GradientAccumulationScheduler's AccumulationSchedule, or None
 
 
-def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int, verbose: Any, callbacks: Any,
+def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int | None, verbose: Any, callbacks: Any,
              validation_split: float, validation_data: Any, shuffle: bool, class_weight: Any, sample_weight: Any,
              initial_epoch: int, steps_per_epoch: int | None, validation_steps: int | None,
-             validation_batch_size: int | None, validation_freq: Any) -> FitPlan:  # fmt: skip
+             validation_batch_size: int | None, validation_freq: Any,
+             max_steps: int | None = None, validation_interval: Any = None) -> FitPlan:  # fmt: skip
     """Check every argument of ``fit``, build its loaders and check its data (nothing changes)."""
     batch_size, verbose, callbacks = call_args(batch_size, steps_per_epoch, verbose, callbacks, "steps_per_epoch")
-    check_int("epochs", epochs, 0)
+    epochs = _budget.check_max_steps(max_steps, epochs)
     check_int("initial_epoch", initial_epoch, 0)
     check_int("validation_steps", validation_steps, 1, allow_none=True)
     check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
@@ -73,6 +82,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int,
             "Fix: pass a fraction such as 0.2."
         )
     schedule = ValidationSchedule(validation_freq)
+    interval = _check_interval(validation_interval, validation_freq, validation_data, validation_split)
     check_schedules(model, callbacks)
     if x is None:
         raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")
@@ -101,14 +111,73 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int,
         example = example if val_example is None else val_example
     _warn_nothing_to_train(model, initial_epoch, epochs)
     validates = val is not None
+    fit_accumulation = _callback_schedule(model._stepper, callbacks)
+    total, shown = _plan_steps(model, train, epochs, max_steps, fit_accumulation)
+    if interval is not None and interval.fraction:
+        interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
+    by_epoch = validates and shown and interval is None
     params = {"batch_size": batch_size, "do_validation": validates, "metrics": planned_keys(model, validates),
               # the (0-based) epochs whose validation is scheduled
-              "validation_epochs": schedule.epochs(initial_epoch, epochs) if validates else []}
-    return FitPlan(train, val, schedule, verbose, callbacks, params, example)
+              "validation_epochs": schedule.epochs(initial_epoch, shown) if by_epoch and shown else [],
+              "validation_interval": validation_interval,
+              "max_steps": max_steps, "total_steps": total}  # fmt: skip
+    plan = FitPlan(train, val, schedule, verbose, callbacks, params, example, epochs, total)
+    plan.shown_epochs = shown  # params["epochs"]: the bound, or the epochs the budget takes
+    plan.interval = interval
+    plan.accumulation = fit_accumulation
+    return plan
 
 
-def _warn_nothing_to_train(model: Any, initial_epoch: int, epochs: int) -> None:
-    if initial_epoch >= epochs:
+def _check_interval(value: Any, validation_freq: Any, validation_data: Any, validation_split: float) -> Any:
+    """``fit``'s ``validation_interval`` checked (a :class:`ValidationInterval`, or ``None``)."""
+    if value is None:
+        return None
+    interval = ValidationInterval(value)
+    if validation_data is None and not validation_split:
+        raise ValueError(
+            f"validation_interval={value!r} validates inside epochs, but fit has no validation data. Fix: pass "
+            "`validation_data=` or `validation_split=`, or drop `validation_interval`."
+        )
+    if validation_freq != 1:
+        raise ValueError(
+            f"validation_interval={value!r} and validation_freq={validation_freq!r} both say when to validate. "
+            "Fix: pass one of them (validation_interval validates inside epochs only)."
+        )
+    return interval
+
+
+def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | None,
+                fit_accumulation: Any) -> tuple[int | None, int | None]:  # fmt: skip
+    """``(total_steps, epochs shown to callbacks)``; ``ValueError`` when a scheduler factory
+    asks for the step count and it cannot be known."""
+    stepper = model._stepper
+    k = stepper.accumulation
+    accumulation = fit_accumulation or stepper.accumulation_schedule or (lambda epoch: k)
+    batches = train.num_batches
+    total = _budget.planned_steps(batches, accumulation, epochs, max_steps)
+    if stepper.planned is not None and total is None:
+        raise ValueError(
+            f"compile(scheduler=...) is a factory that takes `{stepper.planned.keyword}`, but the number of "
+            f"optimizer steps of this fit is unknown: the training data ({type(train.batches).__name__}) has "
+            "no length. Fix: pass `max_steps=` (or `steps_per_epoch=`) to fit."
+        )
+    shown = epochs if epochs is not None else _budget.budget_epochs(batches, accumulation, max_steps or 1)
+    return total, shown
+
+
+def _callback_schedule(stepper: Any, callbacks: list[Callback]) -> Any:
+    """A GradientAccumulationScheduler's schedule for this fit (``None``: none in the list)."""
+    by_callback: list[Any] = [cb for cb in callbacks if callable(getattr(cb, "accumulation_for", None))]
+    if by_callback and (len(by_callback) > 1 or stepper.accumulation_schedule is not None):
+        both = "compile(gradient_accumulation_steps={...}) and a GradientAccumulationScheduler"
+        n = len(by_callback)
+        two = both if stepper.accumulation_schedule is not None else f"{n} GradientAccumulationScheduler callbacks"
+        raise ValueError(f"Two accumulation schedules for one fit: {two}. Fix: keep one of them.")
+    return by_callback[0].accumulation_for(stepper.accumulation) if by_callback else None
+
+
+def _warn_nothing_to_train(model: Any, initial_epoch: int, epochs: int | None) -> None:
+    if epochs is not None and initial_epoch >= epochs:
         warnings.warn(
             f"initial_epoch={initial_epoch} >= epochs={epochs}: nothing will train (`epochs` is the index "
             "of the last epoch, as in Keras). Fix: pass epochs > initial_epoch.",

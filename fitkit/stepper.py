@@ -29,6 +29,8 @@ from torch import nn
 
 from fitkit import distributed as _distributed
 from fitkit import nest
+from fitkit.accumulation import AccumulationSchedule
+from fitkit.budget import PlannedScheduler
 from fitkit.devices import NO_CONTEXT
 
 __all__ = ["Stepper", "is_timm_scheduler"]
@@ -70,11 +72,13 @@ class Stepper:
 
     Args:
         optimizer: the compiled optimizer.
-        scheduler: a torch LR scheduler, a timm scheduler, or ``None``.
+        scheduler: a torch LR scheduler, a timm scheduler, a
+            :class:`~fitkit.budget.PlannedScheduler` (built by :meth:`build_planned`), or ``None``.
         scheduler_interval: ``"epoch"`` or ``"step"`` (torch schedulers; timm ones get both).
         precision: ``"16-mixed"`` adds a ``GradScaler``.
         device: the model's device.
-        accumulation: micro-batches per optimizer step.
+        accumulation: micro-batches per optimizer step, or an
+            :class:`~fitkit.accumulation.AccumulationSchedule` (by epoch, applied at epoch begin).
         clip_grad_norm: max global 2-norm of the gradients, or ``None``.
         clip_grad_value: max absolute gradient element, or ``None``.
         parallel: the model's :class:`fitkit.distributed.Parallel` under torchrun, else ``None``.
@@ -89,16 +93,21 @@ class Stepper:
         scheduler_interval: str,
         precision: str,
         device: torch.device,
-        accumulation: int = 1,
+        accumulation: int | AccumulationSchedule = 1,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
         parallel: Any = None,
         weigh: Any = None,
     ):
+        # a factory built at the first fit with the planned step count (fitkit.budget.PlannedScheduler)
+        self.planned = scheduler if isinstance(scheduler, PlannedScheduler) else None
+        scheduler = None if self.planned is not None else scheduler
         self.optimizer, self.scheduler, self.interval = optimizer, scheduler, scheduler_interval
         self.precision = precision
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
-        self.accumulation = accumulation
+        # micro-batches per step by epoch (an AccumulationSchedule), applied at epoch begin
+        self.accumulation_schedule = accumulation if isinstance(accumulation, AccumulationSchedule) else None
+        self.accumulation = accumulation(0) if isinstance(accumulation, AccumulationSchedule) else accumulation
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
         self.parallel = parallel
         self._steps = 0  # steps taken, minus the device-side skips not yet read (see global_step)
@@ -148,6 +157,24 @@ class Stepper:
         """Replace the scheduler (``None``: the LR moves only by callbacks)."""
         self.scheduler, self.timm = scheduler, is_timm_scheduler(scheduler)
 
+    def build_planned(self, total: int | None, resolve: Any) -> None:
+        """Build the :class:`~fitkit.budget.PlannedScheduler` with ``total`` optimizer steps
+        (the start of the first fit; ``resolve(scheduler, optimizer, interval)`` checks it),
+        with the state a checkpoint left for it, if any."""
+        planned = self.planned
+        if planned is None or total is None:
+            return
+        sched = resolve(planned.build(self.optimizer, total), self.optimizer, self.interval)
+        if planned.state is not None and sched is not None:
+            sched.load_state_dict(planned.state)
+        self.set_scheduler(sched)
+        self.planned = None
+
+    def keep_scheduler_state(self, state: dict[str, Any]) -> None:
+        """A checkpoint's scheduler state, loaded before the planned scheduler is built."""
+        if self.planned is not None:
+            self.planned.keep(state)
+
     def _mark_stepped(self, *_: Any) -> None:
         self._stepped = True
 
@@ -195,20 +222,25 @@ class Stepper:
         self.micro_last, self.micro_scale = True, None
 
     @contextlib.contextmanager
-    def fitting(self, before_step: Any, stop_training: Any, validates: bool) -> Iterator[None]:
+    def fitting(self, before_step: Any, stop_training: Any, validates: bool,
+                accumulation: AccumulationSchedule | None = None) -> Iterator[None]:  # fmt: skip
         """Entered once per ``fit``: the fit's hook and stop query for each of its steps.
 
         ``before_step()`` (``on_backward_end``, or ``None`` when no callback listens) runs
         before each optimizer step of the fit; under torchrun ``stop_training()`` tells whether
         this rank wants to stop. ``validates``: whether the fit validates at all (the per-epoch
-        scheduler step reads it). All three are put back on exit.
+        scheduler step reads it). ``accumulation``: the fit's own schedule (a
+        ``GradientAccumulationScheduler``), or ``None``. All are put back on exit.
         """
-        outer = self._before_step, self._stop_training, self.validates
+        outer = self._before_step, self._stop_training, self.validates, self.accumulation, self.accumulation_schedule
         self._before_step, self._stop_training, self.validates = before_step, stop_training, validates
+        if accumulation is not None:
+            self.accumulation_schedule = accumulation
         try:
             yield
         finally:
-            self._before_step, self._stop_training, self.validates = outer
+            (self._before_step, self._stop_training, self.validates, self.accumulation,
+             self.accumulation_schedule) = outer  # fmt: skip
 
     @contextlib.contextmanager
     def step_of_its_own(self) -> Iterator[None]:
@@ -234,14 +266,17 @@ class Stepper:
             (self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto,
              self._before_step) = window  # fmt: skip
 
-    def begin_epoch(self, host_rows: Any = None) -> None:
-        """A fit epoch starts: the LRs its last step used are recorded afresh.
+    def begin_epoch(self, epoch: int | None = None, host_rows: Any = None) -> None:
+        """A fit epoch starts: the LRs its last step used are recorded afresh, and an
+        accumulation schedule sets this epoch's micro-batches per step.
 
         ``host_rows``: under torchrun, ``batch index -> rows of that global batch`` when the
         host knows them (fitkit's own shards), so a window's global size needs no all-reduce.
         """
         self.lrs_used = None
         self.host_rows = host_rows
+        if self.accumulation_schedule is not None and epoch is not None:
+            self.accumulation = self.accumulation_schedule(epoch)
 
     def no_sync(self, module: nn.Module):
         """Non-final micro-batches of a window skip DDP's / FSDP's gradient all-reduce."""

@@ -80,7 +80,7 @@ def test_hook_sequence_two_epochs_two_batches_with_validation():
         for batch in range(2):
             expected += [("on_train_batch_begin", batch), ("on_backward_end", batch), ("on_train_batch_end", batch)]
         expected += [("on_test_begin",), ("on_test_batch_begin", 0), ("on_test_batch_end", 0), ("on_test_end",)]
-        expected.append(("on_epoch_end", epoch))
+        expected += [("on_validation_end",), ("on_epoch_end", epoch)]
     expected.append(("on_train_end",))
     assert rec.calls == expected
     assert rec.batch_log_types == {torch.Tensor} and rec.epoch_log_types == {float}

@@ -173,3 +173,18 @@ def test_bad_arguments(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "mlflow" else real(n, *a))
     with pytest.raises(ImportError, match=r"needs mlflow\. Install it with `pip install fitkit\[mlflow\]`"):
         MLflowLogger("sqlite:///x.db")
+
+
+@pytest.mark.slow
+def test_each_validation_inside_an_epoch_is_logged_at_its_step(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    x, y = _data()
+    logger = MLflowLogger(uri, experiment_name="steps", log_plot=False)
+    history = _model().fit(x, y, epochs=2, batch_size=4, validation_data=(x, y), validation_interval=3, verbose=0,
+                           callbacks=[logger])  # fmt: skip
+    client = MlflowClient(uri)
+    metrics = client.get_metric_history(logger.run_id, "step_val_loss")
+    # 4 steps per epoch: validations at global steps 3 and 6
+    assert [m.step for m in metrics] == [v["step"] for v in history.validations] == [3, 6]
+    assert [m.value for m in metrics] == pytest.approx([v["val_loss"] for v in history.validations], rel=1e-12)
+    assert _steps(client, logger.run_id, "val_loss") == [0, 1]  # the epoch logs: each epoch's last validation

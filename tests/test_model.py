@@ -457,7 +457,7 @@ def test_hook_order_of_fit_evaluate_and_predict():
         ("on_train_batch_begin", 0), ("on_backward_end", 0), ("on_train_batch_end", 0),
         ("on_train_batch_begin", 1), ("on_backward_end", 1), ("on_train_batch_end", 1),
         ("on_test_begin",), ("on_test_batch_begin", 0), ("on_test_batch_end", 0), ("on_test_end",),
-        ("on_epoch_end", e),
+        ("on_validation_end",), ("on_epoch_end", e),
     ]  # fmt: skip
     assert events == [("on_train_begin",), *epoch(0), *epoch(1), ("on_train_end",)]
     events.clear()

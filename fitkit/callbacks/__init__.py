@@ -20,6 +20,7 @@
 The MLflow and Optuna callbacks import their library when they are created, not here.
 """
 
+from fitkit.callbacks.accumulation import GradientAccumulationScheduler
 from fitkit.callbacks.averaging import EMA, SWA, WeightAveraging
 from fitkit.callbacks.backup import BackupAndRestore
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
@@ -36,6 +37,7 @@ from fitkit.callbacks.swap_ema import SwapEMAWeights
 from fitkit.callbacks.throughput import ThroughputMonitor
 
 __all__ = [
+    "GradientAccumulationScheduler",
     "Callback",
     "CallbackList",
     "History",

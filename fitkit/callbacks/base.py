@@ -14,7 +14,7 @@ __all__ = ["Callback", "CallbackList", "History", "BatchLogs", "HOOKS"]
 #: The names of the callback hooks, in the order of the :class:`Callback` protocol.
 HOOKS = (
     "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
-    "on_train_batch_begin", "on_train_batch_end", "on_backward_end",
+    "on_train_batch_begin", "on_train_batch_end", "on_backward_end", "on_validation_end",
     "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
     "on_predict_begin", "on_predict_end", "on_predict_batch_begin", "on_predict_batch_end",
 )  # fmt: skip
@@ -109,6 +109,17 @@ class Callback:
         only the last batch of each group steps. ``batch``: 0-based index in the epoch; no logs.
         """
 
+    def on_validation_end(self, logs=None):
+        """Called after each validation inside ``fit``: every ``validation_interval`` optimizer
+        steps (inside the epoch, before that batch's ``on_train_batch_end``), or at the epoch
+        end (after ``on_test_end``, before ``on_epoch_end``).
+
+        ``logs`` is the validation's record, also appended to ``History.validations``:
+        ``epoch`` (0-based), ``step`` (``global_step`` when it was taken) and the ``val_``
+        values (Python floats). Monitoring callbacks with a ``val_`` monitor act here when fit
+        validates inside epochs (:mod:`fitkit.step_validation`).
+        """
+
     def on_test_begin(self, logs=None):
         """Called at the start of ``evaluate`` and of each validation in ``fit``.
 
@@ -159,6 +170,7 @@ class Callback:
     # at the step boundary where fit stops (BackupAndRestore).
     def _save_on_batch_end(self, batch, logs=None): ...
     def _save_on_epoch_end(self, epoch, logs=None): ...
+    def _save_on_validation_end(self, logs=None): ...
     def _save_on_interrupt(self): ...
 
 
@@ -213,7 +225,9 @@ class BatchLogs(MutableMapping):
 class History(Callback):
     """Records epoch logs: ``history.history[key]`` is a list of floats, one per epoch run.
 
-    Added to every ``fit`` and returned by it (also ``model.history``).
+    Added to every ``fit`` and returned by it (also ``model.history``). ``history.validations``
+    lists every validation of the fit, step-level (``validation_interval``) or at an epoch end,
+    as ``{"epoch": int, "step": global_step, "val_<key>": float, ...}``, in the order they ran.
 
     Example:
         >>> h = History()
@@ -226,6 +240,7 @@ class History(Callback):
         super().__init__()
         self.history: dict[str, list[float]] = {}
         self.epoch: list[int] = []
+        self.validations: list[dict[str, Any]] = []  # appended by the fit loop (on_validation_end's logs)
 
     def on_epoch_end(self, epoch, logs=None):
         self.epoch.append(epoch)
@@ -233,11 +248,13 @@ class History(Callback):
             self.history.setdefault(key, []).append(to_python(value))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": {k: list(v) for k, v in self.history.items()}, "epoch": list(self.epoch)}
+        return {"history": {k: list(v) for k, v in self.history.items()}, "epoch": list(self.epoch),
+                "validations": [{k: to_python(v) for k, v in r.items()} for r in self.validations]}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = {k: list(v) for k, v in state["history"].items()}
         self.epoch = list(state["epoch"])
+        self.validations = [dict(r) for r in state.get("validations", [])]
 
     def plot(self, keys: list[str] | None = None, path: str | None = None):
         """Draw learning curves with matplotlib (``pip install fitkit[plot]``).
@@ -296,7 +313,8 @@ def _overrides(cb: Callback, hook: str) -> bool:
     return hook in vars(cb) or getattr(type(cb), hook, None) is not getattr(Callback, hook)
 
 
-_SAVE_HOOKS = {"on_train_batch_end": "_save_on_batch_end", "on_epoch_end": "_save_on_epoch_end"}
+_SAVE_HOOKS = {"on_train_batch_end": "_save_on_batch_end", "on_epoch_end": "_save_on_epoch_end",
+               "on_validation_end": "_save_on_validation_end"}  # fmt: skip
 _INTERNAL = ("_save_on_interrupt", "close")
 
 
@@ -373,6 +391,10 @@ class CallbackList:
     def on_epoch_end(self, epoch, logs=None):
         self._call("on_epoch_end", epoch, logs)
         self._call("_save_on_epoch_end", epoch, logs)
+
+    def on_validation_end(self, logs=None):
+        self._call("on_validation_end", logs)
+        self._call("_save_on_validation_end", logs)
 
     def save_on_interrupt(self) -> None:
         """At a SIGTERM / SIGINT during fit: let backups write the state of this step boundary."""

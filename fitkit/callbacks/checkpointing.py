@@ -29,6 +29,7 @@ from fitkit.callbacks.monitor import (
     is_improvement,
     may_add_keys,
     monitor_value,
+    per_validation,
     resolve_mode,
 )
 from fitkit.callbacks.scoring import scored_weights
@@ -204,7 +205,7 @@ class ModelCheckpoint(StatefulCallback):
                 f"ModelCheckpoint's filepath {self.filepath!r} uses {{batch}}, but save_freq='epoch' "
                 "saves at epoch ends, where there is no batch. Fix: pass an int `save_freq`, or drop {batch}."
             )
-        for name in sorted(self._fields - {"epoch", "batch"}):
+        for name in sorted(self._fields - {"epoch", "batch", "step"}):
             subject = f"ModelCheckpoint's filepath {self.filepath!r} uses {{{name}}}"
             check_log_key(name, self.params, self.model, "ModelCheckpoint", subject=subject, batch_level=batch_level)
         if self._ranked:
@@ -262,8 +263,16 @@ class ModelCheckpoint(StatefulCallback):
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch" and self.every_n_epochs == 0:
             self._pending_last = epoch if self.last_path is not None else None  # no ranked file (Lightning)
-        elif self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0:
+        elif self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0 and not per_validation(self):
             self._decide(epoch, None, logs or {})
+
+    def on_validation_end(self, logs=None):
+        # Inside-epoch validation with a val_ monitor: decide at each validation ({step} names it).
+        if self.save_freq == "epoch" and self.every_n_epochs != 0 and per_validation(self):
+            self._decide(self.model.epoch, None, logs or {})
+
+    def _save_on_validation_end(self, logs=None):
+        self._write()
 
     def on_train_batch_end(self, batch, logs=None):
         if self.save_freq == "epoch":
@@ -286,6 +295,8 @@ class ModelCheckpoint(StatefulCallback):
         values: dict[str, Any] = {"epoch": epoch + 1}
         if batch is not None:
             values["batch"] = batch + 1
+        if "step" in self._fields:  # the global_step of the save (a validation's own, if any)
+            values["step"] = int(logs["step"]) if "step" in logs else self.model.global_step
         for name in sorted(self._fields - values.keys()):
             try:
                 value = monitor_value(logs, name, "ModelCheckpoint", self.params if batch is None else None, self.model)

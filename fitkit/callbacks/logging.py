@@ -89,6 +89,10 @@ class CSVLogger(StatefulCallback):
     back to the last complete one. The column order is thus the same in every row and across
     a resume.
 
+    With ``fit(validation_interval=...)`` the file gains a ``step`` column (``global_step``)
+    and each validation gets a row of its own (its ``epoch``, ``step`` and ``val_`` values,
+    the training columns ``NA``); the epoch rows then hold the training values.
+
     Args:
         filename: the CSV file.
         separator: the field separator.
@@ -189,10 +193,23 @@ class CSVLogger(StatefulCallback):
 
     def _columns(self, logs: Any) -> list[str]:
         planned = (self.params or {}).get("metrics") or []
-        return sorted(set(planned) | set(logs))
+        step = ["step"] if (self.params or {}).get("validation_interval") else []
+        return sorted(set(planned) | set(logs) | set(step))
 
     def on_epoch_end(self, epoch, logs=None):
-        logs = logs or {}
+        logs = dict(logs or {})
+        if self.params.get("validation_interval"):  # the val_ values have rows of their own
+            logs = {k: v for k, v in logs.items() if not k.startswith("val_")}
+            logs["step"] = self.model.global_step
+        self._row(epoch, logs)
+
+    def on_validation_end(self, logs=None):
+        """With ``validation_interval``: one row per validation (``epoch``, ``step``, ``val_``
+        values; the training columns ``NA``)."""
+        if self.params.get("validation_interval") and logs:
+            self._row(int(logs["epoch"]), {k: v for k, v in logs.items() if k != "epoch"})
+
+    def _row(self, epoch: int, logs: dict[str, Any]) -> None:
         header = False
         if is_rank_zero() and not self._opened:
             header = self._open()
@@ -239,7 +256,8 @@ class TensorBoard(StatefulCallback):
     ``log_dir/validation`` under the same tag, so TensorBoard overlays them: ``epoch_loss``
     at step ``epoch``. With an int ``update_freq``, batch logs (running epoch means) are also
     written every that many batches as ``batch_<key>`` at the optimizer step; reading them
-    syncs with the device, once per write.
+    syncs with the device, once per write. With ``fit(validation_interval=...)`` each
+    validation is also written as ``step_<key>`` in ``log_dir/validation`` at its ``global_step``.
 
     Args:
         log_dir: the folder TensorBoard reads (``tensorboard --logdir log_dir``).
@@ -338,6 +356,11 @@ class TensorBoard(StatefulCallback):
             self._write("epoch", logs or {}, epoch)
             for w in self._writers.values():
                 w.flush()
+
+    def on_validation_end(self, logs=None):
+        """Inside-epoch validations: ``validation/step_<key>`` at ``global_step``."""
+        if self.params.get("validation_interval") and is_rank_zero() and logs:
+            self._write("step", {k: v for k, v in logs.items() if k.startswith("val_")}, int(logs["step"]))
 
     def on_train_end(self, logs=None):
         self.close()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["monitor_value", "check_log_key", "check_validation_monitor", "may_add_keys"]
+__all__ = ["monitor_value", "check_log_key", "check_validation_monitor", "may_add_keys", "per_validation"]
 
 
 def monitor_value(
@@ -59,6 +59,21 @@ def monitor_value(
         )
     value = logs[monitor]
     return float(value.item() if isinstance(value, torch.Tensor) else value)  # a batch log: syncs
+
+
+def per_validation(callback: Any) -> bool:
+    """Whether a monitoring callback acts at each validation (``on_validation_end``) instead
+    of at epoch ends: the fit validates inside epochs (``validation_interval``) and the
+    callback's ``monitor`` is a ``val_`` key (:mod:`fitkit.step_validation`).
+
+    Example:
+        >>> class Watch:
+        ...     monitor, params = "val_loss", {"validation_interval": 10}
+        >>> per_validation(Watch())
+        True
+    """
+    params = getattr(callback, "params", None) or {}
+    return bool(params.get("validation_interval")) and str(getattr(callback, "monitor", "")).startswith("val_")
 
 
 def may_add_keys(model: Any) -> bool:

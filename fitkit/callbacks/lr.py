@@ -20,6 +20,7 @@ from fitkit.callbacks.monitor import (
     check_validation_monitor,
     is_improvement,
     monitor_value,
+    per_validation,
     resolve_mode,
 )
 from fitkit.checks import check_int, check_mode, check_number
@@ -53,7 +54,9 @@ class ReduceLROnPlateau(StatefulCallback):
 
     A NaN value is never the best: it counts as an epoch without improvement (as in Keras).
     On epochs that ``validation_freq`` leaves out, a ``val_`` monitor has no value and the
-    epoch is skipped (see :attr:`fitkit.Model.validated`).
+    epoch is skipped (see :attr:`fitkit.Model.validated`). With
+    ``fit(validation_interval=...)`` and a ``val_`` monitor it decides at each validation
+    (``on_validation_end``) instead, and ``patience`` / ``cooldown`` count validations.
 
     Args:
         monitor: the epoch log key to watch.
@@ -128,6 +131,14 @@ class ReduceLROnPlateau(StatefulCallback):
         super().on_train_begin(logs)
 
     def on_epoch_end(self, epoch, logs=None):
+        if not per_validation(self):  # else decided at each validation
+            self._decide(epoch, logs)
+
+    def on_validation_end(self, logs=None):
+        if per_validation(self):
+            self._decide(self.model.epoch, logs)
+
+    def _decide(self, epoch: int, logs: Any) -> None:
         current = monitor_value(logs, self.monitor, "ReduceLROnPlateau", self.params, self.model)
         if current is None:
             return

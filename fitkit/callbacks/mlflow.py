@@ -51,10 +51,11 @@ class MLflowLogger(StatefulCallback):
     ``learning_rate``) is logged with ``step=epoch`` (0-based); with ``log_every_n_steps`` the
     running means of the batch logs are also logged as ``batch_<key>`` with ``step`` the
     optimizer step (``model.global_step``), every that many steps (reading them syncs with the
-    device, once per logged step). At the end the run gets, as artifacts, the ``History.plot``
-    PNG (``history.png``, needs matplotlib) and the best checkpoint (``checkpoints/<file>``):
-    ``checkpoint`` if given, else the ``best_path`` of a ``ModelCheckpoint`` of the same fit
-    that ranks its files (``save_best_only`` or ``save_top_k``).
+    device, once per logged step). With ``fit(validation_interval=...)`` each validation is
+    logged as ``step_val_<key>`` with ``step`` its ``global_step``. At the end the run gets,
+    as artifacts, the ``History.plot`` PNG (``history.png``, needs matplotlib) and the best
+    checkpoint (``checkpoints/<file>``): ``checkpoint`` if given, else the ``best_path`` of a
+    ``ModelCheckpoint`` of the same fit that ranks its files (``save_best_only`` or ``save_top_k``).
 
     The store is embedded by default, so no server is needed: ``tracking_uri=None`` uses
     ``MLFLOW_TRACKING_URI`` if set, else the SQLite file ``mlflow.db`` in the working directory
@@ -260,6 +261,14 @@ class MLflowLogger(StatefulCallback):
         if step > self._last_step and step % self.log_every_n_steps == 0:
             self._last_step = step
             self._log_metrics(logs or {}, step, _BATCH_PREFIX)
+
+    def on_validation_end(self, logs=None):
+        """Inside-epoch validations: ``step_val_<key>`` with ``step=global_step``."""
+        if not self.params.get("validation_interval") or not is_rank_zero() or not logs:
+            return
+        if not self._active:
+            self._start()
+        self._log_metrics({k: v for k, v in logs.items() if k.startswith("val_")}, int(logs["step"]), "step_")
 
     def on_epoch_end(self, epoch, logs=None):
         if not is_rank_zero():

@@ -19,6 +19,7 @@ from fitkit.callbacks.logkeys import (
     check_validation_monitor,
     may_add_keys,
     monitor_value,
+    per_validation,
 )
 from fitkit.callbacks.scoring import scored_weights
 from fitkit.checks import check_int, check_mode, check_number
@@ -32,6 +33,7 @@ __all__ = [
     "is_improvement",
     "check_log_key",
     "may_add_keys",
+    "per_validation",
 ]
 
 # Keys (without ``val_``) whose smaller values are better, besides anything ending in
@@ -143,7 +145,9 @@ class EarlyStopping(StatefulCallback):
     none. With a ``baseline``, the wait only restarts on values that also beat the baseline,
     so a baseline never beaten stops training after ``patience`` epochs. With
     ``restore_best_weights``, the weights of the best epoch (a deep copy, taken when it ended)
-    are put back when training ends, whatever ended it.
+    are put back when training ends, whatever ended it. With ``fit(validation_interval=...)``
+    and a ``val_`` monitor it decides at each validation (``on_validation_end``) instead of at
+    epoch ends, and ``patience`` counts validations (:mod:`fitkit.step_validation`).
 
     Three more criteria stop at once, checked in this order before the patience rule
     (Lightning's ``EarlyStopping``): ``check_finite`` stops on a NaN or infinite value,
@@ -280,6 +284,15 @@ class EarlyStopping(StatefulCallback):
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def on_epoch_end(self, epoch, logs=None):
+        if not per_validation(self):  # else decided at each validation
+            self._decide(epoch, logs, later=epoch > 0)
+
+    def on_validation_end(self, logs=None):
+        if per_validation(self):
+            history = getattr(self.model, "history", None)
+            self._decide(self.model.epoch, logs, later=len(getattr(history, "validations", ())) > 1)
+
+    def _decide(self, epoch: int, logs: Any, later: bool) -> None:
         current = monitor_value(logs, self.monitor, "EarlyStopping", self.params, self.model)
         if current is None or epoch < self.start_from_epoch:
             return
@@ -310,8 +323,9 @@ class EarlyStopping(StatefulCallback):
             better = "<" if self._mode == "min" else ">"
             return self._stop(epoch, f"stopping_threshold: {self.monitor} = {current:.4g} {better} "
                               f"{self.stopping_threshold:.4g}.")
-        if not improved and self.wait >= self.patience and epoch > 0:
-            self._stop(epoch, f"patience: {self.monitor} did not improve for {self.wait} epoch(s){self._best_text()}.")
+        if not improved and self.wait >= self.patience and later:
+            what = "validation(s)" if per_validation(self) else "epoch(s)"
+            self._stop(epoch, f"patience: {self.monitor} did not improve for {self.wait} {what}{self._best_text()}.")
 
     def _best_text(self) -> str:
         # No best yet when every value so far was NaN.

@@ -165,14 +165,27 @@ class ProgressBar(Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._seen = 0
-        self._open(f"Epoch {epoch + 1}/{self.params.get('epochs')}", self.params.get("steps"))
+        self._open(self._epoch_title(epoch), self.params.get("steps"))
 
     def on_train_batch_end(self, batch, logs=None):
         self._seen = batch + 1
         self._tick(batch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._close(f"Epoch {epoch + 1}/{self.params.get('epochs')}", logs)
+        self._close(self._epoch_title(epoch), logs)
+
+    def _epoch_title(self, epoch: int) -> str:
+        epochs = self.params.get("epochs")  # None: unbounded (a step budget of unknown epochs)
+        return f"Epoch {epoch + 1}/{epochs}" if epochs is not None else f"Epoch {epoch + 1}"
+
+    def on_validation_end(self, logs=None):
+        """A validation inside the epoch (``validation_interval``): one line above the bar."""
+        if not self.params.get("validation_interval") or not is_rank_zero() or not logs:
+            return
+        text = format_logs({k: v for k, v in logs.items() if k.startswith("val_")})
+        line = f"Validation at step {logs['step']} (epoch {logs['epoch'] + 1}) - {text}"
+        target = self._progress.console if self._progress is not None else self.console
+        target.print(line, highlight=False, markup=False, soft_wrap=True)
 
     # -- evaluate / predict (validation inside fit draws no bar of its own) -------------
     def on_test_begin(self, logs=None):

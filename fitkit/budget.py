@@ -1,0 +1,145 @@
+"""Step budgets: ``fit(max_steps=...)`` and the number of optimizer steps a fit plans.
+
+A fit counts optimizer steps in ``global_step`` (one per accumulation window, a short last
+window included), from the model's first fit on; a resumed fit continues that count from the
+checkpoint. ``max_steps=N`` stops training once ``global_step`` reaches ``N`` (a window is
+never cut: the check runs after a step). The epoch that the budget cuts still ends as any
+epoch does (its logs, its validation, ``on_epoch_end`` and ``History``), as Lightning's
+``max_steps`` does, and the next epoch does not start.
+
+The planned count (:func:`planned_steps`) is ``max_steps`` when given, else ``epochs`` times
+the optimizer steps per epoch (``ceil(batches / gradient_accumulation_steps)`` per epoch, each
+epoch at its own accumulation), counted from epoch 0 as ``global_step`` is, so a resumed fit
+plans the same number. A scheduler factory that takes ``total_steps`` (or Transformers'
+``num_training_steps``) is built with it at the start of the first fit (:class:`PlannedScheduler`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+from fitkit.checks import check_int
+
+__all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps"]
+
+#: The names under which a scheduler factory asks for the planned number of optimizer steps.
+STEP_KEYWORDS = ("total_steps", "num_training_steps")
+
+
+def check_max_steps(max_steps: Any, epochs: Any) -> int | None:
+    """Check ``fit``'s ``max_steps`` and ``epochs``; returns the last-epoch bound.
+
+    ``epochs=None`` is 1 without ``max_steps`` (Keras' default), and unbounded with it (the
+    budget ends training, as Lightning's ``max_epochs`` is unlimited when ``max_steps`` is set).
+
+    Raises:
+        TypeError / ValueError: ``max_steps`` not an int >= 1, ``epochs`` not an int >= 0.
+
+    Example:
+        >>> check_max_steps(None, None), check_max_steps(100, None), check_max_steps(100, 3)
+        (1, None, 3)
+    """
+    check_int("max_steps", max_steps, 1, allow_none=True,
+              fix="pass the number of optimizer steps to train for, e.g. max_steps=1000, or None.")  # fmt: skip
+    if epochs is None:
+        return 1 if max_steps is None else None
+    check_int("epochs", epochs, 0)
+    return int(epochs)
+
+
+def planned_steps(batches: int | None, accumulation: Callable[[int], int], epochs: int | None,
+                  max_steps: int | None) -> int | None:  # fmt: skip
+    """The optimizer steps a fit plans: ``max_steps``, else the steps of epochs ``0 .. epochs - 1``.
+
+    Args:
+        batches: training batches per epoch (per process), ``None`` when unknown.
+        accumulation: ``epoch -> gradient_accumulation_steps`` of that epoch.
+        epochs: the last-epoch bound (``None``: unbounded).
+        max_steps: the step budget, or ``None``.
+
+    Returns:
+        The count, or ``None`` when it cannot be known before the fit runs.
+
+    Example:
+        >>> planned_steps(10, lambda e: 4, 3, None)  # ceil(10 / 4) = 3 steps per epoch
+        9
+        >>> planned_steps(10, lambda e: 4 if e < 1 else 1, 3, None), planned_steps(None, lambda e: 1, 3, 50)
+        (23, 50)
+    """
+    if max_steps is not None:
+        return max_steps
+    if batches is None or epochs is None:
+        return None
+    return sum(math.ceil(batches / accumulation(e)) for e in range(epochs))
+
+
+def budget_epochs(batches: int | None, accumulation: Callable[[int], int], max_steps: int) -> int | None:
+    """The epochs that ``max_steps`` optimizer steps take from epoch 0 (``params["epochs"]``
+    when ``epochs`` is unbounded), ``None`` when the batches per epoch are unknown.
+
+    Example:
+        >>> budget_epochs(10, lambda e: 4, 7), budget_epochs(None, lambda e: 1, 7)
+        (3, None)
+    """
+    if not batches:
+        return None
+    epoch, steps = 0, 0
+    while steps < max_steps:
+        steps += math.ceil(batches / accumulation(epoch))
+        epoch += 1
+    return epoch
+
+
+class PlannedScheduler:
+    """A scheduler factory that asks for the planned step count; built at the first fit.
+
+    Args:
+        factory: ``(optimizer, <keyword>=steps) -> scheduler``.
+        keyword: ``"total_steps"`` or ``"num_training_steps"``.
+
+    A checkpoint loaded before the first fit keeps its scheduler state here (:attr:`state`),
+    loaded into the scheduler once it is built.
+    """
+
+    def __init__(self, factory: Callable[..., Any], keyword: str):
+        self.factory, self.keyword = factory, keyword
+        self.state: dict[str, Any] | None = None
+
+    def keep(self, state: dict[str, Any] | None) -> None:
+        """Keep a checkpoint's scheduler state until the scheduler is built."""
+        self.state = state
+
+    def build(self, optimizer: Any, total: int) -> Any:
+        """Call the factory with ``total`` optimizer steps."""
+        return self.factory(optimizer, **{self.keyword: total})
+
+
+def planned_scheduler(scheduler: Any) -> PlannedScheduler | None:
+    """A :class:`PlannedScheduler` when ``scheduler`` is a factory (a function or a
+    ``functools.partial``, not a class) with a ``total_steps`` or ``num_training_steps``
+    parameter left to fill, else ``None``.
+
+    Example:
+        >>> import functools, torch
+        >>> def warmup_decay(opt, warmup, total_steps): ...
+        >>> planned_scheduler(functools.partial(warmup_decay, warmup=2)).keyword
+        'total_steps'
+        >>> planned_scheduler(lambda opt: None) is None, planned_scheduler(torch.optim.lr_scheduler.OneCycleLR)
+        (True, None)
+    """
+    if isinstance(scheduler, type) or not callable(scheduler):
+        return None
+    try:
+        parameters = inspect.signature(scheduler).parameters
+    except (TypeError, ValueError):
+        return None
+    for keyword in STEP_KEYWORDS:
+        p = parameters.get(keyword)
+        if keyword in getattr(scheduler, "keywords", {}):  # a functools.partial that fills it
+            continue
+        if p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            return PlannedScheduler(scheduler, keyword)
+    return None

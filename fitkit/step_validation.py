@@ -1,0 +1,186 @@
+"""When ``fit`` validates: after epochs (``validation_freq``, :class:`ValidationSchedule`) or
+inside them (``validation_interval``), and the record of every validation.
+
+``validation_interval=N`` (an int) validates after every ``N``-th optimizer step, counted by
+``global_step`` across epochs (Transformers' ``eval_steps``; Lightning's ``val_check_interval``
+with ``check_val_every_n_epoch=None``). A float ``f`` in ``(0, 1]`` validates every
+``max(1, int(f * S))`` optimizer steps of each epoch of ``S`` steps, counted from the epoch's
+start (Lightning's float ``val_check_interval``: ``0.25`` is four validations per epoch).
+Validations then run only there: an epoch's logs hold the ``val_`` values of its last
+validation, if it had one (as ``validation_freq`` leaves epochs out), and ``validation_freq``
+cannot be combined with it.
+
+A validation inside an epoch runs in eval mode under ``no_grad`` with totals of its own, and
+puts every RNG state back afterwards: the training epoch's totals, its data order and its
+dropout masks are those of a fit without it. Each validation of a fit (step-level or at the
+epoch end) is recorded in ``history.validations`` as ``{"epoch", "step", "val_...": ...}``
+(``step``: ``global_step`` when it was taken), and then fires ``on_validation_end(logs)`` with
+that record. ``EarlyStopping``, ``ModelCheckpoint`` and ``ReduceLROnPlateau`` with a ``val_``
+monitor, and a compiled ``ReduceLROnPlateau`` scheduler, act on each validation then (and not
+again at the epoch end); ``patience`` counts validations. A timm plateau scheduler is not
+stepped then (other timm schedulers still get ``step(epoch + 1)`` at epoch ends).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fitkit import checkpoint as _checkpoint
+from fitkit.callbacks.logkeys import per_validation
+from fitkit.checks import check_int, check_number
+from fitkit.eval_loop import EvalLoop
+
+__all__ = ["ValidationSchedule", "ValidationInterval", "StepValidation", "record_validation", "per_validation"]
+
+
+class ValidationSchedule:
+    """After which (0-based) epochs ``fit`` validates: ``validation_freq`` (Keras' argument).
+
+    Args:
+        validation_freq: validate every n epochs (an int), or after the listed 1-based epochs.
+
+    Raises:
+        TypeError / ValueError: not an int >= 1, or a list of them.
+
+    Example:
+        >>> every2, listed = ValidationSchedule(2), ValidationSchedule([1, 5])
+        >>> [e for e in range(6) if every2(e)], listed.epochs(0, 6)
+        ([1, 3, 5], [0, 4])
+    """
+
+    def __init__(self, validation_freq: Any):
+        self.every: int | None = None
+        self.listed: set[int] = set()
+        if isinstance(validation_freq, (list, tuple, set)):
+            for v in validation_freq:
+                check_int("validation_freq", v, 1)
+                self.listed.add(int(v))
+        else:
+            check_int("validation_freq", validation_freq, 1)
+            self.every = int(validation_freq)
+
+    def __call__(self, epoch: int) -> bool:
+        """Whether validation is scheduled after (0-based) ``epoch``."""
+        return (epoch + 1) % self.every == 0 if self.every is not None else epoch + 1 in self.listed
+
+    def epochs(self, start: int, stop: int) -> list[int]:
+        """The scheduled (0-based) epochs of ``range(start, stop)``."""
+        return [e for e in range(start, stop) if self(e)]
+
+
+class ValidationInterval:
+    """When ``fit`` validates inside an epoch (see the module's docstring).
+
+    Args:
+        value: an int >= 1 (every that many optimizer steps, counted by ``global_step``) or a
+            float in ``(0, 1]`` (a fraction of each epoch's optimizer steps).
+
+    Raises:
+        TypeError: not an int or a float.
+        ValueError: an int < 1 or a float outside ``(0, 1]``.
+
+    Example:
+        >>> every3, quarter = ValidationInterval(3), ValidationInterval(0.25)
+        >>> [s for s in range(1, 10) if every3.due(s, s)], quarter.plan(10), quarter.steps_between
+        ([3, 6, 9], None, 2)
+    """
+
+    def __init__(self, value: Any):
+        fix = "pass an int (every N optimizer steps) or a float in (0, 1] (a fraction of the epoch), e.g. 0.25."
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"Expected `validation_interval` to be an int or a float. Received: validation_interval={value!r} "
+                f"of type {type(value).__name__}. Fix: {fix}"
+            )
+        check_number("validation_interval", value, positive=True, fix=fix)
+        if isinstance(value, float) and value > 1:
+            raise ValueError(
+                f"Expected a float `validation_interval` in (0, 1]. Received: validation_interval={value!r}. "
+                f"Fix: {fix}"
+            )
+        self.value = value
+        self.fraction = isinstance(value, float)
+        self.steps_between = int(value) if not self.fraction else 0
+
+    def plan(self, windows: int | None) -> None:
+        """Fix a fraction's spacing from the optimizer steps per epoch (``ValueError`` if unknown)."""
+        if not self.fraction:
+            return None
+        if windows is None:
+            raise ValueError(
+                f"validation_interval={self.value!r} is a fraction of the epoch, but the training data has no "
+                "length, so the epoch's steps are unknown. Fix: pass an int validation_interval (every N "
+                "optimizer steps), or `steps_per_epoch=`."
+            )
+        self.steps_between = max(1, int(self.value * windows))
+        return None
+
+    def due(self, global_step: int, step_in_epoch: int) -> bool:
+        """Whether the optimizer step just done (``global_step``, the epoch's ``step_in_epoch``-th,
+        1-based) is followed by a validation."""
+        counted = step_in_epoch if self.fraction else global_step
+        return counted > 0 and counted % self.steps_between == 0
+
+
+def record_validation(loop: Any, epoch: int, val_logs: dict[str, float]) -> dict[str, Any]:
+    """Record a validation of ``loop``'s fit in ``history.validations`` and fire
+    ``on_validation_end`` with the record; returns the ``val_`` logs."""
+    logs = {f"val_{k}": v for k, v in val_logs.items()}
+    record: dict[str, Any] = {"epoch": epoch, "step": loop.model._stepper.global_step, **logs}
+    loop.history.validations.append(dict(record))
+    loop.callbacks.on_validation_end(record)
+    return logs
+
+
+def _step_plateau(stepper: Any, val_logs: dict[str, float]) -> None:
+    """A compiled ``ReduceLROnPlateau`` (epoch interval) steps on each validation's loss."""
+    sched = stepper.scheduler
+    if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) and stepper.interval == "epoch":
+        if "loss" in val_logs:
+            sched.step(val_logs["loss"])
+
+
+class StepValidation:
+    """The validations of one fit with ``validation_interval`` (owned by its ``FitLoop``)."""
+
+    def __init__(self, loop: Any, interval: ValidationInterval):
+        self.loop, self.interval = loop, interval
+        self.last_step = -1  # the global_step of the last validation (a vetoed step does not move it)
+
+    def begin_epoch(self, batches: int | None, accumulation: int) -> None:
+        """A fraction's spacing for this epoch of ``batches`` at ``accumulation``."""
+        if self.interval.fraction and batches:
+            self.interval.plan(math.ceil(batches / accumulation))
+
+    def after_step(self, batches_done: int) -> None:
+        """After an optimizer step: validate if it is due (``batches_done``: of the epoch)."""
+        loop = self.loop
+        stepper = loop.model._stepper
+        step = stepper.global_step
+        if step == self.last_step:
+            return
+        if self.interval.due(step, math.ceil(batches_done / stepper.accumulation)):
+            self.run(loop.position.epoch)
+
+    def run(self, epoch: int) -> None:
+        loop = self.loop
+        self.last_step = loop.model._stepper.global_step
+        rng = _checkpoint.rng_state()  # the training stream goes on as if nothing ran
+        try:
+            val_logs = EvalLoop(loop.model, loop.val, loop.callbacks, loop.val_steps, what="validation_data").run()
+        finally:
+            _checkpoint.set_rng_state(rng)
+        _step_plateau(loop.model._stepper, val_logs)
+        record_validation(loop, epoch, val_logs)
+
+    def epoch_logs(self, epoch: int) -> dict[str, float] | None:
+        """The ``val_`` values of ``epoch``'s last validation (the epoch logs'), if it had one."""
+        for record in reversed(self.loop.history.validations):
+            if record["epoch"] == epoch:
+                return {k: v for k, v in record.items() if k.startswith("val_")}
+            if record["epoch"] < epoch:
+                return None
+        return None
