@@ -22,10 +22,12 @@ import numpy as np
 import torch
 
 from fitkit.checks import FitkitWarning
+from fitkit.distributed import dcp as _dcp
 from fitkit.distributed.group import is_rank_zero
 from fitkit.files import (
     CheckpointError,
     atomic_save,
+    is_sharded,
     load_safetensors,
     optimizer_differences,
     safe_load,
@@ -131,8 +133,12 @@ class ResumePoint:
             if type(cb).__name__ == "History" and history is not None:
                 cb.load_state_dict(history)
 
-def checkpoint_state(model: Any) -> dict[str, Any]:
-    """The full training state of ``model`` as a ``weights_only``-loadable dict."""
+def checkpoint_state(model: Any, tensors: bool = True) -> dict[str, Any]:
+    """The full training state of ``model`` as a ``weights_only``-loadable dict.
+
+    ``tensors=False``: without the module and optimizer states (``None``), the part a sharded
+    checkpoint keeps beside its shards.
+    """
     from fitkit import __version__
 
     loop = model._running_fit()
@@ -148,8 +154,8 @@ def checkpoint_state(model: Any) -> dict[str, Any]:
     trackers = {k: part.pop(k) for k in ("epoch_rng", "trackers") if k in part}
     state: dict[str, Any] = {
         "fitkit_version": __version__,
-        "module": model.state_dict(),
-        "optimizer": _optimizer_state_dict(model) if model.optimizer is not None else None,
+        "module": model.state_dict() if tensors else None,
+        "optimizer": _optimizer_state_dict(model) if model.optimizer is not None and tensors else None,
         "optimizer_class": type(model.optimizer).__name__ if model.optimizer is not None else None,
         "scheduler": model.scheduler.state_dict() if model.scheduler is not None else None,
         "scheduler_class": type(model.scheduler).__name__ if model.scheduler is not None else None,
@@ -178,6 +184,13 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
         The epoch to pass as ``initial_epoch``.
     """
     check_path(path)
+    if is_sharded(path):  # a folder of shards (strategy="fsdp"): each rank reads its own
+        state, differences = _dcp.inspect(model, path)
+        if getattr(model._stepper, "planned", None) is None:  # else a scheduler built at the first fit
+            differences += _scheduler_differences(model.scheduler, state)
+        _raise_differences(path, differences)
+        _dcp.load_tensors(model, path)
+        return _load_rest(model, state)
     state = safe_load(path, model.device)
     if not isinstance(state, dict) or "fitkit_version" not in state:
         raise CheckpointError(
@@ -200,9 +213,14 @@ def load_checkpoint(model: Any, path: str | os.PathLike) -> int:
             model._parallel.load_optimizer_state_dict(model.module, model.optimizer, state["optimizer"])
         else:
             model.optimizer.load_state_dict(state["optimizer"])
+    return _load_rest(model, state)
+
+
+def _load_rest(model: Any, state: dict[str, Any]) -> int:
+    """Scheduler, scaler, step count and the resume point (after module and optimizer)."""
     if state["scheduler"] is not None and model.scheduler is not None:
         model.scheduler.load_state_dict(state["scheduler"])
-    elif planned is not None:
+    elif getattr(model._stepper, "planned", None) is not None:
         model._stepper.keep_scheduler_state(state["scheduler"])  # loaded once the first fit has built it
     stepper = model._stepper
     stepper.load_state_dict({"scaler": state["scaler"], "global_step": state["global_step"]})
@@ -229,6 +247,35 @@ def check_path(path: Any) -> None:
             f"Expected `path` to be a str or a path. Received: path={path!r} ({type(path).__name__}). "
             "Fix: pass a file name such as 'model.pt'."
         )
+
+
+def save_checkpoint(model: Any, path: str | os.PathLike, sharded: bool | None = None, async_save: bool = False) -> None:
+    """One file written by rank 0, or (``sharded``; the default under FSDP) a folder of shards."""
+    check_path(path)
+    if sharded is None:
+        sharded = _dcp.is_sharded_default(model)
+    if not isinstance(sharded, bool) or not isinstance(async_save, bool):
+        raise TypeError(
+            f"Expected `sharded` (True, False or None) and `async_save` to be bools. Received: "
+            f"sharded={sharded!r}, async_save={async_save!r}."
+        )
+    if async_save and not sharded:
+        raise ValueError(
+            "async_save=True writes a sharded checkpoint (a folder, torch.distributed.checkpoint), but "
+            "this one is a single file. Fix: pass sharded=True, or use strategy='fsdp' under torchrun."
+        )
+    if sharded:
+        _dcp.save(model, checkpoint_state(model, tensors=False), path, async_save)
+        return
+    _dcp.wait()  # a sharded save in flight finishes first (saves stay in call order)
+    state = checkpoint_state(model)
+    if is_rank_zero():
+        if is_sharded(path):  # a folder there (of an FSDP run): replaced once the file is complete
+            tmp = os.path.join(os.path.dirname(os.fspath(path)) or ".", f".{os.path.basename(path)}.file.tmp")
+            atomic_save(state, tmp)
+            _dcp.swap_into_place(tmp, path)
+        else:
+            atomic_save(state, path)
 
 
 def save_weights(model: Any, path: str | os.PathLike) -> None:

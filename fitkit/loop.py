@@ -187,6 +187,7 @@ class FitLoop:
                 self.interrupt.raise_now()
         finally:
             self.running = False
+            _distributed.dcp.wait()  # an async checkpoint still being written ends with fit
             cbs.params.pop("train_data", None)  # History keeps params: not the data
             cbs.close(finished)
             model._pop_resume()  # a loaded resume point serves one fit only
@@ -220,13 +221,14 @@ class FitLoop:
         if loader.next_epoch_batches is not None:  # the batches this epoch will really run
             cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
-        stepper.begin_epoch(epoch)
+        stepper.begin_epoch(epoch, _distributed.host_rows(loader, model.loss))  # host rows: fitkit's shards
         if self.step_val is not None:
             self.step_val.begin_epoch(loader.next_epoch_batches or loader.num_batches, stepper.accumulation)
         position.set_rng(torch.get_rng_state())  # replays this epoch's data order on resume
         self.epoch_order = _order.capture(loader)  # and the loader's own generators / state
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self._batches(epoch)
+        batches = _distributed.agree_on_epoch_end(loader, batches, start)  # already_sharded: even steps
         guard, agreement, interrupt = self.guard, self.agreement, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first
         local = model._parallel is None  # one process: stops and signals need no agreement

@@ -65,10 +65,15 @@ class Model:
             module in DDP at ``compile()``, ``"fsdp"`` shards it with FSDP2 ``fully_shard``;
             the process group starts here if needed (see :mod:`fitkit.distributed`). On one
             process every strategy trains plainly, so the same script runs both ways.
+        timeout: under torchrun, seconds a collective may wait for the other ranks before the
+            job ends with an error (a rank that hangs or died without its process ending);
+            ``None``: the ``FITKIT_DIST_TIMEOUT`` environment variable, else torch's default
+            (10 min for nccl, 30 min for gloo). Used when fitkit starts the process group.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``, ``strategy`` not a string.
-        ValueError: an unknown ``strategy``.
+        TypeError: ``module`` is not an ``nn.Module``, ``strategy`` not a string, ``timeout``
+            not a number.
+        ValueError: an unknown ``strategy``; a ``timeout`` that is not positive.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -81,15 +86,17 @@ class Model:
         [3.0, 2.0]
     """
 
-    def __init__(self, module: nn.Module, *, device: str | torch.device = "auto", strategy: str = "auto"):
+    def __init__(self, module: nn.Module, *, device: str | torch.device = "auto", strategy: str = "auto",
+                 timeout: float | None = None):  # fmt: skip
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"Expected `module` to be a torch.nn.Module. Received: {type(module).__name__}. "
                 "Fix: wrap your network, e.g. fitkit.Model(nn.Sequential(...))."
             )
         _distributed.check_strategy(strategy)
+        timeout = _distributed.check_timeout(timeout)
         self.device = resolve_device(device)
-        _distributed.init_if_needed(self.device)  # under torchrun: nccl on CUDA, gloo on CPU
+        _distributed.init_if_needed(self.device, timeout)  # under torchrun: nccl on CUDA, gloo on CPU
         self.module = module.to(self.device)
         self.strategy = strategy
         self._parallel = _distributed.Parallel(strategy, self.device) if _distributed.is_distributed() else None
@@ -1048,24 +1055,29 @@ class Model:
         """
         return _checkpoint.checkpoint_state(self)
 
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
+    def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool | None = None,
+                        async_save: bool = False) -> None:  # fmt: skip
         """Write the full training state (:meth:`checkpoint_state`) to ``path`` atomically.
 
         Under torchrun rank 0 writes (its RNG states); the state is unwrapped, so the file
-        resumes at any world size. With ``strategy="fsdp"`` call it on every rank (gathering
-        the shards is a collective).
+        resumes at any world size. With ``strategy="fsdp"`` the checkpoint is a folder of shards
+        (``torch.distributed.checkpoint``, see :mod:`fitkit.distributed.dcp`): every rank
+        writes its own shards and no rank gathers the full state; it loads at any world size,
+        one process included. Call it on every rank.
 
         Args:
-            path: the file to write; missing parent folders are created, an existing file is
-                replaced.
+            path: the file (or folder) to write; missing parent folders are created, an
+                existing one is replaced once the new one is complete.
+            sharded: write a folder of shards; ``None``: under ``strategy="fsdp"`` only.
+            async_save: for a sharded checkpoint: return once the state is copied off the
+                training tensors and write it in a background thread (one save in flight;
+                the next save, the end of ``fit`` and a SIGTERM wait for it).
 
         Raises:
             OSError: the file cannot be written (the old file, if any, is left as it was).
+            ValueError: ``async_save=True`` for a one-file checkpoint.
         """
-        _checkpoint.check_path(path)
-        state = _checkpoint.checkpoint_state(self)
-        if _distributed.is_rank_zero():
-            _checkpoint.atomic_save(state, path)
+        _checkpoint.save_checkpoint(self, path, sharded, async_save)
 
     def load_checkpoint(self, path: str | os.PathLike) -> int:
         """Restore a checkpoint; the next ``fit(..., initial_epoch=k)`` continues from it.
@@ -1075,7 +1087,7 @@ class Model:
         between does not change the result. A ``BackupAndRestore`` calls it for you.
 
         Args:
-            path: a file written by :meth:`save_checkpoint`.
+            path: a file or a folder of shards written by :meth:`save_checkpoint`.
 
         Returns:
             ``k``: the epoch to pass as ``initial_epoch`` (0-based).

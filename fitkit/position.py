@@ -54,6 +54,7 @@ class Position:
         self.pass_offset = pass_offset
         self.batch_size = batch_size
         self.world = world
+        self.saved_world: int | None = None  # a loaded checkpoint's world size (None: unknown)
         self.n_used = n_used
         self.epoch_rng: torch.Tensor | None = epoch_rng
         self.in_epoch = False  # between the first and the last batch of an epoch
@@ -118,8 +119,19 @@ class Position:
         """
         from fitkit.data import TensorBatches
 
-        if type(loader.batches) is TensorBatches and self._samples:
+        if isinstance(loader.batches, TensorBatches) and self._samples:  # one process or fitkit's shards
             return 0, self._samples
+        world = getattr(loader.batches, "world", 1)
+        if self.saved_world is not None and self.saved_world != world:
+            source = type(getattr(loader.batches, "source", loader.batches)).__name__
+            raise ValueError(
+                f"The checkpoint was taken inside epoch {self.epoch + 1} on {self.saved_world} process(es), and "
+                f"this fit runs on {world}. This source ({source}) "
+                "resumes by batches, and its batches at another world size hold other samples, so the untrained "
+                f"samples of that epoch cannot be found. Fix: resume on {self.saved_world} process(es), pass the "
+                "data as in-memory tensors (they resume by sample at any world size), or resume from a checkpoint "
+                "taken at an epoch end."
+            )
         now = getattr(loader, "batch_size", None)
         if self.batch_size is not None and now is not None and now != self.batch_size:
             raise ValueError(
@@ -132,7 +144,7 @@ class Position:
     def resume_at(self, point: Position, skip: tuple[int, int | None], batch_size: int | None) -> int:
         """Continue inside ``point``'s epoch after ``skip`` (:meth:`skip_for`); returns the
         index of the first batch to run, counted in this fit's ``batch_size``."""
-        done = point.batches if skip[1] is None else skip[1] // (batch_size or 1)
+        done = point.batches if skip[1] is None else skip[1] // ((batch_size or 1) * self.world)
         self.batches = done
         self._base = (done, point._samples if skip[1] is not None else None)
         self.epoch_rng = None if point.epoch_rng is None else point.epoch_rng.cpu()
@@ -147,7 +159,7 @@ class Position:
         """
         if self.in_epoch:
             return {"epoch": self.epoch, "step_in_epoch": self.batches, "samples_in_epoch": self.samples,
-                    "pass_offset": pass_offset}  # fmt: skip
+                    "pass_offset": pass_offset, "world_size": self.world}  # fmt: skip
         return {"epoch": self.epochs_done, "step_in_epoch": 0, "samples_in_epoch": 0, "pass_offset": pass_offset}
 
     @classmethod
@@ -157,4 +169,8 @@ class Position:
             epoch=int(state["epoch"]), batches=int(state["step_in_epoch"]),
             samples=int(state.get("samples_in_epoch") or 0), pass_offset=int(state.get("pass_offset") or 0),
             batch_size=state.get("batch_size"), epoch_rng=state.get("epoch_rng"),
-        )  # fmt: skip
+        )._saved_on(state.get("world_size"))  # fmt: skip
+
+    def _saved_on(self, world: Any) -> Position:
+        self.saved_world = None if world is None else int(world)  # None: a file of an older fitkit
+        return self

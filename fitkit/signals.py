@@ -9,7 +9,8 @@ asks: ``SystemExit(128 + 15)`` for SIGTERM (status 143, as a killed process), an
 The previous handlers come back when ``fit`` returns.
 
 Under torchrun every rank must run the same steps, so a stop or a signal on one rank takes
-effect where the ranks agree (:class:`RankAgreement`): every ``AGREE_EVERY`` optimizer steps
+effect where the ranks agree (:class:`RankAgreement`): after at most ``AGREE_EVERY`` optimizer
+steps and about every 2 seconds
 for a signal, after ``on_backward_end`` for a stop when a callback uses that hook (the
 stepper agrees there), and at every epoch end for both.
 """
@@ -22,12 +23,13 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from fitkit.distributed.agreement import SignalAgreement
 from fitkit.distributed.group import any_rank
 
 __all__ = ["Interrupt", "deferred", "RankAgreement", "AGREE_EVERY"]
 
 #: Under torchrun, the ranks agree on a SIGTERM / SIGINT every this many optimizer steps.
-AGREE_EVERY = 8
+AGREE_EVERY = 8  # the default of FITKIT_SIGNAL_STEPS (fitkit.distributed.agreement)
 
 
 class Interrupt:
@@ -97,23 +99,25 @@ class RankAgreement:
 
     def __init__(self, interrupt: Interrupt, distributed: bool):
         self.interrupt, self.distributed = interrupt, distributed
-        self._since_agreed = 0  # optimizer steps since the ranks last agreed on a signal
+        self._schedule: SignalAgreement | None = None  # made at the first step (reads the settings)
 
     def at_step_boundary(self) -> bool:
         """Whether a SIGTERM / SIGINT stops training after this optimizer step.
 
-        Under torchrun the ranks agree every ``AGREE_EVERY`` optimizer steps (one tiny
-        all-reduce), so a signal to any rank stops all of them within that many steps, and at
-        the latest at the end of the epoch.
+        Under torchrun the ranks agree (one tiny all-reduce) after at most ``AGREE_EVERY``
+        optimizer steps and about every 2 seconds (:mod:`fitkit.distributed.agreement`:
+        ``FITKIT_SIGNAL_STEPS``, ``FITKIT_SIGNAL_SECONDS``), and at the latest at the end of
+        the epoch.
         """
         local = self.interrupt.signum is not None
         if not self.distributed:
             return local
-        self._since_agreed += 1
-        if self._since_agreed < AGREE_EVERY:
+        if self._schedule is None:
+            self._schedule = SignalAgreement()
+        agreed = self._schedule.after_step(local)
+        if agreed is None:  # between agreements: every rank goes on
             return False
-        self._since_agreed = 0
-        if any_rank(local) and not local:
+        if agreed and not local:
             self.interrupt.signum = signal.SIGTERM  # another rank was signalled: stop with it
         return self.interrupt.signum is not None
 

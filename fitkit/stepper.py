@@ -120,6 +120,7 @@ class Stepper:
         self.grad_norm: torch.Tensor | None = None
         self.lrs_used: list[Any] | None = None  # the LRs of the last step, before a scheduler moved them
         self.stop_agreed = False
+        self.host_rows: Any = None  # under torchrun: batch index -> rows of that global batch, if known
         self.validates = False  # whether the running fit validates at all (see fitting())
         # The running fit's on_backward_end and stop query (see fitting(); None outside a fit).
         self._before_step: Any = None
@@ -204,7 +205,10 @@ class Stepper:
             # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
             # each rank's share makes DDP's gradient average the exact global mean.
             # A window whose denominator is 0 (all weights 0, every token ignored) adds nothing.
-            total = _nonzero(sum(sizes)) if self.parallel is None else _distributed.global_share(sizes)
+            if self.parallel is None:
+                total = _nonzero(sum(sizes))
+            else:  # no collective when the sizes are rows that every rank's host knows
+                total = _distributed.global_share(sizes, _distributed.known_rows(self.host_rows, sizes, step))
             for i, batch in enumerate(group):
                 self.micro_scale = sizes[i] / total
                 self.micro_last = i == len(group) - 1
@@ -262,10 +266,15 @@ class Stepper:
             (self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto,
              self._before_step) = window  # fmt: skip
 
-    def begin_epoch(self, epoch: int | None = None) -> None:
+    def begin_epoch(self, epoch: int | None = None, host_rows: Any = None) -> None:
         """A fit epoch starts: the LRs its last step used are recorded afresh, and an
-        accumulation schedule sets this epoch's micro-batches per step."""
+        accumulation schedule sets this epoch's micro-batches per step.
+
+        ``host_rows``: under torchrun, ``batch index -> rows of that global batch`` when the
+        host knows them (fitkit's own shards), so a window's global size needs no all-reduce.
+        """
         self.lrs_used = None
+        self.host_rows = host_rows
         if self.accumulation_schedule is not None and epoch is not None:
             self.accumulation = self.accumulation_schedule(epoch)
 

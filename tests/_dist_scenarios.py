@@ -257,3 +257,22 @@ def tokens(case: str, batch_size: int | None = None, accumulation: int = 2) -> d
     ev_w = kw.get("sample_weight")
     ev = model.evaluate(x, y, batch_size=max(1, bs // 2), sample_weight=ev_w, verbose=0)
     return {"params": full_params(model), "history": history.history, "evaluate": ev}
+
+
+class IdRecorder(nn.Module):
+    """``net`` that records, per epoch, the sample ids it trains on (``x[:, 0]`` looked up in
+    ``data(37)``'s inputs)."""
+
+    def __init__(self, net: nn.Module, n: int = 37):
+        super().__init__()
+        self.net, self.seen = net, []
+        self._ids = {float(v): i for i, v in enumerate(data(n)[0][:, 0])}
+
+    def forward(self, x):
+        if self.training and self.seen:
+            self.seen[-1] += [self._ids[float(v)] for v in x[:, 0]]
+        return self.net(x)
+
+    def epochs(self) -> LambdaCallback:
+        """The callback that starts a new list at each epoch."""
+        return LambdaCallback(on_epoch_begin=lambda epoch, logs: self.seen.append([]))

@@ -24,7 +24,8 @@ def free_port() -> int:
 
 
 def run_torchrun(
-    body: str, workdir: Path, nproc: int = 2, timeout: float = 120, check: bool = True
+    body: str, workdir: Path, nproc: int = 2, timeout: float = 120, check: bool = True,
+    args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     """Write ``body`` to ``workdir/job.py`` and run it on ``nproc`` CPU processes.
 
@@ -36,7 +37,7 @@ def run_torchrun(
 
     ``check=False`` leaves the exit status to the caller, for scripts that record their results
     in files before the processes end (gloo's teardown after a signal may abort a process that
-    has finished its work).
+    has finished its work). ``args``: more torchrun options (``--max-restarts=1``).
 
     Raises:
         AssertionError: a non-zero exit status (with ``check``) or a timeout, with the output shown.
@@ -52,7 +53,7 @@ def run_torchrun(
         env.pop(key, None)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", *args, str(script),
     ]  # fmt: skip
     try:
         proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout)

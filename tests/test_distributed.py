@@ -15,6 +15,7 @@ import _dist_scenarios as sc
 import fitkit
 from _torchrun import run_torchrun
 from fitkit import distributed
+from fitkit.files import consolidate_weights
 
 JOB = """
 import torch
@@ -213,15 +214,19 @@ def test_predict_returns_every_row_once_in_order(job, strategy):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_checkpoint_from_2_ranks_resumes_on_1(job, reference, strategy):
-    """Written at world size 2 (rank 0 writes, unwrapped state), resumed here at world size 1.
+    """Written at world size 2 (DDP: rank 0 writes one file; FSDP: each rank its shards, a folder;
+    unwrapped state either way), resumed here at world size 1.
 
     The loaded weights are the saved ones, and the resumed run ends where an uninterrupted
     one-process run ends (same global batches; rank 0's RNG state is in the file).
     """
     r0, r1, _, out = job
     key, path = ("checkpoint", out / "ddp.pt") if strategy == "ddp" else ("fsdp_checkpoint", out / "fsdp.pt")
-    state = torch.load(path, weights_only=True)
-    assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["module"])
+    if strategy == "ddp":  # one file, written by rank 0
+        keys = list(torch.load(path, weights_only=True)["module"])
+    else:  # a folder of both ranks' shards
+        keys = consolidate_weights(path, out / "fsdp_weights.pt")
+    assert keys and not any(k.startswith(("module.", "_orig_mod.")) for k in keys)
     _assert_identical(r0[key]["params"], r1[key]["params"])
     resumed = sc.resume(path)
     assert resumed["start"] == 2

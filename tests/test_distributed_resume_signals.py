@@ -1,5 +1,6 @@
 """Under torchrun: a mid-epoch backup holds every rank's samples and totals (so it resumes
-exactly at another world size), and a SIGTERM to one rank stops every rank at one step."""
+exactly at another world size), a SIGTERM to one rank stops every rank at one step (agreed by
+steps and by time), and a job restarted by torchrun resumes from its latest backup."""
 
 from __future__ import annotations
 
@@ -59,15 +60,46 @@ class Term(fitkit.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if rank() == 0 and self.model.global_step == 3:
             os.kill(os.getpid(), signal.SIGTERM)
-code = None
-try:
-    model.fit(x, y, batch_size=2, epochs=5, verbose=0,
-              callbacks=[fitkit.callbacks.BackupAndRestore(OUT / "bk", save_freq=1), Term()])
-except SystemExit as e:
-    code = e.code
-json.dump({"code": code, "step": model.global_step}, open(OUT / f"r{rank()}.json", "w"))
+# By steps (a time budget no run reaches), then by time (a budget every step exceeds).
+for name, seconds in (("steps", "1000"), ("time", "1e-9")):
+    os.environ["FITKIT_SIGNAL_SECONDS"] = seconds
+    torch.manual_seed(0)
+    model = fitkit.Model(net(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss="mse", metrics=["mae"])
+    code = None
+    try:
+        model.fit(x, y, batch_size=2, epochs=5, verbose=0,
+                  callbacks=[fitkit.callbacks.BackupAndRestore(OUT / name, save_freq=1), Term()])
+    except SystemExit as e:
+        code = e.code
+    json.dump({"code": code, "step": model.global_step}, open(OUT / f"{name}{rank()}.json", "w"))
 torch.distributed.barrier()
 """, tmp_path, check=False)
-    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1))
-    assert r0 == r1 == {"code": 143, "step": 8}  # the ranks agree every 8 optimizer steps
-    assert torch.load(tmp_path / "bk" / "backup.pt", weights_only=True)["global_step"] == 8
+    for name, step in (("steps", 9), ("time", 3)):
+        # steps: agreements after step 1, then every 8 steps (1, 9, ...); time: after every step
+        r0, r1 = (json.loads((tmp_path / f"{name}{r}.json").read_text()) for r in (0, 1))
+        assert r0 == r1 == {"code": 143, "step": step}, name
+        assert torch.load(tmp_path / name / "backup.pt", weights_only=True)["global_step"] == step
+
+
+def test_a_restarted_job_resumes_from_the_latest_backup(tmp_path):
+    """torchrun --max-restarts=1 (static rendezvous: --master_addr / --master_port): rank 1 is
+    SIGKILLed at step 7 of the first attempt; the second attempt resumes from the sharded
+    backup of step 6 and ends with the weights of an uninterrupted run."""
+    run_torchrun(SETUP.replace('device="cpu")', 'device="cpu", strategy="fsdp")') + """
+from _dist_scenarios import full_params
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+class Kill(fitkit.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if attempt == 0 and rank() == 1 and self.model.global_step == 7:
+            os.kill(os.getpid(), signal.SIGKILL)
+model.fit(x, y, sample_weight=w, batch_size=4, epochs=3, shuffle=True, verbose=0,
+          callbacks=[fitkit.callbacks.BackupAndRestore(OUT / "bk", save_freq=2), Kill()])
+torch.save({"attempt": attempt, "params": full_params(model), "step": model.global_step}, OUT / f"r{rank()}.pt")
+""", tmp_path, args=("--max-restarts=1",), timeout=180)
+    r0, r1 = (torch.load(tmp_path / f"r{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["attempt"] == r1["attempt"] == 1 and r0["step"] == r1["step"] == 15
+    ref, _ = _one_process()
+    for name, p in ref.module.named_parameters():
+        assert torch.equal(r0["params"][name], r1["params"][name]), name
+        torch.testing.assert_close(r0["params"][name], p.detach(), rtol=0, atol=1e-6)

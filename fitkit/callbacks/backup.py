@@ -18,7 +18,8 @@ from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import FitkitWarning, check_every
-from fitkit.files import CheckpointError, check_target, remove_stale_temps
+from fitkit.distributed import dcp
+from fitkit.files import CheckpointError, check_target, remove_path, remove_stale_temps
 from fitkit.files.content import is_count, typed_problems
 from fitkit.files.locks import FileLock
 from fitkit.files.preflight import check_writable
@@ -31,7 +32,9 @@ class BackupAndRestore(StatefulCallback):
 
     The backup is one full checkpoint, ``backup_dir/backup.pt``, replaced atomically at the end
     of each epoch or every ``save_freq`` batches; the one it replaces is kept as
-    ``backup.prev.pt`` (Keras' ``double_checkpoint``). When the newest backup is damaged
+    ``backup.prev.pt`` (Keras' ``double_checkpoint``). Under ``strategy="fsdp"`` both are
+    folders of shards (``torch.distributed.checkpoint``: each rank writes and reads only its
+    own; see :mod:`fitkit.distributed.dcp`), which resume at any world size. When the newest backup is damaged
     (:class:`fitkit.files.CheckpointError`), ``fit`` warns, naming both files, and resumes
     from the previous one. When ``fit`` starts and a backup exists, the
     model, optimizer, scheduler, RNG states, history and callback states are restored and
@@ -45,6 +48,11 @@ class BackupAndRestore(StatefulCallback):
         save_freq: ``"epoch"``, or an int: every that many batches (at the end of a gradient
             accumulation group).
         delete_checkpoint: delete the backup when ``fit`` ends normally.
+        async_save: for sharded backups (``strategy="fsdp"``): training waits only while the
+            state is copied, a background thread writes it. At most one write is in flight;
+            the next backup, a SIGTERM and the end of ``fit`` wait for it. A write cut short
+            is never taken for a backup: the previous one resumes. One-file backups are
+            always written at once.
 
     Raises:
         TypeError: ``backup_dir`` is not a str or a path.
@@ -63,8 +71,12 @@ class BackupAndRestore(StatefulCallback):
 
     _is_backup = True  # written after the other checkpoint files of the same event
 
-    def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch", delete_checkpoint: bool = True):
+    def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch", delete_checkpoint: bool = True,
+                 async_save: bool = False):  # fmt: skip
         super().__init__()
+        if not isinstance(async_save, bool):
+            raise TypeError(f"Expected `async_save` to be a bool. Received: async_save={async_save!r}.")
+        self.async_save = async_save
         check_every("save_freq", save_freq, "epoch", "batches")
         check_target(backup_dir, "backup_dir", "BackupAndRestore", "folder")
         self.backup_dir = Path(backup_dir)
@@ -110,23 +122,24 @@ class BackupAndRestore(StatefulCallback):
             )
             # Temp files of a write a crash interrupted are never a backup: clear them.
             remove_stale_temps(self.backup_dir, self.path.name)
+            remove_path(self.backup_dir / f".{self.path.name}.tmp")  # a sharded write cut short
         # Restores module / optimizer / scheduler now; fit applies the RNG states, the
         # position in the epoch, the history and the callback states (this one's too).
         self._rotate = False
-        if self.path.is_file():
+        if self.path.exists():  # a file, or a folder of shards
             try:
                 self.model.load_checkpoint(self.path)  # fit starts at the backup's epoch
                 self._rotate = True
                 return
             except CheckpointError as e:
-                if not self.prev_path.is_file():
+                if not self.prev_path.exists():
                     raise
                 warnings.warn(
                     f"The backup {str(self.path)!r} is damaged, so training resumes from the previous "
                     f"backup {str(self.prev_path)!r}, one backup earlier. ({e})",
                     category=FitkitWarning, stacklevel=2,
                 )
-        if self.prev_path.is_file():  # the newest is damaged, or a crash came between the two
+        if self.prev_path.exists():  # the newest is damaged, or a crash came between the two
             self.model.load_checkpoint(self.prev_path)
 
     def _save_on_epoch_end(self, epoch, logs=None):
@@ -149,18 +162,25 @@ class BackupAndRestore(StatefulCallback):
     def _save_on_interrupt(self):
         # SIGTERM / SIGINT: the state of this step boundary, kept for the re-run.
         self._interrupted = True
-        self._write()
+        self._write(at_once=True)
 
-    def _write(self) -> None:
+    def _write(self, at_once: bool = False) -> None:
         # A run that a callback stopped is about to end: a crash from here on replays from
         # the previous backup and stops at the same point, while a backup written now would
         # resume past the stop. Every rank calls save_checkpoint; rank 0 writes.
         if not self.model.stop_training:
-            moved = self._rotate and is_rank_zero() and self.path.is_file()
+            dcp.wait()  # the write in flight, if any, is the backup to keep as the previous one
+            moved = self._rotate and is_rank_zero() and self.path.exists()
             if moved:
+                if self.path.is_dir() or self.prev_path.is_dir():
+                    remove_path(self.prev_path)  # a folder cannot be replaced in one rename
                 os.replace(self.path, self.prev_path)  # atomic; a crash now resumes from it
+            background = self.async_save and not at_once and dcp.is_sharded_default(self.model)
             try:
-                self.model.save_checkpoint(self.path)
+                if background:
+                    self.model.save_checkpoint(self.path, async_save=True)
+                else:
+                    self.model.save_checkpoint(self.path)
             except OSError as e:
                 if not moved or e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
@@ -178,12 +198,13 @@ class BackupAndRestore(StatefulCallback):
             lock.release()
 
     def on_train_end(self, logs=None):
+        dcp.wait()
         if self._interrupted:
             return  # the backup is what the re-run resumes from
         if self.delete_checkpoint and is_rank_zero():
             self.close()  # before the folder goes
-            self.path.unlink(missing_ok=True)
-            self.prev_path.unlink(missing_ok=True)
+            remove_path(self.path)
+            remove_path(self.prev_path)
             try:
                 self.backup_dir.rmdir()  # only if nothing else is in it
             except OSError:

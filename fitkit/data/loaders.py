@@ -225,7 +225,7 @@ class DeviceLoader:
         # Keras 3's steps_per_epoch: the iterator carries over across epochs; when it runs out
         # inside an epoch, that epoch ends early and the next one starts a fresh pass.
         if skip_samples:  # in-memory data resumed by samples: whole batches of this size
-            skip = skip_samples // (self.batch_size or 1)
+            skip = skip_samples // ((self.batch_size or 1) * getattr(self.batches, "world", 1))
         if offset or skip:  # a resume: the pass as it was, fast-forwarded to where it stopped
             self._persistent = self._prepare(self.batches.iterate(self.epoch, offset + skip))
             self._pass_done = offset + skip

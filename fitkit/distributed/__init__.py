@@ -32,9 +32,12 @@ What a script should know:
 - ``model.stop_training`` set on some ranks only stops every rank where the ranks agree: after
   ``on_backward_end`` when a callback uses that hook (``TerminateOnNaN``), else at the end of
   the epoch. A step vetoed on one rank (``TerminateOnNaN``) is skipped on all.
-- Rank 0 prints and writes files; ``save_weights`` / ``save_checkpoint`` write on rank 0 only
-  and hold the plain module's state. Under ``strategy="fsdp"`` gathering that state is a
-  collective, so those two must be called on every rank.
+- Rank 0 prints and writes files; ``save_weights`` writes on rank 0 only and holds the plain
+  module's full state (under ``strategy="fsdp"`` gathering it is a collective: call it on
+  every rank; it is the full-weights export). ``save_checkpoint`` writes one file on rank 0
+  under DDP, and under ``strategy="fsdp"`` a folder in which every rank writes its own shards
+  (:mod:`~fitkit.distributed.dcp`); call it on every rank. ``fitkit.files.consolidate_weights``
+  turns such a folder into one weights file, offline.
 - A process group you start yourself is used as it is; create the ``Model`` after it.
 
 The package, one concern per module (everything is re-exported here):
@@ -43,6 +46,10 @@ The package, one concern per module (everything is re-exported here):
   loss reductions (``init_if_needed``, ``rank``, ``any_rank``, ``global_share``, ...).
 - :mod:`~fitkit.distributed.parallel`: ``Model(strategy=...)``, DDP / FSDP2 wrapping and full
   state dicts (``check_strategy``, ``Parallel``).
+- :mod:`~fitkit.distributed.dcp`: sharded checkpoints (``torch.distributed.checkpoint``),
+  sync and async, loading at any world size.
+- :mod:`~fitkit.distributed.split`: iterables split by rank and DataLoader worker
+  (``split_by_rank_and_worker``), and one training epoch end agreed by all ranks.
 - :mod:`~fitkit.distributed.sharding`: each rank's share of the data and ``predict``'s rows
   gathered back (``already_sharded``, ``shard``, ``gather_predictions``).
 
@@ -55,16 +62,19 @@ Example:
 
 # Names outside __all__ are re-exported too: the model, the loops and the stepper call
 # `fitkit.distributed.sharded`, `.global_share`, `.gather_predictions`, ...
-from fitkit.distributed import parallel
+from fitkit.distributed import dcp, parallel  # noqa: F401
+from fitkit.distributed.agreement import SignalAgreement  # noqa: F401
 from fitkit.distributed.group import (  # noqa: F401
     all_gather_object,
     all_reduce_sum,
     any_rank,
     any_rank_on_device,
+    check_timeout,
     global_share,
     init_if_needed,
     is_distributed,
     is_rank_zero,
+    known_rows,
     launched_by_torchrun,
     rank,
     reduce_loss_totals,
@@ -77,10 +87,12 @@ from fitkit.distributed.sharding import (  # noqa: F401
     ShardedTensorBatches,
     already_sharded,
     gather_predictions,
+    host_rows,
     shard,
     sharded,
     unwrap,
 )
+from fitkit.distributed.split import RankWorkerSplit, agree_on_epoch_end, split_by_rank_and_worker  # noqa: F401
 
 #: Values of ``Model(strategy=...)``: "auto" is DDP under torchrun, nothing on one process.
 STRATEGIES = parallel.STRATEGIES  # the same tuple; bound here too so Sphinx finds this comment
@@ -98,6 +110,7 @@ __all__ = [
     "any_rank",
     "all_gather_object",
     "already_sharded",
+    "split_by_rank_and_worker",
     "check_strategy",
     "Parallel",
     "shard",

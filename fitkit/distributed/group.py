@@ -9,7 +9,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import json
 import os
+import sys
+import time
+import traceback
 from collections.abc import Iterable
 from typing import Any
 
@@ -70,14 +74,50 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def init_if_needed(device: torch.device) -> bool:
+def check_timeout(timeout: Any) -> float | None:
+    """``Model(timeout=...)``, else ``FITKIT_DIST_TIMEOUT``: seconds, or ``None`` (torch's default).
+
+    Example:
+        >>> check_timeout(30), check_timeout(None)
+        (30.0, None)
+        >>> check_timeout(0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `timeout` to be a positive number of seconds. Received: timeout=0. Fix: ...
+    """
+    where = "timeout"
+    if timeout is None and os.environ.get("FITKIT_DIST_TIMEOUT"):
+        where, timeout = "FITKIT_DIST_TIMEOUT", os.environ["FITKIT_DIST_TIMEOUT"]
+        try:
+            timeout = float(timeout)
+        except ValueError:
+            pass
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"Expected `{where}` to be a number of seconds. Received: {where}={timeout!r} "
+            f"({type(timeout).__name__}). Fix: pass e.g. timeout=600."
+        )
+    if not timeout > 0:
+        raise ValueError(
+            f"Expected `{where}` to be a positive number of seconds. Received: {where}={timeout!r}. "
+            "Fix: pass e.g. timeout=600 (10 minutes), or None for torch's default."
+        )
+    return float(timeout)
+
+
+def init_if_needed(device: torch.device, timeout: float | None = None) -> bool:
     """Start the default process group when launched by torchrun and none is running yet.
 
     nccl for a CUDA ``device`` (made the current device first), gloo otherwise. A group that
     fitkit starts is destroyed at interpreter exit; a group the user started is left alone.
+    An exception that ends the script is also written to torchrun's error file (as torch's
+    ``@record`` does), so torchrun's failure summary shows the failing rank's traceback.
 
     Args:
         device: this rank's device (``cuda:LOCAL_RANK`` under torchrun on GPUs).
+        timeout: seconds a collective waits for the other ranks; ``None``: torch's default.
 
     Returns:
         Whether this call started the group.
@@ -85,14 +125,56 @@ def init_if_needed(device: torch.device) -> bool:
     global _started_here
     if not launched_by_torchrun() or not dist.is_available() or dist.is_initialized():
         return False
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    kwargs.update(_restart_store(timeout))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **kwargs)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **kwargs)
     _started_here = True
     atexit.register(_teardown)
+    _record_uncaught()
     return True
+
+
+def _restart_store(timeout: float | None) -> dict[str, Any]:
+    """A restarted torchrun attempt: the agent's store under a prefix of this attempt's own.
+
+    torchrun keeps its store across restarts, so the keys of the attempt before (each rank's
+    gloo address) are still there and a restarted rank may connect to a process that is gone.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    wait = datetime.timedelta(seconds=timeout or 300)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=wait)  # fmt: skip
+    return {"store": dist.PrefixStore(f"fitkit/attempt{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}  # fmt: skip
+
+
+def _record_uncaught() -> None:
+    """Write an uncaught exception to ``TORCHELASTIC_ERROR_FILE`` before the usual traceback."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE") or getattr(sys.excepthook, "_fitkit", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, tb: Any) -> None:
+        try:  # the format of torch's ErrorHandler.record_exception, with this exception's stack
+            data = {"message": {"message": f"{kind.__name__}: {value}", "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
+                "timestamp": str(int(time.time())),
+            }}}  # fmt: skip
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass
+        finally:
+            previous(kind, value, tb)
+
+    hook._fitkit = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _teardown() -> None:
@@ -189,8 +271,19 @@ def _draw_seed(generator: torch.Generator | None = None) -> int:
 
 
 # -- exact reductions of the loss --------------------------------------------------------
-def global_share(sizes: list[Any]) -> torch.Tensor:
+def known_rows(host_rows: Any, sizes: list[Any], step: int) -> int | None:
+    """The rows of global batches ``step, step + 1, ...`` (one per size) summed, when known on the
+    host: plain row counts (no sample weights) and ``host_rows`` given (fitkit's own shards)."""
+    if host_rows is None or any(isinstance(s, torch.Tensor) for s in sizes):
+        return None
+    return sum(host_rows(step + i) for i in range(len(sizes)))
+
+
+def global_share(sizes: list[Any], host_total: int | None = None) -> torch.Tensor | float:
     """``total / W`` with ``total`` the sum of ``sizes`` over all ranks, as a device tensor.
+
+    ``host_total``: that total, known on the host (every rank's rows of the global batch, from
+    fitkit's own sharding): the share is then a Python float and no collective runs.
 
     ``size / global_share(sizes)`` is then a micro-batch's share ``size * W / total`` of the
     global group: DDP divides the summed gradients by ``W``, so scaling each rank's mean loss by
@@ -198,6 +291,8 @@ def global_share(sizes: list[Any]) -> torch.Tensor:
     gets a share of 0, not 0/0. Host sizes are filled into the device tensor (a kernel
     argument, no copy), so nothing waits for the device.
     """
+    if host_total is not None:
+        return (host_total or 1) / dist.get_world_size()
     total = sum(sizes)
     dev = _comm_device()
     dtype = torch.float64 if dev.type != "mps" else torch.float32

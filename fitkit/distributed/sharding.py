@@ -13,6 +13,7 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    default_collate,
 )
 
 from fitkit import nest
@@ -88,19 +89,30 @@ class ShardedTensorBatches(TensorBatches):
     def __init__(self, src: TensorBatches):
         super().__init__(src.x, src.y, src.w, src.batch_size, src.shuffle)
         self.rank, self.world = rank(), world_size()
+        self._origin = 0  # where global batch 0 starts (a resume by samples moves it)
 
     @property
     def num_batches(self) -> int:
         return math.ceil(self.n / (self.batch_size * self.world))
 
-    def _bounds(self) -> Iterator[tuple[int, int]]:
+    def _bounds(self, start: int = 0) -> Iterator[tuple[int, int]]:
         g = self.batch_size * self.world
-        for lo in range(0, self.n, g):
+        for lo in range(start, self.n, g):
             yield _share(lo, min(g, self.n - lo), self.rank, self.world)
 
     def iterate(self, epoch: int, skip: int = 0, skip_samples: int | None = None) -> Iterator[Any]:
-        # Sharded data resumes by batches (``skip``); ``skip_samples`` is for one process.
+        """This rank's shares of the epoch's global batches.
+
+        ``skip``: global batches to leave out; ``skip_samples``: samples of the epoch's order
+        to leave out instead (a resume at any world size and batch size: the rest of the
+        order is cut into global batches of this fit).
+        """
         x, y, w = self.x, self.y, self.w
+        start = 0 if skip_samples is None else skip_samples
+        g = self.batch_size * self.world
+        # the global batch at index i starts at origin + i * g (indices count from the resume's)
+        self._origin = 0 if skip_samples is None else start - (start // g) * g
+        skip = skip if skip_samples is None else 0
         perm = None
         if self.shuffle:
             perm = torch.randperm(self.n) if self.rank == 0 else torch.empty(self.n, dtype=torch.int64)
@@ -108,11 +120,16 @@ class ShardedTensorBatches(TensorBatches):
             leaves = _leaves(x)
             if leaves and leaves[0].device != perm.device:
                 perm = perm.to(leaves[0].device)
-        for s, (a, b) in enumerate(self._bounds()):
+        for s, (a, b) in enumerate(self._bounds(start)):
             if s < skip:
                 continue
             idx = slice(a, b) if perm is None else perm[a:b]
             yield _index(x, idx), _index(y, idx), None if w is None else w[idx]
+
+    def global_rows(self, step: int) -> int:
+        """Rows of global batch ``step`` summed over all ranks (known on every rank's host)."""
+        g = self.batch_size * self.world
+        return max(0, min(g, self.n - (self._origin + step * g)))
 
     def positions(self) -> torch.Tensor:
         """Global positions (in epoch order) of the rows this rank yields, in yield order."""
@@ -153,8 +170,47 @@ class ShardedLoaderBatches(_IterableBatches):
                 continue
             yield batch if keep == m else _index(batch, slice(0, keep))
 
+    def global_rows(self, step: int) -> int:
+        """Rows of batch ``step`` summed over all ranks (each rank's kept share, on the host)."""
+        b = self.source.batch_size  # type: ignore[attr-defined]
+        reals = (max(0, -(-(self.n - r) // self.world)) for r in range(self.world))
+        return sum(max(0, min((step + 1) * b, real) - step * b) for real in reals)
+
     def positions(self) -> torch.Tensor:
         return self.rank + self.world * torch.arange(self.real)
+
+
+def _rows_are_denominators(loss: Any, y: Any) -> bool:
+    """Whether every batch's loss denominator is its row count (or its weights' sum, a tensor),
+    the same rule on every rank: not for tokens (class indices of more than one per row)."""
+    from fitkit.losses import Loss
+
+    if loss is None:
+        return True
+    if not isinstance(loss, Loss):  # several losses: their own denominators
+        return False
+    return loss.kind != "class_index" or (isinstance(y, torch.Tensor) and y.dim() <= 1)
+
+
+def host_rows(loader: DeviceLoader, loss: Any = None) -> Any:
+    """``step -> rows of global batch step`` for fitkit's own shards, else ``None``.
+
+    ``loss``: the compiled loss; a loss whose denominators are tokens gets ``None``.
+
+    Known on the host for in-memory data, and for a DataLoader whose batches are its samples
+    (the default collate; rows cut off by fitkit are counted); not with ``steps_per_epoch``
+    (an epoch's batch index is not the pass's) or a DataLoader that drops its last batch.
+    """
+    src = getattr(loader, "batches", None)
+    if loader.steps is not None or loader.sharded is not True:
+        return None
+    if isinstance(src, ShardedTensorBatches):
+        return src.global_rows if _rows_are_denominators(loss, src.y) else None
+    if isinstance(src, ShardedLoaderBatches) and _rows_are_denominators(loss, None):
+        dl: Any = src.source
+        if dl.collate_fn is default_collate and not dl.drop_last:
+            return src.global_rows
+    return None
 
 
 def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
@@ -168,7 +224,9 @@ def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
     if isinstance(dl.dataset, IterableDataset):
         raise ValueError(
             f"Under torchrun fitkit shards the data per rank, but an IterableDataset "
-            f"({type(dl.dataset).__name__}) cannot be split by index. {fix}"
+            f"({type(dl.dataset).__name__}) cannot be split by index. Fix: split it by rank and worker "
+            "and mark the loader: already_sharded(DataLoader(split_by_rank_and_worker(dataset), "
+            "batch_size=..., num_workers=...)) (both in fitkit.distributed), or pass a map-style Dataset."
         )
     sampler = dl.sampler
     if isinstance(sampler, DistributedSampler):

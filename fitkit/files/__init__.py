@@ -12,6 +12,10 @@ reader never checks them; :func:`safe_load` does), and a fitkit checkpoint also 
 core: 16 ms for a 4 MB module with its Adam state (a 12 MB file), plus 8 ms to verify the
 CRC-32s when loading.
 
+A sharded checkpoint (``strategy="fsdp"``) is a folder of ``torch.distributed.checkpoint``
+shards plus a small checksummed file of the rest (:mod:`fitkit.files.sharded`);
+:func:`consolidate_weights` turns one into a single weights file offline.
+
 A run's folder is its own: callbacks lock their folder or file (:class:`FileLock`), delete
 only files their own path template makes there (:mod:`fitkit.files.owned`), and check a
 checkpoint's content before anything loads (:mod:`fitkit.files.content`). See the guide
@@ -28,6 +32,7 @@ from fitkit.files.payload import (
 )
 from fitkit.files.reading import CheckpointError, RefusedCheckpointError, safe_load
 from fitkit.files.safe_tensors import load_safetensors, save_safetensors
+from fitkit.files.sharded import STATE_NAME, check_sharded, consolidate_weights, is_sharded, remove_path
 from fitkit.files.writing import (
     atomic_save,
     check_target,
@@ -39,5 +44,6 @@ __all__ = [
     "CheckpointError", "atomic_save", "safe_load", "remove_stale_temps", "cut_to_last_line",
     "payload_checksum", "check_weights_only", "to_python", "save_safetensors", "load_safetensors",
     "state_dict_differences", "optimizer_differences", "check_target", "CHECKSUM_KEY",
+    "consolidate_weights", "check_sharded", "is_sharded", "remove_path", "STATE_NAME",
     "FileLock", "LockError", "RefusedCheckpointError", "check_state_dict_fits",
 ]  # fmt: skip

@@ -1,0 +1,239 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): each rank its own shards.
+
+Under ``strategy="fsdp"`` :meth:`fitkit.Model.save_checkpoint` (and so ``BackupAndRestore``)
+writes a folder (see :mod:`fitkit.files.sharded`): every rank writes only its shards of the
+module and optimizer state (``torch.distributed.checkpoint.state_dict.get_state_dict``), so
+no rank ever holds the full state; a load reads into the ranks' own shards at any world size,
+one process without a process group included, or into a DDP / plain module.
+
+Guarantees, as for a one-file checkpoint:
+
+- **Atomic.** The folder is written as ``.<name>.tmp`` next to ``path``; when every rank has
+  written and DCP's index is there, rank 0 adds the non-tensor state (checksummed) and renames
+  the folder into place. A folder without both index files is never taken for a checkpoint.
+- **Damage named, all or nothing.** A load checks the index files and every shard file's
+  size, then compares the names and shapes of the tensors (and the optimizer class, parameter
+  groups and scheduler) with the model before reading anything into it; the tensors are read
+  into a fresh state dict and set only when all were read.
+- **Async** (``async_save=True``): the state is copied off the tensors being trained (into
+  pinned memory on a GPU) and written by a background thread over a gloo group of its own;
+  training blocks only for that copy. At most one save is in flight: the next save, a
+  SIGTERM's backup, the end of ``fit`` and interpreter exit wait for it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fitkit.distributed.group import is_distributed, is_rank_zero
+from fitkit.files import atomic_save, optimizer_differences
+from fitkit.files.sharded import (
+    STATE_NAME,
+    check_sharded,
+    quiet_single_process,
+    read_state,
+    remove_path,
+    sharded_shapes,
+)
+
+__all__ = ["save", "inspect", "load_tensors", "wait", "is_sharded_default"]
+
+_group: Any = None  # the gloo group of checkpoint writes (created at the first sharded save)
+_pending: _Pending | None = None
+_atexit = False
+
+
+def is_sharded_default(model: Any) -> bool:
+    """Whether ``save_checkpoint`` writes a sharded folder by default: under FSDP."""
+    return model._parallel is not None and model._parallel.fsdp
+
+
+def _ckpt_group() -> Any:
+    global _group
+    if _group is None and is_distributed():
+        _group = dist.new_group(backend="gloo")  # collective: every rank saves together
+    return _group
+
+
+def _tensor_state(model: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model.module, model.optimizer)
+    return {"model": msd, "optim": osd}
+
+
+class _Pending:
+    """One save in flight: its future, and the finishing step (rank 0's rename) run once."""
+
+    def __init__(self, future: Any, finish: Any, stager: Any):
+        self.future, self._finish, self._stager = future, finish, stager
+        self._lock = threading.Lock()
+        self._done = False
+        future.add_done_callback(lambda _: self.finish())
+
+    def finish(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            try:
+                if self.future.exception() is None:
+                    self._finish()
+            finally:
+                if self._stager is not None:
+                    self._stager.close()
+
+    def wait(self) -> None:
+        self.future.result()  # raises the background write's error here
+        self.finish()
+
+
+def wait() -> None:
+    """Wait for the save in flight (if any) and its rename; re-raise its error."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        pending.wait()
+
+
+def save(model: Any, state: dict[str, Any], path: str | os.PathLike, async_save: bool = False) -> None:
+    """Write ``model``'s sharded checkpoint folder at ``path`` (every rank calls it).
+
+    Args:
+        model: the compiled :class:`fitkit.Model`.
+        state: the non-tensor part (``checkpoint_state(model, tensors=False)``).
+        path: the folder; an existing file or folder there is replaced when the new one is complete.
+        async_save: return once the tensors are staged; the write finishes in the background.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    global _pending, _atexit
+    wait()  # at most one save in flight
+    final = Path(path)
+    tmp = final.parent / f".{final.name}.tmp"
+    group = _ckpt_group()
+    if is_rank_zero():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_path(tmp)  # what a killed write left
+    if group is not None:
+        dist.barrier(group=group)  # nobody writes into the folder before it is cleared
+    tensors = _tensor_state(model)
+    state = {**state, "format": "dcp", "world_size": dist.get_world_size() if is_distributed() else 1,
+             "param_groups_names": _group_names(model)}  # fmt: skip
+
+    def finish() -> None:
+        if is_rank_zero():
+            atomic_save(state, tmp / STATE_NAME)
+            swap_into_place(tmp, final)
+
+    no_dist = group is None
+    if not async_save:
+        with quiet_single_process():
+            dcp.save(tensors, checkpoint_id=os.fspath(tmp), process_group=group, no_dist=no_dist)
+        finish()
+        if group is not None:
+            dist.barrier(group=group)  # every rank may read the checkpoint now
+        return
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=cuda))  # fmt: skip
+    future = dcp.async_save(tensors, checkpoint_id=os.fspath(tmp), process_group=group, async_stager=stager,
+                            no_dist=no_dist)  # fmt: skip
+    _pending = _Pending(future, finish, stager)
+    if not _atexit:
+        _atexit = True
+        atexit.register(wait)
+
+
+def swap_into_place(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Rename ``tmp`` (a file or folder) to ``final``, replacing what is there (rank 0 only)."""
+    tmp, final = Path(tmp), Path(final)
+    old = final.parent / f".{final.name}.old.tmp"
+    remove_path(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    remove_path(old)
+    try:  # make the renames durable
+        fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _group_names(model: Any) -> list[list[str]]:
+    """The parameter names of each optimizer group (what a sharded optimizer state is keyed by)."""
+    fqn = {id(p): n for n, p in model.module.named_parameters()}
+    return [[fqn.get(id(p), "?") for p in g["params"]] for g in model.optimizer.param_groups]
+
+
+def differences(model: Any, meta: Any, state: dict[str, Any]) -> list[str]:
+    """What does not fit between a sharded checkpoint and ``model``, from its index alone."""
+    from fitkit.files import state_dict_differences
+
+    dtypes = {k: v.properties.dtype for k, v in meta.state_dict_metadata.items() if hasattr(v, "properties")}
+    shapes = sharded_shapes(meta)
+    saved = {k: torch.empty(shape, dtype=dtypes[f"model.{k}"], device="meta") for k, shape in shapes.items()}
+    out = state_dict_differences(model.module.state_dict(), saved)  # DTensors: global shapes
+    names = state.get("param_groups_names") or []
+    as_saved = {"state": {}, "param_groups": [{"params": list(range(len(g)))} for g in names]}
+    out += optimizer_differences(model.optimizer, as_saved, state.get("optimizer_class"))
+    if not out and names != _group_names(model):
+        out.append("optimizer: its parameter groups hold other parameters than the model's")
+    return out
+
+
+def inspect(model: Any, path: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
+    """A sharded checkpoint's non-tensor part and what in it does not fit ``model`` (nothing read
+    into the model). Every rank calls it (a save of this process still in flight is waited for).
+
+    Raises:
+        FileNotFoundError: no folder at ``path``.
+        CheckpointError: an incomplete or damaged folder.
+        ValueError: a folder that is not a fitkit sharded checkpoint.
+    """
+    wait()
+    meta = check_sharded(path)
+    state = read_state(path, model.device)
+    if not isinstance(state, dict) or state.get("format") != "dcp":
+        raise ValueError(
+            f"{str(path)!r} is not a fitkit sharded checkpoint. Fix: pass a folder written by save_checkpoint."
+        )
+    return state, differences(model, meta, state)
+
+
+def load_tensors(model: Any, path: str | os.PathLike) -> None:
+    """Read the module and optimizer shards into a fresh state dict, then set both (every rank).
+
+    Each rank reads only the pieces of its own shards; a plain module reads the full tensors.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    fresh = _fresh(_tensor_state(model))
+    with quiet_single_process():
+        dcp.load(fresh, checkpoint_id=os.fspath(path), process_group=_ckpt_group(), no_dist=not is_distributed())
+    set_state_dict(model.module, model.optimizer, model_state_dict=fresh["model"], optim_state_dict=fresh["optim"])
+
+
+def _fresh(obj: Any) -> Any:
+    """The same structure with new, empty tensors (DTensors keep their sharding)."""
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_like(obj)
+    if isinstance(obj, dict):
+        return {k: _fresh(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fresh(v) for v in obj]
+    return obj

@@ -1,0 +1,131 @@
+"""Iterables split by rank and DataLoader worker, and one epoch end agreed by every rank.
+
+Data fitkit cannot split by index (an ``IterableDataset``, a generator, a stream) is split by
+the user and marked :func:`~fitkit.distributed.already_sharded`. Two things go wrong there
+without care:
+
+- **Workers.** A ``DataLoader(num_workers=k)`` runs the dataset's ``__iter__`` in each of its
+  ``k`` worker processes: a dataset split by rank only yields every sample ``k`` times.
+  :func:`split_by_rank_and_worker` splits by both (``torch.utils.data.get_worker_info``, the
+  rule of webdataset's ``split_by_node`` + ``split_by_worker``).
+- **Uneven lengths.** DDP and FSDP pair every rank's collectives step by step; a rank with one
+  more batch would pair its step's all-reduces with another rank's epoch-end ones. fitkit
+  ends every rank's training epoch at the shortest rank's length (:func:`agree_on_epoch_end`),
+  with a ``FitkitWarning`` that names the counts. A source with ``len()`` (a list, a sized
+  dataset's DataLoader, ``steps_per_epoch``) costs one small gather per epoch, before it; a
+  source without one costs one tiny all-reduce and a host read per step (each rank says
+  whether it has the step's batch), so give such a source a ``__len__`` or pass
+  ``steps_per_epoch`` when the per-step cost matters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import IterableDataset, get_worker_info
+
+from fitkit.checks import FitkitWarning
+from fitkit.distributed.group import _comm_device, all_gather_object, is_distributed
+
+__all__ = ["split_by_rank_and_worker", "RankWorkerSplit", "agree_on_epoch_end"]
+
+
+def _rank_and_world() -> tuple[int, int]:
+    # In a DataLoader worker the process group is not usable; torchrun's variables are inherited.
+    if dist.is_available() and dist.is_initialized() and get_worker_info() is None:
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class RankWorkerSplit(IterableDataset):
+    """This rank's, this worker's share of ``source``: item ``k`` goes to shard ``k mod (W * n)``.
+
+    Shard ``rank * n + worker`` of ``W`` ranks times ``n`` workers per rank; every process reads
+    the whole stream and keeps its own items (so the source's own order and randomness are
+    the same everywhere, and re-seeding is up to it). Over one pass every item is yielded
+    exactly once by exactly one (rank, worker).
+
+    Args:
+        source: an iterable of samples (an ``IterableDataset``, a list, a re-iterable).
+    """
+
+    def __init__(self, source: Iterable):
+        if not isinstance(source, Iterable):
+            raise TypeError(
+                f"Expected `source` to be an iterable of samples. Received: a {type(source).__name__}. "
+                "Fix: pass an IterableDataset, a list or another re-iterable."
+            )
+        self.source = source
+
+    def shard(self) -> tuple[int, int]:
+        """``(index, count)`` of this process's shard."""
+        r, w = _rank_and_world()
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return r * workers + worker, w * workers
+
+    def __iter__(self) -> Iterator[Any]:
+        index, count = self.shard()
+        return itertools.islice(iter(self.source), index, None, count)
+
+
+def split_by_rank_and_worker(source: Iterable) -> RankWorkerSplit:
+    """Split an iterable of samples over ranks and DataLoader workers: each item once per pass.
+
+    Wrap the dataset, put it in a ``DataLoader`` (any ``num_workers``), and mark the loader
+    :func:`~fitkit.distributed.already_sharded`. Ranks may end with different numbers of
+    batches; fitkit then ends every rank's epoch at the shortest (see this module's notes).
+
+    Example:
+        >>> list(split_by_rank_and_worker(range(5)))  # one process, no workers: everything
+        [0, 1, 2, 3, 4]
+    """
+    return source if isinstance(source, RankWorkerSplit) else RankWorkerSplit(source)
+
+
+def agree_on_epoch_end(loader: Any, it: Iterator[Any], start: int) -> Iterator[Any]:
+    """``it`` cut so that every rank runs the same number of training batches this epoch.
+
+    Only data marked ``already_sharded`` under torchrun is touched (fitkit's own shards are
+    even by construction). ``start``: batches already done (a resume).
+    """
+    if getattr(loader, "sharded", False) != "user" or not is_distributed():
+        return it
+    counts = all_gather_object(loader.next_epoch_batches)  # one gather per epoch
+    if all(c is not None for c in counts):
+        shortest = min(counts)
+        if shortest != max(counts):
+            _warn_uneven(f"the ranks have {', '.join(map(str, counts))} batches (rank order)", shortest)
+        return itertools.islice(it, max(shortest - start, 0))
+    return _stop_together(it, start)
+
+
+def _stop_together(it: Iterator[Any], start: int) -> Iterator[Any]:
+    """Per step: one all-reduce of "I have this batch" (MIN over ranks) and its host read."""
+    step = start
+    while True:
+        batch = next(it, None)
+        flag = torch.tensor([0 if batch is None else 1], dtype=torch.int32, device=_comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not int(flag.item()):  # a host read; only for sources without a length
+            if batch is not None:
+                _warn_uneven(f"another rank ran out of batches after {step}, this one had more", step)
+            return
+        yield batch
+        step += 1
+
+
+def _warn_uneven(what: str, shortest: int) -> None:
+    warnings.warn(
+        f"Uneven data over the ranks: {what}. Every rank ends the epoch after {shortest} batches, so "
+        "the others' extra batches are not trained this epoch (ranks must step together). Fix: give "
+        "every rank the same number of batches (fitkit.distributed.split_by_rank_and_worker, or "
+        "pass the data unsharded and let fitkit split it).",
+        category=FitkitWarning, stacklevel=3,
+    )  # fmt: skip

@@ -1,0 +1,233 @@
+"""Sharded checkpoints (``torch.distributed.checkpoint``): under FSDP each rank writes and reads
+its own shards; a folder loads at another world size, on one process without a process group
+included; async writes; a write cut short is never taken for a checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _dist_scenarios import OPTIMIZERS, data, net
+from _torchrun import run_torchrun
+
+import fitkit
+from fitkit.files import CheckpointError, consolidate_weights
+
+JOB = """
+import os, signal, torch, fitkit
+import torch.distributed as dist
+from fitkit.distributed import rank, dcp
+from _dist_scenarios import data, net, full_params, OPTIMIZERS
+
+def fsdp_model():
+    torch.manual_seed(0)
+    m = fitkit.Model(net(), device="cpu", strategy="fsdp")
+    m.compile(optimizer=OPTIMIZERS["adam"], loss="mse")
+    return m
+
+def full_optim(m):  # the plain optimizer's format, gathered (a collective; rank 0 gets it)
+    return m._parallel.optimizer_state_dict(m.module, m.optimizer)
+
+gathers = []
+plain_gather = fitkit.distributed.Parallel.state_dict
+def counting_gather(self, module):
+    gathers.append(1)
+    return plain_gather(self, module)
+fitkit.distributed.Parallel.state_dict = counting_gather
+
+res = {}
+x, y, w = data(37)
+m = fsdp_model()
+m.fit(x, y, batch_size=4, epochs=2, shuffle=True, verbose=0)
+m.save_checkpoint(OUT / "ck")
+res["full_gathers_in_save"] = len(gathers)
+res["params"], res["optim"] = full_params(m), full_optim(m)
+m2 = fsdp_model()
+m2.load_checkpoint(OUT / "ck")
+res["loaded_params"], res["loaded_optim"] = full_params(m2), full_optim(m2)
+res["local_rows"] = {n: p.to_local().shape[0] for n, p in m2.module.named_parameters()}
+# async: what is saved is the state at the call, whatever training does while it is written
+m.save_checkpoint(OUT / "ck_async", async_save=True)
+res["async_before"] = full_params(m)
+with torch.no_grad():
+    for p in m.module.parameters():
+        p.add_(1.0)
+dcp.wait()
+m3 = fsdp_model()
+m3.load_checkpoint(OUT / "ck_async")
+res["async_loaded"] = full_params(m3)
+m.save_weights(OUT / "full.safetensors")  # the full-weights export: one file, rank 0
+torch.save(res, OUT / f"rank{rank()}.pt")
+dist.barrier()
+
+# Async backups every 2 batches; rank 0 is SIGKILLed inside the third background write.
+from torch.distributed.checkpoint import FileSystemWriter
+writes, plain_write = [], FileSystemWriter.write_data
+def killing_write(self, plan, planner):
+    writes.append(1)
+    if len(writes) == 3 and rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return plain_write(self, plan, planner)
+FileSystemWriter.write_data = killing_write
+m = fsdp_model()
+m.fit(x, y, batch_size=4, epochs=3, shuffle=True, verbose=0,
+      callbacks=[fitkit.callbacks.BackupAndRestore(OUT / "bk", save_freq=2, async_save=True)])
+"""
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dcp")
+    run_torchrun(JOB, out, nproc=2, timeout=150, check=False)  # the job ends in the SIGKILL
+    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    return r0, r1, out
+
+
+def _plain(optimizer: str = "adam") -> fitkit.Model:
+    torch.manual_seed(0)
+    model = fitkit.Model(net(), device="cpu")
+    model.compile(optimizer=OPTIMIZERS[optimizer], loss="mse")
+    return model
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _equal_optim(a: dict, b: dict) -> None:
+    assert a["state"].keys() == b["state"].keys() and len(a["state"]) == 4
+    for i in a["state"]:
+        assert a["state"][i].keys() == b["state"][i].keys()
+        for f in a["state"][i]:
+            assert torch.equal(torch.as_tensor(a["state"][i][f]), torch.as_tensor(b["state"][i][f])), (i, f)
+    assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]]
+
+
+def _torchrun_test(f):
+    return pytest.mark.distributed(pytest.mark.slow(f))
+
+
+@_torchrun_test
+def test_each_rank_writes_its_shards_and_no_rank_gathers(job):
+    r0, r1, out = job
+    assert r0["full_gathers_in_save"] == r1["full_gathers_in_save"] == 0
+    assert sorted(os.listdir(out / "ck")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "fitkit_state.pt"]
+    # net(): Linear(3, 8), Tanh, Linear(8, 1): FSDP shards dim 0 over 2 ranks
+    assert r0["local_rows"] == {"0.weight": 4, "0.bias": 4, "2.weight": 1, "2.bias": 1}
+    assert r1["local_rows"] == {"0.weight": 4, "0.bias": 4, "2.weight": 0, "2.bias": 0}
+
+
+@_torchrun_test
+def test_load_at_the_same_world_size_gives_every_tensor(job):
+    r0, r1, _ = job
+    for r in (r0, r1):
+        _equal(r["loaded_params"], r["params"])
+    _equal_optim(r0["loaded_optim"], r0["optim"])
+
+
+@_torchrun_test
+def test_load_on_one_process_without_a_group_gives_every_tensor(job):
+    r0, _, out = job
+    model = _plain()
+    assert model.load_checkpoint(out / "ck") == 2
+    _equal({n: p.detach() for n, p in model.module.named_parameters()}, r0["params"])
+    _equal_optim(model.optimizer.state_dict(), r0["optim"])
+
+
+@_torchrun_test
+def test_async_save_holds_the_state_of_the_call(job):
+    r0, r1, _ = job
+    for r in (r0, r1):
+        _equal(r["async_loaded"], r["async_before"])
+
+
+@_torchrun_test
+def test_full_weights_export_and_offline_consolidation(job, tmp_path):
+    r0, _, out = job
+    model = _plain()
+    model.load_weights(out / "full.safetensors")  # written after the +1.0 of the async test
+    exported = {n: p.detach() for n, p in model.module.named_parameters()}
+    _equal(exported, {k: v + 1.0 for k, v in r0["async_before"].items()})
+    names = consolidate_weights(out / "ck", tmp_path / "w.pt")
+    assert names == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    _equal(torch.load(tmp_path / "w.pt", weights_only=True), r0["params"])
+
+
+@_torchrun_test
+def test_sigkill_during_an_async_backup_resumes_from_the_previous_one(job):
+    """Backups at global steps 2, 4, 6 (5 batches of 8 per epoch); the third was cut short."""
+    _, _, out = job
+    bk = out / "bk"
+    assert not (bk / "backup.pt").exists() and (bk / ".backup.pt.tmp").is_dir()
+    state = torch.load(bk / "backup.prev.pt" / "fitkit_state.pt", weights_only=True)
+    assert (state["global_step"], state["epoch"], state["samples_in_epoch"]) == (4, 0, 32)
+    x, y, _ = data(37)
+    ref = _plain()
+    ref.fit(x, y, batch_size=8, epochs=3, shuffle=True, verbose=0)
+    resumed = _plain()
+    with pytest.warns(fitkit.checks.FitkitWarning, match="which is no longer running"):  # the killed job's lock
+        resumed.fit(x, y, batch_size=8, epochs=3, shuffle=True, verbose=0,
+                    callbacks=[fitkit.callbacks.BackupAndRestore(bk)])  # fmt: skip
+    for a, b in zip(resumed.module.parameters(), ref.module.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+# -- one process: the folder's guarantees ----------------------------------------------------
+def _trained_folder(path):
+    model = _plain()
+    x, y, _ = data(16)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    model.save_checkpoint(path, sharded=True)
+    return model
+
+
+@pytest.mark.slow  # the first import of torch.distributed.checkpoint
+def test_a_damaged_or_unfinished_folder_is_named_and_nothing_changes(tmp_path):
+    _trained_folder(tmp_path / "ck")
+    fresh = _plain()
+    before = [p.detach().clone() for p in fresh.module.parameters()]
+    shard = tmp_path / "ck" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 8)
+    damage = rf"shard file '__0_0.distcp' has {size - 8} bytes, the index needs {size}"
+    with pytest.raises(CheckpointError, match=damage):
+        fresh.load_checkpoint(tmp_path / "ck")
+    (tmp_path / "ck" / "fitkit_state.pt").unlink()  # as a write killed before its last file
+    with pytest.raises(CheckpointError, match="fitkit_state.pt missing"):
+        fresh.load_checkpoint(tmp_path / "ck")
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.module.parameters(), strict=True))
+    assert not fresh.optimizer.state
+
+
+def test_a_folder_of_another_model_is_refused_before_anything_is_read(tmp_path):
+    _trained_folder(tmp_path / "ck")
+    narrow = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    other = fitkit.Model(narrow, device="cpu")
+    other.compile(optimizer="sgd", loss="mse")
+    before = [p.detach().clone() for p in other.module.parameters()]
+    with pytest.raises(ValueError, match=r"(?s)'0.weight': shape \(8, 3\) in the file, \(4, 3\) in the module.*"
+                       r"optimizer: Adam in the file, SGD in the model"):  # fmt: skip
+        other.load_checkpoint(tmp_path / "ck")
+    assert all(torch.equal(a, b) for a, b in zip(before, other.module.parameters(), strict=True))
+
+
+def test_a_damaged_sharded_backup_falls_back_to_the_previous_one(tmp_path):
+    model = _trained_folder(tmp_path / "backup.prev.pt")
+    model.save_checkpoint(tmp_path / "backup.pt", sharded=True)
+    (tmp_path / "backup.pt" / ".metadata").write_bytes(b"garbage")
+    resumed = _plain()
+    with pytest.warns(fitkit.checks.FitkitWarning, match="is damaged, so training resumes from the previous backup"):
+        history = resumed.fit(*data(16)[:2], batch_size=4, epochs=2, verbose=0,
+                              callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)])  # fmt: skip
+    assert history.epoch == [0, 1] and resumed.global_step == 8
+
+
+def test_async_save_needs_a_sharded_checkpoint(tmp_path):
+    model = _plain()
+    with pytest.raises(ValueError, match="async_save=True writes a sharded checkpoint"):
+        model.save_checkpoint(tmp_path / "c.pt", async_save=True)
+    assert not (tmp_path / "c.pt").exists()

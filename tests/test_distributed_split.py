@@ -1,0 +1,202 @@
+"""Under torchrun: iterables split by rank x DataLoader worker (each sample once per epoch),
+uneven per-rank lengths ending every rank's epoch together, and the collectives each training
+step runs beyond DDP's own (none for fitkit's own shards)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist_scenarios import OPTIMIZERS, IdRecorder, data, net
+from _torchrun import run_torchrun
+
+import fitkit
+from fitkit.distributed import RankWorkerSplit, split_by_rank_and_worker
+
+JOB = """
+import os, warnings, torch, fitkit
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from fitkit.distributed import already_sharded, split_by_rank_and_worker, rank
+from _dist_scenarios import data, net, OPTIMIZERS
+
+class Ids(IterableDataset):  # sample i has x = (i, 0, 0)
+    def __iter__(self):
+        for i in range(40):
+            yield torch.tensor([float(i), 0.0, 0.0]), torch.zeros(1)
+
+class Recorder(torch.nn.Module):  # the ids of every training forward, per epoch
+    def __init__(self):
+        super().__init__()
+        self.lin, self.seen = torch.nn.Linear(3, 1), []
+    def forward(self, x):
+        if self.training:
+            self.seen[-1] += x[:, 0].long().tolist()
+        return self.lin(x)
+
+def model_of(module):
+    torch.manual_seed(0)
+    m = fitkit.Model(module, device="cpu")
+    m.compile(optimizer=OPTIMIZERS["sgd"], loss="mse")
+    return m
+
+res = {}
+rec = Recorder()
+m = model_of(rec)
+loader = DataLoader(split_by_rank_and_worker(Ids()), batch_size=5, num_workers=2)
+m.fit(already_sharded(loader), epochs=2, verbose=0,
+      callbacks=[fitkit.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: rec.seen.append([]))])
+res["worker_ids"], res["worker_steps"] = rec.seen, m.global_step
+
+x, y, _ = data(40)
+def uneven(kind):
+    n = 10 if rank() == 0 else 9  # batches of 2 rows on this rank
+    batches = [(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2]) for i in range(n)]
+    class NoLen:  # re-iterable, without a length
+        def __iter__(self):
+            return iter(batches)
+    m = model_of(net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = m.fit(already_sharded(batches if kind == "sized" else NoLen()), epochs=2, verbose=0)
+    params = [p.detach().clone() for p in m.module.parameters()]
+    return {"steps": m.global_step, "loss": h.history["loss"], "params": params,
+            "warnings": [str(w.message) for w in caught if "Uneven" in str(w.message)]}
+res["sized"], res["unsized"] = uneven("sized"), uneven("unsized")
+
+# Collectives run by Python code (fitkit's; DDP's gradient all-reduce runs in C++), per step.
+calls = []
+for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object", "barrier", "broadcast_object_list"):
+    def counted(*a, _f=getattr(dist, name), _n=name, **k):
+        calls.append(_n)
+        return _f(*a, **k)
+    setattr(dist, name, counted)
+def per_step(fit_kwargs, callbacks=()):
+    marks = []
+    cb = fitkit.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: marks.append(len(calls)))
+    m = model_of(net())
+    m.fit(**fit_kwargs, epochs=1, verbose=0, callbacks=[cb, *callbacks])
+    return [b - a for a, b in zip(marks, marks[1:])]
+os.environ["FITKIT_SIGNAL_SECONDS"] = "1000"  # the signal agreement by steps only: after steps 1, 9, ...
+x, y, w = data(37)
+res["count_tensors"] = per_step({"x": x, "y": y, "batch_size": 4})
+res["count_loader"] = per_step({"x": DataLoader(TensorDataset(x, y), batch_size=4)})
+res["count_weighted"] = per_step({"x": x, "y": y, "sample_weight": w, "batch_size": 4})
+
+# A mid-epoch backup of one process (batch 8, 24 samples of epoch 1 done) resumed on 2 ranks.
+os.environ.pop("FITKIT_SIGNAL_SECONDS")
+from _dist_scenarios import IdRecorder
+for per_rank in (4, 5):  # global batches of 8 (as the backup's) and of 10
+    torch.manual_seed(0)
+    x, y, _ = data(37)
+    rec = IdRecorder(net())
+    m = fitkit.Model(rec, device="cpu")
+    m.compile(optimizer=OPTIMIZERS["adam"], loss="mse")
+    m.fit(x, y, batch_size=per_rank, epochs=3, shuffle=True, verbose=0,
+          callbacks=[fitkit.callbacks.BackupAndRestore(OUT / f"bk{per_rank}", delete_checkpoint=False), rec.epochs()])
+    res[f"resume_{per_rank}"] = {"ids": rec.seen, "params": [p.detach().clone() for p in rec.net.parameters()]}
+torch.save(res, OUT / f"rank{rank()}.pt")
+"""
+
+
+def _one_process(backup=None, stop_after=None):
+    """Adam, 37 samples, batch 8, 3 epochs; ``stop_after``: a crash after that many batches of
+    epoch 1 (the backup, every 4 batches: at batch 8 of 10, holds 24 samples of epoch 1).
+    Returns the ids per epoch and the parameters."""
+    torch.manual_seed(0)
+    x, y, _ = data(37)
+    rec = IdRecorder(net())
+    model = fitkit.Model(rec, device="cpu")
+    model.compile(optimizer=OPTIMIZERS["adam"], loss="mse")
+    callbacks = [rec.epochs()]
+    if backup is not None:
+        callbacks.append(fitkit.callbacks.BackupAndRestore(backup, save_freq=4, delete_checkpoint=False))
+    if stop_after is not None:
+        callbacks.append(fitkit.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: (
+            model.epoch == 1 and b == stop_after - 1 and setattr(model, "stop_training", True))))
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=True, verbose=0, callbacks=callbacks)
+    return rec.seen, [p.detach().clone() for p in rec.net.parameters()]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("split")
+    for per_rank in (4, 5):
+        _one_process(out / f"bk{per_rank}", stop_after=4)
+    run_torchrun(JOB, out, nproc=2, timeout=150)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def _torchrun_test(f):
+    return pytest.mark.distributed(pytest.mark.slow(f))
+
+
+@_torchrun_test
+def test_two_ranks_by_two_workers_train_each_sample_once_per_epoch(job):
+    r0, r1 = job
+    for epoch in range(2):
+        assert sorted(r0["worker_ids"][epoch] + r1["worker_ids"][epoch]) == list(range(40))
+        # shard k mod 4: rank 0's workers take 0, 4, 8, ... and 1, 5, 9, ...
+        assert sorted(r0["worker_ids"][epoch]) == sorted(i for i in range(40) if i % 4 in (0, 1))
+    assert r0["worker_steps"] == r1["worker_steps"] == 8  # 2 workers x 2 batches of 5, 2 epochs
+
+
+@_torchrun_test
+@pytest.mark.parametrize("kind", ["sized", "unsized"])
+def test_uneven_lengths_end_every_rank_at_the_shortest(job, kind):
+    r0, r1 = job
+    assert r0[kind]["steps"] == r1[kind]["steps"] == 18  # 9 of rank 0's 10 batches, 2 epochs
+    assert r0[kind]["loss"] == r1[kind]["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(r0[kind]["params"], r1[kind]["params"], strict=True))
+    expected = "the ranks have 10, 9 batches" if kind == "sized" else "another rank ran out of batches after 9"
+    assert len(r0[kind]["warnings"]) == 2 and expected in r0[kind]["warnings"][0]
+    assert "ends the epoch after 9 batches" in r0[kind]["warnings"][0]
+    assert r1[kind]["warnings"] == ([] if kind == "unsized" else r0[kind]["warnings"])
+
+
+@_torchrun_test
+def test_no_collective_per_step_beyond_ddps_for_fitkits_own_shards(job):
+    r0, r1 = job
+    for r in (r0, r1):
+        # 5 steps, 4 gaps between batch ends; the 1 after step 1 is the signal agreement
+        # (fitkit.distributed.agreement: after step 1, then at most every 8 steps)
+        assert r["count_tensors"] == [1, 0, 0, 0]
+        assert r["count_loader"] == [1, 0, 0, 0]
+        assert r["count_weighted"] == [2, 1, 1, 1]  # + the global weight sum: the feature needs it
+
+
+def test_split_covers_every_item_once_over_ranks_and_workers(monkeypatch):
+    class FakeInfo:
+        def __init__(self, i):
+            self.id, self.num_workers = i, 3
+
+    parts = []
+    for r in range(2):
+        monkeypatch.setenv("RANK", str(r))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        for i in range(3):
+            monkeypatch.setattr("fitkit.distributed.split.get_worker_info", lambda i=i: FakeInfo(i))
+            parts.append(list(split_by_rank_and_worker(range(20))))
+    assert parts[0] == [0, 6, 12, 18] and parts[5] == [5, 11, 17]
+    assert sorted(sum(parts, [])) == list(range(20))
+
+
+def test_split_refuses_a_non_iterable():
+    with pytest.raises(TypeError, match="Expected `source` to be an iterable of samples. Received: a int"):
+        RankWorkerSplit(3)  # type: ignore[arg-type]
+
+
+@_torchrun_test
+@pytest.mark.parametrize("per_rank", [4, 5])
+def test_a_mid_epoch_backup_of_one_process_resumes_by_sample_on_two(job, per_rank):
+    """1 -> 2 ranks: the resumed epoch trains each of its untrained samples exactly once, in
+    global batches of 8 (the backup's) or 10 (24 done: the first is cut at sample 24)."""
+    r0, r1 = job
+    ref_ids, ref_params = _one_process()
+    done = ref_ids[1][:24]  # what the backup's run trained of epoch 1 (the same order)
+    resumed = r0[f"resume_{per_rank}"]["ids"][0] + r1[f"resume_{per_rank}"]["ids"][0]
+    assert sorted(done + resumed) == list(range(37))
+    last = r0[f"resume_{per_rank}"]["ids"][1] + r1[f"resume_{per_rank}"]["ids"][1]
+    assert len(r0[f"resume_{per_rank}"]["ids"]) == 2 and sorted(last) == list(range(37))  # epochs 1 and 2
+    if per_rank == 4:  # the same global batches: the uninterrupted run's weights
+        for a, b in zip(r0["resume_4"]["params"], ref_params, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
