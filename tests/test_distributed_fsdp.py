@@ -177,6 +177,18 @@ def nan_run(check_every):
 os.environ["FITKIT_SIGNAL_STEPS"] = "2"  # agreements after steps 1, 3, 5, ...
 res["nan_epoch_end"] = nan_run(100)  # the verdict read at the epoch end
 res["nan_mid_epoch"] = nan_run(1)  # read every step: the stop agreed at the next agreement point
+
+# -- a callback declaring device_veto_only that vetoes on the host: refused (ranks would differ)
+class HostVeto(fitkit.callbacks.Callback):
+    device_veto_only = True
+    def on_backward_end(self, batch):
+        self.model.skip_optimizer_step()
+m = ddp()
+before = [p.detach().clone() for p in m.module.parameters()]
+try:
+    m.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[HostVeto()])
+except RuntimeError as e:
+    res["host_veto"] = (str(e), all(torch.equal(a, b) for a, b in zip(before, m.module.parameters())))
 torch.save(res, OUT / f"rank{rank()}.pt")
 """
 
@@ -314,3 +326,12 @@ def test_fsdp_options_are_checked_at_construction():
     with pytest.raises(TypeError, match=r"strategy='fsdp' or strategy=FSDP\(wrap=\[MyBlock\]\)"):
         fitkit.Model(nn.Linear(1, 1), device="cpu", strategy=3)
     assert FSDP(wrap="GPT2Block").units(nn.Sequential(nn.Linear(1, 1))) == []
+
+
+@_torchrun_test
+def test_a_device_veto_only_callback_that_vetoes_on_the_host_is_refused(job):
+    for r in job:
+        message, untouched = r["host_veto"]
+        assert "declaring `device_veto_only = True` vetoed an optimizer step on the host" in message
+        assert "Fix: pass the decision as a device tensor" in message
+        assert untouched  # that step never happened
