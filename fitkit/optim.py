@@ -41,6 +41,9 @@ def _build_fast(cls: Any, params: list[torch.Tensor], device: torch.device) -> t
         device.type in ("cpu", "cuda")
         and "fused" in inspect.signature(cls.__init__).parameters
         and all(p.is_floating_point() for p in params)
+        # FSDP2's shards are DTensors, and torch's fused kernels have no sharding rule for them
+        # (fused SGD raises NotImplementedError at its first step): torch's default there.
+        and not any(_is_dtensor(p) for p in params)
     )
     if fusable:
         try:
@@ -48,6 +51,14 @@ def _build_fast(cls: Any, params: list[torch.Tensor], device: torch.device) -> t
         except (RuntimeError, ValueError, TypeError):
             pass  # e.g. a dtype or optimizer this torch has no fused kernel for
     return cls(params)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(t, DTensor)
 
 
 def _params(module: nn.Module, device: torch.device) -> list[torch.Tensor]:

@@ -58,6 +58,11 @@ def first_grads(store):  # this rank's gradient shards at the first step, before
 out = fsdp_fit(FSDP(wrap=[nn.Linear]))
 res["list"] = {k: v for k, v in out.items() if k != "net"}
 res["plain"] = {k: v for k, v in fsdp_fit("fsdp").items() if k != "net"}
+for name in ("sgd", "adam"):  # a named optimizer on FSDP's DTensor shards: not torch's fused kernels
+    m = fitkit.Model(mlp(), device="cpu", strategy="fsdp")
+    m.compile(optimizer=name, loss="mse")
+    h = m.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    res[f"named_{name}"] = {"fused": m.optimizer.defaults.get("fused"), "steps": m.global_step}
 out = fsdp_fit(FSDP(wrap=lambda mod: isinstance(mod, nn.Linear) and mod.in_features == mod.out_features == 8))
 res["callable"] = {"units": out["units"],
                    "unit_names": [n for n, s in out["net"].named_modules() if isinstance(s, FSDPModule)]}
@@ -217,6 +222,12 @@ def test_a_class_list_shards_every_instance_and_trains_as_the_default(job):
         # same math as one root unit: the loss of the epoch and the weights
         assert r["list"]["loss"] == pytest.approx(r["plain"]["loss"], abs=1e-6)
     assert _equal(job[0]["list"]["params"], job[1]["list"]["params"])
+
+
+@_torchrun_test
+def test_a_named_optimizer_trains_fsdp_shards_without_fused_kernels(job):
+    for r in job:
+        assert r["named_sgd"] == r["named_adam"] == {"fused": None, "steps": 2}  # 16 rows, 2 x 4 a step
 
 
 @_torchrun_test
