@@ -131,3 +131,17 @@ class WrappedFile:
 
     def __exit__(self, *exc):
         self.f.close()
+
+
+def small_classifier(scheduler=None) -> fitkit.Model:
+    """A seeded 4 -> 3 linear classifier (SGD, cross entropy), with an optional scheduler factory."""
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Linear(4, 3), device="cpu")
+    model.compile(optimizer="sgd", loss="cross_entropy", scheduler=scheduler)
+    return model
+
+
+def class_data(n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` rows of 4 features and labels in {0, 1, 2}, the same on every call."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)

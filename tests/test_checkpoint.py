@@ -7,7 +7,7 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import line_data, line_model, params_of, same_params
+from conftest import class_data, line_data, line_model, params_of, same_params, small_classifier
 from torch import nn
 from torch.optim import lr_scheduler
 
@@ -238,27 +238,20 @@ def test_a_cuda_checkpoint_loads_onto_a_cpu_model(tmp_path):
     cpu.fit(x, y, epochs=3, initial_epoch=2, verbose=0)  # the RNG states of the file apply on the CPU
 
 
-def _classifier(scheduler=None) -> fitkit.Model:
-    torch.manual_seed(0)
-    model = fitkit.Model(torch.nn.Linear(4, 3), device="cpu")
-    model.compile(optimizer="sgd", loss="cross_entropy", scheduler=scheduler)
-    return model
-
-
-X, Y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+X, Y = class_data()
 
 
 def test_a_checkpoint_with_another_scheduler_class_changes_nothing(tmp_path):
-    saved = _classifier(partial(lr_scheduler.StepLR, step_size=1, gamma=0.5))
+    saved = small_classifier(partial(lr_scheduler.StepLR, step_size=1, gamma=0.5))
     saved.fit(X, Y, epochs=1, verbose=0)
     saved.save_checkpoint(tmp_path / "c.pt")
-    model = _classifier(partial(lr_scheduler.ExponentialLR, gamma=0.9))
+    model = small_classifier(partial(lr_scheduler.ExponentialLR, gamma=0.9))
     before = params_of(model.module)
     with pytest.raises(ValueError, match="scheduler: StepLR in the file, ExponentialLR in the model"):
         model.load_checkpoint(tmp_path / "c.pt")
     assert same_params(model.module, before) and model.scheduler.gamma == 0.9 and model.global_step == 0
     with pytest.raises(ValueError, match="scheduler: the file has StepLR, the model none"):
-        _classifier().load_checkpoint(tmp_path / "c.pt")
+        small_classifier().load_checkpoint(tmp_path / "c.pt")
 
 
 def test_a_callback_that_now_watches_another_key_starts_fresh(tmp_path):
