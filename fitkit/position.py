@@ -6,10 +6,11 @@ next ``fit`` continues). It holds the epoch, the batches and the samples done in
 ``load_state_dict`` in the checkpoint's keys (``epoch``, ``step_in_epoch``,
 ``samples_in_epoch``, ``pass_offset``, ``batch_size``, ``epoch_rng``).
 
-The sample count is the primary quantity of a resume: in-memory data continues at the first
-untrained sample whatever the batch size, and it is counted over all ranks (global), so a
-checkpoint taken under torchrun resumes at any world size. Other sources can only skip whole
-batches, and need the batch size the checkpoint was taken with.
+The sample count is the primary quantity of a resume: in-memory data, a Dataset and a plain
+DataLoader continue at the first untrained sample whatever the batch size, and it is counted
+over all ranks (global), so a checkpoint taken under torchrun resumes at any world size. Other
+sources can only skip whole batches, and need the world size and batch size the checkpoint was
+taken with.
 """
 
 from __future__ import annotations

@@ -184,9 +184,9 @@ def resume(path, epochs: int = 3, strategy: str = "auto") -> dict:
 
 def parity_loader(n: int = 37) -> dict:
     """Fit on DataLoaders. Unshuffled, rank r's batch s holds positions 8s + r, 8s + r + 2, ...
-    (DistributedSampler interleaves), so the global batches are one process's batches of 8;
-    the sample DistributedSampler repeats for rank 1 is cut off. Shuffled: only the ranks'
-    agreement can be checked (DistributedSampler draws another order than RandomSampler)."""
+    (the shares interleave), so the global batches are one process's batches of 8; the sample
+    repeated for rank 1 is cut off. Shuffled: the order is the one one process's RandomSampler
+    draws, so the global batches are one process's too."""
     torch.manual_seed(0)
     x, y, _ = data(n)
     xv, yv, _ = data(11, seed=1)

@@ -268,8 +268,8 @@ def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
         return ShardedLoaderBatches(dl, shuffle=False, generator=None)  # the user's seed and shuffle
     if type(dl) is not DataLoader or dl.batch_size is None or type(dl.batch_sampler) is not BatchSampler:
         raise ValueError(
-            "Under torchrun fitkit replaces a DataLoader's sampler with a DistributedSampler, "
-            f"which needs a plain DataLoader with a batch_size; received a {type(dl).__name__} "
+            "Under torchrun fitkit replaces a DataLoader's sampler with its own rank shares, "
+            f"which need a plain DataLoader with a batch_size; received a {type(dl).__name__} "
             f"with batch_sampler={type(dl.batch_sampler).__name__}. {fix}"
         )
     if type(sampler) is SequentialSampler:
