@@ -267,8 +267,13 @@ class CountSteps(fitkit.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         step = self.model.global_step
-        if step == self.start:
+        if step == self.start and self.counter is None and self.count is None:  # once (micro-batches share a step)
             self.counter = SyncCounter().__enter__()
         elif step == self.stop and self.counter is not None:
             self.counter.__exit__(None, None, None)
             self.count, self.counter = self.counter.count, None
+
+    def on_train_end(self, logs: Any = None) -> None:
+        if self.counter is not None:  # the fit ended before step ``stop``: never leave torch patched
+            self.counter.__exit__(None, None, None)
+            self.counter = None

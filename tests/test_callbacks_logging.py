@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import csv
+import errno
+import os
 import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import line_data, line_model
 from torch import nn
 
 import fitkit
@@ -164,3 +167,25 @@ def test_tensorboard_names_a_folder_deleted_mid_run(tmp_path):
     delete = LambdaCallback(on_epoch_begin=lambda epoch, logs: shutil.rmtree(log_dir) if epoch == 1 else None)
     with pytest.raises(FileNotFoundError, match=r"TensorBoard's folder '.*tb/train' was deleted while fit.*Fix"):
         _line_fit([TensorBoard(log_dir), delete])
+
+
+def test_a_full_disk_leaves_whole_csv_rows_and_names_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "log.csv"
+    logger = CSVLogger(path)
+    x, y = line_data(8)
+    line_model().fit(x, y, epochs=2, verbose=0, callbacks=[logger])
+    whole = path.read_text()
+    real_write = os.write
+
+    def full_disk_write(fd, data):  # part of the row reaches the disk, then it is full
+        if os.readlink(f"/proc/self/fd/{fd}") != str(path):
+            return real_write(fd, data)
+        real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full_disk_write)
+    with pytest.raises(OSError, match="log.csv") as caught:
+        line_model().fit(x, y, epochs=1, verbose=0, callbacks=[CSVLogger(path, append=True)])
+    monkeypatch.undo()
+    assert caught.value.errno == errno.ENOSPC
+    assert path.read_text() == whole  # the partial row was cut off

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
+from conftest import line_data, line_model, params_of, same_params
 from torch import nn
+from torch.optim import lr_scheduler
 
 import fitkit
 from fitkit.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
@@ -193,8 +196,12 @@ def test_numbering_continues_and_a_better_best_survives_a_resume(tmp_path):
 
 def test_every_builtin_callback_state_is_saved_and_loads_weights_only(tmp_path):
     from fitkit.callbacks import (
-        BackupAndRestore, CSVLogger, LearningRateScheduler, ReduceLROnPlateau,
-        TensorBoard, TerminateOnNaN,
+        BackupAndRestore,
+        CSVLogger,
+        LearningRateScheduler,
+        ReduceLROnPlateau,
+        TensorBoard,
+        TerminateOnNaN,
     )  # fmt: skip
 
     x, y = _data()
@@ -229,3 +236,40 @@ def test_a_cuda_checkpoint_loads_onto_a_cpu_model(tmp_path):
     assert all(t.device.type == "cpu" for s in cpu.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     torch.testing.assert_close(cpu.module.weight, gpu.module.weight.cpu())
     cpu.fit(x, y, epochs=3, initial_epoch=2, verbose=0)  # the RNG states of the file apply on the CPU
+
+
+def _classifier(scheduler=None) -> fitkit.Model:
+    torch.manual_seed(0)
+    model = fitkit.Model(torch.nn.Linear(4, 3), device="cpu")
+    model.compile(optimizer="sgd", loss="cross_entropy", scheduler=scheduler)
+    return model
+
+
+X, Y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+
+
+def test_a_checkpoint_with_another_scheduler_class_changes_nothing(tmp_path):
+    saved = _classifier(partial(lr_scheduler.StepLR, step_size=1, gamma=0.5))
+    saved.fit(X, Y, epochs=1, verbose=0)
+    saved.save_checkpoint(tmp_path / "c.pt")
+    model = _classifier(partial(lr_scheduler.ExponentialLR, gamma=0.9))
+    before = params_of(model.module)
+    with pytest.raises(ValueError, match="scheduler: StepLR in the file, ExponentialLR in the model"):
+        model.load_checkpoint(tmp_path / "c.pt")
+    assert same_params(model.module, before) and model.scheduler.gamma == 0.9 and model.global_step == 0
+    with pytest.raises(ValueError, match="scheduler: the file has StepLR, the model none"):
+        _classifier().load_checkpoint(tmp_path / "c.pt")
+
+
+def test_a_callback_that_now_watches_another_key_starts_fresh(tmp_path):
+    x, y = line_data(16)
+    model = line_model()
+    stop = EarlyStopping(monitor="loss", patience=1)
+    save = LambdaCallback(on_epoch_end=lambda epoch, logs: model.save_checkpoint(tmp_path / "c.pt"))
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[stop, save])
+    resumed = line_model()
+    resumed.load_checkpoint(tmp_path / "c.pt")
+    other = EarlyStopping(monitor="learning_rate", mode="min", patience=5)
+    with pytest.warns(fitkit.FitkitWarning, match="was saved watching .*'loss'.* now watches .*'learning_rate'"):
+        resumed.fit(x, y, initial_epoch=2, epochs=3, verbose=0, callbacks=[other])
+    assert other.best == 0.05  # its own first value, not the saved best loss

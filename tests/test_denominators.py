@@ -202,3 +202,32 @@ def test_token_denominators_read_nothing_back_per_step(weights):
     # reads counted are the epoch's end and the first-batch checks).
     base = _host_reads(lambda: fit(16))
     assert base > 0 and _host_reads(lambda: fit(32)) == base
+
+
+class FixedLogits(nn.Module):
+    """Returns the stored logits of row ``x[:, 0]`` (one trainable scalar so fit can run)."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits = logits
+        self.p = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return self.logits[x[:, 0].long()] + 0 * self.p
+
+
+def test_a_sample_weight_weighs_each_of_its_real_tokens():
+    class0 = torch.tensor([5.0, 0.0, 0.0])
+    logits = torch.stack([class0.expand(4, 3), class0.expand(4, 3)])  # (B, T, C), always class 0
+    targets = torch.tensor([[0, 0, -100, -100], [1, 1, 1, -100]])
+    model = fitkit.Model(FixedLogits(logits), device="cpu")
+    model.compile(optimizer="sgd", loss="cross_entropy")
+    right, wrong = math.log(1 + 2 * math.exp(-5)), math.log(math.exp(5) + 2)  # CE of class 0 / 1
+    idx = torch.tensor([[0.0], [1.0]])
+    weighted = model.evaluate(idx, targets, sample_weight=torch.tensor([1.0, 3.0]), verbose=0)["loss"]
+    # Row 0 has 2 real tokens of weight 1, row 1 has 3 of weight 3: sum(w * l) / sum(w) over tokens.
+    assert weighted == pytest.approx((2 * 1 * right + 3 * 3 * wrong) / (2 * 1 + 3 * 3), rel=1e-6)
+    # A weight of one for every sample is the unweighted mean over the real tokens.
+    ones = model.evaluate(idx, targets, sample_weight=torch.ones(2), verbose=0)["loss"]
+    assert ones == pytest.approx(model.evaluate(idx, targets, verbose=0)["loss"], rel=1e-12)
+    assert ones == pytest.approx((2 * right + 3 * wrong) / 5, rel=1e-6)

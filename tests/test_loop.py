@@ -115,3 +115,17 @@ def test_bad_group_names_are_an_error_before_step_1(names):
         model.fit(x, x[:, :1], epochs=1, verbose=0)
     assert model.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters(), strict=True))
+
+
+def test_a_warmup_from_the_same_start_still_logs_every_group():
+    lin = nn.Linear(1, 1)
+    model = fitkit.Model(lin, device="cpu")
+    model.compile(
+        optimizer=torch.optim.SGD([{"params": [lin.weight], "lr": 0.1}, {"params": [lin.bias], "lr": 0.01}]),
+        loss="mse",
+        scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: min(1.0, step / 2)),
+        scheduler_interval="step",
+    )
+    h = model.fit(torch.zeros(4, 1), torch.zeros(4, 1), epochs=3, batch_size=2, verbose=0)
+    assert h.history["learning_rate"] == [0.05, 0.1, 0.1]
+    assert h.history["learning_rate/pg1"] == [0.005, 0.01, 0.01]

@@ -312,3 +312,14 @@ def test_mode_and_apply_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         find_lr(model, torch.ones(4, 1), torch.zeros(4, 1), **kwargs)
     assert model.optimizer.param_groups[0]["lr"] == 0.1 and model.global_step == 0
+
+
+def test_find_lr_restores_the_last_steps_gradient_norm():
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 2), torch.randn(16, 1)
+    model = fitkit.Model(nn.Linear(2, 1), device="cpu")
+    model.compile(optimizer="adam", loss="mse", clip_grad_norm=1.0)
+    model.fit(x, y, epochs=1, batch_size=4, verbose=0)
+    before = model.grad_norm.clone()
+    model.find_lr(x, y, batch_size=4, num_steps=10)
+    assert torch.equal(model.grad_norm, before)

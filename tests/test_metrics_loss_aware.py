@@ -227,8 +227,8 @@ def test_without_a_loss_argmax_needs_nothing_but_scores_and_thresholds_do():
 
 
 def test_metric_spec_checks_its_arguments():
-    with pytest.raises(ValueError, match="Unknown metric 'acc'"):
-        MetricSpec("acc")
+    with pytest.raises(ValueError, match="Unknown metric 'f2'"):
+        MetricSpec("f2")
     with pytest.raises(ValueError, match="`output` applies to the classification metric names"):
         MetricSpec("mae", output="logits")
     with pytest.raises(TypeError, match="A torchmetrics object goes to `metrics=` as it is"):
