@@ -31,13 +31,14 @@ def splittable(dl: Any) -> bool:
 
 
 def _advance(sampler: Any) -> None:
-    """Draw what a ``RandomSampler``'s full iteration draws from the RNGs: a seed from the global
-    RNG, or two permutations from its own generator (the second for the empty tail it slices)."""
+    """Draw what a ``RandomSampler``'s epoch draws from the RNGs: a seed from the global RNG,
+    or a permutation from its own generator, and a second one when the epoch's last batch is
+    short (the sampler then runs to its end, where it draws the permutation of its empty tail)."""
     if getattr(sampler, "shuffle", False):
         if sampler.generator is None:
             torch.empty((), dtype=torch.int64).random_()
         else:
-            for _ in range(2):
+            for _ in range(1 + sampler.exhausts):
                 torch.randperm(sampler.n, generator=sampler.generator)
 
 
@@ -78,6 +79,9 @@ class OrderShare(Sampler[int]):
     ``rank, rank + world, ...``, padded as ``DistributedSampler`` pads (the padded rows are cut
     off by fitkit). Its iteration draws from the RNGs what the replaced sampler's drew.
 
+    ``exhausts``: whether a one-process epoch in global batches of this fit runs its sampler to
+    the end (its last batch is short), which draws once more from a sampler's own generator.
+
     Example:
         >>> s = OrderShare(5, rank=1, world=2, shuffle=False, generator=None)
         >>> s.rest = torch.tensor([4, 3, 2, 1, 0])
@@ -88,6 +92,7 @@ class OrderShare(Sampler[int]):
     def __init__(self, n: int, rank: int, world: int, shuffle: bool, generator: torch.Generator | None):
         self.n, self.rank, self.world, self.shuffle, self.generator = n, rank, world, shuffle, generator
         self.rest = torch.arange(n)
+        self.exhausts = True
 
     def __len__(self) -> int:
         return -(-len(self.rest) // self.world)
@@ -118,5 +123,6 @@ def resumed_loader(dl: DataLoader, start: int) -> DataLoader:
     n = len(dl.dataset)  # type: ignore[arg-type]
     shuffle = isinstance(s, RandomSampler)
     share = OrderShare(n, 0, 1, shuffle, s.generator if shuffle else None)
+    share.exhausts = n % (dl.batch_size or 1) != 0
     share.rest = loader_order(n, shuffle, share.generator, dl.generator)[start:]
     return rebuilt(dl, share)
