@@ -12,7 +12,7 @@ import fitkit
 from fitkit.data.resume_order import OrderShare, loader_order
 
 
-def _fit(batch_size, backup, *, crash=False, generator=False):
+def _fit(batch_size, backup, *, crash=False, generator=False, dataset=False):
     """Adam on data(37), a shuffled DataLoader, 3 epochs; a backup every 3 steps; ``crash``: the
     job stops at step 8 (batch 8: after the step-6 backup, 8 samples into epoch 1)."""
     torch.manual_seed(0)
@@ -31,23 +31,27 @@ def _fit(batch_size, backup, *, crash=False, generator=False):
     if crash:
         callbacks.append(fitkit.callbacks.LambdaCallback(on_train_batch_end=crash_at_8))
     g = torch.Generator().manual_seed(5) if generator else None
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, generator=g)
+    if dataset:  # a map-style Dataset: fitkit builds the DataLoader
+        args, kw = (TensorDataset(x, y),), {"batch_size": batch_size, "shuffle": True}
+    else:
+        args, kw = (DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, generator=g),), {}
     try:
-        model.fit(loader, epochs=3, verbose=0, callbacks=callbacks)
+        model.fit(*args, **kw, epochs=3, verbose=0, callbacks=callbacks)
     except KeyboardInterrupt:
         pass
     return rec.seen, [p.detach().clone() for p in rec.net.parameters()]
 
 
-@pytest.mark.parametrize("generator", [False, True], ids=["global_rng", "own_generator"])
-def test_a_dataloader_resumes_by_sample_at_another_batch_size(tmp_path, generator):
-    ref_ids, ref_params = _fit(8, None, generator=generator)
-    _fit(8, tmp_path / "bk", crash=True, generator=generator)  # the step-6 backup: 8 samples of epoch 1
+@pytest.mark.parametrize("generator, dataset", [(False, False), (True, False), (False, True)],
+                         ids=["global_rng", "own_generator", "dataset"])  # fmt: skip
+def test_a_dataloader_resumes_by_sample_at_another_batch_size(tmp_path, generator, dataset):
+    ref_ids, ref_params = _fit(8, None, generator=generator, dataset=dataset)
+    _fit(8, tmp_path / "bk", crash=True, generator=generator, dataset=dataset)  # the step-6 backup: 8 samples
     for batch_size in (5, 8):
         backup = tmp_path / f"bk{batch_size}"
         backup.mkdir()
         (backup / "backup.pt").write_bytes((tmp_path / "bk" / "backup.pt").read_bytes())
-        ids, params = _fit(batch_size, backup, generator=generator)
+        ids, params = _fit(batch_size, backup, generator=generator, dataset=dataset)
         assert ids[0] == ref_ids[1][8:]  # the rest of the interrupted epoch's order, each once
         assert len(ids) == 2 and ids[1] == ref_ids[2]  # the next epoch: the uninterrupted order
         if batch_size == 8:  # the same batches: the uninterrupted weights, bitwise

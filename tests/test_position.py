@@ -151,3 +151,35 @@ def test_a_source_resumed_by_batches_at_another_world_size_is_refused_before_a_s
                        r"fitkit does not know the order of this source \(DataLoader: an iterable"):  # fmt: skip
         resumed.fit(loader, epochs=1, initial_epoch=start, verbose=0)
     assert all(torch.equal(a, b) for a, b in zip(before, resumed.module.parameters(), strict=True))
+
+
+def test_already_sharded_data_resumed_at_another_world_size_is_refused_before_a_step(tmp_path):
+    """Each rank's share of already_sharded data is the user's split: fitkit cannot redo it."""
+    import pytest
+    import torch
+
+    import fitkit
+    from fitkit.distributed import already_sharded
+    from fitkit.files import atomic_save
+
+    def make():
+        torch.manual_seed(0)
+        model = fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x, y = torch.randn(12, 2), torch.randn(12, 1)
+    model = make()
+    save = fitkit.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: b == 1 and model.save_checkpoint(tmp_path / "c.pt"))
+    model.fit(already_sharded(x), y, batch_size=4, epochs=1, verbose=0, callbacks=[save])
+    state = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert (state["step_in_epoch"], state["samples_in_epoch"], state["world_size"]) == (2, 8, 1)
+    atomic_save({**state, "world_size": 2}, tmp_path / "c.pt")  # as if taken on 2 processes
+    resumed = make()
+    start = resumed.load_checkpoint(tmp_path / "c.pt")
+    before = [p.detach().clone() for p in resumed.module.parameters()]
+    with pytest.raises(ValueError, match=r"on 2 process\(es\), and this fit runs on 1\. The data cannot be re-split: "
+                       r"it is marked already_sharded.*Fix: resume on 2 process\(es\)"):  # fmt: skip
+        resumed.fit(already_sharded(x), y, batch_size=4, epochs=1, initial_epoch=start, verbose=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, resumed.module.parameters(), strict=True))
