@@ -65,5 +65,5 @@ def test_the_order_is_a_one_process_iterations_and_the_shares_split_it():
     assert next(iter(dl))[0].tolist() == order.tolist()  # the RNG state was left as it was
     shares = [OrderShare(7, r, 3, shuffle=False, generator=None) for r in range(3)]
     for s in shares:
-        s.rest = order[2:]  # 5 samples left over 3 ranks: 2, 2, 2 with one padded
+        s.run(order[2:])  # 5 samples left over 3 ranks: 2, 2, 2 with one padded
     assert [list(s) for s in shares] == [order[[2, 5]].tolist(), order[[3, 6]].tolist(), order[[4, 2]].tolist()]

@@ -84,15 +84,20 @@ class OrderShare(Sampler[int]):
 
     Example:
         >>> s = OrderShare(5, rank=1, world=2, shuffle=False, generator=None)
-        >>> s.rest = torch.tensor([4, 3, 2, 1, 0])
+        >>> s.run(torch.tensor([4, 3, 2, 1, 0]))
         >>> list(s), len(s)  # positions 1, 3 and the padding (position 5: sample 4 again)
         ([3, 1, 4], 3)
     """
 
-    def __init__(self, n: int, rank: int, world: int, shuffle: bool, generator: torch.Generator | None):
+    def __init__(self, n: int, rank: int, world: int, shuffle: bool, generator: torch.Generator | None,
+                 exhausts: bool = True):  # fmt: skip
         self.n, self.rank, self.world, self.shuffle, self.generator = n, rank, world, shuffle, generator
         self.rest = torch.arange(n)
-        self.exhausts = True
+        self.exhausts = exhausts
+
+    def run(self, rest: torch.Tensor) -> None:
+        """The next iteration runs ``rest``, the epoch's order left to run."""
+        self.rest = rest
 
     def __len__(self) -> int:
         return -(-len(self.rest) // self.world)
@@ -122,7 +127,6 @@ def resumed_loader(dl: DataLoader, start: int) -> DataLoader:
     s: Any = dl.sampler
     n = len(dl.dataset)  # type: ignore[arg-type]
     shuffle = isinstance(s, RandomSampler)
-    share = OrderShare(n, 0, 1, shuffle, s.generator if shuffle else None)
-    share.exhausts = n % (dl.batch_size or 1) != 0
-    share.rest = loader_order(n, shuffle, share.generator, dl.generator)[start:]
+    share = OrderShare(n, 0, 1, shuffle, s.generator if shuffle else None, exhausts=n % (dl.batch_size or 1) != 0)
+    share.run(loader_order(n, shuffle, share.generator, dl.generator)[start:])
     return rebuilt(dl, share)

@@ -182,7 +182,7 @@ class ShardedLoaderBatches(_IterableBatches):
             order = loader_order(self.n, True, sampler.generator, self.generator) if self.rank == 0 else order
             order = _broadcast_from_zero(order)  # one broadcast of N indices per epoch
         start = skip_samples or 0
-        sampler.rest = order[start:]
+        sampler.run(order[start:])
         g = self.source.batch_size * self.world  # type: ignore[attr-defined]
         self._at(self.n - start, start // g if skip_samples is not None else 0)
         return self._truncate(iter(self.source), 0 if skip_samples is not None else skip)
@@ -283,8 +283,8 @@ def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
             f"shuffled order. {fix}"
         )
     n = len(dl.dataset)  # type: ignore[arg-type]
-    share = OrderShare(n, rank(), world_size(), shuffle, getattr(sampler, "generator", None) if shuffle else None)
-    share.exhausts = n % (dl.batch_size * world_size()) != 0  # as one process with the global batch
+    share = OrderShare(n, rank(), world_size(), shuffle, getattr(sampler, "generator", None) if shuffle else None,
+                       exhausts=n % (dl.batch_size * world_size()) != 0)  # as one process with the global batch
     return ShardedLoaderBatches(rebuilt(dl, share), shuffle=shuffle, generator=dl.generator)
 
 
