@@ -156,7 +156,9 @@ class FitLoop:
         finished = False
         self.running = True
         try:
-            fitting = stepper.fitting(before_step, model._wants_stop, self.val is not None, self.accumulation)
+            agree = before_step is not None and cbs.host_agreement_after_backward()  # else no per-step agreement
+            fitting = stepper.fitting(before_step, model._wants_stop if agree else None, self.val is not None,
+                                      self.accumulation)  # fmt: skip
             with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting:
                 self.agreement = RankAgreement(self.interrupt, model._parallel is not None)
                 warn_if_all_eval(model.module)
@@ -229,7 +231,7 @@ class FitLoop:
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self._batches(epoch)
         batches = _distributed.agree_on_epoch_end(loader, batches, start)  # already_sharded: even steps
-        guard, agreement, interrupt = self.guard, self.agreement, self.interrupt
+        guard, interrupt = self.guard, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first
         local = model._parallel is None  # one process: stops and signals need no agreement
         budget, step_val = self.max_steps, self.step_val
@@ -257,9 +259,7 @@ class FitLoop:
                     break
                 if budget is not None and stepper.micro_last and stepper.global_step >= budget:
                     break  # the step budget (a host-side count): the epoch ends here
-                if stepper.micro_last and (not local or interrupt.signum is not None) and agreement.at_step_boundary():
-                    self.interrupted = True
-                    cbs.save_on_interrupt()  # at this step boundary, inside the epoch
+                if stepper.micro_last and (not local or interrupt.signum is not None) and self._stop_at_boundary():
                     break
         position.leave()
         if self.interrupted:
@@ -306,6 +306,18 @@ class FitLoop:
     def _budget_spent(self) -> bool:
         """``max_steps`` optimizer steps are done (a resumed fit counts the checkpoint's)."""
         return self.max_steps is not None and self.model._stepper.global_step >= self.max_steps
+
+    def _stop_at_boundary(self) -> bool:
+        """After an optimizer step, where the ranks agree: a signal (save, then stop) or a stop."""
+        model = self.model
+        if self.agreement.at_step_boundary(model.stop_training):
+            self.interrupted = True
+            self.callbacks.save_on_interrupt()  # at this step boundary, inside the epoch
+            return True
+        if self.agreement.stop_agreed:  # a stop on some rank, agreed at this point
+            model.stop_training = True
+            return True
+        return False
 
     def _stop_now(self, epoch_end: bool = False) -> bool:
         """Whether training stops here (``model.stop_training``; agreed over ranks under torchrun,

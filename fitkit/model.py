@@ -63,7 +63,9 @@ class Model:
             string or a ``torch.device``. Under torchrun a bare cuda is ``cuda:LOCAL_RANK``.
         strategy: under torchrun (``WORLD_SIZE`` > 1): ``"auto"`` or ``"ddp"`` wraps the
             module in DDP at ``compile()``, ``"fsdp"`` shards it with FSDP2 ``fully_shard``;
-            the process group starts here if needed (see :mod:`fitkit.distributed`). On one
+            the process group starts here if needed (see :mod:`fitkit.distributed`).
+            ``fitkit.distributed.FSDP(wrap=..., mixed_precision=..., ...)`` is ``"fsdp"`` with
+            options (the units, mixed precision, activation checkpointing, CPU offload). On one
             process every strategy trains plainly, so the same script runs both ways.
         timeout: under torchrun, seconds a collective may wait for the other ranks before the
             job ends with an error (a rank that hangs or died without its process ending);
@@ -71,7 +73,7 @@ class Model:
             (10 min for nccl, 30 min for gloo). Used when fitkit starts the process group.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``, ``strategy`` not a string, ``timeout``
+        TypeError: ``module`` is not an ``nn.Module``, ``strategy`` not a string or ``FSDP``, ``timeout``
             not a number.
         ValueError: an unknown ``strategy``; a ``timeout`` that is not positive.
 
@@ -86,8 +88,8 @@ class Model:
         [3.0, 2.0]
     """
 
-    def __init__(self, module: nn.Module, *, device: str | torch.device = "auto", strategy: str = "auto",
-                 timeout: float | None = None):  # fmt: skip
+    def __init__(self, module: nn.Module, *, device: str | torch.device = "auto",
+                 strategy: str | _distributed.FSDP = "auto", timeout: float | None = None):  # fmt: skip
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"Expected `module` to be a torch.nn.Module. Received: {type(module).__name__}. "

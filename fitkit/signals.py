@@ -11,8 +11,9 @@ The previous handlers come back when ``fit`` returns.
 Under torchrun every rank must run the same steps, so a stop or a signal on one rank takes
 effect where the ranks agree (:class:`RankAgreement`): after at most ``AGREE_EVERY`` optimizer
 steps and about every 2 seconds
-for a signal, after ``on_backward_end`` for a stop when a callback uses that hook (the
-stepper agrees there), and at every epoch end for both.
+for a signal and a stop, also after ``on_backward_end`` when a callback uses that hook and
+may veto on the host (the stepper agrees there; not for ``Callback.device_veto_only``
+callbacks such as ``TerminateOnNaN``), and at every epoch end for both.
 """
 
 from __future__ import annotations
@@ -100,9 +101,13 @@ class RankAgreement:
     def __init__(self, interrupt: Interrupt, distributed: bool):
         self.interrupt, self.distributed = interrupt, distributed
         self._schedule: SignalAgreement | None = None  # made at the first step (reads the settings)
+        self.stop_agreed = False  # a rank's stop_training, agreed at the last step boundary
 
-    def at_step_boundary(self) -> bool:
+    def at_step_boundary(self, stop_training: bool = False) -> bool:
         """Whether a SIGTERM / SIGINT stops training after this optimizer step.
+
+        ``stop_training`` (this rank's) is agreed in the same all-reduce: :attr:`stop_agreed`
+        tells whether any rank asked to stop (at an agreement point; else ``False``).
 
         Under torchrun the ranks agree (one tiny all-reduce) after at most ``AGREE_EVERY``
         optimizer steps and about every 2 seconds (:mod:`fitkit.distributed.agreement`:
@@ -111,10 +116,12 @@ class RankAgreement:
         """
         local = self.interrupt.signum is not None
         if not self.distributed:
+            self.stop_agreed = bool(stop_training)
             return local
         if self._schedule is None:
             self._schedule = SignalAgreement()
-        agreed = self._schedule.after_step(local)
+        agreed = self._schedule.after_step(local, bool(stop_training))
+        self.stop_agreed = self._schedule.stopped
         if agreed is None:  # between agreements: every rank goes on
             return False
         if agreed and not local:

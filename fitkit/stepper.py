@@ -228,12 +228,15 @@ class Stepper:
 
         ``before_step()`` (``on_backward_end``, or ``None`` when no callback listens) runs
         before each optimizer step of the fit; under torchrun ``stop_training()`` tells whether
-        this rank wants to stop. ``validates``: whether the fit validates at all (the per-epoch
+        this rank wants to stop, and the ranks agree on it and on a host veto after the hook
+        (``None``: the hook vetoes on the device only, ``Callback.device_veto_only``, and the
+        ranks do not agree there). ``validates``: whether the fit validates at all (the per-epoch
         scheduler step reads it). ``accumulation``: the fit's own schedule (a
         ``GradientAccumulationScheduler``), or ``None``. All are put back on exit.
         """
         outer = self._before_step, self._stop_training, self.validates, self.accumulation, self.accumulation_schedule
         self._before_step, self._stop_training, self.validates = before_step, stop_training, validates
+        self.stop_agreed = False  # a fit starts with no stop agreed
         if accumulation is not None:
             self.accumulation_schedule = accumulation
         try:
@@ -317,11 +320,12 @@ class Stepper:
         before_step, stop_training = self._before_step, self._stop_training
         if before_step is not None:
             before_step()
-            if self.parallel is not None:
+            if self.parallel is not None and stop_training is not None:
                 # A veto or a stop on one rank holds for all: the ranks step and stop together.
-                wants_stop = bool(stop_training()) if stop_training is not None else False
-                agreed: Any = _distributed.any_rank(self.skip_requested, wants_stop)
+                agreed: Any = _distributed.any_rank(self.skip_requested, bool(stop_training()))
                 self.skip_requested, self.stop_agreed = agreed
+            elif self.parallel is not None and self.skip_requested:
+                _host_veto_unagreed()
         self.window_loss = None
         veto = None if self.veto is None else self._take_veto()
         if self.skip_requested:  # a callback (e.g. TerminateOnNaN) vetoed this step
@@ -469,4 +473,13 @@ class Stepper:
 
 
 # The per-step record that a step overwrites (``state_dict(record=True)``).
+def _host_veto_unagreed() -> None:
+    raise RuntimeError(
+        "A callback declaring `device_veto_only = True` vetoed an optimizer step on the host "
+        "(model.skip_optimizer_step() without `when`) under torchrun, where the ranks do not agree "
+        "on such a veto after on_backward_end, so they would step differently. Fix: pass the "
+        "decision as a device tensor (skip_optimizer_step(when=flag)), or set device_veto_only = False."
+    )
+
+
 _RECORD = ("grad_norm", "lrs_used", "micro_last", "micro_scale", "window_loss", "skip_requested")

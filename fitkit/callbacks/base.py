@@ -39,6 +39,16 @@ class Callback:
         epoch 0: loss 0.500
     """
 
+    #: Whether this callback's :meth:`on_backward_end` vetoes steps on the device only
+    #: (``model.skip_optimizer_step(when=tensor)``), never on the host (``skip_optimizer_step()``
+    #: without ``when``), and leaves a ``stop_training`` it sets inside an epoch to be taken
+    #: where the ranks agree anyway. Under torchrun, when every ``on_backward_end`` callback
+    #: says so, the stepper skips its per-step host agreement (one all-reduce and one host read
+    #: per step): the device veto is all-reduced on the device, and a stop is agreed at the
+    #: signal agreement points (:class:`fitkit.signals.RankAgreement`) or at the epoch end.
+    #: ``TerminateOnNaN`` sets it.
+    device_veto_only: bool = False
+
     def __init__(self) -> None:
         self.model: Any = None
         self.params: dict[str, Any] = {}
@@ -365,6 +375,21 @@ class CallbackList:
             (True, False)
         """
         return bool(self._hooks[hook]) or (hook in _SAVE_HOOKS and bool(self._hooks[_SAVE_HOOKS[hook]]))
+
+    def host_agreement_after_backward(self) -> bool:
+        """Whether an ``on_backward_end`` callback may veto on the host or stop mid-step, so
+        that the ranks must agree after that hook on every step (see ``device_veto_only``).
+
+        Example:
+            >>> from fitkit.callbacks import TerminateOnNaN, LambdaCallback
+            >>> CallbackList([TerminateOnNaN()], model=None, params={}).host_agreement_after_backward()
+            False
+            >>> hook = LambdaCallback(on_backward_end=lambda batch: None)
+            >>> CallbackList([TerminateOnNaN(), hook], model=None, params={}).host_agreement_after_backward()
+            True
+        """
+        return any(not getattr(cb, "device_veto_only", False)
+                   for cb in self.callbacks if _overrides(cb, "on_backward_end"))  # fmt: skip
 
     def _call(self, hook: str, *args: Any) -> None:
         for fn in self._hooks[hook]:

@@ -34,7 +34,11 @@ class TerminateOnNaN(Callback):
     The veto needs no host read with optimizers whose step takes ``found_inf`` (torch's
     ``fused=True`` Adam, AdamW, SGD, Adagrad; fitkit builds these by name) and under
     ``precision="16-mixed"``; other optimizers, and a per-step scheduler (it must know whether
-    to advance), read it once per step. Under torchrun the veto is all-reduced on the device.
+    to advance), read it once per step. Under torchrun the veto is all-reduced on the device
+    (a NaN on one rank skips the step on all), and no step adds a collective or a host read of
+    its own (``device_veto_only``): the stop is agreed where the ranks agree anyway, at the
+    signal agreement points (:class:`fitkit.signals.RankAgreement`) or the epoch end, so every
+    rank stops at the same step, all steps from the bad one on skipped.
 
     Args:
         raise_error: raise ``RuntimeError`` at the stop instead of stopping quietly.
@@ -55,6 +59,8 @@ class TerminateOnNaN(Callback):
         >>> history.epoch, model.global_step, model.module.weight.isfinite().all().item()
         ([0], 1, True)
     """
+
+    device_veto_only = True  # vetoes with skip_optimizer_step(when=...): no per-step agreement
 
     def __init__(self, raise_error: bool = False, check_every: int = 100):
         super().__init__()

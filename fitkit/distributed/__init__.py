@@ -36,9 +36,11 @@ What a script should know:
 - Every rank runs the same calls (``fit``, ``evaluate``, ``predict``, ``save_checkpoint``):
   they contain collectives. Inputs fitkit cannot shard (iterables of batches,
   ``IterableDataset``) raise ``ValueError`` unless wrapped in :func:`already_sharded`.
-- ``model.stop_training`` set on some ranks only stops every rank where the ranks agree: after
-  ``on_backward_end`` when a callback uses that hook (``TerminateOnNaN``), else at the end of
-  the epoch. A step vetoed on one rank (``TerminateOnNaN``) is skipped on all.
+- ``model.stop_training`` set on some ranks only stops every rank where the ranks agree:
+  after ``on_backward_end`` when a callback uses that hook and may veto on the host, at the
+  signal agreement points (every few steps and seconds, :mod:`~fitkit.distributed.agreement`)
+  and at the end of the epoch. A step vetoed on one rank (``TerminateOnNaN``) is skipped on
+  all; ``TerminateOnNaN`` vetoes on the device, so it adds no collective to any step.
 - Rank 0 prints and writes files; ``save_weights`` writes on rank 0 only and holds the plain
   module's full state (under ``strategy="fsdp"`` gathering it is a collective: call it on
   every rank; it is the full-weights export). ``save_checkpoint`` writes one file on rank 0
@@ -53,6 +55,9 @@ The package, one concern per module (everything is re-exported here):
   loss reductions (``init_if_needed``, ``rank``, ``any_rank``, ``global_share``, ...).
 - :mod:`~fitkit.distributed.parallel`: ``Model(strategy=...)``, DDP / FSDP2 wrapping and full
   state dicts (``check_strategy``, ``Parallel``).
+- :mod:`~fitkit.distributed.fsdp`: ``Model(strategy=FSDP(...))``, the FSDP2 options: the wrap
+  policy (Hugging Face's ``_no_split_modules`` by default), mixed precision, activation
+  checkpointing, CPU offload.
 - :mod:`~fitkit.distributed.dcp`: sharded checkpoints (``torch.distributed.checkpoint``),
   sync and async, loading at any world size.
 - :mod:`~fitkit.distributed.split`: iterables split by rank and DataLoader worker
@@ -69,8 +74,9 @@ Example:
 
 # Names outside __all__ are re-exported too: the model, the loops and the stepper call
 # `fitkit.distributed.sharded`, `.global_share`, `.gather_predictions`, ...
-from fitkit.distributed import dcp, parallel  # noqa: F401
+from fitkit.distributed import dcp, fsdp, parallel  # noqa: F401
 from fitkit.distributed.agreement import SignalAgreement  # noqa: F401
+from fitkit.distributed.fsdp import FSDP
 from fitkit.distributed.group import (  # noqa: F401
     all_gather_object,
     all_reduce_sum,
@@ -119,6 +125,7 @@ __all__ = [
     "already_sharded",
     "split_by_rank_and_worker",
     "check_strategy",
+    "FSDP",
     "Parallel",
     "shard",
     "sharded",

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitkit.distributed.fsdp import FSDP
 from fitkit.distributed.group import _broadcast_states, rank, world_size
 
 #: Values of ``Model(strategy=...)``: "auto" is DDP under torchrun, nothing on one process.
@@ -16,29 +17,24 @@ STRATEGIES = ("auto", "ddp", "fsdp")
 
 
 # -- strategy ----------------------------------------------------------------------------
-def check_strategy(strategy: Any) -> str:
-    """Validate ``Model(strategy=...)``.
+def check_strategy(strategy: Any) -> Any:
+    """Validate ``Model(strategy=...)``: one of :data:`STRATEGIES`, or an :class:`FSDP`.
 
     Raises:
-        TypeError: not a string.
+        TypeError: neither a string nor an :class:`~fitkit.distributed.fsdp.FSDP`.
         ValueError: not one of :data:`STRATEGIES`.
     """
+    if isinstance(strategy, FSDP):
+        return strategy
     if not isinstance(strategy, str):
         raise TypeError(
-            f"Expected `strategy` to be one of {', '.join(map(repr, STRATEGIES))}. "
-            f"Received: strategy={strategy!r} of type {type(strategy).__name__}."
+            f"Expected `strategy` to be one of {', '.join(map(repr, STRATEGIES))} or a "
+            f"fitkit.distributed.FSDP(...). Received: strategy={strategy!r} of type "
+            f"{type(strategy).__name__}. Fix: e.g. strategy='fsdp' or strategy=FSDP(wrap=[MyBlock])."
         )
     if strategy not in STRATEGIES:
         raise ValueError(f"Unknown strategy {strategy!r}. Valid values: {', '.join(STRATEGIES)}.")
     return strategy
-
-
-# Submodules that FSDP shards as units of their own (their parameters are gathered one unit at
-# a time in forward and backward); the root module is always a unit too.
-def _fsdp_units() -> tuple[type, ...]:
-    from fitkit.layers import TransformerBlock
-
-    return (TransformerBlock, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
 class Parallel:
@@ -49,12 +45,13 @@ class Parallel:
     and checkpoints never carry ``module.`` prefixes.
 
     Args:
-        strategy: ``"auto"`` / ``"ddp"`` or ``"fsdp"``.
+        strategy: ``"auto"`` / ``"ddp"``, ``"fsdp"`` or an :class:`FSDP` (its options).
         device: this rank's device.
     """
 
-    def __init__(self, strategy: str, device: torch.device):
-        self.kind = "fsdp" if strategy == "fsdp" else "ddp"
+    def __init__(self, strategy: Any, device: torch.device):
+        self.kind = "fsdp" if strategy == "fsdp" or isinstance(strategy, FSDP) else "ddp"
+        self.options = strategy if isinstance(strategy, FSDP) else FSDP()
         self.device = device
         self.ddp: nn.Module | None = None
 
@@ -83,17 +80,13 @@ class Parallel:
                 "optimizer built before compile() would update nothing. Fix: pass a name "
                 "(optimizer='adamw') or a factory such as functools.partial(torch.optim.AdamW, lr=3e-4)."
             )
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule
 
         if isinstance(module, FSDPModule):
             return  # compiled before: already sharded
         # fully_shard keeps each rank's own values: start every rank from rank 0's, as DDP does.
         _broadcast_states([*module.parameters(), *module.buffers()])
-        units = _fsdp_units()
-        for sub in list(module.modules())[1:]:
-            if isinstance(sub, units) and not isinstance(sub, FSDPModule):
-                fully_shard(sub)
-        fully_shard(module)
+        self.options.shard(module)  # the wrap policy's units, then the root
 
     def wrap(self, module: nn.Module) -> nn.Module | None:
         """The eager training forward module: the DDP wrapper (built once), ``None`` for FSDP.
