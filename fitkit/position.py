@@ -6,10 +6,11 @@ next ``fit`` continues). It holds the epoch, the batches and the samples done in
 ``load_state_dict`` in the checkpoint's keys (``epoch``, ``step_in_epoch``,
 ``samples_in_epoch``, ``pass_offset``, ``batch_size``, ``epoch_rng``).
 
-The sample count is the primary quantity of a resume: in-memory data continues at the first
-untrained sample whatever the batch size, and it is counted over all ranks (global), so a
-checkpoint taken under torchrun resumes at any world size. Other sources can only skip whole
-batches, and need the batch size the checkpoint was taken with.
+The sample count is the primary quantity of a resume: in-memory data, a Dataset and a plain
+DataLoader continue at the first untrained sample whatever the batch size, and it is counted
+over all ranks (global), so a checkpoint taken under torchrun resumes at any world size. Other
+sources can only skip whole batches, and need the world size and batch size the checkpoint was
+taken with.
 """
 
 from __future__ import annotations
@@ -109,35 +110,42 @@ class Position:
     def skip_for(self, loader: Any) -> tuple[int, int | None]:
         """``(batches, samples)`` to skip in this position's epoch of ``loader``.
 
-        In-memory data resumes at the first untrained sample whatever the batch size
+        Sources whose epoch order fitkit knows as one list of samples (in-memory data, a
+        map-style Dataset, a plain DataLoader, split over ranks by fitkit or on one process)
+        resume at the first untrained sample whatever the world size and batch size
         (``(0, samples)``); other sources resume by batches (``(batches, None)``) and need the
-        batch size the checkpoint was taken with.
+        world size and batch size the checkpoint was taken with.
 
         Raises:
-            ValueError: another batch size than the checkpoint's, for a source that cannot
-                resume by samples.
+            ValueError: another world size or batch size than the checkpoint's, for a source
+                that cannot resume by samples.
         """
-        from fitkit.data import TensorBatches
-
-        if isinstance(loader.batches, TensorBatches) and self._samples:  # one process or fitkit's shards
+        now, user = _processes(), loader.sharded == "user"
+        moved = self.saved_world is not None and self.saved_world != now
+        if self._samples and not (user and moved) and _by_sample(loader, user):
             return 0, self._samples
-        world = getattr(loader.batches, "world", 1)
-        if self.saved_world is not None and self.saved_world != world:
+        if moved:
             source = type(getattr(loader.batches, "source", loader.batches)).__name__
+            why = (
+                "it is marked already_sharded: each rank's share is your own split, which fitkit cannot redo"
+                if user else f"fitkit does not know the order of this source ({source}: an iterable, a sampler "
+                "of its own or a DistributedSampler) as one list of samples, so it resumes by batches"
+            )  # fmt: skip
             raise ValueError(
                 f"The checkpoint was taken inside epoch {self.epoch + 1} on {self.saved_world} process(es), and "
-                f"this fit runs on {world}. This source ({source}) "
-                "resumes by batches, and its batches at another world size hold other samples, so the untrained "
-                f"samples of that epoch cannot be found. Fix: resume on {self.saved_world} process(es), pass the "
-                "data as in-memory tensors (they resume by sample at any world size), or resume from a checkpoint "
-                "taken at an epoch end."
+                f"this fit runs on {now}. The data cannot be re-split: {why}, and batches at another world size "
+                f"hold other samples, so the untrained samples of that epoch cannot be found. Fix: resume on "
+                f"{self.saved_world} process(es), pass tensors, a map-style Dataset or a plain DataLoader "
+                "(sequential or shuffled) and let fitkit split it (they resume by sample at any world size), or "
+                "resume from a checkpoint taken at an epoch end."
             )
-        now = getattr(loader, "batch_size", None)
-        if self.batch_size is not None and now is not None and now != self.batch_size:
+        now_bs = getattr(loader, "batch_size", None)
+        if self.batch_size is not None and now_bs is not None and now_bs != self.batch_size:
             raise ValueError(
                 f"The checkpoint was taken inside epoch {self.epoch + 1} with batch_size={self.batch_size}, "
-                f"but this fit uses batch_size={now}, so the untrained samples of that epoch cannot be "
-                f"found in this source. Fix: resume with batch_size={self.batch_size}, or pass in-memory data."
+                f"but this fit uses batch_size={now_bs}, so the untrained samples of that epoch cannot be "
+                f"found in this source. Fix: resume with batch_size={self.batch_size}, or pass in-memory data, "
+                "a map-style Dataset or a plain DataLoader."
             )
         return self.batches, None
 
@@ -159,7 +167,7 @@ class Position:
         """
         if self.in_epoch:
             return {"epoch": self.epoch, "step_in_epoch": self.batches, "samples_in_epoch": self.samples,
-                    "pass_offset": pass_offset, "world_size": self.world}  # fmt: skip
+                    "pass_offset": pass_offset, "world_size": max(self.world, _processes())}  # fmt: skip
         return {"epoch": self.epochs_done, "step_in_epoch": 0, "samples_in_epoch": 0, "pass_offset": pass_offset}
 
     @classmethod
@@ -174,3 +182,23 @@ class Position:
     def _saved_on(self, world: Any) -> Position:
         self.saved_world = None if world is None else int(world)  # None: a file of an older fitkit
         return self
+
+
+def _processes() -> int:
+    """The processes of this job (torchrun's world size, 1 without a process group)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _by_sample(loader: Any, user: bool) -> bool:
+    """Whether ``loader``'s source resumes by sample (see :meth:`Position.skip_for`)."""
+    from fitkit.data import TensorBatches
+    from fitkit.data.resume_order import splittable
+
+    src = loader.batches
+    if isinstance(src, TensorBatches):
+        return True
+    if user or loader.steps is not None:
+        return False
+    known = getattr(src, "by_sample", None)  # fitkit's rank shares of a DataLoader
+    return bool(known) if known is not None else splittable(getattr(src, "source", None))

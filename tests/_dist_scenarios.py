@@ -184,9 +184,9 @@ def resume(path, epochs: int = 3, strategy: str = "auto") -> dict:
 
 def parity_loader(n: int = 37) -> dict:
     """Fit on DataLoaders. Unshuffled, rank r's batch s holds positions 8s + r, 8s + r + 2, ...
-    (DistributedSampler interleaves), so the global batches are one process's batches of 8;
-    the sample DistributedSampler repeats for rank 1 is cut off. Shuffled: only the ranks'
-    agreement can be checked (DistributedSampler draws another order than RandomSampler)."""
+    (the shares interleave), so the global batches are one process's batches of 8; the sample
+    repeated for rank 1 is cut off. Shuffled: the order is the one one process's RandomSampler
+    draws, so the global batches are one process's too."""
     torch.manual_seed(0)
     x, y, _ = data(n)
     xv, yv, _ = data(11, seed=1)
@@ -276,3 +276,46 @@ class IdRecorder(nn.Module):
     def epochs(self) -> LambdaCallback:
         """The callback that starts a new list at each epoch."""
         return LambdaCallback(on_epoch_begin=lambda epoch, logs: self.seen.append([]))
+
+
+class Crash(Exception):
+    """What ``resume_case(crash=True)`` raises at step 7, as a crash would stop the job."""
+
+
+def resume_case(kind: str, backup=None, crash: bool = False) -> dict:
+    """Adam on ``data(37)``, shuffled, global batch 8 over the ranks, 3 epochs (5 steps each).
+
+    ``kind``: ``"tensors"`` (in memory) or ``"loader"`` (a shuffled DataLoader over a
+    TensorDataset). ``backup``: a ``BackupAndRestore`` folder (a backup every 6 steps: at step 6,
+    8 samples into epoch 1); it restores what is there. ``crash``: the job stops at step 7,
+    after that backup. Returns this rank's sample ids per epoch and the parameters.
+    """
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fitkit.callbacks import BackupAndRestore
+
+    torch.manual_seed(0)
+    x, y, _ = data(37)
+    rec = IdRecorder(net())
+    model = fitkit.Model(rec, device="cpu")
+    model.compile(optimizer=OPTIMIZERS["adam"], loss="mse")
+    bs = GLOBAL_BATCH // world_size()
+    callbacks = [rec.epochs()]
+    if backup is not None:
+        callbacks.append(BackupAndRestore(str(backup), save_freq=6, delete_checkpoint=False))
+
+    def crash_at_7(batch, logs):
+        if model.global_step == 7:
+            raise Crash
+
+    if crash:
+        callbacks.append(LambdaCallback(on_train_batch_end=crash_at_7))
+    if kind == "tensors":
+        args, kw = (x, y), {"batch_size": bs, "shuffle": True}
+    else:
+        args, kw = (DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True),), {}
+    try:
+        model.fit(*args, **kw, epochs=3, verbose=0, callbacks=callbacks)
+    except Crash:
+        pass
+    return {"ids": rec.seen, "params": [p.detach().clone() for p in rec.net.parameters()]}

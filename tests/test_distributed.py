@@ -125,7 +125,8 @@ def test_parity_with_one_process(job, reference, strategy, case):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_dataloader_parity_with_one_process(job, reference):
-    """A DataLoader gets a DistributedSampler; its padded sample never counts (see parity_loader)."""
+    """A DataLoader gets fitkit's rank shares of one process's order (shuffled too); the padded
+    sample never counts (see parity_loader)."""
     r0, r1, _, _ = job
     _assert_identical(r0["loader"]["params"], r1["loader"]["params"])
     _assert_close(r0["loader"]["params"], reference["loader"]["params"])
@@ -133,6 +134,7 @@ def test_dataloader_parity_with_one_process(job, reference):
     for k, values in reference["loader"]["history"].items():
         assert r0["loader"]["history"][k] == pytest.approx(values, rel=1e-5, abs=1e-6), k
     _assert_identical(r0["loader"]["shuffled_params"], r1["loader"]["shuffled_params"])
+    _assert_close(r0["loader"]["shuffled_params"], reference["loader"]["shuffled_params"])
 
 
 @pytest.mark.distributed

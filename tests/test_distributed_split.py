@@ -4,9 +4,11 @@ step runs beyond DDP's own (none for fitkit's own shards)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
-from _dist_scenarios import OPTIMIZERS, IdRecorder, data, net
+from _dist_scenarios import OPTIMIZERS, IdRecorder, data, net, resume_case
 from _torchrun import run_torchrun
 
 import fitkit
@@ -94,7 +96,33 @@ for per_rank in (4, 5):  # global batches of 8 (as the backup's) and of 10
     m.fit(x, y, batch_size=per_rank, epochs=3, shuffle=True, verbose=0,
           callbacks=[fitkit.callbacks.BackupAndRestore(OUT / f"bk{per_rank}", delete_checkpoint=False), rec.epochs()])
     res[f"resume_{per_rank}"] = {"ids": rec.seen, "params": [p.detach().clone() for p in rec.net.parameters()]}
+
+# The resume matrix's 2-rank part: backups of a crash at step 7 (after the step-6 backup), and 1 -> 2.
+from _dist_scenarios import resume_case
+for kind in ("tensors", "loader"):
+    res[f"crash_{kind}"] = resume_case(kind, OUT / f"bk2_{kind}", crash=True)
+res["1to2_loader"] = resume_case("loader", OUT / "bk1_loader")
 torch.save(res, OUT / f"rank{rank()}.pt")
+"""
+
+# 4 ranks: backups of the same crash, and 2 -> 4 (from copies of the 2-rank backups).
+FOUR = """
+import torch
+from _dist_scenarios import resume_case
+from fitkit.distributed import rank
+res = {}
+for kind in ("tensors", "loader"):
+    res[f"crash_{kind}"] = resume_case(kind, OUT / f"bk4_{kind}", crash=True)
+    res[f"2to4_{kind}"] = resume_case(kind, OUT / f"bk2to4_{kind}")
+torch.save(res, OUT / f"four{rank()}.pt")
+"""
+
+# 2 ranks again: 4 -> 2.
+FOUR_TO_TWO = """
+import torch
+from _dist_scenarios import resume_case
+from fitkit.distributed import rank
+torch.save({f"4to2_{k}": resume_case(k, OUT / f"bk4_{k}") for k in ("tensors", "loader")}, OUT / f"two{rank()}.pt")
 """
 
 
@@ -122,8 +150,32 @@ def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("split")
     for per_rank in (4, 5):
         _one_process(out / f"bk{per_rank}", stop_after=4)
+    crash1 = resume_case("loader", out / "bk1_loader", crash=True)  # the 1 -> 2 case's backup
     run_torchrun(JOB, out, nproc=2, timeout=150)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return [{**torch.load(out / f"rank{r}.pt", weights_only=False), "dir": out, "crash1": crash1} for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def matrix(job, tmp_path_factory):
+    """Per case ``"S_to_R_kind"``: the saving run's ranks' results (the crash) and the resumed
+    run's ranks' results, with the uninterrupted one-process reference of that kind."""
+    out = job[0]["dir"]
+    for kind in ("tensors", "loader"):
+        for copy in ("bk2to4", "bk2to1"):
+            shutil.copytree(out / f"bk2_{kind}", out / f"{copy}_{kind}")
+    run_torchrun(FOUR, out, nproc=4, timeout=150)
+    run_torchrun(FOUR_TO_TWO, out, nproc=2, timeout=120)
+    four = [torch.load(out / f"four{r}.pt", weights_only=False) for r in range(4)]
+    two = [torch.load(out / f"two{r}.pt", weights_only=False) for r in range(2)]
+    cases, refs = {}, {}
+    for kind in ("tensors", "loader"):
+        ref = refs[kind] = resume_case(kind)
+        one = [resume_case(kind, out / f"bk2to1_{kind}")]
+        cases[f"2to4_{kind}"] = ([j[f"crash_{kind}"] for j in job], [f[f"2to4_{kind}"] for f in four], ref)
+        cases[f"4to2_{kind}"] = ([f[f"crash_{kind}"] for f in four], [t[f"4to2_{kind}"] for t in two], ref)
+        cases[f"2to1_{kind}"] = ([j[f"crash_{kind}"] for j in job], one, ref)
+    cases["1to2_loader"] = ([job[0]["crash1"]], [j["1to2_loader"] for j in job], refs["loader"])
+    return cases
 
 
 def _torchrun_test(f):
@@ -200,3 +252,25 @@ def test_a_mid_epoch_backup_of_one_process_resumes_by_sample_on_two(job, per_ran
     if per_rank == 4:  # the same global batches: the uninterrupted run's weights
         for a, b in zip(r0["resume_4"]["params"], ref_params, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@_torchrun_test
+@pytest.mark.parametrize("case", ["2to4_tensors", "2to4_loader", "4to2_tensors", "4to2_loader",
+                                  "2to1_tensors", "2to1_loader", "1to2_loader"])  # fmt: skip
+def test_a_mid_epoch_backup_resumes_by_sample_at_another_world_size(matrix, case):
+    """A crash at step 7 after the step-6 backup (8 samples into epoch 1), resumed at another world
+    size with the same global batch of 8: the resumed epoch trains each of the other 29 samples
+    exactly once (in the order the epoch drew), the next epoch all 37, and the weights are the
+    uninterrupted run's up to reduction order."""
+    saving, resumed, ref = matrix[case]
+    per_rank = 8 // len(saving)
+    done = [i for r in saving for i in r["ids"][1][:per_rank]]  # the step before the backup, every rank
+    assert sorted(done) == sorted(ref["ids"][1][:8])
+    rest = [i for r in resumed for i in r["ids"][0]]
+    assert sorted(rest) == sorted(ref["ids"][1][8:]) and sorted(done + rest) == list(range(37))
+    assert all(len(r["ids"]) == 2 for r in resumed)  # the rest of epoch 1, then epoch 2
+    assert sorted(i for r in resumed for i in r["ids"][1]) == list(range(37))
+    for a, b in zip(resumed[0]["params"], ref["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for r in resumed[1:]:  # every rank holds the same weights
+        assert all(torch.equal(a, b) for a, b in zip(resumed[0]["params"], r["params"], strict=True))

@@ -114,10 +114,10 @@ def test_position_counts_global_samples_and_reads_checkpoints_of_every_version()
 
 
 def test_a_source_resumed_by_batches_at_another_world_size_is_refused_before_a_step(tmp_path):
-    """A DataLoader's batches at another world size hold other samples: a clear error, not a skip."""
+    """An IterableDataset's batches at another world size hold other samples: a clear error, not a skip."""
     import pytest
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, IterableDataset
 
     import fitkit
     from fitkit.files import atomic_save
@@ -128,7 +128,12 @@ def test_a_source_resumed_by_batches_at_another_world_size_is_refused_before_a_s
         model.compile(optimizer="sgd", loss="mse")
         return model
 
-    loader = DataLoader(TensorDataset(torch.randn(12, 2), torch.randn(12, 1)), batch_size=4)
+    class Rows(IterableDataset):  # an iterable: its order is not one list fitkit knows
+        def __iter__(self):
+            g = torch.Generator().manual_seed(3)
+            yield from zip(torch.randn(12, 2, generator=g), torch.randn(12, 1, generator=g), strict=True)
+
+    loader = DataLoader(Rows(), batch_size=4)
     def save_at_1(b, logs):
         if b == 1:
             model.save_checkpoint(tmp_path / "c.pt")
@@ -142,7 +147,39 @@ def test_a_source_resumed_by_batches_at_another_world_size_is_refused_before_a_s
     resumed = make()
     start = resumed.load_checkpoint(tmp_path / "c.pt")
     before = [p.detach().clone() for p in resumed.module.parameters()]
-    with pytest.raises(ValueError, match=r"on 2 process\(es\), and this fit runs on 1\. This source \(DataLoader\) "
-                       r"resumes by batches"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"on 2 process\(es\), and this fit runs on 1\. The data cannot be re-split: "
+                       r"fitkit does not know the order of this source \(DataLoader: an iterable"):  # fmt: skip
         resumed.fit(loader, epochs=1, initial_epoch=start, verbose=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, resumed.module.parameters(), strict=True))
+
+
+def test_already_sharded_data_resumed_at_another_world_size_is_refused_before_a_step(tmp_path):
+    """Each rank's share of already_sharded data is the user's split: fitkit cannot redo it."""
+    import pytest
+    import torch
+
+    import fitkit
+    from fitkit.distributed import already_sharded
+    from fitkit.files import atomic_save
+
+    def make():
+        torch.manual_seed(0)
+        model = fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x, y = torch.randn(12, 2), torch.randn(12, 1)
+    model = make()
+    save = fitkit.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: b == 1 and model.save_checkpoint(tmp_path / "c.pt"))
+    model.fit(already_sharded(x), y, batch_size=4, epochs=1, verbose=0, callbacks=[save])
+    state = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert (state["step_in_epoch"], state["samples_in_epoch"], state["world_size"]) == (2, 8, 1)
+    atomic_save({**state, "world_size": 2}, tmp_path / "c.pt")  # as if taken on 2 processes
+    resumed = make()
+    start = resumed.load_checkpoint(tmp_path / "c.pt")
+    before = [p.detach().clone() for p in resumed.module.parameters()]
+    with pytest.raises(ValueError, match=r"on 2 process\(es\), and this fit runs on 1\. The data cannot be re-split: "
+                       r"it is marked already_sharded.*Fix: resume on 2 process\(es\)"):  # fmt: skip
+        resumed.fit(already_sharded(x), y, batch_size=4, epochs=1, initial_epoch=start, verbose=0)
     assert all(torch.equal(a, b) for a, b in zip(before, resumed.module.parameters(), strict=True))

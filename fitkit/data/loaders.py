@@ -28,6 +28,7 @@ from fitkit.data.arrays import (
 )
 from fitkit.data.collate import NamingCollate, check_not_empty
 from fitkit.data.hf_datasets import check_hf_dataset, is_hf_dataset
+from fitkit.data.resume_order import resumed_loader
 from fitkit.data.weights import ClassWeights, class_weights, combine
 from fitkit.devices import move_to_device
 
@@ -109,6 +110,10 @@ class _IterableBatches:
         for _ in range(skip):
             next(it, None)
         return it
+
+    def iterate_samples(self, epoch: int, start: int) -> Iterator[Any]:
+        """One process: the epoch from sample ``start`` of its order on (a resume by sample)."""
+        return iter(resumed_loader(self.source, start))  # type: ignore[arg-type]
 
     @property
     def one_shot(self) -> bool:
@@ -214,8 +219,11 @@ class DeviceLoader:
     def _epoch_batches(self, skip: int, skip_samples: int | None, offset: int) -> Iterator[Batch]:
         self.ran_out = False
         if self.steps is None:
-            if skip_samples is not None and isinstance(self.batches, TensorBatches):
-                yield from self._prepare(self.batches.iterate(self.epoch, 0, skip_samples))
+            if skip_samples is not None:  # a resume by sample (Position.skip_for)
+                src = self.batches
+                it = src.iterate(self.epoch, 0, skip_samples) if isinstance(src, TensorBatches) else \
+                    src.iterate_samples(self.epoch, skip_samples)  # fmt: skip
+                yield from self._prepare(it)
                 return
             it = self._prepare(self.batches.iterate(self.epoch, skip))
             n = self.batches.num_batches

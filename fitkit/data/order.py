@@ -22,13 +22,14 @@ import torch
 from torch.utils import data as tud
 
 from fitkit.checks import FitkitWarning
+from fitkit.data.resume_order import OrderShare
 
 __all__ = ["capture", "restore", "order_is_restorable", "is_stateful_loader", "at_checkpoint", "resume_inside_epoch"]
 
 # Samplers whose order is a function of the generators fitkit saves (or of the epoch).
 _KNOWN_SAMPLERS = (
     tud.SequentialSampler, tud.RandomSampler, tud.SubsetRandomSampler, tud.WeightedRandomSampler,
-    tud.DistributedSampler, tud.BatchSampler,
+    tud.DistributedSampler, tud.BatchSampler, OrderShare,
 )  # fmt: skip
 
 

@@ -11,9 +11,16 @@ What makes the numbers exact, not approximately right:
   the global torch generator, exactly as one process draws it, then broadcast), cut into global
   batches of ``batch_size * world_size`` samples; rank ``r`` gets the ``r``-th contiguous
   share of each. A one-process run with ``batch_size * world_size`` sees the same global
-  batches. A ``DataLoader`` gets a ``DistributedSampler`` (same shuffle and batch size); the
-  samples it repeats to even out the shards are cut off on the host, where their positions
-  are known (local position ``j`` on rank ``r`` is global position ``r + j * W``).
+  batches. A plain ``DataLoader`` (a Dataset's too) gets fitkit's rank shares of the order a
+  one-process iteration of it draws (same shuffle and batch size; rank 0's RNG, broadcast once
+  per epoch); the samples repeated to even out the shards are cut off on the host, where their
+  positions are known (local position ``j`` on rank ``r`` is global position ``r + j * W``).
+- **Resumes by sample at any world size.** A global batch is a contiguous run of the epoch's
+  order, so the samples a mid-epoch checkpoint has done are a prefix of it: a resume replays
+  the order from the epoch's RNG state, leaves out that prefix and cuts the rest into the new
+  job's global batches, at any world size and batch size (in memory, a Dataset, a plain
+  DataLoader). An ``IterableDataset``, a sampler of the user's or ``already_sharded`` data
+  resumed at another world size is refused before the first step, with the reason.
 - **Same steps on every rank.** A rank whose share of the short last batch is empty still runs
   the step (forward and backward on an empty batch, zero contribution), so DDP's all-reduce
   never waits for a rank that is not coming.

@@ -262,14 +262,6 @@ def _broadcast_states(tensors: Iterable[torch.Tensor]) -> None:
             t.copy_(_broadcast_from_zero(t.detach()))
 
 
-def _draw_seed(generator: torch.Generator | None = None) -> int:
-    """A seed drawn on rank 0 (as ``RandomSampler`` draws one) and shared with every rank."""
-    seed = torch.zeros((), dtype=torch.int64)
-    if rank() == 0:
-        seed = torch.empty((), dtype=torch.int64).random_(generator=generator)
-    return int(_broadcast_from_zero(seed).item())  # one host sync per epoch
-
-
 # -- exact reductions of the loss --------------------------------------------------------
 def known_rows(host_rows: Any, sizes: list[Any], step: int) -> int | None:
     """The rows of global batches ``step, step + 1, ...`` (one per size) summed, when known on the

@@ -25,9 +25,9 @@ from fitkit.data import (
     _leaves,
     batch_size_of,
 )
+from fitkit.data.resume_order import OrderShare, loader_order, rebuilt
 from fitkit.distributed.group import (
     _broadcast_from_zero,
-    _draw_seed,
     all_gather_object,
     is_distributed,
     rank,
@@ -137,28 +137,58 @@ class ShardedTensorBatches(TensorBatches):
 
 
 class ShardedLoaderBatches(_IterableBatches):
-    """A ``DataLoader`` rebuilt on a ``DistributedSampler``, without its padded duplicates.
+    """A plain ``DataLoader`` rebuilt on fitkit's :class:`~fitkit.data.resume_order.OrderShare`
+    (or on the user's ``DistributedSampler``), without padded duplicates.
 
-    ``DistributedSampler`` repeats up to ``W - 1`` samples so that every rank gets the same
-    count; local position ``j`` on rank ``r`` is global position ``r + j * W``, padding when
-    it is ``>= N``. That is known on the host, so the padded rows are cut off the last batch
-    there (the batch may become empty; the step still runs).
+    Each epoch's order is the one a one-process iteration draws (rank 0's RNG states, the
+    order broadcast once per epoch); local position ``j`` on rank ``r`` is position
+    ``r + j * W`` of the order left to run, padding when it is ``>= m`` (those rows are cut off
+    the last batch on the host; the batch may become empty, the step still runs). A global
+    batch is thus a contiguous run of the order, and a resume continues with the order minus
+    its done prefix at any world size and batch size (``skip_samples``).
     """
 
     def __init__(self, loader: DataLoader, shuffle: bool, generator: torch.Generator | None):
         super().__init__(loader)
         self.shuffle, self.generator = shuffle, generator
         self.rank, self.world = rank(), world_size()
-        n = len(loader.dataset)  # type: ignore[arg-type]
-        self.n = n
-        self.real = max(0, -(-(n - self.rank) // self.world))  # positions r + j*W < n
+        self.n = self.n_used = len(loader.dataset)  # type: ignore[arg-type]
+        self._at(self.n, 0)
 
-    def iterate(self, epoch: int, skip: int = 0) -> Iterator[Any]:
+    def _at(self, m: int, first: int) -> None:
+        """``m`` samples of the epoch left, the first of them in global batch ``first``."""
+        self.m, self._first = m, first
+        self.real = max(0, -(-(m - self.rank) // self.world))  # positions r + j*W < m
+
+    @property
+    def by_sample(self) -> bool:
+        """Whether a resume can continue at a sample (fitkit's order; not a user's sampler)."""
+        return isinstance(self.source.sampler, OrderShare)  # type: ignore[attr-defined]
+
+    @property
+    def num_batches(self) -> int:
+        per_rank = -(-self.n // self.world)
+        return -(-per_rank // self.source.batch_size)  # type: ignore[attr-defined]
+
+    def iterate(self, epoch: int, skip: int = 0, skip_samples: int | None = None) -> Iterator[Any]:
+        """This rank's batches of the epoch; ``skip_samples``: leave out that many samples of
+        the epoch's order (the rest cut into this fit's global batches) instead of ``skip``."""
         sampler: Any = self.source.sampler  # type: ignore[attr-defined]
-        if self.shuffle:
-            sampler.seed = _draw_seed(self.generator)  # rank 0's RNG, as RandomSampler uses it
-        sampler.set_epoch(epoch)
-        return self._truncate(iter(self.source), skip)
+        if not isinstance(sampler, OrderShare):  # the user's DistributedSampler: their seed and order
+            sampler.set_epoch(epoch)
+            return self._truncate(iter(self.source), skip)
+        order = torch.arange(self.n)
+        if sampler.shuffle:
+            order = loader_order(self.n, True, sampler.generator, self.generator) if self.rank == 0 else order
+            order = _broadcast_from_zero(order)  # one broadcast of N indices per epoch
+        start = skip_samples or 0
+        sampler.run(order[start:])
+        g = self.source.batch_size * self.world  # type: ignore[attr-defined]
+        self._at(self.n - start, start // g if skip_samples is not None else 0)
+        return self._truncate(iter(self.source), 0 if skip_samples is not None else skip)
+
+    def iterate_samples(self, epoch: int, start: int) -> Iterator[Any]:
+        return self.iterate(epoch, 0, start)
 
     def _truncate(self, it: Iterator[Any], skip: int) -> Iterator[Any]:
         seen = 0
@@ -171,10 +201,9 @@ class ShardedLoaderBatches(_IterableBatches):
             yield batch if keep == m else _index(batch, slice(0, keep))
 
     def global_rows(self, step: int) -> int:
-        """Rows of batch ``step`` summed over all ranks (each rank's kept share, on the host)."""
-        b = self.source.batch_size  # type: ignore[attr-defined]
-        reals = (max(0, -(-(self.n - r) // self.world)) for r in range(self.world))
-        return sum(max(0, min((step + 1) * b, real) - step * b) for real in reals)
+        """Rows of batch ``step`` summed over all ranks (known on the host)."""
+        g = self.source.batch_size * self.world  # type: ignore[attr-defined]
+        return max(0, min(g, self.m - (step - self._first) * g))
 
     def positions(self) -> torch.Tensor:
         return self.rank + self.world * torch.arange(self.real)
@@ -239,8 +268,8 @@ def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
         return ShardedLoaderBatches(dl, shuffle=False, generator=None)  # the user's seed and shuffle
     if type(dl) is not DataLoader or dl.batch_size is None or type(dl.batch_sampler) is not BatchSampler:
         raise ValueError(
-            "Under torchrun fitkit replaces a DataLoader's sampler with a DistributedSampler, "
-            f"which needs a plain DataLoader with a batch_size; received a {type(dl).__name__} "
+            "Under torchrun fitkit replaces a DataLoader's sampler with its own rank shares, "
+            f"which need a plain DataLoader with a batch_size; received a {type(dl).__name__} "
             f"with batch_sampler={type(dl.batch_sampler).__name__}. {fix}"
         )
     if type(sampler) is SequentialSampler:
@@ -250,21 +279,13 @@ def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
     else:
         raise ValueError(
             f"Under torchrun fitkit cannot shard a DataLoader whose sampler is a "
-            f"{type(sampler).__name__}: a DistributedSampler only reproduces sequential or "
+            f"{type(sampler).__name__}: its rank shares only reproduce sequential or "
             f"shuffled order. {fix}"
         )
-    new_sampler: Any = DistributedSampler(
-        dl.dataset, num_replicas=world_size(), rank=rank(), shuffle=shuffle, drop_last=False
-    )
-    rebuilt = DataLoader(
-        dl.dataset, batch_size=dl.batch_size, sampler=new_sampler, num_workers=dl.num_workers,
-        collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, drop_last=dl.drop_last,
-        timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
-        multiprocessing_context=dl.multiprocessing_context, generator=dl.generator,
-        prefetch_factor=dl.prefetch_factor, persistent_workers=dl.persistent_workers,
-        pin_memory_device=dl.pin_memory_device,
-    )  # fmt: skip
-    return ShardedLoaderBatches(rebuilt, shuffle=shuffle, generator=dl.generator)
+    n = len(dl.dataset)  # type: ignore[arg-type]
+    share = OrderShare(n, rank(), world_size(), shuffle, getattr(sampler, "generator", None) if shuffle else None,
+                       exhausts=n % (dl.batch_size * world_size()) != 0)  # as one process with the global batch
+    return ShardedLoaderBatches(rebuilt(dl, share), shuffle=shuffle, generator=dl.generator)
 
 
 def sharded(make_loader: Any, data: Any, *args: Any, **kwargs: Any) -> DeviceLoader:
