@@ -398,6 +398,27 @@ print(history.history["throughput/flops_per_step"])
 assert history.history["throughput/flops_per_step"] == [2 * 32 * 70_912 * 2 + 2 * 32 * 65_792]
 
 # %%
+# With ``log_every_n_steps=4`` the same keys go into the batch logs every 4 batches as well, so
+# a callback (or the progress bar, or TensorBoard) sees the speed as the run goes. A window
+# starts afresh each epoch, so 3 epochs of 19 batches give 4 windows each, 12 in all; the first
+# holds the warm-up and the FLOP count.
+
+speeds = []
+watch = fitkit.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: speeds.append(
+    float(logs["throughput/samples_per_sec"])) if "throughput/samples_per_sec" in logs else None)
+model = make_model()
+model.fit(x, y, epochs=3, verbose=0, callbacks=[ThroughputMonitor(log_every_n_steps=4), watch])
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot(range(1, len(speeds) + 1), speeds, marker="o")
+ax.set_xlabel("window of 4 batches (3 epochs)")
+ax.set_ylabel("samples / s (last 4 batches)")
+ax.set_ylim(bottom=0)
+ax.set_title("ThroughputMonitor(log_every_n_steps=4)")
+plt.show()
+print(len(speeds))
+assert len(speeds) == 12 and all(v > 0 for v in speeds)
+
+# %%
 # A step of 32 rows through the 70,912 weights of the three ``Linear`` layers costs
 # ``2 * 32 * 70,912`` FLOPs forward, as much again for the weight gradients, and
 # ``2 * 32 * 65,792`` for the input gradients of the last two layers (the first one's input
