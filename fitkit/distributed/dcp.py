@@ -42,6 +42,7 @@ from fitkit.files.sharded import (
     remove_path,
     sharded_shapes,
 )
+from fitkit.files.writing import sync_folder
 
 __all__ = ["save", "inspect", "load_tensors", "wait", "is_sharded_default"]
 
@@ -163,14 +164,7 @@ def swap_into_place(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
         os.replace(final, old)
     os.replace(tmp, final)
     remove_path(old)
-    try:  # make the renames durable
-        fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    sync_folder(final.parent)  # make the renames durable
 
 
 def _group_names(model: Any) -> list[list[str]]:

@@ -19,7 +19,7 @@ import torch
 from fitkit.files.locks import pid_alive, temp_owner, temp_prefix
 from fitkit.files.payload import CHECKSUM_KEY, check_weights_only, payload_checksum, with_weights_checksum
 
-__all__ = ["atomic_save", "remove_stale_temps", "cut_to_last_line", "check_target"]
+__all__ = ["atomic_save", "remove_stale_temps", "cut_to_last_line", "check_target", "sync_folder"]
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
@@ -118,12 +118,18 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None
                 "is unchanged. Fix: free space or choose another folder."
             ) from e  # fmt: skip
         raise
-    try:  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
+    sync_folder(path.parent)  # make the rename itself durable
+
+
+def sync_folder(folder: str | os.PathLike) -> None:
+    """fsync ``folder`` so that renames into it survive a power cut (best effort: file systems
+    that cannot sync a folder are left as they are)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
         try:
-            os.fsync(dfd)
+            os.fsync(fd)
         finally:
-            os.close(dfd)
+            os.close(fd)
     except OSError:
         pass
 
