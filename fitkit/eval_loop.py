@@ -33,7 +33,7 @@ class EvalLoop:
 
     def __init__(self, model: Any, loader: Any, callbacks: CallbackList, steps: int | None, what: str = "evaluate"):
         self.model, self.loader, self.callbacks, self.steps, self.what = model, loader, callbacks, steps, what
-        self.totals = model._phases.new_totals()
+        self.totals = model.phases.new_totals()
         self.batches = 0
 
     def run(self) -> dict[str, float]:
@@ -47,7 +47,7 @@ class EvalLoop:
             model.stop_evaluating = outer
 
     def _run(self, model: Any, cbs: CallbackList, want: bool) -> dict[str, float]:
-        with modes(model.module, training=False, grad=False), model._phases.running(self.totals):
+        with modes(model.module, training=False, grad=False), model.phases.running(self.totals):
             cbs.on_test_begin({})
             for step, batch in enumerate(self.loader):
                 cbs.on_test_batch_begin(step, {})
@@ -65,7 +65,7 @@ class EvalLoop:
                 )
             logs = self.totals.result(self.what if self.what == "evaluate" else None)
             cbs.on_test_end(logs)
-        model._phases.adopt(self.totals)
+        model.phases.adopt(self.totals)
         return logs
 
 

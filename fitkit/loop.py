@@ -146,21 +146,21 @@ class FitLoop:
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> None:
-        model, cbs, stepper = self.model, self.callbacks, self.model._stepper
+        model, cbs, stepper = self.model, self.callbacks, self.model.stepper
         model.stop_training = False
         # on_backward_end, run by the stepper before each of the fit's steps (None: nobody listens).
         before_step = self._on_backward_end if cbs.wants("on_backward_end") else None
         cbs.params["train_data"] = self.train  # the training batches (SWA's BatchNorm update)
         logs: dict[str, float] = {}
-        pending = model._resume
+        pending = model.pop_resume()  # loaded before fit (BackupAndRestore loads in on_train_begin)
         finished = False
         self.running = True
         try:
             agree = before_step is not None and cbs.host_agreement_after_backward()  # else no per-step agreement
-            fitting = stepper.fitting(before_step, model._wants_stop if agree else None, self.val is not None,
-                                      self.accumulation)  # fmt: skip
+            wants_stop = (lambda: model.stop_training) if agree else None
+            fitting = stepper.fitting(before_step, wants_stop, self.val is not None, self.accumulation)
             with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting:
-                self.agreement = RankAgreement(self.interrupt, model._parallel is not None)
+                self.agreement = RankAgreement(self.interrupt, model.parallel is not None)
                 warn_if_all_eval(model.module)
                 model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
                 cbs.on_train_begin({})
@@ -192,7 +192,7 @@ class FitLoop:
             _distributed.dcp.wait()  # an async checkpoint still being written ends with fit
             cbs.params.pop("train_data", None)  # History keeps params: not the data
             cbs.close(finished)
-            model._pop_resume()  # a loaded resume point serves one fit only
+            model.pop_resume()  # a loaded resume point serves one fit only
 
     def _on_backward_end(self) -> None:
         self.callbacks.on_backward_end(self.batch_index)
@@ -214,8 +214,8 @@ class FitLoop:
     def run_epoch(self, epoch: int) -> dict[str, float] | None:
         """One epoch of training batches; ``None`` if the source yielded no batch."""
         model, cbs, loader, position = self.model, self.callbacks, self.train, self.position
-        stepper = model._stepper
-        phases = model._phases
+        stepper = model.stepper
+        phases = model.phases
         self.totals = totals = phases.new_totals()
         position.begin_epoch(epoch)
         self._resume_epoch_begin(epoch)
@@ -233,7 +233,7 @@ class FitLoop:
         batches = _distributed.agree_on_epoch_end(loader, batches, start)  # already_sharded: even steps
         guard, interrupt = self.guard, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first
-        local = model._parallel is None  # one process: stops and signals need no agreement
+        local = model.parallel is None  # one process: stops and signals need no agreement
         budget, step_val = self.max_steps, self.step_val
         position.enter()
         ran, skipped = False, 0
@@ -268,8 +268,8 @@ class FitLoop:
             self._no_batches(epoch, skipped)
             return None
         self._warn_ran_out(epoch)
-        if model._parallel is not None:
-            model._parallel.sync_buffers(model.module)  # rank 0's BatchNorm statistics on every rank
+        if model.parallel is not None:
+            model.parallel.sync_buffers(model.module)  # rank 0's BatchNorm statistics on every rank
         logs = totals.result()
         phases.adopt(totals)
         # The LR the epoch's last step used (a per-step scheduler has moved it on since).
@@ -305,7 +305,7 @@ class FitLoop:
     # -- stopping ----------------------------------------------------------------------------------
     def _budget_spent(self) -> bool:
         """``max_steps`` optimizer steps are done (a resumed fit counts the checkpoint's)."""
-        return self.max_steps is not None and self.model._stepper.global_step >= self.max_steps
+        return self.max_steps is not None and self.model.stepper.global_step >= self.max_steps
 
     def _stop_at_boundary(self) -> bool:
         """After an optimizer step, where the ranks agree: a signal (save, then stop) or a stop."""
@@ -323,20 +323,21 @@ class FitLoop:
         """Whether training stops here (``model.stop_training``; agreed over ranks under torchrun,
         see :class:`~fitkit.signals.RankAgreement`)."""
         model = self.model
-        if model._parallel is None:
+        if model.parallel is None:
             return model.stop_training
         if epoch_end:  # one all-reduce: a stop, or a signal, on any rank holds for all
             model.stop_training = self.agreement.at_epoch_end(model.stop_training)
             return model.stop_training
-        return model._stepper.stop_agreed
+        return model.stepper.stop_agreed
 
     # -- resume ----------------------------------------------------------------------------------
     def _take_resume(self, pending: ResumePoint | None) -> None:
         """After ``on_train_begin``: the resume point loaded before fit or by a callback."""
-        point = self.model._pop_resume()  # a loaded resume point serves one fit only
+        late = self.model.pop_resume()  # loaded during on_train_begin (BackupAndRestore): start there
+        point = late or pending
         if point is None:
             return
-        if point is not pending:  # loaded during on_train_begin (BackupAndRestore): start there
+        if late is not None:
             self.start_epoch = point.epoch
             self.position.starts_at(point.epoch)
         point.apply_callbacks(self.callbacks)

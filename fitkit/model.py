@@ -50,6 +50,7 @@ from fitkit.preflight import cast_to_module
 from fitkit.stepper import Stepper
 from fitkit.summary import summary_table
 from fitkit.tracking import Phases
+from fitkit.training.state import ResumePoint
 
 __all__ = ["Model"]
 
@@ -116,7 +117,7 @@ class Model:
         self._forward = Forward(self.module)
         self._fit: FitLoop | None = None  # the running fit only (None once it returned or raised)
         self._phases = Phases(self.device, _distributed.reduce_loss_totals if self._parallel is not None else None)
-        self._resume: _checkpoint.ResumePoint | None = None  # loaded, waiting for the next fit
+        self._resume: ResumePoint | None = None  # loaded, waiting for the next fit
         self._example_x: Any = None  # the last first batch checked (summary's output shapes)
         # What the model keeps of the last fit: plain values (model.epoch, model.validated, and
         # where a checkpoint taken now continues).
@@ -237,7 +238,7 @@ class Model:
 
         ``None`` outside ``fit``; read it in the batch hooks (``ThroughputMonitor`` counts its rows).
         """
-        loop = self._running_fit()
+        loop = self.running_fit()
         return None if loop is None else loop.batch
 
     @property
@@ -606,15 +607,42 @@ class Model:
         if x is not None:
             self._example_x = x  # the last first batch checked: summary's input
 
-    def _running_fit(self) -> FitLoop | None:
+    # -- fitkit's internal surface: what its own packages use of a model (not for users) --------
+    @property
+    def stepper(self) -> Stepper | None:
+        """The compiled :class:`~fitkit.stepper.Stepper` (``None`` before ``compile``)."""
+        return self._stepper
+
+    @property
+    def parallel(self) -> _distributed.Parallel | None:
+        """DDP / FSDP under torchrun (:class:`fitkit.distributed.Parallel`), else ``None``."""
+        return self._parallel
+
+    @property
+    def phases(self) -> Phases:
+        """The phase stack and the metric template (:class:`~fitkit.tracking.Phases`)."""
+        return self._phases
+
+    def running_fit(self) -> FitLoop | None:
         """The running fit loop (a checkpoint taken now holds its position), else ``None``."""
         loop = self._fit
         return loop if loop is not None and loop.running else None
 
-    def _await_resume(self, point: _checkpoint.ResumePoint) -> None:
-        self._resume = point  # a loaded checkpoint's position, for the next fit
+    def fit_position(self) -> dict[str, Any]:
+        """Where a checkpoint taken now continues: the running fit's position (inside an epoch,
+        its RNG state and totals too), else where the last fit ended, else the start."""
+        loop = self.running_fit()
+        if loop is not None:
+            return loop.state_dict()
+        return dict(self._fit_ended or {"epoch": 0, "step_in_epoch": 0, "samples_in_epoch": 0,
+                                        "pass_offset": 0, "batch_size": None})  # fmt: skip
 
-    def _pop_resume(self) -> _checkpoint.ResumePoint | None:
+    def await_resume(self, point: ResumePoint) -> None:
+        """Keep a loaded checkpoint's :class:`~fitkit.training.state.ResumePoint` for the next fit."""
+        self._resume = point
+
+    def pop_resume(self) -> ResumePoint | None:
+        """Take the waiting resume point (a loaded resume point serves one fit only)."""
         point, self._resume = self._resume, None
         return point
 
@@ -960,9 +988,6 @@ class Model:
         """
         stepper = self._stepper or self._require_compiled("optimizer_step")
         return stepper.step(self.module)
-
-    def _wants_stop(self) -> bool:
-        return self.stop_training
 
     def update_metrics(
         self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None

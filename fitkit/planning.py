@@ -111,7 +111,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
         example = example if val_example is None else val_example
     _warn_nothing_to_train(model, initial_epoch, epochs)
     validates = val is not None
-    fit_accumulation = _callback_schedule(model._stepper, callbacks)
+    fit_accumulation = _callback_schedule(model.stepper, callbacks)
     total, shown = _plan_steps(model, train, epochs, max_steps, fit_accumulation)
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
@@ -150,7 +150,7 @@ def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | Non
                 fit_accumulation: Any) -> tuple[int | None, int | None]:  # fmt: skip
     """``(total_steps, epochs shown to callbacks)``; ``ValueError`` when a scheduler factory
     asks for the step count and it cannot be known."""
-    stepper = model._stepper
+    stepper = model.stepper
     k = stepper.accumulation
     accumulation = fit_accumulation or stepper.accumulation_schedule or (lambda epoch: k)
     batches = train.num_batches

@@ -287,7 +287,7 @@ def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:
 
 def _check_with_test_step(model: Any, batch: tuple[Any, Any, Any], label: str) -> None:
     """An overridden ``test_step`` knows what the module's output means: run it, eagerly."""
-    phases = model._phases
+    phases = model.phases
     totals = phases.new_totals()
     try:
         # The module itself, not the compiled forward: no compilation here.

@@ -129,7 +129,7 @@ def record_validation(loop: Any, epoch: int, val_logs: dict[str, float]) -> dict
     """Record a validation of ``loop``'s fit in ``history.validations`` and fire
     ``on_validation_end`` with the record; returns the ``val_`` logs."""
     logs = {f"val_{k}": v for k, v in val_logs.items()}
-    record: dict[str, Any] = {"epoch": epoch, "step": loop.model._stepper.global_step, **logs}
+    record: dict[str, Any] = {"epoch": epoch, "step": loop.model.stepper.global_step, **logs}
     loop.history.validations.append(dict(record))
     loop.callbacks.on_validation_end(record)
     return logs
@@ -158,7 +158,7 @@ class StepValidation:
     def after_step(self, batches_done: int) -> None:
         """After an optimizer step: validate if it is due (``batches_done``: of the epoch)."""
         loop = self.loop
-        stepper = loop.model._stepper
+        stepper = loop.model.stepper
         step = stepper.global_step
         if step == self.last_step:
             return
@@ -167,13 +167,13 @@ class StepValidation:
 
     def run(self, epoch: int) -> None:
         loop = self.loop
-        self.last_step = loop.model._stepper.global_step
+        self.last_step = loop.model.stepper.global_step
         rng = _checkpoint.rng_state()  # the training stream goes on as if nothing ran
         try:
             val_logs = EvalLoop(loop.model, loop.val, loop.callbacks, loop.val_steps, what="validation_data").run()
         finally:
             _checkpoint.set_rng_state(rng)
-        _step_plateau(loop.model._stepper, val_logs)
+        _step_plateau(loop.model.stepper, val_logs)
         record_validation(loop, epoch, val_logs)
 
     def epoch_logs(self, epoch: int) -> dict[str, float] | None:

@@ -164,9 +164,15 @@ class Stepper:
         planned = self.planned
         if planned is None or total is None:
             return
+        # A restored run: the factory's first step (a warmup's lr 0, OneCycle's momentum) must not
+        # overwrite the hyper-parameters the optimizer was restored with; the scheduler gets its
+        # state at birth and the groups are put back as they were loaded.
+        loaded = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         sched = resolve(planned.build(self.optimizer, total), self.optimizer, self.interval)
         if planned.state is not None and sched is not None:
             sched.load_state_dict(planned.state)
+            for group, hyper in zip(self.optimizer.param_groups, loaded, strict=True):
+                group.update(hyper)
         self.set_scheduler(sched)
         self.planned = None
 

@@ -166,19 +166,11 @@ class RunningTotals:
         total, count, wsum = self.loss_total, self.loss_count, self.loss_wsum
         if self.reduce is not None:
             total, count, wsum = self.reduce(total, count, wsum)
-        metrics = {}
-        for e in self.metrics.entries or []:
-            with e.metric.sync_context(should_sync=self.reduce is not None, should_unsync=True):
-                state = {
-                    k: ([t.clone() for t in v] if isinstance(v, list) else v.clone())
-                    for k, v in e.metric.metric_state.items()
-                }  # fmt: skip
-            state["_update_count"] = e.metric._update_count
-            metrics[e.key] = state
+        metrics = self.metrics.state_dict(sync=self.reduce is not None)
         return {"loss_total": total, "loss_count": count, "loss_wsum": wsum, "metrics": metrics}
 
     def load_state_dict(self, state: dict[str, Any], owner: bool = True) -> None:
-        """Restore :meth:`state_dict` (the metrics must be built: they are, after the first batch).
+        """Restore :meth:`state_dict`; metrics built from the first batch get their states at birth.
 
         The saved sums are over all ranks: one rank (``owner``) takes them, the others start
         from zero, so the sums over ranks come out right at any world size.
@@ -189,20 +181,7 @@ class RunningTotals:
         self.loss_count = state["loss_count"]
         wsum = state["loss_wsum"]
         self.loss_wsum = None if wsum is None else wsum.to(self.device)
-        missing = [e.key for e in self.metrics.entries or [] if e.key not in state["metrics"]]
-        if missing:
-            warnings.warn(
-                f"The checkpoint holds no running totals for {', '.join(missing)} (compiled since?): in the "
-                "resumed epoch they count the remaining batches only. Fix: resume with the same metrics.",
-                category=FitkitWarning, stacklevel=5,
-            )
-        for e in self.metrics.entries or []:
-            saved = state["metrics"].get(e.key)
-            for k, v in (saved or {}).items():
-                if k == "_update_count":
-                    e.metric._update_count = v
-                else:
-                    setattr(e.metric, k, v)
+        self.metrics.load_state_dict(state["metrics"])
 
 
 class Phases:

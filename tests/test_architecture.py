@@ -32,7 +32,7 @@ def _imports(path: Path, name: str) -> set[str]:
     tree = ast.parse(path.read_text())
     is_pkg = path.name == "__init__.py"
     found = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("fitkit")}
         elif isinstance(node, ast.ImportFrom):
@@ -45,6 +45,19 @@ def _imports(path: Path, name: str) -> set[str]:
                 found.add(mod)
                 found |= {f"{mod}.{a.name}" for a in node.names}
     return found
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under ``if TYPE_CHECKING:`` (imports for annotations only: they
+    never run, so they are no edge of the import graph)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
 
 
 def _graph() -> dict[str, set[str]]:
@@ -106,6 +119,19 @@ def test_the_package_has_no_import_cycle():
     graph = _graph()
     assert "fitkit.distributed.sharding" in graph and "fitkit.data.loaders" in graph
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_an_import_for_annotations_only_is_no_edge(tmp_path, monkeypatch):
+    pkg = tmp_path / "fitkit"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text("from fitkit.loop import Loop\n")
+    (pkg / "loop.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fitkit.model import Model\nclass Loop: ...\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
+    graph = _graph()
+    assert graph["fitkit.loop"] == set() and graph["fitkit.model"] == {"fitkit.loop"}
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -212,7 +238,7 @@ FOREIGN_WRITES_ALLOWED = {
     "callbacks/averaging.py: model.scheduler": "SWA replaces the scheduler (public setter)",
     "callbacks/averaging.py: self.model.scheduler": "SWA replaces the scheduler (public setter)",
     # A flag of the callbacks' restore protocol: a state loaded after on_train_begin consumes it.
-    "checkpoint.py: cb._restored": "a callback state loaded by the fit itself is not restored twice",
+    "training/state.py: cb._restored": "a callback state loaded by the fit itself is not restored twice",
     # Not fitkit objects: a torch parameter tied to another, an argparse namespace.
     "layers/gpt.py: self.embed.wte.weight": "weight tying of torch modules",
     "examples/shakespeare.py: args.verbose": "an argparse namespace",

@@ -53,7 +53,7 @@ _atexit = False
 
 def is_sharded_default(model: Any) -> bool:
     """Whether ``save_checkpoint`` writes a sharded folder by default: under FSDP."""
-    return model._parallel is not None and model._parallel.fsdp
+    return model.parallel is not None and model.parallel.fsdp
 
 
 def _ckpt_group() -> Any:
@@ -189,9 +189,10 @@ def differences(model: Any, meta: Any, state: dict[str, Any]) -> list[str]:
     return out
 
 
-def inspect(model: Any, path: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
-    """A sharded checkpoint's non-tensor part and what in it does not fit ``model`` (nothing read
-    into the model). Every rank calls it (a save of this process still in flight is waited for).
+def inspect(model: Any, path: str | os.PathLike) -> tuple[dict[str, Any], list[str], list[str]]:
+    """A sharded checkpoint's non-tensor part, what in it contradicts its own shards, and what
+    does not fit ``model`` (nothing read into the model). Every rank calls it (a save of this
+    process still in flight is waited for).
 
     Raises:
         FileNotFoundError: no folder at ``path``.
@@ -205,7 +206,25 @@ def inspect(model: Any, path: str | os.PathLike) -> tuple[dict[str, Any], list[s
         raise ValueError(
             f"{str(path)!r} is not a fitkit sharded checkpoint. Fix: pass a folder written by save_checkpoint."
         )
-    return state, differences(model, meta, state)
+    return state, _writer_problems(meta, state), differences(model, meta, state)
+
+
+def _writer_problems(meta: Any, state: dict[str, Any]) -> list[str]:
+    """The ranks whose shard files the index names against the world size the state claims
+    (``__<rank>_<n>.distcp``: a folder written by N processes has no file of a rank >= N)."""
+    world = state.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        return []  # a wrong type or range is the registry's to report
+    ranks = set()
+    for info in (meta.storage_data or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        if name.startswith("__") and "_" in name[2:]:
+            head = name[2:].split("_", 1)[0]
+            if head.isdigit():
+                ranks.add(int(head))
+    if ranks and max(ranks) >= world:
+        return [f"checkpoint['world_size'] is {world}, but its shards were written by {max(ranks) + 1} processes"]
+    return []
 
 
 def load_tensors(model: Any, path: str | os.PathLike) -> None:

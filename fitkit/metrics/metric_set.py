@@ -119,6 +119,8 @@ class MetricSet:
         self.task: str | None = None
         self.num_classes = 0
         self.class_last = False
+        #: a checkpoint's metric states that wait for the metrics to be built (:mod:`fitkit.metrics.saved`)
+        self.pending: dict[str, Any] | None = None
 
     @property
     def keys(self) -> list[str]:
@@ -202,6 +204,7 @@ class MetricSet:
             (2.0, 10.0)
         """
         new = copy.copy(self)
+        new.pending = None  # a checkpoint's states belong to the phase they were loaded into
         copies: dict[int, Any] = {}
 
         def fresh(m: Any) -> Any:
@@ -252,6 +255,8 @@ class MetricSet:
         for e in entries:
             e.metric.to(device)
         self.task, self.num_classes, self.class_last, self.entries = task, n, class_last, entries
+        if self.pending is not None:  # a resumed epoch's states, loaded at birth
+            self.load_state_dict(self.pending)
 
     def _classification_entry(self, key: str, spec: MetricSpec, task: str, n: int, y_pred, y) -> _Entry:
         name = str(spec.metric)
@@ -365,6 +370,21 @@ class MetricSet:
         """
         for e in self.entries or []:
             e.metric.reset()
+
+    def state_dict(self, sync: bool = False) -> dict[str, dict[str, Any]]:
+        """The running states by log key (``sync``: summed over ranks, a collective); before the
+        metrics are built, the states that wait for them (:mod:`fitkit.metrics.saved`)."""
+        from fitkit.metrics.saved import metric_states
+
+        return dict(self.pending or {}) if self.entries is None else metric_states(self.entries, sync)
+
+    def load_state_dict(self, states: dict[str, dict[str, Any]]) -> None:
+        """Load :meth:`state_dict` now if the metrics are built, else at their birth (:meth:`build`)."""
+        from fitkit.metrics.saved import load_metric_states
+
+        self.pending = dict(states) if self.entries is None else None
+        if self.entries is not None:
+            load_metric_states(self.entries, states)
 
     def to(self, device: torch.device | str) -> None:
         """Move the metric states to ``device``, in place; metrics built later are created there.

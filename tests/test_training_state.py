@@ -1,0 +1,308 @@
+"""The run's registry of stateful parts: every part checks a checkpoint before any part changes,
+and each part takes its state at one defined moment (a part built later gets it at birth)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import class_data
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fitkit
+from fitkit.callbacks import LambdaCallback, ModelCheckpoint
+from fitkit.files import CheckpointError, atomic_save, safe_load
+from fitkit.files.sharded import STATE_NAME
+from fitkit.training.state import RunState
+
+
+# -- metrics of a resumed epoch ---------------------------------------------------------------------
+def _regression(seed: int = 0) -> fitkit.Model:
+    torch.manual_seed(seed)
+    model = fitkit.Model(nn.Linear(3, 1), device="cpu")
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae", "mse"])
+    return model
+
+
+def _classifier(seed: int = 0) -> fitkit.Model:
+    torch.manual_seed(seed)
+    model = fitkit.Model(nn.Linear(4, 3), device="cpu")
+    model.compile(optimizer="sgd", loss="cross_entropy", metrics=["accuracy", "f1"])
+    return model
+
+
+def _regression_data():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 3, generator=g)
+    return x, x.sum(1, keepdim=True) + 0.5
+
+
+_SOURCES = {
+    "DataLoader": lambda x, y: DataLoader(TensorDataset(x, y), batch_size=4),
+    "shuffled DataLoader": lambda x, y: DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+    "Dataset": lambda x, y: TensorDataset(x, y),
+}
+
+
+def _resume_mid_epoch(make, source, tmp_path, batch: int = 2):
+    """The uninterrupted run's History and the History of a run resumed from a checkpoint taken
+    after ``batch + 1`` batches of epoch 1."""
+    ref, path = make(), tmp_path / "mid.pt"
+    save = LambdaCallback(on_train_batch_end=lambda b, logs: ref.epoch == 1 and b == batch
+                          and ref.save_checkpoint(path))  # fmt: skip
+    torch.manual_seed(5)
+    ref.fit(source(), epochs=3, batch_size=4, verbose=0, callbacks=[save])
+    resumed = make(seed=1)
+    initial_epoch = resumed.load_checkpoint(path)
+    torch.rand(3)  # fit restores the RNG states itself
+    resumed.fit(source(), epochs=3, batch_size=4, initial_epoch=initial_epoch, verbose=0)
+    return ref.history.history, resumed.history.history
+
+
+@pytest.mark.parametrize("kind", sorted(_SOURCES))
+def test_the_metrics_of_a_resumed_epoch_count_the_batches_before_the_checkpoint(tmp_path, kind):
+    x, y = _regression_data()
+    ref, resumed = _resume_mid_epoch(_regression, lambda: _SOURCES[kind](x, y), tmp_path)
+    assert resumed == ref  # every key, bit for bit: loss, mae, mse of epochs 1 and 2
+
+
+def test_the_metrics_of_a_resumed_epoch_have_the_values_of_the_whole_epoch(tmp_path):
+    # A zero model and a regression target the metrics can be computed by hand on: epoch 0
+    # trains nothing (lr 0), so epoch 1's mae is the mean |y| over all 8 rows.
+    x = torch.arange(8.0).unsqueeze(1)
+
+    def make(seed=0):
+        model = fitkit.Model(nn.Linear(1, 1, bias=False), device="cpu")
+        nn.init.zeros_(model.module.weight)
+        model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss="mae", metrics=["mae", "mse"])
+        return model
+
+    ref, resumed = _resume_mid_epoch(make, lambda: DataLoader(TensorDataset(x, x), batch_size=4), tmp_path,
+                                     batch=0)  # fmt: skip
+    assert resumed["mae"] == ref["mae"] == [3.5, 3.5, 3.5]
+    assert resumed["mse"] == [17.5, 17.5, 17.5]  # (0 + 1 + 4 + ... + 49) / 8
+
+
+def test_classification_metrics_of_a_resumed_epoch_are_restored(tmp_path):
+    x, y = class_data(32)
+    ref, resumed = _resume_mid_epoch(_classifier, lambda: DataLoader(TensorDataset(x, y), batch_size=4),
+                                     tmp_path, batch=3)  # fmt: skip
+    assert resumed == ref
+
+
+def test_the_metrics_of_a_hugging_face_dataset_resumed_inside_an_epoch(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    x, y = _regression_data()
+    hf = datasets.Dataset.from_dict({"x": x.tolist(), "y": y.tolist()}).with_format("torch")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    def make(seed=0):
+        torch.manual_seed(seed)
+        model = fitkit.Model(Net(), device="cpu")
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        return model
+
+    source = lambda: DataLoader(hf, batch_size=4, collate_fn=lambda rows: (  # noqa: E731
+        torch.stack([r["x"] for r in rows]), torch.stack([r["y"] for r in rows])))
+    ref, resumed = _resume_mid_epoch(make, source, tmp_path)
+    assert resumed == ref
+
+
+# -- a scheduler factory built after the restore ----------------------------------------------------
+def _warmup(opt, total_steps):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 5) * (1 - s / total_steps))
+
+
+def _planned(seed: int = 0, scheduler=_warmup, optimizer=None) -> fitkit.Model:
+    torch.manual_seed(seed)
+    model = fitkit.Model(nn.Linear(3, 1), device="cpu")
+    model.compile(optimizer=optimizer or (lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.9)), loss="mse",
+                  scheduler=scheduler, scheduler_interval="step")  # fmt: skip
+    return model
+
+
+def _lrs_of_each_step(model, seen, key="lr"):
+    return LambdaCallback(on_train_batch_begin=lambda b, logs: seen.append(model[0].optimizer.param_groups[0][key]))
+
+
+@pytest.mark.parametrize("load", ["load_checkpoint", "BackupAndRestore"])
+def test_a_scheduler_factory_built_after_the_restore_keeps_the_restored_learning_rate(tmp_path, load):
+    x, y = _regression_data()
+    x, y = x[:20], y[:20]
+    holder: list = [None]
+    seen: list[float] = []
+    ref = holder[0] = _planned()
+    ref.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0,
+            callbacks=[_lrs_of_each_step(holder, seen), ModelCheckpoint(str(tmp_path / "c{batch}.pt"), save_freq=5,
+                                                                        monitor="loss")])  # fmt: skip
+    assert seen == pytest.approx([0.0, 0.18, 0.32, 0.42, 0.48, 0.5, 0.4, 0.3, 0.2, 0.1], abs=1e-12)
+    resumed = holder[0] = _planned(seed=1)
+    after: list[float] = []
+    resumed.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0,
+                initial_epoch=resumed.load_checkpoint(tmp_path / "c5.pt"), callbacks=[_lrs_of_each_step(holder, after)])
+    assert after == seen[5:]  # the first resumed step at lr 0.5, not the warmup's 0.0
+    assert after[0] == 0.5
+    for a, b in zip(resumed.module.parameters(), ref.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_one_cycle_built_after_the_restore_keeps_the_restored_momentum(tmp_path):
+    # OneCycleLR's first step sets momentum too: both come back as the checkpoint had them.
+    x, y = _regression_data()
+    one_cycle = functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1)
+    holder: list = [None]
+    lrs, momenta = [], []
+    ref = holder[0] = _planned(scheduler=lambda opt, total_steps: one_cycle(opt, total_steps=total_steps))
+    ref.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
+            callbacks=[_lrs_of_each_step(holder, lrs), _lrs_of_each_step(holder, momenta, "momentum"),
+                       ModelCheckpoint(str(tmp_path / "c{batch}.pt"), save_freq=4, monitor="loss")])  # fmt: skip
+    resumed = holder[0] = _planned(seed=1, scheduler=lambda opt, total_steps: one_cycle(opt, total_steps=total_steps))
+    lrs2, momenta2 = [], []
+    resumed.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
+                initial_epoch=resumed.load_checkpoint(tmp_path / "c4.pt"),
+                callbacks=[_lrs_of_each_step(holder, lrs2), _lrs_of_each_step(holder, momenta2, "momentum")])
+    assert (lrs2, momenta2) == (lrs[4:], momenta[4:])
+    for a, b in zip(resumed.module.parameters(), ref.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+# -- every part checks before any part changes ----------------------------------------------------
+def _compiled(seed: int = 0) -> fitkit.Model:
+    torch.manual_seed(seed)
+    model = fitkit.Model(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)), device="cpu")
+    model.compile(optimizer="adam", loss="mse",
+                  scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))  # fmt: skip
+    return model
+
+
+def _everything(model: fitkit.Model):
+    """The module, optimizer and scheduler states and the step count, copied."""
+    import copy
+
+    return (copy.deepcopy(model.state_dict()), copy.deepcopy(model.optimizer.state_dict()),
+            copy.deepcopy(model.scheduler.state_dict()), model.global_step)  # fmt: skip
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+_CRAFTED = {
+    "epoch='x'": ("epoch", "x", r"checkpoint\['epoch'\] is 'x', expected an int >= 0"),
+    "epoch=-3": ("epoch", -3, r"checkpoint\['epoch'\] is -3, expected an int >= 0"),
+    "global_step=-1": ("global_step", -1, r"checkpoint\['global_step'\] is -1, expected an int >= 0"),
+    "step_in_epoch=-1": ("step_in_epoch", -1, r"checkpoint\['step_in_epoch'\] is -1"),
+    "world_size='x'": ("world_size", "x", r"checkpoint\['world_size'\] is 'x', expected an int >= 1"),
+    "world_size=0": ("world_size", 0, r"checkpoint\['world_size'\] is 0, expected an int >= 1"),
+    "world_size=True": ("world_size", True, r"checkpoint\['world_size'\] is True"),
+    "batch_size=0": ("batch_size", 0, r"checkpoint\['batch_size'\] is 0"),
+    "rng=None": ("rng", None, r"checkpoint\['rng'\] is NoneType"),
+    "rng without numpy": ("rng", "no numpy", r"checkpoint\['rng'\]\['numpy'\] is not a state"),
+    "scaler='x'": ("scaler", "x", r"checkpoint\['scaler'\] is 'x'"),
+    "history=[]": ("history", [], r"checkpoint\['history'\] is \[\]"),
+    "epoch_rng='x'": ("epoch_rng", "x", r"checkpoint\['epoch_rng'\] is 'x'"),
+    "inside an epoch without its totals": ("step_in_epoch", 2, r"inside epoch 3 without its RNG state and running"),
+}
+
+
+def _craft(state: dict, key: str, value):
+    state = dict(state)
+    if value == "no numpy":
+        state["rng"] = {k: v for k, v in state["rng"].items() if k != "numpy"}
+    else:
+        state[key] = value
+    return state
+
+
+def _saved(tmp_path, sharded: bool):
+    model = _compiled()
+    x, y = _regression_data()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    path = tmp_path / ("ck" if sharded else "ck.pt")
+    model.save_checkpoint(path, sharded=sharded)
+    return path
+
+
+@pytest.mark.slow  # the first import of torch.distributed.checkpoint
+@pytest.mark.parametrize("sharded", [False, True], ids=["one file", "sharded"])
+def test_each_crafted_field_is_refused_before_any_part_changes(tmp_path, sharded):
+    path = _saved(tmp_path, sharded)
+    state_file = path / STATE_NAME if sharded else path
+    good = safe_load(state_file, "cpu")
+    model = _compiled(seed=1)
+    model.fit(*_regression_data(), batch_size=8, epochs=1, verbose=0)  # an optimizer state to keep
+    before = _everything(model)
+    for name, (key, value, message) in _CRAFTED.items():
+        atomic_save(_craft(good, key, value), state_file)
+        with pytest.raises(CheckpointError, match=message):
+            model.load_checkpoint(path)
+        assert _same(_everything(model), before), name
+        assert model.pop_resume() is None, name  # nothing waits for the next fit either
+    atomic_save(good, state_file)
+    assert model.load_checkpoint(path) == 2  # the file as written loads
+
+
+@pytest.mark.slow
+def test_a_crafted_sharded_checkpoint_cannot_shorten_or_lengthen_the_run(tmp_path):
+    # epoch=-3 once trained 84 steps instead of 36: now refused, and the run stays as it was.
+    path = _saved(tmp_path, sharded=True)
+    good = safe_load(path / STATE_NAME, "cpu")
+    atomic_save({**good, "epoch": -3}, path / STATE_NAME)
+    model = _compiled(seed=1)
+    with pytest.raises(CheckpointError):
+        model.load_checkpoint(path)
+    model.fit(*_regression_data(), batch_size=8, epochs=3, verbose=0)
+    assert model.global_step == 9
+
+
+def test_a_callback_state_of_the_wrong_type_is_refused_before_any_part_changes(tmp_path):
+    x, y = _regression_data()
+    model = _compiled()
+    path = tmp_path / "c.pt"
+    stop = fitkit.callbacks.EarlyStopping(monitor="loss", patience=5)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+              callbacks=[stop, LambdaCallback(on_epoch_end=lambda e, logs: model.save_checkpoint(path))])
+    good = safe_load(path, "cpu")
+    atomic_save({**good, "callbacks": {"EarlyStopping": {"wait": "x"}}}, path)
+    fresh = _compiled(seed=1)
+    before = _everything(fresh)
+    seen = []
+
+    def load_inside_fit(logs):
+        with pytest.raises(CheckpointError, match=r"callbacks\['EarlyStopping'\]"):
+            fresh.load_checkpoint(path)
+        seen.append(_same(_everything(fresh), before))
+
+    fresh.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[fitkit.callbacks.EarlyStopping(monitor="loss", patience=5),
+                         LambdaCallback(on_train_begin=load_inside_fit)])  # fmt: skip
+    assert seen == [True]
+
+
+def test_the_registry_names_each_part_and_saves_what_fitkit_always_wrote():
+    model = _compiled()
+    model.fit(*_regression_data(), batch_size=8, epochs=1, verbose=0)
+    run = RunState(model)
+    state = run.state_dict()
+    assert [p.name for p in run.parts] == ["version", "module", "optimizer", "stepper", "scheduler", "position",
+                                           "rng", "callbacks", "history"]  # fmt: skip
+    assert {"fitkit_version", "module", "optimizer", "optimizer_class", "scheduler", "scheduler_class", "scaler",
+            "global_step", "epoch", "step_in_epoch", "samples_in_epoch", "pass_offset", "batch_size",
+            "rng", "callbacks", "callback_config", "history"} <= set(state)  # fmt: skip
+    assert run.problems(state) == [] and run.differences(state) == []
+    assert (state["optimizer_class"], state["scheduler_class"], state["global_step"]) == ("Adam", "StepLR", 3)
