@@ -1,7 +1,7 @@
 """The ``Model``: compile, fit, evaluate, predict around any ``nn.Module``.
 
 The model is a facade. It holds what outlives a call (the module, the compiled loss, the
-metric template and phase stack, the :class:`~fitkit.stepper.Stepper`, the history, a pending
+metric template and phase stack, the :class:`~fitkit.training.stepper.Stepper`, the history, a pending
 resume point) and hands each call to an object that owns that call's state; once a call
 returns or raises, nothing of it stays reachable from the model. The data flow of ``fit``, in
 the order a batch meets it::
@@ -28,29 +28,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitkit import checkpoint as _checkpoint
 from fitkit import data as _data
 from fitkit import distributed as _distributed
-from fitkit import nest, planning
-from fitkit.accumulation import AccumulationSchedule
+from fitkit import nest
 from fitkit.callbacks.base import Callback, History
 from fitkit.callbacks.swap_ema import compiled_ema, with_compiled_ema
 from fitkit.checks import check_bool, check_int, check_number, known_keywords
-from fitkit.denominators import denominator, objective
+from fitkit.checks.preflight import cast_to_module
+from fitkit.compile import Forward, resolve_jit_compile
 from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
 from fitkit.files.differences import check_state_dict_fits
-from fitkit.forward import Forward, resolve_jit_compile
-from fitkit.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.losses import MultiLoss, resolve_loss
+from fitkit.losses.denominators import denominator, objective
+from fitkit.losses.outputs import own_loss, prediction_of, require_prediction, targets_of
 from fitkit.metrics import MetricSet
-from fitkit.modes import modes
-from fitkit.optim import check_plateau_mode, resolve_optimizer, resolve_scheduler
-from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
-from fitkit.preflight import cast_to_module
-from fitkit.stepper import Stepper
-from fitkit.summary import summary_table
-from fitkit.tracking import Phases
+from fitkit.tools.summary import summary_table
+from fitkit.training import checkpoint as _checkpoint
+from fitkit.training import planning
+from fitkit.training.accumulation import AccumulationSchedule
+from fitkit.training.loop import EvalLoop, FitLoop, PredictLoop
+from fitkit.training.modes import modes
+from fitkit.training.optim import check_plateau_mode, resolve_optimizer, resolve_scheduler
 from fitkit.training.state import ResumePoint
+from fitkit.training.stepper import Stepper
+from fitkit.training.tracking import Phases
 
 __all__ = ["Model"]
 
@@ -380,7 +381,7 @@ class Model:
                 called as ``loss(y_pred, y_true)``; ``None`` when the module returns its own
                 loss (a ``ModelOutput`` or dict with ``"loss"``, as Hugging Face models do).
                 Metrics and ``predict`` take a structured output's ``"logits"`` (the rule of
-                :mod:`fitkit.outputs`), and metric targets come from ``y`` or ``x["labels"]``.
+                :mod:`fitkit.losses.outputs`), and metric targets come from ``y`` or ``x["labels"]``.
             metrics: names, ``torchmetrics.Metric`` objects, callables ``fn(y_pred, y_true)``,
                 :class:`fitkit.metrics.MetricSpec` objects, or ``{log_name: metric}``.
             loss_weights: a number that multiplies a single loss, or, for a module with several
@@ -390,7 +391,7 @@ class Model:
                 ``optimizer -> scheduler``. A factory with a ``total_steps`` (or
                 ``num_training_steps``) parameter is built at the start of the first ``fit``
                 with the optimizer steps that fit plans (``max_steps``, else ``epochs`` times the
-                steps per epoch; see :mod:`fitkit.budget`). A timm scheduler gets ``step_update(num_updates)``
+                steps per epoch; see :mod:`fitkit.training.budget`). A timm scheduler gets ``step_update(num_updates)``
                 after each optimizer step and ``step(epoch + 1, metric)`` after each epoch
                 (``metric``: ``val_loss``, else ``loss``), as timm's ``train.py`` calls them.
             scheduler_interval: ``"epoch"`` or ``"step"`` (per optimizer step).
@@ -398,7 +399,7 @@ class Model:
             gradient_accumulation_steps: micro-batches per optimizer step (sample-exact), or a
                 dict ``{first_epoch: micro-batches}`` that changes it at epoch starts
                 (``{0: 8, 4: 4, 8: 1}``; epochs before the first key: 1), as Lightning's
-                ``GradientAccumulationScheduler`` (see :mod:`fitkit.accumulation`).
+                ``GradientAccumulationScheduler`` (see :mod:`fitkit.training.accumulation`).
             clip_grad_norm: clip the global gradient 2-norm to this value before each step.
             clip_grad_value: clip each gradient element to ``[-v, v]`` before each step.
             jit_compile: ``"auto"`` (torch.compile on CUDA only), True, False, or a dict of
@@ -528,7 +529,7 @@ class Model:
                 and Transformers' ``max_steps``). A window is never cut; the epoch the budget
                 cuts still ends with its logs, validation, ``on_epoch_end`` and ``History``
                 entry. Callbacks find it in ``params["max_steps"]``, and the planned optimizer
-                steps in ``params["total_steps"]`` (see :mod:`fitkit.budget`).
+                steps in ``params["total_steps"]`` (see :mod:`fitkit.training.budget`).
             validation_interval: validate inside epochs: an int ``N``, after every ``N``-th
                 optimizer step (``global_step % N == 0``; Transformers' ``eval_steps``), or a
                 float in ``(0, 1]``, every ``max(1, int(f * S))`` of an epoch's ``S`` steps
@@ -536,7 +537,7 @@ class Model:
                 recorded in ``history.validations`` with its ``step`` and fires
                 ``on_validation_end``; the training stream (totals, data order, RNG) is that
                 of a fit without them. Not with ``validation_freq``. See
-                :mod:`fitkit.step_validation`.
+                :mod:`fitkit.training.step_validation`.
 
         Returns:
             The :class:`~fitkit.History`: ``history.history[key]`` is a list of floats per
@@ -610,7 +611,7 @@ class Model:
     # -- fitkit's internal surface: what its own packages use of a model (not for users) --------
     @property
     def stepper(self) -> Stepper | None:
-        """The compiled :class:`~fitkit.stepper.Stepper` (``None`` before ``compile``)."""
+        """The compiled :class:`~fitkit.training.stepper.Stepper` (``None`` before ``compile``)."""
         return self._stepper
 
     @property
@@ -620,7 +621,7 @@ class Model:
 
     @property
     def phases(self) -> Phases:
-        """The phase stack and the metric template (:class:`~fitkit.tracking.Phases`)."""
+        """The phase stack and the metric template (:class:`~fitkit.training.tracking.Phases`)."""
         return self._phases
 
     def running_fit(self) -> FitLoop | None:
@@ -868,7 +869,7 @@ class Model:
 
         The terms are the tokens that count for a class-index loss (``"cross_entropy"``,
         ``"nll"``: every target position but ``ignore_index``) and the rows for the others;
-        ``w`` is 1 without sample weights (see :mod:`fitkit.denominators`). Override it to add
+        ``w`` is 1 without sample weights (see :mod:`fitkit.losses.denominators`). Override it to add
         terms (e.g. a regularizer); ``x`` is there for losses that need it. With
         ``compile(loss=None)``, a module output that carries its own ``"loss"`` (Hugging Face
         models called with ``labels``) is the objective.
@@ -902,7 +903,7 @@ class Model:
             )
         if not isinstance(self.loss, MultiLoss) and not isinstance(y_pred, torch.Tensor):
             # A plain callable loss may read the whole structured output; fitkit's losses need
-            # the prediction picked by the rule of fitkit.outputs.
+            # the prediction picked by the rule of fitkit.losses.outputs.
             pred = prediction_of(y_pred)
             if pred is not None:
                 y_pred = pred
@@ -996,7 +997,7 @@ class Model:
 
         Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch.
         ``y_pred`` may be a structured output (its prediction is picked as in
-        :mod:`fitkit.outputs`).
+        :mod:`fitkit.losses.outputs`).
 
         Raises:
             RuntimeError: called outside ``fit`` / ``evaluate`` / ``*_on_batch``.
@@ -1185,7 +1186,7 @@ class Model:
                dynamic_batch: bool = True) -> Path:
         """Export the module for serving: a ``torch.export`` program (``.pt2``) or ONNX.
 
-        See :func:`fitkit.export.export`: traced once in eval mode under ``no_grad`` (flags
+        See :func:`fitkit.tools.export.export`: traced once in eval mode under ``no_grad`` (flags
         restored), with dimension 0 of the inputs symbolic when ``dynamic_batch``.
 
         Args:
@@ -1211,7 +1212,7 @@ class Model:
             >>> torch.export.load(path).module()(torch.ones(3, 4)).shape
             torch.Size([3, 2])
         """
-        from fitkit.export import export
+        from fitkit.tools.export import export
 
         return export(self.module, path, _data.device_batch(example_input, device=self.device)[0], format=format,
                       dynamic_batch=dynamic_batch)  # fmt: skip
@@ -1220,11 +1221,11 @@ class Model:
     def find_lr(self, x: Any, y: Any = None, **kwargs: Any) -> Any:
         """Sweep the learning rate and suggest one; the model is left exactly as it was.
 
-        See :func:`fitkit.lr_finder.find_lr` for the arguments (``batch_size``, ``start_lr``,
+        See :func:`fitkit.tools.lr_finder.find_lr` for the arguments (``batch_size``, ``start_lr``,
         ``end_lr``, ``num_steps``, ``smooth``, ``diverge_threshold``, ``plot``, ``path``).
 
         Returns:
-            A :class:`fitkit.lr_finder.LRFinderResult` (``lrs``, ``losses``, ``suggestion``).
+            A :class:`fitkit.tools.lr_finder.LRFinderResult` (``lrs``, ``losses``, ``suggestion``).
 
         Example:
             >>> model = Model(nn.Linear(2, 1), device="cpu")
@@ -1233,7 +1234,7 @@ class Model:
             >>> len(result.lrs), result.lrs[-1]
             (5, 10.0)
         """
-        from fitkit.lr_finder import find_lr
+        from fitkit.tools.lr_finder import find_lr
 
         return find_lr(self, x, y, **kwargs)
 

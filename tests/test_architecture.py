@@ -227,14 +227,14 @@ def _foreign_writes(pkg: Path) -> list[str]:
 FOREIGN_WRITES_ALLOWED = {
     # The stop flags are the model's public API: a callback sets them, the loop of the call
     # resets (and under torchrun agrees) them; a nested evaluate / predict keeps its own.
-    "loop.py: model.stop_training": "the fit loop resets and agrees the public stop flag",
-    "eval_loop.py: model.stop_evaluating": "evaluate sets aside and restores the public flag",
-    "eval_loop.py: model.stop_predicting": "predict sets aside and restores the public flag",
+    "training/loop.py: model.stop_training": "the fit loop resets and agrees the public stop flag",
+    "training/eval_loop.py: model.stop_evaluating": "evaluate sets aside and restores the public flag",
+    "training/eval_loop.py: model.stop_predicting": "predict sets aside and restores the public flag",
     "callbacks/monitor.py: self.model.stop_training": "EarlyStopping stops training (public API)",
     "callbacks/misc.py: model.stop_training": "TerminateOnNaN stops training (public API)",
-    "lr_finder.py: model.stop_training": "the LR finder restores the flag it found",
+    "tools/lr_finder.py: model.stop_training": "the LR finder restores the flag it found",
     # `model.scheduler` is a public property with a setter (the stepper owns the value).
-    "lr_finder.py: model.scheduler": "the sweep sets the scheduler aside and restores it",
+    "tools/lr_finder.py: model.scheduler": "the sweep sets the scheduler aside and restores it",
     "callbacks/averaging.py: model.scheduler": "SWA replaces the scheduler (public setter)",
     "callbacks/averaging.py: self.model.scheduler": "SWA replaces the scheduler (public setter)",
     # A flag of the callbacks' restore protocol: a state loaded after on_train_begin consumes it.

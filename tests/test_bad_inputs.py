@@ -545,7 +545,7 @@ class _DictOut(nn.Module):
 
 def test_a_module_returning_a_dict_with_a_compiled_loss_names_the_loss_and_the_keys(tmp_path):
     e = _fit_fails(_model(_DictOut(), loss="mse"), tmp_path, torch.randn(10, 4), torch.randn(10, 3), batch_size=4)
-    # The structured-output rule (fitkit.outputs) names the loss, the dict's entries and the fix.
+    # The structured-output rule (fitkit.losses.outputs) names the loss, the dict's entries and the fix.
     message = str(e)
     assert message.startswith("fitkit cannot pick one prediction tensor for the loss 'mse' out of the module's output")
     assert "'scores'" in message and "'features'" in message and "Fix" in message

@@ -13,7 +13,7 @@ from torch.optim import lr_scheduler
 
 import fitkit
 from fitkit.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
-from fitkit.checkpoint import atomic_save, is_rank_zero, safe_load
+from fitkit.training.checkpoint import atomic_save, is_rank_zero, safe_load
 
 
 def _data(n: int = 16):

@@ -9,8 +9,8 @@ from torch import nn
 
 import fitkit
 from fitkit.checks import FitkitWarning
-from fitkit.denominators import denominator
 from fitkit.losses import resolve_loss
+from fitkit.losses.denominators import denominator
 
 B0 = torch.tensor([1.0, 0.5, 0.0])
 Y = torch.tensor([[0, 1, 2, 1], [2, -100, -100, -100]])  # 4 real tokens and 1

@@ -7,13 +7,13 @@ single-process references run in the test process itself, with the global batch 
 
 from __future__ import annotations
 
+import _dist_scenarios as sc
 import pytest
 import torch
+from _torchrun import run_torchrun
 from torch import nn
 
-import _dist_scenarios as sc
 import fitkit
-from _torchrun import run_torchrun
 from fitkit import distributed
 from fitkit.files import consolidate_weights
 

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(not DOCS.is_dir(), reason="no docs/ next to the 
 # Public modules with a reference page in docs/api/ (the page is named after the last part).
 REFERENCE = ("fitkit.callbacks", "fitkit.layers", "fitkit.data", "fitkit.text",
              "fitkit.losses", "fitkit.metrics", "fitkit.devices", "fitkit.distributed",
-             "fitkit.files", "fitkit.export")
+             "fitkit.files", "fitkit.tools.export")
 
 
 def _public_callables(module_name: str) -> list[str]:

@@ -8,8 +8,8 @@ from torch import nn
 
 import fitkit
 from fitkit.examples.digits import build_net
-from fitkit.export import export
 from fitkit.layers import GPT
+from fitkit.tools.export import export
 
 
 def _onnx_outputs(path, feeds):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fitkit
-from fitkit.finite import scan
+from fitkit.checks.finite import scan
 
 
 def masked_bce(y_pred, y):
@@ -107,7 +107,7 @@ def test_nan_sample_weights_are_always_refused():
 
 
 def test_scan_counts_and_names_rows_chunk_by_chunk(monkeypatch):
-    import fitkit.finite as finite
+    import fitkit.checks.finite as finite
 
     monkeypatch.setattr(finite, "_CHUNK", 6)  # 3 rows of 2 per chunk
     t = torch.zeros(10, 2)
@@ -118,7 +118,7 @@ def test_scan_counts_and_names_rows_chunk_by_chunk(monkeypatch):
 
 
 def test_the_finite_check_reads_the_data_in_chunks_and_copies_none_of_it(monkeypatch):
-    import fitkit.finite as finite
+    import fitkit.checks.finite as finite
 
     sizes = []
     real = torch.isfinite

@@ -8,7 +8,7 @@ from conftest import CountingBackend
 from torch import nn
 
 import fitkit
-from fitkit.forward import resolve_jit_compile
+from fitkit.compile import resolve_jit_compile
 
 
 def _net():

@@ -2,7 +2,7 @@
 
 Models are built from configs (no download). A dict batch calls ``module(**x)``; with
 ``compile(loss=None)`` the output's own ``loss`` trains, metrics and ``predict`` take its
-``logits`` (the rule of :mod:`fitkit.outputs`), and metric targets come from ``y`` or
+``logits`` (the rule of :mod:`fitkit.losses.outputs`), and metric targets come from ``y`` or
 ``x["labels"]``.
 """
 

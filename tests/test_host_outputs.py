@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fitkit
-from fitkit import host_outputs
-from fitkit.host_outputs import HostOutputs
+from fitkit.training import host_outputs
+from fitkit.training.host_outputs import HostOutputs
 
 Out = collections.namedtuple("Out", "logits aux")
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import fitkit
-from fitkit.lr_finder import LRFinderResult, find_lr
+from fitkit.tools.lr_finder import LRFinderResult, find_lr
 
 
 def _scalar_model(lr: float = 0.1) -> fitkit.Model:

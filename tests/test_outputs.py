@@ -1,6 +1,6 @@
 """The one rule that picks the prediction out of a structured output, and its error.
 
-The rule (fitkit/outputs.py): a tensor; a dict / ``ModelOutput``'s ``"logits"``, else its only
+The rule (fitkit/losses/outputs.py): a tensor; a dict / ``ModelOutput``'s ``"logits"``, else its only
 tensor entry besides ``"loss"``; a namedtuple's ``logits`` field, else its first field.
 """
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fitkit
-from fitkit.outputs import prediction_of, require_prediction
+from fitkit.losses.outputs import prediction_of, require_prediction
 
 Out = namedtuple("Out", "scores aux")
 

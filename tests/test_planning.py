@@ -1,4 +1,4 @@
-"""Fit planning (``fitkit.planning``): what is checked before step 1, and that the checks change nothing."""
+"""Fit planning (``fitkit.training.planning``): what is checked before step 1, and that the checks change nothing."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_the_validation_check_leaves_a_shuffled_fit_unchanged(monkeypatch):
     checked = small_classifier()
     torch.manual_seed(1)
     checked.fit(X, Y, epochs=2, batch_size=8, verbose=0, validation_data=val)
-    monkeypatch.setattr(fitkit.planning, "_check_first_validation_batch", lambda model, loader: None)
+    monkeypatch.setattr(fitkit.training.planning, "_check_first_validation_batch", lambda model, loader: None)
     unchecked = small_classifier()
     torch.manual_seed(1)
     unchecked.fit(X, Y, epochs=2, batch_size=8, verbose=0, validation_data=val)

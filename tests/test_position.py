@@ -87,7 +87,7 @@ def test_a_checkpoint_deciding_on_epochs_without_validation_fails_before_step_1(
 # -- the Position value itself --------------------------------------------------------------------
 def test_position_counts_global_samples_and_reads_checkpoints_of_every_version():
     from fitkit.data import DeviceLoader, TensorBatches
-    from fitkit.position import Position
+    from fitkit.training.position import Position
 
     running = Position(2, batch_size=4, world=2, n_used=20)  # two ranks: a global batch of 8
     running.begin_epoch(2)

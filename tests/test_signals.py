@@ -23,7 +23,7 @@ from conftest import line_data, line_model
 
 import fitkit
 from fitkit.callbacks import BackupAndRestore, Callback, LambdaCallback
-from fitkit.signals import deferred
+from fitkit.training.signals import deferred
 
 # Argument 1: the job's folder; 2: SIGTERM, SIGINT or none; 3: where to send it ("7": at the end
 # of optimizer step 7; "a6": at the micro-batch after step 6 that does not close its window;

@@ -7,7 +7,7 @@ from torch import nn
 import fitkit
 from fitkit.examples.digits import build_net
 from fitkit.layers import GPT
-from fitkit.summary import summary_table
+from fitkit.tools.summary import summary_table
 
 
 def _shapes(table):

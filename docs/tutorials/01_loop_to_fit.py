@@ -108,6 +108,7 @@ by_hand = (net.weight.detach().clone(), net.bias.detach().clone())
 # loss, ``fit`` runs the loop above: same seed, same shuffling, same batches.
 
 import functools
+
 import fitkit
 
 torch.manual_seed(0)

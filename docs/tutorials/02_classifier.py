@@ -55,8 +55,9 @@ assert len(train_loader) == 45  # 1,437 / 32, the last batch partial
 # A two-layer perceptron with Dropout between the layers. It outputs 10 logits per image; the
 # ``"cross_entropy"`` loss applies the softmax itself.
 
-import fitkit
 from torch import nn
+
+import fitkit
 
 net = nn.Sequential(
     nn.Linear(64, 128), nn.ReLU(),

@@ -38,6 +38,7 @@ assert text.startswith("First Citizen:")
 # ids back into the string.
 
 import torch
+
 from fitkit.text import CharTokenizer
 
 tokenizer = CharTokenizer(text)
@@ -116,6 +117,7 @@ assert abs(initial["loss"] - math.log(53)) < 0.1  # about ln V before training
 # so the model is validated, and perhaps saved, every 50 steps. Files go to a temporary folder.
 
 import tempfile
+
 from fitkit.callbacks import ModelCheckpoint
 
 out = Path(tempfile.mkdtemp())

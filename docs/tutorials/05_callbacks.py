@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 import fitkit
-from fitkit.callbacks import (EMA, BackupAndRestore, Callback, CSVLogger, EarlyStopping,
-                              ModelCheckpoint, TensorBoard)
+from fitkit.callbacks import EMA, BackupAndRestore, Callback, CSVLogger, EarlyStopping, ModelCheckpoint, TensorBoard
 
 torch.manual_seed(0)
 x = torch.randn(600, 20)

@@ -61,7 +61,7 @@ assert result["accuracy"] > 0.7
 # Which tensor is the prediction
 # ------------------------------
 #
-# One rule, in :mod:`fitkit.outputs`, picks the prediction out of a structured output: a tensor
+# One rule, in :mod:`fitkit.losses.outputs`, picks the prediction out of a structured output: a tensor
 # is the prediction; a dict or ``ModelOutput`` gives its ``"logits"`` entry, else its only tensor
 # entry other than ``"loss"``; a namedtuple gives its ``logits`` field, else its first field.
 # Metrics compare that prediction with ``y``, or, when there is no ``y``, with ``x["labels"]``.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fitkit.accumulation import AccumulationSchedule
 from fitkit.callbacks.base import Callback
+from fitkit.training.accumulation import AccumulationSchedule
 
 __all__ = ["GradientAccumulationScheduler"]
 
@@ -16,7 +16,7 @@ class GradientAccumulationScheduler(Callback):
     epoch 8 on. Epochs before the first key keep the compiled ``gradient_accumulation_steps``.
     The value is applied when each epoch begins; accumulation stays sample-exact, the planned
     step count (``params["total_steps"]``, a ``total_steps`` scheduler factory) follows the
-    schedule, and a resumed fit continues exactly (see :mod:`fitkit.accumulation`). The
+    schedule, and a resumed fit continues exactly (see :mod:`fitkit.training.accumulation`). The
     compiled value is back in place when ``fit`` ends. The fit loop reads the schedule when
     ``fit`` starts (the callback has no hook of its own).
 

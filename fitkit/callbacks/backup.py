@@ -16,13 +16,13 @@ from typing import Any
 
 from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
-from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import FitkitWarning, check_every
 from fitkit.distributed import dcp
 from fitkit.files import CheckpointError, check_target, remove_path, remove_stale_temps
 from fitkit.files.content import is_count, typed_problems
 from fitkit.files.locks import FileLock
 from fitkit.files.preflight import check_writable
+from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["BackupAndRestore"]
 

@@ -45,7 +45,7 @@ class Callback:
     #: where the ranks agree anyway. Under torchrun, when every ``on_backward_end`` callback
     #: says so, the stepper skips its per-step host agreement (one all-reduce and one host read
     #: per step): the device veto is all-reduced on the device, and a stop is agreed at the
-    #: signal agreement points (:class:`fitkit.signals.RankAgreement`) or at the epoch end.
+    #: signal agreement points (:class:`fitkit.training.signals.RankAgreement`) or at the epoch end.
     #: ``TerminateOnNaN`` sets it.
     device_veto_only: bool = False
 
@@ -127,7 +127,7 @@ class Callback:
         ``logs`` is the validation's record, also appended to ``History.validations``:
         ``epoch`` (0-based), ``step`` (``global_step`` when it was taken) and the ``val_``
         values (Python floats). Monitoring callbacks with a ``val_`` monitor act here when fit
-        validates inside epochs (:mod:`fitkit.step_validation`).
+        validates inside epochs (:mod:`fitkit.training.step_validation`).
         """
 
     def on_test_begin(self, logs=None):

@@ -33,7 +33,6 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.callbacks.scoring import scored_weights
-from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import check_every, check_int, check_mode, check_number
 from fitkit.distributed import say
 from fitkit.files import check_target, remove_stale_temps
@@ -41,6 +40,7 @@ from fitkit.files.content import typed_problems
 from fitkit.files.locks import FileLock
 from fitkit.files.owned import Owned
 from fitkit.files.preflight import check_writable_template
+from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["ModelCheckpoint"]
 

@@ -19,12 +19,12 @@ import torch
 
 from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
-from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import FitkitWarning
 from fitkit.files import check_target, cut_to_last_line, to_python
 from fitkit.files.content import typed_problems
 from fitkit.files.locks import FileLock
 from fitkit.files.preflight import check_writable_template
+from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["CSVLogger", "TensorBoard"]
 

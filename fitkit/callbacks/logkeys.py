@@ -64,7 +64,7 @@ def monitor_value(
 def per_validation(callback: Any) -> bool:
     """Whether a monitoring callback acts at each validation (``on_validation_end``) instead
     of at epoch ends: the fit validates inside epochs (``validation_interval``) and the
-    callback's ``monitor`` is a ``val_`` key (:mod:`fitkit.step_validation`).
+    callback's ``monitor`` is a ``val_`` key (:mod:`fitkit.training.step_validation`).
 
     Example:
         >>> class Watch:

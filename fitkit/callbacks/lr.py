@@ -25,7 +25,7 @@ from fitkit.callbacks.monitor import (
 )
 from fitkit.checks import check_int, check_mode, check_number
 from fitkit.distributed import say
-from fitkit.lr_finder import LRFinderResult, apply_lr, check_sweep, sweep
+from fitkit.tools.lr_finder import LRFinderResult, apply_lr, check_sweep, sweep
 
 __all__ = ["LearningRateScheduler", "ReduceLROnPlateau", "LearningRateFinder"]
 
@@ -245,25 +245,25 @@ class LearningRateFinder(Callback):
     """Run the LR range test when ``fit`` starts and train with its suggestion (Lightning's).
 
     At ``on_train_begin`` it sweeps the learning rate over the training batches of this
-    ``fit`` (:func:`fitkit.lr_finder.sweep`, the sweep of :func:`fitkit.lr_finder.find_lr`),
+    ``fit`` (:func:`fitkit.tools.lr_finder.sweep`, the sweep of :func:`fitkit.tools.lr_finder.find_lr`),
     puts everything back (weights, optimizer state, scheduler, step count, RNG states: the
     model is bit for bit as before), sets the suggestion as the learning rate
-    (:func:`fitkit.lr_finder.apply_lr`: every parameter group, their ratios kept, the
+    (:func:`fitkit.tools.lr_finder.apply_lr`: every parameter group, their ratios kept, the
     scheduler's ``base_lrs`` too), then training starts. A resumed ``fit`` (``global_step >
     0``, a loaded checkpoint, or a ``BackupAndRestore`` with a backup to resume from: the
     checkpoint holds the rate found before) skips the sweep.
 
     Args:
         start_lr, end_lr, num_steps, smooth, diverge_threshold, mode: as for
-            :func:`fitkit.lr_finder.find_lr`.
+            :func:`fitkit.tools.lr_finder.find_lr`.
         verbose: 1 prints the rate it sets.
 
     Attributes:
-        result: the :class:`~fitkit.lr_finder.LRFinderResult` of the last sweep (``None``
+        result: the :class:`~fitkit.tools.lr_finder.LRFinderResult` of the last sweep (``None``
             before it).
 
     Raises:
-        TypeError, ValueError: bad arguments, as :func:`fitkit.lr_finder.find_lr` raises them.
+        TypeError, ValueError: bad arguments, as :func:`fitkit.tools.lr_finder.find_lr` raises them.
 
     Example:
         >>> import torch, fitkit

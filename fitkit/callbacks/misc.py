@@ -37,7 +37,7 @@ class TerminateOnNaN(Callback):
     to advance), read it once per step. Under torchrun the veto is all-reduced on the device
     (a NaN on one rank skips the step on all), and no step adds a collective or a host read of
     its own (``device_veto_only``): the stop is agreed where the ranks agree anyway, at the
-    signal agreement points (:class:`fitkit.signals.RankAgreement`) or the epoch end, so every
+    signal agreement points (:class:`fitkit.training.signals.RankAgreement`) or the epoch end, so every
     rank stops at the same step, all steps from the bad one on skipped.
 
     Args:

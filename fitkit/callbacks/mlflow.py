@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from fitkit.callbacks.monitor import StatefulCallback
-from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import FitkitWarning
 from fitkit.files.preflight import check_writable
+from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["MLflowLogger"]
 

@@ -147,7 +147,7 @@ class EarlyStopping(StatefulCallback):
     ``restore_best_weights``, the weights of the best epoch (a deep copy, taken when it ended)
     are put back when training ends, whatever ended it. With ``fit(validation_interval=...)``
     and a ``val_`` monitor it decides at each validation (``on_validation_end``) instead of at
-    epoch ends, and ``patience`` counts validations (:mod:`fitkit.step_validation`).
+    epoch ends, and ``patience`` counts validations (:mod:`fitkit.training.step_validation`).
 
     Three more criteria stop at once, checked in this order before the patience rule
     (Lightning's ``EarlyStopping``): ``check_finite`` stops on a NaN or infinite value,

@@ -9,8 +9,8 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from fitkit.callbacks.base import Callback
-from fitkit.checkpoint import is_rank_zero
 from fitkit.checks import check_int
+from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["Profiler"]
 

@@ -209,7 +209,7 @@ class DeviceLoader:
             epoch: the epoch (a ``DistributedSampler``'s ``set_epoch``).
             skip: ``(batches, samples)`` a resume leaves out at the start of the epoch
                 (``samples``, in-memory data only, wins when not ``None``; see
-                :meth:`fitkit.position.Position.skip_for`).
+                :meth:`fitkit.training.position.Position.skip_for`).
             pass_offset: with ``steps``, a resume: batches of the pass to fast-forward past
                 before the epoch (the pass carried over from the epochs before).
         """

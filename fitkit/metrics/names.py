@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from fitkit import keras_names
 from fitkit.checks import class_not_instance
-from fitkit.losses import OUTPUTS, class_layout
+from fitkit.losses import OUTPUTS, class_layout, keras_names
 
 __all__ = ["MetricSpec", "METRIC_NAMES", "infer_task", "snake_case"]
 
@@ -130,7 +129,7 @@ class MetricSpec:
 
     Args:
         metric: a name of :data:`METRIC_NAMES` (or a Keras name of
-            :data:`fitkit.keras_names.METRIC_ALIASES`, logged under the name given), or a callable
+            :data:`fitkit.losses.keras_names.METRIC_ALIASES`, logged under the name given), or a callable
             ``fn(y_pred, y_true) -> Tensor``.
         output: for a classification name: ``"logits"``, ``"probs"`` or ``"log_probs"``, which
             overrides what the loss says (needed where the loss cannot tell, e.g. a plain

@@ -45,7 +45,7 @@ import torch
 from fitkit.checks import FitkitWarning
 from fitkit.files import CheckpointError, optimizer_differences, state_dict_differences
 from fitkit.files.content import callback_state_problems, is_count, is_number, typed_problems
-from fitkit.position import Position
+from fitkit.training.position import Position
 
 if TYPE_CHECKING:
     from fitkit.callbacks.base import CallbackList
@@ -485,7 +485,7 @@ class ResumePoint:
     """A loaded checkpoint's parts of the next fit, applied where each belongs.
 
     Attributes:
-        position: the :class:`~fitkit.position.Position` to continue at (epoch, batches and
+        position: the :class:`~fitkit.training.position.Position` to continue at (epoch, batches and
             samples done in it, pass offset, the epoch's RNG state).
         rng: the RNG states of the moment the checkpoint was taken.
         trackers: the running totals of a checkpoint taken inside an epoch, else ``None``.

@@ -20,12 +20,12 @@ from torch import nn
 
 from fitkit import nest
 from fitkit.checks import FitkitWarning
+from fitkit.checks.finite import check_batch_loss, check_in_memory
+from fitkit.checks.gradient import check_loss_has_grad, wants_grad_check
+from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
-from fitkit.finite import check_batch_loss, check_in_memory
-from fitkit.forward import call
-from fitkit.gradient_check import check_loss_has_grad, wants_grad_check
-from fitkit.modes import modes
-from fitkit.outputs import own_loss, prediction_of, require_prediction, targets_of
+from fitkit.losses.outputs import own_loss, prediction_of, require_prediction, targets_of
+from fitkit.training.modes import modes
 
 __all__ = [
     "prepare_in_memory", "cast_to_module", "first_batch_check", "wrap", "describe", "has_training_batchnorm",
@@ -81,7 +81,7 @@ def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool, 
 
     NaN / inf values are looked for without copying the data; in ``x`` / ``y`` they are refused
     only where the ``model``'s loss (or gradient) on those rows is not finite (see
-    :mod:`fitkit.finite`; without a model, always).
+    :mod:`fitkit.checks.finite`; without a model, always).
 
     Raises:
         ValueError: NaN / inf in ``sample_weight``, or in ``x`` / ``y`` that the loss does not
@@ -249,7 +249,7 @@ def first_batch_check(
         if y is not None and model.loss is not None:
             try:
                 prepare: Any = getattr(model.loss, "prepare", None)
-                pred = prediction_of(y_pred)  # a structured output's prediction (fitkit.outputs)
+                pred = prediction_of(y_pred)  # a structured output's prediction (fitkit.losses.outputs)
                 if getattr(model.loss, "kind", None) == "class_index" and isinstance(pred, torch.Tensor) and prepare:
                     # Before the loss: torch's own out-of-range error names no fix.
                     prepare(pred, y)  # dtype / shape errors; sets the class layout

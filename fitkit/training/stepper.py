@@ -5,7 +5,7 @@ One :class:`Stepper` per compiled model. ``fit`` hands it the epoch's batches
 micro-batch by its share of the window), ``train_step`` calls :meth:`Stepper.backward` and
 :meth:`Stepper.step`. Gradient accumulation is exact: each micro-batch's mean loss is scaled by
 ``its denominator / the window's`` (rows, sum of sample weights, or tokens that count: see
-:mod:`fitkit.denominators`), so a step equals one step on the whole window, a short last
+:mod:`fitkit.losses.denominators`), so a step equals one step on the whole window, a short last
 window included. Nothing here reads a device value on the host.
 
 A step can be skipped on the device, with no host read: the fp16 GradScaler's ``found_inf``
@@ -29,9 +29,9 @@ from torch import nn
 
 from fitkit import distributed as _distributed
 from fitkit import nest
-from fitkit.accumulation import AccumulationSchedule
-from fitkit.budget import PlannedScheduler
 from fitkit.devices import NO_CONTEXT
+from fitkit.training.accumulation import AccumulationSchedule
+from fitkit.training.budget import PlannedScheduler
 
 __all__ = ["Stepper", "is_timm_scheduler"]
 
@@ -73,17 +73,17 @@ class Stepper:
     Args:
         optimizer: the compiled optimizer.
         scheduler: a torch LR scheduler, a timm scheduler, a
-            :class:`~fitkit.budget.PlannedScheduler` (built by :meth:`build_planned`), or ``None``.
+            :class:`~fitkit.training.budget.PlannedScheduler` (built by :meth:`build_planned`), or ``None``.
         scheduler_interval: ``"epoch"`` or ``"step"`` (torch schedulers; timm ones get both).
         precision: ``"16-mixed"`` adds a ``GradScaler``.
         device: the model's device.
         accumulation: micro-batches per optimizer step, or an
-            :class:`~fitkit.accumulation.AccumulationSchedule` (by epoch, applied at epoch begin).
+            :class:`~fitkit.training.accumulation.AccumulationSchedule` (by epoch, applied at epoch begin).
         clip_grad_norm: max global 2-norm of the gradients, or ``None``.
         clip_grad_value: max absolute gradient element, or ``None``.
         parallel: the model's :class:`fitkit.distributed.Parallel` under torchrun, else ``None``.
         weigh: ``batch -> the denominator of its mean loss`` (rows, weights or tokens; see
-            :mod:`fitkit.denominators`); default: rows, or the sum of sample weights.
+            :mod:`fitkit.losses.denominators`); default: rows, or the sum of sample weights.
     """
 
     def __init__(
@@ -99,7 +99,7 @@ class Stepper:
         parallel: Any = None,
         weigh: Any = None,
     ):
-        # a factory built at the first fit with the planned step count (fitkit.budget.PlannedScheduler)
+        # a factory built at the first fit with the planned step count (fitkit.training.budget.PlannedScheduler)
         self.planned = scheduler if isinstance(scheduler, PlannedScheduler) else None
         scheduler = None if self.planned is not None else scheduler
         self.optimizer, self.scheduler, self.interval = optimizer, scheduler, scheduler_interval
@@ -158,7 +158,7 @@ class Stepper:
         self.scheduler, self.timm = scheduler, is_timm_scheduler(scheduler)
 
     def build_planned(self, total: int | None, resolve: Any) -> None:
-        """Build the :class:`~fitkit.budget.PlannedScheduler` with ``total`` optimizer steps
+        """Build the :class:`~fitkit.training.budget.PlannedScheduler` with ``total`` optimizer steps
         (the start of the first fit; ``resolve(scheduler, optimizer, interval)`` checks it),
         with the state a checkpoint left for it, if any."""
         planned = self.planned

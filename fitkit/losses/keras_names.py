@@ -34,8 +34,7 @@ Example:
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable
+from fitkit.checks import close_matches
 
 __all__ = ["LOSS_ALIASES", "METRIC_ALIASES", "LOSS_ADVICE", "METRIC_ADVICE", "canonical_loss",
            "canonical_metric", "loss_advice", "metric_advice", "close_matches"]
@@ -142,14 +141,3 @@ def loss_advice(name: str) -> str | None:
 def metric_advice(name: str) -> str | None:
     """What to write instead of a Keras metric name fitkit refuses, or ``None``."""
     return METRIC_ADVICE.get(name)
-
-
-def close_matches(name: str, valid: Iterable[str]) -> str:
-    """`` Did you mean 'x'?`` for a misspelt name (difflib), or ``""``.
-
-    Example:
-        >>> close_matches("epoch", ["epochs", "batch_size"])
-        " Did you mean 'epochs'?"
-    """
-    found = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.75)
-    return f" Did you mean {' or '.join(repr(f) for f in found)}?" if found else ""

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
-from fitkit.budget import planned_scheduler
-from fitkit.stepper import is_timm_scheduler
+from fitkit.training.budget import planned_scheduler
+from fitkit.training.stepper import is_timm_scheduler
 
 __all__ = ["OPTIMIZERS", "resolve_optimizer", "resolve_scheduler", "current_lr", "check_plateau_mode"]
 
@@ -137,7 +137,7 @@ def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval
             ``step_update(num_updates, metric=None)``, such as ``CosineLRScheduler``), or a
             factory ``optimizer -> scheduler`` of either kind (a class counts as a factory).
             A factory with a ``total_steps`` (or ``num_training_steps``) parameter comes back
-            as a :class:`~fitkit.budget.PlannedScheduler`, built at the start of the first
+            as a :class:`~fitkit.training.budget.PlannedScheduler`, built at the start of the first
             ``fit`` with the number of optimizer steps that fit plans.
         optimizer: the compiled optimizer.
         interval: ``"epoch"`` or ``"step"`` (one step per optimizer step).

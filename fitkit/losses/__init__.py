@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fitkit import keras_names
 from fitkit.checks import FitkitWarning, class_not_instance
+from fitkit.losses import keras_names
 
 __all__ = ["Loss", "MultiLoss", "resolve_loss", "class_layout", "LOSSES", "OUTPUTS"]
 
@@ -295,7 +295,7 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones; a Keras name with no exact
-            equivalent says what to write instead, see :mod:`fitkit.keras_names`), ``loss_weights`` without
+            equivalent says what to write instead, see :mod:`fitkit.losses.keras_names`), ``loss_weights`` without
             a loss, or weights that do not match the losses.
         TypeError: a class where an instance is meant (``nn.CrossEntropyLoss`` for
             ``nn.CrossEntropyLoss()``), or anything else, such as a list of weights for a single loss.

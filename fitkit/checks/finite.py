@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from fitkit import nest
+from fitkit.compile import call
 from fitkit.data import device_batch
-from fitkit.forward import call
-from fitkit.modes import modes
+from fitkit.training.modes import modes
 
 __all__ = ["scan", "check_in_memory", "check_batch_loss"]
 

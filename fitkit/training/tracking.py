@@ -85,7 +85,7 @@ class RunningTotals:
         """Add one batch: its mean loss times its denominator, and its metrics.
 
         ``denominator``: what the batch's mean loss divides by (rows, the sum of weights, the
-        tokens that count; see :mod:`fitkit.denominators`); ``None``: its rows, or the sum of
+        tokens that count; see :mod:`fitkit.losses.denominators`); ``None``: its rows, or the sum of
         its ``sample_weight``.
         """
         if loss is not None and denominator is not None:

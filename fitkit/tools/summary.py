@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from fitkit.compile import call
 from fitkit.distributed.group import is_rank_zero
-from fitkit.forward import call
-from fitkit.modes import modes
+from fitkit.training.modes import modes
 
 __all__ = ["summary_table"]
 

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from fitkit import checkpoint as _checkpoint
 from fitkit.callbacks.logkeys import per_validation
 from fitkit.checks import check_int, check_number
-from fitkit.eval_loop import EvalLoop
+from fitkit.training import checkpoint as _checkpoint
+from fitkit.training.eval_loop import EvalLoop
 
 __all__ = ["ValidationSchedule", "ValidationInterval", "StepValidation", "record_validation", "per_validation"]
 

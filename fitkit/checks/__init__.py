@@ -6,10 +6,11 @@ point checks its arguments with these helpers before it changes anything.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -221,7 +222,6 @@ def unknown_keywords(function: str, given: Any, valid: Any) -> TypeError:
         >>> print(unknown_keywords("Model.fit", ["epoch"], ["x", "epochs", "batch_size"]))
         Model.fit() got an unexpected keyword argument 'epoch'. Fix: did you mean 'epochs'? Valid keywords: x, ...
     """
-    from fitkit.keras_names import close_matches
 
     given, valid = list(given), list(valid)
     parts = []
@@ -277,3 +277,14 @@ class FitkitWarning(UserWarning):
     Filter it like any warning, e.g. ``warnings.simplefilter("error", fitkit.FitkitWarning)``
     to turn fitkit's warnings into errors (fitkit's own test suite does).
     """
+
+
+def close_matches(name: str, valid: Iterable[str]) -> str:
+    """`` Did you mean 'x'?`` for a misspelt name (difflib), or ``""``.
+
+    Example:
+        >>> close_matches("epoch", ["epochs", "batch_size"])
+        " Did you mean 'epochs'?"
+    """
+    found = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.75)
+    return f" Did you mean {' or '.join(repr(f) for f in found)}?" if found else ""

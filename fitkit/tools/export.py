@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fitkit import nest
-from fitkit.modes import modes
+from fitkit.training.modes import modes
 
 __all__ = ["export", "FORMATS"]
 
@@ -33,7 +33,7 @@ _ONNX_INLINE_LIMIT = 1 << 30
 
 
 def _as_call(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    # fitkit's calling convention (fitkit.forward.call): a tuple calls module(*x), a dict
+    # fitkit's calling convention (fitkit.compile.call): a tuple calls module(*x), a dict
     # module(**x); a namedtuple is one input.
     if isinstance(example_input, Mapping):
         return (), dict(example_input)

@@ -2,7 +2,7 @@
 
 ``fit``, ``evaluate`` and ``predict`` check everything they can here, before anything
 changes: the arguments (:func:`call_args`, :func:`plan_fit`), the data and its first batch
-(:func:`check_data`, through :mod:`fitkit.preflight`), the schedules, and the epoch-log keys
+(:func:`check_data`, through :mod:`fitkit.checks.preflight`), the schedules, and the epoch-log keys
 callbacks are told about (``params["metrics"]``). What a plan learns (the loaders, the
 validation schedule, the example input for ``summary``) comes back in a :class:`FitPlan`; the
 model stores what outlives the call.
@@ -14,17 +14,17 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from fitkit import budget as _budget
-from fitkit import checkpoint as _checkpoint
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import Callback, CallbackList
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
-from fitkit.loop import lr_keys
-from fitkit.optim import check_plateau_mode
-from fitkit.preflight import first_batch_check, in_memory_check
-from fitkit.step_validation import ValidationInterval, ValidationSchedule
+from fitkit.checks.preflight import first_batch_check, in_memory_check
+from fitkit.training import budget as _budget
+from fitkit.training import checkpoint as _checkpoint
+from fitkit.training.loop import lr_keys
+from fitkit.training.optim import check_plateau_mode
+from fitkit.training.step_validation import ValidationInterval, ValidationSchedule
 
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
 
@@ -59,7 +59,7 @@ class FitPlan:
         self.epochs = epochs  # the last-epoch bound (None: unbounded, the step budget ends the fit)
         self.total_steps = total_steps  # the optimizer steps the fit plans (None: unknown)
         self.shown_epochs = epochs
-        self.interval: Any = None  # a fitkit.step_validation.ValidationInterval, or None
+        self.interval: Any = None  # a fitkit.training.step_validation.ValidationInterval, or None
         self.accumulation: Any = None  # a GradientAccumulationScheduler's AccumulationSchedule, or None
 
 
@@ -206,7 +206,7 @@ def check_schedules(model: Any, callbacks: list[Callback]) -> None:
 
 
 def check_data(model: Any, loader: _data.DeviceLoader, name: str, training: bool, validation: bool = False) -> Any:
-    """The data checks before step 1 (:mod:`fitkit.preflight`); returns the first batch's ``x``
+    """The data checks before step 1 (:mod:`fitkit.checks.preflight`); returns the first batch's ``x``
     when one was run (``summary``'s example), else ``None``."""
     src = loader.batches
     if not isinstance(src, _data.TensorBatches):

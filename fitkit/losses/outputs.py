@@ -85,7 +85,7 @@ def require_prediction(output: Any, needed_by: str) -> torch.Tensor:
         return pred
     raise ValueError(
         f"fitkit cannot pick one prediction tensor for {needed_by} out of the module's output: "
-        f"{_describe(output)}. The rule (fitkit.outputs): a tensor is the prediction; a dict or "
+        f"{_describe(output)}. The rule (fitkit.losses.outputs): a tensor is the prediction; a dict or "
         "ModelOutput gives its 'logits' entry, else its only tensor entry other than 'loss'; a "
         "namedtuple its 'logits' field, else its first field. Fix: return a tensor, or put the "
         "prediction under 'logits'; for several outputs, compile one loss per output (a list or "

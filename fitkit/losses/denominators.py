@@ -2,8 +2,8 @@
 
 Every batch's loss is ``sum(w_i * l_i) / sum(w_i)`` over its loss terms ``i``, and the batch
 reports that denominator ``sum(w_i)`` next to the mean. The accumulation window
-(:class:`fitkit.stepper.Stepper`), the ranks under torchrun and the epoch totals
-(:class:`fitkit.tracking.RunningTotals`) then combine batches as ``sum / sum``, so a step
+(:class:`fitkit.training.stepper.Stepper`), the ranks under torchrun and the epoch totals
+(:class:`fitkit.training.tracking.RunningTotals`) then combine batches as ``sum / sum``, so a step
 equals one step on the whole window and an epoch's loss is the mean over all its terms,
 however the data is cut. The terms are:
 

@@ -1,7 +1,7 @@
 """The fit loop: one :class:`FitLoop` per ``fit`` call (``evaluate`` and ``predict``, which
-run in eval mode, have theirs in :mod:`fitkit.eval_loop`).
+run in eval mode, have theirs in :mod:`fitkit.training.eval_loop`).
 
-A loop owns what lives for one call: its :class:`~fitkit.position.Position` in the data, the
+A loop owns what lives for one call: its :class:`~fitkit.training.position.Position` in the data, the
 resume point it applies, the epoch's running totals, whether this epoch validated, and the
 call's callbacks. The model points at the running fit only while it runs (``model.epoch``,
 ``model.callbacks`` read it), and keeps plain values of it afterwards: once ``fit`` returns or
@@ -22,16 +22,16 @@ import torch
 
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, CallbackList
-from fitkit.checkpoint import ResumePoint, set_rng_state
 from fitkit.checks import FitkitWarning
+from fitkit.checks.preflight import BatchGuard
 from fitkit.data import order as _order
-from fitkit.eval_loop import EvalLoop, PredictLoop, _name
-from fitkit.modes import modes, warn_if_all_eval
-from fitkit.position import Position
-from fitkit.preflight import BatchGuard
-from fitkit.signals import RankAgreement, deferred
-from fitkit.step_validation import StepValidation, ValidationInterval, ValidationSchedule, record_validation
-from fitkit.tracking import RunningTotals
+from fitkit.training.checkpoint import ResumePoint, set_rng_state
+from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
+from fitkit.training.modes import modes, warn_if_all_eval
+from fitkit.training.position import Position
+from fitkit.training.signals import RankAgreement, deferred
+from fitkit.training.step_validation import StepValidation, ValidationInterval, ValidationSchedule, record_validation
+from fitkit.training.tracking import RunningTotals
 
 __all__ = ["FitLoop", "EvalLoop", "PredictLoop", "ValidationSchedule"]
 
@@ -104,9 +104,9 @@ class FitLoop:
         validation: the validation :class:`~fitkit.data.DeviceLoader`, or ``None``.
         schedule: the epochs that validate (:class:`ValidationSchedule`).
         validation_steps: batches per validation (``None``: all).
-        max_steps: stop once ``global_step`` reaches it (:mod:`fitkit.budget`), or ``None``.
-        validation_interval: validate inside epochs (:mod:`fitkit.step_validation`), or ``None``.
-        accumulation: this fit's accumulation schedule (:mod:`fitkit.accumulation`), or ``None``.
+        max_steps: stop once ``global_step`` reaches it (:mod:`fitkit.training.budget`), or ``None``.
+        validation_interval: validate inside epochs (:mod:`fitkit.training.step_validation`), or ``None``.
+        accumulation: this fit's accumulation schedule (:mod:`fitkit.training.accumulation`), or ``None``.
     """
 
     def __init__(self, model: Any, train: Any, callbacks: CallbackList, *, initial_epoch: int, epochs: int | None,
@@ -321,7 +321,7 @@ class FitLoop:
 
     def _stop_now(self, epoch_end: bool = False) -> bool:
         """Whether training stops here (``model.stop_training``; agreed over ranks under torchrun,
-        see :class:`~fitkit.signals.RankAgreement`)."""
+        see :class:`~fitkit.training.signals.RankAgreement`)."""
         model = self.model
         if model.parallel is None:
             return model.stop_training

@@ -88,7 +88,8 @@ def check_path(path: Any) -> None:
         )
 
 
-def save_checkpoint(model: Model, path: str | os.PathLike, sharded: bool | None = None, async_save: bool = False) -> None:
+def save_checkpoint(model: Model, path: str | os.PathLike, sharded: bool | None = None,
+                    async_save: bool = False) -> None:  # fmt: skip
     """One file written by rank 0, or (``sharded``; the default under FSDP) a folder of shards."""
     check_path(path)
     if sharded is None:

@@ -8,9 +8,9 @@ from typing import Any
 
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, CallbackList
-from fitkit.host_outputs import HostOutputs
-from fitkit.modes import modes
-from fitkit.preflight import wrap
+from fitkit.checks.preflight import wrap
+from fitkit.training.host_outputs import HostOutputs
+from fitkit.training.modes import modes
 
 __all__ = ["EvalLoop", "PredictLoop"]
 
