@@ -72,7 +72,7 @@ class PlainRun:
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> float:
         self.module.eval()
         losses = [F.cross_entropy(self.module(xb).flatten(0, 1), yb.flatten())
-                  for xb, yb in zip(x.split(batch_size), y.split(batch_size))]
+                  for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True)]
         self.module.train()
         return float(torch.stack(losses).mean())
 
@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> dict:
     val_fitkit = model.evaluate(x_val, y_val, batch_size=recipe.batch_size, verbose=0)["loss"]
     val_plain = plain.evaluate(x_val, y_val, recipe.batch_size)
     weight_diff = max((a - b).abs().max().item() for a, b in
-                      zip(model.module.state_dict().values(), plain.module.state_dict().values()))
+                      zip(model.module.state_dict().values(), plain.module.state_dict().values(), strict=True))
     t_fitkit, t_plain = sum(times["fitkit"]), sum(times["plain"])
-    chunk_ratios = [f / p for f, p in zip(times["fitkit"], times["plain"])]
+    chunk_ratios = [f / p for f, p in zip(times["fitkit"], times["plain"], strict=True)]
 
     print(f"nanoGPT Shakespeare-char CPU recipe: {args.steps} steps, batch {recipe.batch_size}, "
           f"block {recipe.block_size}, {recipe.n_layer} layers, {recipe.n_embd} dims, "

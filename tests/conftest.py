@@ -62,7 +62,7 @@ def params_of(module: nn.Module) -> list[torch.Tensor]:
 
 def same_params(module: nn.Module, before: list[torch.Tensor]) -> bool:
     now = [t.detach() for t in (*module.parameters(), *module.buffers())]
-    return len(now) == len(before) and all(torch.equal(a, b) for a, b in zip(now, before))
+    return len(now) == len(before) and all(torch.equal(a, b) for a, b in zip(now, before, strict=True))
 
 
 class Probe(nn.Module):

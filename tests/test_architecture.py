@@ -147,7 +147,8 @@ def test_a_function_level_import_of_a_submodule_counts_as_an_import_of_its_packa
     (pkg / "checks.py").write_text("def check():\n    from fitkit.callbacks.base import Callback\n")
     (pkg / "callbacks" / "__init__.py").write_text("from fitkit.callbacks.monitor import M\n")
     (pkg / "callbacks" / "base.py").write_text("class Callback: ...\n")
-    (pkg / "callbacks" / "monitor.py").write_text("from fitkit.checks import check\nfrom fitkit.callbacks.base import Callback\n")
+    monitor = "from fitkit.checks import check\nfrom fitkit.callbacks.base import Callback\n"
+    (pkg / "callbacks" / "monitor.py").write_text(monitor)
     monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
     graph = _graph()
     assert graph["fitkit.checks"] == {"fitkit.callbacks", "fitkit.callbacks.base"}

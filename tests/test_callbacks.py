@@ -138,8 +138,8 @@ def test_early_stopping_baseline_never_beaten_stops_after_patience_and_restores_
     x, y = _regression()
     model, snaps = _model(), []
     stop = EarlyStopping(monitor="s_loss", patience=2, baseline=0.5, restore_best_weights=True)
-    h = model.fit(x, y, epochs=10, verbose=0,
-                  callbacks=[_script("s_loss", [3, 2, 1, 1.5, 1.6, 1.7]), stop, _snapshotter(model, snaps)])  # fmt: skip
+    script = _script("s_loss", [3, 2, 1, 1.5, 1.6, 1.7])
+    h = model.fit(x, y, epochs=10, verbose=0, callbacks=[script, stop, _snapshotter(model, snaps)])
     # improvements that miss the baseline keep the wait growing; the first non-improvement stops
     assert h.epoch == [0, 1, 2, 3] and stop.stopped_epoch == 3
     assert torch.equal(model.module.weight, snaps[2]["weight"])
@@ -175,7 +175,8 @@ def test_mode_auto_directions():
     assert resolve_mode("val_auroc", "auto", model) == "max"
     assert resolve_mode("accuracy", "auto", model) == "max"
     assert resolve_mode("val_mae", "auto", model) == "min"  # by name
-    with pytest.raises(ValueError, match="cannot tell whether a larger or smaller 'val_score'.*mode='min' or mode='max'"):
+    with pytest.raises(ValueError, match="cannot tell whether a larger or smaller 'val_score'.*mode='min' or "
+                       "mode='max'"):  # fmt: skip
         resolve_mode("val_score", "auto", model)
     with pytest.raises(ValueError, match="Expected `mode` to be 'auto', 'min' or 'max'"):
         EarlyStopping(mode="down")

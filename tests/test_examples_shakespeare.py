@@ -55,7 +55,7 @@ def test_lr_schedule_is_nanogpts():
     assert lrs[0] == pytest.approx(1e-3 / 101)  # (it + 1) / (warmup + 1)
     assert lrs[100] == pytest.approx(1e-3)  # peak at the end of warmup
     assert lrs[2000] == pytest.approx(1e-4)  # min_lr at lr_decay_iters
-    assert all(a >= b for a, b in zip(lrs[100:], lrs[101:]))  # monotone cosine decay
+    assert all(a >= b for a, b in zip(lrs[100:], lrs[101:], strict=True))  # monotone cosine decay
     mid = 100 + (2000 - 100) // 2
     assert lrs[mid] == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))
     assert lr_multiplier(10, Recipe(steps=5, warmup_steps=5)) == pytest.approx(0.1)
@@ -104,7 +104,7 @@ def test_fit_matches_a_plain_loop_step_for_step():
         opt.zero_grad(set_to_none=True)
         sched.step()
 
-    for (name, a), b in zip(model.module.state_dict().items(), plain.state_dict().values()):
+    for (name, a), b in zip(model.module.state_dict().items(), plain.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert model.optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     assert all(math.isfinite(v) for v in history.history["loss"])

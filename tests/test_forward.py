@@ -66,7 +66,7 @@ def test_compiled_matches_eager_and_files_have_no_prefix(tmp_path):
     eager.fit(x, y, batch_size=8, epochs=2, verbose=0)
     torch.manual_seed(1)
     compiled.fit(x, y, batch_size=8, epochs=2, verbose=0)
-    for pa, pb in zip(eager.module.parameters(), compiled.module.parameters()):
+    for pa, pb in zip(eager.module.parameters(), compiled.module.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-5)
 
     assert not any("_orig_mod" in k for k in compiled.state_dict())

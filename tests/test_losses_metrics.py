@@ -183,7 +183,7 @@ def test_class_weight_with_an_unknown_class_raises(make):
     before = [p.detach().clone() for p in model.module.parameters()]
     with pytest.raises(ValueError, match=r"`class_weight` has no entry for class 2 .* Received keys: \[0, 1\]"):
         model.fit(**make(x, y), class_weight={0: 1.0, 1: 2.0}, verbose=0)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters(), strict=True))
     assert model.optimizer.state_dict()["state"] == {}
 
 

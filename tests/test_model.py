@@ -58,7 +58,7 @@ def test_fit_matches_hand_loop_five_steps(opt_name):
     hand_losses = _hand_loop(theirs, OPTIMIZERS[opt_name], x, y, batch_size=4, epochs=1)
 
     assert model.global_step == 5
-    for p, q in zip(ours.parameters(), theirs.parameters()):
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6)
     assert history.history["loss"] == pytest.approx(hand_losses, rel=1e-6)
 
@@ -85,7 +85,7 @@ def test_fit_matches_hand_loop_over_epochs_with_dataloader():
             opt.zero_grad()
             loss.backward()
             opt.step()
-    for p, q in zip(ours.parameters(), theirs.parameters()):
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6)
 
 
@@ -171,7 +171,7 @@ def test_integer_labels_train_exactly_like_int64(convert):
         history = model.fit(x, labels, batch_size=8, epochs=2, verbose=0, class_weight={0: 1, 1: 2, 2: 1, 3: 0.5})
         runs.append(([p.detach().clone() for p in model.module.parameters()], history.history))
     (w64, h64), (w, h) = runs
-    assert all(torch.equal(a, b) for a, b in zip(w64, w))
+    assert all(torch.equal(a, b) for a, b in zip(w64, w, strict=True))
     assert h == h64
 
 
@@ -350,7 +350,7 @@ def test_epochs_is_the_last_epoch_index():
     with pytest.warns(fitkit.FitkitWarning, match="initial_epoch=5 >= epochs=5: nothing will train"):
         history = model.fit(x, y, initial_epoch=5, epochs=5, verbose=0)
     assert history.epoch == [] and history.history == {}
-    assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters(), strict=True))
 
 
 # -- no graph kept alive ----------------------------------------------------------------------
@@ -452,13 +452,16 @@ def test_hook_order_of_fit_evaluate_and_predict():
     model.compile("sgd", "mse")
     x, y = torch.randn(6, 2), torch.randn(6, 1)
     model.fit(x, y, batch_size=3, epochs=2, validation_data=(x[:2], y[:2]), callbacks=[cb], verbose=0)
-    epoch = lambda e: [
-        ("on_epoch_begin", e),
-        ("on_train_batch_begin", 0), ("on_backward_end", 0), ("on_train_batch_end", 0),
-        ("on_train_batch_begin", 1), ("on_backward_end", 1), ("on_train_batch_end", 1),
-        ("on_test_begin",), ("on_test_batch_begin", 0), ("on_test_batch_end", 0), ("on_test_end",),
-        ("on_validation_end",), ("on_epoch_end", e),
-    ]  # fmt: skip
+
+    def epoch(e):
+        return [
+            ("on_epoch_begin", e),
+            ("on_train_batch_begin", 0), ("on_backward_end", 0), ("on_train_batch_end", 0),
+            ("on_train_batch_begin", 1), ("on_backward_end", 1), ("on_train_batch_end", 1),
+            ("on_test_begin",), ("on_test_batch_begin", 0), ("on_test_batch_end", 0), ("on_test_end",),
+            ("on_validation_end",), ("on_epoch_end", e),
+        ]  # fmt: skip
+
     assert events == [("on_train_begin",), *epoch(0), *epoch(1), ("on_train_end",)]
     events.clear()
     model.evaluate(x, y, batch_size=4, callbacks=[cb], verbose=0)

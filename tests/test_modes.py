@@ -130,8 +130,8 @@ def test_frozen_submodule_stays_in_eval_and_its_batchnorm_stats_do_not_move():
     model = cpu_model(net)
     model.compile("sgd", "cross_entropy")
     model.fit(X, Y, batch_size=4, epochs=2, verbose=0)
-    assert all(torch.equal(a, b) for a, b in zip(frozen_stats, frozen.buffers()))
-    assert not all(torch.equal(a, b) for a, b in zip(head_stats, head.buffers()))  # the rest trains
+    assert all(torch.equal(a, b) for a, b in zip(frozen_stats, frozen.buffers(), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(head_stats, head.buffers(), strict=True))  # the rest trains
     training_calls = seen[2:]  # after the shape check
     assert set(training_calls) == {("frozen", False), ("head", True)}
     assert not frozen.training and not frozen[1].training and head.training

@@ -23,7 +23,8 @@ class DtypeProbe(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("precision, dtype", [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16), ("32", torch.float32)])
+@pytest.mark.parametrize("precision, dtype",
+                         [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16), ("32", torch.float32)])
 def test_autocast_dtype_and_float32_weights(precision, dtype):
     torch.manual_seed(0)
     x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
@@ -91,7 +92,7 @@ def test_bf16_matches_fp32_within_bf16_precision():
     b.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
     a.fit(x, y, epochs=3, batch_size=8, shuffle=False, verbose=0)
     b.fit(x, y, epochs=3, batch_size=8, shuffle=False, verbose=0)
-    for pa, pb in zip(a.module.parameters(), b.module.parameters()):
+    for pa, pb in zip(a.module.parameters(), b.module.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=3e-2, rtol=0)  # bf16 has ~3 significant digits
 
 

@@ -155,7 +155,7 @@ def test_accumulated_step_equals_one_big_batch():
     b.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
     a.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
     b.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
-    for pa, pb in zip(a.module.parameters(), b.module.parameters()):
+    for pa, pb in zip(a.module.parameters(), b.module.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-6)
 
 
