@@ -250,12 +250,16 @@ class History(Callback):
         super().__init__()
         self.history: dict[str, list[float]] = {}
         self.epoch: list[int] = []
-        self.validations: list[dict[str, Any]] = []  # appended by the fit loop (on_validation_end's logs)
+        self.validations: list[dict[str, Any]] = []  # record_validation, called by the fit loop
 
     def on_epoch_end(self, epoch, logs=None):
         self.epoch.append(epoch)
         for key, value in (logs or {}).items():  # Python numbers, so a checkpoint loads back
             self.history.setdefault(key, []).append(to_python(value))
+
+    def record_validation(self, record: dict[str, Any]) -> None:
+        """Keep a validation's record (``epoch``, ``step``, ``val_*``; before ``on_validation_end``)."""
+        self.validations.append(dict(record))
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": {k: list(v) for k, v in self.history.items()}, "epoch": list(self.epoch),

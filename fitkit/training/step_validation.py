@@ -130,7 +130,7 @@ def record_validation(loop: Any, epoch: int, val_logs: dict[str, float]) -> dict
     ``on_validation_end`` with the record; returns the ``val_`` logs."""
     logs = {f"val_{k}": v for k, v in val_logs.items()}
     record: dict[str, Any] = {"epoch": epoch, "step": loop.model.stepper.global_step, **logs}
-    loop.history.validations.append(dict(record))
+    loop.history.record_validation(record)
     loop.callbacks.on_validation_end(record)
     return logs
 
