@@ -119,8 +119,10 @@ class EMA(WeightAveraging):
 
     def _after_update(self, step: int) -> None:
         n = self.overwrite_every_n_steps
-        if n is not None and step % n == 0 and self._saved is None:
-            for avg, cur in self._groups:  # Keras' ema_overwrite_frequency: train on from the average
+        if n is not None and step % n == 0:
+            # Keras' ema_overwrite_frequency: train on from the average (the training weights,
+            # wherever they are: set aside while another average is swapped in).
+            for avg, cur in self._training_groups():
                 torch._foreach_copy_(cur, avg)
 
 
@@ -266,7 +268,7 @@ class SWA(WeightAveraging):
         if self._set_aside is not None:
             self.model.scheduler, self._set_aside = self._set_aside, None
         super().on_train_end(logs)  # the average into the module, if any epoch was averaged
-        if self.num_averaged > 0:
+        if self._swapped_at_end:  # not when another callback restores the best weights instead
             self._update_bn(self.model.module)
 
     def _update_bn(self, module: nn.Module) -> None:

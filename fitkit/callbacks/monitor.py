@@ -335,6 +335,13 @@ class EarlyStopping(StatefulCallback):
         self.stopped_epoch, self.stop_reason = epoch, reason
         self.model.stop_training = True
 
+    @property
+    def restores_weights_at_end(self) -> bool:
+        """Whether ``on_train_end`` puts the best epoch's weights back (``restore_best_weights``
+        and a best epoch seen). An averaging callback's swap at the end yields to it, in either
+        list order (:func:`fitkit.callbacks.swapping.restorer`)."""
+        return self.restore_best_weights and self.best_weights is not None
+
     def on_train_end(self, logs=None):
         if self.stop_reason is not None:
             say(self.verbose, f"Epoch {self.stopped_epoch + 1}: early stopping ({self.stop_reason})")

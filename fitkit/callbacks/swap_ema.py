@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from fitkit.callbacks.averaging import EMA
 from fitkit.callbacks.base import Callback
+from fitkit.callbacks.swapping import no_swap
 from fitkit.checks import check_bool, check_int, check_number
 
 __all__ = ["SwapEMAWeights", "compiled_ema", "with_compiled_ema"]
@@ -50,7 +51,8 @@ class SwapEMAWeights(Callback):
         check_bool("swap_on_epoch", swap_on_epoch)
         self.swap_on_epoch = swap_on_epoch
         self._found: EMA | None = None
-        self._for_test = self._for_epoch = False
+        self._give_back_test: Callable[[], None] = no_swap
+        self._give_back_epoch: Callable[[], None] = no_swap
 
     def _ema(self) -> EMA:
         found = [cb for cb in self.model.callbacks if isinstance(cb, EMA)]
@@ -64,47 +66,56 @@ class SwapEMAWeights(Callback):
             )
         return ema
 
-    def _swap_in(self) -> bool:
-        ema = self._ema()
-        return ema._saved is None and ema.swap_in()  # False: already in, or nothing averaged yet
+    def weight_swaps(self, callbacks: list[Any]) -> tuple[Any, Any]:
+        """``(validated, at_end)``: the EMA it validates on, and (``swap_on_epoch``) ends ``fit`` with.
+
+        Read by :func:`fitkit.callbacks.swapping.check_weight_swaps` before step 1: another
+        averaging callback that validates on its own average is refused.
+
+        Args:
+            callbacks: the callbacks of the ``fit`` about to start (``compile(use_ema=True)``'s
+                EMA first, if any).
+        """
+        ema = next((cb for cb in callbacks if isinstance(cb, EMA)), None)
+        return ema, (ema if self.swap_on_epoch else None)
+
+    def _lend(self) -> Callable[[], None]:
+        return self._ema().lend_average()  # no_swap: already in, or nothing averaged yet
 
     def on_train_begin(self, logs=None):
         self._found = None
         self._ema()
-        self._for_test = self._for_epoch = False
+        self._give_back_test = self._give_back_epoch = no_swap
 
     def on_test_begin(self, logs=None):
-        self._for_test = self._swap_in()
+        self._give_back_test = self._lend()
 
     def on_test_end(self, logs=None):
-        if self._for_test:
-            self._for_test = False
-            self._ema().swap_out()
+        give_back, self._give_back_test = self._give_back_test, no_swap
+        give_back()
 
     on_predict_begin = on_test_begin
     on_predict_end = on_test_end
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._for_epoch:
-            self._for_epoch = False
-            self._ema().swap_out()
+        give_back, self._give_back_epoch = self._give_back_epoch, no_swap
+        give_back()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.swap_on_epoch:
-            self._for_epoch = self._swap_in() or self._for_epoch
+        if self.swap_on_epoch and self._give_back_epoch is no_swap:
+            self._give_back_epoch = self._lend()
 
     def on_train_end(self, logs=None):
-        self._for_epoch = False  # the EMA's on_train_end keeps the averaged weights in the module
+        self._give_back_epoch = no_swap  # the EMA's on_train_end keeps the averaged weights in the module
 
     @contextmanager
     def scored_weights(self, monitor: str) -> Iterator[None]:
         """Inside the block a ``val_`` key's weights (the EMA's) are in ``model.module``."""
-        swapped = monitor.startswith("val_") and self._swap_in()
+        give_back = self._lend() if monitor.startswith("val_") else no_swap
         try:
             yield
         finally:
-            if swapped:
-                self._ema().swap_out()
+            give_back()
 
 
 def compiled_ema(use_ema: bool, ema_momentum: float, ema_overwrite_frequency: int | None) -> EMA | None:
