@@ -174,7 +174,8 @@ class EarlyStopping(StatefulCallback):
         patience: epochs without improvement before stopping.
         mode: ``"min"``, ``"max"`` or ``"auto"`` (see :func:`resolve_mode`).
         baseline: a value the monitor must beat for the wait to restart.
-        restore_best_weights: restore the best epoch's weights at the end of training.
+        restore_best_weights: restore the best epoch's weights at the end of training (this
+            wins over an averaging callback's swap at the end, in either list order).
         start_from_epoch: epochs to ignore at the start (warm-up).
         verbose: 1 prints a line when it stops or restores.
         stopping_threshold: stop as soon as the monitor is better than this (e.g. a target

@@ -27,12 +27,19 @@ class SwapEMAWeights(Callback):
     so it resumes exactly); the module holds the averaged weights when ``fit`` ends, as in
     Keras.
 
+    It swaps through the EMA (:meth:`~fitkit.callbacks.weight_averaging.WeightAveraging.lend_average`),
+    so with ``EMA(evaluate_with_ema=True)`` on the same EMA the training weights are still set
+    aside once. The EMA is the first one of the fit (``compile(use_ema=True)``'s comes first);
+    another averaging callback that validates on its own average is refused before step 1, as
+    is, with ``swap_on_epoch``, another one that swaps its average in at the end.
+
     Args:
         swap_on_epoch: also swap at the epoch ends and back at the epoch begins.
 
     Raises:
         TypeError: ``swap_on_epoch`` is not a bool.
-        ValueError: at ``on_train_begin`` (or evaluate / predict), no EMA to swap with.
+        ValueError: at ``on_train_begin`` (or evaluate / predict), no EMA to swap with; at
+            ``fit``, before step 1, a second average to validate on or to end with.
 
     Example:
         >>> import torch, fitkit
@@ -125,8 +132,12 @@ def compiled_ema(use_ema: bool, ema_momentum: float, ema_overwrite_frequency: in
     ema_momentum``, except the first step, whose weights the average copies; the parameters
     only (trainable variables); validation in ``fit`` on the training weights; every
     ``ema_overwrite_frequency`` steps the weights become the average; at the end of ``fit``
-    they become the average (Keras' ``finalize_variable_values``). The average lives on into
-    the next ``fit`` of the same compile, as the optimizer's does in Keras.
+    they become the average (Keras' ``finalize_variable_values``), unless
+    ``EarlyStopping(restore_best_weights=True)`` restores the best weights (Keras writes the EMA
+    before ``on_train_end``, so the restore wins there too). The average lives on into the next
+    ``fit`` of the same compile, as the optimizer's does in Keras. An ``EMA`` callback may join
+    it (validation then runs on the callback's average) if it does not swap in at the end too;
+    ``SWA`` or a second end swap is refused before step 1.
 
     Raises:
         TypeError: ``use_ema`` not a bool, ``ema_momentum`` not a number, the frequency not an int.

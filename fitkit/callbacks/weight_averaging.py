@@ -62,9 +62,17 @@ class WeightAveraging(Callback):
     ``val_`` keys score, and :meth:`scored_weights` puts them back in place for the callbacks
     that keep or write the best weights (``EarlyStopping(restore_best_weights=True)``,
     ``ModelCheckpoint(save_best_only=True)``; see :mod:`fitkit.callbacks.scoring`). With
-    ``swap_at_end`` the averaged weights replace the module's when ``fit`` ends. The average,
-    its count and the step of the last update are the callback's state: a checkpoint resumes
-    it bit for bit.
+    ``swap_at_end`` the averaged weights replace the module's when ``fit`` ends, unless
+    ``EarlyStopping(restore_best_weights=True)`` restores the best weights then: the restore
+    wins, in either list order. The average, its count and the step of the last update are the
+    callback's state: a checkpoint resumes it bit for bit (one written while the average is in
+    the module carries the training weights too).
+
+    One swap at a time (:mod:`fitkit.callbacks.swapping`): all averaging callbacks of a module
+    swap through its one :attr:`weight_swap`, so the training weights are set aside once and come
+    back once, and training continues from them. Several may run in one ``fit``, but at most one
+    validates on its average (``evaluate_with_average``, ``evaluate_with_ema``, a
+    ``SwapEMAWeights``' EMA) and at most one swaps in at the end; ``fit`` refuses two before step 1.
 
     Args:
         avg_fn: ``(averaged, current, num_averaged) -> new averaged``, per tensor.
@@ -88,7 +96,9 @@ class WeightAveraging(Callback):
         TypeError: a function that is not callable, a flag that is not a bool, a step that is
             not an int.
         ValueError: both ``avg_fn`` and ``multi_avg_fn``; a count below its minimum; at
-            ``on_train_begin``, a module sharded with ``strategy="fsdp"``.
+            ``on_train_begin``, a module sharded with ``strategy="fsdp"``; at ``fit``, before
+            step 1, another averaging callback that also validates on its average, or that also
+            swaps its average in at the end.
 
     Example:
         >>> import torch, fitkit
