@@ -51,9 +51,9 @@ class EMA(WeightAveraging):
     continues it exactly. Two EMAs (or an EMA and another averaging callback) may run in one
     ``fit``, but only one may validate on its average and only one may swap in at the end
     (``evaluate_with_ema=False`` / ``swap_at_end=False`` on the others); ``fit`` refuses more
-    before step 1 (see :class:`~fitkit.callbacks.weight_averaging.WeightAveraging`). Floating-point tensors follow
-    torch's formula; integer buffers (BatchNorm's ``num_batches_tracked``) with
-    ``use_buffers`` follow its integer rounding.
+    before step 1 (see :class:`~fitkit.callbacks.weight_averaging.WeightAveraging`).
+    Floating-point tensors follow torch's formula; integer buffers (BatchNorm's
+    ``num_batches_tracked``) with ``use_buffers`` follow its integer rounding.
 
     Args:
         decay: the weight of the old average in ``[0, 1]``; ``1 - decay`` is the weight of the
