@@ -406,7 +406,8 @@ class Model:
                 ``torch.compile`` kwargs.
             use_ema: keep an EMA of the weights (Keras' optimizer ``use_ema``): every ``fit``
                 runs :func:`fitkit.callbacks.swap_ema.compiled_ema`'s callback first; the EMA
-                replaces the weights when ``fit`` ends (validate on it with ``SwapEMAWeights``).
+                replaces the weights when ``fit`` ends (validate on it with ``SwapEMAWeights``),
+                so ``fit`` refuses another averaging callback that swaps in at the end.
             ema_momentum: ``new_average = ema_momentum * average + (1 - ema_momentum) * weights``.
             ema_overwrite_frequency: copy the EMA into the weights every that many optimizer steps.
 

@@ -320,6 +320,12 @@ assert history.history["val_loss"] != plain_history.history["val_loss"]
 # in the module when ``fit`` ends, and :class:`~fitkit.callbacks.SwapEMAWeights` validates on it
 # (``swap_on_epoch=True``: also at each epoch end, for the callbacks after it).
 #
+# Averaging callbacks combine, with one rule: a validation scores one set of weights and the
+# module ends ``fit`` with one, so at most one of them validates on its average and at most one
+# swaps it in at the end (``evaluate_with_ema=False`` / ``swap_at_end=False`` on the others);
+# ``fit`` refuses more before the first step, naming both. They share one swap of the weights,
+# so training always continues from the training weights, however many averages are kept.
+#
 # When validation runs on the EMA, the best ``val_loss`` was scored on the EMA weights, so
 # those are the weights ``EarlyStopping(restore_best_weights=True)`` puts back and
 # ``ModelCheckpoint(save_best_only=True)`` writes (a full checkpoint also carries the training

@@ -10,8 +10,8 @@
 - :mod:`~fitkit.callbacks.misc`: ``TerminateOnNaN``, ``LambdaCallback``.
 - :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA`` (weight averaging, on
   :mod:`~fitkit.callbacks.weight_averaging`'s ``WeightAveraging``; :mod:`~fitkit.callbacks.scoring`:
-  which weights a value scored); :mod:`~fitkit.callbacks.swap_ema`: Keras' ``SwapEMAWeights`` and
-  ``compile(use_ema=True)``.
+  which weights a value scored; :mod:`~fitkit.callbacks.swapping`: one swap of the weights at a
+  time); :mod:`~fitkit.callbacks.swap_ema`: Keras' ``SwapEMAWeights`` and ``compile(use_ema=True)``.
 - :mod:`~fitkit.callbacks.throughput`: ``ThroughputMonitor`` (samples / tokens per second, FLOPs, MFU).
 - :mod:`~fitkit.callbacks.profiler`: ``Profiler`` (``torch.profiler`` over a schedule of steps).
 - :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install fitkit[mlflow]``).

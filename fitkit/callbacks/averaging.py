@@ -45,11 +45,15 @@ class EMA(WeightAveraging):
     back, bit for bit, at ``on_test_end``; :meth:`scored_weights` gives those weights to
     ``EarlyStopping(restore_best_weights=True)`` and ``ModelCheckpoint(save_best_only=True)``,
     so the weights they keep are the ones that scored the best ``val_`` value. With
-    ``swap_at_end`` the averaged weights replace
-    the module's when ``fit`` ends. The average is part of the callback's state, so it is saved
-    in checkpoints and a resumed run continues it exactly. Floating-point tensors follow
-    torch's formula; integer buffers (BatchNorm's ``num_batches_tracked``) with
-    ``use_buffers`` follow its integer rounding.
+    ``swap_at_end`` the averaged weights replace the module's when ``fit`` ends (unless
+    ``EarlyStopping(restore_best_weights=True)`` restores the best weights: that wins). The
+    average is part of the callback's state, so it is saved in checkpoints and a resumed run
+    continues it exactly. Two EMAs (or an EMA and another averaging callback) may run in one
+    ``fit``, but only one may validate on its average and only one may swap in at the end
+    (``evaluate_with_ema=False`` / ``swap_at_end=False`` on the others); ``fit`` refuses more
+    before step 1 (see :class:`~fitkit.callbacks.weight_averaging.WeightAveraging`).
+    Floating-point tensors follow torch's formula; integer buffers (BatchNorm's
+    ``num_batches_tracked``) with ``use_buffers`` follow its integer rounding.
 
     Args:
         decay: the weight of the old average in ``[0, 1]``; ``1 - decay`` is the weight of the
@@ -71,7 +75,8 @@ class EMA(WeightAveraging):
     Raises:
         TypeError: ``decay`` is not a number, a flag not a bool, a step count not an int.
         ValueError: ``decay`` outside ``[0, 1]``, a step count below its minimum; at
-            ``on_train_begin``, a module sharded with ``strategy="fsdp"``.
+            ``on_train_begin``, a module sharded with ``strategy="fsdp"``; at ``fit``, before
+            step 1, a second average to validate on or to swap in at the end.
 
     Example:
         >>> import torch, fitkit
@@ -119,8 +124,10 @@ class EMA(WeightAveraging):
 
     def _after_update(self, step: int) -> None:
         n = self.overwrite_every_n_steps
-        if n is not None and step % n == 0 and self._saved is None:
-            for avg, cur in self._groups:  # Keras' ema_overwrite_frequency: train on from the average
+        if n is not None and step % n == 0:
+            # Keras' ema_overwrite_frequency: train on from the average (the training weights,
+            # wherever they are: set aside while another average is swapped in).
+            for avg, cur in self._training_groups():
                 torch._foreach_copy_(cur, avg)
 
 
@@ -136,7 +143,10 @@ class SWA(WeightAveraging):
     is copied into ``model.module`` and BatchNorm statistics are recomputed with
     :func:`~torch.optim.swa_utils.update_bn` over one pass of the training data
     (``params["train_data"]``), since the averaged weights never ran with the statistics
-    training left behind.
+    training left behind; ``EarlyStopping(restore_best_weights=True)`` restoring the best
+    weights then wins over both, in either list order. SWA always swaps in at the end, so
+    ``fit`` refuses it with another callback that does (``compile(use_ema=True)``, an
+    ``EMA(swap_at_end=True)``, another ``SWA``) before step 1.
 
     A scheduler given to ``compile`` is set aside while SWA runs (Lightning replaces it the
     same way): ``model.scheduler`` is ``None`` from the start epoch on, so it no longer steps,
@@ -266,7 +276,7 @@ class SWA(WeightAveraging):
         if self._set_aside is not None:
             self.model.scheduler, self._set_aside = self._set_aside, None
         super().on_train_end(logs)  # the average into the module, if any epoch was averaged
-        if self.num_averaged > 0:
+        if self._swapped_at_end:  # not when another callback restores the best weights instead
             self._update_bn(self.model.module)
 
     def _update_bn(self, module: nn.Module) -> None:

@@ -174,7 +174,8 @@ class EarlyStopping(StatefulCallback):
         patience: epochs without improvement before stopping.
         mode: ``"min"``, ``"max"`` or ``"auto"`` (see :func:`resolve_mode`).
         baseline: a value the monitor must beat for the wait to restart.
-        restore_best_weights: restore the best epoch's weights at the end of training.
+        restore_best_weights: restore the best epoch's weights at the end of training (this
+            wins over an averaging callback's swap at the end, in either list order).
         start_from_epoch: epochs to ignore at the start (warm-up).
         verbose: 1 prints a line when it stops or restores.
         stopping_threshold: stop as soon as the monitor is better than this (e.g. a target
@@ -334,6 +335,13 @@ class EarlyStopping(StatefulCallback):
     def _stop(self, epoch: int, reason: str) -> None:
         self.stopped_epoch, self.stop_reason = epoch, reason
         self.model.stop_training = True
+
+    @property
+    def restores_weights_at_end(self) -> bool:
+        """Whether ``on_train_end`` puts the best epoch's weights back (``restore_best_weights``
+        and a best epoch seen). An averaging callback's swap at the end yields to it, in either
+        list order (:func:`fitkit.callbacks.swapping.restorer`)."""
+        return self.restore_best_weights and self.best_weights is not None
 
     def on_train_end(self, logs=None):
         if self.stop_reason is not None:

@@ -8,7 +8,10 @@ training weights of that epoch. A callback that swaps weights for scoring says s
 the weights that scored ``monitor`` (and after which the module's own are back, bit for
 bit). :func:`scored_weights` enters every such hook of the running ``fit``;
 ``EarlyStopping(restore_best_weights=True)`` and ``ModelCheckpoint(save_best_only=True)`` /
-``save_top_k`` take their snapshot or write their file inside it.
+``save_top_k`` take their snapshot or write their file inside it. The hooks swap through the
+module's one :class:`~fitkit.callbacks.swapping.WeightSwap`, and ``fit`` allows one average to
+validate on (:func:`~fitkit.callbacks.swapping.check_weight_swaps`), so the block holds that
+one average and the training weights are set aside once.
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from fitkit.callbacks.averaging import EMA
 from fitkit.callbacks.base import Callback
+from fitkit.callbacks.swapping import no_swap
 from fitkit.checks import check_bool, check_int, check_number
 
 __all__ = ["SwapEMAWeights", "compiled_ema", "with_compiled_ema"]
@@ -26,12 +27,19 @@ class SwapEMAWeights(Callback):
     so it resumes exactly); the module holds the averaged weights when ``fit`` ends, as in
     Keras.
 
+    It swaps through the EMA (:meth:`~fitkit.callbacks.weight_averaging.WeightAveraging.lend_average`),
+    so with ``EMA(evaluate_with_ema=True)`` on the same EMA the training weights are still set
+    aside once. The EMA is the first one of the fit (``compile(use_ema=True)``'s comes first);
+    another averaging callback that validates on its own average is refused before step 1, as
+    is, with ``swap_on_epoch``, another one that swaps its average in at the end.
+
     Args:
         swap_on_epoch: also swap at the epoch ends and back at the epoch begins.
 
     Raises:
         TypeError: ``swap_on_epoch`` is not a bool.
-        ValueError: at ``on_train_begin`` (or evaluate / predict), no EMA to swap with.
+        ValueError: at ``on_train_begin`` (or evaluate / predict), no EMA to swap with; at
+            ``fit``, before step 1, a second average to validate on or to end with.
 
     Example:
         >>> import torch, fitkit
@@ -50,7 +58,8 @@ class SwapEMAWeights(Callback):
         check_bool("swap_on_epoch", swap_on_epoch)
         self.swap_on_epoch = swap_on_epoch
         self._found: EMA | None = None
-        self._for_test = self._for_epoch = False
+        self._give_back_test: Callable[[], None] = no_swap
+        self._give_back_epoch: Callable[[], None] = no_swap
 
     def _ema(self) -> EMA:
         found = [cb for cb in self.model.callbacks if isinstance(cb, EMA)]
@@ -64,47 +73,56 @@ class SwapEMAWeights(Callback):
             )
         return ema
 
-    def _swap_in(self) -> bool:
-        ema = self._ema()
-        return ema._saved is None and ema.swap_in()  # False: already in, or nothing averaged yet
+    def weight_swaps(self, callbacks: list[Any]) -> tuple[Any, Any]:
+        """``(validated, at_end)``: the EMA it validates on, and (``swap_on_epoch``) ends ``fit`` with.
+
+        Read by :func:`fitkit.callbacks.swapping.check_weight_swaps` before step 1: another
+        averaging callback that validates on its own average is refused.
+
+        Args:
+            callbacks: the callbacks of the ``fit`` about to start (``compile(use_ema=True)``'s
+                EMA first, if any).
+        """
+        ema = next((cb for cb in callbacks if isinstance(cb, EMA)), None)
+        return ema, (ema if self.swap_on_epoch else None)
+
+    def _lend(self) -> Callable[[], None]:
+        return self._ema().lend_average()  # no_swap: already in, or nothing averaged yet
 
     def on_train_begin(self, logs=None):
         self._found = None
         self._ema()
-        self._for_test = self._for_epoch = False
+        self._give_back_test = self._give_back_epoch = no_swap
 
     def on_test_begin(self, logs=None):
-        self._for_test = self._swap_in()
+        self._give_back_test = self._lend()
 
     def on_test_end(self, logs=None):
-        if self._for_test:
-            self._for_test = False
-            self._ema().swap_out()
+        give_back, self._give_back_test = self._give_back_test, no_swap
+        give_back()
 
     on_predict_begin = on_test_begin
     on_predict_end = on_test_end
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._for_epoch:
-            self._for_epoch = False
-            self._ema().swap_out()
+        give_back, self._give_back_epoch = self._give_back_epoch, no_swap
+        give_back()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.swap_on_epoch:
-            self._for_epoch = self._swap_in() or self._for_epoch
+        if self.swap_on_epoch and self._give_back_epoch is no_swap:
+            self._give_back_epoch = self._lend()
 
     def on_train_end(self, logs=None):
-        self._for_epoch = False  # the EMA's on_train_end keeps the averaged weights in the module
+        self._give_back_epoch = no_swap  # the EMA's on_train_end keeps the averaged weights in the module
 
     @contextmanager
     def scored_weights(self, monitor: str) -> Iterator[None]:
         """Inside the block a ``val_`` key's weights (the EMA's) are in ``model.module``."""
-        swapped = monitor.startswith("val_") and self._swap_in()
+        give_back = self._lend() if monitor.startswith("val_") else no_swap
         try:
             yield
         finally:
-            if swapped:
-                self._ema().swap_out()
+            give_back()
 
 
 def compiled_ema(use_ema: bool, ema_momentum: float, ema_overwrite_frequency: int | None) -> EMA | None:
@@ -114,8 +132,12 @@ def compiled_ema(use_ema: bool, ema_momentum: float, ema_overwrite_frequency: in
     ema_momentum``, except the first step, whose weights the average copies; the parameters
     only (trainable variables); validation in ``fit`` on the training weights; every
     ``ema_overwrite_frequency`` steps the weights become the average; at the end of ``fit``
-    they become the average (Keras' ``finalize_variable_values``). The average lives on into
-    the next ``fit`` of the same compile, as the optimizer's does in Keras.
+    they become the average (Keras' ``finalize_variable_values``), unless
+    ``EarlyStopping(restore_best_weights=True)`` restores the best weights (Keras writes the EMA
+    before ``on_train_end``, so the restore wins there too). The average lives on into the next
+    ``fit`` of the same compile, as the optimizer's does in Keras. An ``EMA`` callback may join
+    it (validation then runs on the callback's average) if it does not swap in at the end too;
+    ``SWA`` or a second end swap is refused before step 1.
 
     Raises:
         TypeError: ``use_ema`` not a bool, ``ema_momentum`` not a number, the frequency not an int.

@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_swa_multi_avg_fn
 
 from fitkit.callbacks.base import Callback
+from fitkit.callbacks.swapping import WeightSwap, copy_tensors, no_swap, restorer, weight_swap
 from fitkit.checks import check_bool, check_int
 from fitkit.distributed import say
 
@@ -38,12 +39,6 @@ def _refuse_fsdp(model: Any, who: str) -> None:
 def _check_fn(name: str, fn: Any) -> None:
     if fn is not None and not callable(fn):
         raise TypeError(f"Expected `{name}` to be a function or None. Received: {name}={fn!r}.")
-
-
-@torch.no_grad()
-def _copy(dst: Tensors, src: Tensors) -> None:
-    if dst:
-        torch._foreach_copy_(dst, src)
 
 
 class WeightAveraging(Callback):
@@ -67,9 +62,17 @@ class WeightAveraging(Callback):
     ``val_`` keys score, and :meth:`scored_weights` puts them back in place for the callbacks
     that keep or write the best weights (``EarlyStopping(restore_best_weights=True)``,
     ``ModelCheckpoint(save_best_only=True)``; see :mod:`fitkit.callbacks.scoring`). With
-    ``swap_at_end`` the averaged weights replace the module's when ``fit`` ends. The average,
-    its count and the step of the last update are the callback's state: a checkpoint resumes
-    it bit for bit.
+    ``swap_at_end`` the averaged weights replace the module's when ``fit`` ends, unless
+    ``EarlyStopping(restore_best_weights=True)`` restores the best weights then: the restore
+    wins, in either list order. The average, its count and the step of the last update are the
+    callback's state: a checkpoint resumes it bit for bit (one written while the average is in
+    the module carries the training weights too).
+
+    One swap at a time (:mod:`fitkit.callbacks.swapping`): all averaging callbacks of a module
+    swap through its one :attr:`weight_swap`, so the training weights are set aside once and come
+    back once, and training continues from them. Several may run in one ``fit``, but at most one
+    validates on its average (``evaluate_with_average``, ``evaluate_with_ema``, a
+    ``SwapEMAWeights``' EMA) and at most one swaps in at the end; ``fit`` refuses two before step 1.
 
     Args:
         avg_fn: ``(averaged, current, num_averaged) -> new averaged``, per tensor.
@@ -93,7 +96,9 @@ class WeightAveraging(Callback):
         TypeError: a function that is not callable, a flag that is not a bool, a step that is
             not an int.
         ValueError: both ``avg_fn`` and ``multi_avg_fn``; a count below its minimum; at
-            ``on_train_begin``, a module sharded with ``strategy="fsdp"``.
+            ``on_train_begin``, a module sharded with ``strategy="fsdp"``; at ``fit``, before
+            step 1, another averaging callback that also validates on its average, or that also
+            swaps its average in at the end.
 
     Example:
         >>> import torch, fitkit
@@ -145,9 +150,12 @@ class WeightAveraging(Callback):
         self._pending: dict[str, Any] | None = None  # a state loaded before the average exists
         self._restored = False
         self._in_fit = False
-        self._saved: Tensors | None = None  # the training weights while the average is swapped in
+        self._swap: WeightSwap | None = None  # the module's one swap (fitkit.callbacks.swapping)
         self._groups: list[tuple[Tensors, Tensors]] = []  # (averaged, module) per device and dtype
-        self._swapped_for_test = False
+        self._index: list[list[int]] = []  # per group, the tensors' places in state_tensors(module)
+        self._n_params = 0
+        self._give_back_test: Callable[[], None] = no_swap
+        self._swapped_at_end = False
 
     # -- the rule ----------------------------------------------------------------------------
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
@@ -179,16 +187,36 @@ class WeightAveraging(Callback):
         self.averaged_model = AveragedModel(
             module, avg_fn=self.avg_fn, multi_avg_fn=self.multi_avg_fn, use_buffers=self.use_buffers
         )
-        self.num_averaged, self._saved = 0, None
+        self.num_averaged = 0
         self._group(module)
 
     def _group(self, module: nn.Module) -> None:
-        groups: dict[tuple[torch.device, torch.dtype], tuple[Tensors, Tensors]] = {}
-        for a, m in zip(self._tensors(module, True), self._tensors(module, False), strict=True):
-            mine = groups.setdefault((a.device, a.dtype), ([], []))
+        self._swap = weight_swap(module)
+        groups: dict[tuple[torch.device, torch.dtype], tuple[Tensors, Tensors, list[int]]] = {}
+        # The module's tensors are params (+ buffers): their places in state_tensors(module) are i.
+        for i, (a, m) in enumerate(zip(self._tensors(module, True), self._tensors(module, False), strict=True)):
+            mine = groups.setdefault((a.device, a.dtype), ([], [], []))
             mine[0].append(a)
             mine[1].append(m)
-        self._groups = list(groups.values())
+            mine[2].append(i)
+        self._groups = [(a, m) for a, m, _ in groups.values()]
+        self._index = [i for _, _, i in groups.values()]
+        self._n_params = len(list(module.parameters()))
+
+    def _training(self) -> Tensors | None:
+        """The training weights while an averaged copy is swapped in (``None``: they are in the module)."""
+        return None if self._swap is None else self._swap.saved
+
+    def _training_groups(self) -> list[tuple[Tensors, Tensors]]:
+        """``(averaged, training)`` per group: the module's tensors, or their copies set aside."""
+        saved = self._training()
+        if saved is None:
+            return self._groups
+        return [(avg, [saved[i] for i in idx]) for (avg, _), idx in zip(self._groups, self._index, strict=True)]
+
+    def _copy_average_in(self) -> None:
+        for avg, cur in self._groups:
+            copy_tensors(cur, avg)
 
     @torch.no_grad()
     def update(self) -> None:
@@ -197,9 +225,10 @@ class WeightAveraging(Callback):
         if averaged is None:
             raise RuntimeError(f"{type(self).__name__}.update: no average yet; it is built at on_train_begin.")
         n = averaged.n_averaged  # a device tensor; the host count is self.num_averaged
-        for avg, cur in self._groups:
+        # The training weights, also while an average is swapped in (SwapEMAWeights' epoch ends).
+        for avg, cur in self._training_groups():
             if self.num_averaged == 0:
-                _copy(avg, cur)
+                copy_tensors(avg, cur)
             elif self.avg_fn is not None:
                 for a, c in zip(avg, cur, strict=True):
                     a.copy_(self.avg_fn(a, c, n.to(a.device)))
@@ -208,33 +237,59 @@ class WeightAveraging(Callback):
             else:  # the equal-weight mean, with the count from the host
                 get_swa_multi_avg_fn()(avg, cur, self.num_averaged)
         if not self.use_buffers:  # the module's own buffers, as AveragedModel keeps them
-            _copy([b.detach() for b in averaged.module.buffers()], [b.detach() for b in self.model.module.buffers()])
+            training = self._training()
+            own = [b.detach() for b in self.model.module.buffers()] if training is None else training[self._n_params:]
+            copy_tensors([b.detach() for b in averaged.module.buffers()], own)
         averaged.n_averaged += 1
         self.num_averaged += 1
+        if self._swap is not None and self._swap.holder is self:
+            self._copy_average_in()  # the module shows the average it holds as it is now
 
     # -- moving weights ----------------------------------------------------------------------
+    @property
+    def weight_swap(self) -> WeightSwap | None:
+        """The module's one :class:`~fitkit.callbacks.swapping.WeightSwap`, shared by every averaging
+        callback (``None`` before the first ``fit``)."""
+        return self._swap
+
     def swap_in(self) -> bool:
         """Put the averaged weights into ``model.module``, keeping the training ones aside.
+
+        Another average that is in (another callback's) is taken out first, through the
+        module's one :attr:`weight_swap`: the training weights are set aside once.
 
         Returns:
             Whether the module now holds the average (nothing to swap before the first update).
         """
-        if self._saved is not None:
+        swap = self._swap
+        if swap is not None and swap.holder is self:
             return True
-        if self.averaged_model is None or self.num_averaged == 0:
+        if swap is None or self.averaged_model is None or self.num_averaged == 0:
             return False
-        pairs = self._groups
-        self._saved = [t.clone() for _, cur in pairs for t in cur]
-        for avg, cur in pairs:
-            _copy(cur, avg)
+        swap.put(self, self._copy_average_in)
         return True
 
     def swap_out(self) -> None:
-        """Put the training weights back, bit for bit (nothing if they were not set aside)."""
-        if self._saved is None:
-            return
-        saved, self._saved = self._saved, None
-        _copy([t for _, cur in self._groups for t in cur], saved)
+        """Put the training weights back, bit for bit (nothing if this average is not in)."""
+        if self._swap is not None and self._swap.holder is self:
+            self._swap.take_out()
+
+    def lend_average(self) -> Callable[[], None]:
+        """Put the averaged weights in for a while; the function returned puts back what was in.
+
+        Returns:
+            See :meth:`fitkit.callbacks.swapping.WeightSwap.lend`; ``no_swap`` (nothing to undo)
+            when nothing was averaged yet or the average is in already.
+        """
+        swap = self._swap
+        if swap is None or self.averaged_model is None or self.num_averaged == 0:
+            return no_swap
+        return swap.lend(self, self._copy_average_in)
+
+    def weight_swaps(self, callbacks: list[Any]) -> tuple[Any, Any]:
+        """``(validated, at_end)``: this callback where it validates on / ends ``fit`` with its
+        average, else ``None`` (:func:`fitkit.callbacks.swapping.check_weight_swaps`)."""
+        return (self if self.evaluate_with_average else None), (self if self.swap_at_end else None)
 
     @contextmanager
     def scored_weights(self, monitor: str) -> Iterator[None]:
@@ -248,15 +303,14 @@ class WeightAveraging(Callback):
         Args:
             monitor: the log key whose weights are asked for.
         """
-        swapped = (
-            self._in_fit and self.evaluate_with_average and monitor.startswith("val_") and self._saved is None
-            and self.swap_in()
-        )  # fmt: skip
+        # A val_ key was scored on the average only if a validation of this fit ran on it.
+        scored = (self._in_fit and self.evaluate_with_average and monitor.startswith("val_")
+                  and bool(self.params.get("do_validation")))  # fmt: skip
+        give_back = self.lend_average() if scored else no_swap
         try:
             yield
         finally:
-            if swapped:
-                self.swap_out()
+            give_back()
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -264,8 +318,10 @@ class WeightAveraging(Callback):
             return {}
         state = {"averaged": self.averaged_model.state_dict(), "last_step": self._last_step,
                  "num_averaged": self.num_averaged}  # fmt: skip
-        if self._saved is not None:  # a save while the average is in the module: the training weights
-            state["training_weights"] = list(self._saved)
+        saved = self._training()
+        if saved is not None and self._swap is not None and self._swap.holder is self:
+            # A save while this average is in the module: its tensors' training weights, per group.
+            state["training_weights"] = [saved[i] for idx in self._index for i in idx]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -285,11 +341,11 @@ class WeightAveraging(Callback):
         self._last_step = int(state["last_step"])
         count = state.get("num_averaged")
         self.num_averaged = int(averaged.n_averaged) if count is None else int(count)  # once, at load
-        self._saved = None
         if state.get("training_weights") is not None:  # saved with the average swapped in
-            self._saved = [t.to(cur.device) for t, cur in
-                           zip(state["training_weights"], [c for _, cs in self._groups for c in cs], strict=True)]
-            self.swap_out()
+            if self._swap is not None:
+                self._swap.keep()  # the module's weights are the loaded ones: nothing set aside still holds
+            current = [c for _, cs in self._groups for c in cs]
+            copy_tensors(current, [t.to(c.device) for t, c in zip(state["training_weights"], current, strict=True)])
 
     # -- hooks -------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -320,7 +376,8 @@ class WeightAveraging(Callback):
         """Subclasses: what follows an update at ``global_step`` ``step``."""
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.swap_out()  # training runs on the training weights
+        if self._swap is not None:
+            self._swap.take_out()  # training runs on the training weights, whoever swapped them out
 
     def on_epoch_end(self, epoch, logs=None):
         if self.should_update(epoch_idx=epoch):
@@ -328,19 +385,33 @@ class WeightAveraging(Callback):
 
     def on_test_begin(self, logs=None):
         if self._in_fit and self.evaluate_with_average:
-            self._swapped_for_test = self._saved is None and self.swap_in()
+            self._give_back_test = self.lend_average()
 
     def on_test_end(self, logs=None):
-        if getattr(self, "_swapped_for_test", False):
-            self._swapped_for_test = False
-            self.swap_out()
+        give_back, self._give_back_test = self._give_back_test, no_swap
+        give_back()
 
     def on_train_end(self, logs=None):
-        self._in_fit = False
-        held = self._saved is not None
-        self._saved = None  # swapped in at the end (SwapEMAWeights(swap_on_epoch=True)): it stays
-        if self.swap_at_end and self.averaged_model is not None and self.num_averaged > 0:
-            if not held:
-                for avg, cur in self._groups:
-                    _copy(cur, avg)
-            say(self.verbose, f"{type(self).__name__}: the averaged weights are now the module's.")
+        self._in_fit, self._give_back_test, self._swapped_at_end = False, no_swap, False
+        swap = self._swap
+        if swap is not None and swap.holder is self:
+            swap.keep()  # swapped in at the last epoch end (SwapEMAWeights(swap_on_epoch=True)): it stays
+            return
+        if not (self.swap_at_end and self.averaged_model is not None and self.num_averaged > 0):
+            return
+        restoring = restorer(self.model)
+        if restoring is not None:  # the best weights win, in any list order (Keras writes its EMA first)
+            say(self.verbose, f"{type(self).__name__}: {type(restoring).__name__} restores the best weights; "
+                "the averaged ones stay in averaged_model.")  # fmt: skip
+            return
+        if swap is not None:
+            swap.take_out()
+        self._copy_average_in()
+        self._swapped_at_end = True
+        say(self.verbose, f"{type(self).__name__}: the averaged weights are now the module's.")
+
+    def close(self) -> None:
+        """A ``fit`` that raised with an average swapped in (in a validation) gets its training weights back."""
+        self._in_fit, self._give_back_test = False, no_swap
+        if self._swap is not None and self._swap.holder is not None:
+            self._swap.take_out()

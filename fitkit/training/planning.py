@@ -18,6 +18,7 @@ from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import Callback, CallbackList
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
+from fitkit.callbacks.swapping import check_weight_swaps
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
 from fitkit.checks.preflight import first_batch_check, in_memory_check
 from fitkit.training import budget as _budget
@@ -84,6 +85,8 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     schedule = ValidationSchedule(validation_freq)
     interval = _check_interval(validation_interval, validation_freq, validation_data, validation_split)
     check_schedules(model, callbacks)
+    # one averaged copy validated on, one swapped in at the end
+    check_weight_swaps(model, callbacks, validates=validation_data is not None or bool(validation_split))
     if x is None:
         raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")
     if validation_split:
