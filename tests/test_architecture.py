@@ -125,13 +125,13 @@ def test_an_import_for_annotations_only_is_no_edge(tmp_path, monkeypatch):
     pkg = tmp_path / "fitkit"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "model.py").write_text("from fitkit.loop import Loop\n")
-    (pkg / "loop.py").write_text(
+    (pkg / "model.py").write_text("from fitkit.engine import Loop\n")
+    (pkg / "engine.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fitkit.model import Model\nclass Loop: ...\n"
     )
     monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
     graph = _graph()
-    assert graph["fitkit.loop"] == set() and graph["fitkit.model"] == {"fitkit.loop"}
+    assert graph["fitkit.engine"] == set() and graph["fitkit.model"] == {"fitkit.engine"}
 
 
 def test_the_cycle_finder_finds_a_cycle():
