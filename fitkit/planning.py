@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from fitkit import budget as _budget
-from fitkit import checkpoint as _checkpoint
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import Callback, CallbackList
@@ -23,7 +22,7 @@ from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
 from fitkit.loop import lr_keys
 from fitkit.optim import check_plateau_mode
-from fitkit.preflight import first_batch_check, in_memory_check
+from fitkit.preflight import first_batch_check, in_memory_check, leaves_no_trace
 from fitkit.step_validation import ValidationInterval, ValidationSchedule
 
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
@@ -227,18 +226,16 @@ def check_data(model: Any, loader: _data.DeviceLoader, name: str, training: bool
 
 def _check_first_validation_batch(model: Any, loader: _data.DeviceLoader) -> Any:
     """A re-iterable validation source (a DataLoader, a list) gets its first batch checked
-    before step 1, as training data does; the RNG is put back, so shuffling is unchanged."""
+    before step 1, as training data does; the RNGs, the loader's own generators and the
+    module's buffers are put back, so shuffling and training are unchanged."""
     source = getattr(loader.batches, "source", None)
     if source is None or isinstance(source, Iterator) or getattr(loader, "sharded", False):
         return None  # a one-shot iterator would lose its batch; under torchrun each rank has its own
-    rng = _checkpoint.rng_state()
-    try:
+    with leaves_no_trace(model.module, loader):
         batch = next(iter(loader), None)
-    finally:
-        _checkpoint.set_rng_state(rng)
-    if batch is None:
-        return None
-    return first_batch_check(model, batch, label="first validation batch", training=False)
+        if batch is None:
+            return None
+        return first_batch_check(model, batch, label="first validation batch", training=False)
 
 
 def planned_keys(model: Any, validates: bool) -> list[str]:
