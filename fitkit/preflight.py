@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from fitkit import nest
 from fitkit.checks import FitkitWarning
@@ -69,8 +70,10 @@ def leaves_no_trace(module: nn.Module, loader: Any = None) -> Iterator[None]:
     """
     rngs = random.getstate(), np.random.get_state(), torch.get_rng_state(), accelerator_rng_state()
     order = _order.capture(loader) if loader is not None else None
+    # A lazy module's uninitialized buffer has no values yet (the check's forward initializes it,
+    # as the first step would).
     buffers = [(m, name, b, _version(b), b.detach().clone()) for m in module.modules()
-               for name, b in m._buffers.items() if b is not None]  # fmt: skip
+               for name, b in m._buffers.items() if b is not None and not is_lazy(b)]  # fmt: skip
     try:
         yield
     finally:

@@ -306,3 +306,14 @@ def test_the_validation_check_leaves_the_loaders_own_generator_and_the_buffers_u
     assert torch.equal(gen.get_state(), expected.get_state())
     assert int(model.module.rows_seen) == 2 * 18 + 2 * 18  # training and validation rows, no check's
     assert len(history.history["val_loss"]) == 2
+
+
+def test_a_lazy_modules_buffers_are_initialized_by_the_check_as_by_a_first_step():
+    # LazyBatchNorm1d's buffers have no values before the first forward: the check's forward
+    # initializes them (nothing to put back), and training then moves them as usual.
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Sequential(nn.Linear(3, 4), nn.LazyBatchNorm1d(), nn.Linear(4, 1)), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(torch.randn(12, 3), torch.randn(12, 1), batch_size=4, epochs=2, verbose=0)
+    bn = model.module[1]
+    assert bn.running_mean.shape == (4,) and int(bn.num_batches_tracked) == 6
