@@ -244,7 +244,7 @@ class Stepper:
                  self.accumulation_schedule, self.host_rows, self._window())  # fmt: skip
         self._before_step, self._stop_training, self.validates = before_step, stop_training, validates
         self.stop_agreed = False  # a fit starts with no stop agreed
-        self._set_window((True, None, None, False, None))
+        self._set_window(_NO_WINDOW)
         if accumulation is not None:
             self.accumulation_schedule = accumulation
         try:
@@ -274,7 +274,7 @@ class Stepper:
         grads = [p.grad for p in params]
         for p in params:
             p.grad = None
-        self._set_window((True, None, None, False, None))
+        self._set_window(_NO_WINDOW)
         self._before_step = None
         try:
             yield
@@ -496,5 +496,8 @@ def _host_veto_unagreed() -> None:
         "decision as a device tensor (skip_optimizer_step(when=flag)), or set device_veto_only = False."
     )
 
+
+# A window of its own with nothing pending: (micro_last, micro_scale, window_loss, skip_requested, veto).
+_NO_WINDOW = (True, None, None, False, None)
 
 _RECORD = ("grad_norm", "lrs_used", "micro_last", "micro_scale", "window_loss", "skip_requested")
