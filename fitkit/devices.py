@@ -15,7 +15,10 @@ import torch
 
 from fitkit import nest
 
-__all__ = ["resolve_device", "move_to_device", "optimizer_to", "autocast", "PRECISIONS"]
+__all__ = [
+    "resolve_device", "move_to_device", "optimizer_to", "autocast", "PRECISIONS", "accelerator_rng_state",
+    "set_accelerator_rng_state",
+]
 
 #: Precision names accepted by ``Model.compile(precision=...)`` and the autocast dtype of each.
 #: A reusable no-op context (``autocast`` at ``"32"``, a window's last micro-batch without
@@ -156,3 +159,33 @@ def autocast(device: torch.device, precision: str):
     if dtype is None:
         return torch.autocast(device.type, enabled=False)
     return torch.autocast(device.type, dtype=dtype)
+
+
+def accelerator_rng_state() -> tuple[Any, Any]:
+    """The accelerators' RNG states ``(cuda, mps)``, for :func:`set_accelerator_rng_state`.
+
+    CUDA's are read only once CUDA is initialized (``None`` before): reading them would
+    initialize it, with a context on the device, for a run that may never use CUDA.
+
+    Example:
+        >>> set_accelerator_rng_state(accelerator_rng_state())  # a round trip changes nothing
+    """
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    mps = torch.mps.get_rng_state() if torch.backends.mps.is_available() else None
+    return cuda, mps
+
+
+def set_accelerator_rng_state(state: tuple[Any, Any]) -> None:
+    """Put back what :func:`accelerator_rng_state` returned.
+
+    CUDA initialized since (by the code in between) is put back in the state it had when it
+    started: each device's generator at its seed, nothing drawn yet.
+    """
+    cuda, mps = state
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    elif torch.cuda.is_initialized():
+        for generator in torch.cuda.default_generators:
+            generator.manual_seed(generator.initial_seed())
+    if mps is not None:
+        torch.mps.set_rng_state(mps)

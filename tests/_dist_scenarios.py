@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
+import weakref
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fitkit
-from fitkit.callbacks import LambdaCallback, ModelCheckpoint
+from fitkit.callbacks import Callback, LambdaCallback, ModelCheckpoint
 from fitkit.distributed import already_sharded, rank, world_size
 
 GLOBAL_BATCH = 8
@@ -319,3 +321,79 @@ def resume_case(kind: str, backup=None, crash: bool = False) -> dict:
     except Crash:
         pass
     return {"ids": rec.seen, "params": [p.detach().clone() for p in rec.net.parameters()]}
+
+
+class Grab(Callback):
+    """Weak references to what one fit hands out: the training DeviceLoader, this rank's shards
+    (``batches``) and, for in-memory data, the float32 copy fit made of float64 inputs."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        self.fail, self.refs = fail, {}
+
+    def on_train_begin(self, logs=None):
+        loader = self.params["train_data"]
+        self.refs = {"loader": weakref.ref(loader), "shards": weakref.ref(loader.batches)}
+        if hasattr(loader.batches, "x"):  # in-memory data: the cast copies
+            self.refs.update(x=weakref.ref(loader.batches.x), y=weakref.ref(loader.batches.y))
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.fail and batch == 1:  # on every rank: the ranks fail together
+            raise RuntimeError("boom")
+
+
+def lifetime() -> dict:
+    """What each rank still holds of a fit after it returned or raised: ``{case: {name: alive}}``
+    for the loader, the shards, the cast data and the callback (all should be ``False``)."""
+    out = {}
+    for case in ("tensors", "tensors_raised", "dataloader"):
+        torch.manual_seed(0)
+        x, y, _ = data(20)
+        model = fitkit.Model(net(), device="cpu")
+        model.compile(optimizer=OPTIMIZERS["sgd"], loss="mse")
+        grab = Grab(fail=case == "tensors_raised")
+        # float64 inputs: fit's float32 copy is held by the fit only
+        args = (x.double(), y.double()) if case != "dataloader" else (DataLoader(TensorDataset(x, y), batch_size=4),)
+        try:
+            model.fit(*args, batch_size=4, epochs=2, verbose=0, callbacks=[grab])
+        except RuntimeError:
+            pass
+        refs = {**grab.refs, "callback": weakref.ref(grab)}
+        del grab, args
+        gc.collect()
+        out[case] = {name: ref() is not None for name, ref in refs.items()}
+    return out
+
+
+class EpochBuckets(torch.utils.data.Sampler):
+    """This rank's buckets of neighbouring rows in an order seeded by the epoch it was told."""
+
+    def __init__(self, rows: list[int], batch_size: int):
+        self.buckets = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+        self.epoch, self.epochs = 0, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __iter__(self):
+        order = torch.randperm(len(self.buckets), generator=torch.Generator().manual_seed(self.epoch))
+        return iter([self.buckets[i] for i in order.tolist()])
+
+
+def batch_sampler_epochs() -> dict:
+    """An ``already_sharded`` DataLoader with a batch sampler of this rank's rows: the epochs it
+    was told in a fit of 3 epochs, and in one that starts at ``initial_epoch=2``."""
+    x, y, _ = data(16)
+    out = {}
+    for name, start in (("fit", 0), ("initial_epoch_2", 2)):
+        buckets = EpochBuckets(list(range(rank(), 16, world_size())), 2)
+        model = fitkit.Model(net(), device="cpu")
+        model.compile(optimizer=OPTIMIZERS["sgd"], loss="mse")
+        loader = DataLoader(TensorDataset(x, y), batch_sampler=buckets)
+        model.fit(already_sharded(loader), initial_epoch=start, epochs=3, verbose=0)
+        out[name] = buckets.epochs
+    return out

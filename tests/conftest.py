@@ -89,6 +89,23 @@ class Bias(nn.Module):
         return x * 0 + self.b
 
 
+class NoisyNet(nn.Module):
+    """``Linear(1, 1)`` (weights 0) + noise drawn in eval mode too, then BatchNorm and dropout
+    (train mode only); ``rows_seen`` counts the rows of every forward, in any mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn, self.drop = nn.Linear(1, 1), nn.BatchNorm1d(1), nn.Dropout(0.5)
+        self.register_buffer("rows_seen", torch.zeros((), dtype=torch.int64))
+        with torch.no_grad():
+            self.lin.weight.fill_(0.0)
+            self.lin.bias.fill_(0.0)
+
+    def forward(self, x):
+        self.rows_seen += x.shape[0]
+        return self.drop(self.bn(self.lin(x) + 0.1 * torch.randn_like(x)))
+
+
 class CountingBackend:
     """A torch.compile backend that runs the captured graph eagerly and counts compilations."""
 

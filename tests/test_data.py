@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import cpu_model, fixed_linear
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler, TensorDataset
 
 import fitkit
 
@@ -319,6 +319,82 @@ def test_set_epoch_on_a_batch_sampler_sampler():
     model = compiled(Recorder())
     model.fit(DataLoader(ds, batch_sampler=BatchSampler(sampler, 4, drop_last=False)), epochs=2, verbose=0)
     assert sampler.epochs == [0, 1]
+
+
+class EpochBuckets(Sampler):
+    """A bucketing batch sampler as Lightning and Accelerate users write one: buckets of
+    neighbouring rows (rows of similar length), in an order seeded by the epoch it was told."""
+
+    def __init__(self, n: int, batch_size: int, seed: int = 0):
+        self.buckets = [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
+        self.seed, self.epoch = seed, 0
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __iter__(self):
+        order = torch.randperm(len(self.buckets), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return iter([self.buckets[i] for i in order.tolist()])
+
+
+# EpochBuckets(10, 4)'s batches of X10's rows: buckets [0-3], [4-7], [8-9] in the order of
+# randperm(3) seeded 0, 1, 2.
+BUCKETS_BY_EPOCH = {
+    0: [[8.0, 9.0], [0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]],
+    1: [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0], [0.0, 1.0, 2.0, 3.0]],
+    2: [[0.0, 1.0, 2.0, 3.0], [8.0, 9.0], [4.0, 5.0, 6.0, 7.0]],
+}
+
+
+def test_a_batch_samplers_set_epoch_is_called_once_per_epoch_with_its_index():
+    ds = TensorDataset(X10, Y10)
+    buckets = EpochBuckets(len(ds), 4)
+    rec = Recorder()
+    compiled(rec).fit(DataLoader(ds, batch_sampler=buckets), epochs=3, verbose=0)
+    assert buckets.epochs == [0, 1, 2]
+    assert rec.train_rows == BUCKETS_BY_EPOCH[0] + BUCKETS_BY_EPOCH[1] + BUCKETS_BY_EPOCH[2]
+
+
+class _Crash(Exception):
+    pass
+
+
+def _fit_buckets(buckets: EpochBuckets, rec: Recorder, folder, crash_in_epoch: int | None = None) -> None:
+    """3 epochs over X10 in ``buckets``' batches with a BackupAndRestore at epoch ends; a crash
+    after batch 1 of ``crash_in_epoch``."""
+    from fitkit.callbacks import BackupAndRestore, LambdaCallback
+
+    model = compiled(rec)
+
+    def crash(batch, logs):
+        if model.epoch == crash_in_epoch and batch == 1:
+            raise _Crash
+
+    callbacks = [LambdaCallback(on_train_batch_end=crash), BackupAndRestore(folder, save_freq="epoch")]
+    model.fit(DataLoader(TensorDataset(X10, Y10), batch_sampler=buckets), epochs=3, verbose=0, callbacks=callbacks)
+
+
+def test_a_resumed_fit_tells_the_batch_sampler_its_own_epoch(tmp_path):
+    buckets, rec = EpochBuckets(10, 4), Recorder()
+    compiled(rec).fit(DataLoader(TensorDataset(X10, Y10), batch_sampler=buckets), initial_epoch=2, epochs=3,
+                      verbose=0)  # fmt: skip
+    assert buckets.epochs == [2]
+    assert rec.train_rows == BUCKETS_BY_EPOCH[2]
+
+    # A crash inside epoch 1; the rerun resumes at its start (the backup of epoch 0's end).
+    crashed = EpochBuckets(10, 4)
+    with pytest.raises(_Crash):
+        _fit_buckets(crashed, Recorder(), tmp_path, crash_in_epoch=1)
+    assert crashed.epochs == [0, 1]
+    buckets, rec = EpochBuckets(10, 4), Recorder()
+    _fit_buckets(buckets, rec, tmp_path)
+    assert buckets.epochs == [1, 2]
+    assert rec.train_rows == BUCKETS_BY_EPOCH[1] + BUCKETS_BY_EPOCH[2]
 
 
 def test_validation_steps_and_evaluate_steps_bound_infinite_generators():

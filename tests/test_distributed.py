@@ -50,6 +50,8 @@ res["fsdp_predict"] = sc.exact_predict("fsdp")
 res["fsdp_checkpoint"] = sc.checkpoint_epochs(OUT / "fsdp.pt", strategy="fsdp")
 res["resume_ddp_file_with_fsdp"] = sc.resume(OUT / "ddp.pt", strategy="fsdp")
 res["resume_fsdp_file_with_ddp"] = sc.resume(OUT / "fsdp.pt")
+res["lifetime"] = sc.lifetime()
+res["batch_sampler_epochs"] = sc.batch_sampler_epochs()
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -266,6 +268,29 @@ def test_stop_training_on_one_rank_stops_every_rank(job):
 def test_iterable_of_batches_cannot_be_sharded(job):
     r0, _, _, _ = job
     assert "already_sharded" in r0["unshardable"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_finished_fit_lets_go_of_its_data_shards_and_callbacks_under_torchrun(job):
+    """After a fit that returned and one that raised, nothing of them stays reachable on any rank:
+    the training DeviceLoader, the rank's shards (which the stepper's host row counts are bound
+    to), the float32 copy of float64 inputs, and the callback (see sc.lifetime)."""
+    r0, r1, _, _ = job
+    for results in (r0, r1):
+        assert results["lifetime"] == {
+            "tensors": {"loader": False, "shards": False, "x": False, "y": False, "callback": False},
+            "tensors_raised": {"loader": False, "shards": False, "x": False, "y": False, "callback": False},
+            "dataloader": {"loader": False, "shards": False, "callback": False},
+        }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_already_sharded_batch_sampler_is_told_each_epoch_under_torchrun(job):
+    r0, r1, _, _ = job
+    for results in (r0, r1):
+        assert results["batch_sampler_epochs"] == {"fit": [0, 1, 2], "initial_epoch_2": [2]}
 
 
 @pytest.mark.distributed

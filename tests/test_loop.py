@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
 import pytest
 import torch
+from conftest import Bias
 from torch import nn
 
 import fitkit
-from fitkit.callbacks import Callback, CSVLogger
+from fitkit.callbacks import Callback, CSVLogger, LambdaCallback
 
 
 class Grab(Callback):
@@ -59,6 +61,26 @@ def test_the_finished_fit_lets_go_of_its_data_and_callbacks(fail):
     # What the model keeps are plain values: the last epoch and whether it validated.
     assert (model.epoch, model.validated) == ((0, False) if fail else (1, True))
     assert model.summary(print_fn=lambda table: None) is not None  # the example input is a copy
+
+
+def test_a_fit_that_raised_inside_an_accumulation_window_leaves_nothing_of_it_to_the_next():
+    # y_pred = 0, targets 1, MSE, lr 0: every micro-batch's loss is 1, so every window's is 1.0.
+    model = fitkit.Model(Bias(), device="cpu")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.0), loss="mse", gradient_accumulation_steps=2)
+    x, y = torch.zeros(8, 1), torch.ones(8, 1)
+
+    def fail(batch, logs):  # after the window's first micro-batch: its loss and a veto are pending
+        model.skip_optimizer_step()
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[LambdaCallback(on_train_batch_end=fail)])
+    assert (model.step_loss, model.closes_accumulation_window, model.global_step) == (None, True, 0)
+    losses = []
+    record = LambdaCallback(on_backward_end=lambda batch: losses.append(float(model.step_loss)))
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[record])
+    assert losses == [1.0, 1.0]  # not 1.5: the failed fit's half window is not in the first
+    assert model.global_step == 2  # and its veto did not skip the first step
 
 
 def test_model_epoch_and_validated_after_fit_are_the_last_epochs():

@@ -1,4 +1,5 @@
-"""Batches the run did not plan for: a one-row batch under BatchNorm, a resume with another batch size."""
+"""Batches the run did not plan for: a one-row batch under BatchNorm, a resume with another batch size;
+and the checks before step 1 leave no trace."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import NoisyNet
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -232,3 +234,86 @@ def test_dict_batch_missing_a_required_parameter_is_named():
     assert "Batch keys: ['ids']; forward's parameters: (input_ids, attention_mask=None); not taken by forward: " \
            "['ids']; required by forward but not in the batch: ['input_ids']." in msg
     assert "pop('labels')" not in msg
+
+
+# -- the checks leave no trace ----------------------------------------------------------------------
+# 18 rows in batches of 4: the short last batch runs a shuffling sampler to its end, as a plain
+# loop does, so the sampler's own generator draws the same in both.
+NOISY_X = torch.linspace(-1, 1, 18).unsqueeze(1)
+NOISY_Y = -0.5 * NOISY_X
+
+
+def _noisy_model() -> fitkit.Model:
+    torch.manual_seed(0)
+    model = fitkit.Model(NoisyNet(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
+    return model
+
+
+def _by_hand(batches, epochs: int) -> NoisyNet:
+    """The plain loop the fit must equal: seed, build, then forward / backward / step per batch."""
+    torch.manual_seed(0)
+    net = NoisyNet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(epochs):
+        for x, y in batches:
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return net
+
+
+def _noisy_loader(**kwargs) -> DataLoader:
+    return DataLoader(TensorDataset(NOISY_X, NOISY_Y), batch_size=4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "source", ["arrays", "dataloader", "shuffled-dataloader", "dataloader-own-generator"]
+)
+def test_a_fit_with_the_first_batch_check_equals_the_plain_loop_bit_for_bit(source):
+    # The check runs the module once more (eval mode: the noise, not dropout or BatchNorm); it
+    # puts the RNGs and buffers back, so every training step draws what the plain loop draws.
+    if source == "arrays":
+        data, kwargs = (NOISY_X, NOISY_Y), {"batch_size": 4, "shuffle": False}
+        batches = [(NOISY_X[i : i + 4], NOISY_Y[i : i + 4]) for i in range(0, 18, 4)]
+    else:
+        gen = torch.Generator().manual_seed(3) if source == "dataloader-own-generator" else None
+        loader = _noisy_loader(shuffle=source != "dataloader", generator=gen)
+        data, kwargs, batches = (loader,), {}, loader
+    model = _noisy_model()
+    model.fit(*data, epochs=3, verbose=0, **kwargs)
+    after_fit = torch.get_rng_state()
+    if source == "dataloader-own-generator":
+        gen.manual_seed(3)  # the plain loop draws the same orders from the loader's generator
+    net = _by_hand(batches, epochs=3)
+    for name, value in net.state_dict().items():
+        assert torch.equal(model.module.state_dict()[name], value), name
+    assert int(model.module.rows_seen) == 54  # 3 epochs of 18 rows: the check's 4 rows are not counted
+    assert int(model.module.bn.num_batches_tracked) == 15
+    assert torch.equal(after_fit, torch.get_rng_state())  # the fit drew what the plain loop drew, no more
+
+
+def test_the_validation_check_leaves_the_loaders_own_generator_and_the_buffers_untouched():
+    # The first validation batch is drawn and run before step 1: the validation DataLoader's own
+    # generator (its sampler's order and the iterator's base seed) must not move for it.
+    gen = torch.Generator().manual_seed(7)
+    val = _noisy_loader(shuffle=True, generator=gen)
+    model = _noisy_model()
+    history = model.fit(_noisy_loader(), epochs=2, validation_data=val, verbose=0)
+    expected = torch.Generator().manual_seed(7)
+    for _ in range(2):  # two validations, one pass each
+        list(_noisy_loader(shuffle=True, generator=expected))
+    assert torch.equal(gen.get_state(), expected.get_state())
+    assert int(model.module.rows_seen) == 2 * 18 + 2 * 18  # training and validation rows, no check's
+    assert len(history.history["val_loss"]) == 2
+
+
+def test_a_lazy_modules_buffers_are_initialized_by_the_check_as_by_a_first_step():
+    # LazyBatchNorm1d's buffers have no values before the first forward: the check's forward
+    # initializes them (nothing to put back), and training then moves them as usual.
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Sequential(nn.Linear(3, 4), nn.LazyBatchNorm1d(), nn.Linear(4, 1)), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(torch.randn(12, 3), torch.randn(12, 1), batch_size=4, epochs=2, verbose=0)
+    bn = model.module[1]
+    assert bn.running_mean.shape == (4,) and int(bn.num_batches_tracked) == 6

@@ -14,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from conftest import NoisyNet
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import fitkit
 from fitkit.callbacks import BackupAndRestore, EarlyStopping, LambdaCallback, ModelCheckpoint
@@ -214,6 +216,37 @@ def test_a_relative_lr_schedule_is_not_applied_twice_by_a_resume_inside_an_epoch
         run(tmp_path / "run", crash_step=8)  # the backup is from batch 2 of epoch 1
     assert ref.history["learning_rate"] == [0.05, 0.025, 0.0125, 0.00625]
     assert run(tmp_path / "run").history["learning_rate"] == ref.history["learning_rate"]
+
+
+@pytest.mark.parametrize("source", ["arrays", "dataloader"])
+def test_a_resumed_fit_of_a_module_drawing_noise_in_eval_mode_equals_the_uninterrupted_run(tmp_path, source):
+    # The resumed fit checks its first batch again, after the backup's RNG states were restored:
+    # that check's forward (noise in eval mode too) must not move the RNG the next step draws from.
+    x = torch.linspace(-1, 1, 18).unsqueeze(1)
+
+    def run(folder, crash_step=None):
+        holder: list = []
+        torch.manual_seed(0)
+        model = fitkit.Model(NoisyNet(), device="cpu")
+        model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
+        holder.append(model)
+        data, kwargs = ((x, -0.5 * x), {"batch_size": 4}) if source == "arrays" else \
+            ((DataLoader(TensorDataset(x, -0.5 * x), batch_size=4, shuffle=True),), {})  # fmt: skip
+        callbacks = [_crash_at_step(holder, -1 if crash_step is None else crash_step),
+                     BackupAndRestore(folder, save_freq=2)]  # fmt: skip
+        model.fit(*data, epochs=3, verbose=0, callbacks=callbacks, **kwargs)
+        return model
+
+    ref = run(tmp_path / "ref")
+    with pytest.raises(_Crash):
+        run(tmp_path / "run", crash_step=5)  # 5 batches per epoch: the backup is from batch 4 of epoch 0
+    assert torch.load(tmp_path / "run" / "backup.pt", weights_only=True)["step_in_epoch"] == 4
+    resumed = run(tmp_path / "run")
+    assert torch.equal(resumed.module.lin.weight, ref.module.lin.weight)  # bit for bit
+    for name, value in ref.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name  # bit for bit
+    assert int(resumed.module.rows_seen) == int(ref.module.rows_seen) == 3 * 18
+    assert resumed.history.history["loss"] == ref.history.history["loss"]
 
 
 # One training job. Argument 1: its folder; argument 2: the optimizer step at which the

@@ -5,18 +5,26 @@ fails here, with nothing changed: non-finite values, floating inputs in another 
 module's (cast, as Keras casts to its float type), a one-row last batch that BatchNorm cannot
 train on (dropped with one warning), and the first batch run through the module, the loss and
 the metrics. That run uses the module itself in eval mode under ``no_grad``, never the compiled
-forward, so it costs no compilation of its own and moves no BatchNorm statistic.
+forward, so it costs no compilation of its own.
+
+Every check that runs the module (or iterates a loader) leaves no trace (:func:`leaves_no_trace`):
+the RNGs it drew from and the buffers it moved are put back, so a fit with the checks trains
+exactly as one without them, and a resumed fit, which checks again, as the uninterrupted one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import random
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from fitkit import nest
 from fitkit.checks import FitkitWarning
@@ -24,13 +32,72 @@ from fitkit.checks.finite import check_batch_loss, check_in_memory
 from fitkit.checks.gradient import check_loss_has_grad, wants_grad_check
 from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
+from fitkit.data import order as _order
+from fitkit.devices import accelerator_rng_state, set_accelerator_rng_state
 from fitkit.losses.outputs import own_loss, prediction_of, require_prediction, targets_of
 from fitkit.training.modes import modes
 
 __all__ = [
     "prepare_in_memory", "cast_to_module", "first_batch_check", "wrap", "describe", "has_training_batchnorm",
-    "BatchGuard",
+    "BatchGuard", "leaves_no_trace",
 ]
+
+
+@contextlib.contextmanager
+def leaves_no_trace(module: nn.Module, loader: Any = None) -> Iterator[None]:
+    """Run a check as if it had not run: what it drew from the RNGs and moved in ``module``'s
+    buffers is put back on exit, also when it raises.
+
+    The RNGs: Python's ``random``, NumPy's global one, torch's CPU generator, the accelerators'
+    (:func:`fitkit.devices.accelerator_rng_state`) and, when the check iterates ``loader`` (a
+    :class:`~fitkit.data.DeviceLoader`), its DataLoader's and samplers' own generators and
+    states (:func:`fitkit.data.order.capture`). A module that draws noise in eval mode would
+    otherwise shift every later draw by the check's, and a resumed fit, which checks again
+    after the RNG states were restored, would not continue the interrupted one. The buffers:
+    each one's values (BatchNorm's statistics, a module's own counters or caches), and the
+    tensor itself where the check replaced it (``self.count = self.count + 1``). They are
+    copied once per check: a fit's start, not its steps.
+
+    Example:
+        >>> class Noisy(nn.Module):
+        ...     def forward(self, x):
+        ...         return x + torch.randn_like(x)
+        >>> _ = torch.manual_seed(0)
+        >>> with leaves_no_trace(Noisy()):
+        ...     _ = Noisy()(torch.zeros(3))
+        >>> a = torch.rand(1); _ = torch.manual_seed(0); bool(torch.rand(1) == a)
+        True
+    """
+    rngs = random.getstate(), np.random.get_state(), torch.get_rng_state(), accelerator_rng_state()
+    order = _order.capture(loader) if loader is not None else None
+    # A lazy module's uninitialized buffer has no values yet (the check's forward initializes it,
+    # as the first step would).
+    buffers = [(m, name, b, _version(b), b.detach().clone()) for m in module.modules()
+               for name, b in m._buffers.items() if b is not None and not is_lazy(b)]  # fmt: skip
+    try:
+        yield
+    finally:
+        py, np_state, cpu, accelerators = rngs
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu)
+        set_accelerator_rng_state(accelerators)
+        if order is not None:
+            _order.restore(loader, order)
+        with torch.no_grad():
+            for m, name, b, version, saved in buffers:
+                m._buffers[name] = b  # the check may have replaced it (`self.n = self.n + 1`)
+                if _version(b) != version:  # changed in place: its values come back
+                    b.copy_(saved)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place version counter; ``None`` for an inference tensor, which none can change
+    outside inference mode (and which has no counter)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def describe(batch: Any) -> str:
@@ -347,11 +414,12 @@ def in_memory_check(model: Any, source: TensorBatches, training: bool) -> Any:
     Returns:
         The first batch's ``x`` (a copy) when it was run, else ``None``.
     """
-    prepare_in_memory(source, model.module, training, model)
-    if source.n == 0 or training and not model.default_train_step and model.default_test_step:
-        return None
-    return first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y),
-                             training=training)  # fmt: skip
+    with leaves_no_trace(model.module):  # the NaN rows' trial and the first batch run the module
+        prepare_in_memory(source, model.module, training, model)
+        if source.n == 0 or training and not model.default_train_step and model.default_test_step:
+            return None
+        return first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y),
+                                 training=training)  # fmt: skip
 
 
 class BatchGuard:
@@ -393,9 +461,14 @@ class BatchGuard:
         return True
 
     def first(self, model: Any, batch: tuple[Any, Any, Any]) -> Any:
-        """:func:`first_batch_check` of the first training batch, once; returns its ``x``."""
+        """:func:`first_batch_check` of the first training batch, once; returns its ``x``.
+
+        Between the RNG states the fit set (a resume's) and the batch's training step: it
+        leaves no trace, so that step draws what it would draw without the check.
+        """
         self.check_first = False
-        return first_batch_check(model, batch, label="first training batch")
+        with leaves_no_trace(model.module):
+            return first_batch_check(model, batch, label="first training batch")
 
     @staticmethod
     def nothing_trained(epoch: int, skipped: int) -> None:

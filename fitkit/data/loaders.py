@@ -28,6 +28,7 @@ from fitkit.data.arrays import (
 )
 from fitkit.data.collate import NamingCollate, check_not_empty
 from fitkit.data.hf_datasets import check_hf_dataset, is_hf_dataset
+from fitkit.data.order import set_epoch
 from fitkit.data.resume_order import resumed_loader
 from fitkit.data.weights import ClassWeights, class_weights, combine
 from fitkit.devices import move_to_device
@@ -98,12 +99,7 @@ class _IterableBatches:
 
     def iterate(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         if isinstance(self.source, DataLoader):
-            sampler, inner = self.source.sampler, getattr(self.source.batch_sampler, "sampler", None)
-            # A default batch sampler wraps the same sampler: set its epoch once, not twice.
-            for s in (sampler,) if inner is sampler else (sampler, inner):
-                set_epoch = getattr(s, "set_epoch", None)
-                if set_epoch is not None:
-                    set_epoch(epoch)
+            set_epoch(self.source, epoch)  # its sampler, batch sampler and the batch sampler's sampler
         it = iter(self.source)
         if self.resumed:  # it continues where its state_dict was taken: nothing to skip
             self.resumed, skip = False, 0
@@ -206,7 +202,8 @@ class DeviceLoader:
         """The batches of (0-based) ``epoch``, on the device.
 
         Args:
-            epoch: the epoch (a ``DistributedSampler``'s ``set_epoch``).
+            epoch: the epoch (``set_epoch`` of a DataLoader's samplers and batch sampler, see
+                :func:`fitkit.data.order.set_epoch`).
             skip: ``(batches, samples)`` a resume leaves out at the start of the epoch
                 (``samples``, in-memory data only, wins when not ``None``; see
                 :meth:`fitkit.training.position.Position.skip_for`).

@@ -24,7 +24,10 @@ from torch.utils import data as tud
 from fitkit.checks import FitkitWarning
 from fitkit.data.resume_order import OrderShare
 
-__all__ = ["capture", "restore", "order_is_restorable", "is_stateful_loader", "at_checkpoint", "resume_inside_epoch"]
+__all__ = [
+    "capture", "restore", "order_is_restorable", "is_stateful_loader", "at_checkpoint", "resume_inside_epoch",
+    "set_epoch",
+]
 
 # Samplers whose order is a function of the generators fitkit saves (or of the epoch).
 _KNOWN_SAMPLERS = (
@@ -52,6 +55,28 @@ def _samplers(source: tud.DataLoader) -> list[Any]:
         if s is not None and all(s is not t for t in out):
             out.append(s)
     return out
+
+
+def set_epoch(source: tud.DataLoader, epoch: int) -> None:
+    """Tell ``source``'s samplers which epoch starts, as Lightning and Accelerate do: each of its
+    sampler, its batch sampler and the batch sampler's own sampler that has ``set_epoch`` (a
+    ``DistributedSampler``, a bucketing batch sampler that seeds its order by epoch), once.
+
+    A default ``BatchSampler`` wraps the loader's sampler itself: it is told once, not twice.
+
+    Example:
+        >>> class Told(tud.SequentialSampler):
+        ...     epochs = []
+        ...     def set_epoch(self, epoch):
+        ...         self.epochs.append(epoch)
+        >>> told = Told(range(4))
+        >>> set_epoch(tud.DataLoader(range(4), sampler=told, batch_size=2), 3); told.epochs
+        [3]
+    """
+    for s in _samplers(source):
+        tell = getattr(s, "set_epoch", None)
+        if callable(tell):
+            tell(epoch)
 
 
 def _generators(source: tud.DataLoader) -> list[torch.Generator]:

@@ -25,6 +25,7 @@ from fitkit.data import (
     _leaves,
     batch_size_of,
 )
+from fitkit.data.order import set_epoch
 from fitkit.data.resume_order import OrderShare, loader_order, rebuilt
 from fitkit.distributed.group import (
     _broadcast_from_zero,
@@ -175,7 +176,7 @@ class ShardedLoaderBatches(_IterableBatches):
         the epoch's order (the rest cut into this fit's global batches) instead of ``skip``."""
         sampler: Any = self.source.sampler  # type: ignore[attr-defined]
         if not isinstance(sampler, OrderShare):  # the user's DistributedSampler: their seed and order
-            sampler.set_epoch(epoch)
+            set_epoch(self.source, epoch)  # type: ignore[arg-type]  # and a batch sampler's, once each
             return self._truncate(iter(self.source), skip)
         order = torch.arange(self.n)
         if sampler.shuffle:

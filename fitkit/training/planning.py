@@ -20,9 +20,8 @@ from fitkit.callbacks.base import Callback, CallbackList
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.callbacks.swapping import check_weight_swaps
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
-from fitkit.checks.preflight import first_batch_check, in_memory_check
+from fitkit.checks.preflight import first_batch_check, in_memory_check, leaves_no_trace
 from fitkit.training import budget as _budget
-from fitkit.training import checkpoint as _checkpoint
 from fitkit.training.loop import lr_keys
 from fitkit.training.optim import check_plateau_mode
 from fitkit.training.step_validation import ValidationInterval, ValidationSchedule
@@ -230,18 +229,16 @@ def check_data(model: Any, loader: _data.DeviceLoader, name: str, training: bool
 
 def _check_first_validation_batch(model: Any, loader: _data.DeviceLoader) -> Any:
     """A re-iterable validation source (a DataLoader, a list) gets its first batch checked
-    before step 1, as training data does; the RNG is put back, so shuffling is unchanged."""
+    before step 1, as training data does; the RNGs, the loader's own generators and the
+    module's buffers are put back, so shuffling and training are unchanged."""
     source = getattr(loader.batches, "source", None)
     if source is None or isinstance(source, Iterator) or getattr(loader, "sharded", False):
         return None  # a one-shot iterator would lose its batch; under torchrun each rank has its own
-    rng = _checkpoint.rng_state()
-    try:
+    with leaves_no_trace(model.module, loader):
         batch = next(iter(loader), None)
-    finally:
-        _checkpoint.set_rng_state(rng)
-    if batch is None:
-        return None
-    return first_batch_check(model, batch, label="first validation batch", training=False)
+        if batch is None:
+            return None
+        return first_batch_check(model, batch, label="first validation batch", training=False)
 
 
 def planned_keys(model: Any, validates: bool) -> list[str]:

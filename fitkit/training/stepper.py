@@ -239,17 +239,33 @@ class Stepper:
         ranks do not agree there). ``validates``: whether the fit validates at all (the per-epoch
         scheduler step reads it). ``accumulation``: the fit's own schedule (a
         ``GradientAccumulationScheduler``), or ``None``. All are put back on exit.
+
+        What the fit hands the stepper lives as long as the fit: its epochs' ``host_rows``
+        (bound to this rank's shards of the training data: on CUDA, the data's device copy) and
+        its window (the window's loss, a pending veto, the micro-batch's place) start empty and
+        are put back on exit, also when the fit raises (inside a window: it would carry into the
+        next fit).
         """
-        outer = self._before_step, self._stop_training, self.validates, self.accumulation, self.accumulation_schedule
+        outer = (self._before_step, self._stop_training, self.validates, self.accumulation,
+                 self.accumulation_schedule, self.host_rows, self._window())  # fmt: skip
         self._before_step, self._stop_training, self.validates = before_step, stop_training, validates
         self.stop_agreed = False  # a fit starts with no stop agreed
+        self._set_window(_NO_WINDOW)
         if accumulation is not None:
             self.accumulation_schedule = accumulation
         try:
             yield
         finally:
             (self._before_step, self._stop_training, self.validates, self.accumulation,
-             self.accumulation_schedule) = outer  # fmt: skip
+             self.accumulation_schedule, self.host_rows, window) = outer  # fmt: skip
+            self._set_window(window)
+
+    def _window(self) -> tuple[Any, ...]:
+        """The running window: ``(micro_last, micro_scale, window_loss, skip_requested, veto)``."""
+        return self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto
+
+    def _set_window(self, window: tuple[Any, ...]) -> None:
+        self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto = window
 
     @contextlib.contextmanager
     def step_of_its_own(self) -> Iterator[None]:
@@ -259,21 +275,20 @@ class Stepper:
         accumulated gradients, its window and its before-step hook are set aside meanwhile and
         put back afterwards.
         """
-        window = (self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto,
-                  self._before_step)  # fmt: skip
+        window, before_step = self._window(), self._before_step
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grads = [p.grad for p in params]
         for p in params:
             p.grad = None
-        self.single_batch()
-        self.window_loss, self.skip_requested, self.veto, self._before_step = None, False, None, None
+        self._set_window(_NO_WINDOW)
+        self._before_step = None
         try:
             yield
         finally:
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
-            (self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto,
-             self._before_step) = window  # fmt: skip
+            self._set_window(window)
+            self._before_step = before_step
 
     def begin_epoch(self, epoch: int | None = None, host_rows: Any = None) -> None:
         """A fit epoch starts: the LRs its last step used are recorded afresh, and an
@@ -487,5 +502,8 @@ def _host_veto_unagreed() -> None:
         "decision as a device tensor (skip_optimizer_step(when=flag)), or set device_veto_only = False."
     )
 
+
+# A window of its own with nothing pending: (micro_last, micro_scale, window_loss, skip_requested, veto).
+_NO_WINDOW = (True, None, None, False, None)
 
 _RECORD = ("grad_norm", "lrs_used", "micro_last", "micro_scale", "window_loss", "skip_requested")
