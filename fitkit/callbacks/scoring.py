@@ -18,13 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 __all__ = ["scored_weights"]
 
 
 @contextmanager
-def scored_weights(model: Any, monitor: str) -> Iterator[None]:
+def scored_weights(model: Model, monitor: str) -> Iterator[None]:
     """Inside the block, ``model.module`` holds the weights that scored ``monitor``.
 
     Args:

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 __all__ = ["WeightSwap", "weight_swap", "no_swap", "state_tensors", "copy_tensors", "check_weight_swaps", "restorer"]
 
@@ -161,7 +164,7 @@ def weight_swap(module: nn.Module) -> WeightSwap:
     return swap
 
 
-def restorer(model: Any) -> Any:
+def restorer(model: Model) -> Any:
     """The callback of the running ``fit`` that puts best weights back when it ends, or ``None``.
 
     A callback says so with a true ``restores_weights_at_end`` (``EarlyStopping`` with
@@ -173,7 +176,7 @@ def restorer(model: Any) -> Any:
     return next((cb for cb in model.callbacks if getattr(cb, "restores_weights_at_end", False)), None)
 
 
-def _name(model: Any, callbacks: list[Any], cb: Any) -> str:
+def _name(model: Model, callbacks: list[Any], cb: Any) -> str:
     compiled = getattr(model, "compiled_ema", None)
     if cb is compiled:
         return "compile(use_ema=True)'s EMA"
@@ -195,7 +198,7 @@ _WHY = (
 )
 
 
-def check_weight_swaps(model: Any, callbacks: list[Any], validates: bool = True) -> None:
+def check_weight_swaps(model: Model, callbacks: list[Any], validates: bool = True) -> None:
     """``ValueError`` when two averages would be swapped into the module for one purpose.
 
     A callback that swaps weights says which average it puts in with

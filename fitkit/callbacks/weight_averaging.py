@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,12 +23,15 @@ from fitkit.callbacks.swapping import WeightSwap, copy_tensors, no_swap, restore
 from fitkit.checks import check_bool, check_int
 from fitkit.distributed import say
 
+if TYPE_CHECKING:
+    from fitkit.model import Model
+
 __all__ = ["WeightAveraging"]
 
 Tensors = list[torch.Tensor]
 
 
-def _refuse_fsdp(model: Any, who: str) -> None:
+def _refuse_fsdp(model: Model, who: str) -> None:
     if getattr(model, "strategy", None) == "fsdp" and torch.distributed.is_initialized():
         raise ValueError(
             f"{who} keeps a full copy of the module, which a sharded (strategy='fsdp') module "

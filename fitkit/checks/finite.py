@@ -18,7 +18,7 @@ in it whose loss is not finite are an error before step 1.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from fitkit import nest
 from fitkit.compile import call
 from fitkit.data import device_batch
 from fitkit.training.modes import modes
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 __all__ = ["scan", "check_in_memory", "check_batch_loss"]
 
@@ -71,7 +74,7 @@ def _scan_part(part: Any, keep: int) -> tuple[int, list[int]]:
     return count, sorted(rows)[:keep]
 
 
-def check_in_memory(model: Any, source: Any, training: bool) -> None:
+def check_in_memory(model: Model | None, source: Any, training: bool) -> None:
     """Refuse non-finite in-memory values that would reach the loss or the weights (``ValueError``).
 
     Args:
@@ -107,13 +110,14 @@ def check_in_memory(model: Any, source: Any, training: bool) -> None:
     raise ValueError(message)
 
 
-def _builtin(model: Any) -> bool:
+def _builtin(model: Model | None) -> bool:
     """Whether the loss is one of fitkit's own (they never handle NaN), under the default compute_loss."""
-    loss = getattr(model, "loss", None)
-    return loss is not None and getattr(loss, "kind", "custom") != "custom" and model.default_compute_loss
+    loss = None if model is None else model.loss
+    return loss is not None and getattr(loss, "kind", "custom") != "custom" and model is not None \
+        and model.default_compute_loss
 
 
-def _trial(model: Any, source: Any, rows: list[int], training: bool) -> str | None:
+def _trial(model: Model, source: Any, rows: list[int], training: bool) -> str | None:
     """Run the rows holding non-finite values through the module and the loss; ``None`` if all is finite."""
     index = torch.tensor(rows, device=nest.leaves(source.x)[0].device)
     x = nest.map_structure(lambda t: t.index_select(0, index), source.x)

@@ -3,14 +3,17 @@ weights unchanged and no word: refused on the first batch, before step 1."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 __all__ = ["check_loss_has_grad", "wants_grad_check"]
 
 
-def wants_grad_check(model: Any, training: bool) -> bool:
+def wants_grad_check(model: Model, training: bool) -> bool:
     """Whether the first-batch check of ``model`` builds the graph to look at the loss: for
     training batches of the default ``train_step``, when the module has trainable parameters."""
     return training and model.default_train_step and any(p.requires_grad for p in model.module.parameters())

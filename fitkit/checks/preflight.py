@@ -19,7 +19,7 @@ import inspect
 import random
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from fitkit.data import order as _order
 from fitkit.devices import accelerator_rng_state, set_accelerator_rng_state
 from fitkit.losses.outputs import own_loss, prediction_of, require_prediction, targets_of
 from fitkit.training.modes import modes
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 __all__ = [
     "prepare_in_memory", "cast_to_module", "first_batch_check", "wrap", "describe", "has_training_batchnorm",
@@ -143,7 +146,7 @@ def has_training_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
 
 
-def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool, model: Any = None) -> None:
+def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool, model: Model | None = None) -> None:
     """Check and adapt in-memory data before any step (nothing else changes on an error).
 
     NaN / inf values are looked for without copying the data; in ``x`` / ``y`` they are refused
@@ -276,7 +279,7 @@ def dict_keys_fix(module: Any, x: Any) -> str | None:
 
 
 def first_batch_check(
-    model: Any, batch: tuple[Any, Any, Any], y_all: Any = None, label: str = "first batch", training: bool = True
+    model: Model, batch: tuple[Any, Any, Any], y_all: Any = None, label: str = "first batch", training: bool = True
 ) -> Any:
     """Run one batch through the module, the loss and the metrics, changing nothing.
 
@@ -352,7 +355,7 @@ def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:
     check_class_range(None, prediction_of(out), y_all)
 
 
-def _check_with_test_step(model: Any, batch: tuple[Any, Any, Any], label: str) -> None:
+def _check_with_test_step(model: Model, batch: tuple[Any, Any, Any], label: str) -> None:
     """An overridden ``test_step`` knows what the module's output means: run it, eagerly."""
     phases = model.phases
     totals = phases.new_totals()
@@ -405,7 +408,7 @@ def check_class_range(loss: Any, y_pred: Any, y_all: Any) -> None:
         )
 
 
-def in_memory_check(model: Any, source: TensorBatches, training: bool) -> Any:
+def in_memory_check(model: Model, source: TensorBatches, training: bool) -> Any:
     """:func:`prepare_in_memory`, then the first batch and the class range of every label.
 
     A custom ``train_step`` with the default ``test_step`` may read the module's output in a
@@ -438,7 +441,7 @@ class BatchGuard:
             the default ``test_step`` is skipped, as preflight skips it).
     """
 
-    def __init__(self, model: Any, train: Any):
+    def __init__(self, model: Model, train: Any):
         self.skip_single = has_training_batchnorm(model.module)
         self.check_first = not isinstance(getattr(train, "batches", None), TensorBatches) and (
             model.default_train_step or not model.default_test_step
@@ -460,7 +463,7 @@ class BatchGuard:
             )
         return True
 
-    def first(self, model: Any, batch: tuple[Any, Any, Any]) -> Any:
+    def first(self, model: Model, batch: tuple[Any, Any, Any]) -> Any:
         """:func:`first_batch_check` of the first training batch, once; returns its ``x``.
 
         Between the RNG states the fit set (a resume's) and the batch's training step: it

@@ -27,7 +27,7 @@ import atexit
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ from fitkit.files.sharded import (
 )
 from fitkit.files.writing import sync_folder
 
+if TYPE_CHECKING:
+    from fitkit.model import Model
+
 __all__ = ["save", "inspect", "load_tensors", "wait", "is_sharded_default"]
 
 _group: Any = None  # the gloo group of checkpoint writes (created at the first sharded save)
@@ -51,7 +54,7 @@ _pending: _Pending | None = None
 _atexit = False
 
 
-def is_sharded_default(model: Any) -> bool:
+def is_sharded_default(model: Model) -> bool:
     """Whether ``save_checkpoint`` writes a sharded folder by default: under FSDP."""
     return model.parallel is not None and model.parallel.fsdp
 
@@ -63,10 +66,17 @@ def _ckpt_group() -> Any:
     return _group
 
 
-def _tensor_state(model: Any) -> dict[str, Any]:
+def _optimizer(model: Model) -> torch.optim.Optimizer:
+    """The compiled optimizer (a sharded checkpoint holds its shards)."""
+    if model.optimizer is None:
+        raise RuntimeError("A sharded checkpoint holds the optimizer's state. Fix: call model.compile() first.")
+    return model.optimizer
+
+
+def _tensor_state(model: Model) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model.module, model.optimizer)
+    msd, osd = get_state_dict(model.module, _optimizer(model))
     return {"model": msd, "optim": osd}
 
 
@@ -104,7 +114,7 @@ def wait() -> None:
         pending.wait()
 
 
-def save(model: Any, state: dict[str, Any], path: str | os.PathLike, async_save: bool = False) -> None:
+def save(model: Model, state: dict[str, Any], path: str | os.PathLike, async_save: bool = False) -> None:
     """Write ``model``'s sharded checkpoint folder at ``path`` (every rank calls it).
 
     Args:
@@ -167,13 +177,13 @@ def swap_into_place(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     sync_folder(final.parent)  # make the renames durable
 
 
-def _group_names(model: Any) -> list[list[str]]:
+def _group_names(model: Model) -> list[list[str]]:
     """The parameter names of each optimizer group (what a sharded optimizer state is keyed by)."""
     fqn = {id(p): n for n, p in model.module.named_parameters()}
-    return [[fqn.get(id(p), "?") for p in g["params"]] for g in model.optimizer.param_groups]
+    return [[fqn.get(id(p), "?") for p in g["params"]] for g in _optimizer(model).param_groups]
 
 
-def differences(model: Any, meta: Any, state: dict[str, Any]) -> list[str]:
+def differences(model: Model, meta: Any, state: dict[str, Any]) -> list[str]:
     """What does not fit between a sharded checkpoint and ``model``, from its index alone."""
     from fitkit.files import state_dict_differences
 
@@ -183,13 +193,13 @@ def differences(model: Any, meta: Any, state: dict[str, Any]) -> list[str]:
     out = state_dict_differences(model.module.state_dict(), saved)  # DTensors: global shapes
     names = state.get("param_groups_names") or []
     as_saved = {"state": {}, "param_groups": [{"params": list(range(len(g)))} for g in names]}
-    out += optimizer_differences(model.optimizer, as_saved, state.get("optimizer_class"))
+    out += optimizer_differences(_optimizer(model), as_saved, state.get("optimizer_class"))
     if not out and names != _group_names(model):
         out.append("optimizer: its parameter groups hold other parameters than the model's")
     return out
 
 
-def inspect(model: Any, path: str | os.PathLike) -> tuple[dict[str, Any], list[str], list[str]]:
+def inspect(model: Model, path: str | os.PathLike) -> tuple[dict[str, Any], list[str], list[str]]:
     """A sharded checkpoint's non-tensor part, what in it contradicts its own shards, and what
     does not fit ``model`` (nothing read into the model). Every rank calls it (a save of this
     process still in flight is waited for).
@@ -227,7 +237,7 @@ def _writer_problems(meta: Any, state: dict[str, Any]) -> list[str]:
     return []
 
 
-def load_tensors(model: Any, path: str | os.PathLike) -> None:
+def load_tensors(model: Model, path: str | os.PathLike) -> None:
     """Read the module and optimizer shards into a fresh state dict, then set both (every rank).
 
     Each rank reads only the pieces of its own shards; a plain module reads the full tensors.
@@ -238,7 +248,7 @@ def load_tensors(model: Any, path: str | os.PathLike) -> None:
     fresh = _fresh(_tensor_state(model))
     with quiet_single_process():
         dcp.load(fresh, checkpoint_id=os.fspath(path), process_group=_ckpt_group(), no_dist=not is_distributed())
-    set_state_dict(model.module, model.optimizer, model_state_dict=fresh["model"], optim_state_dict=fresh["optim"])
+    set_state_dict(model.module, _optimizer(model), model_state_dict=fresh["model"], optim_state_dict=fresh["optim"])
 
 
 def _fresh(obj: Any) -> Any:
