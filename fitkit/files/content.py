@@ -42,8 +42,11 @@ _TOP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "history": (_optional(lambda v: isinstance(v, Mapping)), "a dict or None"),
     "rng": (lambda v: isinstance(v, Mapping) and isinstance(v.get("torch"), torch.Tensor)
             and "python" in v and "numpy" in v, "the RNG states fitkit saves"),
+    "pass_start": (lambda v: isinstance(v, Mapping) and is_count(v.get("epoch"))
+                   and isinstance(v.get("rng"), torch.Tensor) and isinstance(v.get("order"), (Mapping, type(None))),
+                   "the epoch, RNG state and order a pass was drawn from"),
 }  # fmt: skip
-_OPTIONAL = {"samples_in_epoch", "pass_offset", "batch_size", "callback_config"}
+_OPTIONAL = {"samples_in_epoch", "pass_offset", "pass_start", "batch_size", "callback_config"}
 
 
 def typed_problems(state: Any, spec: Mapping[str, tuple[Callable[[Any], bool], str]], where: str,
