@@ -236,6 +236,9 @@ def _shuffled(kind: str, n: int) -> tuple[tuple, dict]:
         return (x, x), {"batch_size": 4, "shuffle": True}
     if kind == "dataset":
         return (_Rows(n),), {"batch_size": 4, "shuffle": True}
+    if kind == "stateful":  # torchdata's: it saves its own position
+        stateful = pytest.importorskip("torchdata.stateful_dataloader")
+        return (stateful.StatefulDataLoader(TensorDataset(x, x), batch_size=4, shuffle=True),), {}
     own = torch.Generator().manual_seed(5) if kind == "generator" else None  # the loader's own generator
     return (DataLoader(TensorDataset(x, x), batch_size=4, shuffle=True, generator=own),), {}
 
@@ -254,7 +257,7 @@ def _same_weights(a: fitkit.Model, b: fitkit.Model) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.module.parameters(), b.module.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("kind", ["tensors", "dataloader", "generator", "dataset"])
+@pytest.mark.parametrize("kind", ["tensors", "dataloader", "generator", "dataset", "stateful"])
 @pytest.mark.parametrize(
     "n, spe, epochs, steps, save_freq, crash_at, backup_step",
     [(30, 3, 4, 11, "epoch", 5, 3), (30, 3, 4, 11, 1, 5, 4), (30, 3, 4, 11, 1, 9, 8), (32, 4, 3, 12, 1, 11, 10)],
