@@ -520,7 +520,8 @@ class Model:
                 across epochs; an epoch ends early (one warning) when the data runs out, and the
                 next starts a fresh pass (10 batches with ``steps_per_epoch=9``: 9, 1, 9, 1, ...).
                 Needed for infinite iterables. Callbacks find the batches each epoch really runs
-                in ``params["steps"]``.
+                in ``params["steps"]``. A checkpoint keeps the running pass: a resume continues
+                it in the same shuffled order.
             validation_steps: batches per validation.
             validation_batch_size: default ``batch_size``.
             validation_freq: validate every n epochs, or at the listed (1-based) epochs.
@@ -1079,7 +1080,8 @@ class Model:
         """The full training state as a ``weights_only``-loadable dict.
 
         Module, optimizer (and its class), scheduler, grad scaler, epoch, position inside the
-        epoch (batches and samples), global step, RNG states, callback states, history, the
+        epoch (batches and samples; with ``steps_per_epoch``, the running pass's offset and what
+        drew its order), global step, RNG states, callback states, history, the
         fitkit version; :meth:`save_checkpoint` adds a checksum of the payload.
         """
         return _checkpoint.checkpoint_state(self)

@@ -284,14 +284,20 @@ class Crash(Exception):
     """What ``resume_case(crash=True)`` raises at step 7, as a crash would stop the job."""
 
 
-def resume_case(kind: str, backup=None, crash: bool = False) -> dict:
+def resume_case(kind: str, backup=None, crash: bool = False, steps_per_epoch: int | None = None) -> dict:
     """Adam on ``data(37)``, shuffled, global batch 8 over the ranks, 3 epochs (5 steps each).
 
     ``kind``: ``"tensors"`` (in memory) or ``"loader"`` (a shuffled DataLoader over a
     TensorDataset). ``backup``: a ``BackupAndRestore`` folder (a backup every 6 steps: at step 6,
     8 samples into epoch 1); it restores what is there. ``crash``: the job stops at step 7,
     after that backup. Returns this rank's sample ids per epoch and the parameters.
+
+    ``steps_per_epoch=2``: a pass of 5 global batches spans the epochs (2, 2, then 1: the data
+    runs out); the backup every 3 steps (at step 3: inside epoch 1, the pass's third batch done),
+    the crash at step 4.
     """
+    import warnings
+
     from torch.utils.data import DataLoader, TensorDataset
 
     from fitkit.callbacks import BackupAndRestore
@@ -302,22 +308,25 @@ def resume_case(kind: str, backup=None, crash: bool = False) -> dict:
     model = fitkit.Model(rec, device="cpu")
     model.compile(optimizer=OPTIMIZERS["adam"], loss="mse")
     bs = GLOBAL_BATCH // world_size()
+    every, crash_step = (6, 7) if steps_per_epoch is None else (3, 4)
     callbacks = [rec.epochs()]
     if backup is not None:
-        callbacks.append(BackupAndRestore(str(backup), save_freq=6, delete_checkpoint=False))
+        callbacks.append(BackupAndRestore(str(backup), save_freq=every, delete_checkpoint=False))
 
-    def crash_at_7(batch, logs):
-        if model.global_step == 7:
+    def crash_at(batch, logs):
+        if model.global_step == crash_step:
             raise Crash
 
     if crash:
-        callbacks.append(LambdaCallback(on_train_batch_end=crash_at_7))
+        callbacks.append(LambdaCallback(on_train_batch_end=crash_at))
     if kind == "tensors":
         args, kw = (x, y), {"batch_size": bs, "shuffle": True}
     else:
         args, kw = (DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True),), {}
     try:
-        model.fit(*args, **kw, epochs=3, verbose=0, callbacks=callbacks)
+        with warnings.catch_warnings():  # steps_per_epoch: the pass runs out in epoch 3 (one warning)
+            warnings.simplefilter("ignore", fitkit.FitkitWarning)
+            model.fit(*args, **kw, epochs=3, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
     except Crash:
         pass
     return {"ids": rec.seen, "params": [p.detach().clone() for p in rec.net.parameters()]}

@@ -125,7 +125,7 @@ class _Crash(Exception):
     pass
 
 
-def _backup_run(folder, crash_step=None):
+def _backup_run(folder, crash_step=None, save_freq=1, **fit_kwargs):
     model = sc.model()
     torch.manual_seed(1)
 
@@ -133,9 +133,9 @@ def _backup_run(folder, crash_step=None):
         if model.global_step == crash_step:
             raise _Crash
 
-    callbacks = [LambdaCallback(on_train_batch_end=crash), BackupAndRestore(folder, save_freq=1)]
+    callbacks = [LambdaCallback(on_train_batch_end=crash), BackupAndRestore(folder, save_freq=save_freq)]
     model.fit(sc.dataset(), batch_size=4, epochs=3, shuffle=True, validation_data=sc.dataset(), verbose=0,
-              callbacks=callbacks)
+              callbacks=callbacks, **fit_kwargs)
     return model
 
 
@@ -147,6 +147,21 @@ def test_backup_and_restore_resumes_a_shuffled_dataset_mid_epoch_exactly(tmp_pat
     backup = torch.load(tmp_path / "run" / "backup.pt", weights_only=True)
     assert (backup["epoch"], backup["step_in_epoch"]) == (1, 1)  # the crash comes before that batch's backup
     resumed = _backup_run(tmp_path / "run")
+    assert all(torch.equal(sc.params(ref)[k], v) for k, v in sc.params(resumed).items())
+    assert resumed.history.history == ref.history.history
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_freq, step_in_epoch", [("epoch", 0), (1, 1)])
+def test_backup_and_restore_continues_the_shuffled_pass_of_steps_per_epoch(tmp_path, save_freq, step_in_epoch):
+    """16 rows in batches of 4, 2 per epoch: epoch 2 trains the second half of the pass epoch 1
+    drew. A backup at its start, or after its first batch, resumes that pass exactly."""
+    ref = _backup_run(tmp_path / "ref", save_freq=save_freq, steps_per_epoch=2)
+    with pytest.raises(_Crash):
+        _backup_run(tmp_path / "run", crash_step=4, save_freq=save_freq, steps_per_epoch=2)
+    backup = torch.load(tmp_path / "run" / "backup.pt", weights_only=True)
+    assert (backup["epoch"], backup["step_in_epoch"], backup["pass_offset"]) == (1, step_in_epoch, 2)
+    resumed = _backup_run(tmp_path / "run", save_freq=save_freq, steps_per_epoch=2)
     assert all(torch.equal(sc.params(ref)[k], v) for k, v in sc.params(resumed).items())
     assert resumed.history.history == ref.history.history
 

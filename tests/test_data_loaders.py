@@ -144,3 +144,22 @@ def test_shuffled_epochs_of_half_the_data_see_each_row_once_per_pass():
     first_pass, second_pass = torch.cat(seen[-20:-10]), torch.cat(seen[-10:])  # epochs 1-2, epochs 3-4
     assert sorted(first_pass.tolist()) == sorted(second_pass.tolist()) == [float(i) for i in range(40)]
     assert first_pass.tolist() != [float(i) for i in range(40)]  # shuffled, each row once per pass
+
+
+def test_a_saved_pass_start_draws_that_pass_again_and_leaves_the_global_rng_as_it_was():
+    from fitkit.data import DeviceLoader, TensorBatches
+
+    def loader():  # 6 shuffled batches of 2, 2 per epoch
+        return DeviceLoader(TensorBatches(torch.arange(12), None, None, 2, True), torch.device("cpu"), steps=2)
+
+    running = loader()
+    first = [b[0].tolist() for b in running.epoch_batches(0)]
+    start, taken = running.pass_start, running.carried_over  # what a checkpoint at the end of epoch 1 keeps
+    second = [b[0].tolist() for b in running.epoch_batches(1)]
+    assert (first, second, taken, start["epoch"]) == ([[8, 0], [5, 9]], [[7, 4], [2, 10]], 2, 0)  # (seed 0)
+    torch.manual_seed(7)  # another RNG state: the pass's own comes from `start`
+    before = torch.get_rng_state()
+    resumed = loader()
+    assert [b[0].tolist() for b in resumed.epoch_batches(1, pass_offset=taken, pass_start=start)] == second
+    assert torch.equal(torch.get_rng_state(), before)
+    assert (resumed.pass_offset, resumed.carried_over, resumed.pass_start) == (2, 4, start)

@@ -102,6 +102,10 @@ from _dist_scenarios import resume_case
 for kind in ("tensors", "loader"):
     res[f"crash_{kind}"] = resume_case(kind, OUT / f"bk2_{kind}", crash=True)
 res["1to2_loader"] = resume_case("loader", OUT / "bk1_loader")
+# steps_per_epoch: a crash inside a pass carried over from epoch 0, resumed on the same 2 ranks.
+for kind in ("tensors", "loader"):
+    resume_case(kind, OUT / f"spe_{kind}", crash=True, steps_per_epoch=2)
+    res[f"spe_{kind}"] = resume_case(kind, OUT / f"spe_{kind}", steps_per_epoch=2)
 torch.save(res, OUT / f"rank{rank()}.pt")
 """
 
@@ -274,3 +278,21 @@ def test_a_mid_epoch_backup_resumes_by_sample_at_another_world_size(matrix, case
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     for r in resumed[1:]:  # every rank holds the same weights
         assert all(torch.equal(a, b) for a, b in zip(resumed[0]["params"], r["params"], strict=True))
+
+
+@_torchrun_test
+@pytest.mark.parametrize("kind", ["tensors", "loader"])
+def test_a_backup_inside_a_pass_carried_over_across_epochs_resumes_it_on_two_ranks(job, kind):
+    """``steps_per_epoch=2`` over 5 global batches: the backup after the pass's third batch (inside
+    epoch 1) resumes with its fourth (the rest of epoch 1), then its fifth (epoch 2, where the data
+    runs out): the uninterrupted run's samples, and its weights up to reduction order."""
+    ref = resume_case(kind, steps_per_epoch=2)  # one process, global batch 8
+    assert [len(ids) for ids in ref["ids"]] == [16, 16, 5]
+    resumed = [r[f"spe_{kind}"] for r in job]
+    assert [sorted(resumed[0]["ids"][e] + resumed[1]["ids"][e]) for e in range(2)] == [
+        sorted(ref["ids"][1][8:]), sorted(ref["ids"][2])
+    ]
+    assert len(resumed[0]["ids"]) == 2
+    for a, b in zip(resumed[0]["params"], ref["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(resumed[0]["params"], resumed[1]["params"], strict=True))

@@ -28,7 +28,7 @@ from fitkit.data.arrays import (
 )
 from fitkit.data.collate import NamingCollate, check_not_empty
 from fitkit.data.hf_datasets import check_hf_dataset, is_hf_dataset
-from fitkit.data.order import set_epoch
+from fitkit.data.order import capture, is_stateful_loader, restore, set_epoch
 from fitkit.data.resume_order import resumed_loader
 from fitkit.data.weights import ClassWeights, class_weights, combine
 from fitkit.devices import move_to_device
@@ -150,6 +150,7 @@ class DeviceLoader:
         self._persistent: Iterator | None = None
         self._pass_done = 0  # batches taken from the persistent iterator (with `steps`)
         self.pass_offset = 0  # batches of the current pass taken before the running epoch began
+        self.pass_start: dict[str, Any] | None = None  # with `steps`: what drew the running pass
 
     @property
     def num_batches(self) -> int | None:
@@ -197,8 +198,8 @@ class DeviceLoader:
     def __iter__(self) -> Iterator[Batch]:
         return self.epoch_batches(self.epoch)
 
-    def epoch_batches(self, epoch: int, skip: tuple[int, int | None] = (0, None),
-                      pass_offset: int = 0) -> Iterator[Batch]:  # fmt: skip
+    def epoch_batches(self, epoch: int, skip: tuple[int, int | None] = (0, None), pass_offset: int = 0,
+                      pass_start: dict[str, Any] | None = None) -> Iterator[Batch]:  # fmt: skip
         """The batches of (0-based) ``epoch``, on the device.
 
         Args:
@@ -209,11 +210,40 @@ class DeviceLoader:
                 :meth:`fitkit.training.position.Position.skip_for`).
             pass_offset: with ``steps``, a resume: batches of the pass to fast-forward past
                 before the epoch (the pass carried over from the epochs before).
+            pass_start: with ``steps``, a resume: the saved :attr:`pass_start` of that pass, so
+                that it is drawn again as it was (``None``: a checkpoint of an older fitkit,
+                whose rest of the pass is drawn anew).
         """
         self.epoch = epoch
-        return self._epoch_batches(skip[0], skip[1], pass_offset)
+        return self._epoch_batches(skip[0], skip[1], pass_offset, pass_start)
 
-    def _epoch_batches(self, skip: int, skip_samples: int | None, offset: int) -> Iterator[Batch]:
+    def _pass_state(self) -> dict[str, Any] | None:
+        """What the pass opened now draws its order from (:attr:`pass_start`): the epoch it opens
+        in, the global torch RNG state and the source's own generators (:mod:`fitkit.data.order`);
+        ``None`` for a ``StatefulDataLoader``, which saves its position itself. Once per pass."""
+        if is_stateful_loader(getattr(self.batches, "source", None)):
+            return None
+        return {"epoch": self.epoch, "rng": torch.get_rng_state(), "order": capture(self)}
+
+    def _redrawn(self, taken: int, start: dict[str, Any]) -> Iterator[Batch]:
+        """A resume: the pass ``start`` (a saved :attr:`pass_start`) drew, without its first
+        ``taken`` batches. Its order is drawn again from those states; the global RNG state is
+        put back afterwards, the source's own generators stay where the pass left them (as in
+        the run that saved it)."""
+        now = torch.get_rng_state()
+        torch.set_rng_state(start["rng"].cpu())
+        restore(self, start.get("order"))
+        try:
+            it = self._prepare(self.batches.iterate(int(start["epoch"]), taken))
+            head = next(it, None)  # the pass draws its order here
+        finally:
+            torch.set_rng_state(now)
+        if head is not None:
+            yield head
+            yield from it
+
+    def _epoch_batches(self, skip: int, skip_samples: int | None, offset: int,
+                       start: dict[str, Any] | None = None) -> Iterator[Batch]:  # fmt: skip
         self.ran_out = False
         if self.steps is None:
             if skip_samples is not None:  # a resume by sample (Position.skip_for)
@@ -230,18 +260,22 @@ class DeviceLoader:
         # Keras 3's steps_per_epoch: the iterator carries over across epochs; when it runs out
         # inside an epoch, that epoch ends early and the next one starts a fresh pass.
         if skip_samples:  # in-memory data resumed by samples: whole batches of this size
-            skip = skip_samples // ((self.batch_size or 1) * getattr(self.batches, "world", 1))
-        if offset or skip:  # a resume: the pass as it was, fast-forwarded to where it stopped
-            self._persistent = self._prepare(self.batches.iterate(self.epoch, offset + skip))
-            self._pass_done = offset + skip
+            size = (self.batch_size or 1) * getattr(self.batches, "world", 1)
+            skip = -(-skip_samples // size)  # the pass's short last batch counts as one
+        if start is not None or offset or skip:  # a resume: the pass as it was, fast-forwarded
+            self._persistent = self._prepare(self.batches.iterate(self.epoch, offset + skip)) if start is None \
+                else self._redrawn(offset + skip, start)  # fmt: skip
+            self._pass_done, self.pass_start = offset + skip, start
         self.pass_offset = self._pass_done - skip if self._persistent is not None else 0
-        remaining, fresh, done = self.steps - skip, False, 0
+        # The skipped batches count as done: a resumed epoch whose pass has run out ends early.
+        remaining, fresh, done = self.steps - skip, False, skip
         while remaining > 0:
             if self._persistent is None:
                 if fresh:
                     return  # a fresh pass yielded nothing: an empty (or used-up one-shot) source
+                self.pass_start = self._pass_state()  # before the pass draws its order
                 self._persistent, fresh = self._prepare(self.batches.iterate(self.epoch, 0)), True
-                self._pass_done = 0
+                self._pass_done = self.pass_offset = 0  # it opens at the epoch's first batch
             for batch in self._persistent:
                 self._pass_done += 1
                 yield batch

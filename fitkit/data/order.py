@@ -113,7 +113,11 @@ def capture(loader: Any) -> dict[str, Any] | None:
     if not isinstance(source, tud.DataLoader):
         return None
     if is_stateful_loader(source):
-        return {"stateful": source.state_dict()}  # type: ignore[attr-defined]
+        rng = torch.get_rng_state()  # without a running iterator, state_dict starts one: it draws a seed
+        try:
+            return {"stateful": source.state_dict()}  # type: ignore[attr-defined]
+        finally:
+            torch.set_rng_state(rng)
     gens, samplers = _generators(source), _stateful_samplers(source)
     if not gens and not samplers:
         return None

@@ -2,7 +2,8 @@
 
 A checksum guards integrity, not origin: an edited file with its checksum recomputed passes
 it. These checks make such a file (or one from a buggy writer) fail with one clear error that
-lists every problem, before the module, the optimizer or any callback is changed.
+lists every problem, before the module, the optimizer or any callback is changed. The helpers
+here serve the parts of a run's state (:mod:`fitkit.training.state`), each checking its own keys.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["checkpoint_problems", "callback_state_problems", "typed_problems", "is_count", "is_number"]
+__all__ = ["callback_state_problems", "typed_problems", "is_count", "is_number"]
 
 
 def is_count(value: Any) -> bool:
@@ -23,27 +24,6 @@ def is_count(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """An int or float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or check(v)
-
-
-_TOP: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "epoch": (is_count, "an int >= 0"),
-    "step_in_epoch": (is_count, "an int >= 0"),
-    "global_step": (is_count, "an int >= 0"),
-    "samples_in_epoch": (_optional(is_count), "an int >= 0 or None"),
-    "pass_offset": (_optional(is_count), "an int >= 0 or None"),
-    "batch_size": (_optional(lambda v: is_count(v) and v > 0), "an int >= 1 or None"),
-    "module": (lambda v: isinstance(v, Mapping), "a state dict"),
-    "callbacks": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v), "a dict of callback states"),
-    "callback_config": (_optional(lambda v: isinstance(v, Mapping)), "a dict"),
-    "history": (_optional(lambda v: isinstance(v, Mapping)), "a dict or None"),
-    "rng": (lambda v: isinstance(v, Mapping) and isinstance(v.get("torch"), torch.Tensor)
-            and "python" in v and "numpy" in v, "the RNG states fitkit saves"),
-}  # fmt: skip
-_OPTIONAL = {"samples_in_epoch", "pass_offset", "batch_size", "callback_config"}
 
 
 def typed_problems(state: Any, spec: Mapping[str, tuple[Callable[[Any], bool], str]], where: str,
@@ -90,22 +70,4 @@ def callback_state_problems(saved: Mapping[str, Any], callbacks: Mapping[str, An
             missing = sorted(set(cb._get_state()) - set(state))
             if missing:
                 out.append(f"callbacks[{key!r}] has no {', '.join(map(repr, missing))}")
-    return out
-
-
-def checkpoint_problems(state: Mapping[str, Any], callbacks: Mapping[str, Any] | None = None) -> list[str]:
-    """Every way a fitkit checkpoint's content is not what fitkit writes.
-
-    Args:
-        state: the loaded checkpoint.
-        callbacks: ``{key: callback}`` of the running fit, when known: their saved states are
-            checked too.
-
-    Example:
-        >>> checkpoint_problems({"epoch": "x"})[:2]
-        ["checkpoint['epoch'] is 'x', expected an int >= 0", "checkpoint has no 'step_in_epoch'"]
-    """
-    out = typed_problems(state, _TOP, "checkpoint", _OPTIONAL)
-    if callbacks and isinstance(state.get("callbacks"), Mapping):
-        out += callback_state_problems(state["callbacks"], callbacks)
     return out

@@ -125,7 +125,8 @@ class FitLoop:
                                  n_used=getattr(batches, "n_used", None))  # fmt: skip
         self.resume: ResumePoint | None = None
         self.epoch_order: dict[str, Any] | None = None  # the loader's own order state at the epoch start
-        self._epoch_pass = 0  # steps_per_epoch: a boundary resume's carried-over pass, for the next epoch
+        # steps_per_epoch: a boundary resume's carried-over pass (offset, what drew it), for the next epoch
+        self._epoch_pass: tuple[int, dict[str, Any] | None] = (0, None)
         self.totals: RunningTotals | None = None
         self.validated = False  # this epoch: validation was scheduled and ran over > 0 batches
         self.lr_keys = lr_keys(model.optimizer, model.scheduler)
@@ -353,18 +354,19 @@ class FitLoop:
 
     def _resume_epoch_begin(self, epoch: int) -> None:
         point = self.resume
-        self._epoch_pass = 0
+        self._epoch_pass = (0, None)
         if point is not None and point.epoch == epoch and not point.position.batches:
             set_rng_state(point.rng)  # an epoch-boundary checkpoint
             _order.restore(self.train, point.state.get("data_order"))
-            self._epoch_pass = point.position.pass_offset  # steps_per_epoch: the carried-over pass
+            self._epoch_pass = (point.position.pass_offset, point.position.pass_start)  # the carried-over pass
             self.resume = None
 
     def _batches(self, epoch: int) -> tuple[Any, int]:
         """This epoch's batch iterator and the index of its first batch (a mid-epoch resume)."""
         point = self.resume
         if point is None or point.epoch != epoch or not point.position.batches:
-            return self.train.epoch_batches(epoch, pass_offset=self._epoch_pass), 0
+            offset, start = self._epoch_pass
+            return self.train.epoch_batches(epoch, pass_offset=offset, pass_start=start), 0
         self.resume = None
         # Replay the epoch's data order from the RNG state it started with, skip what was done,
         # then continue from the RNG state of the moment the checkpoint was taken.
@@ -377,8 +379,8 @@ class FitLoop:
         done = self.position.resume_at(saved, skip, self.train.batch_size)
         torch.set_rng_state(saved.epoch_rng.cpu())
         _order.resume_inside_epoch(self.train, point.state.get("data_order"), point.epoch)
-        # steps_per_epoch: where the carried-over pass was
-        it = self.train.epoch_batches(epoch, skip=skip, pass_offset=saved.pass_offset)
+        # steps_per_epoch: where the running pass was, and what drew it
+        it = self.train.epoch_batches(epoch, skip=skip, pass_offset=saved.pass_offset, pass_start=saved.pass_start)
         first = next(it, None)
         set_rng_state(point.rng)
         totals.load_state_dict(point.trackers, owner=_distributed.is_rank_zero())
@@ -396,7 +398,7 @@ class FitLoop:
         inside = position.in_epoch and not boundary
         if boundary:
             position.leave()
-        state = position.state_dict(loader.pass_offset if inside else loader.carried_over)
+        state = position.state_dict(loader.pass_offset if inside else loader.carried_over, loader.pass_start)
         state["batch_size"] = getattr(loader, "batch_size", None)
         order = _order.at_checkpoint(loader, self.epoch_order, inside)
         if order is not None:  # a loader's own generators / state (fitkit.data.order)

@@ -4,7 +4,12 @@ One :class:`Position` per ``fit`` (the running one) and one per loaded checkpoin
 next ``fit`` continues). It holds the epoch, the batches and the samples done in it, the
 ``steps_per_epoch`` pass offset and the epoch's RNG state, with ``state_dict`` /
 ``load_state_dict`` in the checkpoint's keys (``epoch``, ``step_in_epoch``,
-``samples_in_epoch``, ``pass_offset``, ``batch_size``, ``epoch_rng``).
+``samples_in_epoch``, ``pass_offset``, ``pass_start``, ``batch_size``, ``epoch_rng``).
+
+With ``steps_per_epoch`` a pass over the data spans epochs, so a checkpoint inside it holds
+what drew the pass's order (``pass_start``: the epoch it opened in, the torch RNG state and the
+loader's own generators, see :attr:`fitkit.data.DeviceLoader.pass_start`) besides its offset:
+a resume draws the same order again and continues at the same batch of it.
 
 The sample count is the primary quantity of a resume: in-memory data, a Dataset and a plain
 DataLoader continue at the first untrained sample whatever the batch size, and it is counted
@@ -32,6 +37,8 @@ class Position:
             fit computes it from its batches, see :attr:`samples`).
         pass_offset: with ``steps_per_epoch``, batches of the data's running pass taken before
             ``epoch`` began (the iterator carries over across epochs).
+        pass_start: with ``steps_per_epoch``, what drew that pass's order (a loaded
+            checkpoint's; ``None``: none saved, e.g. a file of an older fitkit).
         batch_size: samples per batch of one process (``None``: unknown, e.g. a generator).
         world: processes whose batches make one global batch (torchrun's world size for
             sharded data, else 1).
@@ -48,11 +55,12 @@ class Position:
 
     def __init__(self, epoch: int = 0, batches: int = 0, samples: int = 0, pass_offset: int = 0,
                  batch_size: int | None = None, world: int = 1, n_used: int | None = None,
-                 epoch_rng: Any = None):  # fmt: skip
+                 epoch_rng: Any = None, pass_start: dict[str, Any] | None = None):  # fmt: skip
         self.epoch = epoch
         self.batches = batches
         self._samples = samples
         self.pass_offset = pass_offset
+        self.pass_start = pass_start
         self.batch_size = batch_size
         self.world = world
         self.saved_world: int | None = None  # a loaded checkpoint's world size (None: unknown)
@@ -159,16 +167,23 @@ class Position:
         return done
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def state_dict(self, pass_offset: int) -> dict[str, Any]:
+    def state_dict(self, pass_offset: int, pass_start: dict[str, Any] | None = None) -> dict[str, Any]:
         """Where a checkpoint taken now resumes: inside the running epoch, or at the next one.
 
         ``pass_offset``: the loader's (:attr:`~fitkit.data.DeviceLoader.pass_offset` inside an
         epoch, :attr:`~fitkit.data.DeviceLoader.carried_over` between epochs).
+        ``pass_start``: the loader's :attr:`~fitkit.data.DeviceLoader.pass_start`, kept (key
+        ``pass_start``) inside an epoch, and between epochs when a pass carries over.
         """
+        state: dict[str, Any]
         if self.in_epoch:
-            return {"epoch": self.epoch, "step_in_epoch": self.batches, "samples_in_epoch": self.samples,
-                    "pass_offset": pass_offset, "world_size": max(self.world, _processes())}  # fmt: skip
-        return {"epoch": self.epochs_done, "step_in_epoch": 0, "samples_in_epoch": 0, "pass_offset": pass_offset}
+            state = {"epoch": self.epoch, "step_in_epoch": self.batches, "samples_in_epoch": self.samples,
+                     "pass_offset": pass_offset, "world_size": max(self.world, _processes())}  # fmt: skip
+        else:
+            state = {"epoch": self.epochs_done, "step_in_epoch": 0, "samples_in_epoch": 0, "pass_offset": pass_offset}
+        if pass_start is not None and (self.in_epoch or pass_offset):
+            state["pass_start"] = pass_start
+        return state
 
     @classmethod
     def load_state_dict(cls, state: dict[str, Any]) -> Position:
@@ -176,7 +191,7 @@ class Position:
         return cls(
             epoch=int(state["epoch"]), batches=int(state["step_in_epoch"]),
             samples=int(state.get("samples_in_epoch") or 0), pass_offset=int(state.get("pass_offset") or 0),
-            batch_size=state.get("batch_size"), epoch_rng=state.get("epoch_rng"),
+            batch_size=state.get("batch_size"), epoch_rng=state.get("epoch_rng"), pass_start=state.get("pass_start"),
         )._saved_on(state.get("world_size"))  # fmt: skip
 
     def _saved_on(self, world: Any) -> Position:

@@ -13,7 +13,7 @@ stepper       ``scaler``, ``global_step``                                  at lo
 scheduler     ``scheduler``, ``scheduler_class``                           at load, or at birth
 position      ``epoch``, ``step_in_epoch``, ``samples_in_epoch``,          next fit
               ``pass_offset``, ``batch_size``, ``world_size``,
-              ``epoch_rng``, ``trackers``, ``data_order``
+              ``epoch_rng``, ``trackers``, ``data_order``, ``pass_start``
 rng           ``rng``                                                      next fit
 callbacks     ``callbacks``, ``callback_config``                           after on_train_begin
 history       ``history``                                                  after on_train_begin
@@ -297,9 +297,14 @@ def _trackers(v: Any) -> bool:
             and isinstance(v.get("metrics"), Mapping))  # fmt: skip
 
 
+def _pass_start(v: Any) -> bool:
+    return (isinstance(v, Mapping) and is_count(v.get("epoch")) and _byte_tensor(v.get("rng"))
+            and (v.get("order") is None or isinstance(v.get("order"), Mapping)))  # fmt: skip
+
+
 class PositionPart(Part):
-    """Where the run is in the data: epoch, batches and samples done, the carried-over pass,
-    the epoch's RNG state, the running totals and metric states, the loader's own order."""
+    """Where the run is in the data: epoch, batches and samples done, the carried-over pass and
+    what drew it, the epoch's RNG state, the running totals and metric states, the loader's own order."""
 
     name = "position"
     spec = {
@@ -312,9 +317,10 @@ class PositionPart(Part):
         "epoch_rng": (_optional(_byte_tensor), "a torch RNG state or None"),
         "trackers": (_optional(_trackers), "the running totals fitkit saves or None"),
         "data_order": (_optional(_mapping), "a dict or None"),
+        "pass_start": (_optional(_pass_start), "the epoch, RNG state and order a pass was drawn from"),
     }
     optional = frozenset({"samples_in_epoch", "pass_offset", "batch_size", "world_size", "epoch_rng",
-                          "trackers", "data_order"})  # fmt: skip
+                          "trackers", "data_order", "pass_start"})  # fmt: skip
 
     def __init__(self, model: Model):
         self.model = model
