@@ -291,7 +291,8 @@ def _foreign_writes(pkg: Path) -> list[str]:
 FOREIGN_WRITES_ALLOWED = {
     # The stop flags are the model's public API: a callback sets them, the loop of the call
     # resets (and under torchrun agrees) them; a nested evaluate / predict keeps its own.
-    "training/loop.py: model.stop_training": "the fit loop resets and agrees the public stop flag",
+    "training/loop.py: model.stop_training": "the fit loop resets the public stop flag",
+    "training/stopping.py: model.stop_training": "the stop decision agrees the public stop flag over ranks",
     "training/eval_loop.py: model.stop_evaluating": "evaluate sets aside and restores the public flag",
     "training/eval_loop.py: model.stop_predicting": "predict sets aside and restores the public flag",
     "callbacks/monitor.py: self.model.stop_training": "EarlyStopping stops training (public API)",

@@ -25,12 +25,13 @@ from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checks import FitkitWarning
 from fitkit.checks.preflight import BatchGuard
 from fitkit.data import order as _order
-from fitkit.training.checkpoint import ResumePoint, set_rng_state
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.training.modes import modes, warn_if_all_eval
 from fitkit.training.position import Position
-from fitkit.training.signals import RankAgreement, deferred
+from fitkit.training.resume import Resume
+from fitkit.training.signals import deferred
 from fitkit.training.step_validation import StepValidation, ValidationInterval, ValidationSchedule, record_validation
+from fitkit.training.stopping import StopDecision
 from fitkit.training.tracking import RunningTotals
 
 __all__ = ["FitLoop", "EvalLoop", "PredictLoop", "ValidationSchedule"]
@@ -117,25 +118,23 @@ class FitLoop:
         self.val, self.val_schedule, self.val_steps = validation, schedule, validation_steps
         self.history: Any = next(cb for cb in callbacks.callbacks if type(cb).__name__ == "History")
         self.start_epoch, self.epochs, self.max_steps = initial_epoch, epochs, max_steps
-        self.step_val = None if validation_interval is None else StepValidation(self, validation_interval)
+        self.step_val = None if validation_interval is None else StepValidation(
+            model, validation, callbacks, self.history, validation_steps, validation_interval)
         self.accumulation = accumulation
         batches = getattr(train, "batches", None)
         self.position = Position(initial_epoch, batch_size=getattr(train, "batch_size", None),
                                  world=getattr(batches, "world", 1),
                                  n_used=getattr(batches, "n_used", None))  # fmt: skip
-        self.resume: ResumePoint | None = None
+        self.resume = Resume(train, self.position)  # a loaded checkpoint's point, applied once
+        self.stop = StopDecision(model, callbacks, max_steps)
         self.epoch_order: dict[str, Any] | None = None  # the loader's own order state at the epoch start
-        # steps_per_epoch: a boundary resume's carried-over pass (offset, what drew it), for the next epoch
-        self._epoch_pass: tuple[int, dict[str, Any] | None] = (0, None)
         self.totals: RunningTotals | None = None
         self.validated = False  # this epoch: validation was scheduled and ran over > 0 batches
         self.lr_keys = lr_keys(model.optimizer, model.scheduler)
         self.guard = BatchGuard(model, train)
         self.example: Any = None  # the first training batch's x, if checked here (summary's input)
         self.interrupt: Any = None
-        self.agreement: Any = None  # a RankAgreement while run() runs
         self.running = False
-        self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
         self.batch: Any = None  # the running batch (x, y, sample_weight), on the device
         self._warned_short = False
@@ -161,14 +160,18 @@ class FitLoop:
             wants_stop = (lambda: model.stop_training) if agree else None
             fitting = stepper.fitting(before_step, wants_stop, self.val is not None, self.accumulation)
             with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting:
-                self.agreement = RankAgreement(self.interrupt, model.parallel is not None)
+                self.stop.begin(self.interrupt)
                 warn_if_all_eval(model.module)
                 model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
                 cbs.on_train_begin({})
-                self._take_resume(pending)
+                late = model.pop_resume()  # loaded during on_train_begin (BackupAndRestore): start there
+                start = self.resume.take(pending, late, self.start_epoch, cbs)
+                if late is not None:
+                    self.start_epoch = start
+                    self.position.starts_at(start)
                 for epoch in itertools.count(self.start_epoch) if self.epochs is None else \
                         range(self.start_epoch, self.epochs):  # fmt: skip
-                    if self._budget_spent():
+                    if self.stop.budget_spent():
                         break
                     epoch_logs = self.run_epoch(epoch)
                     if epoch_logs is None:  # no batch, or a signal: no partial epoch for callbacks
@@ -179,11 +182,9 @@ class FitLoop:
                     stepper.step_epoch(epoch, logs, self.validated and self.step_val is None)
                     self.position.end_epoch(epoch)
                     cbs.on_epoch_end(epoch, logs)
-                    if self._stop_now(epoch_end=True) or self.interrupt.signum is not None or self._budget_spent():
+                    if self.stop.now(epoch_end=True) or self.interrupt.signum is not None or self.stop.budget_spent():
                         break
-                if self.interrupt.signum is not None and not self.interrupted:
-                    self.interrupted = True
-                    cbs.save_on_interrupt()  # at an epoch boundary
+                self.stop.save_on_signal()  # at an epoch boundary
                 cbs.on_train_end(logs)
                 finished = True
             if self.interrupt.signum is not None:
@@ -210,7 +211,7 @@ class FitLoop:
         loop = EvalLoop(self.model, self.val, self.callbacks, self.val_steps, what="validation_data")
         val_logs = loop.run()
         self.validated = True
-        logs.update(record_validation(self, epoch, val_logs))
+        logs.update(record_validation(self.history, self.callbacks, self.model.global_step, epoch, val_logs))
 
     def run_epoch(self, epoch: int) -> dict[str, float] | None:
         """One epoch of training batches; ``None`` if the source yielded no batch."""
@@ -219,7 +220,7 @@ class FitLoop:
         phases = model.phases
         self.totals = totals = phases.new_totals()
         position.begin_epoch(epoch)
-        self._resume_epoch_begin(epoch)
+        self.resume.epoch_begin(epoch)
         self.validated = False  # until this epoch's validation has run
         if loader.next_epoch_batches is not None:  # the batches this epoch will really run
             cbs.params["steps"] = loader.next_epoch_batches
@@ -230,7 +231,7 @@ class FitLoop:
         position.set_rng(torch.get_rng_state())  # replays this epoch's data order on resume
         self.epoch_order = _order.capture(loader)  # and the loader's own generators / state
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
-        batches, start = self._batches(epoch)
+        batches, start = self.resume.batches(epoch, totals)
         batches = _distributed.agree_on_epoch_end(loader, batches, start)  # already_sharded: even steps
         guard, interrupt = self.guard, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first
@@ -239,7 +240,7 @@ class FitLoop:
         position.enter()
         ran, skipped = False, 0
         with phases.running(totals):
-            for step, batch in stepper.micro_batches(batches, start, self._stop_now):
+            for step, batch in stepper.micro_batches(batches, start, self.stop.now):
                 if skip_single and guard.single(batch, stepper, step, epoch):
                     skipped += 1
                     continue
@@ -253,17 +254,17 @@ class FitLoop:
                 ran = True
                 position.done(step + 1)
                 if step_val is not None and stepper.micro_last:
-                    step_val.after_step(step + 1)  # before the batch's hooks: a backup there holds it
+                    step_val.after_step(step + 1, epoch)  # before the batch's hooks: a backup there holds it
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
-                if model.stop_training if local else self._stop_now():
+                if model.stop_training if local else self.stop.now():
                     break
                 if budget is not None and stepper.micro_last and stepper.global_step >= budget:
                     break  # the step budget (a host-side count): the epoch ends here
-                if stepper.micro_last and (not local or interrupt.signum is not None) and self._stop_at_boundary():
+                if stepper.micro_last and (not local or interrupt.signum is not None) and self.stop.at_boundary():
                     break
         position.leave()
-        if self.interrupted:
+        if self.stop.interrupted:
             return None
         if not ran and not start:
             self._no_batches(epoch, skipped)
@@ -291,7 +292,7 @@ class FitLoop:
     def _no_batches(self, epoch: int, skipped: int = 0) -> None:
         if epoch == self.start_epoch:
             BatchGuard.nothing_trained(epoch, skipped)
-        if epoch == self.start_epoch and not self.resume:
+        if epoch == self.start_epoch and self.resume.pending is None:
             raise ValueError(
                 f"The training data ({_name(self.train)}) yielded no batch in epoch {epoch + 1}. Fix: "
                 "pass data with at least one sample."
@@ -302,89 +303,6 @@ class FitLoop:
             "such as a DataLoader or a list, or a `steps_per_epoch` that one pass can fill.".format(epoch=epoch),
             category=FitkitWarning, stacklevel=4,
         )
-
-    # -- stopping ----------------------------------------------------------------------------------
-    def _budget_spent(self) -> bool:
-        """``max_steps`` optimizer steps are done (a resumed fit counts the checkpoint's)."""
-        return self.max_steps is not None and self.model.stepper.global_step >= self.max_steps
-
-    def _stop_at_boundary(self) -> bool:
-        """After an optimizer step, where the ranks agree: a signal (save, then stop) or a stop."""
-        model = self.model
-        if self.agreement.at_step_boundary(model.stop_training):
-            self.interrupted = True
-            self.callbacks.save_on_interrupt()  # at this step boundary, inside the epoch
-            return True
-        if self.agreement.stop_agreed:  # a stop on some rank, agreed at this point
-            model.stop_training = True
-            return True
-        return False
-
-    def _stop_now(self, epoch_end: bool = False) -> bool:
-        """Whether training stops here (``model.stop_training``; agreed over ranks under torchrun,
-        see :class:`~fitkit.training.signals.RankAgreement`)."""
-        model = self.model
-        if model.parallel is None:
-            return model.stop_training
-        if epoch_end:  # one all-reduce: a stop, or a signal, on any rank holds for all
-            model.stop_training = self.agreement.at_epoch_end(model.stop_training)
-            return model.stop_training
-        return model.stepper.stop_agreed
-
-    # -- resume ----------------------------------------------------------------------------------
-    def _take_resume(self, pending: ResumePoint | None) -> None:
-        """After ``on_train_begin``: the resume point loaded before fit or by a callback."""
-        late = self.model.pop_resume()  # loaded during on_train_begin (BackupAndRestore): start there
-        point = late or pending
-        if point is None:
-            return
-        if late is not None:
-            self.start_epoch = point.epoch
-            self.position.starts_at(point.epoch)
-        point.apply_callbacks(self.callbacks)
-        if point.epoch != self.start_epoch:
-            warnings.warn(
-                f"The loaded checkpoint continues at epoch {point.epoch}, but fit starts at "
-                f"initial_epoch={self.start_epoch}; its position and RNG state are not used. "
-                f"Fix: fit(..., initial_epoch={point.epoch}).",
-                category=FitkitWarning, stacklevel=4,
-            )
-            return
-        self.resume = point
-
-    def _resume_epoch_begin(self, epoch: int) -> None:
-        point = self.resume
-        self._epoch_pass = (0, None)
-        if point is not None and point.epoch == epoch and not point.position.batches:
-            set_rng_state(point.rng)  # an epoch-boundary checkpoint
-            _order.restore(self.train, point.state.get("data_order"))
-            self._epoch_pass = (point.position.pass_offset, point.position.pass_start)  # the carried-over pass
-            self.resume = None
-
-    def _batches(self, epoch: int) -> tuple[Any, int]:
-        """This epoch's batch iterator and the index of its first batch (a mid-epoch resume)."""
-        point = self.resume
-        if point is None or point.epoch != epoch or not point.position.batches:
-            offset, start = self._epoch_pass
-            return self.train.epoch_batches(epoch, pass_offset=offset, pass_start=start), 0
-        self.resume = None
-        # Replay the epoch's data order from the RNG state it started with, skip what was done,
-        # then continue from the RNG state of the moment the checkpoint was taken.
-        saved, totals = point.position, self.totals
-        if saved.epoch_rng is None or point.trackers is None or totals is None:
-            raise RuntimeError(
-                f"The checkpoint's position inside epoch {point.epoch + 1} lacks its RNG state or totals."
-            )
-        skip = saved.skip_for(self.train)
-        done = self.position.resume_at(saved, skip, self.train.batch_size)
-        torch.set_rng_state(saved.epoch_rng.cpu())
-        _order.resume_inside_epoch(self.train, point.state.get("data_order"), point.epoch)
-        # steps_per_epoch: where the running pass was, and what drew it
-        it = self.train.epoch_batches(epoch, skip=skip, pass_offset=saved.pass_offset, pass_start=saved.pass_start)
-        first = next(it, None)
-        set_rng_state(point.rng)
-        totals.load_state_dict(point.trackers, owner=_distributed.is_rank_zero())
-        return (it if first is None else _chain(first, it)), done
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self, boundary: bool = False) -> dict[str, Any]:
@@ -408,7 +326,3 @@ class FitLoop:
             state["trackers"] = self.totals.state_dict() if self.totals is not None else None
         return state
 
-
-def _chain(first: Any, it: Any):
-    yield first
-    yield from it

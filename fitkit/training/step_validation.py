@@ -125,13 +125,14 @@ class ValidationInterval:
         return counted > 0 and counted % self.steps_between == 0
 
 
-def record_validation(loop: Any, epoch: int, val_logs: dict[str, float]) -> dict[str, Any]:
-    """Record a validation of ``loop``'s fit in ``history.validations`` and fire
+def record_validation(history: Any, callbacks: Any, step: int, epoch: int,
+                      val_logs: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+    """Record a validation at ``global_step`` ``step`` in ``history.validations`` and fire
     ``on_validation_end`` with the record; returns the ``val_`` logs."""
     logs = {f"val_{k}": v for k, v in val_logs.items()}
-    record: dict[str, Any] = {"epoch": epoch, "step": loop.model.stepper.global_step, **logs}
-    loop.history.record_validation(record)
-    loop.callbacks.on_validation_end(record)
+    record: dict[str, Any] = {"epoch": epoch, "step": step, **logs}
+    history.record_validation(record)
+    callbacks.on_validation_end(record)
     return logs
 
 
@@ -144,10 +145,21 @@ def _step_plateau(stepper: Any, val_logs: dict[str, float]) -> None:
 
 
 class StepValidation:
-    """The validations of one fit with ``validation_interval`` (owned by its ``FitLoop``)."""
+    """The validations of one fit with ``validation_interval`` (one per ``fit`` call).
 
-    def __init__(self, loop: Any, interval: ValidationInterval):
-        self.loop, self.interval = loop, interval
+    Args:
+        model: the :class:`~fitkit.Model` (its stepper's ``global_step`` and window).
+        validation: the validation :class:`~fitkit.data.DeviceLoader`.
+        callbacks: the fit's :class:`~fitkit.callbacks.base.CallbackList`.
+        history: the fit's :class:`~fitkit.History` (its ``validations``).
+        steps: batches per validation (``None``: all).
+        interval: the :class:`ValidationInterval`.
+    """
+
+    def __init__(self, model: Any, validation: Any, callbacks: Any, history: Any, steps: int | None,
+                 interval: ValidationInterval):  # fmt: skip
+        self.model, self.val, self.callbacks, self.history, self.steps = model, validation, callbacks, history, steps
+        self.interval = interval
         self.last_step = -1  # the global_step of the last validation (a vetoed step does not move it)
 
     def begin_epoch(self, batches: int | None, accumulation: int) -> None:
@@ -155,30 +167,29 @@ class StepValidation:
         if self.interval.fraction and batches:
             self.interval.plan(math.ceil(batches / accumulation))
 
-    def after_step(self, batches_done: int) -> None:
-        """After an optimizer step: validate if it is due (``batches_done``: of the epoch)."""
-        loop = self.loop
-        stepper = loop.model.stepper
+    def after_step(self, batches_done: int, epoch: int) -> None:
+        """After an optimizer step: validate if it is due (``batches_done``: of ``epoch``)."""
+        stepper = self.model.stepper
         step = stepper.global_step
         if step == self.last_step:
             return
         if self.interval.due(step, math.ceil(batches_done / stepper.accumulation)):
-            self.run(loop.position.epoch)
+            self.run(epoch)
 
     def run(self, epoch: int) -> None:
-        loop = self.loop
-        self.last_step = loop.model.stepper.global_step
+        stepper = self.model.stepper
+        self.last_step = stepper.global_step
         rng = _checkpoint.rng_state()  # the training stream goes on as if nothing ran
         try:
-            val_logs = EvalLoop(loop.model, loop.val, loop.callbacks, loop.val_steps, what="validation_data").run()
+            val_logs = EvalLoop(self.model, self.val, self.callbacks, self.steps, what="validation_data").run()
         finally:
             _checkpoint.set_rng_state(rng)
-        _step_plateau(loop.model.stepper, val_logs)
-        record_validation(loop, epoch, val_logs)
+        _step_plateau(stepper, val_logs)
+        record_validation(self.history, self.callbacks, self.last_step, epoch, val_logs)
 
     def epoch_logs(self, epoch: int) -> dict[str, float] | None:
         """The ``val_`` values of ``epoch``'s last validation (the epoch logs'), if it had one."""
-        for record in reversed(self.loop.history.validations):
+        for record in reversed(self.history.validations):
             if record["epoch"] == epoch:
                 return {k: v for k, v in record.items() if k.startswith("val_")}
             if record["epoch"] < epoch:

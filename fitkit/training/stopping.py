@@ -1,0 +1,79 @@
+"""Whether a fit stops here: ``model.stop_training``, the step budget, and a signal, agreed over
+the ranks under torchrun (:class:`~fitkit.training.signals.RankAgreement`). One per ``fit`` call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fitkit.training.signals import RankAgreement
+
+if TYPE_CHECKING:
+    from fitkit.callbacks.base import CallbackList
+    from fitkit.model import Model
+    from fitkit.training.signals import Interrupt
+
+__all__ = ["StopDecision"]
+
+
+class StopDecision:
+    """The stop decision of one fit.
+
+    Args:
+        model: the :class:`~fitkit.Model` (its public ``stop_training`` flag and ``global_step``).
+        callbacks: the fit's callbacks (a signal's backup is written by them).
+        max_steps: the step budget, or ``None``.
+
+    Example:
+        >>> import torch, fitkit
+        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu"); model.compile(loss="mse")
+        >>> stop = StopDecision(model, None, max_steps=0)
+        >>> stop.budget_spent(), stop.now()
+        (True, False)
+    """
+
+    def __init__(self, model: Model, callbacks: CallbackList | None, max_steps: int | None):
+        self.model, self.callbacks, self.max_steps = model, callbacks, max_steps
+        self.agreement: RankAgreement | Any = None  # the fit's RankAgreement while it runs
+        self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
+        self.interrupt: Interrupt | Any = None
+
+    def begin(self, interrupt: Interrupt) -> None:
+        """The fit's signal catcher (:func:`~fitkit.training.signals.deferred`): where the ranks agree."""
+        self.interrupt = interrupt
+        self.agreement = RankAgreement(interrupt, self.model.parallel is not None)
+
+    def save_on_signal(self) -> None:
+        """At the end of training: a signal not yet acted on writes its backup now."""
+        if self.interrupt is not None and self.interrupt.signum is not None and not self.interrupted:
+            self.interrupted = True
+            if self.callbacks is not None:
+                self.callbacks.save_on_interrupt()
+
+    def budget_spent(self) -> bool:
+        """``max_steps`` optimizer steps are done (a resumed fit counts the checkpoint's)."""
+        return self.max_steps is not None and self.model.global_step >= self.max_steps
+
+    def at_boundary(self) -> bool:
+        """After an optimizer step, where the ranks agree: a signal (save, then stop) or a stop."""
+        model = self.model
+        if self.agreement.at_step_boundary(model.stop_training):
+            self.interrupted = True
+            if self.callbacks is not None:
+                self.callbacks.save_on_interrupt()  # at this step boundary, inside the epoch
+            return True
+        if self.agreement.stop_agreed:  # a stop on some rank, agreed at this point
+            model.stop_training = True
+            return True
+        return False
+
+    def now(self, epoch_end: bool = False) -> bool:
+        """Whether training stops here (``model.stop_training``; agreed over ranks under torchrun)."""
+        model = self.model
+        if model.parallel is None:
+            return model.stop_training
+        if epoch_end:  # one all-reduce: a stop, or a signal, on any rank holds for all
+            model.stop_training = self.agreement.at_epoch_end(model.stop_training)
+            return model.stop_training
+        stepper = model.stepper
+        return stepper is not None and stepper.stop_agreed
