@@ -376,6 +376,20 @@ def test_a_crafted_optimizer_state_is_refused_before_any_part_changes(tmp_path, 
 
 
 @pytest.mark.slow
+def test_crafted_parameter_group_names_of_a_sharded_checkpoint_are_refused(tmp_path):
+    # Once a raw "TypeError: 'int' object is not iterable" from the groups' comparison.
+    path = _saved(tmp_path, sharded=True)
+    good = safe_load(path / STATE_NAME, "cpu")
+    atomic_save({**good, "param_groups_names": 3}, path / STATE_NAME)
+    model = _compiled(seed=1)
+    before = _everything(model)
+    with pytest.raises(CheckpointError, match=r"checkpoint\['param_groups_names'\] is 3, expected a list of lists of "
+                                              r"parameter names"):
+        model.load_checkpoint(path)
+    assert _same(_everything(model), before) and model.pop_resume() is None
+
+
+@pytest.mark.slow
 def test_a_crafted_sharded_checkpoint_cannot_shorten_or_lengthen_the_run(tmp_path):
     # epoch=-3 once trained 84 steps instead of 36: now refused, and the run stays as it was.
     path = _saved(tmp_path, sharded=True)
