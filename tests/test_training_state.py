@@ -202,6 +202,9 @@ def _same(a, b) -> bool:
     return a == b
 
 
+_TRACKERS = {"loss_total": torch.tensor(1.0, dtype=torch.float64), "loss_count": 4, "loss_wsum": None,
+             "metrics": {}}  # fmt: skip
+
 _CRAFTED = {
     "epoch='x'": ("epoch", "x", r"checkpoint\['epoch'\] is 'x', expected an int >= 0"),
     "epoch=-3": ("epoch", -3, r"checkpoint\['epoch'\] is -3, expected an int >= 0"),
@@ -217,13 +220,113 @@ _CRAFTED = {
     "history=[]": ("history", [], r"checkpoint\['history'\] is \[\]"),
     "epoch_rng='x'": ("epoch_rng", "x", r"checkpoint\['epoch_rng'\] is 'x'"),
     "inside an epoch without its totals": ("step_in_epoch", 2, r"inside epoch 3 without its RNG state and running"),
+    # nested contents: each names its field (once a raw error at the first resumed step)
+    "rng python of 10 words": ("rng", lambda r: {**r, "python": (3, r["python"][1][:10], None)},
+                               r"checkpoint\['rng'\]\['python'\] is not a state of Python's random module"),
+    "rng python words >= 2**32": ("rng", lambda r: {**r, "python": (3, (2**40,) * 625, None)},
+                                  r"checkpoint\['rng'\]\['python'\] is not a state"),
+    "rng numpy keys 2-d": ("rng", lambda r: {**r, "numpy": (r["numpy"][0], r["numpy"][1].reshape(2, 312),
+                                                            *r["numpy"][2:])},
+                           r"checkpoint\['rng'\]\['numpy'\] is not a state of NumPy's global generator"),
+    "rng numpy keys float": ("rng", lambda r: {**r, "numpy": (r["numpy"][0], r["numpy"][1].double(), *r["numpy"][2:])},
+                             r"checkpoint\['rng'\]\['numpy'\] is not a state"),
+    "rng numpy position 'x'": ("rng", lambda r: {**r, "numpy": (*r["numpy"][:2], "x", *r["numpy"][3:])},
+                               r"checkpoint\['rng'\]\['numpy'\] is not a state"),
+    "rng torch of 10 bytes": ("rng", lambda r: {**r, "torch": r["torch"][:10]},
+                              r"checkpoint\['rng'\]\['torch'\] is a torch.uint8 tensor of shape \(10,\), expected a "
+                              r"torch RNG state \(a uint8 tensor of \d+ bytes\)"),
+    "epoch_rng of 10 bytes": ("epoch_rng", torch.zeros(10, dtype=torch.uint8),
+                              r"checkpoint\['epoch_rng'\] is a torch.uint8 tensor of shape \(10,\)"),
+    "trackers loss_total of shape (3,)": ("trackers", {**_TRACKERS, "loss_total": torch.zeros(3, dtype=torch.float64)},
+                                          r"checkpoint\['trackers'\]\['loss_total'\] is a torch.float64 tensor of "
+                                          r"shape \(3,\), expected a 0-dim floating-point tensor"),
+    "trackers loss_total int64": ("trackers", {**_TRACKERS, "loss_total": torch.tensor(5)},
+                                  r"checkpoint\['trackers'\]\['loss_total'\] is a torch.int64 tensor"),
+    "trackers without loss_wsum": ("trackers", {k: v for k, v in _TRACKERS.items() if k != "loss_wsum"},
+                                   r"checkpoint\['trackers'\] has no 'loss_wsum'"),
+    "trackers loss_count nan": ("trackers", {**_TRACKERS, "loss_count": float("nan")},
+                                r"checkpoint\['trackers'\]\['loss_count'\] is nan, expected a count >= 0"),
+    "trackers metric state 'x'": ("trackers", {**_TRACKERS, "metrics": {"mae": {"total": "x"}}},
+                                  r"checkpoint\['trackers'\]\['metrics'\]\['mae'\]\['total'\] is 'x', expected a "
+                                  r"tensor or a list of tensors"),
+    "trackers metric of an int": ("trackers", {**_TRACKERS, "metrics": {"mae": 3}},
+                                  r"checkpoint\['trackers'\]\['metrics'\]\['mae'\] is 3, expected a dict"),
+    "data_order without generators": ("data_order", {"x": 1}, r"checkpoint\['data_order'\] has no 'generators'"),
+    "data_order generator of 3 bytes": ("data_order", {"generators": [torch.zeros(3, dtype=torch.uint8)],
+                                                       "samplers": []},
+                                        r"checkpoint\['data_order'\]\['generators'\] is \[tensor"),
+    "pass_start rng of 3 bytes": ("pass_start", {"epoch": 0, "rng": torch.zeros(3, dtype=torch.uint8), "order": None},
+                                  r"checkpoint\['pass_start'\]\['rng'\] is a torch.uint8 tensor of shape \(3,\)"),
+    "samples_in_epoch beyond the batches": ("samples_in_epoch", 1000,
+                                            r"checkpoint\['samples_in_epoch'\] is 1000, more than 0 batch\(es\) of 8"),
+    "history of more values than epochs": ("history", lambda h: {**h, "history": {**h["history"], "loss": [1.0] * 5}},
+                                           r"checkpoint\['history'\]\['history'\]\['loss'\] holds 5 values for 2 "
+                                           r"epoch\(s\)"),
+    "history of a str value": ("history", lambda h: {**h, "history": {**h["history"], "loss": ["x", 1.0]}},
+                               r"checkpoint\['history'\]\['history'\]\['loss'\] is \['x', 1.0\], expected a list of "
+                               r"numbers"),
+    "history validations [1]": ("history", lambda h: {**h, "validations": [1]},
+                                r"checkpoint\['history'\]\['validations'\] is \[1\], expected a list of dicts"),
+    "scheduler last_epoch='x'": ("scheduler", lambda s: {**s, "last_epoch": "x"},
+                                 r"checkpoint\['scheduler'\]\['last_epoch'\] is 'x', expected an int >= -1"),
+    "scheduler gamma='x'": ("scheduler", lambda s: {**s, "gamma": "x"},
+                            r"checkpoint\['scheduler'\]\['gamma'\] is 'x', expected a number as the model's"),
+    "scheduler base_lrs of 2 groups": ("scheduler", lambda s: {**s, "base_lrs": [0.1, 0.1]},
+                                       r"checkpoint\['scheduler'\]\['base_lrs'\] is \[0.1, 0.1\], expected a list "
+                                       r"of 1 number\(s\), one per parameter group"),
+    "scaler {'scale': 'x'}": ("scaler", {"scale": "x"}, r"checkpoint\['scaler'\]\['scale'\] is 'x', expected a "
+                                                        r"number > 0"),
+    "callback_config {'EarlyStopping': 'x'}": ("callback_config", {"EarlyStopping": "x"},
+                                               r"checkpoint\['callback_config'\] is \{'EarlyStopping': 'x'\}"),
+}
+
+# The optimizer's state (a one-file checkpoint's; a sharded one keeps it in the shards).
+_CRAFTED_OPTIMIZER = {
+    "lr='x'": (lambda o: _group(o, lr="x"),
+               r"checkpoint\['optimizer'\]\['param_groups'\]\[0\]\['lr'\] is 'x', expected a number as the model's"),
+    "betas='x'": (lambda o: _group(o, betas="x"), r"\['betas'\] is 'x', expected a list of 2 as the model's"),
+    "a group without lr": (lambda o: _group(o, lr=None), r"\['param_groups'\]\[0\] has no 'lr'"),
+    "a group that is not a dict": (lambda o: {**o, "param_groups": [1]},
+                                   r"checkpoint\['optimizer'\]\['param_groups'\] is \[1\], expected a list of dicts"),
+    "no 'state'": (lambda o: {"param_groups": o["param_groups"]}, r"checkpoint\['optimizer'\] has no 'state'"),
+    "'state' a list": (lambda o: {**o, "state": [1]},
+                       r"checkpoint\['optimizer'\]\['state'\] is \[1\], expected a dict"),
+    "a parameter id twice": (lambda o: {**o, "param_groups": o["param_groups"] * 2},
+                             r"checkpoint\['optimizer'\]\['param_groups'\] name a parameter id twice"),
+    "step='x'": (lambda o: _param_state(o, step="x"),
+                 r"checkpoint\['optimizer'\]\['state'\]\[0\]\['step'\] is 'x', expected a tensor or a number"),
+    # a 0-dim exp_avg once loaded, and the fused Adam kernel wrote past its end (heap corruption)
+    "a 0-dim exp_avg": (lambda o: _param_state(o, exp_avg=torch.tensor(1.0)),
+                        r"\['state'\]\[0\]\['exp_avg'\] is a torch.float32 tensor of shape \(\), expected a "
+                        r"floating-point tensor of its parameter's shape \(4, 3\)"),
+    "an int64 exp_avg": (lambda o: _param_state(o, exp_avg=torch.zeros(4, 3, dtype=torch.long)),
+                         r"\['state'\]\[0\]\['exp_avg'\] is a torch.int64 tensor"),
+    "a parameter without exp_avg": (lambda o: _param_state(o, exp_avg=None),
+                                    r"checkpoint\['optimizer'\]\['state'\]\[0\] has no 'exp_avg' \(Adam keeps "
+                                    r"\['exp_avg', 'exp_avg_sq', 'step'\] for each parameter"),
 }
 
 
+def _group(opt: dict, **changes) -> dict:
+    group = {**opt["param_groups"][0], **changes}
+    group = {k: v for k, v in group.items() if v is not None}
+    return {**opt, "param_groups": [group, *opt["param_groups"][1:]]}
+
+
+def _param_state(opt: dict, **changes) -> dict:
+    state = {**opt["state"][0], **changes}
+    state = {k: v for k, v in state.items() if v is not None}
+    return {**opt, "state": {**opt["state"], 0: state}}
+
+
 def _craft(state: dict, key: str, value):
+    import copy
+
     state = dict(state)
-    if value == "no numpy":
+    if isinstance(value, str) and value == "no numpy":
         state["rng"] = {k: v for k, v in state["rng"].items() if k != "numpy"}
+    elif callable(value):
+        state[key] = value(copy.deepcopy(state[key]))
     else:
         state[key] = value
     return state
@@ -255,6 +358,35 @@ def test_each_crafted_field_is_refused_before_any_part_changes(tmp_path, sharded
         assert model.pop_resume() is None, name  # nothing waits for the next fit either
     atomic_save(good, state_file)
     assert model.load_checkpoint(path) == 2  # the file as written loads
+
+
+@pytest.mark.parametrize("name", sorted(_CRAFTED_OPTIMIZER))
+def test_a_crafted_optimizer_state_is_refused_before_any_part_changes(tmp_path, name):
+    path = _saved(tmp_path, sharded=False)
+    good = safe_load(path, "cpu")
+    craft, message = _CRAFTED_OPTIMIZER[name]
+    atomic_save({**good, "optimizer": craft(good["optimizer"])}, path)
+    model = _compiled(seed=1)
+    model.fit(*_regression_data(), batch_size=8, epochs=1, verbose=0)
+    before = _everything(model)
+    with pytest.raises(CheckpointError, match=message):
+        model.load_checkpoint(path)
+    assert _same(_everything(model), before)
+    assert model.pop_resume() is None
+
+
+@pytest.mark.slow
+def test_crafted_parameter_group_names_of_a_sharded_checkpoint_are_refused(tmp_path):
+    # Once a raw "TypeError: 'int' object is not iterable" from the groups' comparison.
+    path = _saved(tmp_path, sharded=True)
+    good = safe_load(path / STATE_NAME, "cpu")
+    atomic_save({**good, "param_groups_names": 3}, path / STATE_NAME)
+    model = _compiled(seed=1)
+    before = _everything(model)
+    with pytest.raises(CheckpointError, match=r"checkpoint\['param_groups_names'\] is 3, expected a list of lists of "
+                                              r"parameter names"):
+        model.load_checkpoint(path)
+    assert _same(_everything(model), before) and model.pop_resume() is None
 
 
 @pytest.mark.slow
@@ -306,3 +438,115 @@ def test_the_registry_names_each_part_and_saves_what_fitkit_always_wrote():
             "rng", "callbacks", "callback_config", "history"} <= set(state)  # fmt: skip
     assert run.problems(state) == [] and run.differences(state) == []
     assert (state["optimizer_class"], state["scheduler_class"], state["global_step"]) == ("Adam", "StepLR", 3)
+
+
+# -- callback states, metric states and the backups ----------------------------------------------------
+_CRAFTED_CALLBACKS = {
+    "EarlyStopping wait='x'": ("EarlyStopping", {"wait": "x"}, r"callbacks\['EarlyStopping'\]: its state\['wait'\] is "
+                                                               r"'x', expected an int >= 0"),
+    "EarlyStopping best='x'": ("EarlyStopping", {"best": "x"}, r"callbacks\['EarlyStopping'\]: its state\['best'\] is "
+                                                               r"'x', expected a number or None"),
+    "EarlyStopping best_weights of other shapes": (
+        "EarlyStopping", {"best_weights": {"0.weight": torch.zeros(2)}},
+        r"callbacks\['EarlyStopping'\]: its state\['best_weights'\]: '0.weight': shape \(2,\) in the file"),
+    "ReduceLROnPlateau cooldown_counter=-1": (
+        "ReduceLROnPlateau", {"cooldown_counter": -1},
+        r"callbacks\['ReduceLROnPlateau'\]: its state\['cooldown_counter'\] is -1"),
+    "EMA last_step='x'": ("EMA", {"last_step": "x"}, r"callbacks\['EMA'\]: its state\['last_step'\] is 'x'"),
+    "EMA average of other shapes": ("EMA", {"averaged": {"n_averaged": torch.tensor(1)}},
+                                    r"callbacks\['EMA'\]: its state\['averaged'\]: 'module.0.weight': in the module, "
+                                    r"missing from the file"),
+}
+
+
+def _stateful_callbacks():
+    return [fitkit.callbacks.EarlyStopping(monitor="loss", patience=5),
+            fitkit.callbacks.ReduceLROnPlateau(monitor="loss", patience=5), fitkit.callbacks.EMA()]  # fmt: skip
+
+
+def _plain(seed: int = 0) -> fitkit.Model:
+    torch.manual_seed(seed)
+    model = fitkit.Model(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)), device="cpu")
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(_CRAFTED_CALLBACKS))
+def test_a_crafted_callback_state_is_refused_before_any_callback_changes(tmp_path, name):
+    # Each once loaded and failed later: a TypeError at the first comparison, torch's
+    # load_state_dict error of the average, a KeyError or a wrong restore at the end of fit.
+    x, y = _regression_data()
+    model, path = _plain(), tmp_path / "c.pt"
+    save = LambdaCallback(on_epoch_end=lambda e, logs: model.save_checkpoint(path))
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[*_stateful_callbacks(), save])
+    good = safe_load(path, "cpu")
+    key, change, message = _CRAFTED_CALLBACKS[name]
+    atomic_save({**good, "callbacks": {**good["callbacks"], key: {**good["callbacks"][key], **change}}}, path)
+    fresh = _plain(seed=1)
+    fresh.load_checkpoint(path)  # the callbacks are the next fit's: checked when it starts
+    callbacks = _stateful_callbacks()
+    states = [cb.state_dict() for cb in callbacks]
+    with pytest.raises(CheckpointError, match=message) as info:
+        fresh.fit(x, y, batch_size=8, epochs=3, initial_epoch=2, verbose=0, callbacks=callbacks)
+    assert "so no callback state and no history was restored" in str(info.value)
+    assert all(_same(cb.state_dict(), s) for cb, s in zip(callbacks[:2], states[:2], strict=True))
+
+
+def _mid_epoch(tmp_path):
+    x, y = _regression_data()
+    model, path = _regression(), tmp_path / "mid.pt"
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+              callbacks=[LambdaCallback(on_train_batch_end=lambda b, logs: model.epoch == 1 and b == 2
+                                        and model.save_checkpoint(path))])  # fmt: skip
+    return path, safe_load(path, "cpu")
+
+
+def test_running_metric_states_of_other_shapes_are_refused(tmp_path):
+    # Once a raw "shape '[]' is invalid for input of size 5" at the first resumed step.
+    path, good = _mid_epoch(tmp_path)
+    metrics = {**good["trackers"]["metrics"], "mae": {**good["trackers"]["metrics"]["mae"],
+                                                      "sum_abs_error": torch.zeros(5)}}  # fmt: skip
+    atomic_save({**good, "trackers": {**good["trackers"], "metrics": metrics}}, path)
+    built = _regression(seed=1)
+    built.fit(*_regression_data(), batch_size=4, epochs=1, verbose=0)  # its metrics are built
+    before = _everything_plain(built)
+    with pytest.raises(ValueError, match=r"metric 'mae': state 'sum_abs_error' has the shape \(5,\) in the "
+                                         r"checkpoint, \(1,\) in the metric"):
+        built.load_checkpoint(path)
+    assert _same(_everything_plain(built), before) and built.pop_resume() is None
+    fresh = _regression(seed=1)  # metrics built from the first batch: checked at their birth
+    fresh.load_checkpoint(path)
+    with pytest.raises(ValueError, match=r"running metric states do not fit this fit's metrics, so none was "
+                                         r"loaded:\n  - metric 'mae': state 'sum_abs_error' has the shape"):
+        fresh.fit(*_regression_data(), batch_size=4, epochs=2, initial_epoch=1, verbose=0)
+
+
+def _everything_plain(model):
+    import copy
+
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(model.optimizer.state_dict()), model.global_step
+
+
+@pytest.mark.parametrize("damage", ["torch RNG of 10 bytes", "optimizer lr='x'", "EarlyStopping wait='x'"])
+def test_a_crafted_newest_backup_resumes_from_the_previous_one(tmp_path, damage):
+    x, y = _regression_data()
+    folder = tmp_path / "backup"
+    model = _plain()  # a run that ended after 2 of 3 epochs: backups of epochs 1 (previous) and 2 (newest)
+    backup = fitkit.callbacks.BackupAndRestore(folder, delete_checkpoint=False)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+              callbacks=[fitkit.callbacks.EarlyStopping(monitor="loss", patience=5), backup])
+    assert (folder / "backup.pt").exists() and (folder / "backup.prev.pt").exists()
+    newest = safe_load(folder / "backup.pt", "cpu")
+    if damage == "torch RNG of 10 bytes":
+        newest["rng"] = {**newest["rng"], "torch": newest["rng"]["torch"][:10]}
+    elif damage == "optimizer lr='x'":
+        newest["optimizer"] = _group(newest["optimizer"], lr="x")
+    else:
+        newest["callbacks"]["EarlyStopping"]["wait"] = "x"
+    atomic_save(newest, folder / "backup.pt")
+    resumed = _plain(seed=1)
+    with pytest.warns(fitkit.checks.FitkitWarning, match=r"is damaged, so training resumes from the previous backup"):
+        resumed.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                    callbacks=[fitkit.callbacks.EarlyStopping(monitor="loss", patience=5),
+                               fitkit.callbacks.BackupAndRestore(folder)])  # fmt: skip
+    assert resumed.history.epoch == [0, 1, 2] and resumed.global_step == 9

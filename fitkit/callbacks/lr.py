@@ -125,6 +125,13 @@ class ReduceLROnPlateau(StatefulCallback):
     def _set_state(self, state: dict[str, Any]) -> None:
         self.best, self.wait, self.cooldown_counter = state["best"], state["wait"], state["cooldown_counter"]
 
+    def _state_problems(self, state: Any) -> list[str]:
+        from fitkit.files.content import is_count, is_number, typed_problems
+
+        return typed_problems(state, {"best": (lambda v: v is None or is_number(v), "a number or None"),
+                                      "wait": (is_count, "an int >= 0"),
+                                      "cooldown_counter": (is_count, "an int >= 0")}, "its state")  # fmt: skip
+
     def on_train_begin(self, logs=None):
         check_validation_monitor(self.monitor, self.params, "ReduceLROnPlateau", self.model)
         self._mode = resolve_mode(self.monitor, self.mode, self.model, "ReduceLROnPlateau")
@@ -219,6 +226,13 @@ class LearningRateScheduler(StatefulCallback):
 
     def _set_state(self, state: dict[str, Any]) -> None:
         self._epoch, self._before = state["epoch"], list(state["lrs_before"])
+
+    def _state_problems(self, state: Any) -> list[str]:
+        from fitkit.files.content import is_number, typed_problems
+
+        epoch = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1, "an int >= -1")
+        lrs = (lambda v: isinstance(v, list) and all(is_number(x) for x in v), "a list of numbers")
+        return typed_problems(state, {"epoch": epoch, "lrs_before": lrs}, "its state")
 
     def on_epoch_begin(self, epoch, logs=None):
         groups = self.model.optimizer.param_groups

@@ -147,6 +147,12 @@ class MLflowLogger(StatefulCallback):
         self.run_id = state.get("run_id")
         self._last_epoch, self._last_step = -1, 0  # read back from the run when it reopens
 
+    def _state_problems(self, state: Any) -> list[str]:
+        from fitkit.files.content import typed_problems
+
+        run_id = (lambda v: v is None or isinstance(v, str), "a run id (str) or None")
+        return typed_problems(state, {"run_id": run_id}, "its state", optional=frozenset({"run_id"}))
+
     # -- the run -----------------------------------------------------------------------------
     def _mlflow_client(self):
         if self._client is None:

@@ -273,6 +273,23 @@ class EarlyStopping(StatefulCallback):
         self.best_weights = state["best_weights"]
         self.stop_reason = state.get("stop_reason")
 
+    def _state_problems(self, state: Any) -> list[str]:
+        from fitkit.files import state_dict_differences
+        from fitkit.files.content import is_count, is_number, typed_problems
+
+        weights = (lambda v: v is None or isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in v.values()),
+                   "None or a dict {name: tensor}")  # fmt: skip
+        spec = {"wait": (is_count, "an int >= 0"), "stopped_epoch": (is_count, "an int >= 0"),
+                "best": (lambda v: v is None or is_number(v), "a number or None"),
+                "best_epoch": (is_count, "an int >= 0"), "best_weights": weights,
+                "stop_reason": (lambda v: v is None or isinstance(v, str), "a str or None")}  # fmt: skip
+        out = typed_problems(state, spec, "its state", optional=frozenset({"stop_reason"}))
+        model = getattr(self, "model", None)
+        if not out and state["best_weights"] is not None and model is not None:
+            out = [f"its state['best_weights']: {d}" for d in state_dict_differences(model.state_dict(),
+                                                                                     state["best_weights"])]
+        return out
+
     def on_train_begin(self, logs=None):
         check_validation_monitor(self.monitor, self.params, "EarlyStopping", self.model)
         self._mode = resolve_mode(self.monitor, self.mode, self.model, "EarlyStopping")

@@ -336,6 +336,34 @@ class WeightAveraging(Callback):
             self._load(state)
         self._restored = True  # the next on_train_begin keeps it
 
+    def _state_problems(self, state: Any) -> list[str]:
+        """A saved average against this callback's module (checked before any part loads)."""
+        from fitkit.files import state_dict_differences
+        from fitkit.files.content import is_count, typed_problems
+
+        if isinstance(state, dict) and not state:
+            return []  # saved before the average existed
+        tensors = (lambda v: v is None or isinstance(v, list) and all(isinstance(t, torch.Tensor) for t in v),
+                   "None or a list of tensors")  # fmt: skip
+        spec = {"averaged": (lambda v: isinstance(v, dict), "the averaged model's state dict"),
+                "last_step": (is_count, "an int >= 0"),
+                "num_averaged": (lambda v: v is None or is_count(v), "an int >= 0 or None"),
+                "training_weights": tensors}  # fmt: skip
+        out = typed_problems(state, spec, "its state", optional=frozenset({"num_averaged", "training_weights"}))
+        model = getattr(self, "model", None)
+        if out or model is None:
+            return out
+        expected = {"n_averaged": torch.zeros((), dtype=torch.long),
+                    **{f"module.{k}": v for k, v in model.module.state_dict().items()}}  # fmt: skip
+        out = [f"its state['averaged']: {d}" for d in state_dict_differences(expected, state["averaged"])]
+        weights = state.get("training_weights")
+        if weights is not None:
+            n = len(list(model.module.parameters())) + (len(list(model.module.buffers())) if self.use_buffers else 0)
+            if len(weights) != n:
+                out.append(f"its state['training_weights'] holds {len(weights)} tensors, the module's "
+                           f"{n} averaged ones")  # fmt: skip
+        return out
+
     def _load(self, state: dict[str, Any]) -> None:
         averaged = self.averaged_model
         if averaged is None:

@@ -216,6 +216,11 @@ def inspect(model: Model, path: str | os.PathLike) -> tuple[dict[str, Any], list
         raise ValueError(
             f"{str(path)!r} is not a fitkit sharded checkpoint. Fix: pass a folder written by save_checkpoint."
         )
+    names = state.get("param_groups_names")
+    if names is not None and not (isinstance(names, list) and all(
+            isinstance(g, list) and all(isinstance(n, str) for n in g) for g in names)):  # fmt: skip
+        problem = f"checkpoint['param_groups_names'] is {names!r:.60}, expected a list of lists of parameter names"
+        return state, [*_writer_problems(meta, state), problem], []  # nothing to compare the groups with
     return state, _writer_problems(meta, state), differences(model, meta, state)
 
 

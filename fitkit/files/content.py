@@ -44,7 +44,8 @@ def typed_problems(state: Any, spec: Mapping[str, tuple[Callable[[Any], bool], s
             continue
         value = state[key]
         if not check(value):
-            shown = repr(value) if not isinstance(value, torch.Tensor) else f"a tensor of shape {tuple(value.shape)}"
+            shown = (repr(value) if not isinstance(value, torch.Tensor)
+                     else f"a {value.dtype} tensor of shape {tuple(value.shape)}")  # fmt: skip
             out.append(f"{where}[{key!r}] is {shown[:60]}, expected {expected}")
     return out
 

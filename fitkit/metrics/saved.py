@@ -14,7 +14,7 @@ from typing import Any
 
 from fitkit.checks import FitkitWarning
 
-__all__ = ["metric_states", "load_metric_states"]
+__all__ = ["metric_states", "load_metric_states", "metric_state_problems"]
 
 
 def metric_states(entries: list[Any], sync: bool) -> dict[str, dict[str, Any]]:
@@ -33,8 +33,46 @@ def metric_states(entries: list[Any], sync: bool) -> dict[str, dict[str, Any]]:
     return out
 
 
+def metric_state_problems(entries: list[Any], states: Any) -> list[str]:
+    """What in saved :func:`metric_states` does not fit the built metrics: each saved metric's
+    state names and, for tensor states, their shapes (a list state grows: any length)."""
+    out = []
+    for e in entries:
+        saved = states.get(e.key) if isinstance(states, dict) else None
+        if not isinstance(saved, dict):
+            continue
+        mine = e.metric.metric_state
+        names, known = set(saved) - {"_update_count"}, set(mine)
+        if names != known:
+            out.append(f"metric {e.key!r}: the checkpoint holds the states {sorted(names)}, the metric "
+                       f"{type(e.metric).__name__} {sorted(known)}")  # fmt: skip
+            continue
+        for k, v in saved.items():
+            now = mine.get(k)
+            if isinstance(now, list) != isinstance(v, list):
+                out.append(f"metric {e.key!r}: state {k!r} is a {type(v).__name__} in the checkpoint, a "
+                           f"{type(now).__name__} in the metric")  # fmt: skip
+            elif hasattr(now, "shape") and hasattr(v, "shape") and tuple(v.shape) != tuple(now.shape):
+                out.append(f"metric {e.key!r}: state {k!r} has the shape {tuple(v.shape)} in the checkpoint, "
+                           f"{tuple(now.shape)} in the metric")  # fmt: skip
+    return out
+
+
 def load_metric_states(entries: list[Any], states: dict[str, dict[str, Any]]) -> None:
-    """Load :func:`metric_states` into built metrics (a metric the states lack: a warning)."""
+    """Load :func:`metric_states` into built metrics (a metric the states lack: a warning).
+
+    Raises:
+        ValueError: states that do not fit the metrics (:func:`metric_state_problems`), before
+            any metric changes.
+    """
+    problems = metric_state_problems(entries, states)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(
+            f"The checkpoint's running metric states do not fit this fit's metrics, so none was loaded:\n{lines}\n"
+            "Fix: resume with the metrics compiled as when the checkpoint was taken (same metrics, tasks and "
+            "class counts), or resume from a checkpoint taken at an epoch end."
+        )
     missing = [e.key for e in entries if e.key not in states]
     if missing:
         warnings.warn(
