@@ -336,8 +336,8 @@ def test_a_checkpoint_without_the_pass_start_of_an_older_fitkit_resumes_as_befor
 
 
 def test_the_pass_start_is_kept_inside_an_epoch_and_while_a_pass_carries_over():
+    from fitkit.training.parts import PositionPart
     from fitkit.training.position import Position
-    from fitkit.training.state import PositionPart
 
     start = {"epoch": 1, "rng": torch.get_rng_state(), "order": None}
     running = Position(3, batch_size=4)
