@@ -175,7 +175,8 @@ class FitLoop:
                     logs = epoch_logs
                     self._validate(epoch, logs)
                     # inside-epoch validations stepped a plateau scheduler already
-                    stepper.step_epoch(epoch, logs, self.validated and self.step_val is None)
+                    stepper.scheduling.step_epoch(epoch, logs, self.validated and self.step_val is None,
+                                                  stepper.fit.validates)
                     self.position.end_epoch(epoch)
                     cbs.on_epoch_end(epoch, logs)
                     if self._stop_now(epoch_end=True) or self.interrupt.signum is not None or self._budget_spent():
@@ -251,15 +252,16 @@ class FitLoop:
                 model.train_step(batch)
                 ran = True
                 position.done(step + 1)
-                if step_val is not None and stepper.micro_last:
+                if step_val is not None and stepper.window.micro_last:
                     step_val.after_step(step + 1)  # before the batch's hooks: a backup there holds it
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
                 if model.stop_training if local else self._stop_now():
                     break
-                if budget is not None and stepper.micro_last and stepper.global_step >= budget:
+                if budget is not None and stepper.window.micro_last and stepper.global_step >= budget:
                     break  # the step budget (a host-side count): the epoch ends here
-                if stepper.micro_last and (not local or interrupt.signum is not None) and self._stop_at_boundary():
+                if (stepper.window.micro_last and (not local or interrupt.signum is not None)
+                        and self._stop_at_boundary()):
                     break
         position.leave()
         if self.interrupted:
@@ -273,7 +275,7 @@ class FitLoop:
         logs = totals.result()
         phases.adopt(totals)
         # The LR the epoch's last step used (a per-step scheduler has moved it on since).
-        logs.update(_lr_logs(stepper.lrs_used or model.optimizer.param_groups, self.lr_keys))
+        logs.update(_lr_logs(stepper.scheduling.lrs_used or model.optimizer.param_groups, self.lr_keys))
         return logs
 
     def _warn_ran_out(self, epoch: int) -> None:
@@ -328,7 +330,7 @@ class FitLoop:
         if epoch_end:  # one all-reduce: a stop, or a signal, on any rank holds for all
             model.stop_training = self.agreement.at_epoch_end(model.stop_training)
             return model.stop_training
-        return model.stepper.stop_agreed
+        return model.stepper.fit.stop_agreed
 
     # -- resume ----------------------------------------------------------------------------------
     def _take_resume(self, pending: ResumePoint | None) -> None:

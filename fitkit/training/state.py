@@ -27,7 +27,7 @@ Restoring is all or nothing, with one defined moment per part:
 2. the parts that exist load at once;
 3. the parts of the next fit wait in a :class:`ResumePoint` that the fit applies where each
    belongs, and a part built later gets its state at birth: a scheduler factory built at the
-   first fit with the planned step count (:meth:`Stepper.build_planned`), metrics built from
+   first fit with the planned step count (:meth:`SchedulerDriver.build_planned`), metrics built from
    the first batch (:mod:`fitkit.metrics.saved`). Nothing restores into a part that does not
    exist yet, and nothing built after the restore overwrites it.
 """
@@ -243,27 +243,28 @@ class SchedulerPart(Part):
 
     def __init__(self, model: Model):
         self.model, self.stepper = model, model.stepper
+        self.driver = None if model.stepper is None else model.stepper.scheduling
 
     def state_dict(self) -> dict[str, Any]:
-        sched = None if self.stepper is None else self.stepper.scheduler
+        sched = None if self.driver is None else self.driver.scheduler
         return {"scheduler": sched.state_dict() if sched is not None else None,
                 "scheduler_class": type(sched).__name__ if sched is not None else None}  # fmt: skip
 
     def differences(self, state: Mapping[str, Any]) -> list[str]:
-        stepper = self.stepper
-        if stepper is not None and stepper.planned is not None:  # not built yet: it gets the state at birth
+        driver = self.driver
+        if driver is not None and driver.planned is not None:  # not built yet: it gets the state at birth
             return []
-        return _scheduler_differences(None if stepper is None else stepper.scheduler, state)
+        return _scheduler_differences(None if driver is None else driver.scheduler, state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        stepper, saved = self.stepper, state["scheduler"]
-        if stepper is None:
+        stepper, driver, saved = self.stepper, self.driver, state["scheduler"]
+        if stepper is None or driver is None:
             return
-        if saved is not None and stepper.scheduler is not None:
-            stepper.scheduler.load_state_dict(saved)
-        elif stepper.planned is not None:
-            stepper.keep_scheduler_state(saved)  # loaded once the first fit has built it
-        if stepper.global_step and stepper.scheduler is not None:
+        if saved is not None and driver.scheduler is not None:
+            driver.scheduler.load_state_dict(saved)
+        elif driver.planned is not None:
+            driver.keep_scheduler_state(saved)  # loaded once the first fit has built it
+        if stepper.global_step and driver.scheduler is not None:
             # The optimizer did step, in another process: tell torch's scheduler so, or its
             # "scheduler.step() before optimizer.step()" check warns when the resumed epoch
             # has no batch left to run.

@@ -26,8 +26,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from fitkit.callbacks.logkeys import per_validation
 from fitkit.checks import check_int, check_number
 from fitkit.training import checkpoint as _checkpoint
@@ -135,14 +133,6 @@ def record_validation(loop: Any, epoch: int, val_logs: dict[str, float]) -> dict
     return logs
 
 
-def _step_plateau(stepper: Any, val_logs: dict[str, float]) -> None:
-    """A compiled ``ReduceLROnPlateau`` (epoch interval) steps on each validation's loss."""
-    sched = stepper.scheduler
-    if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) and stepper.interval == "epoch":
-        if "loss" in val_logs:
-            sched.step(val_logs["loss"])
-
-
 class StepValidation:
     """The validations of one fit with ``validation_interval`` (owned by its ``FitLoop``)."""
 
@@ -173,7 +163,7 @@ class StepValidation:
             val_logs = EvalLoop(loop.model, loop.val, loop.callbacks, loop.val_steps, what="validation_data").run()
         finally:
             _checkpoint.set_rng_state(rng)
-        _step_plateau(loop.model.stepper, val_logs)
+        loop.model.stepper.scheduling.step_on_validation(epoch, val_logs)  # a compiled ReduceLROnPlateau
         record_validation(loop, epoch, val_logs)
 
     def epoch_logs(self, epoch: int) -> dict[str, float] | None:
