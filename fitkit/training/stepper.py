@@ -443,7 +443,8 @@ class Stepper:
         """GradScaler state and the step count (the checkpoint's ``scaler`` and ``global_step``).
 
         ``record=True`` adds the per-step record (the last ``grad_norm``, the LRs used, the
-        window's place and loss, a pending veto): an in-process snapshot, as the LR finder's.
+        window's place, loss and host veto; not a device veto): an in-process snapshot, as the
+        LR finder's.
 
         Example:
             >>> opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
