@@ -133,11 +133,11 @@ class Model:
     @property
     def scheduler(self) -> Any:
         """The compiled LR scheduler, or ``None``; assign ``None`` to stop it stepping."""
-        return None if self._stepper is None else self._stepper.scheduler
+        return None if self._stepper is None else self._stepper.scheduling.scheduler
 
     @scheduler.setter
     def scheduler(self, value: Any) -> None:
-        self._require_compiled("scheduler").set_scheduler(value)
+        self._require_compiled("scheduler").scheduling.set_scheduler(value)
 
     @property
     def metrics(self) -> MetricSet:
@@ -168,7 +168,7 @@ class Model:
     @property
     def scheduler_interval(self) -> str:
         """When a torch scheduler steps: ``"epoch"`` or ``"step"``."""
-        return "epoch" if self._stepper is None else self._stepper.interval
+        return "epoch" if self._stepper is None else self._stepper.scheduling.interval
 
     # -- the public vocabulary of callbacks and overrides ------------------------------------
     @property
@@ -212,7 +212,7 @@ class Model:
         Always ``True`` without gradient accumulation. Callbacks that write full checkpoints
         wait for it: inside a window the accumulated gradients are in no file.
         """
-        return True if self._stepper is None else self._stepper.micro_last
+        return True if self._stepper is None else self._stepper.window.micro_last
 
     @property
     def step_loss(self) -> torch.Tensor | None:
@@ -221,7 +221,7 @@ class Model:
         With gradient accumulation it is the whole window's loss (each micro-batch weighted by
         its share), so a NaN in any micro-batch shows. Reading its value syncs with the device.
         """
-        return None if self._stepper is None else self._stepper.window_loss
+        return None if self._stepper is None else self._stepper.window.loss
 
     @property
     def callbacks(self) -> list[Callback]:
@@ -584,7 +584,7 @@ class Model:
             validation_interval=validation_interval,
         )  # fmt: skip
         self._keep_example(plan.example)
-        self._require_compiled("fit").build_planned(plan.total_steps, resolve_scheduler)
+        self._require_compiled("fit").scheduling.build_planned(plan.total_steps, resolve_scheduler)
         self.history = History()
         cbs = planning.callback_list(self, plan.callbacks, plan.verbose, plan.shown_epochs, plan.train.num_batches,
                                      self.history, **plan.params)  # fmt: skip

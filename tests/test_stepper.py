@@ -78,6 +78,38 @@ def test_a_skipped_step_holds_a_per_step_torch_scheduler_back():
     assert lrs == [0.5, 0.5, 0.25] and model.global_step == 2
 
 
+def test_a_fit_hands_the_stepper_hooks_and_a_window_of_its_own_and_a_nested_step_has_its_own():
+    model = fitkit.Model(Scale(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss="mse", gradient_accumulation_steps=2)
+    stepper = model.stepper
+    idle = stepper.fit, stepper.window
+    forwards, losses = [], []
+
+    def record(module, args, output):  # the training forwards (fit's checks and validation run in eval mode)
+        if module.training:
+            forwards.append((stepper.fit, stepper.window))
+
+    model.module.register_forward_hook(record)
+
+    def nested(batch, logs):  # inside the first window: its loss is pending
+        if batch == 0:
+            losses.append(model.step_loss.item())
+            model.train_on_batch(torch.ones(1, 1), torch.zeros(1, 1))
+            losses.append(model.step_loss.item())
+
+    callbacks = [LambdaCallback(on_train_batch_end=nested, on_backward_end=lambda batch: None)]
+    x, y = torch.ones(4, 1), torch.zeros(4, 1)
+    model.fit(x, y, batch_size=1, shuffle=False, validation_data=(x, y), verbose=0, callbacks=callbacks)
+    fit_hooks, fit_window = forwards[0]
+    assert fit_hooks not in idle and fit_window not in idle
+    assert fit_hooks.validates and fit_hooks.before_step is not None
+    assert [f == (fit_hooks, fit_window) for f in forwards] == [True, False, True, True, True]
+    own_hooks, own_window = forwards[1]  # train_on_batch: no hook of the fit, a window of its own
+    assert own_hooks.before_step is None and own_window is not fit_window and own_window.loss is None
+    assert losses == [0.5, 0.5]  # (w * 1 - 0)^2 = 1, half of the window; the same window after the nested step
+    assert (stepper.fit, stepper.window) == idle and model.global_step == 3  # the fit dropped both
+
+
 class Bias(nn.Module):
     """y_pred = b for every sample: the MSE gradient is 2 * mean(b - y), computable by hand."""
 

@@ -39,6 +39,7 @@ from fitkit.training.modes import modes
 
 if TYPE_CHECKING:
     from fitkit.model import Model
+    from fitkit.training.stepper import Stepper
 
 __all__ = [
     "prepare_in_memory", "cast_to_module", "first_batch_check", "wrap", "describe", "has_training_batchnorm",
@@ -448,10 +449,11 @@ class BatchGuard:
         )
         self._warned_single = False
 
-    def single(self, batch: tuple[Any, Any, Any], stepper: Any, step: int, epoch: int) -> bool:
+    def single(self, batch: tuple[Any, Any, Any], stepper: Stepper, step: int, epoch: int) -> bool:
         """Whether ``batch`` is a one-row batch BatchNorm cannot train on (it is then skipped)."""
         x, y, _ = batch
-        if nest.rows(y if y is not None else x) != 1 or not stepper.micro_last or stepper.micro_scale is not None:
+        window = stepper.window
+        if nest.rows(y if y is not None else x) != 1 or not window.micro_last or window.micro_scale is not None:
             return False
         if not self._warned_single:
             self._warned_single = True  # one warning per fit

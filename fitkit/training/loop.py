@@ -179,7 +179,8 @@ class FitLoop:
                     logs = epoch_logs
                     self._validate(epoch, logs)
                     # inside-epoch validations stepped a plateau scheduler already
-                    stepper.step_epoch(epoch, logs, self.validated and self.step_val is None)
+                    stepper.scheduling.step_epoch(epoch, logs, self.validated and self.step_val is None,
+                                                  stepper.fit.validates)
                     self.position.end_epoch(epoch)
                     cbs.on_epoch_end(epoch, logs)
                     if self.stop.now(epoch_end=True) or self.interrupt.signum is not None or self.stop.budget_spent():
@@ -253,15 +254,16 @@ class FitLoop:
                 model.train_step(batch)
                 ran = True
                 position.done(step + 1)
-                if step_val is not None and stepper.micro_last:
+                if step_val is not None and stepper.window.micro_last:
                     step_val.after_step(step + 1, epoch)  # before the batch's hooks: a backup there holds it
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
                 if model.stop_training if local else self.stop.now():
                     break
-                if budget is not None and stepper.micro_last and stepper.global_step >= budget:
+                if budget is not None and stepper.window.micro_last and stepper.global_step >= budget:
                     break  # the step budget (a host-side count): the epoch ends here
-                if stepper.micro_last and (not local or interrupt.signum is not None) and self.stop.at_boundary():
+                if (stepper.window.micro_last and (not local or interrupt.signum is not None)
+                        and self.stop.at_boundary()):
                     break
         position.leave()
         if self.stop.interrupted:
@@ -275,7 +277,7 @@ class FitLoop:
         logs = totals.result()
         phases.adopt(totals)
         # The LR the epoch's last step used (a per-step scheduler has moved it on since).
-        logs.update(_lr_logs(stepper.lrs_used or model.optimizer.param_groups, self.lr_keys))
+        logs.update(_lr_logs(stepper.scheduling.lrs_used or model.optimizer.param_groups, self.lr_keys))
         return logs
 
     def _warn_ran_out(self, epoch: int) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.optim import lr_scheduler
 
 from fitkit.training.budget import planned_scheduler
-from fitkit.training.stepper import is_timm_scheduler
+from fitkit.training.scheduling import is_timm_scheduler, plateau_of
 
 __all__ = ["OPTIMIZERS", "resolve_optimizer", "resolve_scheduler", "current_lr", "check_plateau_mode"]
 
@@ -211,10 +211,7 @@ def check_plateau_mode(scheduler: Any) -> None:
         ...
         ValueError: compile(scheduler=ReduceLROnPlateau(mode='max')) is stepped on val_loss ...
     """
-    plateau = scheduler if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau) else None
-    if plateau is None and is_timm_scheduler(scheduler):
-        inner = getattr(scheduler, "lr_scheduler", None)
-        plateau = inner if isinstance(inner, lr_scheduler.ReduceLROnPlateau) else None
+    plateau = plateau_of(scheduler)
     if plateau is None or plateau.mode == "min":
         return
     raise ValueError(

@@ -200,7 +200,7 @@ class SchedulerPart(Part):
         self.model, self.stepper = model, model.stepper
 
     def state_dict(self) -> dict[str, Any]:
-        sched = None if self.stepper is None else self.stepper.scheduler
+        sched = None if self.stepper is None else self.stepper.scheduling.scheduler
         return {"scheduler": sched.state_dict() if sched is not None else None,
                 "scheduler_class": type(sched).__name__ if sched is not None else None}  # fmt: skip
 
@@ -220,26 +220,26 @@ class SchedulerPart(Part):
             "_last_lr": (lambda v: numbers(v) and (groups is None or len(v) == groups), lrs),
         }
         out = typed_problems(saved, spec, where, optional=frozenset(spec))
-        mine = None if self.stepper is None else self.stepper.scheduler
+        mine = None if self.stepper is None else self.stepper.scheduling.scheduler
         if not out and mine is not None and state.get("scheduler_class") == type(mine).__name__:
             out = kind_problems(saved, mine.state_dict(), where, lists=False)
         return out
 
     def differences(self, state: Mapping[str, Any]) -> list[str]:
         stepper = self.stepper
-        if stepper is not None and stepper.planned is not None:  # not built yet: it gets the state at birth
+        if stepper is not None and stepper.scheduling.planned is not None:  # not built yet: it gets the state at birth
             return []
-        return scheduler_differences(None if stepper is None else stepper.scheduler, state)
+        return scheduler_differences(None if stepper is None else stepper.scheduling.scheduler, state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         stepper, saved = self.stepper, state["scheduler"]
         if stepper is None:
             return
-        if saved is not None and stepper.scheduler is not None:
-            stepper.scheduler.load_state_dict(saved)
-        elif stepper.planned is not None:
-            stepper.keep_scheduler_state(saved)  # loaded once the first fit has built it
-        if stepper.global_step and stepper.scheduler is not None:
+        if saved is not None and stepper.scheduling.scheduler is not None:
+            stepper.scheduling.scheduler.load_state_dict(saved)
+        elif stepper.scheduling.planned is not None:
+            stepper.scheduling.keep_scheduler_state(saved)  # loaded once the first fit has built it
+        if stepper.global_step and stepper.scheduling.scheduler is not None:
             # The optimizer did step, in another process: tell torch's scheduler so, or its
             # "scheduler.step() before optimizer.step()" check warns when the resumed epoch
             # has no batch left to run.

@@ -157,9 +157,10 @@ def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | Non
     accumulation = fit_accumulation or stepper.accumulation_schedule or (lambda epoch: k)
     batches = train.num_batches
     total = _budget.planned_steps(batches, accumulation, epochs, max_steps)
-    if stepper.planned is not None and total is None:
+    planned = stepper.scheduling.planned
+    if planned is not None and total is None:
         raise ValueError(
-            f"compile(scheduler=...) is a factory that takes `{stepper.planned.keyword}`, but the number of "
+            f"compile(scheduler=...) is a factory that takes `{planned.keyword}`, but the number of "
             f"optimizer steps of this fit is unknown: the training data ({type(train.batches).__name__}) has "
             "no length. Fix: pass `max_steps=` (or `steps_per_epoch=`) to fit."
         )

@@ -26,8 +26,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from fitkit.callbacks.logkeys import per_validation
 from fitkit.checks import check_int, check_number
 from fitkit.training import checkpoint as _checkpoint
@@ -136,14 +134,6 @@ def record_validation(history: Any, callbacks: Any, step: int, epoch: int,
     return logs
 
 
-def _step_plateau(stepper: Any, val_logs: dict[str, float]) -> None:
-    """A compiled ``ReduceLROnPlateau`` (epoch interval) steps on each validation's loss."""
-    sched = stepper.scheduler
-    if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) and stepper.interval == "epoch":
-        if "loss" in val_logs:
-            sched.step(val_logs["loss"])
-
-
 class StepValidation:
     """The validations of one fit with ``validation_interval`` (one per ``fit`` call).
 
@@ -184,7 +174,7 @@ class StepValidation:
             val_logs = EvalLoop(self.model, self.val, self.callbacks, self.steps, what="validation_data").run()
         finally:
             _checkpoint.set_rng_state(rng)
-        _step_plateau(stepper, val_logs)
+        stepper.scheduling.step_on_validation(epoch, val_logs)  # a compiled ReduceLROnPlateau
         record_validation(self.history, self.callbacks, self.last_step, epoch, val_logs)
 
     def epoch_logs(self, epoch: int) -> dict[str, float] | None:

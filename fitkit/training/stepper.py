@@ -1,4 +1,4 @@
-"""The optimizer step: accumulation window, GradScaler, clipping, skips, scheduler, step count.
+"""The optimizer step: accumulation window, GradScaler, clipping, skips, step count.
 
 One :class:`Stepper` per compiled model. ``fit`` hands it the epoch's batches
 (:meth:`Stepper.micro_batches` groups them into accumulation windows and weights each
@@ -7,6 +7,13 @@ micro-batch by its share of the window), ``train_step`` calls :meth:`Stepper.bac
 ``its denominator / the window's`` (rows, sum of sample weights, or tokens that count: see
 :mod:`fitkit.losses.denominators`), so a step equals one step on the whole window, a short last
 window included. Nothing here reads a device value on the host.
+
+Its state, by lifetime: what lives with the compiled model is the stepper's own (the optimizer,
+the GradScaler, clipping, ``global_step``), and so is the LR scheduler's driver
+(:class:`~fitkit.training.scheduling.SchedulerDriver`, :attr:`Stepper.scheduling`); what one
+``fit`` hands it lives in a :class:`FitHooks` (:attr:`Stepper.fit`, made by
+:meth:`Stepper.fitting` and dropped when the fit ends); what one optimizer step accumulates
+lives in a :class:`Window` (:attr:`Stepper.window`).
 
 A step can be skipped on the device, with no host read: the fp16 GradScaler's ``found_inf``
 and a callback's device-side veto (``model.skip_optimizer_step(when=flag)``, used by
@@ -21,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,32 +38,17 @@ from fitkit import distributed as _distributed
 from fitkit import nest
 from fitkit.devices import NO_CONTEXT
 from fitkit.training.accumulation import AccumulationSchedule
-from fitkit.training.budget import PlannedScheduler
+from fitkit.training.scheduling import SchedulerDriver
 
-__all__ = ["Stepper", "is_timm_scheduler"]
+if TYPE_CHECKING:
+    from fitkit.distributed import Parallel
 
+__all__ = ["Stepper", "FitHooks", "Window"]
 
-def is_timm_scheduler(scheduler: Any) -> bool:
-    """Whether ``scheduler`` follows timm's protocol (``step(epoch, metric)``, ``step_update``).
-
-    A class is not a scheduler but a factory (``scheduler=CosineLRScheduler`` would be called on
-    the optimizer), though its functions answer to the same names.
-
-    Example:
-        >>> class Cosine:
-        ...     def step(self, epoch, metric=None): ...
-        ...     def step_update(self, num_updates, metric=None): ...
-        >>> is_timm_scheduler(Cosine()), is_timm_scheduler(Cosine), is_timm_scheduler(object())
-        (True, False, False)
-    """
-    return (
-        not isinstance(scheduler, type)
-        and callable(getattr(scheduler, "step_update", None))
-        and callable(getattr(scheduler, "step", None))
-    )
+Batch = tuple[Any, Any, Any]  # (x, y, sample_weight), on the device
 
 
-def _batch_weight(batch: tuple[Any, Any, Any]) -> Any:
+def _batch_weight(batch: Batch) -> Any:
     x, y, w = batch
     return w.sum() if w is not None else nest.rows(y if y is not None else x)
 
@@ -67,13 +59,74 @@ def _nonzero(total: Any) -> Any:
     return total or 1
 
 
+class Window:
+    """The accumulation window of the coming optimizer step: what lives one step.
+
+    The stepper fills it batch by batch and empties it at the step; a fit and a
+    ``train_on_batch`` step each start from an empty one of their own (:meth:`Stepper.fitting`,
+    :meth:`Stepper.step_of_its_own`).
+
+    Attributes:
+        micro_last: the current micro-batch closes the window (its ``optimizer_step`` steps).
+        micro_scale: its share of the window's denominator (a float, or a device tensor under
+            torchrun); ``None``: it is the whole window.
+        loss: the window's loss so far, detached, on the device (``model.step_loss``).
+        skip_requested: a host veto of the coming step (``model.skip_optimizer_step()``).
+        veto: a device bool: skip the coming step where it is true (``skip_optimizer_step(when=)``).
+
+    Example:
+        >>> w = Window()
+        >>> w.micro_last, w.micro_scale, w.loss, w.skip_requested, w.veto
+        (True, None, None, False, None)
+    """
+
+    __slots__ = ("micro_last", "micro_scale", "loss", "skip_requested", "veto")
+
+    def __init__(self) -> None:
+        self.micro_last = True
+        self.micro_scale: Any = None
+        self.loss: torch.Tensor | None = None
+        self.skip_requested = False
+        self.veto: torch.Tensor | None = None
+
+
+class FitHooks:
+    """What one ``fit`` hands its stepper: made by :meth:`Stepper.fitting`, dropped at its end.
+
+    Args:
+        before_step: ``on_backward_end``, run before each of the fit's optimizer steps, or
+            ``None`` (no callback listens; outside a fit).
+        stop_training: under torchrun, whether this rank wants to stop: the ranks agree on it
+            and on a host veto after ``before_step``; ``None``: they do not agree there.
+        validates: whether the fit validates at all (the per-epoch scheduler step reads it).
+
+    Attributes:
+        host_rows: under torchrun, ``batch index -> rows of that global batch`` for the running
+            epoch when the host knows them (bound to this rank's shards of the training data).
+        stop_agreed: a stop on some rank, agreed at the last step.
+
+    Example:
+        >>> hooks = FitHooks()  # outside a fit: no hook, no stop query
+        >>> hooks.before_step, hooks.validates, hooks.host_rows, hooks.stop_agreed
+        (None, False, None, False)
+    """
+
+    __slots__ = ("before_step", "stop_training", "validates", "host_rows", "stop_agreed")
+
+    def __init__(self, before_step: Callable[[], None] | None = None,
+                 stop_training: Callable[[], bool] | None = None, validates: bool = False):  # fmt: skip
+        self.before_step, self.stop_training, self.validates = before_step, stop_training, validates
+        self.host_rows: Callable[[int], int] | None = None
+        self.stop_agreed = False  # a fit starts with no stop agreed
+
+
 class Stepper:
     """Owns everything between ``loss`` and the next weights.
 
     Args:
         optimizer: the compiled optimizer.
-        scheduler: a torch LR scheduler, a timm scheduler, a
-            :class:`~fitkit.training.budget.PlannedScheduler` (built by :meth:`build_planned`), or ``None``.
+        scheduler: the LR scheduler, or ``None``: see
+            :class:`~fitkit.training.scheduling.SchedulerDriver`, which holds it.
         scheduler_interval: ``"epoch"`` or ``"step"`` (torch schedulers; timm ones get both).
         precision: ``"16-mixed"`` adds a ``GradScaler``.
         device: the model's device.
@@ -96,13 +149,11 @@ class Stepper:
         accumulation: int | AccumulationSchedule = 1,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
-        parallel: Any = None,
-        weigh: Any = None,
+        parallel: Parallel | None = None,
+        weigh: Callable[[Batch], Any] | None = None,
     ):
-        # a factory built at the first fit with the planned step count (fitkit.training.budget.PlannedScheduler)
-        self.planned = scheduler if isinstance(scheduler, PlannedScheduler) else None
-        scheduler = None if self.planned is not None else scheduler
-        self.optimizer, self.scheduler, self.interval = optimizer, scheduler, scheduler_interval
+        self.optimizer = optimizer
+        self.scheduling = SchedulerDriver(optimizer, scheduler, scheduler_interval)  # the LR scheduler and its steps
         self.precision = precision
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
         # micro-batches per step by epoch (an AccumulationSchedule), applied at epoch begin
@@ -112,21 +163,11 @@ class Stepper:
         self.parallel = parallel
         self._steps = 0  # steps taken, minus the device-side skips not yet read (see global_step)
         self._device_skips: torch.Tensor | None = None  # steps skipped on the device, not yet read
-        self.veto: torch.Tensor | None = None  # device bool: skip the coming step where True
         self.takes_found_inf = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        self.micro_last, self.micro_scale = True, None  # the current micro-batch's place in its window
-        self.skip_requested = False
-        self.window_loss: torch.Tensor | None = None  # the window's loss so far (detached)
         self.grad_norm: torch.Tensor | None = None
-        self.lrs_used: list[Any] | None = None  # the LRs of the last step, before a scheduler moved them
-        self.stop_agreed = False
-        self.host_rows: Any = None  # under torchrun: batch index -> rows of that global batch, if known
-        self.validates = False  # whether the running fit validates at all (see fitting())
-        # The running fit's on_backward_end and stop query (see fitting(); None outside a fit).
-        self._before_step: Any = None
-        self._stop_training: Any = None
-        self.timm = is_timm_scheduler(scheduler)
-        self.weigh: Any = weigh or _batch_weight  # batch -> the denominator of its mean loss
+        self.window = Window()  # the coming step's accumulation window
+        self.fit = FitHooks()  # the running fit's hooks (see fitting()); outside a fit, none
+        self.weigh: Callable[[Batch], Any] = weigh or _batch_weight  # batch -> the denominator of its mean loss
         self._stepped = True
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
         # it ran, so a skipped step does not advance the scheduler (no extra host sync).
@@ -153,34 +194,6 @@ class Stepper:
         flag = flag.detach().reshape(()).to(torch.int64)
         self._device_skips = flag if self._device_skips is None else self._device_skips + flag
 
-    def set_scheduler(self, scheduler: Any) -> None:
-        """Replace the scheduler (``None``: the LR moves only by callbacks)."""
-        self.scheduler, self.timm = scheduler, is_timm_scheduler(scheduler)
-
-    def build_planned(self, total: int | None, resolve: Any) -> None:
-        """Build the :class:`~fitkit.training.budget.PlannedScheduler` with ``total`` optimizer steps
-        (the start of the first fit; ``resolve(scheduler, optimizer, interval)`` checks it),
-        with the state a checkpoint left for it, if any."""
-        planned = self.planned
-        if planned is None or total is None:
-            return
-        # A restored run: the factory's first step (a warmup's lr 0, OneCycle's momentum) must not
-        # overwrite the hyper-parameters the optimizer was restored with; the scheduler gets its
-        # state at birth and the groups are put back as they were loaded.
-        loaded = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        sched = resolve(planned.build(self.optimizer, total), self.optimizer, self.interval)
-        if planned.state is not None and sched is not None:
-            sched.load_state_dict(planned.state)
-            for group, hyper in zip(self.optimizer.param_groups, loaded, strict=True):
-                group.update(hyper)
-        self.set_scheduler(sched)
-        self.planned = None
-
-    def keep_scheduler_state(self, state: dict[str, Any]) -> None:
-        """A checkpoint's scheduler state, loaded before the planned scheduler is built."""
-        if self.planned is not None:
-            self.planned.keep(state)
-
     def _mark_stepped(self, *_: Any) -> None:
         self._stepped = True
 
@@ -190,17 +203,19 @@ class Stepper:
             self._hook.remove()
 
     # -- the accumulation window ---------------------------------------------------------------
-    def micro_batches(self, batches: Iterator[Any], start: int, stop: Any) -> Iterator[tuple[int, Any]]:
+    def micro_batches(self, batches: Iterator[Batch], start: int,
+                      stop: Callable[[], bool]) -> Iterator[tuple[int, Batch]]:  # fmt: skip
         """``(batch_index, batch)`` from ``start``, each micro-batch's window place set.
 
         ``stop()`` is asked after each batch of a window; a stop ends the epoch there.
         """
         if self.accumulation == 1 and self.parallel is None:  # every batch is a window
-            self.micro_last, self.micro_scale = True, None
+            window = self.window
+            window.micro_last, window.micro_scale = True, None
             return enumerate(batches, start)
         return self._windows(batches, start, stop)
 
-    def _windows(self, batches: Iterator[Any], start: int, stop: Any) -> Iterator[tuple[int, Any]]:
+    def _windows(self, batches: Iterator[Batch], start: int, stop: Callable[[], bool]) -> Iterator[tuple[int, Batch]]:
         k = self.accumulation
         step = start
         while True:
@@ -214,23 +229,20 @@ class Stepper:
             if self.parallel is None:
                 total = _nonzero(sum(sizes))
             else:  # no collective when the sizes are rows that every rank's host knows
-                total = _distributed.global_share(sizes, _distributed.known_rows(self.host_rows, sizes, step))
+                total = _distributed.global_share(sizes, _distributed.known_rows(self.fit.host_rows, sizes, step))
             for i, batch in enumerate(group):
-                self.micro_scale = sizes[i] / total
-                self.micro_last = i == len(group) - 1
+                window = self.window
+                window.micro_scale = sizes[i] / total
+                window.micro_last = i == len(group) - 1
                 yield step, batch
                 step += 1
                 if stop():
                     return
 
-    def single_batch(self) -> None:
-        """A batch outside ``fit`` (``train_on_batch``) is a window of its own."""
-        self.micro_last, self.micro_scale = True, None
-
     @contextlib.contextmanager
-    def fitting(self, before_step: Any, stop_training: Any, validates: bool,
-                accumulation: AccumulationSchedule | None = None) -> Iterator[None]:  # fmt: skip
-        """Entered once per ``fit``: the fit's hook and stop query for each of its steps.
+    def fitting(self, before_step: Callable[[], None] | None, stop_training: Callable[[], bool] | None,
+                validates: bool, accumulation: AccumulationSchedule | None = None) -> Iterator[None]:  # fmt: skip
+        """Entered once per ``fit``: the fit's :class:`FitHooks` for each of its steps.
 
         ``before_step()`` (``on_backward_end``, or ``None`` when no callback listens) runs
         before each optimizer step of the fit; under torchrun ``stop_training()`` tells whether
@@ -238,83 +250,70 @@ class Stepper:
         (``None``: the hook vetoes on the device only, ``Callback.device_veto_only``, and the
         ranks do not agree there). ``validates``: whether the fit validates at all (the per-epoch
         scheduler step reads it). ``accumulation``: the fit's own schedule (a
-        ``GradientAccumulationScheduler``), or ``None``. All are put back on exit.
+        ``GradientAccumulationScheduler``), or ``None``.
 
-        What the fit hands the stepper lives as long as the fit: its epochs' ``host_rows``
-        (bound to this rank's shards of the training data: on CUDA, the data's device copy) and
-        its window (the window's loss, a pending veto, the micro-batch's place) start empty and
-        are put back on exit, also when the fit raises (inside a window: it would carry into the
-        next fit).
+        What the fit hands the stepper lives as long as the fit: its hooks, its epochs'
+        ``host_rows`` (bound to this rank's shards of the training data: on CUDA, the data's
+        device copy) and its :class:`Window` (the window's loss, a pending veto, the micro-batch's
+        place) start afresh and are dropped on exit, also when the fit raises (inside a window:
+        it would carry into the next fit); the accumulation in effect before is put back.
         """
-        outer = (self._before_step, self._stop_training, self.validates, self.accumulation,
-                 self.accumulation_schedule, self.host_rows, self._window())  # fmt: skip
-        self._before_step, self._stop_training, self.validates = before_step, stop_training, validates
-        self.stop_agreed = False  # a fit starts with no stop agreed
-        self._set_window(_NO_WINDOW)
+        outer = self.fit, self.window, self.accumulation, self.accumulation_schedule
+        self.fit, self.window = FitHooks(before_step, stop_training, validates), Window()
         if accumulation is not None:
             self.accumulation_schedule = accumulation
         try:
             yield
         finally:
-            (self._before_step, self._stop_training, self.validates, self.accumulation,
-             self.accumulation_schedule, self.host_rows, window) = outer  # fmt: skip
-            self._set_window(window)
-
-    def _window(self) -> tuple[Any, ...]:
-        """The running window: ``(micro_last, micro_scale, window_loss, skip_requested, veto)``."""
-        return self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto
-
-    def _set_window(self, window: tuple[Any, ...]) -> None:
-        self.micro_last, self.micro_scale, self.window_loss, self.skip_requested, self.veto = window
+            self.fit, self.window, self.accumulation, self.accumulation_schedule = outer
 
     @contextlib.contextmanager
     def step_of_its_own(self) -> Iterator[None]:
         """One ``train_on_batch`` step: a window of its own, also inside a ``fit``.
 
         A callback may call ``train_on_batch`` inside a fit's accumulation window: the fit's
-        accumulated gradients, its window and its before-step hook are set aside meanwhile and
-        put back afterwards.
+        accumulated gradients, its window and its hooks are set aside meanwhile (the step runs
+        no ``before_step``) and put back afterwards.
         """
-        window, before_step = self._window(), self._before_step
+        outer = self.fit, self.window
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grads = [p.grad for p in params]
         for p in params:
             p.grad = None
-        self._set_window(_NO_WINDOW)
-        self._before_step = None
+        self.fit, self.window = FitHooks(), Window()
         try:
             yield
         finally:
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
-            self._set_window(window)
-            self._before_step = before_step
+            self.fit, self.window = outer
 
-    def begin_epoch(self, epoch: int | None = None, host_rows: Any = None) -> None:
+    def begin_epoch(self, epoch: int | None = None, host_rows: Callable[[int], int] | None = None) -> None:
         """A fit epoch starts: the LRs its last step used are recorded afresh, and an
         accumulation schedule sets this epoch's micro-batches per step.
 
         ``host_rows``: under torchrun, ``batch index -> rows of that global batch`` when the
         host knows them (fitkit's own shards), so a window's global size needs no all-reduce.
         """
-        self.lrs_used = None
-        self.host_rows = host_rows
+        self.scheduling.keep_lrs_used(None)
+        self.fit.host_rows = host_rows
         if self.accumulation_schedule is not None and epoch is not None:
             self.accumulation = self.accumulation_schedule(epoch)
 
-    def no_sync(self, module: nn.Module):
+    def no_sync(self, module: nn.Module) -> Any:
         """Non-final micro-batches of a window skip DDP's / FSDP's gradient all-reduce."""
-        if self.parallel is None or self.micro_last:
+        if self.parallel is None or self.window.micro_last:
             return NO_CONTEXT
         return self.parallel.no_sync(module)
 
     # -- backward and step -----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` scaled by the micro-batch's share of its window (and the scaler)."""
-        if self.micro_scale is not None:
-            loss = loss * self.micro_scale
+        window = self.window
+        if window.micro_scale is not None:
+            loss = loss * window.micro_scale
         part = loss.detach()
-        self.window_loss = part if self.window_loss is None else self.window_loss + part
+        window.loss = part if window.loss is None else window.loss + part
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
         else:
@@ -333,24 +332,26 @@ class Stepper:
         to veto this step. Under torchrun the veto and the fit's stop query are agreed over
         ranks here.
         """
-        if not self.micro_last:
+        window = self.window  # the hook may run a train_on_batch: it puts this window back
+        if not window.micro_last:
             return False
         opt = self.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
-        before_step, stop_training = self._before_step, self._stop_training
+        fit = self.fit
+        before_step = fit.before_step
         if before_step is not None:
             before_step()
-            if self.parallel is not None and stop_training is not None:
+            if self.parallel is not None and fit.stop_training is not None:
                 # A veto or a stop on one rank holds for all: the ranks step and stop together.
-                agreed: Any = _distributed.any_rank(self.skip_requested, bool(stop_training()))
-                self.skip_requested, self.stop_agreed = agreed
-            elif self.parallel is not None and self.skip_requested:
+                agreed: Any = _distributed.any_rank(window.skip_requested, bool(fit.stop_training()))
+                window.skip_requested, fit.stop_agreed = agreed
+            elif self.parallel is not None and window.skip_requested:
                 _host_veto_unagreed()
-        self.window_loss = None
-        veto = None if self.veto is None else self._take_veto()
-        if self.skip_requested:  # a callback (e.g. TerminateOnNaN) vetoed this step
-            self.skip_requested = False
+        window.loss = None
+        veto = None if window.veto is None else self._take_veto()
+        if window.skip_requested:  # a callback (e.g. TerminateOnNaN) vetoed this step
+            window.skip_requested = False
             opt.zero_grad(set_to_none=True)
             if self.scaler is not None:
                 self.scaler.update()
@@ -363,7 +364,7 @@ class Stepper:
             opt.step()
             opt.zero_grad(set_to_none=True)
             self._stepped = True
-            if self.scheduler is None:  # nothing else counts steps: the common case inline (hot path)
+            if not self.scheduling.per_step:  # nothing else counts steps: the common case inline (hot path)
                 self._steps += 1
                 return True
             return self._count_step(opt, None)
@@ -373,17 +374,19 @@ class Stepper:
 
     def _take_veto(self) -> torch.Tensor | None:
         """The device veto of the coming step (agreed over ranks), or ``None``."""
-        veto, self.veto = self.veto, None
+        window = self.window
+        veto, window.veto = window.veto, None
         if veto is not None and self.parallel is not None:
             veto = _distributed.any_rank_on_device(veto)  # the ranks skip together (no host read)
         if veto is not None and not self.takes_found_inf and self.scaler is None:
-            self.skip_requested |= bool(veto)  # this optimizer cannot skip on the device: one host read
+            window.skip_requested |= bool(veto)  # this optimizer cannot skip on the device: one host read
             return None
         return veto
 
     def _count_step(self, opt: torch.optim.Optimizer, skipped: torch.Tensor | None) -> bool:
         """``global_step`` and a per-step scheduler after ``opt.step()``; whether it counted."""
-        per_step = self.scheduler is not None and (self.timm or self.interval == "step")
+        scheduling = self.scheduling
+        per_step = scheduling.per_step
         if skipped is not None and per_step:
             # The scheduler must not advance on a skipped step and its LR is a host number:
             # the one host read per step of fp16 / a device veto with a per-step scheduler.
@@ -393,12 +396,8 @@ class Stepper:
         if not self._stepped:
             return False  # the step was skipped (GradScaler or veto): nothing that counts steps moves
         self._steps += 1
-        if per_step:
-            self.lrs_used = [g["lr"] for g in opt.param_groups]
-            if self.timm:
-                self.scheduler.step_update(num_updates=self.global_step)
-            else:
-                self.scheduler.step()
+        if per_step:  # timm's step_update counts optimizer steps: it gets global_step
+            scheduling.step(self.global_step if scheduling.timm else None)
         return True
 
     def _optimizer_step(self, opt: torch.optim.Optimizer, veto: torch.Tensor | None) -> torch.Tensor | None:
@@ -432,44 +431,20 @@ class Stepper:
     def skip(self, when: torch.Tensor | None = None) -> None:
         """Veto the coming optimizer step (its gradients are dropped); ``when``: only where
         that device bool is true, decided on the device (several calls are or-ed)."""
+        window = self.window
         if when is None:
-            self.skip_requested = True
+            window.skip_requested = True
         else:
             when = when.detach().reshape(()).to(torch.bool)
-            self.veto = when if self.veto is None else self.veto | when
-
-    def step_epoch(self, epoch: int, logs: dict[str, float], validated: bool) -> None:
-        """The per-epoch scheduler step, after validation.
-
-        ``ReduceLROnPlateau`` steps on ``val_loss`` on epochs that validated, on ``loss`` when
-        fit has no validation at all, and not at all on epochs whose validation was not
-        scheduled. timm schedulers get ``step(epoch + 1, metric)``, as timm's training script,
-        with the same metric (``None`` on epochs without validation, and a timm plateau
-        scheduler is then not stepped).
-        """
-        sched = self.scheduler
-        if sched is None:
-            return
-        metric = logs.get("val_loss") if validated else None if self.validates else logs.get("loss")
-        if self.timm:
-            plateau = isinstance(getattr(sched, "lr_scheduler", None), torch.optim.lr_scheduler.ReduceLROnPlateau)
-            if metric is not None or not plateau:
-                sched.step(epoch + 1, metric)
-            return
-        if self.interval != "epoch":
-            return
-        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            if metric is not None:
-                sched.step(metric)
-        else:
-            sched.step()
+            window.veto = when if window.veto is None else window.veto | when
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self, record: bool = False) -> dict[str, Any]:
         """GradScaler state and the step count (the checkpoint's ``scaler`` and ``global_step``).
 
         ``record=True`` adds the per-step record (the last ``grad_norm``, the LRs used, the
-        window's place and loss, a pending veto): an in-process snapshot, as the LR finder's.
+        window's place, loss and host veto; not a device veto): an in-process snapshot, as the
+        LR finder's.
 
         Example:
             >>> opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
@@ -481,7 +456,10 @@ class Stepper:
         state: dict[str, Any] = {"scaler": None if self.scaler is None else self.scaler.state_dict(),
                                  "global_step": self.global_step}  # fmt: skip
         if record:
-            state["record"] = {k: getattr(self, k) for k in _RECORD}
+            window = self.window
+            state["record"] = {"grad_norm": self.grad_norm, "lrs_used": self.scheduling.lrs_used,
+                               "micro_last": window.micro_last, "micro_scale": window.micro_scale,
+                               "window_loss": window.loss, "skip_requested": window.skip_requested}  # fmt: skip
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -489,11 +467,15 @@ class Stepper:
         if state.get("scaler") is not None and self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.global_step = int(state["global_step"])
-        for k, v in state.get("record", {}).items():
-            setattr(self, k, v)
+        record = state.get("record")
+        if record is not None:
+            window = self.window
+            self.grad_norm = record["grad_norm"]
+            self.scheduling.keep_lrs_used(record["lrs_used"])
+            window.micro_last, window.micro_scale = record["micro_last"], record["micro_scale"]
+            window.loss, window.skip_requested = record["window_loss"], record["skip_requested"]
 
 
-# The per-step record that a step overwrites (``state_dict(record=True)``).
 def _host_veto_unagreed() -> None:
     raise RuntimeError(
         "A callback declaring `device_veto_only = True` vetoed an optimizer step on the host "
@@ -501,9 +483,3 @@ def _host_veto_unagreed() -> None:
         "on such a veto after on_backward_end, so they would step differently. Fix: pass the "
         "decision as a device tensor (skip_optimizer_step(when=flag)), or set device_veto_only = False."
     )
-
-
-# A window of its own with nothing pending: (micro_last, micro_scale, window_loss, skip_requested, veto).
-_NO_WINDOW = (True, None, None, False, None)
-
-_RECORD = ("grad_norm", "lrs_used", "micro_last", "micro_scale", "window_loss", "skip_requested")

@@ -76,4 +76,4 @@ class StopDecision:
             model.stop_training = self.agreement.at_epoch_end(model.stop_training)
             return model.stop_training
         stepper = model.stepper
-        return stepper is not None and stepper.stop_agreed
+        return stepper is not None and stepper.fit.stop_agreed
