@@ -17,7 +17,7 @@ __all__ = ["state_dict_differences", "optimizer_differences", "check_state_dict_
 
 # Param-group keys that are implementation switches torch added over versions, not what makes
 # one optimizer another: ignored when a file does not name its optimizer class.
-_SWITCHES = {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
+OPTIMIZER_SWITCHES = {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -153,7 +153,7 @@ def optimizer_differences(
 
 
 def _hyper_parameter_differences(i: int, saved: Mapping[str, Any], group: Mapping[str, Any]) -> list[str]:
-    theirs, mine = set(saved) - {"params"} - _SWITCHES, set(group) - {"params"} - _SWITCHES
+    theirs, mine = set(saved) - {"params"} - OPTIMIZER_SWITCHES, set(group) - {"params"} - OPTIMIZER_SWITCHES
     out = []
     if theirs != mine:
         out.append(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fitkit.files.content import is_count, is_number, typed_problems
-from fitkit.files.differences import _SWITCHES
+from fitkit.files.differences import OPTIMIZER_SWITCHES
 
 if TYPE_CHECKING:
     pass
@@ -178,7 +178,7 @@ def optimizer_problems(saved: Any, optimizer: Any, saved_class: Any) -> list[str
     same_class = optimizer is not None and saved_class == type(optimizer).__name__
     if out or not same_class or len(saved["param_groups"]) != len(optimizer.param_groups):
         return out  # another class or other groups: a difference (ValueError), reported there
-    needed = set(optimizer.defaults) - _SWITCHES - {"params"}
+    needed = set(optimizer.defaults) - OPTIMIZER_SWITCHES - {"params"}
     for i, (theirs, mine) in enumerate(zip(saved["param_groups"], optimizer.param_groups, strict=True)):
         at = f"{where}['param_groups'][{i}]"
         out += [f"{at} has no {k!r}" for k in sorted(needed - set(theirs)) if k in mine]
