@@ -1027,7 +1027,7 @@ class Model:
 
         With ``strategy="fsdp"`` gathering the state is a collective: call it on every rank.
         The file holds only tensors (no optimizer state); reload it with :meth:`load_weights`.
-        A path ending in ``.safetensors`` writes safetensors (``pip install fitkit[safetensors]``;
+        A path ending in ``.safetensors`` writes safetensors (``pip install torch-fitkit[safetensors]``;
         tied weights are stored once), readable by Hugging Face's and timm's tools.
 
         Args:
@@ -1197,7 +1197,7 @@ class Model:
             example_input: one input batch (tensor, tuple or dict, as ``fit`` passes ``x``);
                 moved to ``model.device``.
             format: ``"torch"`` (``torch.export.save``) or ``"onnx"`` (``torch.onnx.export``,
-                needs ``pip install fitkit[onnx]``).
+                needs ``pip install torch-fitkit[onnx]``).
             dynamic_batch: export a symbolic batch size instead of the example's.
 
         Returns:

@@ -14,8 +14,8 @@
   time); :mod:`~fitkit.callbacks.swap_ema`: Keras' ``SwapEMAWeights`` and ``compile(use_ema=True)``.
 - :mod:`~fitkit.callbacks.throughput`: ``ThroughputMonitor`` (samples / tokens per second, FLOPs, MFU).
 - :mod:`~fitkit.callbacks.profiler`: ``Profiler`` (``torch.profiler`` over a schedule of steps).
-- :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install fitkit[mlflow]``).
-- :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install fitkit[optuna]``).
+- :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install torch-fitkit[mlflow]``).
+- :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install torch-fitkit[optuna]``).
 
 The MLflow and Optuna callbacks import their library when they are created, not here.
 """

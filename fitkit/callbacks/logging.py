@@ -264,7 +264,7 @@ class TensorBoard(StatefulCallback):
         update_freq: ``"epoch"``, or an int number of batches.
 
     Raises:
-        ImportError: the ``tensorboard`` package is missing (``pip install fitkit[tensorboard]``).
+        ImportError: the ``tensorboard`` package is missing (``pip install torch-fitkit[tensorboard]``).
         ValueError: a bad ``update_freq``; ``log_dir`` is empty or an existing file.
 
     Example:
@@ -284,7 +284,7 @@ class TensorBoard(StatefulCallback):
         except ImportError:
             raise ImportError(
                 "The TensorBoard callback needs the `tensorboard` package. Install it with "
-                "`pip install fitkit[tensorboard]` (TensorFlow is not needed)."
+                "`pip install torch-fitkit[tensorboard]` (TensorFlow is not needed)."
             ) from None
         bad = isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
         if update_freq != "epoch" and bad:

@@ -1,4 +1,4 @@
-"""``MLflowLogger``: log a fit's parameters, metrics and files to MLflow (``fitkit[mlflow]``)."""
+"""``MLflowLogger``: log a fit's parameters, metrics and files to MLflow (``torch-fitkit[mlflow]``)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class MLflowLogger(StatefulCallback):
         tags: tags of the run (``{name: value}``).
 
     Raises:
-        ImportError: mlflow is not installed (``pip install fitkit[mlflow]``).
+        ImportError: mlflow is not installed (``pip install torch-fitkit[mlflow]``).
         ValueError: a ``log_every_n_steps`` that is not a positive int.
         TypeError: ``checkpoint`` is neither a path nor a ModelCheckpoint.
 
@@ -110,7 +110,7 @@ class MLflowLogger(StatefulCallback):
     ):
         super().__init__()
         if importlib.util.find_spec("mlflow") is None:
-            raise ImportError("MLflowLogger needs mlflow. Install it with `pip install fitkit[mlflow]`.")
+            raise ImportError("MLflowLogger needs mlflow. Install it with `pip install torch-fitkit[mlflow]`.")
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
@@ -349,7 +349,7 @@ class MLflowLogger(StatefulCallback):
                 except ImportError:
                     warnings.warn(
                         "MLflowLogger: the learning curves need matplotlib (`pip install "
-                        "fitkit[plot]`); history.png is not logged.",
+                        "torch-fitkit[plot]`); history.png is not logged.",
                         category=FitkitWarning, stacklevel=3,
                     )
                     return

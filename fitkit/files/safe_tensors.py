@@ -1,4 +1,4 @@
-"""safetensors weights files (``pip install fitkit[safetensors]``), tied weights included."""
+"""safetensors weights files (``pip install torch-fitkit[safetensors]``), tied weights included."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _safetensors(who: str):
     try:
         import safetensors.torch
     except ImportError:
-        raise ImportError(f"{who} needs safetensors. Install it with `pip install fitkit[safetensors]`.") from None
+        raise ImportError(f"{who} needs safetensors. Install it with `pip install torch-fitkit[safetensors]`.") from None
     return safetensors
 
 
@@ -36,7 +36,7 @@ def save_safetensors(state: Mapping[str, torch.Tensor], path: str | os.PathLike)
     of a shared storage are copied. The metadata also holds ``"fitkit_checksum"``.
 
     Raises:
-        ImportError: safetensors is missing (``pip install fitkit[safetensors]``).
+        ImportError: safetensors is missing (``pip install torch-fitkit[safetensors]``).
         TypeError: a value that is not a tensor.
         OSError: the file cannot be written (``errno.ENOSPC`` on a full disk); the old file
             is left as it was.

@@ -4,7 +4,7 @@
 ``no_grad``, with a dynamic batch dimension), then writes the ``ExportedProgram`` with
 ``torch.export.save`` (``format="torch"``, a ``.pt2`` file that ``torch.export.load`` reads
 back) or translates that same program to ONNX with ``torch.onnx.export`` (``format="onnx"``,
-the dynamo-based exporter, which needs ``onnxscript``; ``pip install fitkit[onnx]``).
+the dynamo-based exporter, which needs ``onnxscript``; ``pip install torch-fitkit[onnx]``).
 ``Model.export`` calls it with the model's module.
 """
 
@@ -168,7 +168,7 @@ def export(
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
         ValueError: an unknown ``format``.
-        ImportError: ``format="onnx"`` without onnx / onnxscript (``pip install fitkit[onnx]``).
+        ImportError: ``format="onnx"`` without onnx / onnxscript (``pip install torch-fitkit[onnx]``).
         RuntimeError: the module cannot be traced (the original error is chained as
             ``__cause__``), e.g. Python control flow on tensor values.
 
@@ -188,7 +188,7 @@ def export(
     if format == "onnx":
         for name in ("onnx", "onnxscript"):  # checked before anything is traced or written
             if importlib.util.find_spec(name) is None:
-                raise ImportError(f"export(format='onnx') needs {name}. Install it with `pip install fitkit[onnx]`.")
+                raise ImportError(f"export(format='onnx') needs {name}. Install it with `pip install torch-fitkit[onnx]`.")
     path = Path(path)
     program = _trace(module, example_input, bool(dynamic_batch))
     path.parent.mkdir(parents=True, exist_ok=True)

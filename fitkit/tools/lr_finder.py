@@ -89,7 +89,7 @@ class LRFinderResult:
     def plot(self, path: str | None = None):
         """Draw the smoothed loss against the learning rate (log scale), suggestion marked.
 
-        Needs matplotlib (``pip install fitkit[plot]``), as :meth:`fitkit.History.plot`.
+        Needs matplotlib (``pip install torch-fitkit[plot]``), as :meth:`fitkit.History.plot`.
 
         Args:
             path: if given, the figure is saved there as a PNG.
@@ -107,7 +107,7 @@ class LRFinderResult:
                 matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise ImportError("find_lr's plot needs matplotlib. Install it with `pip install fitkit[plot]`.") from None
+            raise ImportError("find_lr's plot needs matplotlib. Install it with `pip install torch-fitkit[plot]`.") from None
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.plot(self.lrs, self.losses, label="smoothed loss")
         if self.suggestion is not None:
