@@ -1,12 +1,11 @@
 """The example data ships inside the package: tiny Shakespeare is the GPT example's default."""
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
 from fitkit.examples import shakespeare
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def test_default_text_is_a_file_inside_the_package():
@@ -18,10 +17,10 @@ def test_default_text_is_a_file_inside_the_package():
     assert len(text) == 1_115_394 and text.startswith("First Citizen:\nBefore we proceed")
 
 
-def test_default_text_is_the_shared_copy():
-    if not SHARED.is_file():
-        pytest.skip(f"{SHARED} is absent")
-    assert shakespeare.default_text_path().read_bytes() == SHARED.read_bytes()
+def test_default_text_is_karpathys_file_byte_for_byte():
+    # SHA-256 of char-rnn's tinyshakespeare/input.txt (the file nanoGPT's prepare.py fetches).
+    digest = hashlib.sha256(shakespeare.default_text_path().read_bytes()).hexdigest()
+    assert digest == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 
 def test_pyproject_ships_the_text():

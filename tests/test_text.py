@@ -1,19 +1,17 @@
 """Tests for fitkit.text: the character tokenizer and the next-token dataset."""
 
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from fitkit.examples.shakespeare import default_text_path
 from fitkit.text import CharTokenizer, NextTokenDataset
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = default_text_path()  # the copy inside the package
 
 
 def test_tokenizer_round_trips_tinyshakespeare():
-    if not SHAKESPEARE.exists():
-        pytest.skip(f"{SHAKESPEARE} is absent")
     text = SHAKESPEARE.read_text(encoding="utf-8")
     tok = CharTokenizer.from_text(text)
     assert tok.vocab_size == 65  # the figure nanoGPT's prepare.py prints for this file
