@@ -468,7 +468,7 @@ class Model:
         x: Any = None,
         y: Any = None,
         *,
-        batch_size: int | None = 32,
+        batch_size: int | None = None,
         epochs: int | None = None,
         verbose: int | str = "auto",
         callbacks: list[Callback] | None = None,
@@ -500,7 +500,9 @@ class Model:
                 and ``y`` are cast to the module's parameter dtype (float64 NumPy arrays become
                 float32, as Keras casts to ``floatx``); other sources' batches are not cast.
             y: targets ``(N, ...)`` for in-memory ``x``; ``None`` for the other kinds.
-            batch_size: samples per batch (in-memory ``x`` and Datasets); per process under
+            batch_size: samples per batch (in-memory ``x`` and Datasets; ``None``: 32, as Keras); refused
+                (``ValueError``) with a ``DataLoader`` or another iterable of batches, which batch
+                themselves (``history.params["batch_size"]`` is then the loader's own); per process under
                 torchrun.
             epochs: index of the last epoch (not a count; see above). ``None`` (the
                 default): 1, or unbounded when ``max_steps`` is given (Lightning's rule).

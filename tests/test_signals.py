@@ -269,7 +269,7 @@ def _handlers() -> tuple:
     return signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
 
 
-def test_sigint_in_process_raises_keyboard_interrupt_after_on_train_end_and_close(tmp_path):
+def test_sigint_in_process_raises_keyboard_interrupt_after_on_train_end_and_close(tmp_path, capsys):
     model, closes, before = _model(), _Closes(), _handlers()
     w0 = model.module.weight.detach().clone()
     with pytest.raises(KeyboardInterrupt):
@@ -277,16 +277,20 @@ def test_sigint_in_process_raises_keyboard_interrupt_after_on_train_end_and_clos
     assert model.global_step == 2  # the step that was running finished; no step after it
     assert not torch.equal(model.module.weight, w0)
     assert closes.events == ["on_train_end at 2", "close"]
+    assert capsys.readouterr().err == ("fitkit: SIGINT received: stopping after optimizer step 2, running "
+                                       "on_train_end, then raising KeyboardInterrupt.\n")  # no backup: none asked
     assert _handlers() == before
     assert model.module.training and torch.is_grad_enabled()
 
 
-def test_sigterm_in_process_raises_system_exit_143_with_the_backup_of_that_step(tmp_path):
+def test_sigterm_in_process_raises_system_exit_143_with_the_backup_of_that_step(tmp_path, capsys):
     model, before = _model(), _handlers()
     backup = BackupAndRestore(tmp_path / "b")
     with pytest.raises(SystemExit) as info:
         model.fit(*_data(), batch_size=4, epochs=3, verbose=0, callbacks=[_SendAt(8, signal.SIGTERM), backup])
     assert info.value.code == 143
+    assert capsys.readouterr().err == ("fitkit: SIGTERM received: stopping after optimizer step 8, writing a "
+                                       "backup, running on_train_end, then exiting with status 143.\n")
     assert _handlers() == before
     state = torch.load(tmp_path / "b" / "backup.pt", weights_only=True)
     assert (state["global_step"], state["epoch"], state["step_in_epoch"]) == (8, 1, 2)

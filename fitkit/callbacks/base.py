@@ -429,6 +429,11 @@ class CallbackList:
         """At a SIGTERM / SIGINT during fit: let backups write the state of this step boundary."""
         self._call("_save_on_interrupt")
 
+    @property
+    def backs_up(self) -> bool:
+        """Whether a callback writes a backup at a SIGTERM / SIGINT (a ``BackupAndRestore``)."""
+        return bool(self._hooks["_save_on_interrupt"])
+
     def close(self, finished: bool = True) -> None:
         """Call every callback's :meth:`Callback.close`, each even if another one raises.
 

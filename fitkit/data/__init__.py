@@ -34,6 +34,7 @@ from fitkit.data.loaders import (  # noqa: F401
     _IterableBatches,
     _WeightedDataset,
     as_loader,
+    batches_itself,
     device_batch,
     unpack_batch,
     validation_loader,
@@ -41,6 +42,7 @@ from fitkit.data.loaders import (  # noqa: F401
 
 __all__ = [
     "as_loader",
+    "batches_itself",
     "validation_loader",
     "DeviceLoader",
     "device_batch",

@@ -343,6 +343,56 @@ def _map_style(x: Any) -> bool:
     return _is_map_dataset(x)
 
 
+def batches_itself(x: Any) -> bool:
+    """Whether ``x`` makes its own batches (a ``DataLoader``, or any other iterable of batches),
+    so that ``batch_size`` and ``shuffle`` cannot apply to it.
+
+    Example:
+        >>> batches_itself(DataLoader(torch.zeros(4, 2), batch_size=2)), batches_itself(torch.zeros(4, 2))
+        (True, False)
+        >>> batches_itself([(torch.zeros(2, 3), torch.zeros(2))]), batches_itself((np.zeros(3), np.zeros(3)))
+        (True, False)
+    """
+    if x is None or isinstance(x, (str, bytes, IterableDataset)) or _is_frame(x) or is_in_memory(x):
+        return False
+    if is_hf_dataset(x) or _is_map_dataset(x):
+        return False
+    return isinstance(x, Iterable)
+
+
+def _is_frame(x: Any) -> bool:
+    """A pandas ``DataFrame`` or ``Series`` (pandas is not imported for the check)."""
+    return type(x).__module__.partition(".")[0] == "pandas" and type(x).__name__ in ("DataFrame", "Series")
+
+
+def _from_frame(a: Any, name: str) -> Any:
+    """A pandas DataFrame / Series as a numpy array (as Keras accepts them); other values unchanged."""
+    if not _is_frame(a):
+        return a
+    out = a.to_numpy(copy=True)  # writable: pandas' copy-on-write arrays are read-only
+    if out.dtype.kind not in "biuf":
+        raise TypeError(
+            f"Expected `{name}` to hold numbers. Received a {type(a).__name__} whose values convert to numpy "
+            f"dtype {out.dtype}. Fix: encode the non-numeric columns (e.g. `pd.get_dummies`) or select the "
+            "numeric ones."
+        )
+    return out
+
+
+def _refuse_separate_y(x: Any) -> None:
+    """``y`` beside an ``x`` that is not arrays: the error with the fix for what ``x`` is."""
+    if isinstance(x, list):
+        raise TypeError(
+            "Expected `x` to be a tensor or numpy array (or a tuple / list / dict of them) beside a separate `y`. "
+            "Received: x a plain list (of numbers, or of batches). Fix: pass `np.asarray(x, dtype=np.float32)` "
+            "for rows of numbers; a list of `(x, y)` batches carries its own targets, so drop `y=`."
+        )
+    raise ValueError(
+        f"`y` must be None when `x` is a {type(x).__name__}: the targets come from its "
+        "batches. Fix: have it yield `(x, y)` batches and drop `y=`."
+    )
+
+
 def as_loader(
     x: Any,
     y: Any = None,
@@ -385,6 +435,7 @@ def as_loader(
     """
     cw = class_weights(class_weight)
     device = torch.device("cpu") if device is None else device
+    x, y = _from_frame(x, "x"), _from_frame(y, "y")
     if is_in_memory(x):
         if y is not None and not is_in_memory(y):
             raise TypeError(
@@ -411,10 +462,7 @@ def as_loader(
             source.to(device)  # one copy up front beats one per batch for data that fits
         return DeviceLoader(source, device, None, steps)
     if y is not None:
-        raise ValueError(
-            f"`y` must be None when `x` is a {type(x).__name__}: the targets come from its "
-            "batches. Fix: have it yield `(x, y)` batches and drop `y=`."
-        )
+        _refuse_separate_y(x)
     map_style = _map_style(x)
     if isinstance(x, (str, bytes)) or not isinstance(x, Iterable) and not map_style:
         raise TypeError(

@@ -22,7 +22,9 @@ def _safetensors(who: str):
     try:
         import safetensors.torch
     except ImportError:
-        raise ImportError(f"{who} needs safetensors. Install it with `pip install torch-fitkit[safetensors]`.") from None
+        raise ImportError(
+            f"{who} needs safetensors. Install it with `pip install torch-fitkit[safetensors]`."
+        ) from None
     return safetensors
 
 

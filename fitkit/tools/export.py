@@ -188,7 +188,9 @@ def export(
     if format == "onnx":
         for name in ("onnx", "onnxscript"):  # checked before anything is traced or written
             if importlib.util.find_spec(name) is None:
-                raise ImportError(f"export(format='onnx') needs {name}. Install it with `pip install torch-fitkit[onnx]`.")
+                raise ImportError(
+                    f"export(format='onnx') needs {name}. Install it with `pip install torch-fitkit[onnx]`."
+                )
     path = Path(path)
     program = _trace(module, example_input, bool(dynamic_batch))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -107,7 +107,9 @@ class LRFinderResult:
                 matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise ImportError("find_lr's plot needs matplotlib. Install it with `pip install torch-fitkit[plot]`.") from None
+            raise ImportError(
+                "find_lr's plot needs matplotlib. Install it with `pip install torch-fitkit[plot]`."
+            ) from None
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.plot(self.lrs, self.losses, label="smoothed loss")
         if self.suggestion is not None:

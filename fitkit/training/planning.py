@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from torch.utils.data import DataLoader
+
 from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import Callback, CallbackList
@@ -69,6 +71,8 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
              validation_batch_size: int | None, validation_freq: Any,
              max_steps: int | None = None, validation_interval: Any = None) -> FitPlan:  # fmt: skip
     """Check every argument of ``fit``, build its loaders and check its data (nothing changes)."""
+    _check_batches_itself(x, batch_size, "x", "batch_size")
+    _check_batches_itself(validation_data, validation_batch_size, "validation_data", "validation_batch_size")
     batch_size, verbose, callbacks = call_args(batch_size, steps_per_epoch, verbose, callbacks, "steps_per_epoch")
     epochs = _budget.check_max_steps(max_steps, epochs)
     check_int("initial_epoch", initial_epoch, 0)
@@ -118,7 +122,9 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
     by_epoch = validates and shown and interval is None
-    params = {"batch_size": batch_size, "do_validation": validates, "metrics": planned_keys(model, validates),
+    # A source that makes its own batches (a DataLoader, an iterable of batches) records its own size.
+    recorded = train.batch_size if _data.batches_itself(x) else batch_size
+    params = {"batch_size": recorded, "do_validation": validates, "metrics": planned_keys(model, validates),
               # the (0-based) epochs whose validation is scheduled
               "validation_epochs": schedule.epochs(initial_epoch, shown) if by_epoch and shown else [],
               "validation_interval": validation_interval,
@@ -128,6 +134,21 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     plan.interval = interval
     plan.accumulation = fit_accumulation
     return plan
+
+
+def _check_batches_itself(source: Any, size: int | None, name: str, size_name: str) -> None:
+    """``ValueError`` when a batch size is passed that a DataLoader would ignore (another size than its own).
+
+    An iterable of batches other than a DataLoader has no size to compare with: the size passed is
+    not used, and ``history.params["batch_size"]`` is ``None`` for it.
+    """
+    if size is None or not isinstance(source, DataLoader) or size == source.batch_size:
+        return
+    raise ValueError(
+        f"`{size_name}` applies to arrays and Datasets only: `{name}` is a DataLoader, which makes its own "
+        f"batches (batch_size={source.batch_size!r}), so {size_name}={size!r} would be ignored. Fix: drop "
+        f"`{size_name}=` and set the batch size on the DataLoader, or pass its Dataset instead."
+    )
 
 
 def _check_interval(value: Any, validation_freq: Any, validation_data: Any, validation_split: float) -> Any:

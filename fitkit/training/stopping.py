@@ -4,8 +4,11 @@ the ranks under torchrun (:class:`~fitkit.training.signals.RankAgreement`). One 
 
 from __future__ import annotations
 
+import signal
+import sys
 from typing import TYPE_CHECKING, Any
 
+from fitkit.distributed.group import is_rank_zero
 from fitkit.training.signals import RankAgreement
 
 if TYPE_CHECKING:
@@ -47,8 +50,20 @@ class StopDecision:
         """At the end of training: a signal not yet acted on writes its backup now."""
         if self.interrupt is not None and self.interrupt.signum is not None and not self.interrupted:
             self.interrupted = True
+            self._announce()
             if self.callbacks is not None:
                 self.callbacks.save_on_interrupt()
+
+    def _announce(self) -> None:
+        """One line on rank 0's standard error: the signal, the step it stops after, what it does."""
+        if not is_rank_zero():
+            return
+        signum = int(self.interrupt.signum or signal.SIGTERM)
+        name = signal.Signals(signum).name
+        backup = "writing a backup, " if self.callbacks is not None and self.callbacks.backs_up else ""
+        end = "raising KeyboardInterrupt" if signum == signal.SIGINT else f"exiting with status {128 + signum}"
+        print(f"fitkit: {name} received: stopping after optimizer step {self.model.global_step}, {backup}"
+              f"running on_train_end, then {end}.", file=sys.stderr, flush=True)
 
     def budget_spent(self) -> bool:
         """``max_steps`` optimizer steps are done (a resumed fit counts the checkpoint's)."""
@@ -59,6 +74,7 @@ class StopDecision:
         model = self.model
         if self.agreement.at_step_boundary(model.stop_training):
             self.interrupted = True
+            self._announce()
             if self.callbacks is not None:
                 self.callbacks.save_on_interrupt()  # at this step boundary, inside the epoch
             return True
