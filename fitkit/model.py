@@ -40,7 +40,7 @@ from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resol
 from fitkit.files.differences import check_state_dict_fits
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.losses.denominators import denominator, objective
-from fitkit.losses.outputs import own_loss, prediction_of, require_prediction, targets_of
+from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
 from fitkit.metrics import MetricSet
 from fitkit.tools.summary import summary_table
 from fitkit.training import checkpoint as _checkpoint
@@ -876,11 +876,14 @@ class Model:
         ``w`` is 1 without sample weights (see :mod:`fitkit.losses.denominators`). Override it to add
         terms (e.g. a regularizer); ``x`` is there for losses that need it. With
         ``compile(loss=None)``, a module output that carries its own ``"loss"`` (Hugging Face
-        models called with ``labels``) is the objective.
+        models called with ``labels``) is the objective. With a compiled loss and no ``y``, a dict
+        batch's ``"labels"`` are the targets (the Transformers Trainer's default ``label_names``), for
+        the metrics too; the default steps then leave ``labels`` out of the module's inputs, as the
+        Trainer does for a custom loss, so the model does not compute a loss of its own.
 
         Args:
             x: the batch's inputs.
-            y: its targets (``None`` if the batches have none).
+            y: its targets (``None`` if the batches have none: then ``x["labels"]`` for a dict ``x``).
             y_pred: the module's output.
             sample_weight: ``(B,)`` weights, per-position weights shaped like ``y``, or ``None``.
 
@@ -901,9 +904,11 @@ class Model:
                 "targets in the input dict as 'labels', `model.compile(loss=...)`, or override `compute_loss`."
             )
         if y is None:
+            y = targets_of(x, y)  # a dict batch's "labels" (Hugging Face's convention)
+        if y is None:
             raise ValueError(
-                "The loss needs targets, but the batch has no `y`. Fix: pass `y=` or yield "
-                "`(x, y)` batches, or override `compute_loss`."
+                "The loss needs targets, but the batch has no `y`. Fix: pass `y=`, yield "
+                "`(x, y)` batches, put the targets in a dict batch as 'labels', or override `compute_loss`."
             )
         if not isinstance(self.loss, MultiLoss) and not isinstance(y_pred, torch.Tensor):
             # A plain callable loss may read the whole structured output; fitkit's losses need
@@ -929,13 +934,13 @@ class Model:
         x, y, sample_weight = batch
         stepper = self._stepper or self._require_compiled("train_step")
         if stepper.plain:  # one process, float32: both contexts below would do nothing
-            y_pred = self._forward(x)
+            y_pred = self._forward(x if isinstance(x, torch.Tensor) else self._forward_inputs(x, y))
             loss = self.compute_loss(x, y, y_pred, sample_weight)
             self.backward(loss)
         else:
             with stepper.no_sync(self.module):
                 with self.autocast():
-                    y_pred = self._forward(x)
+                    y_pred = self._forward(x if isinstance(x, torch.Tensor) else self._forward_inputs(x, y))
                     loss = self.compute_loss(x, y, y_pred, sample_weight)
                 if self._parallel is not None and nest.rows(y if y is not None else x) == 0:
                     loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
@@ -944,11 +949,15 @@ class Model:
         self.update_metrics(loss, y_pred, y if y is not None else targets_of(x, y), sample_weight)
         self.optimizer_step()
 
+    def _forward_inputs(self, x: Any, y: Any) -> Any:
+        """The module's inputs (:func:`fitkit.losses.outputs.module_inputs`)."""
+        return module_inputs(x, y, self.loss is not None and self.default_compute_loss)
+
     def test_step(self, batch: tuple[Any, Any, Any]) -> None:
         """One batch of evaluation (eval mode, no grad): loss and metrics."""
         x, y, sample_weight = batch
         with self.autocast():
-            y_pred = self._forward(x)
+            y_pred = self._forward(x if isinstance(x, torch.Tensor) else self._forward_inputs(x, y))
             has_loss = self.loss is not None or not self.default_compute_loss or own_loss(y_pred) is not None
             # y=None still reaches compute_loss: an override may not need targets (autoencoders),
             # and the default one says that a compiled loss does.

@@ -202,3 +202,70 @@ def test_first_batch_errors_name_the_entries_of_a_dict_input():
     model.compile(loss=None)
     with pytest.raises(ValueError, match=r"module's forward.*'input_ids' int64 \(16, 13\).*'labels' int64 \(16,\)"):
         model.fit({"input_ids": torch.cat([ids, ids[:, :1]], 1), "labels": labels}, batch_size=16, verbose=0)
+
+
+# -- `labels` in a dict batch as the target of a compiled loss ------------------------------------
+class _Spy(nn.Module):
+    """A Hugging Face model that records the keyword names of every call."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.calls = inner, []
+
+    def forward(self, **inputs):
+        self.calls.append(sorted(inputs))
+        return self.inner(**inputs)
+
+
+def test_labels_in_a_dict_batch_are_the_target_of_a_compiled_loss_and_of_metrics():
+    ids, labels = _token_task(64, seed=4)
+    mask = torch.ones(64, T, dtype=torch.long)
+    model = fitkit.Model(_Spy(_bert(dropout=0.0)), device="cpu")
+    model.compile(optimizer=torch.optim.SGD(model.module.parameters(), lr=0.1), loss="cross_entropy",
+                  metrics=["accuracy"])
+    history = model.fit({"input_ids": ids, "attention_mask": mask, "labels": labels}, batch_size=16,
+                        epochs=1, shuffle=False, verbose=0)
+    # The Trainer's way with a custom loss: the model is not given `labels` (no loss of its own).
+    assert model.module.calls == [["attention_mask", "input_ids"]] * 5  # the check before step 1, 4 steps
+
+    # Plain PyTorch: the same four SGD steps on F.cross_entropy of the logits.
+    plain = _bert(dropout=0.0)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    losses = []
+    for i in range(0, 64, 16):
+        loss = F.cross_entropy(plain(input_ids=ids[i:i + 16], attention_mask=mask[i:i + 16]).logits, labels[i:i + 16])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    for (name, p), q in zip(model.module.inner.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+    assert history.history["loss"][0] == pytest.approx(sum(losses) / 4, abs=1e-6)
+
+    result = model.evaluate({"input_ids": ids, "attention_mask": mask, "labels": labels}, verbose=0)
+    with torch.no_grad():
+        logits = plain(input_ids=ids, attention_mask=mask).logits
+    assert result["loss"] == pytest.approx(float(F.cross_entropy(logits, labels)), abs=1e-6)
+    assert result["accuracy"] == pytest.approx(float((logits.argmax(-1) == labels).float().mean()), abs=1e-7)
+
+
+def test_a_datasets_dataset_with_a_labels_column_trains_with_a_compiled_loss():
+    datasets = pytest.importorskip("datasets")
+    ids, labels = _token_task(32, seed=5)
+    table = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()}).with_format("torch")
+    a, b = fitkit.Model(_bert(dropout=0.0), device="cpu"), fitkit.Model(_bert(dropout=0.0), device="cpu")
+    for m in (a, b):
+        m.compile(optimizer="sgd", loss="cross_entropy")
+    ha = a.fit(table, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    hb = b.fit({"input_ids": ids}, labels, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert ha.history == hb.history
+    for p, q in zip(a.module.parameters(), b.module.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_model_with_its_own_loss_still_gets_the_labels():
+    ids, labels = _token_task(16, seed=6)
+    model = fitkit.Model(_Spy(_bert(dropout=0.0)), device="cpu")
+    model.compile(optimizer="sgd", loss=None)
+    model.fit({"input_ids": ids, "labels": labels}, batch_size=16, epochs=1, verbose=0)
+    assert model.module.calls == [["input_ids", "labels"]] * 2  # the check before step 1, the step

@@ -211,7 +211,7 @@ def _rows(**extra):
 
 def test_dict_batch_with_keys_forward_does_not_take_lists_keys_and_parameters():
     model = fitkit.Model(TokenNet(), device="cpu")
-    model.compile("sgd", "cross_entropy")
+    model.compile("sgd", None)  # no compiled loss: `labels` go to forward, which does not take them
     before = model.module.emb.weight.clone()
     with pytest.raises(ValueError) as info:
         model.fit(DataLoader(_rows(labels=torch.tensor(1)), batch_size=2), verbose=0)
@@ -220,8 +220,12 @@ def test_dict_batch_with_keys_forward_does_not_take_lists_keys_and_parameters():
     assert ("Fix: a dict batch is passed as `forward(**batch)`, so its keys must be forward's parameters. "
             "Batch keys: ['input_ids', 'attention_mask', 'labels']; forward's parameters: "
             "(input_ids, attention_mask=None); not taken by forward: ['labels'].") in msg
-    assert "a collate_fn that returns (batch, batch.pop('labels'))" in msg
+    assert "needs a compiled loss (`compile(loss=...)`): the batch's `labels` are then its targets" in msg
     assert torch.equal(model.module.emb.weight, before) and model.global_step == 0
+    # The fix works: with a compiled loss, `labels` are its targets and forward never sees them.
+    model.compile("sgd", "cross_entropy")
+    model.fit(DataLoader(_rows(labels=torch.tensor(1)), batch_size=2), verbose=0)
+    assert model.global_step == 2
 
 
 def test_dict_batch_missing_a_required_parameter_is_named():

@@ -34,7 +34,7 @@ from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
 from fitkit.data import order as _order
 from fitkit.devices import accelerator_rng_state, set_accelerator_rng_state
-from fitkit.losses.outputs import own_loss, prediction_of, require_prediction, targets_of
+from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
 from fitkit.training.modes import modes
 
 if TYPE_CHECKING:
@@ -274,9 +274,15 @@ def dict_keys_fix(module: Any, x: Any) -> str | None:
     text += (". Drop or rename those keys (e.g. `Dataset.remove_columns` / `rename_column`, or a `collate_fn`), "
              "or add them to forward")
     if "labels" in extra:
-        text += ("; a module without a `labels` parameter gets its targets from `(inputs, labels)` batches, "
-                 "e.g. a collate_fn that returns (batch, batch.pop('labels'))")
+        text += ("; a module without a `labels` parameter needs a compiled loss (`compile(loss=...)`): "
+                 "the batch's `labels` are then its targets and are not passed to forward")
     return text
+
+
+def _inputs_and_targets(model: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    """The module's inputs and the loss's targets: a dict batch's ``labels`` when a loss is compiled."""
+    compiled = model.loss is not None and model.default_compute_loss
+    return module_inputs(x, y, compiled), targets_of(x, y) if compiled else y
 
 
 def first_batch_check(
@@ -301,9 +307,10 @@ def first_batch_check(
         return x
     # Training batches build the graph once, to see that the loss has a gradient to follow.
     grad = wants_grad_check(model, training)
+    inputs, y = _inputs_and_targets(model, x, y)
     with modes(module, training=False, grad=grad), model.autocast():
         try:
-            y_pred = call(module, x)
+            y_pred = call(module, inputs)
         except Exception as e:
             if model.loss is None:
                 _check_own_labels(module, x, y_all)  # the module's own loss met a label out of range?

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["prediction_of", "require_prediction", "own_loss", "targets_of"]
+__all__ = ["prediction_of", "require_prediction", "own_loss", "targets_of", "module_inputs"]
 
 
 def prediction_of(output: Any) -> Any:
@@ -105,6 +105,22 @@ def own_loss(output: Any) -> torch.Tensor | None:
     else:
         loss = getattr(output, "loss", None) if hasattr(output, "_fields") else None
     return loss if isinstance(loss, torch.Tensor) else None
+
+
+def module_inputs(x: Any, y: Any, compiled_loss: bool) -> Any:
+    """The module's inputs for a batch ``(x, y)``: a dict ``x``'s ``"labels"`` are left out when they
+    are the target of a compiled loss (``compiled_loss``: a loss is compiled and ``compute_loss`` is
+    fitkit's own), as the Transformers Trainer pops them for a custom loss; else ``x`` itself.
+
+    Example:
+        >>> sorted(module_inputs({"input_ids": torch.zeros(2), "labels": torch.ones(2)}, None, True))
+        ['input_ids']
+        >>> sorted(module_inputs({"input_ids": torch.zeros(2), "labels": torch.ones(2)}, None, False))
+        ['input_ids', 'labels']
+    """
+    if compiled_loss and y is None and isinstance(x, Mapping) and "labels" in x:
+        return {k: v for k, v in x.items() if k != "labels"}
+    return x
 
 
 def targets_of(x: Any, y: Any) -> Any:
