@@ -16,8 +16,9 @@
 - :mod:`~fitkit.callbacks.profiler`: ``Profiler`` (``torch.profiler`` over a schedule of steps).
 - :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install torch-fitkit[mlflow]``).
 - :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install torch-fitkit[optuna]``).
+- :mod:`~fitkit.callbacks.wandb`: ``WandbLogger`` (``pip install torch-fitkit[wandb]``).
 
-The MLflow and Optuna callbacks import their library when they are created, not here.
+The MLflow, Optuna and W&B callbacks import their library when they are created, not here.
 """
 
 from fitkit.callbacks.accumulation import GradientAccumulationScheduler
@@ -35,8 +36,10 @@ from fitkit.callbacks.profiler import Profiler
 from fitkit.callbacks.progress import ProgressBar
 from fitkit.callbacks.swap_ema import SwapEMAWeights
 from fitkit.callbacks.throughput import ThroughputMonitor
+from fitkit.callbacks.wandb import WandbLogger
 
 __all__ = [
+    "WandbLogger",
     "GradientAccumulationScheduler",
     "Callback",
     "CallbackList",
