@@ -1033,7 +1033,7 @@ class Model:
         return denominator(self.loss, y if y is not None else targets_of(x, y), w, x)
 
     # -- files -------------------------------------------------------------------------------
-    def save_weights(self, path: str | os.PathLike) -> None:
+    def save_weights(self, path: str | os.PathLike, *, trainable_only: bool = False) -> None:
         """Write the module's state dict to ``path`` atomically (under torchrun: rank 0 writes).
 
         With ``strategy="fsdp"`` gathering the state is a collective: call it on every rank.
@@ -1041,9 +1041,16 @@ class Model:
         A path ending in ``.safetensors`` writes safetensors (``pip install torch-fitkit[safetensors]``;
         tied weights are stored once), readable by Hugging Face's and timm's tools.
 
+        With ``trainable_only=True`` the file holds only the parameters with ``requires_grad``
+        (their full state-dict names): for a PEFT ``PeftModel`` the LoRA adapters, as the
+        Transformers Trainer saves only a ``PeftModel``'s adapters. Load it back onto the same base
+        model with ``load_weights(path, trainable_only=True)``. (PEFT's own adapter folder, for
+        ``PeftModel.from_pretrained``, is ``model.module.save_pretrained(folder)``.)
+
         Args:
             path: the file to write; missing parent folders are created, an existing file is
                 replaced.
+            trainable_only: write the trainable parameters alone (no frozen weights, no buffers).
 
         Raises:
             OSError: the file cannot be written (the old file, if any, is left as it was).
@@ -1056,9 +1063,9 @@ class Model:
             ...     sorted(torch.load(os.path.join(d, "weights.pt"), weights_only=True))
             ['bias', 'weight']
         """
-        _checkpoint.save_weights(self, path)
+        _checkpoint.save_weights(self, path, trainable_only)
 
-    def load_weights(self, path: str | os.PathLike, strict: bool = True) -> None:
+    def load_weights(self, path: str | os.PathLike, strict: bool = True, *, trainable_only: bool = False) -> None:
         """Load a state dict saved by :meth:`save_weights` (or a checkpoint) onto ``model.device``.
 
         The file is read with ``torch.load(..., weights_only=True)``, or with safetensors when
@@ -1070,6 +1077,9 @@ class Model:
             path: the file to read.
             strict: require the file's keys to match the module's exactly, as in
                 ``nn.Module.load_state_dict``.
+            trainable_only: the file holds the trainable parameters alone (written by
+                ``save_weights(..., trainable_only=True)``): its keys are compared with those, and
+                the frozen weights are left as they are.
 
         Raises:
             FileNotFoundError: no file at ``path``.
@@ -1085,7 +1095,7 @@ class Model:
             >>> torch.equal(other.module.weight, model.module.weight)
             True
         """
-        _checkpoint.load_weights(self, path, strict)
+        _checkpoint.load_weights(self, path, strict, trainable_only)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The full training state as a ``weights_only``-loadable dict.

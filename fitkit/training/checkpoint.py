@@ -118,13 +118,22 @@ def save_checkpoint(model: Model, path: str | os.PathLike, sharded: bool | None 
             atomic_save(state, path)
 
 
-def save_weights(model: Model, path: str | os.PathLike) -> None:
+def trainable_names(model: Model) -> set[str]:
+    """The state-dict keys of the module's parameters that have ``requires_grad`` (e.g. LoRA adapters)."""
+    return {name for name, p in model.module.named_parameters() if p.requires_grad}
+
+
+def save_weights(model: Model, path: str | os.PathLike, trainable_only: bool = False) -> None:
     """The module's state dict to ``path`` (rank 0 writes; gathering is collective under FSDP).
 
-    A path ending in ``.safetensors`` writes safetensors (tied weights stored once).
+    A path ending in ``.safetensors`` writes safetensors (tied weights stored once);
+    ``trainable_only`` keeps the trainable parameters alone.
     """
     check_path(path)
     state = model.state_dict()  # unwrapped: no `module.` prefixes, full tensors under FSDP
+    if trainable_only:
+        keep = trainable_names(model)
+        state = {k: v for k, v in state.items() if k in keep}
     if is_rank_zero():
         if os.fspath(path).endswith(".safetensors"):
             save_safetensors(state, path)
@@ -132,8 +141,9 @@ def save_weights(model: Model, path: str | os.PathLike) -> None:
             atomic_save(state, path)
 
 
-def load_weights(model: Model, path: str | os.PathLike, strict: bool = True) -> None:
-    """A state dict (or a checkpoint's module part) from ``path`` into ``model``, all or nothing."""
+def load_weights(model: Model, path: str | os.PathLike, strict: bool = True, trainable_only: bool = False) -> None:
+    """A state dict (or a checkpoint's module part) from ``path`` into ``model``, all or nothing;
+    ``trainable_only``: the file holds the trainable parameters alone (compared with those)."""
     state: Any
     check_path(path)
     if os.fspath(path).endswith(".safetensors"):
@@ -142,5 +152,9 @@ def load_weights(model: Model, path: str | os.PathLike, strict: bool = True) -> 
         state = safe_load(path, model.device)
     if isinstance(state, dict) and "module" in state and "fitkit_version" in state:
         state = state["module"]
-    raise_differences(path, state_dict_differences(model.module.state_dict(), state, strict))
-    model.load_state_dict(state, strict=strict)
+    expected = model.module.state_dict()
+    if trainable_only:
+        keep = trainable_names(model)
+        expected = {k: v for k, v in expected.items() if k in keep}
+    raise_differences(path, state_dict_differences(expected, state, strict))
+    model.load_state_dict(state, strict=strict and not trainable_only)
