@@ -116,7 +116,7 @@ def test_tensorboard_batch_scalars_every_n_batches(tmp_path):
 
 def test_tensorboard_missing_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(ImportError, match=r"pip install fitkit\[tensorboard\]"):
+    with pytest.raises(ImportError, match=r"pip install torch-fitkit\[tensorboard\]"):
         TensorBoard("unused")
 
 

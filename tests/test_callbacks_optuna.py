@@ -111,7 +111,7 @@ def test_bad_arguments(monkeypatch):
         OptunaPruning(object())
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "optuna" else real(n, *a))
-    with pytest.raises(ImportError, match=r"needs optuna\. Install it with `pip install fitkit\[optuna\]`"):
+    with pytest.raises(ImportError, match=r"needs optuna\. Install it with `pip install torch-fitkit\[optuna\]`"):
         OptunaPruning(FakeTrial())
 
 

@@ -257,7 +257,7 @@ def test_a_zip_that_is_not_a_torch_file_is_named_damaged(tmp_path):
 def test_a_file_from_a_newer_fitkit_is_named_so(tmp_path):
     atomic_save({**_payload(), "fitkit_version": "99.0.0"}, tmp_path / "c.pt")
     with pytest.raises(
-        CheckpointError, match=r"written by fitkit 99.0.0, newer than this fitkit .*pip install -U fitkit"
+        CheckpointError, match=r"written by fitkit 99.0.0, newer than this fitkit .*pip install -U torch-fitkit"
     ):
         safe_load(tmp_path / "c.pt", "cpu")
 
