@@ -123,6 +123,7 @@ def test_a_wandb_failure_warns_and_training_goes_on(tmp_path, monkeypatch):
     with pytest.warns(FitkitWarning, match=r"WandbLogger: wandb.log failed \(ConnectionError: the network is gone\)"):
         model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[logger])
     assert model.global_step == 8  # both epochs ran
+    assert logger.run is None and wandb.run is None  # the run it started is finished all the same
 
 
 def test_missing_wandb_and_bad_arguments_are_named(monkeypatch):
@@ -134,3 +135,18 @@ def test_missing_wandb_and_bad_arguments_are_named(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ImportError, match=r'pip install "torch-fitkit\[wandb\]"'):
         WandbLogger()
+
+
+def test_a_run_the_user_opened_is_logged_into_and_left_open(tmp_path):
+    x, y = _data()
+    run = wandb.init(project="fitkit-test", dir=str(tmp_path), mode="offline", config={"mine": 1})
+    try:
+        logger = WandbLogger()
+        _model().fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[logger])
+        assert wandb.run is run  # not finished by the logger
+        assert run.config["mine"] == 1 and run.config["batch_size"] == 4  # the fit's config added
+        run.log({"after_fit": 1.0}, step=5)
+    finally:
+        run.finish()
+    steps, _, _ = _run(tmp_path)
+    assert steps[4]["epoch/epoch"] == 0 and steps[5] == {"after_fit": 1.0}

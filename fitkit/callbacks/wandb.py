@@ -106,6 +106,7 @@ class WandbLogger(Callback):
         self.init_kwargs = init_kwargs
         self.run: Any = None  # the wandb Run of the fit (rank 0), or None
         self._owns_run = False
+        self._quiet = False  # a W&B call failed: nothing more is logged in this fit
         self._last_step = -1
 
     # -- W&B calls: a failure warns once and the logger goes quiet ---------------------------
@@ -113,13 +114,14 @@ class WandbLogger(Callback):
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a logger never stops training
-            warnings.warn(f"WandbLogger: {what} failed ({type(e).__name__}: {e}); W&B logging stops for this fit, "
-                          "training goes on.", category=FitkitWarning, stacklevel=3)  # fmt: skip
-            self.run = None
+            if not self._quiet:
+                warnings.warn(f"WandbLogger: {what} failed ({type(e).__name__}: {e}); W&B logging stops for this "
+                              "fit, training goes on.", category=FitkitWarning, stacklevel=3)  # fmt: skip
+            self._quiet = True
             return None
 
     def _log(self, data: dict[str, Any], step: int) -> None:
-        if self.run is not None and data:
+        if self.run is not None and data and not self._quiet:
             self._guard("wandb.log", self.run.log, data, step=step)
 
     def _fit_config(self) -> dict[str, Any]:
@@ -145,7 +147,7 @@ class WandbLogger(Callback):
 
     # -- hooks -------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
-        self.run, self._owns_run, self._last_step = None, False, -1
+        self.run, self._owns_run, self._last_step, self._quiet = None, False, -1, False
         if not is_rank_zero():
             return
         import wandb
@@ -159,7 +161,7 @@ class WandbLogger(Callback):
         self._owns_run = self.run is not None
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.log_every_n_steps is None or self.run is None:
+        if self.log_every_n_steps is None or self.run is None or self._quiet:
             return
         step = self.model.global_step
         # With gradient accumulation several batches share a step: the first that reaches it logs.
@@ -184,7 +186,7 @@ class WandbLogger(Callback):
     def on_train_end(self, logs=None):
         if self.run is None:
             return
-        if self.log_checkpoints:
+        if self.log_checkpoints and not self._quiet:
             self._log_checkpoint()
         self._finish(0)
 
