@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import struct
+import time
 
 import pytest
 import torch
@@ -45,10 +46,21 @@ def _records(path):
             yield record
 
 
+def _finished_records(path):
+    """The run's records once its writer has written the final ``exit`` record (wandb's service
+    process may still be flushing when ``finish`` returns)."""
+    for _ in range(200):
+        records = list(_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        time.sleep(0.05)
+    raise AssertionError(f"{path} has no exit record")
+
+
 def _run(tmp_path):
     (path,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     history, config, artifacts = {}, {}, []
-    for r in _records(path):
+    for r in _finished_records(path):
         kind = r.WhichOneof("record_type")
         if kind == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
