@@ -603,8 +603,8 @@ class Model:
             >>> # a smoke test: 1 batch of training and 1 of validation, whatever `epochs` says
             >>> _ = model.fit(torch.zeros(10, 2), torch.ones(10, 1), batch_size=5, epochs=50, verbose=0,
             ...               validation_data=(torch.zeros(4, 2), torch.ones(4, 1)), fast_dev_run=True)
-            >>> model.global_step
-            13
+            >>> model.global_step  # 13 before: one step more
+            14
         """
         self._require_compiled("fit")
         quick = check_quick(fast_dev_run, overfit_batches, limit_train_batches, limit_val_batches,
