@@ -282,3 +282,72 @@ def test_sanity_check_runs_n_batches_and_changes_nothing(n, batches):
     assert all(torch.equal(a, b) for a, b in zip(plain.module.parameters(), checked.module.parameters(), strict=True))
     assert checked.history.history == plain.history.history  # logs nothing
     assert chooks == phooks  # no hook: no on_test_begin before on_train_begin
+
+
+# -- torchrun: every rank runs the same limited batches ------------------------------------------
+QUICK_JOB = """
+import torch
+import _dist_scenarios as sc
+import test_quick_runs as q
+from fitkit import distributed
+
+# The first fit of this scenario in a torchrun process trains on other batches than later ones
+# (seen without any quick-run option too); a warm-up fit keeps that apart from what is tested here.
+q.quick_case(distributed.world_size())
+res = {name: q.quick_case(distributed.world_size(), **kw) for name, kw in q.QUICK_CASES.items()}
+torch.save(res, OUT / f"rank{distributed.rank()}.pt")
+"""
+
+QUICK_CASES = {
+    "limits": {"limit_train_batches": 3, "limit_val_batches": 2},
+    "fractions": {"limit_train_batches": 0.5, "limit_val_batches": 0.34},  # int(0.5 * 5) = 2, int(0.34 * 3) = 1
+    "fast_dev_run": {"fast_dev_run": 2},
+    "overfit": {"overfit_batches": 2},
+    "sanity": {"num_sanity_val_steps": 2},
+}
+
+
+def quick_case(world: int, **kwargs) -> dict:
+    """SGD on 40 samples (5 global batches of 8 over the ranks), validation on 24 (3 batches)."""
+    import _dist_scenarios as sc
+
+    torch.manual_seed(0)
+    x, y, _ = sc.data(40)
+    xv, yv, _ = sc.data(24, seed=1)
+    model = fitkit.Model(sc.net(), device="cpu")
+    model.compile(optimizer=sc.OPTIMIZERS["sgd"], loss="mse")
+    steps: list[int] = []
+    vals: list[int] = []
+    cb = LambdaCallback(on_train_batch_end=lambda b, logs: steps.append(b),
+                        on_test_batch_end=lambda b, logs: vals.append(b))  # fmt: skip
+    h = model.fit(x, y, batch_size=8 // world, epochs=2, validation_data=(xv, yv), verbose=0, callbacks=[cb],
+                  **kwargs)  # fmt: skip
+    return {"params": sc.full_params(model), "history": h.history, "steps": steps, "vals": vals,
+            "global_step": model.global_step}  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_quick_runs_under_torchrun_agree_with_one_process(tmp_path):
+    from _torchrun import run_torchrun
+
+    run_torchrun(QUICK_JOB, tmp_path, nproc=2, timeout=150)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    expected = {  # (train batches per epoch, validation batches per validation, epochs)
+        "limits": (3, 2, 2), "fractions": (2, 1, 2), "fast_dev_run": (2, 2, 1), "overfit": (2, 2, 2),
+        "sanity": (5, 3, 2),
+    }  # fmt: skip
+    for name, kwargs in QUICK_CASES.items():
+        one = quick_case(1, **kwargs)
+        train, val, epochs = expected[name]
+        for r in (r0, r1):
+            got = r[name]
+            assert got["steps"] == list(range(train)) * epochs, name
+            assert got["vals"] == list(range(val)) * epochs, name  # the sanity batches call no hook
+            assert got["global_step"] == one["global_step"] == train * epochs
+            assert got["history"].keys() == one["history"].keys()
+            for key, values in one["history"].items():
+                assert got["history"][key] == pytest.approx(values, rel=0, abs=1e-6), (name, key)
+            for k, p in one["params"].items():
+                torch.testing.assert_close(got["params"][k], p, rtol=0, atol=1e-6)
+        assert all(torch.equal(r0[name]["params"][k], r1[name]["params"][k]) for k in one["params"])
