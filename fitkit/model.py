@@ -1278,3 +1278,23 @@ class Model:
 
         return find_lr(self, x, y, **kwargs)
 
+    def find_batch_size(self, x: Any, y: Any = None, **kwargs: Any) -> Any:
+        """The largest batch size that fits, by doubling; everything is put back afterwards.
+
+        See :func:`fitkit.tools.batch_size_finder.find_batch_size` for the arguments
+        (``init_val``, ``max_trials``, ``steps_per_trial``, ``max_val``); Lightning's
+        ``BatchSizeFinder``.
+
+        Returns:
+            A :class:`fitkit.tools.batch_size_finder.BatchSizeResult` (``batch_size``, ``trials``).
+
+        Example:
+            >>> model = Model(nn.Linear(2, 1), device="cpu")
+            >>> model.compile(loss="mse")
+            >>> model.find_batch_size(torch.randn(8, 2), torch.randn(8, 1)).trials  # 8: all the data
+            [(2, True), (4, True), (8, True)]
+        """
+        from fitkit.tools.batch_size_finder import find_batch_size
+
+        return find_batch_size(self, x, y, **kwargs)
+
