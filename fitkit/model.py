@@ -50,6 +50,7 @@ from fitkit.training.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.training.modes import modes
 from fitkit.training.optim import check_plateau_mode, resolve_optimizer, resolve_scheduler
 from fitkit.training.quick import check_quick, sanity_check
+from fitkit.training.recompute import check_recompute, checkpoint_activations
 from fitkit.training.state import ResumePoint
 from fitkit.training.stepper import Stepper
 from fitkit.training.tracking import Phases
@@ -74,11 +75,20 @@ class Model:
             job ends with an error (a rank that hangs or died without its process ending);
             ``None``: the ``FITKIT_DIST_TIMEOUT`` environment variable, else torch's default
             (10 min for nccl, 30 min for gloo). Used when fitkit starts the process group.
+        activation_checkpointing: recompute the activations of these submodules in the
+            backward instead of keeping them (:func:`torch.utils.checkpoint.checkpoint`,
+            non-reentrant), on one process or under DDP: ``True`` (the default units of
+            ``FSDP``: transformer blocks), a module class, a class name, a list of them, or a
+            function ``module -> bool``, the spec of ``FSDP(wrap=...)``. Gradients equal the
+            plain run's bit for bit; each unit's forward runs once more per step (Lightning /
+            Transformers' ``gradient_checkpointing``). With FSDP use
+            ``FSDP(activation_checkpointing=True)``. See :mod:`fitkit.training.recompute`.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, ``strategy`` not a string or ``FSDP``, ``timeout``
             not a number.
-        ValueError: an unknown ``strategy``; a ``timeout`` that is not positive.
+        ValueError: an unknown ``strategy``; a ``timeout`` that is not positive; an
+            ``activation_checkpointing`` that picks no submodule, or one with an FSDP strategy.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -92,7 +102,8 @@ class Model:
     """
 
     def __init__(self, module: nn.Module, *, device: str | torch.device = "auto",
-                 strategy: str | _distributed.FSDP = "auto", timeout: float | None = None):  # fmt: skip
+                 strategy: str | _distributed.FSDP = "auto", timeout: float | None = None,
+                 activation_checkpointing: Any = False):  # fmt: skip
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"Expected `module` to be a torch.nn.Module. Received: {type(module).__name__}. "
@@ -102,6 +113,9 @@ class Model:
         timeout = _distributed.check_timeout(timeout)
         self.device = resolve_device(device)
         _distributed.init_if_needed(self.device, timeout)  # under torchrun: nccl on CUDA, gloo on CPU
+        if activation_checkpointing is not None and activation_checkpointing is not False:
+            check_recompute(activation_checkpointing, strategy)
+            checkpoint_activations(module, activation_checkpointing)
         self.module = module.to(self.device)
         self.strategy = strategy
         self._parallel = _distributed.Parallel(strategy, self.device) if _distributed.is_distributed() else None
