@@ -49,6 +49,8 @@ from fitkit.training.accumulation import AccumulationSchedule
 from fitkit.training.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.training.modes import modes
 from fitkit.training.optim import check_plateau_mode, resolve_optimizer, resolve_scheduler
+from fitkit.training.quick import check_quick, sanity_check
+from fitkit.training.recompute import check_recompute, checkpoint_activations
 from fitkit.training.state import ResumePoint
 from fitkit.training.stepper import Stepper
 from fitkit.training.tracking import Phases
@@ -73,11 +75,20 @@ class Model:
             job ends with an error (a rank that hangs or died without its process ending);
             ``None``: the ``FITKIT_DIST_TIMEOUT`` environment variable, else torch's default
             (10 min for nccl, 30 min for gloo). Used when fitkit starts the process group.
+        activation_checkpointing: recompute the activations of these submodules in the
+            backward instead of keeping them (:func:`torch.utils.checkpoint.checkpoint`,
+            non-reentrant), on one process or under DDP: ``True`` (the default units of
+            ``FSDP``: transformer blocks), a module class, a class name, a list of them, or a
+            function ``module -> bool``, the spec of ``FSDP(wrap=...)``. Gradients equal the
+            plain run's bit for bit; each unit's forward runs once more per step (Lightning /
+            Transformers' ``gradient_checkpointing``). With FSDP use
+            ``FSDP(activation_checkpointing=True)``. See :mod:`fitkit.training.recompute`.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, ``strategy`` not a string or ``FSDP``, ``timeout``
             not a number.
-        ValueError: an unknown ``strategy``; a ``timeout`` that is not positive.
+        ValueError: an unknown ``strategy``; a ``timeout`` that is not positive; an
+            ``activation_checkpointing`` that picks no submodule, or one with an FSDP strategy.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -91,7 +102,8 @@ class Model:
     """
 
     def __init__(self, module: nn.Module, *, device: str | torch.device = "auto",
-                 strategy: str | _distributed.FSDP = "auto", timeout: float | None = None):  # fmt: skip
+                 strategy: str | _distributed.FSDP = "auto", timeout: float | None = None,
+                 activation_checkpointing: Any = False):  # fmt: skip
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"Expected `module` to be a torch.nn.Module. Received: {type(module).__name__}. "
@@ -101,6 +113,9 @@ class Model:
         timeout = _distributed.check_timeout(timeout)
         self.device = resolve_device(device)
         _distributed.init_if_needed(self.device, timeout)  # under torchrun: nccl on CUDA, gloo on CPU
+        if activation_checkpointing is not None and activation_checkpointing is not False:
+            check_recompute(activation_checkpointing, strategy)
+            checkpoint_activations(module, activation_checkpointing)
         self.module = module.to(self.device)
         self.strategy = strategy
         self._parallel = _distributed.Parallel(strategy, self.device) if _distributed.is_distributed() else None
@@ -484,6 +499,12 @@ class Model:
         validation_freq: int | list[int] = 1,
         max_steps: int | None = None,
         validation_interval: int | float | None = None,
+        # quick runs (Lightning's names; fitkit.training.quick)
+        fast_dev_run: bool | int = False,
+        overfit_batches: int | float = 0,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        num_sanity_val_steps: int = 0,
     ) -> History:
         """Train for ``range(initial_epoch, epochs)`` and return the :class:`~fitkit.History`.
 
@@ -542,6 +563,27 @@ class Model:
                 ``on_validation_end``; the training stream (totals, data order, RNG) is that
                 of a fit without them. Not with ``validation_freq``. See
                 :mod:`fitkit.training.step_validation`.
+            fast_dev_run: a smoke test before a long job (Lightning's flag): ``True`` (1) or an
+                int ``n`` runs ``n`` training batches and then one validation of ``n`` batches,
+                in one epoch (``initial_epoch``), whatever ``epochs``, ``max_steps``,
+                ``validation_freq`` and ``validation_interval`` say; no sanity check. The
+                callbacks that write files or tune (``skip_in_fast_dev_run``: ModelCheckpoint,
+                BackupAndRestore, CSVLogger, TensorBoard, MLflowLogger, Profiler,
+                OptunaPruning, LearningRateFinder, BatchSizeFinder) are left out, so no file is
+                written. The weights do train on those batches.
+            overfit_batches: train on the same first ``n`` batches every epoch (an int, or a
+                float: ``int(f * batches)``), shuffling turned off; each validation runs the
+                validation data's first ``n`` batches (a float: that fraction of them), as in
+                Lightning. A shuffled DataLoader or a generator is refused.
+            limit_train_batches: at most this many batches per epoch, the first of each
+                epoch's pass (an int ``>= 1``, or a float in ``(0, 1]``: ``int(f * batches)``);
+                shuffled data gives another subset each epoch. Not with ``steps_per_epoch``.
+            limit_val_batches: at most this many batches per validation (an int, or a float
+                fraction); ``0`` turns validation off. Not with ``validation_steps``.
+            num_sanity_val_steps: validation batches run before step 1 (``-1``: all), so a
+                broken validation fails in seconds; no hook runs, nothing is logged, the RNG
+                states, modes and metrics are left as they were. Default 0 (Lightning's is 2;
+                Keras has none). See :mod:`fitkit.training.quick`.
 
         Returns:
             The :class:`~fitkit.History`: ``history.history[key]`` is a list of floats per
@@ -574,8 +616,16 @@ class Model:
             ...               validation_data=(torch.zeros(4, 2), torch.ones(4, 1)), validation_interval=2)
             >>> [(v["epoch"], v["step"]) for v in h.validations]
             [(0, 10), (1, 12)]
+            >>> # a smoke test: 1 batch of training and 1 of validation, whatever `epochs` says
+            >>> _ = model.fit(torch.zeros(10, 2), torch.ones(10, 1), batch_size=5, epochs=50, verbose=0,
+            ...               validation_data=(torch.zeros(4, 2), torch.ones(4, 1)), fast_dev_run=True)
+            >>> model.global_step  # 13 before: one step more
+            14
         """
         self._require_compiled("fit")
+        quick = check_quick(fast_dev_run, overfit_batches, limit_train_batches, limit_val_batches,
+                            num_sanity_val_steps, x=x, steps_per_epoch=steps_per_epoch,
+                            validation_steps=validation_steps)  # fmt: skip
         plan = planning.plan_fit(
             self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
             callbacks=with_compiled_ema(self.compiled_ema, callbacks),
@@ -583,15 +633,16 @@ class Model:
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq, max_steps=max_steps,
-            validation_interval=validation_interval,
+            validation_interval=validation_interval, quick=quick,
         )  # fmt: skip
         self._keep_example(plan.example)
+        sanity_check(self, plan.val, quick.sanity_steps)  # before step 1: a broken validation fails now
         self._require_compiled("fit").scheduling.build_planned(plan.total_steps, resolve_scheduler)
         self.history = History()
         cbs = planning.callback_list(self, plan.callbacks, plan.verbose, plan.shown_epochs, plan.train.num_batches,
                                      self.history, **plan.params)  # fmt: skip
         loop = FitLoop(self, plan.train, cbs, initial_epoch=initial_epoch, epochs=plan.epochs, validation=plan.val,
-                       schedule=plan.schedule, validation_steps=validation_steps, max_steps=max_steps,
+                       schedule=plan.schedule, validation_steps=validation_steps, max_steps=plan.params["max_steps"],
                        validation_interval=plan.interval, accumulation=plan.accumulation)  # fmt: skip
         del plan, cbs  # the loop holds the call's data and callbacks; it lets go when it ends
         outer, self._fit = self._fit, loop
@@ -1261,4 +1312,24 @@ class Model:
         from fitkit.tools.lr_finder import find_lr
 
         return find_lr(self, x, y, **kwargs)
+
+    def find_batch_size(self, x: Any, y: Any = None, **kwargs: Any) -> Any:
+        """The largest batch size that fits, by doubling; everything is put back afterwards.
+
+        See :func:`fitkit.tools.batch_size_finder.find_batch_size` for the arguments
+        (``init_val``, ``max_trials``, ``steps_per_trial``, ``max_val``); Lightning's
+        ``BatchSizeFinder``.
+
+        Returns:
+            A :class:`fitkit.tools.batch_size_finder.BatchSizeResult` (``batch_size``, ``trials``).
+
+        Example:
+            >>> model = Model(nn.Linear(2, 1), device="cpu")
+            >>> model.compile(loss="mse")
+            >>> model.find_batch_size(torch.randn(8, 2), torch.randn(8, 1)).trials  # 8: all the data
+            [(2, True), (4, True), (8, True)]
+        """
+        from fitkit.tools.batch_size_finder import find_batch_size
+
+        return find_batch_size(self, x, y, **kwargs)
 

@@ -646,3 +646,33 @@ def test_swap_on_epoch_backups_resume_bit_exact(tmp_path):
     model = _swap_run(tmp_path / "run")
     assert all(torch.equal(a, b) for a, b in zip(_weights(model.module), _weights(ref.module), strict=True))
     assert model.history.history == ref.history.history
+
+
+@pytest.mark.parametrize("which", ["avg_fn", "multi_avg_fn"])
+def test_swa_passes_avg_fn_and_multi_avg_fn_to_the_base(which):
+    # w: 1 -> 0.5 -> 0.25 -> 0.125 (SGD lr 0.25 on (w - 0)^2, SWALR at the same rate); averaged at
+    # the ends of epochs 2 and 3 with a 0.9 / 0.1 moving average: 0.9 * 0.25 + 0.1 * 0.125
+    model = fitkit.Model(nn.Linear(1, 1, bias=False), device="cpu")
+    nn.init.ones_(model.module.weight)
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse")
+    seen = []
+
+    def avg_fn(a, c, n):
+        seen.append(int(n))
+        return 0.9 * a + 0.1 * c
+
+    def multi_avg_fn(avg, cur, n):
+        seen.append(int(n))
+        torch._foreach_lerp_(avg, cur, 0.1)
+
+    swa = SWA(swa_lrs=0.25, swa_epoch_start=2, **{which: avg_fn if which == "avg_fn" else multi_avg_fn})
+    model.fit(torch.ones(1, 1), torch.zeros(1, 1), epochs=3, callbacks=[swa], verbose=0)
+    expected = torch.tensor(0.25) * 0.9 + torch.tensor(0.125) * 0.1 if which == "avg_fn" else \
+        torch.tensor(0.25).lerp(torch.tensor(0.125), 0.1)  # fmt: skip
+    assert model.module.weight.item() == expected.item()
+    assert seen == [1]  # the first average copies; the second calls the function with n = 1
+
+
+def test_swa_refuses_both_avg_fns():
+    with pytest.raises(ValueError, match="not both"):
+        SWA(swa_lrs=0.1, avg_fn=lambda a, c, n: a, multi_avg_fn=lambda a, c, n: None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -159,6 +160,12 @@ class SWA(WeightAveraging):
             or a fraction in ``(0, 1]`` of ``epochs``: ``int(fraction * epochs)`` (Lightning).
         annealing_epochs: epochs to reach ``swa_lrs`` (0: at once).
         annealing_strategy: ``"cos"`` or ``"linear"``.
+        avg_fn: ``(averaged, current, num_averaged) -> new averaged``, per tensor, instead of the
+            equal-weight mean (as :class:`~torch.optim.swa_utils.AveragedModel` and every
+            :class:`~fitkit.callbacks.WeightAveraging` take it); ``num_averaged`` is a 0-dim
+            tensor, the count of averages before this one.
+        multi_avg_fn: ``(averaged_list, current_list, num_averaged) -> None``, in place, on the
+            tensors of one device and dtype at a time. Not with ``avg_fn``.
 
     Attributes:
         averaged_model: the ``AveragedModel`` (``None`` before the first ``fit``);
@@ -186,8 +193,11 @@ class SWA(WeightAveraging):
         swa_epoch_start: int | float = 0.8,
         annealing_epochs: int = 10,
         annealing_strategy: str = "cos",
+        avg_fn: Callable[..., torch.Tensor] | None = None,
+        multi_avg_fn: Callable[..., None] | None = None,
     ):
-        super().__init__(use_buffers=False, evaluate_with_average=False, swap_at_end=True)
+        super().__init__(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn, use_buffers=False, evaluate_with_average=False,
+                         swap_at_end=True)  # fmt: skip
         lrs = swa_lrs if isinstance(swa_lrs, (list, tuple)) else [swa_lrs]
         for lr in lrs:
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:

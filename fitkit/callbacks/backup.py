@@ -71,6 +71,8 @@ class BackupAndRestore(StatefulCallback):
 
     _is_backup = True  # written after the other checkpoint files of the same event
 
+    skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
+
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch", delete_checkpoint: bool = True,
                  async_save: bool = False):  # fmt: skip
         super().__init__()

@@ -49,6 +49,11 @@ class Callback:
     #: ``TerminateOnNaN`` sets it.
     device_veto_only: bool = False
 
+    #: Whether ``fit(fast_dev_run=...)`` leaves this callback out: it writes files
+    #: (checkpoints, backups, logs, traces) or tunes before training (the LR and batch-size
+    #: finders), which a smoke test must not do. Set it on a callback of your own that writes.
+    skip_in_fast_dev_run: bool = False
+
     def __init__(self) -> None:
         self.model: Any = None
         self.params: dict[str, Any] = {}

@@ -100,6 +100,8 @@ class ModelCheckpoint(StatefulCallback):
         ['ep01.pt', 'ep02.pt']
     """
 
+    skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
+
     def __init__(
         self,
         filepath: str | os.PathLike,

@@ -117,6 +117,8 @@ class CSVLogger(StatefulCallback):
         <BLANKLINE>
     """
 
+    skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
+
     def __init__(self, filename: str | os.PathLike, separator: str = ",", append: bool = False):
         super().__init__()
         if not isinstance(separator, str) or len(separator) != 1:
@@ -276,6 +278,8 @@ class TensorBoard(StatefulCallback):
         >>> sorted(p.name for p in Path(log_dir).iterdir())
         ['train']
     """
+
+    skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
 
     def __init__(self, log_dir: str | os.PathLike, update_freq: str | int = "epoch"):
         super().__init__()

@@ -291,6 +291,8 @@ class LearningRateFinder(Callback):
         True
     """
 
+    skip_in_fast_dev_run = True  # it tunes before training: fit(fast_dev_run=...) leaves it out
+
     def __init__(self, start_lr: float = 1e-7, end_lr: float = 10.0, num_steps: int = 100, smooth: float = 0.98,
                  diverge_threshold: float | None = 4.0, mode: str = "exponential", verbose: int = 0):  # fmt: skip
         super().__init__()

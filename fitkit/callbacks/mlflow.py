@@ -97,6 +97,8 @@ class MLflowLogger(StatefulCallback):
         ``mlflow.MlflowClient(logger.tracking_uri).get_run(logger.run_id)`` reads back.
     """
 
+    skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
+
     def __init__(
         self,
         tracking_uri: str | None = None,

@@ -66,6 +66,8 @@ class OptunaPruning(Callback):
         [1, 3]
     """
 
+    skip_in_fast_dev_run = True  # it reports to a study: fit(fast_dev_run=...) leaves it out
+
     def __init__(self, trial: Any, monitor: str = "val_loss", interval: int = 1):
         super().__init__()
         if importlib.util.find_spec("optuna") is None:

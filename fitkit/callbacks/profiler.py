@@ -55,6 +55,8 @@ class Profiler(Callback):
         (1, True)
     """
 
+    skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
+
     def __init__(self, dirpath: str | os.PathLike | None = None, *, wait: int = 1, warmup: int = 1, active: int = 3,
                  repeat: int = 1, trace: str = "tensorboard", record_shapes: bool = False,
                  profile_memory: bool = False, with_stack: bool = False, row_limit: int = 15,

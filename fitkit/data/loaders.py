@@ -151,14 +151,28 @@ class DeviceLoader:
         self._pass_done = 0  # batches taken from the persistent iterator (with `steps`)
         self.pass_offset = 0  # batches of the current pass taken before the running epoch began
         self.pass_start: dict[str, Any] | None = None  # with `steps`: what drew the running pass
+        # At most this many batches per epoch, the first ones of each epoch's pass (fit's
+        # limit_train_batches / limit_val_batches / overfit_batches / fast_dev_run); None: all.
+        self.limit: int | None = None
+
+    def limit_to(self, n: int | None) -> None:
+        """Run at most ``n`` batches per epoch from now on, the first ones of each epoch's pass
+        (``None``: all); a resumed epoch counts the batches it skips against ``n``."""
+        self.limit = n
+
+    def _limited(self, n: int | None) -> int | None:
+        if self.limit is None:
+            return n
+        return self.limit if n is None else min(self.limit, n)
 
     @property
     def num_batches(self) -> int | None:
-        """Batches of a full epoch, ``None`` when unknown: ``min(steps, len)`` with ``steps``."""
+        """Batches of a full epoch, ``None`` when unknown: ``min(steps, len)`` with ``steps``,
+        and at most :attr:`limit` (the limit itself for a source without a length)."""
         n = self.batches.num_batches
         if self.steps is not None:
-            return self.steps if n is None else min(self.steps, n)
-        return n
+            return self._limited(self.steps if n is None else min(self.steps, n))
+        return self._limited(n)
 
     @property
     def next_epoch_batches(self) -> int | None:
@@ -180,7 +194,7 @@ class DeviceLoader:
         if self.steps is None or n is None:
             return self.num_batches
         left = n - self._pass_done if self._persistent is not None else n
-        return min(self.steps, left if left > 0 else n)
+        return self._limited(min(self.steps, left if left > 0 else n))
 
     def use_shards(self, batches: Any, sharded: bool | str) -> None:
         """Iterate ``batches``, one process's share (:func:`fitkit.distributed.shard` calls it).
@@ -215,7 +229,13 @@ class DeviceLoader:
                 whose rest of the pass is drawn anew).
         """
         self.epoch = epoch
-        return self._epoch_batches(skip[0], skip[1], pass_offset, pass_start)
+        it = self._epoch_batches(skip[0], skip[1], pass_offset, pass_start)
+        if self.limit is None:
+            return it
+        done = skip[0]  # a resume: the epoch's batches already run count against the limit
+        if skip[1] is not None:
+            done = -(-skip[1] // ((self.batch_size or 1) * getattr(self.batches, "world", 1)))
+        return itertools.islice(it, max(self.limit - done, 0))
 
     def _pass_state(self) -> dict[str, Any] | None:
         """What the pass opened now draws its order from (:attr:`pass_start`): the epoch it opens

@@ -3,7 +3,8 @@
 The sweep trains for real (one optimizer step per batch, the learning rate growing
 exponentially from step to step) and then puts everything back: weights, buffers, gradients,
 optimizer state and learning rates, scheduler, grad scaler, step count and the RNG states of
-python, numpy, torch and CUDA. Only the two private functions at the bottom know the model's
+python, numpy, torch and CUDA. Only the two functions at the bottom (:func:`snapshot`,
+:func:`restore`, which :mod:`fitkit.tools.batch_size_finder` uses too) know the model's
 internal state.
 """
 
@@ -237,11 +238,11 @@ def sweep(model: Any, loader: Any, start_lr: float, end_lr: float, num_steps: in
     Returns:
         The :class:`LRFinderResult`, its ``suggestion`` set.
     """
-    snap = _snapshot(model)
+    snap = snapshot(model)
     try:
         result = _sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold, mode)
     finally:
-        _restore(model, snap)
+        restore(model, snap)
     result.suggestion = result.suggest()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         box = [result.suggestion]  # every rank applies rank 0's suggestion
@@ -342,8 +343,9 @@ def _clone(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
-def _snapshot(model: Any) -> dict[str, Any]:
-    """Everything a sweep changes, copied."""
+def snapshot(model: Any) -> dict[str, Any]:
+    """Everything a sweep (or a batch-size trial) changes, copied; the compiled scheduler is set
+    aside until :func:`restore`."""
     opt = model.optimizer
     params = list(model.module.parameters())
     scaler = model.grad_scaler
@@ -370,7 +372,9 @@ def _snapshot(model: Any) -> dict[str, Any]:
     return snap
 
 
-def _restore(model: Any, snap: dict[str, Any]) -> None:
+def restore(model: Any, snap: dict[str, Any]) -> None:
+    """Put back what :func:`snapshot` copied: weights, gradients, optimizer, scheduler, grad
+    scaler, step count, ``stop_training`` and the RNG states, bit for bit."""
     opt = model.optimizer
     with torch.no_grad():
         model.module.load_state_dict(snap["module"])  # copies in place: same tensors as before

@@ -26,6 +26,7 @@ from fitkit.checks.preflight import first_batch_check, in_memory_check, leaves_n
 from fitkit.training import budget as _budget
 from fitkit.training.loop import lr_keys
 from fitkit.training.optim import check_plateau_mode
+from fitkit.training.quick import QuickRun
 from fitkit.training.step_validation import ValidationInterval, ValidationSchedule
 
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
@@ -69,11 +70,20 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
              validation_split: float, validation_data: Any, shuffle: bool, class_weight: Any, sample_weight: Any,
              initial_epoch: int, steps_per_epoch: int | None, validation_steps: int | None,
              validation_batch_size: int | None, validation_freq: Any,
-             max_steps: int | None = None, validation_interval: Any = None) -> FitPlan:  # fmt: skip
+             max_steps: int | None = None, validation_interval: Any = None,
+             quick: QuickRun | None = None) -> FitPlan:  # fmt: skip
     """Check every argument of ``fit``, build its loaders and check its data (nothing changes)."""
     _check_batches_itself(x, batch_size, "x", "batch_size")
     _check_batches_itself(validation_data, validation_batch_size, "validation_data", "validation_batch_size")
     batch_size, verbose, callbacks = call_args(batch_size, steps_per_epoch, verbose, callbacks, "steps_per_epoch")
+    if quick is not None and quick.active:  # fitkit.training.quick: what fast_dev_run / overfit_batches replace
+        over = quick.overrides(initial_epoch)
+        epochs, max_steps = over.get("epochs", epochs), over.get("max_steps", max_steps)
+        validation_freq = over.get("validation_freq", validation_freq)
+        validation_interval = over.get("validation_interval", validation_interval)
+        shuffle = over.get("shuffle", shuffle)
+        if quick.fast_dev_run:  # no files, no tuning: the callbacks that write or tune stay out
+            callbacks = [cb for cb in callbacks if not cb.skip_in_fast_dev_run]
     epochs = _budget.check_max_steps(max_steps, epochs)
     check_int("initial_epoch", initial_epoch, 0)
     check_int("validation_steps", validation_steps, 1, allow_none=True)
@@ -111,6 +121,9 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
             _data.validation_loader, validation_data, batch_size=validation_batch_size or batch_size,
             device=model.device,
         )  # fmt: skip
+    if quick is not None and quick.active:
+        val = quick.limit(train, val)  # the loaders capped; limit_val_batches=0: no validation
+        interval = interval if val is not None else None
     example = check_data(model, train, "x", training=True)
     if val is not None:
         val_example = check_data(model, val, "validation_data", training=False, validation=True)

@@ -234,6 +234,16 @@ class Phases:
         finally:
             self.stack.pop()
 
+    @contextlib.contextmanager
+    def template_kept(self) -> Iterator[None]:
+        """The metric template as it was before the body ran (a run that must leave no trace:
+        ``fit``'s sanity check adopts nothing from validation batches)."""
+        template = self.template
+        try:
+            yield
+        finally:
+            self.template = template
+
     def adopt(self, totals: RunningTotals) -> None:
         """Metrics that ``totals`` built from its first batch become the template (once)."""
         if self.template.entries is None and totals.metrics.entries is not None:
