@@ -203,7 +203,10 @@ class MaxGradNorm(Callback):
 #
 # :class:`~fitkit.callbacks.CSVLogger` writes a row per epoch; :class:`~fitkit.callbacks.TensorBoard`
 # writes scalars for ``tensorboard --logdir`` with ``torch.utils.tensorboard`` (``pip install
-# "fitkit[tensorboard]"``, no TensorFlow needed). Both see the custom key:
+# "torch-fitkit[tensorboard]"``, no TensorFlow needed). Both see the custom key. Runs tracked in
+# Weights & Biases take :class:`~fitkit.callbacks.WandbLogger` (``pip install
+# "torch-fitkit[wandb]"``; ``WANDB_MODE=offline`` needs no network), and MLflow
+# :class:`~fitkit.callbacks.MLflowLogger` (:doc:`../tutorials/08_mlflow`):
 
 model = make_model()
 history = model.fit(x, y, epochs=3, verbose=2, callbacks=[

@@ -8,7 +8,7 @@ the objective, and metrics and ``predict`` use its ``logits``. It needs the ``hf
 
 .. code-block:: bash
 
-   pip install "fitkit[hf]"
+   pip install "torch-fitkit[hf]"
 
 Nothing on this page downloads weights: every model is built from a small config, as
 ``from_pretrained`` would build it before loading a checkpoint.
@@ -84,6 +84,29 @@ twin.compile(optimizer="adam", loss="cross_entropy", metrics=["accuracy"])
 twin_history = twin.fit({"input_ids": ids}, labels, batch_size=32, epochs=5, verbose=0)
 print(twin_history.history == history.history)
 assert twin_history.history == history.history
+
+# %%
+# The labels may also stay in the batch beside a compiled loss: a ``labels`` entry is then the
+# loss's target (and the metrics'), as the Trainer's ``label_names`` default makes it for a
+# custom loss. fitkit leaves it out of the module's inputs, so the model computes no loss of its
+# own, and the run is the same computation once more:
+
+torch.manual_seed(0)
+third = fitkit.Model(BertForSequenceClassification(config))
+third.compile(optimizer="adam", loss="cross_entropy", metrics=["accuracy"])
+third_history = third.fit({"input_ids": ids, "labels": labels}, batch_size=32, epochs=5, verbose=0)
+print(third_history.history == history.history)
+assert third_history.history == history.history
+
+# %%
+# LoRA adapters (``pip install "torch-fitkit[peft]"``): a ``PeftModel`` from
+# ``peft.get_peft_model(net, LoraConfig(...))`` is an ``nn.Module`` whose base weights are frozen,
+# so ``fitkit.Model(peft_model)`` trains the adapters alone, and ``summary()`` counts its
+# trainable parameters as PEFT's ``print_trainable_parameters()`` does.
+# ``model.save_weights(path, trainable_only=True)`` writes the trainable parameters alone (the
+# adapters: kilobytes, not the base model), and ``load_weights(path, trainable_only=True)`` puts
+# them back into a model built the same way from the same base weights, as the Trainer saves only
+# the adapters of a ``PeftModel``.
 
 # %%
 # When the rule finds no single prediction (a question-answering model returns
