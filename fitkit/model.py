@@ -54,6 +54,7 @@ from fitkit.training.recompute import check_recompute, checkpoint_activations
 from fitkit.training.state import ResumePoint
 from fitkit.training.stepper import Stepper
 from fitkit.training.tracking import Phases
+from fitkit.training.validation_sets import named_sets, run_validation
 
 __all__ = ["Model"]
 
@@ -534,7 +535,9 @@ class Model:
             validation_split: fraction in ``[0, 1)`` taken from the end of the arrays before
                 shuffling (arrays, tensors and Datasets only).
             validation_data: ``(x_val, y_val)``, ``(x_val, y_val, sample_weight)``, a Dataset,
-                a DataLoader or an iterable; its logs get a ``val_`` prefix.
+                a DataLoader or an iterable; its logs get a ``val_`` prefix. Several sets:
+                ``{"name": set, ...}``, validated in turn, each logged as ``val_<name>_<key>``
+                and the first also as ``val_<key>`` (:mod:`fitkit.training.validation_sets`).
             shuffle: reshuffle in-memory data and Datasets every epoch (one ``randperm``).
             class_weight: ``{class_index: weight}``, folded into the sample weights.
             sample_weight: ``(N,)`` weights for in-memory ``x`` or a Dataset.
@@ -724,7 +727,8 @@ class Model:
         during ``fit``, it keeps totals of its own: the training epoch stays exact.
 
         Args:
-            x: inputs, as for :meth:`fit`.
+            x: inputs, as for :meth:`fit`; or several named sets, ``{"name": (x, y), "other":
+                DataLoader(...), ...}`` (as ``fit``'s ``validation_data``), each evaluated in turn.
             y: targets for in-memory ``x``.
             batch_size: samples per batch (in-memory ``x`` and Datasets).
             verbose: 0, 1, 2 or ``"auto"`` (see :meth:`fit`).
@@ -736,7 +740,9 @@ class Model:
                 metrics, else the list ``[loss, *metrics]`` in the order of ``compile``.
 
         Returns:
-            ``{"loss": float, <metric>: float, ...}`` (or Keras' scalar / list).
+            ``{"loss": float, <metric>: float, ...}`` (or Keras' scalar / list). For named sets
+            ``{"<name>_loss": float, "<name>_<metric>": float, ...}`` per set, or with
+            ``return_dict=False`` one scalar / list per set, in the dict's order.
 
         Raises:
             RuntimeError: ``compile`` was not called.
@@ -752,10 +758,16 @@ class Model:
             {'loss': 4.0, 'mae': 1.600000023841858}
             >>> model.evaluate(torch.zeros(2, 1), torch.ones(2, 1), verbose=0, return_dict=False)  # Keras' list
             [1.0, 1.0]
+            >>> model.evaluate({"ones": (torch.zeros(2, 1), torch.ones(2, 1)),
+            ...                 "twos": (torch.zeros(2, 1), torch.full((2, 1), 2.0))}, verbose=0)
+            {'ones_loss': 1.0, 'ones_mae': 1.0, 'twos_loss': 4.0, 'twos_mae': 2.0}
         """
         self._require_compiled("evaluate")
         check_bool("return_dict", return_dict)
         batch_size, verbose, callbacks = planning.call_args(batch_size, steps, verbose, callbacks)
+        sets = named_sets(x, "x") if y is None and sample_weight is None else None
+        if sets is not None:
+            return self._evaluate_sets(sets, batch_size, verbose, steps, callbacks, return_dict)
         loader = _distributed.sharded(
             _data.as_loader, x, y, sample_weight, batch_size=batch_size, device=self.device, steps=steps
         )
@@ -764,6 +776,20 @@ class Model:
         logs = EvalLoop(self, loader, cbs, steps).run()
         values = [logs[k] for k in ("loss", *self.metrics.keys) if k in logs]
         return logs if return_dict else values[0] if len(values) == 1 else values
+
+    def _evaluate_sets(self, sets: dict[str, Any], batch_size: int | None, verbose: int, steps: int | None,
+                       callbacks: list[Callback], return_dict: bool) -> Any:  # fmt: skip
+        """``evaluate({"name": data, ...})``: every set in turn (:mod:`fitkit.training.validation_sets`)."""
+        val = planning.validation_loaders(self, sets, batch_size, argument="x")
+        for name, loader in val.items():
+            planning.check_data(self, loader, f"x[{name!r}]", training=False)
+        cbs = planning.callback_list(self, callbacks, verbose, None, None)
+        logs = run_validation(self, val.map(lambda loader: loader), cbs, steps, what="evaluate")
+        if return_dict:
+            return logs
+        keys = [k for k in ("loss", *self.metrics.keys) if f"{val.names[0]}_{k}" in logs]
+        per_set = [[logs[f"{name}_{k}"] for k in keys] for name in val.names]
+        return [v[0] if len(v) == 1 else v for v in per_set]
 
     @known_keywords
     def predict(

@@ -33,6 +33,7 @@ from fitkit.training.signals import deferred
 from fitkit.training.step_validation import StepValidation, ValidationInterval, ValidationSchedule, record_validation
 from fitkit.training.stopping import StopDecision
 from fitkit.training.tracking import RunningTotals
+from fitkit.training.validation_sets import run_validation
 
 __all__ = ["FitLoop", "EvalLoop", "PredictLoop", "ValidationSchedule"]
 
@@ -209,8 +210,7 @@ class FitLoop:
             return
         if self.val is None or self.val_schedule is None or not self.val_schedule(epoch):
             return
-        loop = EvalLoop(self.model, self.val, self.callbacks, self.val_steps, what="validation_data")
-        val_logs = loop.run()
+        val_logs = run_validation(self.model, self.val, self.callbacks, self.val_steps)
         self.validated = True
         logs.update(record_validation(self.history, self.callbacks, self.model.global_step, epoch, val_logs))
 

@@ -28,6 +28,7 @@ from fitkit.training.loop import lr_keys
 from fitkit.training.optim import check_plateau_mode
 from fitkit.training.quick import QuickRun
 from fitkit.training.step_validation import ValidationInterval, ValidationSchedule
+from fitkit.training.validation_sets import ValidationSets, named_sets, prefixed_keys
 
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
 
@@ -115,18 +116,14 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
         _data.as_loader, x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
         class_weight=class_weight, steps=steps_per_epoch, device=model.device,
     )  # fmt: skip
-    val = None
-    if validation_data is not None:
-        val = _distributed.sharded(
-            _data.validation_loader, validation_data, batch_size=validation_batch_size or batch_size,
-            device=model.device,
-        )  # fmt: skip
+    val = None if validation_data is None else validation_loaders(model, validation_data,
+                                                                   validation_batch_size or batch_size)
     if quick is not None and quick.active:
         val = quick.limit(train, val)  # the loaders capped; limit_val_batches=0: no validation
         interval = interval if val is not None else None
     example = check_data(model, train, "x", training=True)
-    if val is not None:
-        val_example = check_data(model, val, "validation_data", training=False, validation=True)
+    for name, loader in _named(val, "validation_data"):
+        val_example = check_data(model, loader, name, training=False, validation=True)
         example = example if val_example is None else val_example
     _warn_nothing_to_train(model, initial_epoch, epochs)
     validates = val is not None
@@ -137,7 +134,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     by_epoch = validates and shown and interval is None
     # A source that makes its own batches (a DataLoader, an iterable of batches) records its own size.
     recorded = train.batch_size if _data.batches_itself(x) else batch_size
-    params = {"batch_size": recorded, "do_validation": validates, "metrics": planned_keys(model, validates),
+    params = {"batch_size": recorded, "do_validation": validates, "metrics": planned_keys(model, validates, val),
               # the (0-based) epochs whose validation is scheduled
               "validation_epochs": schedule.epochs(initial_epoch, shown) if by_epoch and shown else [],
               "validation_interval": validation_interval,
@@ -276,12 +273,35 @@ def _check_first_validation_batch(model: Any, loader: _data.DeviceLoader) -> Any
         return first_batch_check(model, batch, label="first validation batch", training=False)
 
 
-def planned_keys(model: Any, validates: bool) -> list[str]:
+def validation_loaders(model: Any, data: Any, batch_size: int | None, argument: str = "validation_data") -> Any:
+    """The loader of one validation source, or :class:`ValidationSets` of a dict of named sets."""
+    sets = named_sets(data, argument)
+
+    def build(source: Any) -> Any:
+        return _distributed.sharded(_data.validation_loader, source, batch_size=batch_size, device=model.device)
+
+    if sets is None:
+        return build(data)
+    prefixed_keys(list(sets), ["loss", *model.metrics.keys], argument)  # names that would overwrite a key
+    return ValidationSets({name: build(source) for name, source in sets.items()})
+
+
+def _named(val: Any, argument: str) -> list[tuple[str, Any]]:
+    """``(how errors name it, loader)`` of each validation set (none for ``None``)."""
+    if val is None:
+        return []
+    if isinstance(val, ValidationSets):
+        return [(f"{argument}[{name!r}]", loader) for name, loader in val.items()]
+    return [(argument, val)]
+
+
+def planned_keys(model: Any, validates: bool, val: Any = None) -> list[str]:
     """Epoch-log keys fit will write, in order (``params["metrics"]``, as Keras has it)."""
     keys = ["loss", *model.metrics.keys]
     per_group = lr_keys(model.optimizer, model.scheduler) if model.optimizer is not None else []
     lr_names = ["learning_rate"] + [key for _, key in per_group]
-    val_keys = [f"val_{k}" for k in ("loss", *model.metrics.keys)] if validates else []
+    names = val.names if isinstance(val, ValidationSets) else []
+    val_keys = [f"val_{k}" for k in prefixed_keys(names, ["loss", *model.metrics.keys])] if validates else []
     return keys + lr_names + val_keys
 
 

@@ -19,6 +19,7 @@ import torch
 
 from fitkit.callbacks.base import CallbackList
 from fitkit.training.eval_loop import EvalLoop
+from fitkit.training.validation_sets import ValidationSets
 
 __all__ = ["QuickRun", "check_quick", "sanity_check", "batches_of"]
 
@@ -119,8 +120,12 @@ class QuickRun:
             return None
         if val_limit == 0:
             return None  # Lightning's limit_val_batches=0: no validation
-        val.limit_to(batches_of(name or "limit_val_batches", val_limit, val.num_batches))
-        return val
+
+        def cap(loader: Any) -> Any:
+            loader.limit_to(batches_of(name or "limit_val_batches", val_limit, loader.num_batches))
+            return loader
+
+        return val.map(cap) if isinstance(val, ValidationSets) else cap(val)  # each named set capped alike
 
 
 def check_quick(fast_dev_run: Any = False, overfit_batches: Any = 0, limit_train_batches: Any = None,
@@ -219,15 +224,19 @@ def sanity_check(model: Any, val: Any, steps: int) -> None:
     A one-shot validation source (a generator) is not checked: it would lose those batches.
     An error in validation (the forward, ``test_step``, a metric) is raised here, before step 1.
     """
-    if val is None or not steps or getattr(val.batches, "one_shot", False):
-        return  # a one-shot iterator would lose the batches its validation needs
+    if val is None or not steps:
+        return
+    sets = [(f"validation_data[{n!r}]", v) for n, v in val.items()] if isinstance(val, ValidationSets) \
+        else [("validation_data", val)]  # every named set, as Lightning checks each val loader
+    sets = [(what, v) for what, v in sets if not getattr(v.batches, "one_shot", False)]  # would lose batches
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)  # fmt: skip
     try:
         # EvalLoop restores the modes; an empty CallbackList: no hook, no log
-        with model.phases.template_kept():
-            EvalLoop(model, val, CallbackList([], model, {}), None if steps < 0 else steps,
-                     what="validation_data").run()  # fmt: skip
+        for what, loader in sets:
+            with model.phases.template_kept():
+                EvalLoop(model, loader, CallbackList([], model, {}), None if steps < 0 else steps,
+                         what=what).run()  # fmt: skip
     finally:
         random.setstate(rng[0])
         np.random.set_state(rng[1])

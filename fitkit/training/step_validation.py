@@ -29,7 +29,7 @@ from typing import Any
 from fitkit.callbacks.logkeys import per_validation
 from fitkit.checks import check_int, check_number
 from fitkit.training import checkpoint as _checkpoint
-from fitkit.training.eval_loop import EvalLoop
+from fitkit.training.validation_sets import run_validation
 
 __all__ = ["ValidationSchedule", "ValidationInterval", "StepValidation", "record_validation", "per_validation"]
 
@@ -171,7 +171,7 @@ class StepValidation:
         self.last_step = stepper.global_step
         rng = _checkpoint.rng_state()  # the training stream goes on as if nothing ran
         try:
-            val_logs = EvalLoop(self.model, self.val, self.callbacks, self.steps, what="validation_data").run()
+            val_logs = run_validation(self.model, self.val, self.callbacks, self.steps)
         finally:
             _checkpoint.set_rng_state(rng)
         stepper.scheduling.step_on_validation(epoch, val_logs)  # a compiled ReduceLROnPlateau
