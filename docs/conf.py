@@ -52,6 +52,9 @@ if _DOCTEST:
     suppress_warnings = ["toc.not_readable"]  # the toctree's gallery/ pages: html builds only
 else:
     extensions.append("sphinx_gallery.gen_gallery")
+    # sphinx-gallery's own index of the scripts: the "Tutorials" toctree lists them already, and a
+    # second entry in the sidebar would list every executed tutorial twice.
+    exclude_patterns += ["gallery/index.rst"]
 # sphinx-gallery reads every attribute a script names, to link it; Tensor.T warns on 0-d tensors.
 warnings.filterwarnings("ignore", message="Tensor.T is deprecated", category=UserWarning)
 sphinx_gallery_conf = {
@@ -159,5 +162,39 @@ pygments_style = "friendly"
 pygments_dark_style = "monokai"
 
 
+# The reference page of ``Model`` opens with its verbs, in the order a user calls them; the
+# other members follow in source order (a stable sort after autodoc's own). autodoc has no
+# option for a per-class order, so its sort is wrapped: Sphinx 9's member finder, or the
+# documenter classes of earlier versions. tests/test_docs.py checks the order on the page.
+_MODEL_VERBS = ("compile", "fit", "evaluate", "predict")
+
+
+def _verb_rank(entry) -> int:
+    item = entry[0]
+    name = str(getattr(item, "dotted_parts", None) or getattr(item, "name", "")).replace("::", ".")
+    owner, _, member = name.rpartition(".")
+    verbs = _MODEL_VERBS if owner.split(".")[-1] == "Model" else ()
+    return verbs.index(member) if member in verbs else len(_MODEL_VERBS)
+
+
+def _verbs_first(sort_members):
+    def sort(*args, **kwargs):
+        return sorted(sort_members(*args, **kwargs), key=_verb_rank)
+
+    return sort
+
+
+def _patch_member_order() -> None:
+    try:
+        from sphinx.ext.autodoc._dynamic import _member_finder  # Sphinx >= 9
+    except ImportError:
+        from sphinx.ext.autodoc import Documenter
+
+        Documenter.sort_members = _verbs_first(Documenter.sort_members)
+    else:
+        _member_finder._sort_members = _verbs_first(_member_finder._sort_members)
+
+
 def setup(app):
+    _patch_member_order()
     app.connect("missing-reference", _resolve_alias)

@@ -80,6 +80,19 @@ def test_html_builds_without_warnings(tmp_path):
                  "fitkit.Model.predict", "fitkit.Model.summary", "fitkit.Model.train_step",
                  "fitkit.Model.save_checkpoint"):
         assert f'id="{name}"' in api, name
+    # The page opens with the Model's verbs, in the order a user calls them.
+    members = re.findall(r'id="fitkit\.Model\.([A-Za-z_]+)"', api)
+    assert members[:4] == ["compile", "fit", "evaluate", "predict"], members[:8]
+    # One sidebar entry per page: the executed tutorials are listed once, under "Tutorials".
+    index = (tmp_path / "html" / "index.html").read_text(encoding="utf-8")
+    start = index.index('class="sidebar-tree"')
+    sidebar = index[start:index.index("<article", start)]
+    assert sidebar.count('href="gallery/01_loop_to_fit.html"') == 1
+    assert "Executed tutorials" not in sidebar
+    # Test asserts run but stay out of the rendered code (sphinx-gallery's ignore markers).
+    for script in SCRIPTS:
+        code = (tmp_path / "html" / "gallery" / f"{script.stem}.html").read_text(encoding="utf-8")
+        assert '<span class="k">assert</span>' not in code, script.stem
     # ... and every public class and function of every module on its module's page.
     missing = []
     for module in REFERENCE:

@@ -118,7 +118,9 @@ history = model.fit(X, Y, epochs=20, batch_size=32, verbose=0)
 
 print(f"W = {model.module.weight.item():.2f}, b = {model.module.bias.item():.2f}")
 print(f"final epoch loss: {history.history['loss'][-1]:.4f}")
+# sphinx_gallery_start_ignore
 assert torch.allclose(model.module.weight, by_hand[0]) and torch.allclose(model.module.bias, by_hand[1])
+# sphinx_gallery_end_ignore
 
 # %%
 # The hand-written loop and ``fit`` agree to the last printed digit, because ``fit`` is that
@@ -139,7 +141,9 @@ torch.manual_seed(0)
 model = fitkit.Model(nn.Linear(1, 1))
 model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss="mse")
 history = model.fit(X, Y, epochs=3, batch_size=32, verbose=2)
+# sphinx_gallery_start_ignore
 assert history.history["loss"][0] > history.history["loss"][1] > history.history["loss"][2]
+# sphinx_gallery_end_ignore
 
 # %%
 # (The time after the step count is the wall time of the epoch.) Besides the five steps, ``fit``:
@@ -167,7 +171,9 @@ except ValueError as e:
 
 print(model.evaluate(X, Y, verbose=0).keys())
 print(model.predict(torch.tensor([[0.0], [1.0]]), verbose=0).shape)
+# sphinx_gallery_start_ignore
 assert list(model.evaluate(X, Y, verbose=0)) == ["loss"]
+# sphinx_gallery_end_ignore
 
 # %%
 # Next: :doc:`../gallery/02_classifier` trains a real classifier with metrics, validation and a

@@ -25,7 +25,9 @@ x_train = torch.tensor(x_train / 16, dtype=torch.float32)   # (N, 64) in [0, 1]
 x_test = torch.tensor(x_test / 16, dtype=torch.float32)
 y_train, y_test = torch.tensor(y_train), torch.tensor(y_test)  # int64 classes
 print(x_train.shape, x_test.shape, y_train.dtype)
+# sphinx_gallery_start_ignore
 assert x_train.shape == (1437, 64) and x_test.shape == (360, 64)
+# sphinx_gallery_end_ignore
 
 # %%
 # A ``DataLoader`` serves a ``Dataset`` in shuffled mini-batches. ``fit`` takes it as it is (any
@@ -38,7 +40,9 @@ train_loader = DataLoader(TensorDataset(x_train, y_train), batch_size=32,
                           shuffle=True)
 x_batch, y_batch = next(iter(train_loader))
 print(len(train_loader), x_batch.shape, y_batch.shape)
+# sphinx_gallery_start_ignore
 assert len(train_loader) == 45  # 1,437 / 32, the last batch partial
+# sphinx_gallery_end_ignore
 
 # %%
 # .. note::
@@ -91,7 +95,9 @@ model.compile(
 history = model.fit(train_loader, epochs=6, validation_data=(x_test, y_test),
                     verbose=2)
 
+# sphinx_gallery_start_ignore
 assert history.history["val_accuracy"][-1] > 0.93  # what this page relies on (0.97 on the CPU that built it)
+# sphinx_gallery_end_ignore
 
 # %%
 # The run is seeded, but the last digits may differ between CPU models. The training loss and
@@ -123,7 +129,9 @@ p2 = model.predict(sample, verbose=0)
 print(torch.equal(p1, p2), p1.requires_grad)   # eval mode, no autograd graph
 
 print(net.training, torch.is_grad_enabled())   # restored
+# sphinx_gallery_start_ignore
 assert net.training and torch.equal(p1, p2) and not p1.requires_grad
+# sphinx_gallery_end_ignore
 
 # %%
 # A submodule that you put in eval mode yourself (a frozen, pre-trained part) stays in eval mode
@@ -146,7 +154,9 @@ print(f"by hand:       {(predicted == y_test).float().mean():.2f}")
 
 probabilities = logits.softmax(dim=-1)               # rows sum to 1
 print(probabilities.sum(dim=-1)[:3])
+# sphinx_gallery_start_ignore
 assert result["accuracy"] == (predicted == y_test).float().mean().item()
+# sphinx_gallery_end_ignore
 
 # %%
 # Which digits does it confuse? scikit-learn's ``ConfusionMatrixDisplay`` draws, for each true
@@ -181,7 +191,9 @@ print(list(history.history))
 print(history.epoch)
 print([round(v, 2) for v in history.history["val_accuracy"]])
 
+# sphinx_gallery_start_ignore
 assert history.epoch == [0, 1, 2, 3, 4, 5]
+# sphinx_gallery_end_ignore
 
 # %%
 # ``history.plot()`` draws them with matplotlib (``pip install "torch-fitkit[plot]"``), a ``val_``

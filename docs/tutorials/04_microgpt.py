@@ -27,7 +27,9 @@ from fitkit.examples.shakespeare import default_text_path
 text = default_text_path().read_text(encoding="utf-8")
 text = text[:5000]       # small setting for the docs build; drop it for real
 print(text[:61])
+# sphinx_gallery_start_ignore
 assert text.startswith("First Citizen:")
+# sphinx_gallery_end_ignore
 
 # %%
 # A character tokenizer
@@ -48,7 +50,9 @@ print(ids[:6], tokenizer.decode(ids))
 
 tokens = tokenizer.encode(text)                      # (N,) int64
 print(tokens.shape, tokens.dtype)
+# sphinx_gallery_start_ignore
 assert tokenizer.vocab_size == 53 and tokenizer.decode(ids) == "Before we proceed"
+# sphinx_gallery_end_ignore
 
 # %%
 # Next-token windows
@@ -72,7 +76,9 @@ print(len(train_set), len(val_set))
 x, y = train_set[0]                                  # (T,), (T,)
 print(repr(tokenizer.decode(x)))
 print(repr(tokenizer.decode(y)))
+# sphinx_gallery_start_ignore
 assert (len(train_set), len(val_set)) == (4468, 468) and torch.equal(x[1:], y[:-1])
+# sphinx_gallery_end_ignore
 
 # %%
 # The model
@@ -103,7 +109,9 @@ model.compile(
 )
 initial = model.evaluate(val_set, verbose=0)
 print(initial)
+# sphinx_gallery_start_ignore
 assert abs(initial["loss"] - math.log(53)) < 0.1  # about ln V before training
+# sphinx_gallery_end_ignore
 
 # %%
 # The ``"cross_entropy"`` loss takes the language-model shapes as they are: logits
@@ -126,7 +134,9 @@ best = ModelCheckpoint(out / "best.pt", monitor="val_loss",
 history = model.fit(train_set, batch_size=16, epochs=3, steps_per_epoch=50,
                     validation_data=val_set, callbacks=[best], verbose=2)
 val = history.history["val_loss"]
+# sphinx_gallery_start_ignore
 assert val[0] > val[1] > val[2] and val[2] < 2.7  # what the text below relies on
+# sphinx_gallery_end_ignore
 
 # %%
 # The training and validation loss per epoch of 50 steps, with ln *V*, the loss of a uniform
@@ -164,7 +174,9 @@ ids = model.module.generate(prompt, max_new_tokens=120, temperature=0.8, top_k=1
                             generator=generator)            # (1, T + 120)
 sample = tokenizer.decode(ids[0])
 print(sample)
+# sphinx_gallery_start_ignore
 assert sample.startswith("First Citizen:\n") and len(sample) == 15 + 120
+# sphinx_gallery_end_ignore
 
 # %%
 # Not Shakespeare yet, but the shape of a play: lines that end in a colon like a speaker's
@@ -204,8 +216,10 @@ history = llm.fit(train_set, batch_size=8, max_steps=30, validation_data=val_set
 print(llm.global_step, history.epoch, history.params["total_steps"])
 for v in history.validations:            # one record per validation, with its step
     print(f"step {v['step']}: val_loss {v['val_loss']:.3f}")
+# sphinx_gallery_start_ignore
 assert (llm.global_step, history.epoch, history.params["total_steps"]) == (30, [0], 30)
 assert [v["step"] for v in history.validations] == [10, 20, 30]
+# sphinx_gallery_end_ignore
 
 # %%
 # ``history.history`` stays per epoch (its ``val_loss`` is the epoch's last validation);

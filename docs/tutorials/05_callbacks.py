@@ -52,7 +52,9 @@ history = model.fit(x, y, epochs=50, validation_split=0.25, callbacks=[stop],
                     verbose=2)
 val_loss = history.history["val_loss"]
 best_epoch = stop.best_epoch                       # 0-based: the weights the model holds now
+# sphinx_gallery_start_ignore
 assert best_epoch == val_loss.index(min(val_loss)) and stop.stopped_epoch == best_epoch + 3  # patience 3
+# sphinx_gallery_end_ignore
 
 # %%
 # The learning curves, with the epoch whose weights were restored marked:
@@ -74,7 +76,9 @@ plt.show()
 
 result = model.evaluate(x[450:], y[450:], verbose=0)
 print(result["loss"], val_loss[best_epoch])
+# sphinx_gallery_start_ignore
 assert round(result["loss"], 4) == round(val_loss[best_epoch], 4)
+# sphinx_gallery_end_ignore
 
 # %%
 # Three more rules stop at once, with Lightning's semantics: ``stopping_threshold`` (the
@@ -86,7 +90,9 @@ model = make_model()
 stop = EarlyStopping(monitor="val_loss", patience=10, divergence_threshold=0.5)
 model.fit(x, y, epochs=50, validation_split=0.25, callbacks=[stop], verbose=0)
 print(stop.stopped_epoch, stop.stop_reason)
+# sphinx_gallery_start_ignore
 assert stop.stop_reason.startswith("divergence_threshold")
+# sphinx_gallery_end_ignore
 
 # %%
 # Checkpoints: the best ``k``
@@ -109,7 +115,9 @@ history = model.fit(x, y, epochs=6, validation_split=0.25,
 kept = sorted(p.name for p in (tmp / "ckpt").iterdir())
 print(kept)
 best_two = sorted(sorted(history.history["val_loss"])[:2])
+# sphinx_gallery_start_ignore
 assert len(kept) == 2 and sorted(float(name[3:-3]) for name in kept) == [round(v, 3) for v in best_two]
+# sphinx_gallery_end_ignore
 
 # %%
 # Three more options come from Keras and Lightning: ``initial_value_threshold=v`` saves
@@ -139,7 +147,9 @@ try:
     model.fit(x, y, epochs=5, callbacks=[backup, PowerCut()], verbose=0)
 except RuntimeError as error:
     print(error, "- left behind:", sorted(p.name for p in (tmp / "backup").iterdir()))
+# sphinx_gallery_start_ignore
 assert (tmp / "backup" / "backup.pt").exists()
+# sphinx_gallery_end_ignore
 
 # %%
 # ``backup.pt`` is the newest backup; ``backup.prev.pt`` the one before it, kept in case the
@@ -159,7 +169,9 @@ same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                              reference.state_dict().values()))
 print("same weights as the uninterrupted run:", same)
 print("backup deleted after success:", not backup.path.exists())
+# sphinx_gallery_start_ignore
 assert history.epoch == [0, 1, 2, 3, 4] and same and not backup.path.exists()
+# sphinx_gallery_end_ignore
 
 # %%
 # Done by hand, the same resume is ``model.load_checkpoint(path)``, which restores the full state
@@ -214,7 +226,9 @@ history = model.fit(x, y, epochs=3, verbose=2, callbacks=[
 
 print((tmp / "log.csv").read_text().splitlines()[0])
 print(sorted(p.name for p in (tmp / "tensorboard").iterdir()))
+# sphinx_gallery_start_ignore
 assert "grad_norm" in history.history and "grad_norm" in (tmp / "log.csv").read_text().splitlines()[0]
+# sphinx_gallery_end_ignore
 
 # %%
 # (With validation data, TensorBoard also writes a ``validation`` folder, so that the two
@@ -238,7 +252,9 @@ model = make_model()
 history = model.fit(x, y, epochs=4, validation_split=0.25, validation_freq=2, verbose=0,
                     callbacks=[Watch(), CSVLogger(tmp / "every2.csv")])
 print((tmp / "every2.csv").read_text())
+# sphinx_gallery_start_ignore
 assert (tmp / "every2.csv").read_text().splitlines()[1].endswith(",NA,NA")  # epoch 1: no validation
+# sphinx_gallery_end_ignore
 
 # %%
 # The columns are the keys ``fit`` plans to log (``params["metrics"]``) plus those a callback
@@ -259,7 +275,9 @@ class HeldOutF1(Callback):
 stop = EarlyStopping(monitor="val_f1", mode="max", patience=2)
 history = make_model().fit(x_fit, y_fit, epochs=20, callbacks=[HeldOutF1(), stop], verbose=0)
 print(len(history.epoch), stop.stop_reason)
+# sphinx_gallery_start_ignore
 assert stop.stop_reason.startswith("patience: val_f1")
+# sphinx_gallery_end_ignore
 
 # %%
 # A monitor that no log will hold is an error before the first step, so a typo costs no
@@ -273,7 +291,9 @@ try:
                      callbacks=[EarlyStopping(monitor="val_acc")])
 except ValueError as error:
     print(error)
+    # sphinx_gallery_start_ignore
     assert "EarlyStopping monitors 'val_acc'" in str(error)
+    # sphinx_gallery_end_ignore
 
 # %%
 # A NaN value is never the best for :class:`~fitkit.callbacks.EarlyStopping`,
@@ -300,7 +320,9 @@ history = model.fit(x, y, epochs=6, validation_split=0.25, callbacks=[ema], verb
 for epoch, (a, b) in enumerate(zip(plain_history.history["val_loss"],
                                    history.history["val_loss"]), 1):
     print(f"epoch {epoch}: val_loss {a:.2f} -> with EMA {b:.2f}")
+# sphinx_gallery_start_ignore
 assert history.history["val_loss"] != plain_history.history["val_loss"]
+# sphinx_gallery_end_ignore
 
 # %%
 # The average lags at first (epoch 1 still remembers the initial weights), then moves less
@@ -340,7 +362,9 @@ history = model.fit(x, y, epochs=6, validation_split=0.25, verbose=0,
                     callbacks=[EMA(decay=0.9), stop])
 again = model.evaluate(x[450:], y[450:], verbose=0)["loss"]
 print(f"best {min(history.history['val_loss']):.4f}, after the restore {again:.4f}")
+# sphinx_gallery_start_ignore
 assert round(again, 4) == round(min(history.history["val_loss"]), 4)
+# sphinx_gallery_end_ignore
 
 # %%
 # Finding a learning rate
@@ -358,7 +382,9 @@ result = model.find_lr(x, y)
 print(len(result.lrs), f"suggestion: {result.suggestion:.1e}")
 untouched = all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
 print("weights untouched:", untouched)
+# sphinx_gallery_start_ignore
 assert untouched and 1e-3 < result.suggestion < 1e-1
+# sphinx_gallery_end_ignore
 
 # %%
 # ``result.plot()`` draws the smoothed loss against the learning rate (log scale), the
@@ -383,7 +409,9 @@ finder = LearningRateFinder(num_steps=50)
 history = model.fit(x, y, epochs=1, callbacks=[finder], verbose=0)
 print(model.optimizer.param_groups[0]["lr"] == finder.result.suggestion,
       len(finder.result.lrs) <= 50)
+# sphinx_gallery_start_ignore
 assert model.optimizer.param_groups[0]["lr"] == finder.result.suggestion and len(finder.result.lrs) <= 50
+# sphinx_gallery_end_ignore
 
 # %%
 # Throughput and profiling
@@ -403,7 +431,9 @@ model = make_model()
 history = model.fit(x, y, epochs=1, verbose=0, callbacks=[ThroughputMonitor(peak_flops=1e12)])
 print(sorted(k for k in history.history if k.startswith("throughput/")))
 print(history.history["throughput/flops_per_step"])
+# sphinx_gallery_start_ignore
 assert history.history["throughput/flops_per_step"] == [2 * 32 * 70_912 * 2 + 2 * 32 * 65_792]
+# sphinx_gallery_end_ignore
 
 # %%
 # With ``log_every_n_steps=4`` the same keys go into the batch logs every 4 batches as well, so
@@ -416,7 +446,7 @@ watch = fitkit.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: s
     float(logs["throughput/samples_per_sec"])) if "throughput/samples_per_sec" in logs else None)
 model = make_model()
 model.fit(x, y, epochs=3, verbose=0, callbacks=[ThroughputMonitor(log_every_n_steps=4), watch])
-fig, ax = plt.subplots(figsize=(6, 3))
+fig, ax = plt.subplots(figsize=(6, 3), layout="constrained")  # labels uncut
 ax.plot(range(1, len(speeds) + 1), speeds, marker="o")
 ax.set_xlabel("window of 4 batches (3 epochs)")
 ax.set_ylabel("samples / s (last 4 batches)")
@@ -424,7 +454,9 @@ ax.set_ylim(bottom=0)
 ax.set_title("ThroughputMonitor(log_every_n_steps=4)")
 plt.show()
 print(len(speeds))
+# sphinx_gallery_start_ignore
 assert len(speeds) == 12 and all(v > 0 for v in speeds)
+# sphinx_gallery_end_ignore
 
 # %%
 # A step of 32 rows through the 70,912 weights of the three ``Linear`` layers costs
@@ -444,7 +476,9 @@ model = make_model()
 profiler = Profiler(tmp / "profile", wait=1, warmup=1, active=2, trace="chrome", verbose=0)
 model.fit(x[:256], y[:256], epochs=1, verbose=0, callbacks=[profiler])
 print(len(profiler.traces), "aten::addmm" in profiler.table)
+# sphinx_gallery_start_ignore
 assert len(profiler.traces) == 1 and "aten::addmm" in profiler.table
+# sphinx_gallery_end_ignore
 
 # %%
 #

@@ -50,7 +50,9 @@ model.compile(optimizer="adam", loss=None, metrics=["accuracy"])
 history = model.fit({"input_ids": ids, "labels": labels}, batch_size=32, epochs=5, verbose=0)
 result = model.evaluate({"input_ids": ids_test, "labels": labels_test}, verbose=0)
 print(f"test accuracy {result['accuracy']:.1f}")    # chance: 0.5
+# sphinx_gallery_start_ignore
 assert result["accuracy"] > 0.7
+# sphinx_gallery_end_ignore
 
 # %%
 # ``module(**x)`` is the call, so any argument of the model's ``forward`` can be in the dict
@@ -72,7 +74,9 @@ logits = model.predict({"input_ids": ids_test}, verbose=0)     # (N, num_labels)
 print(logits.shape)
 by_hand = (logits.argmax(-1) == labels_test).float().mean()
 print(abs(float(by_hand) - result["accuracy"]) < 1e-6)
+# sphinx_gallery_start_ignore
 assert logits.shape == (256, 2) and abs(float(by_hand) - result["accuracy"]) < 1e-6
+# sphinx_gallery_end_ignore
 
 # %%
 # The labels may also stay outside the inputs, as ``y``: then the model returns no loss, and a
@@ -83,7 +87,9 @@ twin = fitkit.Model(BertForSequenceClassification(config))
 twin.compile(optimizer="adam", loss="cross_entropy", metrics=["accuracy"])
 twin_history = twin.fit({"input_ids": ids}, labels, batch_size=32, epochs=5, verbose=0)
 print(twin_history.history == history.history)
+# sphinx_gallery_start_ignore
 assert twin_history.history == history.history
+# sphinx_gallery_end_ignore
 
 # %%
 # The labels may also stay in the batch beside a compiled loss: a ``labels`` entry is then the
@@ -96,7 +102,9 @@ third = fitkit.Model(BertForSequenceClassification(config))
 third.compile(optimizer="adam", loss="cross_entropy", metrics=["accuracy"])
 third_history = third.fit({"input_ids": ids, "labels": labels}, batch_size=32, epochs=5, verbose=0)
 print(third_history.history == history.history)
+# sphinx_gallery_start_ignore
 assert third_history.history == history.history
+# sphinx_gallery_end_ignore
 
 # %%
 # LoRA adapters (``pip install "torch-fitkit[peft]"``): a ``PeftModel`` from
@@ -203,7 +211,9 @@ train_loader = DataLoader(split["train"], batch_size=32, shuffle=True, collate_f
 test_loader = DataLoader(split["test"], batch_size=64, collate_fn=collator)
 history = reviewer.fit(train_loader, epochs=3, validation_data=test_loader, verbose=2)
 print(reviewer.predict(test_loader, verbose=0).shape)     # (64, 2): every test row, in order
+# sphinx_gallery_start_ignore
 assert history.history["val_accuracy"][-1] > 0.9
+# sphinx_gallery_end_ignore
 
 # %%
 # A ``datasets.Dataset`` without the torch format (its rows are Python lists) is refused before
@@ -255,7 +265,9 @@ history = gpt2.fit(train_set, batch_size=12, epochs=2, steps_per_epoch=20,
                    validation_data=val_set, validation_steps=10, verbose=2)
 
 print(history.history["val_loss"][-1] < history.history["val_loss"][0] < 4.17)   # ln 65
+# sphinx_gallery_start_ignore
 assert history.history["val_loss"][-1] < history.history["val_loss"][0] < 4.17
+# sphinx_gallery_end_ignore
 logits = gpt2.predict({"input_ids": tokens[:64][None]}, verbose=0)
 print(logits.shape)                                   # (B, T, V)
 
