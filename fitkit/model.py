@@ -485,7 +485,7 @@ class Model:
         y: Any = None,
         *,
         batch_size: int | None = None,
-        epochs: int | None = None,
+        epochs: int | float | None = None,
         verbose: int | str = "auto",
         callbacks: list[Callback] | None = None,
         validation_split: float = 0.0,
@@ -527,7 +527,10 @@ class Model:
                 themselves (``history.params["batch_size"]`` is then the loader's own); per process under
                 torchrun.
             epochs: index of the last epoch (not a count; see above). ``None`` (the
-                default): 1, or unbounded when ``max_steps`` is given (Lightning's rule).
+                default): 1, or unbounded when ``max_steps`` is given (Lightning's rule). A float
+                (the Trainer's ``num_train_epochs=2.5``) trains the whole epochs, then the
+                fraction of the next one's optimizer steps, rounded up (a step budget counted
+                from epoch 0, as ``max_steps``; the smaller of the two wins).
             verbose: 0 silent, 1 progress bar, 2 one line per epoch, ``"auto"``: 1 on a
                 terminal or notebook, else 2.
             callbacks: :class:`~fitkit.callbacks.Callback` objects, called in list order

@@ -203,3 +203,50 @@ def test_the_budget_the_accumulation_schedule_and_step_validation_add_no_host_sy
         model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[count, *extra], **options)
         counts.append(count.count)
     assert counts[1] == counts[0] == 0
+
+
+def test_a_float_epochs_trains_the_fraction_of_the_next_epochs_steps():
+    """epochs=2.5 (the Trainer's num_train_epochs): 10 samples, batch 2, accumulation 2 gives 3
+    steps per epoch (2 + 2 + 1 batches); 2.5 epochs = 6 + ceil(0.5 * 3) = 8 steps, the third
+    epoch cut after its second window, validated and in History; a planned scheduler sees 8."""
+    x, y = _data()
+    model, seen = _model(accumulation=2, scheduler=functools.partial(_warmup_decay, warmup=1)), {}
+    history = model.fit(x, y, batch_size=2, epochs=2.5, validation_data=(x, y), verbose=0,
+                        callbacks=[_recorder(model, seen)])
+    assert model.global_step == 8 and history.epoch == [0, 1, 2]
+    assert [(e, b) for e, b, _ in seen["batches"] if e == 2] == [(2, 0), (2, 1), (2, 2), (2, 3)]
+    assert len(history.history["val_loss"]) == 3
+    assert (seen["params"]["max_steps"], seen["params"]["total_steps"], seen["params"]["epochs"]) == (8, 8, 3)
+    assert seen["lrs"] == pytest.approx([0.1 * (8 - s) / 7 if s else 0.1 for s in range(8)], abs=1e-12)
+
+
+def test_a_float_epochs_and_max_steps_whichever_comes_first_and_whole_floats_are_ints():
+    x, y = _data()
+    model = _model()
+    model.fit(x, y, batch_size=2, epochs=2.5, max_steps=11, verbose=0)  # 12.5 -> 13 steps; 11 first
+    assert model.global_step == 11
+    model = _model()
+    history = model.fit(x, y, batch_size=2, epochs=2.0, verbose=0)  # 2.0 is 2: no budget
+    assert model.global_step == 10 and history.params["max_steps"] is None
+    model = _model()
+    model.fit(x, y, batch_size=2, epochs=0.1, verbose=0)  # ceil(0.1 * 5) = 1 step
+    assert model.global_step == 1
+
+
+@pytest.mark.parametrize("epochs", [-0.5, float("nan"), float("inf")])
+def test_a_bad_float_epochs_is_an_error_before_step_1(epochs):
+    x, y = _data()
+    model = _model()
+    before = [p.clone() for p in model.module.parameters()]
+    with pytest.raises(ValueError, match=r"epochs.*Fix:"):
+        model.fit(x, y, batch_size=2, epochs=epochs, verbose=0)
+    assert model.global_step == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.module.parameters(), before, strict=True))
+
+
+def test_a_float_epochs_over_data_without_a_length_is_an_error_before_step_1():
+    x, y = _data()
+    model = _model()
+    with pytest.raises(ValueError, match=r"epochs=1\.5 trains a fraction.*Fix: pass `steps_per_epoch=`"):
+        model.fit(((x[i:i + 2], y[i:i + 2]) for i in range(0, 10, 2)), epochs=1.5, verbose=0)
+    assert model.global_step == 0

@@ -50,6 +50,52 @@ def check_max_steps(max_steps: Any, epochs: Any) -> int | None:
     return int(epochs)
 
 
+def fractional_epochs(epochs: Any) -> tuple[Any, float | None]:
+    """``(epochs bound, fraction)`` of ``fit``'s ``epochs``: a float with a fractional part (the
+    Trainer's ``num_train_epochs=2.5``) trains up to the next whole epoch under a step budget
+    (:func:`fraction_budget`); a whole float is that int; anything else passes unchanged.
+
+    Raises:
+        ValueError: a float that is not finite or not > 0.
+
+    Example:
+        >>> fractional_epochs(2.5), fractional_epochs(3.0), fractional_epochs(4)
+        ((3, 2.5), (3, None), (4, None))
+    """
+    if not isinstance(epochs, float):
+        return epochs, None
+    if not math.isfinite(epochs) or epochs <= 0:
+        raise ValueError(
+            f"Expected `epochs` to be an int >= 0 or a float > 0 (a fraction of an epoch, as the Trainer's "
+            f"num_train_epochs). Received: epochs={epochs!r}. Fix: pass e.g. epochs=3 or epochs=2.5."
+        )
+    if epochs.is_integer():
+        return int(epochs), None
+    return math.ceil(epochs), epochs
+
+
+def fraction_budget(batches: int | None, accumulation: Callable[[int], int], epochs: float) -> int:
+    """The optimizer steps of ``epochs`` (a float) epochs from epoch 0: the whole epochs' steps,
+    then the fraction of the next epoch's steps, rounded up (the Trainer's
+    ``ceil(num_train_epochs * steps per epoch)``).
+
+    Raises:
+        ValueError: the batches per epoch are unknown (an iterable without a length).
+
+    Example:
+        >>> fraction_budget(10, lambda e: 1, 2.5), fraction_budget(10, lambda e: 4, 1.5)  # 20 + 5, 3 + 2
+        (25, 5)
+    """
+    if not batches:
+        raise ValueError(
+            f"epochs={epochs!r} trains a fraction of an epoch, but the training data has no length, so the "
+            "fraction has no step count. Fix: pass `steps_per_epoch=`, `max_steps=`, or a whole number of epochs."
+        )
+    whole = int(epochs)
+    steps = sum(math.ceil(batches / accumulation(e)) for e in range(whole))
+    return steps + math.ceil((epochs - whole) * math.ceil(batches / accumulation(whole)))
+
+
 def planned_steps(batches: int | None, accumulation: Callable[[int], int], epochs: int | None,
                   max_steps: int | None) -> int | None:  # fmt: skip
     """The optimizer steps a fit plans: ``max_steps``, else the steps of epochs ``0 .. epochs - 1``.

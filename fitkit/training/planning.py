@@ -85,6 +85,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
         shuffle = over.get("shuffle", shuffle)
         if quick.fast_dev_run:  # no files, no tuning: the callbacks that write or tune stay out
             callbacks = [cb for cb in callbacks if not cb.skip_in_fast_dev_run]
+    epochs, fraction = _budget.fractional_epochs(epochs)  # epochs=2.5: a step budget, below
     epochs = _budget.check_max_steps(max_steps, epochs)
     check_int("initial_epoch", initial_epoch, 0)
     check_int("validation_steps", validation_steps, 1, allow_none=True)
@@ -128,6 +129,9 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     _warn_nothing_to_train(model, initial_epoch, epochs)
     validates = val is not None
     fit_accumulation = _callback_schedule(model.stepper, callbacks)
+    if fraction is not None:  # the fraction's steps, or max_steps if that comes first
+        steps = _budget.fraction_budget(train.num_batches, _accumulation(model.stepper, fit_accumulation), fraction)
+        max_steps = steps if max_steps is None else min(max_steps, steps)
     total, shown = _plan_steps(model, train, epochs, max_steps, fit_accumulation)
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
@@ -179,13 +183,18 @@ def _check_interval(value: Any, validation_freq: Any, validation_data: Any, vali
     return interval
 
 
+def _accumulation(stepper: Any, fit_accumulation: Any) -> Any:
+    """``epoch -> gradient_accumulation_steps`` of this fit."""
+    k = stepper.accumulation
+    return fit_accumulation or stepper.accumulation_schedule or (lambda epoch: k)
+
+
 def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | None,
                 fit_accumulation: Any) -> tuple[int | None, int | None]:  # fmt: skip
     """``(total_steps, epochs shown to callbacks)``; ``ValueError`` when a scheduler factory
     asks for the step count and it cannot be known."""
     stepper = model.stepper
-    k = stepper.accumulation
-    accumulation = fit_accumulation or stepper.accumulation_schedule or (lambda epoch: k)
+    accumulation = _accumulation(stepper, fit_accumulation)
     batches = train.num_batches
     total = _budget.planned_steps(batches, accumulation, epochs, max_steps)
     planned = stepper.scheduling.planned
