@@ -115,6 +115,11 @@ assert third_history.history == history.history
 # adapters: kilobytes, not the base model), and ``load_weights(path, trainable_only=True)`` puts
 # them back into a model built the same way from the same base weights, as the Trainer saves only
 # the adapters of a ``PeftModel``.
+#
+# The Trainer's ``neftune_noise_alpha`` is the callback :class:`~fitkit.callbacks.NEFTune`:
+# ``fit(..., callbacks=[NEFTune(noise_alpha=5.0)])`` adds the paper's uniform noise to the
+# output of the model's ``get_input_embeddings()`` in training forwards only, so validations,
+# ``evaluate`` and ``predict`` see the plain embeddings.
 
 # %%
 # When the rule finds no single prediction (a question-answering model returns

@@ -16,6 +16,7 @@
 - :mod:`~fitkit.callbacks.profiler`: ``Profiler`` (``torch.profiler`` over a schedule of steps).
 - :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install torch-fitkit[mlflow]``).
 - :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install torch-fitkit[optuna]``).
+- :mod:`~fitkit.callbacks.neftune`: ``NEFTune`` (noisy input embeddings while fine-tuning).
 - :mod:`~fitkit.callbacks.wandb`: ``WandbLogger`` (``pip install torch-fitkit[wandb]``).
 
 The MLflow, Optuna and W&B callbacks import their library when they are created, not here.
@@ -31,6 +32,7 @@ from fitkit.callbacks.lr import LearningRateFinder, LearningRateScheduler, Reduc
 from fitkit.callbacks.misc import LambdaCallback, TerminateOnNaN
 from fitkit.callbacks.mlflow import MLflowLogger
 from fitkit.callbacks.monitor import EarlyStopping
+from fitkit.callbacks.neftune import NEFTune
 from fitkit.callbacks.optuna import OptunaPruning
 from fitkit.callbacks.profiler import Profiler
 from fitkit.callbacks.progress import ProgressBar
@@ -40,6 +42,7 @@ from fitkit.callbacks.wandb import WandbLogger
 
 __all__ = [
     "WandbLogger",
+    "NEFTune",
     "GradientAccumulationScheduler",
     "Callback",
     "CallbackList",
