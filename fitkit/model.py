@@ -500,6 +500,7 @@ class Model:
         validation_freq: int | list[int] = 1,
         max_steps: int | None = None,
         validation_interval: int | float | None = None,
+        validate_at_end: bool = False,
         # quick runs (Lightning's names; fitkit.training.quick)
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0,
@@ -569,6 +570,11 @@ class Model:
                 ``on_validation_end``; the training stream (totals, data order, RNG) is that
                 of a fit without them. Not with ``validation_freq``. See
                 :mod:`fitkit.training.step_validation`.
+            validate_at_end: with ``validation_interval``, also validate at the run's last
+                optimizer step when it is not a multiple of the interval (an epoch bound or
+                ``max_steps`` reached between validations), so the final weights are scored,
+                as the Trainer's end-of-training evaluation does; not after an early stop.
+                ``ValueError`` without ``validation_interval``.
             fast_dev_run: a smoke test before a long job (Lightning's flag): ``True`` (1) or an
                 int ``n`` runs ``n`` training batches and then one validation of ``n`` batches,
                 in one epoch (``initial_epoch``), whatever ``epochs``, ``max_steps``,
@@ -629,6 +635,13 @@ class Model:
             14
         """
         self._require_compiled("fit")
+        check_bool("validate_at_end", validate_at_end)
+        if validate_at_end and validation_interval is None:
+            raise ValueError(
+                "validate_at_end=True adds a validation at the last step to those of `validation_interval`, "
+                "but validation_interval is None (validations then run at epoch ends, the last one included). "
+                "Fix: pass validation_interval=N, or drop validate_at_end."
+            )
         quick = check_quick(fast_dev_run, overfit_batches, limit_train_batches, limit_val_batches,
                             num_sanity_val_steps, x=x, steps_per_epoch=steps_per_epoch,
                             validation_steps=validation_steps)  # fmt: skip
@@ -649,7 +662,8 @@ class Model:
                                      self.history, **plan.params)  # fmt: skip
         loop = FitLoop(self, plan.train, cbs, initial_epoch=initial_epoch, epochs=plan.epochs, validation=plan.val,
                        schedule=plan.schedule, validation_steps=validation_steps, max_steps=plan.params["max_steps"],
-                       validation_interval=plan.interval, accumulation=plan.accumulation)  # fmt: skip
+                       validation_interval=plan.interval, accumulation=plan.accumulation,
+                       validate_at_end=validate_at_end)  # fmt: skip
         del plan, cbs  # the loop holds the call's data and callbacks; it lets go when it ends
         outer, self._fit = self._fit, loop
         try:

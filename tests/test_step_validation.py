@@ -300,3 +300,47 @@ BATCH = 4
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         for a, b in zip(got["weights"], ref["weights"], strict=True):
             assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_validate_at_end_scores_the_last_step_of_an_epoch_bound_and_of_a_budget():
+    # 12 samples, batch 4: 3 steps per epoch; every 2 steps over 2 epochs: 2, 4, 6 (6 is the end anyway)
+    x, y = _data()
+    model = _model()
+    history = model.fit(x, y, batch_size=4, epochs=2, validation_data=(x, y), validation_interval=2,
+                        validate_at_end=True, verbose=0)
+    assert [r["step"] for r in history.validations] == [2, 4, 6]  # no second validation at step 6
+    # every 4 steps, budget 7: 4 by the interval, 7 at the end, scored on the final weights
+    model = _model()
+    history = model.fit(x, y, batch_size=4, max_steps=7, validation_data=(x, y), validation_interval=4,
+                        validate_at_end=True, verbose=0)
+    assert [(r["epoch"], r["step"]) for r in history.validations] == [(1, 4), (2, 7)]
+    assert history.history["val_loss"][-1] == history.validations[-1]["val_loss"]
+    assert history.validations[-1]["val_loss"] == model.evaluate(x, y, batch_size=4, verbose=0)["loss"]
+    # without it (the default), the run's last validation stays the one at step 4
+    model = _model()
+    history = model.fit(x, y, batch_size=4, max_steps=7, validation_data=(x, y), validation_interval=4, verbose=0)
+    assert [r["step"] for r in history.validations] == [4]
+
+
+def test_validate_at_end_does_not_validate_after_an_early_stop():
+    # 3 steps per epoch, every 2 steps; a callback stops after epoch 0 (step 3): only step 2 is
+    # validated, while the same run planned for 1 epoch ends at step 3 and validates it.
+    x, y = _data()
+    stop = LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(model, "stop_training", True))
+    model = _model()
+    history = model.fit(x, y, batch_size=4, epochs=10, validation_data=(x, y), validation_interval=2,
+                        validate_at_end=True, verbose=0, callbacks=[stop])
+    assert model.global_step == 3 and [r["step"] for r in history.validations] == [2]
+    model = _model()
+    history = model.fit(x, y, batch_size=4, epochs=1, validation_data=(x, y), validation_interval=2,
+                        validate_at_end=True, verbose=0)
+    assert [r["step"] for r in history.validations] == [2, 3]
+
+
+@pytest.mark.parametrize("value, error", [("yes", TypeError), (True, ValueError)])
+def test_a_bad_validate_at_end_is_an_error_before_step_1(value, error):
+    x, y = _data()
+    model = _model()
+    with pytest.raises(error, match="validate_at_end"):
+        model.fit(x, y, batch_size=4, validation_data=(x, y), validate_at_end=value, verbose=0)
+    assert model.global_step == 0

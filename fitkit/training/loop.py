@@ -108,17 +108,20 @@ class FitLoop:
         validation_steps: batches per validation (``None``: all).
         max_steps: stop once ``global_step`` reaches it (:mod:`fitkit.training.budget`), or ``None``.
         validation_interval: validate inside epochs (:mod:`fitkit.training.step_validation`), or ``None``.
+        validate_at_end: with an interval, validate at the last step of the run too.
         accumulation: this fit's accumulation schedule (:mod:`fitkit.training.accumulation`), or ``None``.
     """
 
     def __init__(self, model: Any, train: Any, callbacks: CallbackList, *, initial_epoch: int, epochs: int | None,
                  validation: Any = None, schedule: ValidationSchedule | None = None,
                  validation_steps: int | None = None, max_steps: int | None = None,
-                 validation_interval: ValidationInterval | None = None, accumulation: Any = None):  # fmt: skip
+                 validation_interval: ValidationInterval | None = None, accumulation: Any = None,
+                 validate_at_end: bool = False):  # fmt: skip
         self.model, self.train, self.callbacks = model, train, callbacks
         self.val, self.val_schedule, self.val_steps = validation, schedule, validation_steps
         self.history: Any = next(cb for cb in callbacks.callbacks if type(cb).__name__ == "History")
         self.start_epoch, self.epochs, self.max_steps = initial_epoch, epochs, max_steps
+        self.validate_at_end = validate_at_end
         self.step_val = None if validation_interval is None else StepValidation(
             model, validation, callbacks, self.history, validation_steps, validation_interval)
         self.accumulation = accumulation
@@ -201,9 +204,15 @@ class FitLoop:
     def _on_backward_end(self) -> None:
         self.callbacks.on_backward_end(self.batch_index)
 
+    def _last_epoch(self, epoch: int) -> bool:
+        """Whether training ends with ``epoch`` by plan: the last epoch, or the step budget spent."""
+        return (self.epochs is not None and epoch == self.epochs - 1) or self.stop.budget_spent()
+
     def _validate(self, epoch: int, logs: dict[str, float]) -> None:
         self.validated = False
         if self.step_val is not None:  # validated inside the epoch: its last validation's values
+            if self.validate_at_end and self._last_epoch(epoch) and self.step_val.last_step != self.model.global_step:
+                self.step_val.run(epoch)  # the run's last step is scored too (the Trainer's end-of-training evaluation)
             val_logs = self.step_val.epoch_logs(epoch)
             self.validated = val_logs is not None
             logs.update(val_logs or {})
