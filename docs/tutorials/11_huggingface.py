@@ -119,7 +119,10 @@ assert third_history.history == history.history
 # The Trainer's ``neftune_noise_alpha`` is the callback :class:`~fitkit.callbacks.NEFTune`:
 # ``fit(..., callbacks=[NEFTune(noise_alpha=5.0)])`` adds the paper's uniform noise to the
 # output of the model's ``get_input_embeddings()`` in training forwards only, so validations,
-# ``evaluate`` and ``predict`` see the plain embeddings.
+# ``evaluate`` and ``predict`` see the plain embeddings. Its ``include_num_input_tokens_seen``
+# is :class:`~fitkit.callbacks.TokensSeen`: the tokens trained on, over all ranks, as
+# ``num_input_tokens_seen`` in the epoch logs and in checkpoints (``non_padding=True`` counts
+# the ``attention_mask``).
 
 # %%
 # When the rule finds no single prediction (a question-answering model returns

@@ -16,6 +16,7 @@
 - :mod:`~fitkit.callbacks.profiler`: ``Profiler`` (``torch.profiler`` over a schedule of steps).
 - :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install torch-fitkit[mlflow]``).
 - :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install torch-fitkit[optuna]``).
+- :mod:`~fitkit.callbacks.tokens`: ``TokensSeen`` (``num_input_tokens_seen`` in logs and checkpoints).
 - :mod:`~fitkit.callbacks.neftune`: ``NEFTune`` (noisy input embeddings while fine-tuning).
 - :mod:`~fitkit.callbacks.wandb`: ``WandbLogger`` (``pip install torch-fitkit[wandb]``).
 
@@ -38,11 +39,13 @@ from fitkit.callbacks.profiler import Profiler
 from fitkit.callbacks.progress import ProgressBar
 from fitkit.callbacks.swap_ema import SwapEMAWeights
 from fitkit.callbacks.throughput import ThroughputMonitor
+from fitkit.callbacks.tokens import TokensSeen
 from fitkit.callbacks.wandb import WandbLogger
 
 __all__ = [
     "WandbLogger",
     "NEFTune",
+    "TokensSeen",
     "GradientAccumulationScheduler",
     "Callback",
     "CallbackList",

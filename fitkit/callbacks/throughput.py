@@ -19,7 +19,7 @@ from fitkit import nest
 from fitkit.callbacks.base import Callback
 from fitkit.checks import check_bool, check_int, check_number
 
-__all__ = ["ThroughputMonitor", "peak_flops_of"]
+__all__ = ["ThroughputMonitor", "peak_flops_of", "token_count"]
 
 # Dense peak FLOP/s of common GPUs (vendor datasheets, no sparsity): bf16 / fp16 tensor cores,
 # fp32 without TF32. Matched by a substring of torch.cuda.get_device_name(), in this order.
@@ -54,8 +54,13 @@ def peak_flops_of(device_name: str, precision: str) -> float | None:
     return None
 
 
-def _tokens(x: Any) -> int | None:
-    """``B * T`` for token batches: an integer ``(B, T)`` input (``input_ids`` of a dict first)."""
+def token_count(x: Any) -> int | None:
+    """``B * T`` for token batches: an integer ``(B, T)`` input (``input_ids`` of a dict first).
+
+    Example:
+        >>> token_count({"input_ids": torch.zeros(4, 7, dtype=torch.long)}), token_count(torch.zeros(4, 7))
+        (28, None)
+    """
     if isinstance(x, dict) and isinstance(x.get("input_ids"), torch.Tensor):
         x = x["input_ids"]
     for t in nest.leaves(x):
@@ -196,7 +201,7 @@ class ThroughputMonitor(Callback):
         if self._counter is not None:
             self._close_counter()
         x = self.model.train_batch[0] if self.model.train_batch is not None else None
-        tokens = _tokens(x) if x is not None else None
+        tokens = token_count(x) if x is not None else None
         self._tokens_seen = self._tokens_seen or tokens is not None
         add = (_rows(x) if x is not None else 0, 1, tokens or 0)
         self._epoch = (self._epoch[0] + add[0], self._epoch[1] + 1, self._epoch[2] + add[2])
