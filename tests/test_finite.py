@@ -146,3 +146,27 @@ def test_a_loader_whose_first_batch_holds_nan_trains_only_with_a_loss_that_handl
     assert model.module.bias.tolist() == [0.0, 0.0, 0.0]
     model.compile(optimizer="sgd", loss=masked_bce)
     assert model.fit(loader, verbose=0).history["loss"] == [pytest.approx(0.6931472, rel=1e-3)]
+
+
+def test_the_scan_reads_the_host_once_per_call_and_not_again_for_unchanged_tensors():
+    from fitkit.checks.finite import check_in_memory
+    from fitkit.data import TensorBatches
+    from tests._syncs import SyncCounter
+
+    x = torch.randn(60_000, 20)  # 1.2M values: 5 chunks of rows
+    y, w = torch.randn(60_000, 1), torch.ones(60_000)
+    source = TensorBatches(x, y, w, batch_size=32, shuffle=False)
+
+    def reads() -> int:
+        counter = SyncCounter()
+        with counter:
+            check_in_memory(None, source, training=True)
+        return len(counter.events)
+
+    assert reads() == 1  # x, y and the weights: one read for all their chunks
+    assert reads() == 0  # the same tensors, not written since: not scanned again
+    x[59_999, 3] = float("nan")  # an in-place write moves the version counter: scanned again, and found
+    with pytest.raises(ValueError, match=r"`x` holds 1 NaN or infinite values \(first at row 59999\)"):
+        check_in_memory(None, source, training=True)
+    x[59_999, 3] = 0.0
+    assert reads() == 1

@@ -321,3 +321,42 @@ def test_a_lazy_modules_buffers_are_initialized_by_the_check_as_by_a_first_step(
     model.fit(torch.randn(12, 3), torch.randn(12, 1), batch_size=4, epochs=2, verbose=0)
     bn = model.module[1]
     assert bn.running_mean.shape == (4,) and int(bn.num_batches_tracked) == 6
+
+
+def test_the_first_batch_check_runs_once_for_the_same_data_and_model():
+    """fit in chunks on the same tensors: the check's forward runs in the first call only; new or
+    written tensors, a new compile or other data run it again, and bad data is still refused."""
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(2, 1)
+            self.forwards = 0
+
+        def forward(self, x):
+            self.forwards += 1
+            return self.linear(x)
+
+    net = Counting()
+    model = fitkit.Model(net, device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = torch.randn(8, 2), torch.randn(8, 1)
+
+    def forwards(*args, **kwargs) -> int:
+        before = net.forwards
+        model.fit(*args, batch_size=4, verbose=0, **kwargs)
+        return net.forwards - before
+
+    assert forwards(x, y) == 3  # the check, then 2 steps
+    assert forwards(x, y) == 2  # the same tensors and model: no check forward
+    y[0, 0] = 0.5  # an in-place write: checked again
+    assert forwards(x, y) == 3
+    assert forwards(x.clone(), y) == 3  # another tensor
+    model.compile(optimizer="sgd", loss="mae")
+    assert forwards(x, y) == 3  # a new compile
+    with pytest.raises(ValueError, match="shaped like the prediction"):
+        model.fit(x, torch.randn(8, 3), batch_size=4, verbose=0)
+    before = net.forwards
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    assert net.forwards - before == 3  # evaluate has a check of its own, once: 1 + 1 batch, then 1 batch

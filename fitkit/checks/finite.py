@@ -12,6 +12,12 @@ than the array itself). :func:`check_in_memory` decides what a non-finite value 
   gradient (the ``torch.where`` pitfall: a masked forward whose backward still multiplies NaN
   by 0) is an error before step 1, naming the rows.
 
+The scan reads the host once per call, whatever the size of the data, and a tensor found finite
+is not scanned again while it is the same tensor object with the same version counter (no
+in-place write since): a script that calls ``fit`` in chunks on the same tensors pays the scan
+once. (A write that bypasses the version counter, through ``.data`` or a NumPy array sharing the
+memory, is not seen.)
+
 Other sources are checked on their first batch (:func:`check_batch_loss`): non-finite values
 in it whose loss is not finite are an error before step 1.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fitkit import nest
 from fitkit.compile import call
@@ -65,13 +72,58 @@ def scan(t: torch.Tensor, keep: int = 0) -> tuple[int, list[int]]:
     return count, first
 
 
+# Tensors found finite by an earlier call, with their version counter then: a tensor that has
+# not been written to since (same object, same ``_version``) is not scanned again, so a script
+# that calls ``fit`` in chunks on the same data pays the scan once. Weak keys: nothing is kept alive.
+_FINITE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _chunk_counts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The NaN / inf count of each chunk of rows of ``t``, as 0-dim device tensors (no host read)."""
+    rows = t.reshape(1) if t.dim() == 0 else t
+    step = max(1, _CHUNK // max(1, rows[0].numel()))
+    return [(~torch.isfinite(rows[i : i + step])).sum() for i in range(0, rows.shape[0], step)]
+
+
+def _nonfinite(tensors: list[torch.Tensor]) -> list[int]:
+    """How many NaN / inf values each tensor holds: one host read for all of them (none when every
+    float tensor was found finite before and not written since)."""
+    out = [0] * len(tensors)
+    todo = [i for i, t in enumerate(tensors) if (t.is_floating_point() or t.is_complex()) and t.numel()
+            and _FINITE.get(t) != t._version]  # fmt: skip
+    if not todo:
+        return out
+    device = tensors[todo[0]].device
+    parts = [torch.stack(_chunk_counts(tensors[i])).sum().reshape(1).to(device) for i in todo]
+    for i, count in zip(todo, torch.cat(parts).tolist(), strict=True):  # the one host read
+        out[i] = int(count)
+        if not count:
+            _FINITE[tensors[i]] = tensors[i]._version
+    return out
+
+
+def _scan_parts(parts: dict[str, Any], keep: int) -> dict[str, tuple[int, list[int]]]:
+    """``{name: (NaN / inf count, first rows)}`` of the parts that hold some: one host read when
+    none does; where some do, more reads find the rows (before an error or a trial)."""
+    leaves = {name: [t for t in nest.leaves(part) if isinstance(t, torch.Tensor)]
+              for name, part in parts.items() if part is not None}  # fmt: skip
+    flat = [t for ts in leaves.values() for t in ts]
+    counts = iter(_nonfinite(flat))
+    found = {}
+    for name, ts in leaves.items():
+        count, rows = 0, set()
+        for t in ts:
+            if next(counts):
+                n, r = scan(t, keep)
+                count += n
+                rows.update(r)
+        if count:
+            found[name] = (count, sorted(rows)[:keep])
+    return found
+
+
 def _scan_part(part: Any, keep: int) -> tuple[int, list[int]]:
-    count, rows = 0, set()
-    for t in nest.leaves(part):
-        c, r = scan(t, keep)
-        count += c
-        rows.update(r)
-    return count, sorted(rows)[:keep]
+    return _scan_parts({"part": part}, keep).get("part", (0, []))
 
 
 def check_in_memory(model: Model | None, source: Any, training: bool) -> None:
@@ -82,15 +134,14 @@ def check_in_memory(model: Model | None, source: Any, training: bool) -> None:
         source: the :class:`fitkit.data.TensorBatches`.
         training: whether the data trains (the gradients must then be finite too).
     """
-    count, first_w = _scan_part(source.w, 1) if source.w is not None else (0, [])
-    if count:
+    keep = max(1, min(source.batch_size, 64))
+    bad = _scan_parts({"sample_weight": source.w, "x": source.x, "y": source.y}, keep)  # one host read
+    if "sample_weight" in bad:
+        count, first_w = bad.pop("sample_weight")
         raise ValueError(
             f"`sample_weight` holds {count} NaN or infinite values (first at row {first_w[0]}). Fix: weights "
             "scale each sample's loss; use 0 to leave a sample out."
         )
-    keep = max(1, min(source.batch_size, 64))
-    found = {name: _scan_part(part, keep) for name, part in (("x", source.x), ("y", source.y)) if part is not None}
-    bad = {name: v for name, v in found.items() if v[0]}
     if not bad:
         return
     rows = sorted({r for _, rs in bad.values() for r in rs})[:keep]

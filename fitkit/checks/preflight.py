@@ -18,6 +18,7 @@ import contextlib
 import inspect
 import random
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fitkit import nest
 from fitkit.checks import FitkitWarning
@@ -429,8 +431,53 @@ def in_memory_check(model: Model, source: TensorBatches, training: bool) -> Any:
         prepare_in_memory(source, model.module, training, model)
         if source.n == 0 or training and not model.default_train_step and model.default_test_step:
             return None
-        return first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y),
-                                 training=training)  # fmt: skip
+        signature = _checked_signature(model, source, training)
+        seen = _CHECKED.get(model.module, {}).get(training)  # fit's and evaluate's data apart
+        if seen is not None and seen[0] == signature:
+            return seen[1]  # the same data and model passed this check in an earlier call
+        example = first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y),
+                                    training=training)  # fmt: skip
+        checked = _CHECKED.setdefault(model.module, {})
+        checked[training] = (_checked_signature(model, source, training), example)  # lazy shapes now known
+        return example
+
+
+# The first-batch check of in-memory data, once per module, data and model set-up: a script that
+# calls fit (or evaluate) in chunks on the same tensors runs the check's forward once. The key
+# holds the data tensors' identities and version counters (an in-place write runs it again), the
+# compiled loss, metrics and steps, and every parameter's shape, dtype, device and requires_grad.
+_CHECKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _Same:
+    """Equal to another ``_Same`` of the very same objects (compared by identity, held weakly
+    where they allow it, so the key keeps no data alive)."""
+
+    def __init__(self, objects: list[Any]):
+        self.refs = [_ref(o) for o in objects]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and len(self.refs) == len(other.refs) and all(
+            a() is not None and a() is b() for a, b in zip(self.refs, other.refs, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _ref(o: Any) -> Any:
+    try:
+        return weakref.ref(o)
+    except TypeError:
+        return lambda: o
+
+
+def _checked_signature(model: Model, source: TensorBatches, training: bool) -> tuple[Any, ...]:
+    leaves = [t for part in (source.x, source.y, source.w) if part is not None for t in nest.leaves(part)]
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    params = tuple((n, None if is_lazy(p) else tuple(p.shape), p.dtype, p.device, p.requires_grad)
+                   for n, p in model.module.named_parameters())  # fmt: skip
+    steps = (model.default_train_step, model.default_test_step, model.default_compute_loss)
+    return (_Same([*tensors, model.loss, model.metrics]), tuple(t._version for t in tensors), source.n,
+            source.batch_size, training, steps, str(model.precision), params)  # fmt: skip
 
 
 class BatchGuard:

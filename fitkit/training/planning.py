@@ -67,8 +67,9 @@ class FitPlan:
         self.accumulation: Any = None  # a GradientAccumulationScheduler's AccumulationSchedule, or None
 
 
-def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int | None, verbose: Any, callbacks: Any,
-             validation_split: float, validation_data: Any, shuffle: bool, class_weight: Any, sample_weight: Any,
+def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int | float | None, verbose: Any,
+             callbacks: Any, validation_split: float, validation_data: Any, shuffle: bool, class_weight: Any,
+             sample_weight: Any,
              initial_epoch: int, steps_per_epoch: int | None, validation_steps: int | None,
              validation_batch_size: int | None, validation_freq: Any,
              max_steps: int | None = None, validation_interval: Any = None,
