@@ -165,13 +165,21 @@ class Loss:
         self._layout: str | None = None  # the class layout seen first, kept when ambiguous
 
     def prepare(self, y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Match ``y`` to ``y_pred`` (dtype and shape); raise ``ValueError`` when they cannot."""
+        """Match ``y`` to ``y_pred`` (dtype and shape); raise ``ValueError`` when they cannot.
+
+        A float16 / bfloat16 prediction (mixed precision) is taken to float32 first: the loss is
+        computed in float32 and targets are never cast down to half precision.
+        """
         if self.kind == "custom" or not isinstance(y_pred, torch.Tensor):
             return y_pred, y
         if not isinstance(y, torch.Tensor):
             raise TypeError(
                 f"Loss '{self.name}' needs tensor targets. Received y of type {type(y).__name__}."
             )
+        if y_pred.dtype in (torch.float16, torch.bfloat16):
+            # Mixed precision: the loss in float32 from the module's output, as autocast computes
+            # its losses, so targets are never rounded to the output's half precision.
+            y_pred = y_pred.float()
         if self.kind == "class_index":
             return self._prepare_class_index(y_pred, y)
         if y.dtype != y_pred.dtype:
@@ -191,8 +199,15 @@ class Loss:
         return y_pred, y
 
     def _prepare_class_index(self, y_pred: torch.Tensor, y: torch.Tensor):
-        if y.shape == y_pred.shape and y.is_floating_point():
-            return y_pred, y.to(y_pred.dtype)  # class probabilities
+        if y.shape == y_pred.shape and y.is_floating_point():  # class probabilities (soft / smoothed / mixed)
+            # The classes are where fitkit puts them for logits: the last dimension of a (B, T, V)
+            # output (a layout seen before with class indices wins), dim 1 of a (B, C) one.
+            if y_pred.dim() >= 3:
+                self._layout = self._layout or "last"
+                self.class_last = self._layout == "last"
+            else:
+                self.class_last = False
+            return y_pred, y.to(y_pred.dtype)
         if y.is_floating_point() or y.dtype == torch.bool:
             raise ValueError(
                 f"Loss '{self.name}' expects integer class indices. Received y of dtype "
@@ -245,7 +260,8 @@ class Loss:
         try:
             if self.kind == "class_index" and self.class_last:
                 v = y_pred.shape[-1]
-                out = self.fn(y_pred.reshape(-1, v), y.reshape(-1), reduction=reduction)
+                flat_y = y.reshape(-1, v) if y.shape == y_pred.shape else y.reshape(-1)  # probabilities keep V
+                out = self.fn(y_pred.reshape(-1, v), flat_y, reduction=reduction)
                 return self._per_sample(out, y) if per_sample else out
             out = self.fn(y_pred, y, reduction=reduction)
         except IndexError as e:

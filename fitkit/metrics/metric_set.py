@@ -299,9 +299,12 @@ class MetricSet:
             return
         y_pred = y_pred.detach()
         given_pred, given_y = y_pred, y  # what callables see: the tensors as the module gave them
+        if y_pred.dtype in (torch.float16, torch.bfloat16):
+            y_pred = y_pred.float()  # mixed precision: built-in metrics in float32, targets never cast down
         if self.class_last:
+            same = y.shape == y_pred.shape  # (B, T, V) class probabilities
             y_pred = y_pred.reshape(-1, y_pred.shape[-1])  # (B*T, V)
-            y = y.reshape(-1)
+            y = y.reshape(y_pred.shape) if same else y.reshape(-1)
         if self.task != "regression" and not y.is_floating_point() and y.dtype != torch.long:
             y = y.long()
         prepared: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -330,7 +333,8 @@ class MetricSet:
             return y.argmax(1)  # class-probability targets
         if self.task in ("binary", "multilabel"):
             y = y.reshape(y_pred.shape) if y.shape != y_pred.shape else y
-            return y.long() if y.is_floating_point() else y
+            # soft / smoothed targets (0.1 / 0.9): the class is the side of 0.5 they are on
+            return (y > 0.5).long() if y.is_floating_point() else y
         return y
 
     def _labels(self, y_pred: torch.Tensor, y: torch.Tensor, output: str | None):

@@ -121,6 +121,8 @@ def infer_task(y_pred: torch.Tensor, y: torch.Tensor, loss_kind: str | None = No
         return "binary", 2, False
     if y_pred.shape == y.shape and loss_kind == "class_index" and y_pred.dim() == 2:
         return "multiclass", int(y_pred.shape[1]), False  # class-probability targets
+    if y_pred.shape == y.shape and loss_kind == "class_index" and y_pred.dim() >= 3:
+        return "multiclass", int(y_pred.shape[-1]), True  # (B, T, V) probabilities: the loss's layout
     return "regression", 0, False
 
 
