@@ -466,6 +466,7 @@ class Model:
             opt, sched, scheduler_interval, precision, self.device,
             accumulation if accumulation is not None else int(gradient_accumulation_steps),  # type: ignore[arg-type]
             clip_grad_norm, clip_grad_value, self._parallel, weigh=self._batch_denominator,
+            sums=getattr(loss_fn, "reduction", "mean") == "sum",
         )  # fmt: skip
         self._forward = Forward(self.module, self._wrap_for_training(), jit)
 

@@ -406,3 +406,14 @@ def batch_sampler_epochs() -> dict:
         model.fit(already_sharded(loader), initial_epoch=start, epochs=3, verbose=0)
         out[name] = buckets.epochs
     return out
+
+
+def sum_reduction(accumulation: int = 2) -> dict:
+    """``nn.MSELoss(reduction="sum")``: the step's gradient is the sum over the window and the
+    ranks (16 rows, global batch 8, 2 windows of 2 micro-batches: one step per 16 rows)."""
+    x, y, _ = data(32)
+    model = fitkit.Model(net(), device="cpu")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.001), loss=nn.MSELoss(reduction="sum"),
+                  gradient_accumulation_steps=accumulation)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), shuffle=False, epochs=1, verbose=0)
+    return {"params": full_params(model), "loss": history.history["loss"], "steps": model.global_step}

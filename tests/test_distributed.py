@@ -52,6 +52,7 @@ res["resume_ddp_file_with_fsdp"] = sc.resume(OUT / "ddp.pt", strategy="fsdp")
 res["resume_fsdp_file_with_ddp"] = sc.resume(OUT / "fsdp.pt")
 res["lifetime"] = sc.lifetime()
 res["batch_sampler_epochs"] = sc.batch_sampler_epochs()
+res["sum_reduction"] = sc.sum_reduction()
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -325,3 +326,24 @@ def test_already_sharded_on_one_process_is_the_data_itself():
     batches = [(x[:2], y[:2]), (x[2:], y[2:])]
     assert model.evaluate(distributed.already_sharded(batches), verbose=0) == {"loss": 2.0, "mae": 2.0}
     assert torch.equal(model.predict(distributed.already_sharded(x), batch_size=2, verbose=0), x)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_sum_loss_sums_over_the_ranks(job):
+    """reduction="sum" on 2 ranks: each step's gradient is the sum over the global window, as
+    on one process (and as a hand sum over the 16 rows of each step)."""
+    r0, r1, _, _ = job
+    one = sc.sum_reduction()
+    _assert_identical(r0["sum_reduction"]["params"], r1["sum_reduction"]["params"])
+    _assert_close(r0["sum_reduction"]["params"], one["params"], atol=1e-5)
+    assert r0["sum_reduction"]["steps"] == one["steps"] == 2
+    # the hand computation: SGD on the sum of squared errors of each 16 rows
+    x, y, _ = sc.data(32)
+    hand = sc.net()
+    opt = torch.optim.SGD(hand.parameters(), lr=0.001)
+    for i in (0, 16):
+        opt.zero_grad()
+        ((hand(x[i:i + 16]) - y[i:i + 16]) ** 2).sum().backward()
+        opt.step()
+    _assert_close(one["params"], {n: p.detach() for n, p in hand.named_parameters()}, atol=1e-5)

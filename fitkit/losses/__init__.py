@@ -163,6 +163,9 @@ class Loss:
         self.class_last = False  # set per call for class_index losses
         self.class_weights: torch.Tensor | None = None  # nn.CrossEntropyLoss(weight=...)'s
         self._layout: str | None = None  # the class layout seen first, kept when ambiguous
+        #: ``"sum"`` for a module loss built with ``reduction="sum"``: the objective is then the
+        #: batch's sum (and a window's, and the ranks'), not a mean (:mod:`fitkit.losses.denominators`)
+        self.reduction = "mean"
 
     def prepare(self, y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Match ``y`` to ``y_pred`` (dtype and shape); raise ``ValueError`` when they cannot.
@@ -256,7 +259,7 @@ class Loss:
                 return out
             per = out.reshape(out.shape[0], -1).mean(1)
             return per if per_sample else per.mean()
-        reduction = "none" if per_sample else "mean"
+        reduction = "none" if per_sample else self.reduction  # a module's reduction="sum" stays a sum
         try:
             if self.kind == "class_index" and self.class_last:
                 v = y_pred.shape[-1]
@@ -361,6 +364,7 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
             output = _MODULE_OUTPUTS.get(type(loss))
             ignore = getattr(loss, "ignore_index", None) if module_kind == "class_index" else None
             out = Loss(call, module_kind, type(loss).__name__, output=output, ignore_index=ignore)
+            out.reduction = "sum" if getattr(loss, "reduction", "mean") == "sum" else "mean"  # "none": fitkit's mean
             weight = getattr(loss, "weight", None) if module_kind == "class_index" else None
             out.class_weights = weight if isinstance(weight, torch.Tensor) else None
             return out

@@ -141,6 +141,8 @@ def objective(loss: Any, y_pred: Any, y: Any, sample_weight: torch.Tensor | None
         >>> objective(ce, logits, torch.full((2, 4), -100), None)  # nothing counts: 0, not 0/0
         tensor(0.)
     """
+    if isinstance(loss, Loss) and loss.reduction == "sum":
+        return _sum_objective(loss, y_pred, y, sample_weight)
     if sample_weight is None and isinstance(y, torch.Tensor) and y.is_floating_point():
         return loss(y_pred, y)  # float targets count rows: the common case in one call (hot path)
     if counts_tokens(loss, y):
@@ -162,6 +164,23 @@ def objective(loss: Any, y_pred: Any, y: Any, sample_weight: torch.Tensor | None
             f"Received shape {tuple(w.shape)}. Fix: pass one weight per sample."
         )
     return _safe_div((per_sample * w).sum(), w.sum())
+
+
+def _sum_objective(loss: Loss, y_pred: Any, y: Any, w: torch.Tensor | None) -> torch.Tensor:
+    """A ``reduction="sum"`` loss: ``sum(w * l)`` over every term of the batch (no denominator;
+    ignored targets add 0), as the module computes it when ``w`` is ``None``."""
+    y_pred, y = loss.prepare(y_pred, y)
+    if loss.kind == "class_index" and loss.class_last:
+        v = y_pred.shape[-1]
+        probs = y.shape == y_pred.shape
+        out = loss.fn(y_pred.reshape(-1, v), y.reshape(-1, v) if probs else y.reshape(-1), reduction="none")
+        out = out.reshape(y.shape[:-1] if probs else y.shape)
+    else:
+        out = loss.fn(y_pred, y, reduction="none")
+    if w is not None:
+        out = out * _spread(w.to(out.dtype), out, "loss value")
+    total = out.sum()
+    return total if loss.weight == 1.0 else total * loss.weight
 
 
 def _token_objective(loss: Loss, y_pred: Any, y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:

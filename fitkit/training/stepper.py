@@ -137,6 +137,9 @@ class Stepper:
         parallel: the model's :class:`fitkit.distributed.Parallel` under torchrun, else ``None``.
         weigh: ``batch -> the denominator of its mean loss`` (rows, weights or tokens; see
             :mod:`fitkit.losses.denominators`); default: rows, or the sum of sample weights.
+        sums: the loss is a sum (``reduction="sum"``): micro-batches are not scaled by their
+            share, and under torchrun each rank's gradient counts whole (DDP's average undone),
+            so a step's gradient is the sum over the window and the ranks.
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class Stepper:
         clip_grad_value: float | None = None,
         parallel: Parallel | None = None,
         weigh: Callable[[Batch], Any] | None = None,
+        sums: bool = False,
     ):
         self.optimizer = optimizer
         self.scheduling = SchedulerDriver(optimizer, scheduler, scheduler_interval)  # the LR scheduler and its steps
@@ -168,6 +172,7 @@ class Stepper:
         self.window = Window()  # the coming step's accumulation window
         self.fit = FitHooks()  # the running fit's hooks (see fitting()); outside a fit, none
         self.weigh: Callable[[Batch], Any] = weigh or _batch_weight  # batch -> the denominator of its mean loss
+        self.sums = sums  # a reduction="sum" loss: a window's gradient is the sum of its micro-batches'
         self._stepped = True
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
         # it ran, so a skipped step does not advance the scheduler (no extra host sync).
@@ -222,6 +227,16 @@ class Stepper:
             group = list(itertools.islice(batches, k))
             if not group:
                 return
+            if self.sums:  # the sum over the window (and, times W against DDP's average, the ranks)
+                scale = float(_distributed.world_size()) if self.parallel is not None else 1.0
+                for i, batch in enumerate(group):
+                    window = self.window
+                    window.micro_scale, window.micro_last = scale, i == len(group) - 1
+                    yield step, batch
+                    step += 1
+                    if stop():
+                        return
+                continue
             sizes = [self.weigh(b) for b in group]
             # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
             # each rank's share makes DDP's gradient average the exact global mean.
