@@ -10,7 +10,7 @@ from typing import Any
 
 from fitkit.files.content import is_count, is_number
 
-__all__ = ["field_names", "glob_of", "last_path", "STATE"]
+__all__ = ["field_names", "glob_of", "last_path", "STATE", "OPTIONAL_STATE"]
 
 
 def field_names(template: str) -> set[str]:
@@ -62,4 +62,7 @@ STATE = {
     "best_path": (lambda v: v is None or isinstance(v, str), "a file name or None"),
     "kept": (_pairs, "a list of [value, file name] pairs"),
     "batches_seen": (is_count, "an int >= 0"),
+    "recent": (lambda v: isinstance(v, list) and all(isinstance(p, str) for p in v), "a list of file names"),
 }
+#: keys a state saved before they existed may lack
+OPTIONAL_STATE = frozenset({"recent"})

@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from fitkit.callbacks.checkpoint_paths import OPTIONAL_STATE as _OPTIONAL_STATE
 from fitkit.callbacks.checkpoint_paths import STATE as _STATE
 from fitkit.callbacks.checkpoint_paths import field_names as _field_names
 from fitkit.callbacks.checkpoint_paths import glob_of as _glob_of
@@ -65,7 +66,9 @@ class ModelCheckpoint(StatefulCallback):
         save_top_k: keep exactly the ``k`` best files: a better one is written, then the worst
             beyond ``k`` is deleted. ``filepath`` must then differ per save (``{epoch}``).
         save_freq: ``"epoch"``, or an int: every that many batches (full checkpoints wait for
-            the end of a gradient accumulation group).
+            the end of a gradient accumulation group). With an int, the run's last batch is
+            saved too when training ends between two saves (``max_steps=9`` with ``save_freq=5``:
+            batches 5 and 9), as the Transformers Trainer and torchtitan save the final step.
         verbose: 1 prints a line at each save.
         initial_value_threshold: with ``save_best_only`` or ``save_top_k``, the value to beat
             before anything is saved (Keras): it is the starting "best", so no file is written
@@ -79,6 +82,12 @@ class ModelCheckpoint(StatefulCallback):
             replaced at every save event, i.e. every epoch (or ``save_freq`` batches) that
             ``every_n_epochs`` lets through, whether or not the ranked file was written there
             (Lightning's ``save_last``). Never evicted by ``save_top_k``.
+        keep_last: keep only the ``n`` newest files of ``filepath`` this callback wrote,
+            deleting older ones, oldest first, after each new file is written; the best file
+            it tracks (``save_best_only``) is never deleted, nor any file it did not write.
+            The list carries over in checkpoints, so a resumed run goes on rotating it. The
+            peers' names: the Trainer's ``save_total_limit``, torchtitan's ``keep_latest_k``,
+            Accelerate's ``total_limit``. Not with ``save_top_k`` (which keeps the best k).
 
     Raises:
         ValueError: a bad ``filepath`` (an existing folder too), ``mode``, ``save_freq``, ``save_top_k`` or
@@ -115,6 +124,7 @@ class ModelCheckpoint(StatefulCallback):
         initial_value_threshold: float | None = None,
         every_n_epochs: int = 1,
         save_last: bool | str | os.PathLike = False,
+        keep_last: int | None = None,
     ):
         super().__init__()
         if not isinstance(monitor, str):
@@ -139,6 +149,20 @@ class ModelCheckpoint(StatefulCallback):
                     "`save_best_only=True` or `save_top_k=k`. Received neither."
                 )
         self.last_path = _last_path(self.filepath, save_last)
+        if keep_last is not None:
+            check_int("keep_last", keep_last, 1, fix="pass how many newest files to keep, e.g. keep_last=3.")
+            if save_top_k is not None:
+                raise ValueError(
+                    f"`keep_last={keep_last}` keeps the newest files and `save_top_k={save_top_k}` the best "
+                    "ones; one callback keeps one list. Fix: pass one of them (or two ModelCheckpoint callbacks "
+                    "with different filepaths)."
+                )
+            if not self._fields:
+                raise ValueError(
+                    f"`keep_last={keep_last}` keeps several files, so `filepath` must differ per save. Received: "
+                    f"{self.filepath!r}. Fix: add '{{epoch:02d}}' (or '{{batch}}' / '{{step}}') to it."
+                )
+        self.keep_last = keep_last
         if save_top_k is not None:
             check_int("save_top_k", save_top_k, 1)
             if save_best_only:
@@ -170,6 +194,8 @@ class ModelCheckpoint(StatefulCallback):
         self.best_path: str | None = None
         self.kept: list[tuple[float, str]] = []  # (value, path) of the files save_top_k keeps
         self._batches_seen = 0
+        self.recent: list[str] = []  # files written, oldest first (keep_last's rotation)
+        self._last_batch: int | None = None  # the last batch seen (the final save's {batch})
         self._pending: tuple[str, list[str], int] | None = None  # (path, evicted, epoch) to write
         self._pending_last: int | None = None  # the epoch whose event writes `last_path`
 
@@ -180,6 +206,7 @@ class ModelCheckpoint(StatefulCallback):
         return {
             "best": self.best, "best_path": None if self.best_path is None else rel(self.best_path),
             "kept": [[v, rel(p)] for v, p in self.kept], "batches_seen": self._batches_seen,
+            "recent": [rel(p) for p in self.recent],
         }  # fmt: skip
 
     def _set_state(self, state: dict[str, Any]) -> None:
@@ -189,9 +216,11 @@ class ModelCheckpoint(StatefulCallback):
         kept = [(float(v), restore_name(self._owned, p, "a kept file")) for v, p in state["kept"]]
         self.kept = [(v, p) for v, p in kept if p is not None]  # never a file outside the folder
         self._batches_seen = state["batches_seen"]
+        recent = [restore_name(self._owned, p, "a recent file") for p in state.get("recent", [])]
+        self.recent = [p for p in recent if p is not None]
 
     def _state_problems(self, state: Any) -> list[str]:
-        return typed_problems(state, _STATE, "its state")
+        return typed_problems(state, _STATE, "its state", _OPTIONAL_STATE)
 
     def owns(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` is a file of ``filepath``'s pattern inside its folder (the only
@@ -280,11 +309,20 @@ class ModelCheckpoint(StatefulCallback):
         if self.save_freq == "epoch":
             return
         self._batches_seen += 1
+        self._last_batch = batch
         # A full checkpoint inside an accumulation group would lose its gradients: wait.
         full = not self.save_weights_only or self.last_path is not None
         if self._batches_seen >= self.save_freq and (not full or self.model.closes_accumulation_window):
             self._batches_seen = 0
             self._decide(self.model.epoch, batch, logs or {})
+
+    def on_train_end(self, logs=None):
+        # The final step of a run that ends between two saves is saved too (Trainer, torchtitan).
+        if self.save_freq == "epoch" or not self._batches_seen or self._last_batch is None:
+            return
+        self._batches_seen = 0
+        self._decide(self.model.epoch, self._last_batch, logs or {})
+        self._write()
 
     def _save_on_epoch_end(self, epoch, logs=None):
         self._write()
@@ -382,6 +420,11 @@ class ModelCheckpoint(StatefulCallback):
                 self.model.save_weights(path)
             else:
                 self.model.save_checkpoint(path)
+        if self.keep_last is not None:
+            self.recent = [p for p in self.recent if p != path] + [path]
+            old = self.recent[: max(0, len(self.recent) - self.keep_last)]
+            self.recent = self.recent[len(old):]
+            evicted = evicted + [p for p in old if p != self.best_path]  # never the best one it tracks
         if is_rank_zero():
             for p in evicted:
                 if self._owned.owns(p):  # only a file of this template, inside its folder
