@@ -502,6 +502,8 @@ class Model:
         max_steps: int | None = None,
         validation_interval: int | float | None = None,
         validate_at_end: bool = False,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
         # quick runs (Lightning's names; fitkit.training.quick)
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0,
@@ -576,6 +578,12 @@ class Model:
                 ``max_steps`` reached between validations), so the final weights are scored,
                 as the Trainer's end-of-training evaluation does; not after an early stop.
                 ``ValueError`` without ``validation_interval``.
+            min_epochs / min_steps: no stop before this many epochs (counted from epoch 0, as
+                ``epochs``) and optimizer steps (``global_step``) are done (Lightning's Trainer
+                flags): a stop requested earlier (``EarlyStopping``, ``model.stop_training``) is
+                dropped and training goes on, so the callback decides again later. A signal
+                (SIGTERM) and ``max_steps`` still stop. ``ValueError`` above ``epochs`` /
+                ``max_steps``.
             fast_dev_run: a smoke test before a long job (Lightning's flag): ``True`` (1) or an
                 int ``n`` runs ``n`` training batches and then one validation of ``n`` batches,
                 in one epoch (``initial_epoch``), whatever ``epochs``, ``max_steps``,
@@ -637,6 +645,14 @@ class Model:
         """
         self._require_compiled("fit")
         check_bool("validate_at_end", validate_at_end)
+        for name, value, bound, bound_name in (("min_epochs", min_epochs, epochs, "epochs"),
+                                               ("min_steps", min_steps, max_steps, "max_steps")):
+            check_int(name, value, 0, allow_none=True)
+            if value is not None and isinstance(bound, int) and not isinstance(bound, bool) and value > bound:
+                raise ValueError(
+                    f"{name}={value} asks for more than {bound_name}={bound}, which ends training first. "
+                    f"Fix: lower {name}, or raise {bound_name}."
+                )
         if validate_at_end and validation_interval is None:
             raise ValueError(
                 "validate_at_end=True adds a validation at the last step to those of `validation_interval`, "
@@ -664,7 +680,7 @@ class Model:
         loop = FitLoop(self, plan.train, cbs, initial_epoch=initial_epoch, epochs=plan.epochs, validation=plan.val,
                        schedule=plan.schedule, validation_steps=validation_steps, max_steps=plan.params["max_steps"],
                        validation_interval=plan.interval, accumulation=plan.accumulation,
-                       validate_at_end=validate_at_end)  # fmt: skip
+                       validate_at_end=validate_at_end, min_epochs=min_epochs, min_steps=min_steps)  # fmt: skip
         del plan, cbs  # the loop holds the call's data and callbacks; it lets go when it ends
         outer, self._fit = self._fit, loop
         try:

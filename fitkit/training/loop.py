@@ -109,6 +109,7 @@ class FitLoop:
         max_steps: stop once ``global_step`` reaches it (:mod:`fitkit.training.budget`), or ``None``.
         validation_interval: validate inside epochs (:mod:`fitkit.training.step_validation`), or ``None``.
         validate_at_end: with an interval, validate at the last step of the run too.
+        min_epochs, min_steps: no stop request is heard before them (:class:`StopDecision`).
         accumulation: this fit's accumulation schedule (:mod:`fitkit.training.accumulation`), or ``None``.
     """
 
@@ -116,7 +117,8 @@ class FitLoop:
                  validation: Any = None, schedule: ValidationSchedule | None = None,
                  validation_steps: int | None = None, max_steps: int | None = None,
                  validation_interval: ValidationInterval | None = None, accumulation: Any = None,
-                 validate_at_end: bool = False):  # fmt: skip
+                 validate_at_end: bool = False, min_epochs: int | None = None,
+                 min_steps: int | None = None):  # fmt: skip
         self.model, self.train, self.callbacks = model, train, callbacks
         self.val, self.val_schedule, self.val_steps = validation, schedule, validation_steps
         self.history: Any = next(cb for cb in callbacks.callbacks if type(cb).__name__ == "History")
@@ -130,7 +132,7 @@ class FitLoop:
                                  world=getattr(batches, "world", 1),
                                  n_used=getattr(batches, "n_used", None))  # fmt: skip
         self.resume = Resume(train, self.position)  # a loaded checkpoint's point, applied once
-        self.stop = StopDecision(model, callbacks, max_steps)
+        self.stop = StopDecision(model, callbacks, max_steps, min_epochs, min_steps)
         self.epoch_order: dict[str, Any] | None = None  # the loader's own order state at the epoch start
         self.totals: RunningTotals | None = None
         self.validated = False  # this epoch: validation was scheduled and ran over > 0 batches
@@ -267,7 +269,7 @@ class FitLoop:
                     step_val.after_step(step + 1, epoch)  # before the batch's hooks: a backup there holds it
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
-                if model.stop_training if local else self.stop.now():
+                if (model.stop_training or not local) and self.stop.now():  # min_epochs / min_steps may hold it
                     break
                 if budget is not None and stepper.window.micro_last and stepper.global_step >= budget:
                     break  # the step budget (a host-side count): the epoch ends here

@@ -35,8 +35,10 @@ class StopDecision:
         (True, False)
     """
 
-    def __init__(self, model: Model, callbacks: CallbackList | None, max_steps: int | None):
+    def __init__(self, model: Model, callbacks: CallbackList | None, max_steps: int | None,
+                 min_epochs: int | None = None, min_steps: int | None = None):  # fmt: skip
         self.model, self.callbacks, self.max_steps = model, callbacks, max_steps
+        self.min_epochs, self.min_steps = min_epochs, min_steps  # no stop request is heard before both
         self.agreement: RankAgreement | Any = None  # the fit's RankAgreement while it runs
         self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
         self.interrupt: Interrupt | Any = None
@@ -80,6 +82,20 @@ class StopDecision:
             return True
         if self.agreement.stop_agreed:  # a stop on some rank, agreed at this point
             model.stop_training = True
+            return not self.held()
+        return False
+
+    def held(self, epoch_end: bool = False) -> bool:
+        """A stop request comes before ``min_epochs`` / ``min_steps`` (Lightning's): it is dropped
+        (``stop_training`` back to False) and training goes on. The same on every rank: it
+        depends on the epoch and ``global_step`` alone."""
+        model = self.model
+        if not model.stop_training or (self.min_epochs is None and self.min_steps is None):
+            return False
+        done = model.epoch + (1 if epoch_end else 0)  # epochs completed at this point
+        if (self.min_epochs is not None and done < self.min_epochs) or \
+                (self.min_steps is not None and model.global_step < self.min_steps):
+            model.stop_training = False
             return True
         return False
 
@@ -87,9 +103,12 @@ class StopDecision:
         """Whether training stops here (``model.stop_training``; agreed over ranks under torchrun)."""
         model = self.model
         if model.parallel is None:
-            return model.stop_training
+            return model.stop_training and not self.held(epoch_end)
         if epoch_end:  # one all-reduce: a stop, or a signal, on any rank holds for all
             model.stop_training = self.agreement.at_epoch_end(model.stop_training)
-            return model.stop_training
+            return model.stop_training and not self.held(epoch_end)
         stepper = model.stepper
-        return stepper is not None and stepper.fit.stop_agreed
+        if stepper is None or not stepper.fit.stop_agreed:
+            return False
+        model.stop_training = True
+        return not self.held()
