@@ -14,7 +14,9 @@ This module reads such folders without a process group (one process, offline).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import pickle
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fitkit.files.reading import _FIX_DAMAGED, CheckpointError, safe_load
+from fitkit.files.reading import _FIX_DAMAGED, CheckpointError, RefusedCheckpointError, safe_load
 
 __all__ = ["STATE_NAME", "is_sharded", "check_sharded", "sharded_shapes", "consolidate_weights", "remove_path"]
 
@@ -44,10 +46,47 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return Path(path).is_dir()
 
 
-def _metadata(path: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
+# What DCP's ``.metadata`` pickle may name: the index classes of torch.distributed.checkpoint,
+# torch.Size, dtypes and layouts, and paths. Anything else (a function that runs code,
+# ``os.system``, ``builtins.eval``) is refused before it is looked up, so nothing in the file runs.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint.storage")  # fmt: skip
+_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                 ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+                 ("pathlib", "PureWindowsPath"), ("pathlib", "Path"), ("builtins", "set"),
+                 ("builtins", "frozenset")}  # fmt: skip
 
-    return FileSystemReader(os.fspath(path)).read_metadata()
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a DCP index, and nothing that could run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in _DCP_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):  # the index's dataclasses and enums, never a function
+                return obj
+        raise pickle.UnpicklingError(f"the index names {module}.{name}, which a checkpoint index never holds")
+
+
+def _metadata(path: Path) -> Any:
+    """DCP's index of a sharded checkpoint, read with :class:`_IndexUnpickler` (DCP's own reader
+    uses plain ``pickle.load``: a crafted ``.metadata`` would run code there)."""
+    where = repr(str(path))
+    data = (path / ".metadata").read_bytes()
+    try:
+        return _IndexUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        if "never holds" in str(e):
+            raise RefusedCheckpointError(
+                f"Refused to load {where}: its .metadata holds pickled objects that could run code ({e}); nothing "
+                "in it ran. Fix: load only checkpoints written by fitkit (save_checkpoint, BackupAndRestore), "
+                "or re-save it from code you trust."
+            ) from None
+        raise
 
 
 def check_sharded(path: str | os.PathLike) -> Any:
@@ -60,6 +99,8 @@ def check_sharded(path: str | os.PathLike) -> Any:
         FileNotFoundError: no folder at ``path``.
         CheckpointError: ``.metadata`` or :data:`STATE_NAME` is missing (a write that did not
             finish), unreadable, or a shard file is missing or shorter than the index says.
+        RuntimeError (a ``CheckpointError`` too): ``.metadata`` names anything but the index's
+            own classes (pickled code): refused before anything in it runs.
     """
     p, where = Path(path), repr(str(path))
     if not p.is_dir():
@@ -72,7 +113,9 @@ def check_sharded(path: str | os.PathLike) -> Any:
         )
     try:
         meta = _metadata(p)
-    except Exception as e:  # DCP raises whatever its unpickler met
+    except RefusedCheckpointError:
+        raise
+    except Exception as e:  # whatever the unpickler met in a damaged file
         raise CheckpointError(f"{where}: its .metadata cannot be read ({type(e).__name__}: {e}). {_FIX_DAMAGED}") from e
     need: dict[str, int] = {}
     for info in (meta.storage_data or {}).values():
