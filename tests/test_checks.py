@@ -74,8 +74,10 @@ CASES = [
      lambda m: m.fit(X, Y, class_weight=[1.0, 2.0, 3.0], verbose=0)),
     ("negative-epochs", ValueError, r"Expected `epochs` >= 0\. Received: epochs=-1",
      lambda m: m.fit(X, Y, epochs=-1, verbose=0)),
-    ("float-epochs", TypeError, r"Expected `epochs` to be an int\. Received: epochs=2\.0",
-     lambda m: m.fit(X, Y, epochs=2.0, verbose=0)),
+    ("string-epochs", TypeError, r"Expected `epochs` to be an int\. Received: epochs='2'",
+     lambda m: m.fit(X, Y, epochs="2", verbose=0)),  # a float is a fraction of an epoch (the Trainer's)
+    ("nan-epochs", ValueError, r"Expected `epochs` to be an int >= 0 or a float > 0.*Received: epochs=nan",
+     lambda m: m.fit(X, Y, epochs=float("nan"), verbose=0)),
     ("negative-initial-epoch", ValueError, r"Expected `initial_epoch` >= 0",
      lambda m: m.fit(X, Y, initial_epoch=-1, verbose=0)),
     ("validation-split-too-big", ValueError,
