@@ -109,11 +109,21 @@ class Forward:
     """
 
     def __init__(self, module: nn.Module, wrap: Any = None, jit: dict[str, Any] | bool = False):
-        self.module = module
+        self.module, self.wrap = module, wrap
         wrapped = wrap(module) if wrap is not None else None
         self.eager = module if wrapped is None else wrapped
         self.jit = jit
         self._fn: Any = None
+
+    def refresh(self) -> None:
+        """Ask the wrap again (DDP rebuilds its wrapper when the trainable set changed); a new
+        wrapper replaces the eager forward, and a compiled one is built afresh from it."""
+        if self.wrap is None:
+            return
+        wrapped = self.wrap(self.module)
+        new = self.module if wrapped is None else wrapped
+        if new is not self.eager:
+            self.eager, self._fn = new, None
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Call the forward with the module's own signature."""

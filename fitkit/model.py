@@ -361,6 +361,13 @@ class Model:
         check_state_dict_fits(self.module, state_dict, strict)  # all or nothing, as load_weights
         return self.module.load_state_dict(state_dict, strict=strict)
 
+    def refresh_parallel(self) -> None:
+        """Under DDP: a new training wrapper when the trainable parameters changed since the
+        last was built (:mod:`fitkit.distributed.ddp`); the fit loop calls it at each epoch
+        start, after ``on_epoch_begin``. Nothing on one process or under FSDP."""
+        if self._parallel is not None and not self._parallel.fsdp and self.optimizer is not None:
+            self._forward.refresh()
+
     def _wrap_for_training(self) -> Any:
         # Under torchrun the training forward is DDP's (built once the optimizer exists).
         if self._parallel is None or self.optimizer is None:

@@ -11,6 +11,7 @@ import collections
 import functools
 import gc
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -417,3 +418,40 @@ def sum_reduction(accumulation: int = 2) -> dict:
                   gradient_accumulation_steps=accumulation)
     history = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), shuffle=False, epochs=1, verbose=0)
     return {"params": full_params(model), "loss": history.history["loss"], "steps": model.global_step}
+
+
+class _Unused(nn.Module):
+    """``net()`` with a second head the loss never reaches (a parameter without a gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.spare = net(), nn.Linear(3, 1)
+        with torch.no_grad():  # the same values on every rank and in the one-process reference
+            self.spare.weight.fill_(0.25)
+            self.spare.bias.fill_(-0.5)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def ddp_options(case: str) -> dict:
+    """``unfreeze``: the first layer frozen at compile, unfrozen by a callback at epoch 2's start
+    (DDP must follow: its wrapper is rebuilt); ``find_unused`` / ``static_graph``: a parameter
+    without a gradient, trained with DDP's option. Weights after 3 epochs, no shuffling."""
+    from fitkit.distributed import DDP
+
+    x, y, _ = data(32)
+    callbacks = []
+    if case == "unfreeze":
+        module = net()
+        module[0].requires_grad_(False)
+        unfreeze = LambdaCallback(on_epoch_begin=lambda e, logs: module[0].requires_grad_(True) if e == 1 else None)
+        callbacks.append(unfreeze)
+        strategy: Any = "auto"
+    else:
+        module = _Unused()
+        strategy = DDP(**{"find_unused_parameters" if case == "find_unused" else "static_graph": True})
+    model = fitkit.Model(module, device="cpu", strategy=strategy)
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.05), loss="mse")
+    model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
+    return {"params": full_params(model)}

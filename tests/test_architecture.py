@@ -348,7 +348,8 @@ def test_the_write_finder_counts_container_changes_and_resolves_the_owner_by_cla
 #: What fitkit's own packages use of a model beyond the public vocabulary (``Model``'s "internal
 #: surface" section); the training core, the checks, the tools and the distributed checkpoint
 #: may, callbacks (user-facing examples of the public vocabulary) and the leaf packages may not.
-INTERNAL_SURFACE = {"stepper", "parallel", "phases", "running_fit", "fit_position", "await_resume", "pop_resume"}
+INTERNAL_SURFACE = {"stepper", "parallel", "phases", "running_fit", "fit_position", "await_resume", "pop_resume",
+                    "refresh_parallel"}
 MAY_USE_THE_INTERNAL_SURFACE = ("training/", "checks/", "tools/", "distributed/dcp.py", "model.py")
 
 

@@ -53,6 +53,8 @@ res["resume_fsdp_file_with_ddp"] = sc.resume(OUT / "fsdp.pt")
 res["lifetime"] = sc.lifetime()
 res["batch_sampler_epochs"] = sc.batch_sampler_epochs()
 res["sum_reduction"] = sc.sum_reduction()
+for case in ("unfreeze", "find_unused", "static_graph"):
+    res[f"ddp_{case}"] = sc.ddp_options(case)
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -347,3 +349,18 @@ def test_a_sum_loss_sums_over_the_ranks(job):
         ((hand(x[i:i + 16]) - y[i:i + 16]) ** 2).sum().backward()
         opt.step()
     _assert_close(one["params"], {n: p.detach() for n, p in hand.named_parameters()}, atol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["unfreeze", "find_unused", "static_graph"])
+def test_ddp_follows_the_trainable_set_and_takes_its_options(job, case):
+    """A layer unfrozen at epoch 2 is all-reduced from then on (the wrapper is rebuilt), and a
+    parameter without a gradient trains with DDP(find_unused_parameters=True) or
+    DDP(static_graph=True): both ranks hold the same weights, those of one process (1e-6)."""
+    r0, r1, _, _ = job
+    _assert_identical(r0[f"ddp_{case}"]["params"], r1[f"ddp_{case}"]["params"])
+    one = sc.ddp_options(case)
+    _assert_close(r0[f"ddp_{case}"]["params"], one["params"])
+    if case == "unfreeze":  # the unfrozen layer did train
+        assert not torch.equal(one["params"]["0.weight"], sc.net()[0].weight.detach())

@@ -334,7 +334,8 @@ def test_one_process_trains_the_fsdp_object_as_the_string():
 def test_fsdp_options_are_checked_at_construction():
     with pytest.raises(TypeError, match="Expected `activation_checkpointing` to be a bool"):
         FSDP(activation_checkpointing="yes")
-    with pytest.raises(TypeError, match=r"strategy='fsdp' or strategy=FSDP\(wrap=\[MyBlock\]\)"):
+    fix = r"strategy=FSDP\(wrap=\[MyBlock\]\) or strategy=DDP\(find_unused_parameters=True\)"
+    with pytest.raises(TypeError, match=fix):
         fitkit.Model(nn.Linear(1, 1), device="cpu", strategy=3)
     assert FSDP(wrap="GPT2Block").units(nn.Sequential(nn.Linear(1, 1))) == []
 
@@ -346,3 +347,15 @@ def test_a_device_veto_only_callback_that_vetoes_on_the_host_is_refused(job):
         assert "declaring `device_veto_only = True` vetoed an optimizer step on the host" in message
         assert "Fix: pass the decision as a device tensor" in message
         assert untouched  # that step never happened
+
+
+def test_ddp_options_are_checked_at_construction_and_train_plainly_on_one_process():
+    from fitkit.distributed import DDP
+
+    with pytest.raises(TypeError, match="find_unused_parameters"):
+        DDP(find_unused_parameters="yes")
+    assert DDP(static_graph=True).kwargs() == {"static_graph": True}
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Linear(2, 1), device="cpu", strategy=DDP(find_unused_parameters=True))
+    model.compile(optimizer="sgd", loss="mse")
+    assert model.fit(torch.zeros(4, 2), torch.zeros(4, 1), verbose=0).epoch == [0]

@@ -74,8 +74,9 @@ Example:
 
 # Names outside __all__ are re-exported too: the model, the loops and the stepper call
 # `fitkit.distributed.sharded`, `.global_share`, `.gather_predictions`, ...
-from fitkit.distributed import dcp, fsdp, parallel  # noqa: F401
+from fitkit.distributed import dcp, ddp, fsdp, parallel  # noqa: F401
 from fitkit.distributed.agreement import SignalAgreement  # noqa: F401
+from fitkit.distributed.ddp import DDP
 from fitkit.distributed.fsdp import FSDP
 from fitkit.distributed.group import (  # noqa: F401
     all_gather_object,
@@ -126,6 +127,7 @@ __all__ = [
     "split_by_rank_and_worker",
     "check_strategy",
     "FSDP",
+    "DDP",
     "Parallel",
     "shard",
     "sharded",

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitkit.distributed.ddp import DDP as DDPStrategy
 from fitkit.distributed.fsdp import FSDP
 from fitkit.distributed.group import _broadcast_states, rank, world_size
 
@@ -24,13 +25,14 @@ def check_strategy(strategy: Any) -> Any:
         TypeError: neither a string nor an :class:`~fitkit.distributed.fsdp.FSDP`.
         ValueError: not one of :data:`STRATEGIES`.
     """
-    if isinstance(strategy, FSDP):
+    if isinstance(strategy, (FSDP, DDPStrategy)):
         return strategy
     if not isinstance(strategy, str):
         raise TypeError(
-            f"Expected `strategy` to be one of {', '.join(map(repr, STRATEGIES))} or a "
-            f"fitkit.distributed.FSDP(...). Received: strategy={strategy!r} of type "
-            f"{type(strategy).__name__}. Fix: e.g. strategy='fsdp' or strategy=FSDP(wrap=[MyBlock])."
+            f"Expected `strategy` to be one of {', '.join(map(repr, STRATEGIES))}, a "
+            f"fitkit.distributed.FSDP(...) or a fitkit.distributed.DDP(...). Received: strategy={strategy!r} of "
+            f"type {type(strategy).__name__}. Fix: e.g. strategy='fsdp', strategy=FSDP(wrap=[MyBlock]) or "
+            "strategy=DDP(find_unused_parameters=True)."
         )
     if strategy not in STRATEGIES:
         raise ValueError(f"Unknown strategy {strategy!r}. Valid values: {', '.join(STRATEGIES)}.")
@@ -52,8 +54,10 @@ class Parallel:
     def __init__(self, strategy: Any, device: torch.device):
         self.kind = "fsdp" if strategy == "fsdp" or isinstance(strategy, FSDP) else "ddp"
         self.options = strategy if isinstance(strategy, FSDP) else FSDP()
+        self.ddp_options = strategy if isinstance(strategy, DDPStrategy) else DDPStrategy()
         self.device = device
         self.ddp: nn.Module | None = None
+        self._trainable: tuple[bool, ...] | None = None  # the requires_grad flags DDP was built for
 
     def __repr__(self) -> str:
         return f"Parallel({self.kind!r}, rank={rank()}, world_size={world_size()})"
@@ -100,19 +104,27 @@ class Parallel:
         """
         if self.fsdp or not any(p.requires_grad for p in module.parameters()):
             return None  # FSDP's forward is the module itself; nothing to train: no DDP
-        if self.ddp is not None and self.ddp.module is module and _same_device(self.ddp, module):
+        trainable = tuple(p.requires_grad for p in module.parameters())
+        if self.ddp is not None and self.ddp.module is module and _same_device(self.ddp, module) \
+                and trainable == self._trainable:
             return self.ddp
+        import gc
         import inspect
 
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if self.ddp is not None:  # the trainable set changed: the old reducer's hooks go first
+            self.ddp = None
+            gc.collect()
         device = next(module.parameters()).device
         kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
+        kwargs.update(self.ddp_options.kwargs())
         if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
             kwargs["forward_sync_buffers"] = False
         else:  # older torch: also skips the buffer sync at init, done below
             kwargs["broadcast_buffers"] = False
         self.ddp = DDP(module, **kwargs)
+        self._trainable = trainable
         _broadcast_states(module.buffers())
         return self.ddp
 

@@ -237,6 +237,7 @@ class FitLoop:
         if loader.next_epoch_batches is not None:  # the batches this epoch will really run
             cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
+        model.refresh_parallel()  # DDP follows a trainable set a callback changed (unfreezing)
         stepper.begin_epoch(epoch, _distributed.host_rows(loader, model.loss))  # host rows: fitkit's shards
         if self.step_val is not None:
             self.step_val.begin_epoch(loader.next_epoch_batches or loader.num_batches, stepper.accumulation)
