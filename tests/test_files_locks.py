@@ -150,3 +150,54 @@ def test_temp_files_carry_the_writers_pid(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", lambda a, b: (seen.append(os.path.basename(a)), real(a, b)))
     _model().save_weights(tmp_path / "w.pt")
     assert len(seen) == 1 and temp_owner(seen[0]) == os.getpid() and seen[0].startswith(".w.pt.")
+
+
+# -- real restarts: pids reused, odd files where the lock goes ------------------------------------
+
+
+def _write_lock(path, **record) -> None:
+    import json
+    import socket
+
+    path.write_text(json.dumps({"host": socket.gethostname(), **record}))
+
+
+def test_a_lock_with_this_pid_from_an_earlier_process_is_taken_over(tmp_path):
+    """A restarted container runs as the same pid: the old lock carries another process's token."""
+    from fitkit.files.locks import FileLock
+
+    lock = tmp_path / ".x.lock"
+    _write_lock(lock, pid=os.getpid(), token="0" * 32, start=1)
+    taken = FileLock(lock, "x", "CSVLogger").acquire()
+    assert taken.took_over is not None and "no longer running" in taken.took_over
+    taken.release()
+    assert not lock.exists()
+
+
+def test_a_reused_pid_of_another_process_is_taken_over_and_a_live_holder_is_not(tmp_path):
+    from fitkit.files.locks import FileLock, LockError, _start_time
+
+    parent = os.getppid()
+    if _start_time(parent) is None:
+        pytest.skip("no /proc start times here")
+    lock = tmp_path / ".x.lock"
+    _write_lock(lock, pid=parent, token="a" * 32, start=_start_time(parent) + 1)  # the pid, another start
+    taken = FileLock(lock, "x", "CSVLogger").acquire()
+    assert taken.took_over is not None
+    taken.release()
+    _write_lock(lock, pid=parent, token="a" * 32, start=_start_time(parent))  # the live holder itself
+    with pytest.raises(LockError, match=f"another run: process {parent}"):
+        FileLock(lock, "x", "CSVLogger").acquire()
+
+
+def test_a_huge_pid_and_a_folder_in_the_locks_place(tmp_path):
+    from fitkit.files.locks import FileLock, LockError
+
+    lock = tmp_path / ".x.lock"
+    _write_lock(lock, pid=10**30)
+    taken = FileLock(lock, "x", "CSVLogger").acquire()  # no OverflowError: no such process
+    assert taken.took_over is not None
+    taken.release()
+    (tmp_path / ".y.lock").mkdir()
+    with pytest.raises(LockError, match=r"a folder is where its lock file goes.*Fix: remove or rename"):
+        FileLock(tmp_path / ".y.lock", "y", "CSVLogger").acquire()

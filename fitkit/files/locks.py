@@ -15,6 +15,7 @@ import json
 import os
 import re
 import socket
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,21 @@ class LockError(RuntimeError):
 LockError.__module__ = "fitkit.files"
 
 
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``), or ``None``
+    where that cannot be read (not Linux, no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+#: This process's own mark in its locks: a process that reuses a dead one's pid (a restarted
+#: container often runs as pid 1 again) is not taken for the lock's holder.
+_TOKEN = uuid.uuid4().hex
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with ``pid`` exists on this host (a zombie counts as alive).
 
@@ -37,7 +53,7 @@ def pid_alive(pid: int) -> bool:
         >>> pid_alive(os.getpid())
         True
     """
-    if pid <= 0:
+    if pid <= 0 or pid > 2**31 - 1:  # no such pid (os.kill would raise OverflowError)
         return False
     try:
         os.kill(pid, 0)
@@ -109,7 +125,13 @@ class FileLock:
         """
         self._made = _missing_folders(self.path.parent)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        record = json.dumps({"pid": os.getpid(), "host": _HOST}).encode()
+        if self.path.is_dir():
+            raise LockError(
+                f"{self.who} cannot use {self.what}: a folder is where its lock file goes "
+                f"({str(self.path)!r}). Fix: remove or rename that folder."
+            )
+        record = json.dumps({"pid": os.getpid(), "host": _HOST, "token": _TOKEN,
+                             "start": _start_time(os.getpid())}).encode()  # fmt: skip
         for _ in range(3):  # a dead holder's lock is removed, then taken
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -117,18 +139,19 @@ class FileLock:
                 holder = self._holder()
                 if holder is None:
                     continue  # released meanwhile, or unreadable (being written): try again
-                pid, host = holder
-                if host == _HOST and not pid_alive(pid):
+                pid, host, token, start = holder
+                mine = host == _HOST and pid == os.getpid() and token in (None, _TOKEN)
+                if host == _HOST and not mine and not self._running(pid, token, start):
                     self.took_over = (
                         f"{self.who}: {self.what} was locked by process {pid} on {host}, which is no "
-                        "longer running (it was killed or crashed); the lock is taken over."
+                        "longer running (it was killed or crashed, or its container restarted); the lock "
+                        "is taken over."
                     )
                     try:
                         os.unlink(self.path)
                     except FileNotFoundError:
                         pass
                     continue
-                mine = host == _HOST and pid == os.getpid()
                 by = "another callback of this fit" if mine else f"another run: process {pid} on host {host}"
                 raise LockError(
                     f"{self.who} cannot use {self.what}: it is in use by {by} (lock file "
@@ -144,16 +167,29 @@ class FileLock:
             return self
         raise LockError(f"{self.who} could not take the lock {str(self.path)!r} of {self.what}. Fix: try again.")
 
-    def _holder(self) -> tuple[int, str] | None:
+    @staticmethod
+    def _running(pid: int, token: str | None, start: int | None) -> bool:
+        """Whether the lock's holder still runs on this host: its pid is alive, is not this
+        process (whose own locks carry its token), and started when the holder did."""
+        if pid == os.getpid():
+            return token is None or token == _TOKEN  # an older lock without a token: this process's
+        if not pid_alive(pid):
+            return False
+        now = _start_time(pid)
+        return start is None or now is None or now == start  # another start time: the pid was reused
+
+    def _holder(self) -> tuple[int, str, str | None, int | None] | None:
         try:
             data: Any = json.loads(self.path.read_text())
-            return int(data["pid"]), str(data["host"])
+            start = data.get("start")
+            return (int(data["pid"]), str(data["host"]), data.get("token"),
+                    int(start) if isinstance(start, int) else None)  # fmt: skip
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
             # An empty or garbled lock: its writer died between create and write, or it is
             # being written now. Treat an old one as dead (pid 0), a fresh one as a retry.
-            return (0, _HOST) if _age(self.path) > 5 else None
+            return (0, _HOST, None, None) if _age(self.path) > 5 else None
 
     def release(self) -> None:
         """Give the lock up (idempotent; only the lock this object took is removed)."""
@@ -161,7 +197,7 @@ class FileLock:
             return
         self.held = False
         holder = self._holder()
-        if holder is not None and holder == (os.getpid(), _HOST):
+        if holder is not None and holder[:3] == (os.getpid(), _HOST, _TOKEN):
             try:
                 os.unlink(self.path)
             except OSError as e:
