@@ -16,7 +16,7 @@ from typing import Any
 
 from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
-from fitkit.checks import FitkitWarning, check_every
+from fitkit.checks import FitkitWarning, check_bool, check_every
 from fitkit.distributed import dcp
 from fitkit.files import CheckpointError, check_target, remove_path, remove_stale_temps
 from fitkit.files.content import is_count, typed_problems
@@ -76,6 +76,7 @@ class BackupAndRestore(StatefulCallback):
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch", delete_checkpoint: bool = True,
                  async_save: bool = False):  # fmt: skip
         super().__init__()
+        check_bool("delete_checkpoint", delete_checkpoint)
         if not isinstance(async_save, bool):
             raise TypeError(f"Expected `async_save` to be a bool. Received: async_save={async_save!r}.")
         self.async_save = async_save

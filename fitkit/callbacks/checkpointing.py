@@ -34,7 +34,7 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.callbacks.scoring import scored_weights
-from fitkit.checks import check_every, check_int, check_mode, check_number
+from fitkit.checks import check_bool, check_every, check_int, check_mode, check_number
 from fitkit.distributed import say
 from fitkit.files import check_target, remove_stale_temps
 from fitkit.files.content import typed_problems
@@ -127,6 +127,8 @@ class ModelCheckpoint(StatefulCallback):
         keep_last: int | None = None,
     ):
         super().__init__()
+        check_bool("save_best_only", save_best_only)
+        check_bool("save_weights_only", save_weights_only)
         if not isinstance(monitor, str):
             raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
         self.filepath = check_target(filepath, "filepath", "ModelCheckpoint")

@@ -19,7 +19,7 @@ import torch
 
 from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
-from fitkit.checks import FitkitWarning
+from fitkit.checks import FitkitWarning, check_bool
 from fitkit.files import check_target, cut_to_last_line, to_python
 from fitkit.files.content import typed_problems
 from fitkit.files.locks import FileLock
@@ -121,6 +121,7 @@ class CSVLogger(StatefulCallback):
 
     def __init__(self, filename: str | os.PathLike, separator: str = ",", append: bool = False):
         super().__init__()
+        check_bool("append", append)
         if not isinstance(separator, str) or len(separator) != 1:
             raise ValueError(f"Expected `separator` to be one character. Received: separator={separator!r}.")
         self.filename = Path(check_target(filename, "filename", "CSVLogger"))

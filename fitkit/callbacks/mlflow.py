@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fitkit.callbacks.monitor import StatefulCallback
-from fitkit.checks import FitkitWarning
+from fitkit.checks import FitkitWarning, check_bool
 from fitkit.files.preflight import check_writable
 from fitkit.training.checkpoint import is_rank_zero
 
@@ -111,6 +111,7 @@ class MLflowLogger(StatefulCallback):
         tags: dict[str, Any] | None = None,
     ):
         super().__init__()
+        check_bool("log_plot", log_plot)
         if importlib.util.find_spec("mlflow") is None:
             raise ImportError("MLflowLogger needs mlflow. Install it with `pip install torch-fitkit[mlflow]`.")
         if log_every_n_steps is not None and (

@@ -22,7 +22,7 @@ from fitkit.callbacks.logkeys import (
     per_validation,
 )
 from fitkit.callbacks.scoring import scored_weights
-from fitkit.checks import check_int, check_mode, check_number
+from fitkit.checks import check_bool, check_int, check_mode, check_number
 from fitkit.distributed import say
 
 __all__ = [
@@ -227,6 +227,7 @@ class EarlyStopping(StatefulCallback):
         threshold_mode: str = "abs",
     ):
         super().__init__()
+        check_bool("restore_best_weights", restore_best_weights)
         if not isinstance(monitor, str):
             raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
         check_number("min_delta", min_delta, minimum=-math.inf)

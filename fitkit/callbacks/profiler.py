@@ -9,7 +9,7 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from fitkit.callbacks.base import Callback
-from fitkit.checks import check_int
+from fitkit.checks import check_bool, check_int
 from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["Profiler"]
@@ -62,6 +62,9 @@ class Profiler(Callback):
                  profile_memory: bool = False, with_stack: bool = False, row_limit: int = 15,
                  verbose: int = 1):  # fmt: skip
         super().__init__()
+        check_bool("record_shapes", record_shapes)
+        check_bool("profile_memory", profile_memory)
+        check_bool("with_stack", with_stack)
         check_int("wait", wait, 0)
         check_int("warmup", warmup, 0)
         check_int("active", active, 1)

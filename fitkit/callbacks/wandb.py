@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fitkit.callbacks.base import Callback
-from fitkit.checks import FitkitWarning
+from fitkit.checks import FitkitWarning, check_bool
 from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["WandbLogger"]
@@ -84,6 +84,7 @@ class WandbLogger(Callback):
                  log_every_n_steps: int | None = None, log_checkpoints: bool = False, checkpoint: Any = None,
                  **init_kwargs: Any):  # fmt: skip
         super().__init__()
+        check_bool("log_checkpoints", log_checkpoints)
         if importlib.util.find_spec("wandb") is None:
             raise ImportError('WandbLogger needs wandb. Install it with `pip install "torch-fitkit[wandb]"`.')
         if log_every_n_steps is not None and (
