@@ -111,6 +111,8 @@ class Model:
                 "Fix: wrap your network, e.g. fitkit.Model(nn.Sequential(...))."
             )
         _distributed.check_strategy(strategy)
+        if isinstance(strategy, _distributed.FSDP):
+            strategy.check_names(module)  # a typo in wrap= would wrap nothing, on any number of processes
         timeout = _distributed.check_timeout(timeout)
         self.device = resolve_device(device)
         _distributed.init_if_needed(self.device, timeout)  # under torchrun: nccl on CUDA, gloo on CPU

@@ -359,3 +359,10 @@ def test_ddp_options_are_checked_at_construction_and_train_plainly_on_one_proces
     model = fitkit.Model(nn.Linear(2, 1), device="cpu", strategy=DDP(find_unused_parameters=True))
     model.compile(optimizer="sgd", loss="mse")
     assert model.fit(torch.zeros(4, 2), torch.zeros(4, 1), verbose=0).epoch == [0]
+
+
+def test_a_wrap_name_that_matches_no_submodule_is_refused_at_model_construction():
+    net = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=r"names 'Lineer'.*Did you mean 'Linear'.*Classes in the model: Linear, ReLU"):
+        fitkit.Model(net, device="cpu", strategy=FSDP(wrap=["Lineer"]))
+    fitkit.Model(net, device="cpu", strategy=FSDP(wrap=["Linear"]))  # the exact name is fine

@@ -131,6 +131,35 @@ class FSDP:
         names = {k for k in kinds if isinstance(k, str)}
         return [sub for sub in list(module.modules())[1:] if isinstance(sub, classes) or type(sub).__name__ in names]
 
+    def check_names(self, module: nn.Module) -> None:
+        """Every class name given in ``wrap`` names a submodule class of ``module``.
+
+        Raises:
+            ValueError: a name that matches no submodule (a typo would wrap nothing, silently),
+                with the close class names of the model.
+
+        Example:
+            >>> try:
+            ...     FSDP(wrap=["Lineer"]).check_names(nn.Sequential(nn.Linear(1, 1)))
+            ... except ValueError as e:
+            ...     print(str(e)[:60])
+            FSDP(wrap=...) names 'Lineer', but no submodule of Sequenti
+        """
+        if not isinstance(self.wrap, tuple):
+            return
+        present = sorted({type(sub).__name__ for sub in module.modules()})
+        for name in (w for w in self.wrap if isinstance(w, str)):
+            if name not in present:
+                import difflib
+
+                close = difflib.get_close_matches(name, present, n=3)
+                hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+                raise ValueError(
+                    f"FSDP(wrap=...) names {name!r}, but no submodule of {type(module).__name__} has that class, "
+                    f"so nothing would be wrapped.{hint} Classes in the model: {', '.join(present)}. Fix: pass "
+                    "the block's class (or its exact name)."
+                )
+
     def shard(self, module: nn.Module) -> None:
         """``fully_shard`` the units (checkpoint-wrapped first if asked), then the root."""
         from torch.distributed.fsdp import (
