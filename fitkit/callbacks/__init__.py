@@ -16,6 +16,7 @@
 - :mod:`~fitkit.callbacks.profiler`: ``Profiler`` (``torch.profiler`` over a schedule of steps).
 - :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install torch-fitkit[mlflow]``).
 - :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install torch-fitkit[optuna]``).
+- :mod:`~fitkit.callbacks.timer`: ``Timer`` (a time budget, Lightning's ``max_time``).
 - :mod:`~fitkit.callbacks.tokens`: ``TokensSeen`` (``num_input_tokens_seen`` in logs and checkpoints).
 - :mod:`~fitkit.callbacks.neftune`: ``NEFTune`` (noisy input embeddings while fine-tuning).
 - :mod:`~fitkit.callbacks.wandb`: ``WandbLogger`` (``pip install torch-fitkit[wandb]``).
@@ -39,6 +40,7 @@ from fitkit.callbacks.profiler import Profiler
 from fitkit.callbacks.progress import ProgressBar
 from fitkit.callbacks.swap_ema import SwapEMAWeights
 from fitkit.callbacks.throughput import ThroughputMonitor
+from fitkit.callbacks.timer import Timer
 from fitkit.callbacks.tokens import TokensSeen
 from fitkit.callbacks.wandb import WandbLogger
 
@@ -46,6 +48,7 @@ __all__ = [
     "WandbLogger",
     "NEFTune",
     "TokensSeen",
+    "Timer",
     "GradientAccumulationScheduler",
     "Callback",
     "CallbackList",
