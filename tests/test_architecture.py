@@ -297,6 +297,7 @@ FOREIGN_WRITES_ALLOWED = {
     "training/eval_loop.py: model.stop_predicting": "predict sets aside and restores the public flag",
     "callbacks/monitor.py: self.model.stop_training": "EarlyStopping stops training (public API)",
     "callbacks/misc.py: model.stop_training": "TerminateOnNaN stops training (public API)",
+    "callbacks/timer.py: self.model.stop_training": "Timer stops training once its budget is spent (public API)",
     "tools/lr_finder.py: model.stop_training": "the LR finder restores the flag it found",
     # `model.scheduler` is a public property with a setter (the stepper owns the value).
     "tools/lr_finder.py: model.scheduler": "the sweep sets the scheduler aside and restores it",
