@@ -294,10 +294,16 @@ def _fit_32(model: _IdModel, epochs: int, initial_epoch: int = 0, callbacks=()) 
 
 def _checkpoint_of_32(folder, save_freq) -> Any:
     """A ModelCheckpoint at the end of epoch 1 (``"epoch"``) or after batch 3, inside epoch 2 (3)."""
-    ckpt = fitkit.callbacks.ModelCheckpoint(folder / "c{epoch}.pt", monitor="loss", save_freq=save_freq)
-    _fit_32(_IdModel(), 1 if save_freq == "epoch" else 2, callbacks=[ckpt])
-    (path,) = folder.iterdir()
-    return path
+    if save_freq == "epoch":
+        ckpt = fitkit.callbacks.ModelCheckpoint(folder / "c{epoch}.pt", monitor="loss", save_freq=save_freq)
+        _fit_32(_IdModel(), 1, callbacks=[ckpt])
+        (path,) = folder.iterdir()
+        return path
+    # {batch} names each save: the run's final step (batch 2 of epoch 2) is saved too, beside batch 3 overall
+    ckpt = fitkit.callbacks.ModelCheckpoint(folder / "c{epoch}-{batch}.pt", monitor="loss", save_freq=save_freq)
+    _fit_32(_IdModel(), 2, callbacks=[ckpt])
+    assert sorted(p.name for p in folder.iterdir()) == ["c2-1.pt", "c2-2.pt"]
+    return folder / "c2-1.pt"
 
 
 @pytest.mark.parametrize("save_freq", ["epoch", 3])

@@ -208,8 +208,7 @@ class ModelCheckpoint(StatefulCallback):
         return {
             "best": self.best, "best_path": None if self.best_path is None else rel(self.best_path),
             "kept": [[v, rel(p)] for v, p in self.kept], "batches_seen": self._batches_seen,
-            "recent": [rel(p) for p in self.recent],
-        }  # fmt: skip
+        } | ({"recent": [rel(p) for p in self.recent]} if self.keep_last is not None else {})  # fmt: skip
 
     def _set_state(self, state: dict[str, Any]) -> None:
         self.best = state["best"]

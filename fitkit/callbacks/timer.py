@@ -72,8 +72,7 @@ class Timer(StatefulCallback):
         clock: seconds as a float (``time.monotonic``; a fake clock in tests).
 
     Attributes:
-        elapsed: training seconds spent, this run's fits and the checkpoint's before.
-        stopped: whether the budget stopped training.
+        stopped: whether the budget stopped training (``elapsed``: the seconds spent).
 
     Example:
         >>> import torch, fitkit
