@@ -229,25 +229,20 @@ class Stepper:
                 return
             if self.sums:  # the sum over the window (and, times W against DDP's average, the ranks)
                 scale = float(_distributed.world_size()) if self.parallel is not None else 1.0
-                for i, batch in enumerate(group):
-                    window = self.window
-                    window.micro_scale, window.micro_last = scale, i == len(group) - 1
-                    yield step, batch
-                    step += 1
-                    if stop():
-                        return
-                continue
-            sizes = [self.weigh(b) for b in group]
-            # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
-            # each rank's share makes DDP's gradient average the exact global mean.
-            # A window whose denominator is 0 (all weights 0, every token ignored) adds nothing.
-            if self.parallel is None:
-                total = _nonzero(sum(sizes))
-            else:  # no collective when the sizes are rows that every rank's host knows
-                total = _distributed.global_share(sizes, _distributed.known_rows(self.fit.host_rows, sizes, step))
+                shares: list[Any] = [scale] * len(group)
+            else:
+                sizes = [self.weigh(b) for b in group]
+                # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
+                # each rank's share makes DDP's gradient average the exact global mean.
+                # A window whose denominator is 0 (all weights 0, every token ignored) adds nothing.
+                if self.parallel is None:
+                    total = _nonzero(sum(sizes))
+                else:  # no collective when the sizes are rows that every rank's host knows
+                    total = _distributed.global_share(sizes, _distributed.known_rows(self.fit.host_rows, sizes, step))
+                shares = [size / total for size in sizes]
             for i, batch in enumerate(group):
                 window = self.window
-                window.micro_scale = sizes[i] / total
+                window.micro_scale = shares[i]
                 window.micro_last = i == len(group) - 1
                 yield step, batch
                 step += 1
