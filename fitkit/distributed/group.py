@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 _started_here = False  # whether fitkit started the process group (and so tears it down)
+_failing = False  # an uncaught exception is ending this process (no exit barrier then)
 
 
 # -- where am I --------------------------------------------------------------------------
@@ -161,6 +162,8 @@ def _record_uncaught() -> None:
     previous = sys.excepthook
 
     def hook(kind: Any, value: Any, tb: Any) -> None:
+        global _failing
+        _failing = True
         try:  # the format of torch's ErrorHandler.record_exception, with this exception's stack
             data = {"message": {"message": f"{kind.__name__}: {value}", "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
@@ -177,8 +180,20 @@ def _record_uncaught() -> None:
     sys.excepthook = hook
 
 
+def exiting_on_error() -> bool:
+    """Whether an uncaught exception is ending this process (read at interpreter exit)."""
+    return _failing or getattr(sys, "last_value", None) is not None
+
+
 def _teardown() -> None:
     if _started_here and dist.is_available() and dist.is_initialized():
+        if exiting_on_error():
+            # A failing rank leaves at once: the other ranks wait in a collective for this one
+            # (DDP's all-reduce, an agreement), which fails as soon as this process is gone and
+            # its connections close. Waiting in the exit barrier instead would hold them for the
+            # group's timeout (30 minutes on gloo): the barrier's timeout applies on rank 0 only.
+            # Nor is the group destroyed: that may wait for the peers' pending work.
+            return
         if dist.get_backend() == "gloo":
             # Every rank reaches its exit before any destroys the group: a gloo group destroyed
             # while a peer still tears down its own can abort that peer's exit (SIGABRT, seen
