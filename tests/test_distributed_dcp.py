@@ -5,6 +5,7 @@ included; async writes; a write cut short is never taken for a checkpoint."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -231,3 +232,168 @@ def test_async_save_needs_a_sharded_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="async_save=True writes a sharded checkpoint"):
         model.save_checkpoint(tmp_path / "c.pt", async_save=True)
     assert not (tmp_path / "c.pt").exists()
+
+
+class _WritesMarker:
+    """Unpickled by plain pickle, it writes ``marker``: what a crafted checkpoint would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def _craft_metadata(folder, marker, nested: bool) -> None:
+    """Replace ``folder``'s ``.metadata`` by a pickle that runs code when plain-unpickled: the
+    payload alone, or hidden inside the real index (an extra entry)."""
+    import pickle
+
+    from fitkit.files.sharded import read_metadata
+
+    meta_file = folder / ".metadata"
+    if nested:
+        meta = read_metadata(meta_file)
+        meta.state_dict_metadata["model.extra"] = _WritesMarker(marker)
+        payload = meta
+    else:
+        payload = _WritesMarker(marker)
+    meta_file.write_bytes(pickle.dumps(payload))
+
+
+def _files(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["payload", "inside-the-index"])
+def test_a_crafted_metadata_is_refused_before_it_runs(tmp_path, nested):
+    """load_checkpoint, BackupAndRestore and consolidate_weights refuse a ``.metadata`` that
+    would run code; the code never runs, the model and the folder stay as they were."""
+    import pickle
+
+    from fitkit.files import RefusedCheckpointError
+
+    marker = tmp_path / "marker"
+    _trained_folder(tmp_path / "bk" / "backup.pt")
+    _craft_metadata(tmp_path / "bk" / "backup.pt", marker, nested)
+    files = _files(tmp_path / "bk")
+    fresh = _plain()
+    before = [p.detach().clone() for p in fresh.module.parameters()]
+    refused = r"Refused to load '.*\.metadata': it names builtins\.exec"
+    with pytest.raises(RefusedCheckpointError, match=refused):
+        fresh.load_checkpoint(tmp_path / "bk" / "backup.pt")
+    with pytest.raises(RefusedCheckpointError, match=refused):
+        consolidate_weights(tmp_path / "bk" / "backup.pt", tmp_path / "w.pt")
+    with pytest.raises(RefusedCheckpointError, match=refused):  # no previous backup to fall back to
+        fresh.fit(*data(16)[:2], batch_size=4, epochs=1, verbose=0,
+                  callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path / "bk")])  # fmt: skip
+    assert not marker.exists()
+    assert not (tmp_path / "w.pt").exists()
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.module.parameters(), strict=True))
+    assert not fresh.optimizer.state and fresh.global_step == 0
+    assert _files(tmp_path / "bk") == files  # nothing written, nothing removed
+    assert isinstance(RefusedCheckpointError("x"), RuntimeError)
+    with open(tmp_path / "bk" / "backup.pt" / ".metadata", "rb") as f:  # the file is live: plain pickle runs it
+        pickle.load(f)
+    assert marker.read_text() == "ran"
+
+
+def test_a_crafted_metadata_over_the_newest_backup_falls_back_to_the_previous_one(tmp_path):
+    marker = tmp_path / "marker"
+    _trained_folder(tmp_path / "backup.prev.pt")
+    _trained_folder(tmp_path / "backup.pt")
+    _craft_metadata(tmp_path / "backup.pt", marker, nested=True)
+    resumed = _plain()
+    with pytest.warns(fitkit.checks.FitkitWarning, match=r"(?s)is damaged, so training resumes from the previous.*"
+                      r"Refused to load"):  # fmt: skip
+        history = resumed.fit(*data(16)[:2], batch_size=4, epochs=2, verbose=0,
+                              callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)])  # fmt: skip
+    assert history.epoch == [0, 1] and resumed.global_step == 8  # as for any damage of the newest
+    assert not marker.exists()
+
+
+def test_a_pickled_item_in_a_shard_is_refused_before_it_runs(tmp_path):
+    """DCP loads a shard's non-tensor items with ``torch.load(weights_only=False)``: fitkit
+    loads them with ``weights_only=True`` first, so an item carrying code is refused."""
+    import dataclasses
+    import io
+    import pickle
+
+    from fitkit.files import RefusedCheckpointError
+    from fitkit.files.sharded import read_metadata
+
+    marker = tmp_path / "marker"
+    folder = tmp_path / "ck"
+    _trained_folder(folder)
+    meta = read_metadata(folder / ".metadata")
+    index = next(i for i in meta.storage_data if i.fqn.startswith("optim.param_groups"))  # a pickled item
+    buf = io.BytesIO()
+    torch.save(_WritesMarker(marker), buf)
+    (folder / "__0_9.distcp").write_bytes(buf.getvalue())
+    meta.storage_data[index] = dataclasses.replace(meta.storage_data[index], relative_path="__0_9.distcp",
+                                                   offset=0, length=len(buf.getvalue()))  # fmt: skip
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))  # an index of DCP's own classes only
+    fresh = _plain()
+    before = [p.detach().clone() for p in fresh.module.parameters()]
+    with pytest.raises(RefusedCheckpointError, match=rf"Refused to load '.*ck': its item '{index.fqn}' holds pickled"):
+        fresh.load_checkpoint(folder)
+    assert not marker.exists()
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.module.parameters(), strict=True))
+    assert not fresh.optimizer.state
+    assert fresh.optimizer.param_groups[0]["lr"] == 0.01
+
+
+def test_a_shard_torch_cannot_read_gives_a_checkpoint_error_and_a_backup_falls_back(tmp_path):
+    """torch's CheckpointException (a BaseException) never escapes: it becomes a CheckpointError
+    naming the folder, the optimizer stays as it was, and a backup falls back past it."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    _trained_folder(tmp_path / "backup.prev.pt")
+    _trained_folder(tmp_path / "backup.pt")
+    from fitkit.files.sharded import read_metadata
+
+    meta = read_metadata(tmp_path / "backup.pt" / ".metadata")
+    info = next(v for k, v in meta.storage_data.items() if k.fqn == "model.0.weight")
+    shard = tmp_path / "backup.pt" / info.relative_path
+    data_ = bytearray(shard.read_bytes())
+    data_[info.offset] ^= 0xFF  # the tensor record's first byte: torch.load of it fails
+    shard.write_bytes(bytes(data_))
+    fresh = _plain()
+    before = [p.detach().clone() for p in fresh.module.parameters()]
+    try:
+        fresh.load_checkpoint(tmp_path / "backup.pt")
+    except Exception as e:  # caught here: not a BaseException
+        error = e
+    assert isinstance(error, CheckpointError) and not isinstance(error, CheckpointException)
+    assert re.match(r"'.*backup\.pt' is damaged: its shards cannot be read", str(error))
+    assert "weights_only=False" not in str(error)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.module.parameters(), strict=True))
+    assert not fresh.optimizer.state
+    with pytest.raises(CheckpointError, match="is damaged: its shards cannot be read"):
+        consolidate_weights(tmp_path / "backup.pt", tmp_path / "w.pt")
+    assert not (tmp_path / "w.pt").exists()
+    with pytest.warns(fitkit.checks.FitkitWarning, match="is damaged, so training resumes from the previous backup"):
+        history = fresh.fit(*data(16)[:2], batch_size=4, epochs=2, verbose=0,
+                            callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)])  # fmt: skip
+    assert history.epoch == [0, 1] and fresh.global_step == 8
+
+
+def test_a_failed_sharded_save_is_an_os_error_naming_the_checkpoint(tmp_path, monkeypatch):
+    """A write error inside torch's writer (a full disk) is an OSError naming the checkpoint and the
+    file, not torch's CheckpointException; the previous checkpoint stays."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    model = _trained_folder(tmp_path / "ck")
+    files = _files(tmp_path / "ck")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "__0_0.distcp")
+
+    monkeypatch.setattr(fs, "_write_files_from_queue", full_disk)
+    written = r"The sharded checkpoint '.*ck' could not be written \(file '__0_0.distcp'\)"
+    with pytest.raises(OSError, match=written) as e:
+        model.save_checkpoint(tmp_path / "ck", sharded=True)
+    assert e.value.errno == errno.ENOSPC
+    assert _files(tmp_path / "ck") == files

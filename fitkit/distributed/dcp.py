@@ -40,7 +40,9 @@ from fitkit.files.sharded import (
     quiet_single_process,
     read_state,
     remove_path,
+    safe_reader,
     sharded_shapes,
+    torch_errors,
 )
 from fitkit.files.writing import sync_folder
 
@@ -83,8 +85,8 @@ def _tensor_state(model: Model) -> dict[str, Any]:
 class _Pending:
     """One save in flight: its future, and the finishing step (rank 0's rename) run once."""
 
-    def __init__(self, future: Any, finish: Any, stager: Any):
-        self.future, self._finish, self._stager = future, finish, stager
+    def __init__(self, future: Any, finish: Any, stager: Any, path: Path):
+        self.future, self._finish, self._stager, self.path = future, finish, stager, path
         self._lock = threading.Lock()
         self._done = False
         future.add_done_callback(lambda _: self.finish())
@@ -102,7 +104,8 @@ class _Pending:
                     self._stager.close()
 
     def wait(self) -> None:
-        self.future.result()  # raises the background write's error here
+        with torch_errors(self.path, saving=True):
+            self.future.result()  # raises the background write's error here
         self.finish()
 
 
@@ -146,7 +149,7 @@ def save(model: Model, state: dict[str, Any], path: str | os.PathLike, async_sav
 
     no_dist = group is None
     if not async_save:
-        with quiet_single_process():
+        with quiet_single_process(), torch_errors(final, saving=True):
             dcp.save(tensors, checkpoint_id=os.fspath(tmp), process_group=group, no_dist=no_dist)
         finish()
         if group is not None:
@@ -159,7 +162,7 @@ def save(model: Model, state: dict[str, Any], path: str | os.PathLike, async_sav
                                           use_async_staging=False, use_non_blocking_copy=cuda))  # fmt: skip
     future = dcp.async_save(tensors, checkpoint_id=os.fspath(tmp), process_group=group, async_stager=stager,
                             no_dist=no_dist)  # fmt: skip
-    _pending = _Pending(future, finish, stager)
+    _pending = _Pending(future, finish, stager, final)
     if not _atexit:
         _atexit = True
         atexit.register(wait)
@@ -250,10 +253,18 @@ def load_tensors(model: Model, path: str | os.PathLike) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    optimizer = _optimizer(model)
+    unset = optimizer.state_dict() if not optimizer.state else None  # get_state_dict fills it (a zero step)
     fresh = _fresh(_tensor_state(model))
-    with quiet_single_process():
-        dcp.load(fresh, checkpoint_id=os.fspath(path), process_group=_ckpt_group(), no_dist=not is_distributed())
-    set_state_dict(model.module, _optimizer(model), model_state_dict=fresh["model"], optim_state_dict=fresh["optim"])
+    try:
+        with quiet_single_process(), torch_errors(path):
+            dcp.load(fresh, checkpoint_id=os.fspath(path), storage_reader=safe_reader(path),
+                     process_group=_ckpt_group(), no_dist=not is_distributed())  # fmt: skip
+    except BaseException:
+        if unset is not None:  # a failed load leaves the optimizer as it was: no state
+            optimizer.load_state_dict(unset)
+        raise
+    set_state_dict(model.module, optimizer, model_state_dict=fresh["model"], optim_state_dict=fresh["optim"])
 
 
 def _fresh(obj: Any) -> Any:

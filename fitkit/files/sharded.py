@@ -9,11 +9,19 @@ one-file checkpoint. The folder is written under a temp name and renamed when co
 :data:`STATE_NAME` is a write that did not finish, and is never taken for a checkpoint.
 
 This module reads such folders without a process group (one process, offline).
+
+No pickle of a checkpoint folder runs code: DCP's own reader unpickles ``.metadata`` with plain
+``pickle`` and the non-tensor items of a shard with ``torch.load(weights_only=False)``;
+fitkit reads every folder through :func:`safe_reader` instead, which unpickles ``.metadata``
+with an unpickler that admits only DCP's metadata classes (:func:`read_metadata`) and loads a
+shard's pickled items with ``weights_only=True`` first. A crafted folder is refused with
+:class:`~fitkit.files.reading.RefusedCheckpointError` before anything in it runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import pickle
@@ -21,13 +29,14 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from fitkit.files.reading import _FIX_DAMAGED, CheckpointError, RefusedCheckpointError, safe_load
 
-__all__ = ["STATE_NAME", "is_sharded", "check_sharded", "sharded_shapes", "consolidate_weights", "remove_path"]
+__all__ = ["STATE_NAME", "is_sharded", "check_sharded", "sharded_shapes", "consolidate_weights", "remove_path",
+           "read_metadata", "safe_reader"]  # fmt: skip
 
 #: The non-tensor part of a sharded checkpoint, inside its folder.
 STATE_NAME = "fitkit_state.pt"
@@ -46,47 +55,195 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return Path(path).is_dir()
 
 
-# What DCP's ``.metadata`` pickle may name: the index classes of torch.distributed.checkpoint,
-# torch.Size, dtypes and layouts, and paths. Anything else (a function that runs code,
-# ``os.system``, ``builtins.eval``) is refused before it is looked up, so nothing in the file runs.
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint.storage")  # fmt: skip
-_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                 ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-                 ("pathlib", "PureWindowsPath"), ("pathlib", "Path"), ("builtins", "set"),
-                 ("builtins", "frozenset")}  # fmt: skip
+# What DCP's ``.metadata`` pickles: its metadata dataclasses and enum, the storage info of the
+# file system writer, torch.Size, dtypes and layouts by name, and the checkpoint id as a path.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict"),
+}  # fmt: skip
 
 
-class _IndexUnpickler(pickle.Unpickler):
-    """Unpickles a DCP index, and nothing that could run code."""
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only the classes DCP's metadata is made of (every one a plain dataclass, enum or
+    value type: calling it runs no code of the file's choosing); anything else is refused."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module in _DCP_MODULES:
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):  # the index's dataclasses and enums, never a function
+        import importlib
+
+        if (module, name) in _METADATA_GLOBALS or (module in _METADATA_MODULES and "." not in name):
+            obj = getattr(importlib.import_module(module), name, None)
+            if isinstance(obj, type) and obj.__module__ == module or (module, name) in _METADATA_GLOBALS:
                 return obj
-        raise pickle.UnpicklingError(f"the index names {module}.{name}, which a checkpoint index never holds")
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
+        raise _Refused(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused("a persistent id")
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global the metadata unpickler does not admit (named in the message)."""
+
+
+def read_metadata(path: str | os.PathLike) -> Any:
+    """Unpickle a sharded checkpoint's ``.metadata`` safely: only DCP's metadata classes load.
+
+    Args:
+        path: the ``.metadata`` file.
+
+    Returns:
+        The ``torch.distributed.checkpoint.metadata.Metadata`` it holds.
+
+    Raises:
+        RefusedCheckpointError: the file names any other class or function (pickled code;
+            refused before it ran). A ``CheckpointError`` and a ``RuntimeError``.
+        CheckpointError: the file is damaged or does not hold DCP metadata.
+
+    Example:
+        >>> import tempfile, os, fitkit
+        >>> d = os.path.join(tempfile.mkdtemp(), "ck")
+        >>> model = fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> model.save_checkpoint(d, sharded=True)
+        >>> sorted(read_metadata(os.path.join(d, ".metadata")).state_dict_metadata)[:2]
+        ['model.bias', 'model.weight']
+        >>> with open(os.path.join(d, ".metadata"), "wb") as f:
+        ...     _ = f.write(pickle.dumps(print))  # a pickle that names a function
+        >>> read_metadata(os.path.join(d, ".metadata"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        fitkit.files.RefusedCheckpointError: Refused to load '...metadata': it names builtins.print, ...
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    where = repr(str(path))
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        meta = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise RefusedCheckpointError(
+            f"Refused to load {where}: it names {e}, which is not part of a sharded checkpoint's index "
+            "(pickled code or objects; nothing in it ran). Fix: use a checkpoint written by "
+            "save_checkpoint / BackupAndRestore, from a source you trust."
+        ) from None
+    except OSError:
+        raise
+    except Exception as e:  # whatever a damaged pickle makes the unpickler meet
+        raise CheckpointError(f"{where} cannot be read ({type(e).__name__}: {e}). {_FIX_DAMAGED}") from None
+    if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict):
+        raise CheckpointError(
+            f"{where} does not hold a sharded checkpoint's index (it holds a {type(meta).__name__}). {_FIX_DAMAGED}"
+        )
+    return meta
+
+
+class _SafeBytes:
+    """A load planner whose pickled (non-tensor) items are first loaded with ``weights_only=True``
+    (DCP's planner loads them with ``weights_only=False``); every other call goes to ``planner``."""
+
+    def __init__(self, planner: Any, folder: str):
+        self._planner, self._folder = planner, folder
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        where = repr(self._folder)
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:
+            if "Unsupported global" in str(e):  # else damage: nothing the file holds ran either way
+                raise RefusedCheckpointError(
+                    f"Refused to load {where}: its item {read_item.dest_index.fqn!r} holds pickled objects that "
+                    "could run code (nothing in it ran). Fix: use a checkpoint written by save_checkpoint / "
+                    "BackupAndRestore, from a source you trust."
+                ) from None
+            raise CheckpointError(
+                f"{where} is damaged: its item {read_item.dest_index.fqn!r} cannot be read "
+                f"({_torch_error(e)}). {_FIX_DAMAGED}"
+            ) from None
+        value.seek(0)
+        self._planner.load_bytes(read_item, value)  # the same bytes, proven free of code
+
+
+def safe_reader(path: str | os.PathLike) -> Any:
+    """DCP's file system reader for ``path`` without its plain unpickling: ``.metadata`` through
+    :func:`read_metadata`, pickled items through ``weights_only=True`` (pass it as
+    ``storage_reader`` to ``torch.distributed.checkpoint.load``)."""
+    return _safe_reader_class()(path)
+
+
+@functools.cache
+def _safe_reader_class() -> type:
+    from torch.distributed.checkpoint import FileSystemReader  # imported at first use: a slow import
+
+    class _SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            rank = kwargs.get("rank")
+            meta = read_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+            if getattr(meta, "storage_meta", None) is None:
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            return super().read_data(plan, cast(Any, _SafeBytes(planner, os.fspath(self.path))))
+
+    return _SafeReader
+
+
+@contextlib.contextmanager
+def torch_errors(folder: str | os.PathLike, saving: bool = False) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` (a ``BaseException``, which ``except Exception`` misses)
+    into fitkit's errors: the first rank's fitkit error as it is (a refused pickle, a damaged
+    file), an ``OSError`` (a full disk, a read-only folder) with the folder and the file named,
+    else a :class:`CheckpointError` (a load) or ``RuntimeError`` (a save) naming the folder."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failures = [f[0] if isinstance(f, tuple) else f for _, f in sorted(e.failures.items())]
+        where = repr(os.fspath(folder))
+        for exc in failures:
+            if isinstance(exc, CheckpointError):
+                raise exc from None
+        for exc in failures:
+            if isinstance(exc, OSError):
+                name = f" (file {exc.filename!r})" if exc.filename else ""
+                what = "written" if saving else "read"
+                raise type(exc)(
+                    exc.errno, f"The sharded checkpoint {where} could not be {what}{name}: {exc.strerror or exc}. "
+                    + ("Fix: free space or pick a writable folder; the previous checkpoint is kept." if saving
+                       else "Fix: check that the folder is readable."), exc.filename,  # fmt: skip
+                ) from None
+        first = failures[0] if failures else e
+        if saving:
+            raise RuntimeError(
+                f"The sharded checkpoint {where} could not be written: {type(first).__name__}: {first}"
+            ) from None
+        raise CheckpointError(
+            f"{where} is damaged: its shards cannot be read ({_torch_error(first)}). {_FIX_DAMAGED}"
+        ) from None
+
+
+def _torch_error(e: BaseException) -> str:
+    """``Type: message``, without torch's advice to load with ``weights_only=False``."""
+    text = str(e).splitlines()[0][:300] if str(e) else ""
+    return type(e).__name__ if not text or "weights_only" in str(e) else f"{type(e).__name__}: {text}"
 
 
 def _metadata(path: Path) -> Any:
-    """DCP's index of a sharded checkpoint, read with :class:`_IndexUnpickler` (DCP's own reader
-    uses plain ``pickle.load``: a crafted ``.metadata`` would run code there)."""
-    where = repr(str(path))
-    data = (path / ".metadata").read_bytes()
-    try:
-        return _IndexUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        if "never holds" in str(e):
-            raise RefusedCheckpointError(
-                f"Refused to load {where}: its .metadata holds pickled objects that could run code ({e}); nothing "
-                "in it ran. Fix: load only checkpoints written by fitkit (save_checkpoint, BackupAndRestore), "
-                "or re-save it from code you trust."
-            ) from None
-        raise
+    return read_metadata(path / ".metadata")
 
 
 def check_sharded(path: str | os.PathLike) -> Any:
@@ -99,8 +256,7 @@ def check_sharded(path: str | os.PathLike) -> Any:
         FileNotFoundError: no folder at ``path``.
         CheckpointError: ``.metadata`` or :data:`STATE_NAME` is missing (a write that did not
             finish), unreadable, or a shard file is missing or shorter than the index says.
-        RuntimeError (a ``CheckpointError`` too): ``.metadata`` names anything but the index's
-            own classes (pickled code): refused before anything in it runs.
+        RefusedCheckpointError: ``.metadata`` holds pickled code (see :func:`read_metadata`).
     """
     p, where = Path(path), repr(str(path))
     if not p.is_dir():
@@ -111,12 +267,7 @@ def check_sharded(path: str | os.PathLike) -> Any:
             f"{where} is not a complete sharded checkpoint: {' and '.join(missing)} missing (a write that "
             f"did not finish, or a folder of something else). {_FIX_DAMAGED}"
         )
-    try:
-        meta = _metadata(p)
-    except RefusedCheckpointError:
-        raise
-    except Exception as e:  # whatever the unpickler met in a damaged file
-        raise CheckpointError(f"{where}: its .metadata cannot be read ({type(e).__name__}: {e}). {_FIX_DAMAGED}") from e
+    meta = _metadata(p)  # refuses pickled code
     need: dict[str, int] = {}
     for info in (meta.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), int(info.offset) + int(info.length))
@@ -186,8 +337,8 @@ def consolidate_weights(checkpoint: str | os.PathLike, path: str | os.PathLike) 
     state = {
         f"model.{k}": torch.empty(shape, dtype=dtypes[f"model.{k}"]) for k, shape in sharded_shapes(meta).items()
     }
-    with quiet_single_process():
-        dcp.load(state, checkpoint_id=os.fspath(checkpoint), no_dist=True)
+    with quiet_single_process(), torch_errors(checkpoint):
+        dcp.load(state, checkpoint_id=os.fspath(checkpoint), storage_reader=safe_reader(checkpoint), no_dist=True)
     weights = {k[len("model."):]: v for k, v in sorted(state.items())}
     if os.fspath(path).endswith(".safetensors"):
         save_safetensors(weights, path)
