@@ -18,6 +18,7 @@ FLAGS = [
     ("Profiler", {"dirpath": "{tmp}/prof"}, "profile_memory"),
     ("Profiler", {"dirpath": "{tmp}/prof"}, "with_stack"),
     ("WandbLogger", {}, "log_checkpoints"),
+    ("TensorBoard", {"log_dir": "{tmp}/tb"}, "write_steps_per_second"),
 ]
 
 

@@ -90,17 +90,25 @@ def test_tensorboard_scalars_read_back_equal_history(tmp_path):
 
     x, y = _data()
     h = _model().fit(x, y, epochs=3, validation_data=(x, y), verbose=0, callbacks=[TensorBoard(tmp_path)])
-    found = {}
+    found, evaluations = {}, {}
     for run, prefix in (("train", ""), ("validation", "val_")):
         acc = EventAccumulator(str(tmp_path / run))
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             events = acc.Scalars(tag)
+            if tag.startswith("evaluation_"):  # Keras: each validation at optimizer.iterations
+                assert run == "validation" and [e.step for e in events] == [1, 2, 3], tag  # one step per epoch
+                evaluations["val_" + tag.removeprefix("evaluation_").removesuffix("_vs_iterations")] = \
+                    [e.value for e in events]  # fmt: skip
+                continue
             assert [e.step for e in events] == [0, 1, 2]
             found[prefix + tag.removeprefix("epoch_")] = [e.value for e in events]
     assert sorted(found) == sorted(h.history)
     for key, values in h.history.items():
         assert found[key] == [float(np.float32(v)) for v in values], key  # stored as float32
+    assert sorted(evaluations) == sorted(k for k in h.history if k.startswith("val_"))
+    for key, values in evaluations.items():
+        assert values == found[key], key
 
 
 def test_tensorboard_batch_scalars_every_n_batches(tmp_path):

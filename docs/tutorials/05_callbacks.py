@@ -232,7 +232,22 @@ assert "grad_norm" in history.history and "grad_norm" in (tmp / "log.csv").read_
 
 # %%
 # (With validation data, TensorBoard also writes a ``validation`` folder, so that the two
-# curves of each key share one chart.)
+# curves of each key share one chart.) The layout is Keras': each validation (and each
+# ``evaluate(callbacks=[board])``) also lands as ``evaluation_loss_vs_iterations`` at its
+# optimizer step, ``write_steps_per_second=True`` adds ``epoch_steps_per_second`` and
+# ``histogram_freq=n`` a histogram of every weight every ``n`` epochs:
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+model = make_model()
+board = TensorBoard(tmp / "tensorboard2", histogram_freq=1, write_steps_per_second=True)
+model.fit(x, y, epochs=2, validation_split=0.25, verbose=0, callbacks=[board])
+events = EventAccumulator(str(tmp / "tensorboard2" / "validation"))
+events.Reload()
+print([(e.step, round(e.value, 4)) for e in events.Scalars("evaluation_loss_vs_iterations")])
+assert [e.step for e in events.Scalars("evaluation_loss_vs_iterations")] == [15, 30]
+
+# %%
 #
 # Validation every n epochs, and keys of your own
 # -----------------------------------------------

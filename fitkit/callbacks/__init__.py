@@ -6,7 +6,7 @@
 - :mod:`~fitkit.callbacks.lr`: ``LearningRateScheduler``, ``ReduceLROnPlateau``, ``LearningRateFinder``.
 - :mod:`~fitkit.callbacks.checkpointing`: ``ModelCheckpoint``.
 - :mod:`~fitkit.callbacks.backup`: ``BackupAndRestore``.
-- :mod:`~fitkit.callbacks.logging`: ``CSVLogger``, ``TensorBoard``.
+- :mod:`~fitkit.callbacks.logging`: ``CSVLogger``; :mod:`~fitkit.callbacks.tensorboard`: ``TensorBoard``.
 - :mod:`~fitkit.callbacks.misc`: ``TerminateOnNaN``, ``LambdaCallback``.
 - :mod:`~fitkit.callbacks.averaging`: ``EMA``, ``SWA`` (weight averaging, on
   :mod:`~fitkit.callbacks.weight_averaging`'s ``WeightAveraging``; :mod:`~fitkit.callbacks.scoring`:
@@ -29,7 +29,7 @@ from fitkit.callbacks.averaging import EMA, SWA, WeightAveraging
 from fitkit.callbacks.backup import BackupAndRestore
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
 from fitkit.callbacks.checkpointing import ModelCheckpoint
-from fitkit.callbacks.logging import CSVLogger, TensorBoard
+from fitkit.callbacks.logging import CSVLogger
 from fitkit.callbacks.lr import LearningRateFinder, LearningRateScheduler, ReduceLROnPlateau
 from fitkit.callbacks.misc import LambdaCallback, TerminateOnNaN
 from fitkit.callbacks.mlflow import MLflowLogger
@@ -39,6 +39,7 @@ from fitkit.callbacks.optuna import OptunaPruning
 from fitkit.callbacks.profiler import Profiler
 from fitkit.callbacks.progress import ProgressBar
 from fitkit.callbacks.swap_ema import SwapEMAWeights
+from fitkit.callbacks.tensorboard import TensorBoard
 from fitkit.callbacks.throughput import ThroughputMonitor
 from fitkit.callbacks.timer import Timer
 from fitkit.callbacks.tokens import TokensSeen

@@ -19,6 +19,7 @@ import torch
 
 from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
+from fitkit.callbacks.tensorboard import TensorBoard
 from fitkit.checks import FitkitWarning, check_bool
 from fitkit.files import check_target, cut_to_last_line, to_python
 from fitkit.files.content import typed_problems
@@ -26,7 +27,7 @@ from fitkit.files.locks import FileLock
 from fitkit.files.preflight import check_writable_template
 from fitkit.training.checkpoint import is_rank_zero
 
-__all__ = ["CSVLogger", "TensorBoard"]
+__all__ = ["CSVLogger", "TensorBoard"]  # TensorBoard lives in fitkit.callbacks.tensorboard
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -250,132 +251,3 @@ class CSVLogger(StatefulCallback):
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
-
-
-class TensorBoard(StatefulCallback):
-    """Write the logs as TensorBoard scalars with ``torch.utils.tensorboard`` (no TensorFlow).
-
-    As in Keras, training values go to ``log_dir/train`` and ``val_`` values to
-    ``log_dir/validation`` under the same tag, so TensorBoard overlays them: ``epoch_loss``
-    at step ``epoch``. With an int ``update_freq``, batch logs (running epoch means) are also
-    written every that many batches as ``batch_<key>`` at the optimizer step; reading them
-    syncs with the device, once per write. With ``fit(validation_interval=...)`` each
-    validation is also written as ``step_<key>`` in ``log_dir/validation`` at its ``global_step``.
-
-    Args:
-        log_dir: the folder TensorBoard reads (``tensorboard --logdir log_dir``).
-        update_freq: ``"epoch"``, or an int number of batches.
-
-    Raises:
-        ImportError: the ``tensorboard`` package is missing (``pip install torch-fitkit[tensorboard]``).
-        ValueError: a bad ``update_freq``; ``log_dir`` is empty or an existing file.
-
-    Example:
-        >>> import tempfile, torch, fitkit
-        >>> model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
-        >>> model.compile(optimizer="sgd", loss="mse")
-        >>> log_dir = tempfile.mkdtemp()
-        >>> _ = model.fit(torch.zeros(4, 1), torch.zeros(4, 1), callbacks=[TensorBoard(log_dir)], verbose=0)
-        >>> sorted(p.name for p in Path(log_dir).iterdir())
-        ['train']
-    """
-
-    skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
-
-    def __init__(self, log_dir: str | os.PathLike, update_freq: str | int = "epoch"):
-        super().__init__()
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ImportError(
-                "The TensorBoard callback needs the `tensorboard` package. Install it with "
-                "`pip install torch-fitkit[tensorboard]` (TensorFlow is not needed)."
-            ) from None
-        bad = isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
-        if update_freq != "epoch" and bad:
-            raise ValueError(
-                f"Expected `update_freq` to be 'epoch' or a positive int. Received: update_freq={update_freq!r}."
-            )
-        self._writer_cls = SummaryWriter
-        self.log_dir, self.update_freq = Path(check_target(log_dir, "log_dir", "TensorBoard", "folder")), update_freq
-        self._writers: dict[str, Any] = {}
-        self._reset()
-
-    def _reset(self) -> None:
-        self._batches_seen = 0
-
-    def _get_state(self) -> dict[str, Any]:
-        return {"batches_seen": self._batches_seen}
-
-    def _set_state(self, state: dict[str, Any]) -> None:
-        self._batches_seen = state["batches_seen"]
-
-    def on_train_begin(self, logs=None):
-        super().on_train_begin(logs)
-        if is_rank_zero():  # before step 1: a folder it can write
-            check_writable_template(str(self.log_dir / "validation" / "events.out.tfevents.0"), None,
-                                    "TensorBoard", "log_dir")  # fmt: skip
-
-    def _check_folders(self) -> None:
-        """A writer whose folder was deleted fails in its thread with a raw error: name it."""
-        gone = [name for name in self._writers if not (self.log_dir / name).is_dir()]
-        if gone:
-            self.close()
-            raise FileNotFoundError(
-                errno.ENOENT, f"TensorBoard's folder {str(self.log_dir / gone[0])!r} was deleted while fit was "
-                "writing to it, so its event file is gone. Fix: leave `log_dir` in place while fit runs, or "
-                "pass a new one."
-            )
-
-    def _writer(self, name: str):
-        if name not in self._writers:
-            self._writers[name] = self._writer_cls(log_dir=str(self.log_dir / name))
-        return self._writers[name]
-
-    def _write(self, prefix: str, logs: Any, step: int) -> None:
-        for key in list(logs):
-            value = logs[key]
-            if isinstance(value, torch.Tensor):
-                if value.numel() != 1:
-                    continue
-                value = value.item()
-            value = to_python(value)  # numpy scalars too
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            run, tag = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
-            self._writer(run).add_scalar(f"{prefix}_{tag}", value, step)
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.update_freq == "epoch":
-            return
-        self._batches_seen += 1
-        if self._batches_seen >= self.update_freq:
-            self._batches_seen = 0
-            if is_rank_zero():
-                self._check_folders()
-                self._write("batch", logs or {}, self.model.global_step)
-
-    def on_epoch_end(self, epoch, logs=None):
-        if is_rank_zero():
-            self._check_folders()
-            self._write("epoch", logs or {}, epoch)
-            for w in self._writers.values():
-                w.flush()
-
-    def on_validation_end(self, logs=None):
-        """Inside-epoch validations: ``validation/step_<key>`` at ``global_step``."""
-        if self.params.get("validation_interval") and is_rank_zero() and logs:
-            self._write("step", {k: v for k, v in logs.items() if k.startswith("val_")}, int(logs["step"]))
-
-    def on_train_end(self, logs=None):
-        self.close()
-
-    def close(self) -> None:
-        """Close the writers and their threads (idempotent; the next write opens new ones)."""
-        writers, self._writers = self._writers, {}
-        for name, w in writers.items():
-            try:
-                w.close()
-            except OSError:
-                if (self.log_dir / name).is_dir():
-                    raise  # a folder that was deleted: the error is _check_folders' to give
