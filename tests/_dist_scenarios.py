@@ -455,3 +455,24 @@ def ddp_options(case: str) -> dict:
     model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.05), loss="mse")
     model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
     return {"params": full_params(model)}
+
+
+def ce_case(kind: str, callbacks=()) -> dict:
+    """Cross-entropy on 37 rows, batches of 8 over all ranks, 1 epoch of SGD, no shuffling:
+    ``index`` class targets, ``probabilities`` (one-hot floats) or ``ignored`` (row 5 is
+    -100). Returns the parameters and the epoch's loss."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(37, 3, generator=g), torch.randint(0, 4, (37,), generator=g)
+    if kind == "probabilities":
+        y = torch.nn.functional.one_hot(y, 4).float()
+    elif kind == "ignored":
+        y[5] = -100
+    module = nn.Linear(3, 4)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    model = fitkit.Model(module, device="cpu")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss="cross_entropy")
+    h = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=1, shuffle=False, verbose=0,
+                  callbacks=list(callbacks))
+    return {"params": full_params(model), "loss": h.history["loss"][0]}

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from _dist_scenarios import OPTIMIZERS, IdRecorder, data, net, resume_case
+from _dist_scenarios import OPTIMIZERS, IdRecorder, ce_case, data, net, resume_case
 from _torchrun import run_torchrun
 
 import fitkit
@@ -83,6 +83,13 @@ x, y, w = data(37)
 res["count_tensors"] = per_step({"x": x, "y": y, "batch_size": 4})
 res["count_loader"] = per_step({"x": DataLoader(TensorDataset(x, y), batch_size=4)})
 res["count_weighted"] = per_step({"x": x, "y": y, "sample_weight": w, "batch_size": 4})
+# Cross-entropy: class indices (none ignored), probabilities, and one index ignored (-100).
+from _dist_scenarios import ce_case
+for kind in ("index", "probabilities", "ignored"):
+    marks = []
+    cb = fitkit.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: marks.append(len(calls)))
+    res[f"ce_{kind}"] = ce_case(kind, callbacks=[cb])
+    res[f"count_ce_{kind}"] = [b - a for a, b in zip(marks, marks[1:])]
 
 # A mid-epoch backup of one process (batch 8, 24 samples of epoch 1 done) resumed on 2 ranks.
 os.environ.pop("FITKIT_SIGNAL_SECONDS")
@@ -218,6 +225,23 @@ def test_no_collective_per_step_beyond_ddps_for_fitkits_own_shards(job):
         assert r["count_tensors"] == [1, 0, 0, 0]
         assert r["count_loader"] == [1, 0, 0, 0]
         assert r["count_weighted"] == [2, 1, 1, 1]  # + the global weight sum: the feature needs it
+        # cross-entropy's denominators are rows unless a target is ignore_index (then the count of
+        # the targets that count is summed over the ranks, a collective the feature needs)
+        assert r["count_ce_index"] == r["count_ce_probabilities"] == [1, 0, 0, 0]
+        assert r["count_ce_ignored"] == [2, 1, 1, 1]
+
+
+@_torchrun_test
+@pytest.mark.parametrize("kind", ["index", "probabilities", "ignored"])
+def test_cross_entropy_on_two_ranks_equals_one_process(job, kind):
+    """Without the collective the step is still the exact global mean (the last global batch
+    has 5 rows: 4 on rank 0, 1 on rank 1), as one process with batches of 8."""
+    r0, r1 = job
+    one = ce_case(kind)
+    assert all(torch.equal(r0[f"ce_{kind}"]["params"][k], r1[f"ce_{kind}"]["params"][k]) for k in one["params"])
+    for k, v in one["params"].items():
+        torch.testing.assert_close(r0[f"ce_{kind}"]["params"][k], v, rtol=0, atol=1e-6)
+    assert r0[f"ce_{kind}"]["loss"] == pytest.approx(one["loss"], abs=1e-6)
 
 
 def test_split_covers_every_item_once_over_ranks_and_workers(monkeypatch):

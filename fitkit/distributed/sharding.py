@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -91,6 +91,7 @@ class ShardedTensorBatches(TensorBatches):
         super().__init__(src.x, src.y, src.w, src.batch_size, src.shuffle)
         self.rank, self.world = rank(), world_size()
         self._origin = 0  # where global batch 0 starts (a resume by samples moves it)
+        self._rows_known: tuple[Any, bool] | None = None  # (the loss, rows are its denominators)
 
     @property
     def num_batches(self) -> int:
@@ -210,22 +211,53 @@ class ShardedLoaderBatches(_IterableBatches):
         return self.rank + self.world * torch.arange(self.real)
 
 
-def _rows_are_denominators(loss: Any, y: Any) -> bool:
-    """Whether every batch's loss denominator is its row count (or its weights' sum, a tensor),
-    the same rule on every rank: not for tokens (class indices of more than one per row)."""
+def _rows_are_denominators(loss: Any, y: Any, w: Any = None) -> bool:
+    """Whether every batch's loss denominator is its row count, the same rule on every rank.
+
+    ``y``/``w``: the targets and sample weights when known (in-memory data), ``None`` for a
+    DataLoader's (its batches' weights, if any, are device tensors, seen per batch). Rows are
+    the denominators unless the loss counts tokens (class indices of more than one per row, a
+    class weight, or a target equal to ``ignore_index``: scanned once here, one host read) or
+    sample weights weigh the rows. Probability targets of a class-index loss count rows.
+    """
     from fitkit.losses import Loss
 
     if loss is None:
         return True
     if not isinstance(loss, Loss):  # several losses: their own denominators
         return False
-    return loss.kind != "class_index" or (isinstance(y, torch.Tensor) and y.dim() <= 1)
+    if isinstance(w, torch.Tensor):
+        return False
+    if loss.kind != "class_index":
+        return True
+    if not isinstance(y, torch.Tensor):
+        return False
+    if y.is_floating_point():  # probabilities over the classes: one term per row
+        return True
+    if y.dim() > 1 or loss.class_weights is not None:
+        return False
+    return loss.ignore_index is None or not bool((y == loss.ignore_index).any())
 
 
-def host_rows(loader: DeviceLoader, loss: Any = None) -> Any:
+class HostRows:
+    """``step -> rows of global batch step`` (a callable); ``exact``: those rows are the loss's
+    denominators, whatever the batches' own denominators look like (tensors counting targets
+    that are never ignored), so the ranks need no collective to agree on them."""
+
+    __slots__ = ("rows", "exact")
+
+    def __init__(self, rows: Callable[[int], int], exact: bool):
+        self.rows, self.exact = rows, exact
+
+    def __call__(self, step: int) -> int:
+        return self.rows(step)
+
+
+def host_rows(loader: DeviceLoader, loss: Any = None) -> HostRows | None:
     """``step -> rows of global batch step`` for fitkit's own shards, else ``None``.
 
-    ``loss``: the compiled loss; a loss whose denominators are tokens gets ``None``.
+    ``loss``: the compiled loss; a loss whose denominators are tokens or weights gets ``None``
+    for in-memory data (whose targets and weights are known here, once per fit).
 
     Known on the host for in-memory data, and for a DataLoader whose batches are its samples
     (the default collate; rows cut off by fitkit are counted); not with ``steps_per_epoch``
@@ -235,11 +267,14 @@ def host_rows(loader: DeviceLoader, loss: Any = None) -> Any:
     if loader.steps is not None or loader.sharded is not True:
         return None
     if isinstance(src, ShardedTensorBatches):
-        return src.global_rows if _rows_are_denominators(loss, src.y) else None
+        key = (id(loss), getattr(loss, "ignore_index", None), getattr(loss, "kind", None))
+        if src._rows_known is None or src._rows_known[0] != key:  # one scan per data and loss
+            src._rows_known = (key, _rows_are_denominators(loss, src.y, src.w))
+        return HostRows(src.global_rows, exact=True) if src._rows_known[1] else None
     if isinstance(src, ShardedLoaderBatches) and _rows_are_denominators(loss, None):
         dl: Any = src.source
         if dl.collate_fn is default_collate and not dl.drop_last:
-            return src.global_rows
+            return HostRows(src.global_rows, exact=False)  # a batch's weights: its sizes are tensors
     return None
 
 
