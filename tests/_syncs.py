@@ -55,7 +55,7 @@ SYNC_OPS = (
 )
 
 #: ``(file name, function)`` of the places that read the host on purpose, at a log point.
-LOG_POINTS = {("progress.py", "format_logs"), ("logging.py", "_write"), ("mlflow.py", "_log_metrics")}
+LOG_POINTS = {("progress.py", "format_logs"), ("tensorboard.py", "_write"), ("mlflow.py", "_log_metrics")}
 
 #: Reads of tensors that live on the host on every device: torch keeps a non-capturable
 #: optimizer's ``step`` count on the CPU, and reads it there.

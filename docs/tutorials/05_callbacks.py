@@ -245,7 +245,9 @@ model.fit(x, y, epochs=2, validation_split=0.25, verbose=0, callbacks=[board])
 events = EventAccumulator(str(tmp / "tensorboard2" / "validation"))
 events.Reload()
 print([(e.step, round(e.value, 4)) for e in events.Scalars("evaluation_loss_vs_iterations")])
+# sphinx_gallery_start_ignore
 assert [e.step for e in events.Scalars("evaluation_loss_vs_iterations")] == [15, 30]
+# sphinx_gallery_end_ignore
 
 # %%
 #
