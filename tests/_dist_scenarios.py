@@ -448,6 +448,8 @@ def ddp_options(case: str) -> dict:
         unfreeze = LambdaCallback(on_epoch_begin=lambda e, logs: module[0].requires_grad_(True) if e == 1 else None)
         callbacks.append(unfreeze)
         strategy: Any = "auto"
+    elif case == "bucket_view":
+        module, strategy = net(), DDP(gradient_as_bucket_view=True)
     else:
         module = _Unused()
         strategy = DDP(**{"find_unused_parameters" if case == "find_unused" else "static_graph": True})
@@ -476,3 +478,57 @@ def ce_case(kind: str, callbacks=()) -> dict:
     h = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=1, shuffle=False, verbose=0,
                   callbacks=list(callbacks))
     return {"params": full_params(model), "loss": h.history["loss"][0]}
+
+
+def unused_refused(bucket_view: bool = False) -> dict:
+    """``_Unused`` under the default DDP: refused at the first step, nothing applied."""
+    from fitkit.distributed import DDP
+
+    x, y, _ = data(16)
+    module = _Unused()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    model = fitkit.Model(module, device="cpu", strategy=DDP(gradient_as_bucket_view=True) if bucket_view else "auto")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.05), loss="mse")
+    try:
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    except RuntimeError as e:
+        error = str(e)
+    else:
+        error = ""
+    same = all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+    return {"error": error, "unchanged": same, "step": model.global_step}
+
+
+def _bn_net() -> nn.Module:
+    g = torch.Generator().manual_seed(7)
+    module = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return module
+
+
+def bn_validation() -> dict:
+    """BatchNorm under DDP, validated every 2 steps inside the epoch: each validation's numbers
+    and the BatchNorm buffers it ran with (captured at ``on_test_begin``)."""
+    x, y, _ = data(48)
+    xv, yv, _ = data(20, seed=5)
+    x = x + torch.arange(48).unsqueeze(1) / 12.0  # rank 1's batches differ from rank 0's in scale
+    states: list[dict[str, torch.Tensor]] = []
+    capture = LambdaCallback(on_test_begin=lambda logs: states.append(
+        {k: v.clone() for k, v in model.module.state_dict().items()}))
+    model = fitkit.Model(_bn_net(), device="cpu")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.05), loss="mse", metrics=["mae"])
+    h = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, validation_data=(xv, yv),
+                  validation_interval=2, callbacks=[capture])
+    return {"validations": [dict(v) for v in h.validations], "states": states}
+
+
+def bn_reference(state: dict[str, torch.Tensor]) -> dict:
+    """One process: the validation set's loss and MAE under ``state``."""
+    xv, yv, _ = data(20, seed=5)
+    module = _bn_net()
+    module.load_state_dict(state)
+    model = fitkit.Model(module, device="cpu")
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    return model.evaluate(xv, yv, verbose=0, return_dict=True)

@@ -53,8 +53,11 @@ res["resume_fsdp_file_with_ddp"] = sc.resume(OUT / "fsdp.pt")
 res["lifetime"] = sc.lifetime()
 res["batch_sampler_epochs"] = sc.batch_sampler_epochs()
 res["sum_reduction"] = sc.sum_reduction()
-for case in ("unfreeze", "find_unused", "static_graph"):
+for case in ("unfreeze", "find_unused", "static_graph", "bucket_view"):
     res[f"ddp_{case}"] = sc.ddp_options(case)
+res["unused_refused"] = sc.unused_refused()
+res["unused_refused_bucket_view"] = sc.unused_refused(bucket_view=True)
+res["bn_validation"] = sc.bn_validation()
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -353,7 +356,7 @@ def test_a_sum_loss_sums_over_the_ranks(job):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["unfreeze", "find_unused", "static_graph"])
+@pytest.mark.parametrize("case", ["unfreeze", "find_unused", "static_graph", "bucket_view"])
 def test_ddp_follows_the_trainable_set_and_takes_its_options(job, case):
     """A layer unfrozen at epoch 2 is all-reduced from then on (the wrapper is rebuilt), and a
     parameter without a gradient trains with DDP(find_unused_parameters=True) or
@@ -364,3 +367,54 @@ def test_ddp_follows_the_trainable_set_and_takes_its_options(job, case):
     _assert_close(r0[f"ddp_{case}"]["params"], one["params"])
     if case == "unfreeze":  # the unfrozen layer did train
         assert not torch.equal(one["params"]["0.weight"], sc.net()[0].weight.detach())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["unused_refused", "unused_refused_bucket_view"])
+def test_a_parameter_without_a_gradient_under_plain_ddp_is_refused_at_the_first_step(job, key):
+    """Without find_unused_parameters / static_graph the first step names the parameter and the
+    fix on every rank, and applies nothing (before, step 1 stepped each rank's own gradients)."""
+    r0, r1, _, _ = job
+    for r in (r0, r1):
+        assert "spare.weight, spare.bias" in r[key]["error"]
+        assert "DDP(find_unused_parameters=True)" in r[key]["error"]
+        assert r[key]["unchanged"] and r[key]["step"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_every_rank_validates_with_the_same_batchnorm_statistics_inside_the_epoch(job):
+    """validation_interval=2 under DDP: before each validation rank 0's BatchNorm buffers are
+    every rank's (rank 1 trained on data of another scale: its own statistics differ), so both
+    ranks validate the same model and log the same numbers, those of one process evaluating
+    that state."""
+    r0, r1, _, _ = job
+    v0, v1 = r0["bn_validation"], r1["bn_validation"]
+    assert [v["step"] for v in v0["validations"]] == [2, 4, 6]
+    assert v0["validations"] == v1["validations"]
+    for s0, s1 in zip(v0["states"], v1["states"], strict=True):
+        assert all(torch.equal(s0[k], s1[k]) for k in s0)
+    for record, state in zip(v0["validations"], v0["states"], strict=True):
+        one = sc.bn_reference(state)
+        assert record["val_loss"] == pytest.approx(one["loss"], abs=1e-6)
+        assert record["val_mae"] == pytest.approx(one["mae"], abs=1e-6)
+
+
+def test_sync_batchnorm_converts_in_place_and_is_refused_off_cuda():
+    """DDP(sync_batchnorm=True): the BatchNorm layers become SyncBatchNorm with the same tensors
+    (torch's converter per child); on CPU, where torch has no SyncBatchNorm, compile says so."""
+    from fitkit.distributed import DDP
+    from fitkit.distributed.ddp import convert_sync_batchnorm
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.BatchNorm1d(4), nn.ReLU()), nn.BatchNorm1d(4))
+    weight, mean = net[1][0].weight, net[2].running_mean
+    assert convert_sync_batchnorm(net) == 2
+    assert type(net[1][0]) is nn.SyncBatchNorm and type(net[2]) is nn.SyncBatchNorm
+    assert net[1][0].weight is weight and net[2].running_mean is mean
+    with pytest.raises(ValueError, match="the model is one"):
+        convert_sync_batchnorm(nn.BatchNorm1d(3))
+    with pytest.raises(ValueError, match=r"sync_batchnorm=True\) needs CUDA.*'cpu'"):
+        DDP(sync_batchnorm=True).convert(nn.Sequential(nn.BatchNorm1d(3)), torch.device("cpu"))
+    with pytest.raises(TypeError, match="`sync_batchnorm`"):
+        DDP(sync_batchnorm="yes")

@@ -77,6 +77,7 @@ class Parallel:
             ValueError: an ``Optimizer`` instance with ``strategy="fsdp"``.
         """
         if not self.fsdp:
+            self.ddp_options.convert(module, self.device)  # sync_batchnorm: SyncBatchNorm layers
             return
         if isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(

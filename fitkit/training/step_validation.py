@@ -169,6 +169,8 @@ class StepValidation:
     def run(self, epoch: int) -> None:
         stepper = self.model.stepper
         self.last_step = stepper.global_step
+        if self.model.parallel is not None:  # every rank validates with rank 0's BatchNorm statistics
+            self.model.parallel.sync_buffers(self.model.module)
         rng = _checkpoint.rng_state()  # the training stream goes on as if nothing ran
         try:
             val_logs = run_validation(self.model, self.val, self.callbacks, self.steps)

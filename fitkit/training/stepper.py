@@ -111,13 +111,14 @@ class FitHooks:
         (None, False, None, False)
     """
 
-    __slots__ = ("before_step", "stop_training", "validates", "host_rows", "stop_agreed")
+    __slots__ = ("before_step", "stop_training", "validates", "host_rows", "stop_agreed", "check_unused")
 
     def __init__(self, before_step: Callable[[], None] | None = None,
                  stop_training: Callable[[], bool] | None = None, validates: bool = False):  # fmt: skip
         self.before_step, self.stop_training, self.validates = before_step, stop_training, validates
         self.host_rows: Callable[[int], int] | None = None
         self.stop_agreed = False  # a fit starts with no stop agreed
+        self.check_unused = False  # under plain DDP: look for parameters without a gradient at the first step
 
 
 class Stepper:
@@ -270,6 +271,8 @@ class Stepper:
         """
         outer = self.fit, self.window, self.accumulation, self.accumulation_schedule
         self.fit, self.window = FitHooks(before_step, stop_training, validates), Window()
+        parallel = self.parallel
+        self.fit.check_unused = parallel is not None and not parallel.fsdp and not parallel.ddp_options.tolerates_unused
         if accumulation is not None:
             self.accumulation_schedule = accumulation
         try:
@@ -346,9 +349,12 @@ class Stepper:
         if not window.micro_last:
             return False
         opt = self.optimizer
+        fit = self.fit
+        if fit.check_unused:  # the fit's first step under DDP, before anything is applied
+            fit.check_unused = False
+            _check_every_parameter_reached(module, opt)
         if self.scaler is not None:
             self.scaler.unscale_(opt)
-        fit = self.fit
         before_step = fit.before_step
         if before_step is not None:
             before_step()
@@ -484,6 +490,31 @@ class Stepper:
             self.scheduling.keep_lrs_used(record["lrs_used"])
             window.micro_last, window.micro_scale = record["micro_last"], record["micro_scale"]
             window.loss, window.skip_requested = record["window_loss"], record["skip_requested"]
+
+
+def _check_every_parameter_reached(module: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Under DDP without ``find_unused_parameters`` / ``static_graph``: refuse, before the fit's
+    first optimizer step, a trainable parameter that the window's losses gave no gradient.
+
+    DDP's all-reduce waits for a gradient of every parameter it registered: a bucket holding one
+    that gets none is never reduced, so each rank would apply its own gradients (the ranks' weights
+    differ from step 1 on) and torch raises at step 2. The gradients are dropped; no weight moved.
+
+    Raises:
+        RuntimeError: naming the parameters and the fixes.
+    """
+    unused = [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+    if not unused:
+        return
+    opt.zero_grad(set_to_none=True)
+    shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+    raise RuntimeError(
+        f"Under DDP the first training step gave no gradient to the trainable parameter(s) {shown}: DDP's "
+        "all-reduce would skip their buckets, so every rank would step with its own gradients and the ranks' "
+        "weights would drift apart. Nothing was applied. Fix: pass strategy=fitkit.distributed.DDP("
+        "find_unused_parameters=True) (parameters unused in some steps), strategy=fitkit.distributed.DDP("
+        "static_graph=True) (the same ones unused at every step), or freeze them with requires_grad_(False)."
+    )
 
 
 def _host_veto_unagreed() -> None:
