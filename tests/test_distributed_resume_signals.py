@@ -54,14 +54,20 @@ model.fit(x, y, sample_weight=w, batch_size=4, epochs=3, shuffle=True, verbose=0
         assert torch.allclose(a, b, atol=1e-6)
 
 
-def test_a_sigterm_to_one_rank_stops_both_at_one_step_with_one_backup(tmp_path):
+def test_a_sigterm_to_one_rank_or_twice_to_every_rank_stops_both_at_one_step_with_one_backup(tmp_path):
     run_torchrun(SETUP + """
 class Term(fitkit.callbacks.Callback):
+    def __init__(self, every_rank):
+        super().__init__()
+        self.every_rank = every_rank
     def on_train_batch_end(self, batch, logs=None):
-        if rank() == 0 and self.model.global_step == 3:
+        if self.model.global_step == 3 and (rank() == 0 or self.every_rank):
             os.kill(os.getpid(), signal.SIGTERM)
-# By steps (a time budget no run reaches), then by time (a budget every step exceeds).
-for name, seconds in (("steps", "1000"), ("time", "1e-9")):
+            if self.every_rank:  # as SLURM signals every process and torchrun forwards its own copy
+                os.kill(os.getpid(), signal.SIGTERM)
+# By steps (a time budget no run reaches), then by time (a budget every step exceeds), then a
+# SIGTERM twice to every rank (by time).
+for name, seconds in (("steps", "1000"), ("time", "1e-9"), ("all", "1e-9")):
     os.environ["FITKIT_SIGNAL_SECONDS"] = seconds
     torch.manual_seed(0)
     model = fitkit.Model(net(), device="cpu")
@@ -69,17 +75,31 @@ for name, seconds in (("steps", "1000"), ("time", "1e-9")):
     code = None
     try:
         model.fit(x, y, batch_size=2, epochs=5, verbose=0,
-                  callbacks=[fitkit.callbacks.BackupAndRestore(OUT / name, save_freq=1), Term()])
+                  callbacks=[fitkit.callbacks.BackupAndRestore(OUT / name, save_freq=1, delete_checkpoint=False),
+                             Term(name == "all")])
     except SystemExit as e:
         code = e.code
     json.dump({"code": code, "step": model.global_step}, open(OUT / f"{name}{rank()}.json", "w"))
+# The relaunch of the all-process stop: it resumes after step 3 and redoes none.
+stopped_at = torch.load(OUT / "all" / "backup.pt", weights_only=True)["global_step"]  # on disk at every rank's exit
+torch.distributed.barrier()  # both ranks read the backup before the relaunch deletes it at its end
+torch.manual_seed(0)
+model = fitkit.Model(net(), device="cpu")
+model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss="mse", metrics=["mae"])
+begun = []
+seen = fitkit.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: begun.append(model.global_step))
+model.fit(x, y, batch_size=2, epochs=5, verbose=0, callbacks=[fitkit.callbacks.BackupAndRestore(OUT / "all"), seen])
+json.dump({"backup": stopped_at, "first": begun[0], "steps": model.global_step}, open(OUT / f"relaunch{rank()}.json", "w"))
 torch.distributed.barrier()
 """, tmp_path, check=False)
-    for name, step in (("steps", 9), ("time", 3)):
+    for name, step in (("steps", 9), ("time", 3), ("all", 3)):
         # steps: agreements after step 1, then every 8 steps (1, 9, ...); time: after every step
         r0, r1 = (json.loads((tmp_path / f"{name}{r}.json").read_text()) for r in (0, 1))
         assert r0 == r1 == {"code": 143, "step": step}, name
-        assert torch.load(tmp_path / name / "backup.pt", weights_only=True)["global_step"] == step
+        if name != "all":  # (its relaunch deleted it at its end: read there)
+            assert torch.load(tmp_path / name / "backup.pt", weights_only=True)["global_step"] == step
+    r0, r1 = (json.loads((tmp_path / f"relaunch{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1 == {"backup": 3, "first": 3, "steps": 50}  # 40 rows / (2 x 2) = 10 steps per epoch
 
 
 def test_a_restarted_job_resumes_from_the_latest_backup(tmp_path):

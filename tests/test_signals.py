@@ -28,7 +28,8 @@ from fitkit.training.signals import deferred
 # Argument 1: the job's folder; 2: SIGTERM, SIGINT or none; 3: where to send it ("7": at the end
 # of optimizer step 7; "a6": at the micro-batch after step 6 that does not close its window;
 # "val1": at the end of epoch 1's validation); 4: "1" with BackupAndRestore(save_freq=3);
-# 5: "1" sends the signal twice; 6: gradient_accumulation_steps. 32 rows, batch 8, shuffled:
+# 5: "1" sends the signal twice ("late": the second past signals.REPEAT_GRACE, set to 0);
+# 6: gradient_accumulation_steps. 32 rows, batch 8, shuffled:
 # 4 batches per epoch, 5 epochs, 20 optimizer steps without accumulation.
 SCRIPT = textwrap.dedent(
     """
@@ -56,8 +57,10 @@ SCRIPT = textwrap.dedent(
         def send():
             if not sent:
                 sent.append(model.global_step)
+                if twice == "late":
+                    fitkit.training.signals.REPEAT_GRACE = 0.0
                 os.kill(os.getpid(), signum)
-                if twice:
+                if twice != "0":
                     os.kill(os.getpid(), signum)
 
         def batch_end(batch, logs):
@@ -98,7 +101,7 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         a = sys.argv
-        main(a[1], a[2], a[3], a[4] == "1", a[5] == "1", int(a[6]))
+        main(a[1], a[2], a[3], a[4] == "1", a[5], int(a[6]))
     """
 )
 
@@ -117,7 +120,8 @@ def job(tmp_path_factory):
         folder = root / name
         folder.mkdir(exist_ok=True)
         (folder / "exit.json").unlink(missing_ok=True)
-        args = [str(folder), sig, at, "1" if backup else "0", "1" if twice else "0", str(accumulate)]
+        args = [str(folder), sig, at, "1" if backup else "0", twice if isinstance(twice, str) else "1" if twice else "0",
+                str(accumulate)]  # fmt: skip
         cmd = [sys.executable, str(script), *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         return proc, folder
@@ -222,7 +226,8 @@ def test_without_backup_and_restore_callbacks_still_end_and_close(job):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_second_signal_acts_at_once(job, sig):
-    proc, folder = job(f"twice_{sig}", sig, "7", twice=True)
+    # A second SIGINT at once; a second SIGTERM once the repeat grace has passed.
+    proc, folder = job(f"twice_{sig}", sig, "7", twice="late" if sig == "SIGTERM" else True)
     if sig == "SIGTERM":
         assert proc.returncode == 143, proc.stderr[-2000:]
     else:
@@ -230,6 +235,37 @@ def test_a_second_signal_acts_at_once(job, sig):
     assert not (folder / "train_end.txt").exists()  # no shutdown work after the second signal
     assert _backup(folder)["global_step"] == 6  # the last regular backup; none at the stop
     assert _exit(folder) == {**_clean_exit(), "step": 7}  # still closed (fit's finally)
+
+
+@pytest.mark.slow
+def test_a_sigterm_repeated_at_once_is_one_request_and_the_stop_backup_is_written(job):
+    """SLURM / Kubernetes signal every process and torchrun forwards its own SIGTERM: a worker
+    gets SIGTERM twice within moments. Before, the second was an "exit now": no stop backup
+    (the last was step 6) and no on_train_end; now the stop is the same as for one signal."""
+    proc, folder = job("twice_at_once", "SIGTERM", "7", twice=True)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert _backup(folder) == {"global_step": 7, "epoch": 1, "step_in_epoch": 3, "samples_in_epoch": 24}
+    assert (folder / "train_end.txt").read_text() == "7\n"
+    assert _exit(folder) == {**_clean_exit(), "step": 7}
+
+
+def test_the_repeat_grace_is_measured_from_the_first_sigterm():
+    """Held: a SIGTERM within REPEAT_GRACE of the first; acts at once: a later one, and any
+    signal of the other kind (a fake clock: no waiting)."""
+    from fitkit.training import signals
+
+    now = [100.0]
+    with signals.deferred(clock=lambda: now[0]) as interrupt:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert (interrupt.signum, interrupt.at) == (signal.SIGTERM, 100.0)
+        now[0] += signals.REPEAT_GRACE - 0.5
+        os.kill(os.getpid(), signal.SIGTERM)  # the same request: held, nothing raised
+        now[0] += 0.5
+        with pytest.raises(SystemExit) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert info.value.code == 143
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 # -- in this process ----------------------------------------------------------------------------
@@ -297,7 +333,10 @@ def test_sigterm_in_process_raises_system_exit_143_with_the_backup_of_that_step(
     assert torch.equal(state["module"]["weight"], model.module.weight.detach())
 
 
-def test_a_custom_previous_handler_comes_back_and_hears_the_second_signal():
+def test_a_custom_previous_handler_comes_back_and_hears_the_second_signal(monkeypatch):
+    from fitkit.training import signals
+
+    monkeypatch.setattr(signals, "REPEAT_GRACE", 0.0)  # the second SIGTERM is no repeat of the first
     heard = []
 
     def mine(signum, frame):

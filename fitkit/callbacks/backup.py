@@ -14,10 +14,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import FitkitWarning, check_bool, check_every
 from fitkit.distributed import dcp
+from fitkit.distributed.group import is_distributed
 from fitkit.files import CheckpointError, check_target, remove_path, remove_stale_temps
 from fitkit.files.content import is_count, typed_problems
 from fitkit.files.locks import FileLock
@@ -166,6 +169,10 @@ class BackupAndRestore(StatefulCallback):
         # SIGTERM / SIGINT: the state of this step boundary, kept for the re-run.
         self._interrupted = True
         self._write(at_once=True)
+        if is_distributed():
+            # No rank leaves before rank 0's stop backup is on disk: the first rank to exit makes
+            # torchrun stop the others, which would cut that write short.
+            torch.distributed.barrier()
 
     def _write(self, at_once: bool = False) -> None:
         # A run that a callback stopped is about to end: a crash from here on replays from

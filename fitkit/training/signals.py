@@ -5,8 +5,11 @@ Ctrl-C. While ``fit`` runs in the main thread, :func:`deferred` holds the first 
 the current optimizer step is done; the loop then writes a backup (when a ``BackupAndRestore``
 is in the callbacks), runs ``on_train_end``, restores the modes, and ends the way the signal
 asks: ``SystemExit(128 + 15)`` for SIGTERM (status 143, as a killed process), and
-``KeyboardInterrupt`` for SIGINT. A second signal while the first is handled acts at once.
-The previous handlers come back when ``fit`` returns.
+``KeyboardInterrupt`` for SIGINT. A second signal while the first is handled acts at once,
+except a SIGTERM repeated within :data:`REPEAT_GRACE` seconds of the first: SLURM and Kubernetes
+signal every process of a job, and torchrun forwards its own SIGTERM to its workers, so each
+worker gets the same request twice within moments; the repeat is that request, not an "exit
+now", and the stop backup is still written. The previous handlers come back when ``fit`` returns.
 
 Under torchrun every rank must run the same steps, so a stop or a signal on one rank takes
 effect where the ranks agree (:class:`RankAgreement`): after at most ``AGREE_EVERY`` optimizer
@@ -21,13 +24,18 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from fitkit.distributed.agreement import SignalAgreement
 from fitkit.distributed.group import any_rank
 
-__all__ = ["Interrupt", "deferred", "RankAgreement", "AGREE_EVERY"]
+__all__ = ["Interrupt", "deferred", "RankAgreement", "AGREE_EVERY", "REPEAT_GRACE"]
+
+#: Seconds after a first SIGTERM within which another SIGTERM is the same request (the direct
+#: signal and torchrun's forwarded copy), not an "exit now".
+REPEAT_GRACE = 10.0
 
 #: Under torchrun, the ranks agree on a SIGTERM / SIGINT every this many optimizer steps.
 AGREE_EVERY = 8  # the default of FITKIT_SIGNAL_STEPS (fitkit.distributed.agreement)
@@ -38,6 +46,7 @@ class Interrupt:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.at: float | None = None  # time.monotonic() of the signal
 
     def raise_now(self) -> None:
         """End the way the received signal asks (call after cleaning up)."""
@@ -47,8 +56,11 @@ class Interrupt:
 
 
 @contextlib.contextmanager
-def deferred(enabled: bool = True) -> Iterator[Interrupt]:
+def deferred(enabled: bool = True, clock: Any = time.monotonic) -> Iterator[Interrupt]:
     """Hold SIGTERM / SIGINT in an :class:`Interrupt` while the body runs (main thread only).
+
+    A second signal acts at once (the previous handler, or the exit it stands for), but for a
+    SIGTERM that repeats a first SIGTERM within :data:`REPEAT_GRACE` seconds (of ``clock``).
 
     Example:
         >>> with deferred() as interrupt:
@@ -62,6 +74,9 @@ def deferred(enabled: bool = True) -> Iterator[Interrupt]:
     previous: dict[Any, Any] = {}
 
     def handler(signum: int, frame: Any) -> None:
+        now = clock()
+        if state.signum == signal.SIGTERM == signum and state.at is not None and now - state.at < REPEAT_GRACE:
+            return  # the same request again (signalled directly and forwarded by torchrun)
         if state.signum is not None:  # a second signal: act at once, as without fitkit
             old = previous.get(signum)
             if callable(old):
@@ -70,7 +85,7 @@ def deferred(enabled: bool = True) -> Iterator[Interrupt]:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
-        state.signum = signum
+        state.signum, state.at = signum, now
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
