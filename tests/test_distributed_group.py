@@ -49,3 +49,23 @@ def test_timeout_is_checked(monkeypatch):
         check_timeout(None)
     with pytest.raises(ValueError, match="Expected `timeout` to be a positive number of seconds. Received: timeout=-1"):
         check_timeout(-1)
+
+
+def test_srun_without_torchrun_is_refused_at_model(monkeypatch):
+    """``srun --ntasks=2 python train.py``: each task would train alone on all the data; the
+    Model names the fix before anything runs. One task, or the batch script itself (no step
+    variable), trains as one process."""
+    import torch
+
+    import fitkit
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    fitkit.Model(torch.nn.Linear(2, 1), device="cpu")  # the batch script: no SLURM_STEP_NUM_TASKS
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    with pytest.raises(RuntimeError, match=r"task 1 of 2 that srun started without torchrun.*Fix: .*srun --ntasks-per-node=1 torchrun"):
+        fitkit.Model(torch.nn.Linear(2, 1), device="cpu")

@@ -37,6 +37,40 @@ def launched_by_torchrun() -> bool:
     return size > 1 and "RANK" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def check_not_bare_srun(environ: Any = None) -> None:
+    """Refuse a process that SLURM's ``srun`` started as one of several tasks without torchrun.
+
+    ``srun --ntasks=4 python train.py`` starts four copies; without torchrun's variables
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``) each would train alone on all the data and write
+    the same files. ``SLURM_STEP_NUM_TASKS`` (set by ``srun`` for its job step, not in the batch
+    script itself) tells. A process group started by the user is accepted as it is.
+
+    Raises:
+        RuntimeError: ``SLURM_STEP_NUM_TASKS`` > 1 and no torchrun variables, naming the fix.
+
+    Example:
+        >>> check_not_bare_srun({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"})  # one task: fine
+        >>> check_not_bare_srun({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2"})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: This process is task 2 of 4 that srun started without torchrun...
+    """
+    env = os.environ if environ is None else environ
+    try:
+        tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))
+    except ValueError:
+        return
+    if tasks <= 1:
+        return
+    raise RuntimeError(
+        f"This process is task {env.get('SLURM_PROCID', '?')} of {tasks} that srun started without torchrun: "
+        "each task would train alone on all the data and write the same files. Fix: start one task per node "
+        "and let torchrun start the processes (srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES "
+        "--nproc_per_node=N --rdzv_endpoint=HEAD:29500 train.py; see the scaling-out guide), or start "
+        "torch.distributed's process group yourself before fitkit.Model()."
+    )
+
+
 def is_distributed() -> bool:
     """Whether a default process group of more than one process is running."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -124,7 +158,10 @@ def init_if_needed(device: torch.device, timeout: float | None = None) -> bool:
         Whether this call started the group.
     """
     global _started_here
-    if not launched_by_torchrun() or not dist.is_available() or dist.is_initialized():
+    if not dist.is_available() or dist.is_initialized():
+        return False
+    if not launched_by_torchrun():
+        check_not_bare_srun()
         return False
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     kwargs.update(_restart_store(timeout))
