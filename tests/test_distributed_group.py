@@ -16,7 +16,8 @@ from _dist_scenarios import data, net
 class Hang(fitkit.callbacks.Callback):  # rank 1 stalls, alive, past the other's timeout
     def on_train_batch_end(self, batch, logs=None):
         if rank() == 1 and self.model.global_step == 2:
-            time.sleep(3)
+            (OUT / "hung").write_text(str(time.time()))
+            time.sleep(HANG_SECONDS)
 
 x, y, _ = data(40)
 model = fitkit.Model(net(), device="cpu", timeout=1)
@@ -29,13 +30,24 @@ model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[Hang()])
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_hanging_rank_ends_the_job_with_the_timeout_in_torchruns_summary(tmp_path):
-    proc = run_torchrun(HANG, tmp_path, check=False, timeout=60)
+    # Rank 1 sleeps 60 s inside its step: the job still ends soon after rank 0's 1 s timeout,
+    # because torchrun's SIGTERM is not held on rank 1 once rank 0 failed (before, rank 1 held it
+    # to finish its step, until torchrun's kill 30 s later). The subprocess limit is a hang guard.
+    proc = run_torchrun("HANG_SECONDS = 60\n" + HANG, tmp_path, check=False, timeout=45)
     assert proc.returncode != 0
     assert not list(tmp_path.glob("finished*"))
+    assert (tmp_path / "hung").exists()
+    # rank 1 left by its own SystemExit(143) on torchrun's SIGTERM, not by the SIGKILL (-9) that
+    # follows it after 30 s
+    failures = proc.stderr[proc.stderr.index("Failures:"):proc.stderr.index("Root Cause")]
+    assert "rank      : 1" in failures and "exitcode  : 143" in failures
     summary = proc.stderr[proc.stderr.index("Root Cause (first observed failure)"):]
     assert "rank      : 0" in summary and "error_file: <N/A>" not in summary
     assert "Timed out waiting 1000ms" in summary  # gloo's message, with rank 0's traceback:
     assert "in run_epoch" in summary and "model.fit(x, y" in summary
+    # ... and where every rank was: rank 1, behind, named
+    assert "fitkit: rank(s) 1 behind rank 0, which was epoch 0, in batch 3: hung or slow there." in summary
+    assert "rank 1: epoch 0, after batch 2 (in its callbacks) for" in summary
 
 
 def test_timeout_is_checked(monkeypatch):
@@ -69,3 +81,37 @@ def test_srun_without_torchrun_is_refused_at_model(monkeypatch):
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
     with pytest.raises(RuntimeError, match=r"task 1 of 2 that srun started without torchrun.*Fix: .*srun --ntasks-per-node=1 torchrun"):
         fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
+
+
+def test_where_ranks_were_names_the_ranks_behind(monkeypatch):
+    """The failing rank's line from the store's places (a fake store of 3 ranks): rank 2 has
+    not begun the batch rank 0 waits in; rank 1 has."""
+    import json as _json
+
+    from fitkit.distributed import progress
+
+    class Store:
+        def __init__(self, data):
+            self.data = data
+
+        def check(self, keys):
+            return all(k in self.data for k in keys)
+
+        def get(self, key):
+            return self.data[key].encode()
+
+    now = 1000.0
+    store = Store({f"fitkit/progress/{r}": _json.dumps({"place": place, "since": now - age})
+                   for r, place, age in ((0, [1, 4, 4], 2.0), (1, [1, 4, 5], 2.5), (2, [1, 3, 4], 9.0))})
+    monkeypatch.setattr(progress, "_store", lambda: store)
+    monkeypatch.setattr(progress.time, "time", lambda: now)
+    monkeypatch.setattr(progress.dist, "get_world_size", lambda: 3)
+    assert progress.where_ranks_were(me=0) == (
+        "fitkit: rank(s) 2 behind rank 0, which was epoch 1, in batch 5: hung or slow there. Where each rank "
+        "was: rank 0: epoch 1, in batch 5 for 2.0 s; rank 1: epoch 1, after batch 5 (in its callbacks) for "
+        "2.5 s; rank 2: epoch 1, after batch 4 (in its callbacks) for 9.0 s."
+    )
+    assert not progress.peer_failed()
+    progress.mark_failed("rank 0: RuntimeError")  # the fake store has no set: nothing is raised
+    store.data["fitkit/failed"] = "rank 0: RuntimeError"
+    assert progress.peer_failed()

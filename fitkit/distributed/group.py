@@ -201,9 +201,14 @@ def _record_uncaught() -> None:
     def hook(kind: Any, value: Any, tb: Any) -> None:
         global _failing
         _failing = True
+        from fitkit.distributed import progress
+
+        where = progress.where_ranks_were()  # the ranks behind this one: hung or slow there
+        progress.mark_failed(f"rank {rank()}: {kind.__name__}")  # a peer's SIGTERM then exits at once
+        message = f"{kind.__name__}: {value}" + (f"\n{where}" if where else "")
         try:  # the format of torch's ErrorHandler.record_exception, with this exception's stack
-            data = {"message": {"message": f"{kind.__name__}: {value}", "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
+            data = {"message": {"message": message, "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(kind, value, tb)) + (f"{where}\n" if where else ""),
                 "timestamp": str(int(time.time())),
             }}}  # fmt: skip
             with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
@@ -212,6 +217,8 @@ def _record_uncaught() -> None:
             pass
         finally:
             previous(kind, value, tb)
+            if where:
+                print(where, file=sys.stderr, flush=True)
 
     hook._fitkit = True  # type: ignore[attr-defined]
     sys.excepthook = hook

@@ -25,6 +25,7 @@ from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checks import FitkitWarning
 from fitkit.checks.preflight import BatchGuard
 from fitkit.data import order as _order
+from fitkit.distributed import progress as _progress
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.training.modes import modes, warn_if_all_eval
 from fitkit.training.position import Position
@@ -165,7 +166,9 @@ class FitLoop:
             agree = before_step is not None and cbs.host_agreement_after_backward()  # else no per-step agreement
             wants_stop = (lambda: model.stop_training) if agree else None
             fitting = stepper.fitting(before_step, wants_stop, self.val is not None, self.accumulation)
-            with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting:
+            place = self._place if model.parallel is not None else None
+            with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting, \
+                    _progress.beating(place):
                 self.stop.begin(self.interrupt)
                 warn_if_all_eval(model.module)
                 model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
@@ -202,6 +205,11 @@ class FitLoop:
             cbs.params.pop("train_data", None)  # History keeps params: not the data
             cbs.close(finished)
             model.pop_resume()  # a loaded resume point serves one fit only
+
+    def _place(self) -> tuple[int, int, int]:
+        """(epoch, batch begun, batches done) for :mod:`fitkit.distributed.progress`."""
+        position = self.position
+        return position.epoch, self.batch_index, position.batches
 
     def _on_backward_end(self) -> None:
         self.callbacks.on_backward_end(self.batch_index)
@@ -245,6 +253,7 @@ class FitLoop:
         self.epoch_order = _order.capture(loader)  # and the loader's own generators / state
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self.resume.batches(epoch, totals)
+        self.batch_index = start - 1  # none of this epoch begun yet (read by the progress thread)
         batches = _distributed.agree_on_epoch_end(loader, batches, start)  # already_sharded: even steps
         guard, interrupt = self.guard, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first

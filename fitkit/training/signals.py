@@ -30,6 +30,7 @@ from typing import Any
 
 from fitkit.distributed.agreement import SignalAgreement
 from fitkit.distributed.group import any_rank
+from fitkit.distributed.progress import peer_failed
 
 __all__ = ["Interrupt", "deferred", "RankAgreement", "AGREE_EVERY", "REPEAT_GRACE"]
 
@@ -77,7 +78,9 @@ def deferred(enabled: bool = True, clock: Any = time.monotonic) -> Iterator[Inte
         now = clock()
         if state.signum == signal.SIGTERM == signum and state.at is not None and now - state.at < REPEAT_GRACE:
             return  # the same request again (signalled directly and forwarded by torchrun)
-        if state.signum is not None:  # a second signal: act at once, as without fitkit
+        if state.signum is not None or (signum == signal.SIGTERM and peer_failed()):
+            # A second signal acts at once, as without fitkit; so does torchrun's SIGTERM after
+            # another rank failed (no step can finish: the collectives are broken).
             old = previous.get(signum)
             if callable(old):
                 old(signum, frame)
