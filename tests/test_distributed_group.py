@@ -79,7 +79,8 @@ def test_srun_without_torchrun_is_refused_at_model(monkeypatch):
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
     fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
-    with pytest.raises(RuntimeError, match=r"task 1 of 2 that srun started without torchrun.*Fix: .*srun --ntasks-per-node=1 torchrun"):
+    fix = r"task 1 of 2 that srun started without torchrun.*Fix: .*srun --ntasks-per-node=1 torchrun"
+    with pytest.raises(RuntimeError, match=fix):
         fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
 
 

@@ -89,7 +89,8 @@ model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss="mse", metr
 begun = []
 seen = fitkit.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: begun.append(model.global_step))
 model.fit(x, y, batch_size=2, epochs=5, verbose=0, callbacks=[fitkit.callbacks.BackupAndRestore(OUT / "all"), seen])
-json.dump({"backup": stopped_at, "first": begun[0], "steps": model.global_step}, open(OUT / f"relaunch{rank()}.json", "w"))
+out = {"backup": stopped_at, "first": begun[0], "steps": model.global_step}
+json.dump(out, open(OUT / f"relaunch{rank()}.json", "w"))
 torch.distributed.barrier()
 """, tmp_path, check=False)
     for name, step in (("steps", 9), ("time", 3), ("all", 3)):

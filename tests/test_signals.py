@@ -120,8 +120,8 @@ def job(tmp_path_factory):
         folder = root / name
         folder.mkdir(exist_ok=True)
         (folder / "exit.json").unlink(missing_ok=True)
-        args = [str(folder), sig, at, "1" if backup else "0", twice if isinstance(twice, str) else "1" if twice else "0",
-                str(accumulate)]  # fmt: skip
+        repeat = twice if isinstance(twice, str) else "1" if twice else "0"
+        args = [str(folder), sig, at, "1" if backup else "0", repeat, str(accumulate)]
         cmd = [sys.executable, str(script), *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         return proc, folder

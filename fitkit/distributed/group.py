@@ -325,7 +325,8 @@ def _broadcast_states(tensors: Iterable[torch.Tensor]) -> None:
 def known_rows(host_rows: Any, sizes: list[Any], step: int) -> int | None:
     """The rows of global batches ``step, step + 1, ...`` (one per size) summed, when known on the
     host: plain row counts (no sample weights) and ``host_rows`` given (fitkit's own shards)."""
-    if host_rows is None or (not getattr(host_rows, "exact", False) and any(isinstance(s, torch.Tensor) for s in sizes)):
+    tensors = any(isinstance(s, torch.Tensor) for s in sizes)
+    if host_rows is None or (tensors and not getattr(host_rows, "exact", False)):
         return None
     return sum(host_rows(step + i) for i in range(len(sizes)))
 
