@@ -49,6 +49,22 @@ m.fit(already_sharded(loader), epochs=2, verbose=0,
       callbacks=[fitkit.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: rec.seen.append([]))])
 res["worker_ids"], res["worker_steps"] = rec.seen, m.global_step
 
+class RankOnly(IterableDataset):  # split by rank, not by worker: each worker yields the rank's half
+    def __iter__(self):
+        for i in range(rank(), 40, 2):
+            yield torch.tensor([float(i), 0.0, 0.0]), torch.zeros(1)
+
+class Ids50(IterableDataset):  # 50 items: shards of 13, 13, 12, 12 over 2 ranks x 2 workers
+    def __iter__(self):
+        for i in range(50):
+            yield torch.tensor([float(i), 0.0, 0.0]), torch.zeros(1)
+
+for name, ds in (("rank_only", RankOnly()), ("helper_uneven", split_by_rank_and_worker(Ids50()))):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model_of(net()).fit(already_sharded(DataLoader(ds, batch_size=4, num_workers=2)), epochs=2, verbose=0)
+    res[name] = [str(w.message) for w in caught if issubclass(w.category, fitkit.checks.FitkitWarning)]
+
 x, y, _ = data(40)
 def uneven(kind):
     n = 10 if rank() == 0 else 9  # batches of 2 rows on this rank
@@ -204,6 +220,21 @@ def test_two_ranks_by_two_workers_train_each_sample_once_per_epoch(job):
 
 
 @_torchrun_test
+def test_a_rank_only_split_with_workers_is_caught_and_the_helpers_tail_names_its_own_fix(job):
+    """An IterableDataset split by rank only, with num_workers=2, trains each sample twice: a
+    warning (once per fit) names split_by_rank_and_worker. The helper itself, on 50 items,
+    leaves rank 0 more batches: the warning then names drop_last / steps_per_epoch, not the
+    helper already in use."""
+    r0, r1 = job
+    for r in (r0, r1):
+        copies = [m for m in r["rank_only"] if "first two batches are equal" in m]
+        assert len(copies) == 1 and "split_by_rank_and_worker(dataset)" in copies[0]
+    uneven = [m for m in r0["helper_uneven"] if "Uneven data over the ranks" in m]
+    assert uneven and all("drop_last=True" in m and "split_by_rank_and_worker" not in m for m in uneven)
+    assert not any("first two batches" in m for m in r0["helper_uneven"])
+
+
+@_torchrun_test
 @pytest.mark.parametrize("kind", ["sized", "unsized"])
 def test_uneven_lengths_end_every_rank_at_the_shortest(job, kind):
     r0, r1 = job
@@ -320,3 +351,32 @@ def test_a_backup_inside_a_pass_carried_over_across_epochs_resumes_it_on_two_ran
     for a, b in zip(resumed[0]["params"], ref["params"], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(resumed[0]["params"], resumed[1]["params"], strict=True))
+
+
+def test_workers_that_yield_the_same_samples_are_caught_on_one_process():
+    """The same bug without torchrun: an IterableDataset that ignores its workers. One warning
+    per fit; a dataset split by worker trains each sample once and is not warned about."""
+    import warnings
+
+    from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+    class Ids(IterableDataset):
+        def __init__(self, by_worker):
+            self.by_worker = by_worker
+
+        def __iter__(self):
+            info = get_worker_info()
+            start, step = (info.id, info.num_workers) if self.by_worker else (0, 1)
+            for i in range(start, 20, step):
+                yield torch.tensor([float(i), 0.0, 0.0]), torch.zeros(1)
+
+    for by_worker, steps, warned in ((False, 16, 1), (True, 8, 0)):
+        model = fitkit.Model(net(), device="cpu")
+        model.compile(optimizer="sgd", loss="mse")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(DataLoader(Ids(by_worker), batch_size=5, num_workers=2), epochs=2, verbose=0)
+        copies = [w for w in caught if "first two batches are equal" in str(w.message)]
+        assert model.global_step == steps and len(copies) == warned
+        if warned:
+            assert "trained 2 times per epoch" in str(copies[0].message)

@@ -106,7 +106,12 @@ from fitkit.distributed.sharding import (  # noqa: F401
     sharded,
     unwrap,
 )
-from fitkit.distributed.split import RankWorkerSplit, agree_on_epoch_end, split_by_rank_and_worker  # noqa: F401
+from fitkit.distributed.split import (  # noqa: F401
+    RankWorkerSplit,
+    agree_on_epoch_end,
+    check_worker_copies,
+    split_by_rank_and_worker,
+)
 
 #: Values of ``Model(strategy=...)``: "auto" is DDP under torchrun, nothing on one process.
 STRATEGIES = parallel.STRATEGIES  # the same tuple; bound here too so Sphinx finds this comment

@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from fitkit import nest
 from fitkit.checks import FitkitWarning
 from fitkit.distributed.group import _comm_device, all_gather_object, is_distributed
 
-__all__ = ["split_by_rank_and_worker", "RankWorkerSplit", "agree_on_epoch_end"]
+__all__ = ["split_by_rank_and_worker", "RankWorkerSplit", "agree_on_epoch_end", "check_worker_copies"]
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -98,15 +99,50 @@ def agree_on_epoch_end(loader: Any, it: Iterator[Any], start: int) -> Iterator[A
     if getattr(loader, "sharded", False) != "user" or not is_distributed():
         return it
     counts = all_gather_object(loader.next_epoch_batches)  # one gather per epoch
+    helper = isinstance(getattr(getattr(getattr(loader, "batches", None), "source", None), "dataset", None),
+                        RankWorkerSplit)  # fmt: skip
     if all(c is not None for c in counts):
         shortest = min(counts)
         if shortest != max(counts):
-            _warn_uneven(f"the ranks have {', '.join(map(str, counts))} batches (rank order)", shortest)
+            _warn_uneven(f"the ranks have {', '.join(map(str, counts))} batches (rank order)", shortest, helper)
         return itertools.islice(it, max(shortest - start, 0))
-    return _stop_together(it, start)
+    return _stop_together(it, start, helper)
 
 
-def _stop_together(it: Iterator[Any], start: int) -> Iterator[Any]:
+def check_worker_copies(loader: Any, it: Iterator[Any]) -> Iterator[Any]:
+    """``it`` unchanged, after a look at its first two batches when they come from an
+    ``IterableDataset`` in a ``DataLoader`` with several workers: the first is worker 0's, the
+    second worker 1's, and equal batches mean every worker yields the same samples (a dataset
+    split by rank only, or not at all: each sample trained ``num_workers`` times). Then a
+    ``FitkitWarning`` names the fix. Once per training loader (one host read of the comparison).
+    """
+    dl = getattr(getattr(loader, "batches", None), "source", None)
+    if not isinstance(dl, DataLoader) or not isinstance(dl.dataset, IterableDataset) or dl.num_workers < 2 \
+            or isinstance(dl.dataset, RankWorkerSplit) or getattr(loader, "_workers_checked", False):  # fmt: skip
+        return it
+    loader._workers_checked = True
+    head = list(itertools.islice(it, 2))
+    if len(head) == 2 and _same(head[0], head[1]):
+        warnings.warn(
+            f"The DataLoader's first two batches are equal: its {dl.num_workers} workers (each runs "
+            f"{type(dl.dataset).__name__}.__iter__) seem to yield the same samples, so every sample would be "
+            f"trained {dl.num_workers} times per epoch. Fix: split by worker too, with "
+            "fitkit.distributed.split_by_rank_and_worker(dataset) (ranks x workers; also on one process), or "
+            "torch.utils.data.get_worker_info() in __iter__.",
+            category=FitkitWarning, stacklevel=2,
+        )  # fmt: skip
+    return itertools.chain(head, it)
+
+
+def _same(a: Any, b: Any) -> bool:
+    la, lb = nest.leaves(a), nest.leaves(b)
+    return len(la) == len(lb) and all(
+        isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.shape == v.shape and torch.equal(u, v)
+        for u, v in zip(la, lb, strict=True)
+    )  # fmt: skip
+
+
+def _stop_together(it: Iterator[Any], start: int, helper: bool = False) -> Iterator[Any]:
     """Per step: one all-reduce of "I have this batch" (MIN over ranks) and its host read."""
     step = start
     while True:
@@ -115,17 +151,22 @@ def _stop_together(it: Iterator[Any], start: int) -> Iterator[Any]:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if not int(flag.item()):  # a host read; only for sources without a length
             if batch is not None:
-                _warn_uneven(f"another rank ran out of batches after {step}, this one had more", step)
+                _warn_uneven(f"another rank ran out of batches after {step}, this one had more", step, helper)
             return
         yield batch
         step += 1
 
 
-def _warn_uneven(what: str, shortest: int) -> None:
+def _warn_uneven(what: str, shortest: int, helper: bool = False) -> None:
+    if helper:  # split_by_rank_and_worker is in use: its shards differ by one item at most
+        fix = ("The split deals the items one by one, so the shards differ by an item at most, but each worker "
+               "cuts its own last, short batch. Fix: DataLoader(..., drop_last=True) (every batch full; the "
+               "left-over items are not trained that epoch), or steps_per_epoch=N for a count every rank has.")
+    else:
+        fix = ("Fix: give every rank the same number of batches (fitkit.distributed.split_by_rank_and_worker, "
+               "or pass the data unsharded and let fitkit split it).")
     warnings.warn(
         f"Uneven data over the ranks: {what}. Every rank ends the epoch after {shortest} batches, so "
-        "the others' extra batches are not trained this epoch (ranks must step together). Fix: give "
-        "every rank the same number of batches (fitkit.distributed.split_by_rank_and_worker, or "
-        "pass the data unsharded and let fitkit split it).",
+        f"the others' extra batches are not trained this epoch (ranks must step together). {fix}",
         category=FitkitWarning, stacklevel=3,
     )  # fmt: skip

@@ -254,6 +254,7 @@ class FitLoop:
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self.resume.batches(epoch, totals)
         self.batch_index = start - 1  # none of this epoch begun yet (read by the progress thread)
+        batches = _distributed.check_worker_copies(loader, batches)  # workers that yield the same samples
         batches = _distributed.agree_on_epoch_end(loader, batches, start)  # already_sharded: even steps
         guard, interrupt = self.guard, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first
