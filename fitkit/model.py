@@ -37,6 +37,7 @@ from fitkit.checks import check_bool, check_int, check_number, known_keywords
 from fitkit.checks.preflight import cast_to_module
 from fitkit.compile import Forward, resolve_jit_compile
 from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
+from fitkit.distributed import meta as _meta
 from fitkit.files.differences import check_state_dict_fits
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.losses.denominators import denominator, objective
@@ -119,9 +120,15 @@ class Model:
         if activation_checkpointing is not None and activation_checkpointing is not False:
             check_recompute(activation_checkpointing, strategy)
             checkpoint_activations(module, activation_checkpointing)
-        self.module = module.to(self.device)
         self.strategy = strategy
         self._parallel = _distributed.Parallel(strategy, self.device) if _distributed.is_distributed() else None
+        if not _meta.on_meta(module):
+            self.module = module.to(self.device)
+        elif self._parallel is not None and self._parallel.fsdp:
+            self.module = module  # compile shards it, then allocates only this rank's shards
+        else:
+            self.module = module
+            _meta.materialize(module, self.device)  # one process or DDP: the whole module here
         # What compile sets (public, read by callbacks and loggers; the optimizer, the scheduler
         # and the step options are the stepper's, the metric template the phase stack's: see the
         # properties below).

@@ -28,6 +28,33 @@ import transformers
 res = {}
 sgd = functools.partial(torch.optim.SGD, lr=0.1)
 
+# -- first, in a fresh process: a GPT built on the meta device is sharded, and only this rank's
+# shards are allocated (the peak resident memory grows by about half the full model)
+import resource
+from fitkit.layers import GPT
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+torch.manual_seed(0)
+with torch.device("meta"):
+    big = GPT(vocab_size=256, block_size=16, n_layer=6, n_head=8, n_embd=768)
+numel = sum(p.numel() for p in big.parameters())
+before = peak()
+mm = fitkit.Model(big, device="cpu", strategy="fsdp")
+mm.compile(optimizer=sgd, loss="cross_entropy")
+grew = peak() - before
+local = {n: p.to_local().detach().clone() for n, p in big.named_parameters()}
+head = big.lm_head.weight.to_local().detach()[:2].clone()
+head_std = float(big.lm_head.weight.detach().full_tensor().std())
+proj_std = float(big.blocks[0].attn.proj.weight.detach().full_tensor().std())
+torch.manual_seed(3)
+ids = torch.randint(0, 256, (8, 16))
+h = mm.fit(ids, ids, batch_size=2, epochs=1, verbose=0, shuffle=False)
+res["meta"] = {"full_bytes": 4 * numel, "grew": grew, "local_numel": sum(v.numel() for v in local.values()),
+               "numel": numel, "head": head, "head_std": head_std, "proj_std": proj_std,
+               "tied": big.embed.wte.weight is big.lm_head.weight, "loss": h.history["loss"][0],
+               "steps": mm.global_step}
+del mm, big, local
+
 def mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -366,3 +393,45 @@ def test_a_wrap_name_that_matches_no_submodule_is_refused_at_model_construction(
     with pytest.raises(ValueError, match=r"names 'Lineer'.*Did you mean 'Linear'.*Classes in the model: Linear, ReLU"):
         fitkit.Model(net, device="cpu", strategy=FSDP(wrap=["Lineer"]))
     fitkit.Model(net, device="cpu", strategy=FSDP(wrap=["Linear"]))  # the exact name is fine
+
+
+@_torchrun_test
+def test_a_model_built_on_the_meta_device_is_sharded_before_it_exists(job):
+    """``with torch.device("meta"): GPT(...)`` then strategy="fsdp": each rank allocates only its
+    shards (its peak memory grows by about half of the 170 MB model, well under the whole) and
+    initialises them with the GPT's own init_weights from its own stream (the ranks' shards are
+    different draws; the full weights have GPT-2's spreads); tied weights stay tied; it trains."""
+    r0, r1 = job
+    for r in (r0, r1):
+        meta = r["meta"]
+        assert meta["local_numel"] * 2 == pytest.approx(meta["numel"], rel=0.01)
+        assert 0.3 * meta["full_bytes"] < meta["grew"] < 0.75 * meta["full_bytes"], meta["grew"] / meta["full_bytes"]
+        assert meta["tied"] and meta["steps"] == 2
+        assert meta["head_std"] == pytest.approx(0.02, rel=0.05)
+        assert meta["proj_std"] == pytest.approx(0.02 / (2 * 6) ** 0.5, rel=0.05)
+        assert 4.5 < meta["loss"] < 6.0  # ln(256) = 5.55 at the start: a sane init (5.0004 measured)
+    assert not torch.equal(r0["meta"]["head"], r1["meta"]["head"])  # two shards, two independent draws
+
+
+def test_a_model_built_on_the_meta_device_is_materialised_on_one_process():
+    """One process (any strategy): the whole module is allocated on the device and initialised
+    by its init_weights (GPT: N(0, 0.02), ties kept), or by each layer's reset_parameters."""
+    from fitkit.layers import GPT
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        gpt = GPT(vocab_size=65, block_size=8, n_layer=2, n_head=2, n_embd=32)
+    fitkit.Model(gpt, device="cpu", strategy="fsdp")
+    assert gpt.lm_head.weight.device.type == "cpu" and gpt.embed.wte.weight is gpt.lm_head.weight
+    with torch.no_grad():
+        assert gpt.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.05)
+        assert gpt.blocks[1].mlp.fc2.weight.std().item() == pytest.approx(0.01, rel=0.05)  # 0.02 / sqrt(2 * 2)
+        assert all(b.abs().sum() == 0 for n, b in gpt.named_parameters() if n.endswith(".bias") and "ln" not in n)
+        assert torch.equal(gpt.ln_f.weight, torch.ones(32))
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    model = fitkit.Model(net, device="cpu")
+    assert net[1].running_var.tolist() == [1.0] * 4 and net[1].num_batches_tracked.item() == 0
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(torch.randn(8, 3), torch.randn(8, 4), batch_size=4, verbose=0)
+    assert model.global_step == 2

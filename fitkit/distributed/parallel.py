@@ -12,6 +12,7 @@ from torch import nn
 from fitkit.distributed.ddp import DDP as DDPStrategy
 from fitkit.distributed.fsdp import FSDP
 from fitkit.distributed.group import _broadcast_states, rank, world_size
+from fitkit.distributed.meta import materialize, on_meta
 
 #: Values of ``Model(strategy=...)``: "auto" is DDP under torchrun, nothing on one process.
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -89,6 +90,10 @@ class Parallel:
 
         if isinstance(module, FSDPModule):
             return  # compiled before: already sharded
+        if on_meta(module):  # built on the meta device: shard first, then allocate this rank's shards
+            self.options.shard(module)
+            materialize(module, self.device, stream=rank())  # the model's own init, per-rank stream
+            return
         # fully_shard keeps each rank's own values: start every rank from rank 0's, as DDP does.
         _broadcast_states([*module.parameters(), *module.buffers()])
         self.options.shard(module)  # the wrap policy's units, then the root

@@ -136,10 +136,20 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         # Weight tying saves V*C parameters and helps small models (Press & Wolf, 2017).
         self.embed.wte.weight = self.lm_head.weight
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2's initialisation, in place: N(0, 0.02) weights, zero biases, the residual
+        projections at ``0.02 / sqrt(2 * n_layer)``, LayerNorms at ones and zeros. Run by
+        ``__init__``, and by fitkit after building the model on the meta device
+        (:mod:`fitkit.distributed.meta`)."""
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()  # ones and zeros: no random numbers drawn
         self.apply(self._init_weights)
         # Each block adds two residual branches; scaling keeps the residual stream's variance
         # from growing with depth (GPT-2 paper, section 2.3).
-        residual_std = 0.02 / math.sqrt(2 * n_layer)
+        residual_std = 0.02 / math.sqrt(2 * self.n_layer)
         block: Any
         for block in self.blocks:
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
