@@ -38,6 +38,7 @@ from fitkit.files.sharded import (
     STATE_NAME,
     check_sharded,
     quiet_single_process,
+    read_metadata,
     read_state,
     remove_path,
     safe_reader,
@@ -245,34 +246,58 @@ def _writer_problems(meta: Any, state: dict[str, Any]) -> list[str]:
     return []
 
 
+def _state_from_index(model: Model, meta: Any) -> None:
+    """Give an optimizer without state the tensors the checkpoint holds for it, empty (shaped
+    and typed by the index; a parameter-shaped one sharded as its parameter): what the load
+    then fills in place. (``get_state_dict`` would create the state by a step on zero
+    gradients: a transient copy of every parameter.)"""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    optimizer = _optimizer(model)
+    index = meta.state_dict_metadata
+    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    states: dict[Any, dict[str, Any]] = {}
+    for fqn, p in model.module.named_parameters():
+        if id(p) not in params:
+            continue
+        prefix = f"optim.state.{fqn}."
+        entries = {k[len(prefix):]: v for k, v in index.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        if not entries:
+            continue
+        state: dict[str, Any] = {}
+        for name, md in entries.items():
+            if not isinstance(md, TensorStorageMetadata):
+                return  # a pickled state value: the state is left to torch's own way of creating it
+            shape, dtype = tuple(md.size), md.properties.dtype
+            state[name] = torch.empty_like(p, dtype=dtype) if shape == tuple(p.shape) and shape else \
+                torch.zeros(shape, dtype=dtype)  # fmt: skip
+        states[p] = state
+    optimizer.state.update(states)  # all or nothing
+
+
 def load_tensors(model: Model, path: str | os.PathLike) -> None:
-    """Read the module and optimizer shards into a fresh state dict, then set both (every rank).
+    """Read the module and optimizer shards into their own tensors, in place (every rank).
 
     Each rank reads only the pieces of its own shards; a plain module reads the full tensors.
+    A first pass reads and checks every piece and keeps none (a damaged or refused piece then
+    changes nothing); the second reads them into the model's and the optimizer's own tensors,
+    so the load needs no second copy of the state (its peak is the state plus one piece).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     optimizer = _optimizer(model)
-    unset = optimizer.state_dict() if not optimizer.state else None  # get_state_dict fills it (a zero step)
-    fresh = _fresh(_tensor_state(model))
+    unset = optimizer.state_dict() if not optimizer.state else None  # filled below; put back if the load fails
+    if unset is not None:
+        _state_from_index(model, read_metadata(Path(path) / ".metadata"))
+    state = _tensor_state(model)  # the module's and the optimizer's own tensors
     try:
-        with quiet_single_process(), torch_errors(path):
-            dcp.load(fresh, checkpoint_id=os.fspath(path), storage_reader=safe_reader(path),
-                     process_group=_ckpt_group(), no_dist=not is_distributed())  # fmt: skip
+        for dry in (True, False):
+            with quiet_single_process(), torch_errors(path):
+                dcp.load(state, checkpoint_id=os.fspath(path), storage_reader=safe_reader(path, dry=dry),
+                         process_group=_ckpt_group(), no_dist=not is_distributed())  # fmt: skip
     except BaseException:
         if unset is not None:  # a failed load leaves the optimizer as it was: no state
             optimizer.load_state_dict(unset)
         raise
-    set_state_dict(model.module, optimizer, model_state_dict=fresh["model"], optim_state_dict=fresh["optim"])
-
-
-def _fresh(obj: Any) -> Any:
-    """The same structure with new, empty tensors (DTensors keep their sharding)."""
-    if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj)
-    if isinstance(obj, dict):
-        return {k: _fresh(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fresh(v) for v in obj]
-    return obj
+    set_state_dict(model.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -173,11 +173,40 @@ class _SafeBytes:
         self._planner.load_bytes(read_item, value)  # the same bytes, proven free of code
 
 
-def safe_reader(path: str | os.PathLike) -> Any:
+class _Dry:
+    """A load planner that reads everything and keeps nothing: each tensor piece lands in a
+    scratch tensor of its own (freed at once) and each pickled item is dropped, so a load with it
+    finds every damaged piece before one byte of the destination changes."""
+
+    def __init__(self, planner: Any):
+        self._planner = planner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        dest = self._planner.lookup_tensor(read_item.dest_index)
+        return torch.empty(tuple(read_item.lengths), dtype=dest.dtype)
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        pass
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        pass
+
+
+def safe_reader(path: str | os.PathLike, dry: bool = False) -> Any:
     """DCP's file system reader for ``path`` without its plain unpickling: ``.metadata`` through
     :func:`read_metadata`, pickled items through ``weights_only=True`` (pass it as
-    ``storage_reader`` to ``torch.distributed.checkpoint.load``)."""
-    return _safe_reader_class()(path)
+    ``storage_reader`` to ``torch.distributed.checkpoint.load``).
+
+    ``dry=True``: every piece is read and checked, none is kept (the destination is left as
+    it was): run it first, then load in place, so a damaged piece changes nothing and the load
+    needs no second copy of the state.
+    """
+    reader = _safe_reader_class()(path)
+    reader.dry = dry
+    return reader
 
 
 @functools.cache
@@ -195,8 +224,11 @@ def _safe_reader_class() -> type:
             meta.storage_meta.load_id = self.load_id
             return meta
 
+        dry = False
+
         def read_data(self, plan: Any, planner: Any) -> Any:
-            return super().read_data(plan, cast(Any, _SafeBytes(planner, os.fspath(self.path))))
+            inner = _Dry(planner) if self.dry else planner
+            return super().read_data(plan, cast(Any, _SafeBytes(inner, os.fspath(self.path))))
 
     return _SafeReader
 
