@@ -36,18 +36,34 @@ import fitkit
 FITKIT = os.path.dirname(fitkit.__file__)
 N, FEATURES, BATCH = 384, 16, 32  # 12 batches per epoch
 MEASURED = range(5, 9)  # the steps counted: from the loss of batch 5 to that of batch 9
-_BOUNDARY = F.mse_loss.__code__
+#: One loss call per step in each loop (fit computes cross-entropy from F.log_softmax and the
+#: NLL kernel, a hand loop calls F.cross_entropy).
+_BOUNDARIES = {F.mse_loss.__code__, F.cross_entropy.__code__, F.log_softmax.__code__}
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
+#: The configurations counted: (compile options, classes; 1 = a regression), and whether the
+#: hand loop counts its accuracy on the device / runs under bf16 autocast.
+CASES: dict[str, dict[str, Any]] = {
+    "mse": {"compile": {"loss": "mse"}, "classes": 1},
+    "cross_entropy": {"compile": {"loss": "cross_entropy"}, "classes": 4},
+    "cross_entropy+accuracy": {"compile": {"loss": "cross_entropy", "metrics": ["accuracy"]}, "classes": 4,
+                               "accuracy": True},
+    "bf16": {"compile": {"loss": "mse"}, "classes": 1, "precision": "bf16-mixed"},
+}
+
+
+def _data(classes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, FEATURES, generator=g)
-    return x, x[:, :1] * 2 - x[:, 1:2]
+    y = x[:, :1] * 2 - x[:, 1:2]
+    if classes > 1:  # four classes by the quadrant of two features
+        return x, (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long()
+    return x, y
 
 
-def _net() -> nn.Module:
+def _net(classes: int = 1) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, 1))
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, classes))
 
 
 class _Counter:
@@ -59,7 +75,7 @@ class _Counter:
         self.fitkit: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 
     def profile(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is _BOUNDARY:
+        if event == "call" and frame.f_code in _BOUNDARIES:
             self.step += 1
         if self.step not in MEASURED:
             return
@@ -89,7 +105,7 @@ def _count_ops(run: Any) -> _Counter:
     counter = _Counter()
 
     def boundary(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is _BOUNDARY:
+        if event == "call" and frame.f_code in _BOUNDARIES:
             counter.step += 1
 
     sys.setprofile(boundary)
@@ -101,27 +117,46 @@ def _count_ops(run: Any) -> _Counter:
     return counter
 
 
-def _fit(counter: _Counter) -> None:
-    model = fitkit.Model(_net(), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), loss="mse", jit_compile=False)
-    x, y = _data()
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+def _fit(case: str) -> Any:
+    config = CASES[case]
+
+    def run(counter: _Counter) -> None:
+        model = fitkit.Model(_net(config["classes"]), device="cpu", )
+        model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), jit_compile=False,
+                      precision=config.get("precision", "32"), **config["compile"])  # fmt: skip
+        x, y = _data(config["classes"])
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+    return run
 
 
-def _hand(counter: _Counter) -> None:
-    net, (x, y) = _net(), _data()
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-    perm = torch.randperm(N)
-    total = torch.zeros(())
-    for i in range(0, N, BATCH):
-        idx = perm[i : i + BATCH]
-        xb, yb = x[idx], y[idx]
-        loss = F.mse_loss(net(xb), yb)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        total += loss.detach() * len(xb)
-    float(total / N)
+def _hand(case: str) -> Any:
+    config = CASES[case]
+    classes, bf16 = config["classes"], config.get("precision") == "bf16-mixed"
+
+    def run(counter: _Counter) -> None:
+        net, (x, y) = _net(classes), _data(classes)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+        perm = torch.randperm(N)
+        total, correct = torch.zeros(()), torch.zeros((), dtype=torch.long)
+        for i in range(0, N, BATCH):
+            idx = perm[i : i + BATCH]
+            xb, yb = x[idx], y[idx]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = net(xb)
+            out = out.float() if bf16 else out
+            loss = F.cross_entropy(out, yb) if classes > 1 else F.mse_loss(out, yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += loss.detach() * len(xb)
+            if config.get("accuracy"):
+                correct += (out.detach().argmax(1) == yb).sum()
+        float(total / N)
+        if config.get("accuracy"):
+            float(correct / N)
+
+    return run
 
 
 def count(run: Any) -> dict[str, Any]:
@@ -146,26 +181,28 @@ def count(run: Any) -> dict[str, Any]:
     }
 
 
-def counts() -> tuple[dict[str, Any], dict[str, Any]]:
-    """The counts of ``fit(tensors)`` and of the hand loop, in that order."""
-    return count(_fit), count(_hand)
+def counts(case: str = "mse") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The counts of ``fit(tensors)`` and of the hand loop for ``case`` (a key of :data:`CASES`)."""
+    return count(_fit(case)), count(_hand(case))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=15, help="fitkit functions and builtins to list")
+    parser.add_argument("--case", choices=[*CASES, "all"], default="all", help="the configuration (default: all)")
     args = parser.parse_args()
-    fit, hand = counts()
-    print(f"per steady step       {'fit(tensors)':>14} {'hand loop':>10} {'extra':>6}")
-    for key in ("calls", "python_functions", "c_calls", "aten", "fitkit_functions"):
-        print(f"{key:21} {fit[key]:>14} {hand[key]:>10} {fit[key] - hand[key]:>+6}")
-    print("\nfitkit's functions in one step:")
-    for name, n in fit["fitkit_by_function"].most_common(args.top):
-        print(f"  {n:3}  {name}")
-    extra = fit["builtins"] - hand["builtins"]
-    print("\nbuiltins fit calls more often than the hand loop:")
-    for name, n in extra.most_common(args.top):
-        print(f"  {n:3}  {name}")
+    for case in CASES if args.case == "all" else [args.case]:
+        fit, hand = counts(case)
+        print(f"\n== {case}\nper steady step       {'fit(tensors)':>14} {'hand loop':>10} {'extra':>6}")
+        for key in ("calls", "python_functions", "c_calls", "aten", "fitkit_functions"):
+            print(f"{key:21} {fit[key]:>14} {hand[key]:>10} {fit[key] - hand[key]:>+6}")
+        print("\nfitkit's functions in one step:")
+        for name, n in fit["fitkit_by_function"].most_common(args.top):
+            print(f"  {n:3}  {name}")
+        extra = fit["builtins"] - hand["builtins"]
+        print("\nbuiltins fit calls more often than the hand loop:")
+        for name, n in extra.most_common(args.top):
+            print(f"  {n:3}  {name}")
 
 
 if __name__ == "__main__":

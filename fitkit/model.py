@@ -246,7 +246,8 @@ class Model:
         With gradient accumulation it is the whole window's loss (each micro-batch weighted by
         its share), so a NaN in any micro-batch shows. Reading its value syncs with the device.
         """
-        return None if self._stepper is None else self._stepper.window.loss
+        loss = None if self._stepper is None else self._stepper.window.loss
+        return None if loss is None else loss.detach()
 
     @property
     def callbacks(self) -> list[Callback]:

@@ -231,3 +231,66 @@ def test_a_sample_weight_weighs_each_of_its_real_tokens():
     ones = model.evaluate(idx, targets, sample_weight=torch.ones(2), verbose=0)["loss"]
     assert ones == pytest.approx(model.evaluate(idx, targets, verbose=0)["loss"], rel=1e-12)
     assert ones == pytest.approx((2 * right + 3 * wrong) / 5, rel=1e-6)
+
+
+def test_the_count_shared_by_the_loss_and_the_totals_follows_a_target_tensor_refilled_in_place():
+    """The objective's count of the targets that count is reused by the running totals only for
+    the very tensor it counted, at the same version: a loader that refills one target buffer in
+    place (different targets ignored in each batch) still gets each batch's own count. The
+    epoch loss is the mean over every counted target, by hand."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    import fitkit
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 3, generator=g) for _ in range(3)]
+    ys = [torch.tensor([0, 1, -100, 2]), torch.tensor([-100, -100, -100, 1]), torch.tensor([2, 2, 1, 0])]
+    buffer = torch.zeros(4, dtype=torch.long)
+
+    class Refilled:
+        def __iter__(self):
+            for x, y in zip(xs, ys, strict=True):
+                buffer.copy_(y)  # the same tensor object, its version bumped
+                yield x, buffer
+
+        def __len__(self):
+            return 3
+
+    torch.manual_seed(0)
+    net = nn.Linear(3, 3)
+    hand = nn.Linear(3, 3)
+    hand.load_state_dict(net.state_dict())
+    model = fitkit.Model(net, device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss="cross_entropy")  # lr 0: fixed weights
+    history = model.fit(Refilled(), epochs=1, verbose=0)
+    with torch.no_grad():
+        total = sum(F.cross_entropy(hand(x), y, reduction="sum") for x, y in zip(xs, ys, strict=True))
+    assert history.history["loss"][0] == pytest.approx(float(total / 8), rel=1e-6)  # 3 + 1 + 4 targets count
+
+
+def test_step_loss_is_detached_and_equals_the_batch_loss():
+    """The window keeps the loss attached (no detach per step); step_loss detaches it when read."""
+    from torch import nn
+
+    import fitkit
+
+    seen = []
+    model = fitkit.Model(nn.Linear(3, 3), device="cpu")
+    model.compile(optimizer="sgd", loss="cross_entropy")
+    cb = fitkit.callbacks.LambdaCallback(on_backward_end=lambda batch: seen.append(model.step_loss))
+    x, y = torch.randn(8, 3), torch.tensor([0, 1, 2, 0, 1, 2, -100, 1])
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+    assert len(seen) == 1 and not seen[0].requires_grad
+    assert seen[0].item() == pytest.approx(history.history["loss"][0], rel=1e-6)
+
+
+def test_a_target_changed_in_place_after_its_loss_is_counted_again():
+    from fitkit.losses.denominators import objective
+
+    ce = resolve_loss("cross_entropy")
+    y = torch.tensor([0, 1, 2, 1])
+    objective(ce, torch.zeros(4, 3), y, None)
+    assert denominator(ce, y, None).item() == 4  # the objective's own count
+    y[0] = -100  # the same tensor, refilled (a loader's reused buffer)
+    assert denominator(ce, y, None).item() == 3

@@ -255,10 +255,11 @@ def _state_from_index(model: Model, meta: Any) -> None:
 
     optimizer = _optimizer(model)
     index = meta.state_dict_metadata
-    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
-    states: dict[Any, dict[str, Any]] = {}
+    # The optimizer's own numbering of its parameters (that of its state_dict)
+    order = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    states: dict[int, dict[str, Any]] = {}
     for fqn, p in model.module.named_parameters():
-        if id(p) not in params:
+        if id(p) not in order:
             continue
         prefix = f"optim.state.{fqn}."
         entries = {k[len(prefix):]: v for k, v in index.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
@@ -271,8 +272,9 @@ def _state_from_index(model: Model, meta: Any) -> None:
             shape, dtype = tuple(md.size), md.properties.dtype
             state[name] = torch.empty_like(p, dtype=dtype) if shape == tuple(p.shape) and shape else \
                 torch.zeros(shape, dtype=dtype)  # fmt: skip
-        states[p] = state
-    optimizer.state.update(states)  # all or nothing
+        states[order[id(p)]] = state
+    # all or nothing, through the optimizer's own loader
+    optimizer.load_state_dict({"state": states, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
 def load_tensors(model: Model, path: str | os.PathLike) -> None:

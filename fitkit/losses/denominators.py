@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fitkit import nest
 from fitkit.losses import Loss
@@ -112,6 +113,9 @@ def denominator(loss: Any, y: Any, sample_weight: torch.Tensor | None, x: Any = 
     if sample_weight is None and isinstance(y, torch.Tensor) and y.is_floating_point():
         return int(y.shape[0]) if y.dim() else 1  # the common case, without the calls below (hot path)
     if counts_tokens(loss, y):
+        last = _last_count
+        if last is not None and last[0] is y and last[1] == y._version and sample_weight is None:
+            return last[2]  # counted by the objective of this batch a moment ago
         tw = _token_weights(loss, y, sample_weight)
         return y.numel() if tw is None else tw.sum()
     if sample_weight is not None:
@@ -183,8 +187,47 @@ def _sum_objective(loss: Loss, y_pred: Any, y: Any, w: torch.Tensor | None) -> t
     return total if loss.weight == 1.0 else total * loss.weight
 
 
+#: The losses whose per-target terms and count come from one ``nll_loss_forward`` call.
+_NLL = {F.cross_entropy: True, F.nll_loss: False}  # fn -> it takes logits (log_softmax first)
+
+#: ``(y, y._version, count)`` of the last batch whose targets the objective counted: the running
+#: totals ask :func:`denominator` for the same batch right after (one count per step, not two).
+#: The version counter tells a tensor refilled in place from the one that was counted.
+_last_count: tuple[Any, int, torch.Tensor] | None = None
+
+
+def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy / NLL on class indices without weights: the sum over the targets and their
+    count from the one kernel (``nll_loss_forward`` returns both), the sum divided by the count
+    (at least 1: nothing counted is 0, not 0/0). The ops of a hand ``F.cross_entropy`` plus a
+    clamp and a division. Returns the mean and the count."""
+    if loss.class_last:
+        logits, target = y_pred.reshape(-1, y_pred.shape[-1]), y.reshape(-1)
+    else:
+        logits, target = y_pred, y
+    logp = F.log_softmax(logits, 1) if _NLL[loss.fn] else logits
+    ignore = -100 if loss.ignore_index is None else loss.ignore_index
+    try:
+        total, count = torch.ops.aten.nll_loss_forward(logp, target, None, 2, ignore)  # 2: sum
+    except IndexError as e:  # torch's CPU kernels: a class label out of range
+        n = logits.shape[1]
+        raise ValueError(
+            f"Loss '{loss.name}' got a class label outside [0, {n - 1}] for logits {tuple(y_pred.shape)} ({e}). "
+            "Fix: remap the labels, or give the module one output per class."
+        ) from None
+    mean = total / count.clamp_min(1)
+    return (mean if loss.weight == 1.0 else mean * loss.weight), count
+
+
 def _token_objective(loss: Loss, y_pred: Any, y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    global _last_count
+    given = y
     y_pred, y = loss.prepare(y_pred, y)
+    if w is None and loss.class_weights is None and loss.fn in _NLL and isinstance(y_pred, torch.Tensor) \
+            and (y_pred.dim() == 2 and y.dim() == 1 or loss.class_last):  # fmt: skip
+        mean, counted = _nll_objective(loss, y_pred, y)
+        _last_count = (given, given._version, counted)  # keyed by the caller's y (prepare may copy it)
+        return mean
     tw = _token_weights(loss, y, w)
     reduction = "sum" if w is None else "none"
     try:

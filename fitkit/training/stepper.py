@@ -325,8 +325,9 @@ class Stepper:
         window = self.window
         if window.micro_scale is not None:
             loss = loss * window.micro_scale
-        part = loss.detach()
-        window.loss = part if window.loss is None else window.loss + part
+        # Kept attached (a detach per step saved; step_loss detaches when read): after backward
+        # the graph's buffers are freed, and the window drops the tensor at its step.
+        window.loss = loss if window.loss is None else window.loss.detach() + loss.detach()
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
         else:
@@ -475,7 +476,8 @@ class Stepper:
             window = self.window
             state["record"] = {"grad_norm": self.grad_norm, "lrs_used": self.scheduling.lrs_used,
                                "micro_last": window.micro_last, "micro_scale": window.micro_scale,
-                               "window_loss": window.loss, "skip_requested": window.skip_requested}  # fmt: skip
+                               "window_loss": None if window.loss is None else window.loss.detach(),
+                               "skip_requested": window.skip_requested}  # fmt: skip
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -90,9 +90,11 @@ class RunningTotals:
         """
         if loss is not None and denominator is not None:
             if isinstance(denominator, torch.Tensor):
-                d = denominator.detach().to(self.dtype)
+                # a count of targets or a sum of weights; no cast: the in-place add and the sum
+                # below promote to the totals' dtype
+                d = denominator.detach() if denominator.requires_grad else denominator
                 self.loss_total.add_(loss.detach() * d)
-                self.loss_wsum = d if self.loss_wsum is None else self.loss_wsum + d
+                self.loss_wsum = d.to(self.dtype) if self.loss_wsum is None else self.loss_wsum + d  # float64 sums
             elif denominator:
                 self.loss_total.add_(loss.detach(), alpha=denominator)
                 self.loss_count += denominator
