@@ -7,12 +7,17 @@ are compared:
 
 - ``fit(tensors)`` vs a plain loop with one ``randperm`` per epoch and index slicing;
 - ``fit(DataLoader)`` vs a plain loop over the same ``DataLoader``;
+- classification: ``loss="cross_entropy"`` (4 classes), with ``metrics=["accuracy"]`` against a
+  hand loop that counts its accuracy on the device (argmax, eq, sum), each over tensors and over
+  a ``DataLoader``; and ``precision="bf16-mixed"`` against a hand autocast loop;
 - ``fit(verbose=1)`` (rich bar, throttled) vs ``fit(verbose=0)``;
 - Lightning, Keras (torch backend, run with ``KERAS_BACKEND=torch``) and Poutyne on the same
   work, if installed.
 
-Run: ``python benchmarks/overhead.py [--repeats 7] [--epochs 3] [--clock cpu]``. Prints a table of
-the ratios. ``--clock cpu`` times this process's CPU time instead of the wall clock: on a machine
+Run: ``python benchmarks/overhead.py [--repeats 7] [--epochs 3] [--clock cpu] [--only cross]``.
+Prints a table of the ratios: of the medians, and the median of the ratios of each repeat's pair
+(the two runs of a pair are timed in the same repeat, so a change of load between repeats cancels).
+``--clock cpu`` times this process's CPU time instead of the wall clock: on a machine
 shared with other jobs, the time spent waiting for a core is then left out.
 """
 
@@ -48,42 +53,72 @@ def make_net(features: int) -> nn.Module:
     return nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, 1))
 
 
-def plain_slicing(net, x, y, epochs, bs) -> float:
+def make_classes(x: torch.Tensor) -> torch.Tensor:
+    """Four classes: the quadrant of the first two features."""
+    return (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long()
+
+
+def make_classifier(features: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _hand_step(net, opt, xb, yb, kind, correct):
+    """One step of a tutorial loop: ``kind`` is mse, cross_entropy, accuracy (cross-entropy and
+    the correct predictions counted on the device) or bf16 (mse under bf16 autocast)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bf16"):
+        out = net(xb)
+    if kind == "bf16":
+        out = out.float()
+    loss = F.mse_loss(out, yb) if kind in ("mse", "bf16") else F.cross_entropy(out, yb)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    if kind == "accuracy":
+        correct += (out.detach().argmax(1) == yb).sum()
+    return loss
+
+
+def plain_slicing(net, x, y, epochs, bs, kind="mse") -> float:
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     n = len(x)
     for _ in range(epochs):
         perm = torch.randperm(n)
-        total = torch.zeros(())
+        total, correct = torch.zeros(()), torch.zeros((), dtype=torch.long)
         for i in range(0, n, bs):
             idx = perm[i : i + bs]
             xb, yb = x[idx], y[idx]
-            loss = F.mse_loss(net(xb), yb)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            loss = _hand_step(net, opt, xb, yb, kind, correct)
             total += loss.detach() * len(xb)  # the epoch mean a tutorial loop reports
         float(total / n)
+        if kind == "accuracy":
+            float(correct / n)
     return float(total / n)
 
 
-def plain_loader(net, loader, epochs) -> float:
+def plain_loader(net, loader, epochs, kind="mse") -> float:
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     for _ in range(epochs):
-        total, count = torch.zeros(()), 0
+        total, count, correct = torch.zeros(()), 0, torch.zeros((), dtype=torch.long)
         for xb, yb in loader:
-            loss = F.mse_loss(net(xb), yb)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            loss = _hand_step(net, opt, xb, yb, kind, correct)
             total += loss.detach() * len(xb)
             count += len(xb)
         float(total / count)
+        if kind == "accuracy":
+            float(correct / count)
     return float(total / count)
 
 
-def fitkit_run(net, data, epochs, bs, verbose=0, y=None) -> float:
+#: fitkit's compile options for each kind of hand loop.
+COMPILE = {"mse": {"loss": "mse"}, "cross_entropy": {"loss": "cross_entropy"},
+           "accuracy": {"loss": "cross_entropy", "metrics": ["accuracy"]},
+           "bf16": {"loss": "mse", "precision": "bf16-mixed"}}  # fmt: skip
+
+
+def fitkit_run(net, data, epochs, bs, verbose=0, y=None, kind="mse") -> float:
     model = fitkit.Model(net, device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), loss="mse")
+    model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), **COMPILE[kind])
     cbs = []
     if verbose:
         # A terminal-like console writing to memory: the live bar renders as on a real terminal.
@@ -152,6 +187,7 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=16)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall time, or this process's CPU time (less sensitive to other jobs)")
+    parser.add_argument("--only", default="", help="run only the rows whose name contains this")
     args = parser.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)  # overhead-bound work; threads only add noise
@@ -159,6 +195,8 @@ def main() -> None:
     base = make_net(args.features)
     ep, bs = args.epochs, args.batch_size
     loader = DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True)
+    classes, classifier = make_classes(x), make_classifier(args.features)
+    class_loader = DataLoader(TensorDataset(x, classes), batch_size=bs, shuffle=True)
 
     contenders = {
         "plain slicing loop": lambda: plain_slicing(copy.deepcopy(base), x, y, ep, bs),
@@ -167,6 +205,25 @@ def main() -> None:
         "fitkit fit(DataLoader)": lambda: fitkit_run(copy.deepcopy(base), loader, ep, bs),
         "fitkit fit(tensors, verbose=1)": lambda: fitkit_run(copy.deepcopy(base), x, ep, bs, verbose=1, y=y),
     }
+    pairs = {
+        "fitkit fit(tensors)": "plain slicing loop",
+        "fitkit fit(DataLoader)": "plain DataLoader loop",
+        "fitkit fit(tensors, verbose=1)": "fitkit fit(tensors)",
+        "lightning (DataLoader)": "plain slicing loop",
+        "poutyne (tensors)": "plain slicing loop",
+        "keras (torch backend)": "plain slicing loop",
+    }
+    for kind in ("cross_entropy", "accuracy", "bf16"):
+        net, target = (base, y) if kind == "bf16" else (classifier, classes)
+        hand, fit = f"plain slicing loop, {kind}", f"fitkit fit(tensors), {kind}"
+        contenders[hand] = lambda k=kind, m=net, t=target: plain_slicing(copy.deepcopy(m), x, t, ep, bs, kind=k)
+        contenders[fit] = lambda k=kind, m=net, t=target: fitkit_run(copy.deepcopy(m), x, ep, bs, y=t, kind=k)
+        pairs[fit] = hand
+        if kind != "bf16":
+            hand, fit = f"plain DataLoader loop, {kind}", f"fitkit fit(DataLoader), {kind}"
+            contenders[hand] = lambda k=kind: plain_loader(copy.deepcopy(classifier), class_loader, ep, kind=k)
+            contenders[fit] = lambda k=kind: fitkit_run(copy.deepcopy(classifier), class_loader, ep, bs, kind=k)
+            pairs[fit] = hand
     try:
         import lightning  # noqa: F401
 
@@ -188,6 +245,10 @@ def main() -> None:
         except ImportError:
             pass
 
+    if args.only:  # the rows asked for, and the rows they are compared with
+        keep = {k for k in contenders if args.only in k}
+        keep |= {pairs[k] for k in keep if k in pairs}
+        contenders = {k: v for k, v in contenders.items() if k in keep}
     for fn in contenders.values():  # warm-up: imports, allocator, first-call costs
         fn()
     times: dict[str, list[float]] = {k: [] for k in contenders}
@@ -197,22 +258,17 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     steps = ep * -(-args.samples // bs)
 
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     table = Table(title=f"Tiny MLP, {args.samples} samples, batch {bs}, {ep} epochs ({steps} steps), "
-                        f"median of {args.repeats}, {args.clock} time")  # fmt: skip
-    for col in ("run", "median s", "us/step", "ratio", "against"):
+                        f"median of {args.repeats}, {args.clock} time, load {load:.2f}")  # fmt: skip
+    for col in ("run", "median s", "us/step", "ratio", "paired ratio", "against"):
         table.add_column(col)
-    pairs = {
-        "fitkit fit(tensors)": "plain slicing loop",
-        "fitkit fit(DataLoader)": "plain DataLoader loop",
-        "fitkit fit(tensors, verbose=1)": "fitkit fit(tensors)",
-        "lightning (DataLoader)": "plain slicing loop",
-        "poutyne (tensors)": "plain slicing loop",
-        "keras (torch backend)": "plain slicing loop",
-    }
     for name, t in med.items():
         ref = pairs.get(name)
         ratio = f"{t / med[ref]:.3f}" if ref in med else ""
-        table.add_row(name, f"{t:.3f}", f"{t / steps * 1e6:.1f}", ratio, ref or "")
+        paired = f"{statistics.median(a / b for a, b in zip(times[name], times[ref], strict=True)):.3f}" \
+            if ref in med else ""  # fmt: skip
+        table.add_row(name, f"{t:.3f}", f"{t / steps * 1e6:.1f}", ratio, paired, ref or "")
     Console().print(table)
 
 

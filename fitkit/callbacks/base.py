@@ -54,6 +54,12 @@ class Callback:
     #: finders), which a smoke test must not do. Set it on a callback of your own that writes.
     skip_in_fast_dev_run: bool = False
 
+    #: A resource of the whole process this callback holds while ``fit`` runs (``None``: none),
+    #: as a short description, e.g. ``"torch.profiler"``: ``fit`` refuses two callbacks that hold
+    #: the same one before step 1 (two torch profilers in one process crash it), and asks the
+    #: callback's ``resource_in_use()`` (if it has one) whether it is taken already.
+    process_resource: str | None = None
+
     def __init__(self) -> None:
         self.model: Any = None
         self.params: dict[str, Any] = {}

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from fitkit.callbacks.base import Callback
@@ -56,6 +57,7 @@ class Profiler(Callback):
     """
 
     skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
+    process_resource = "torch.profiler (one profiler per process: two crash it)"
 
     def __init__(self, dirpath: str | os.PathLike | None = None, *, wait: int = 1, warmup: int = 1, active: int = 3,
                  repeat: int = 1, trace: str = "tensorboard", record_shapes: bool = False,
@@ -97,6 +99,13 @@ class Profiler(Callback):
         else:
             tensorboard_trace_handler(str(self.dirpath))(prof)
             self.traces += sorted(str(p) for p in set(self.dirpath.glob("*.json")) - before)
+
+    def resource_in_use(self) -> str | None:
+        """Why the profiler cannot start now (another one runs in this process), or ``None``."""
+        if torch.autograd.profiler._is_profiler_enabled:
+            return ("a torch profiler is already running in this process (a torch.profiler.profile block "
+                    "around fit?). Fix: drop the Profiler callback, or end the other profiler before fit.")  # fmt: skip
+        return None
 
     def on_train_begin(self, logs=None):
         cuda = self.model.device.type == "cuda"

@@ -103,6 +103,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     check_schedules(model, callbacks)
     # one averaged copy validated on, one swapped in at the end
     check_weight_swaps(model, callbacks, validates=validation_data is not None or bool(validation_split))
+    check_process_resources(callbacks)
     if x is None:
         raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")
     if validation_split:
@@ -326,3 +327,35 @@ def callback_list(model: Any, callbacks: list[Callback], verbose: int, epochs: i
     if verbose and not any(isinstance(c, ProgressBar) for c in cbs):
         cbs.append(ProgressBar(verbose))
     return CallbackList(cbs, model, all_params)
+
+
+def check_process_resources(callbacks: Any) -> None:
+    """Refuse two callbacks that hold the same process-wide resource (``Callback.process_resource``).
+
+    Raises:
+        ValueError: naming both callbacks, the resource and the fix.
+        RuntimeError: a callback's resource is in use already (``resource_in_use()``: another
+            torch profiler runs), naming it and the fix.
+
+    Example:
+        >>> from fitkit.callbacks import Profiler
+        >>> check_process_resources([Profiler(verbose=0), Profiler(verbose=0)])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected one callback per process-wide resource. Received 2 holding torch.profiler ...
+    """
+    held: dict[str, list[str]] = {}
+    for cb in callbacks or ():
+        resource = getattr(cb, "process_resource", None)
+        if resource:
+            held.setdefault(resource, []).append(type(cb).__name__)
+            busy = getattr(cb, "resource_in_use", None)
+            why = busy() if callable(busy) else None
+            if why:
+                raise RuntimeError(f"{type(cb).__name__} cannot start: {why}")
+    for resource, names in held.items():
+        if len(names) > 1:
+            raise ValueError(
+                f"Expected one callback per process-wide resource. Received {len(names)} holding {resource}: "
+                f"{', '.join(names)}. Fix: pass one of them (one Profiler can record several cycles: repeat=)."
+            )
