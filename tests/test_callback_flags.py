@@ -49,7 +49,8 @@ def test_two_profilers_or_one_inside_a_running_profiler_are_refused_before_step_
         model.fit(x, y, batch_size=2, verbose=0, callbacks=[C.Profiler(tmp_path / "a"), C.Profiler(tmp_path / "b")])
     with torch.profiler.profile(), pytest.raises(RuntimeError, match="already running in this process"):
         model.fit(x, y, batch_size=2, verbose=0, callbacks=[C.Profiler(tmp_path / "c", verbose=0)])
-    assert model.global_step == 0 and all(torch.equal(a, b) for a, b in zip(before, model.module.parameters(), strict=True))
+    assert model.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters(), strict=True))
     assert list(tmp_path.iterdir()) == []
     model.fit(x, y, batch_size=2, verbose=0, callbacks=[C.Profiler(tmp_path / "d", verbose=0)])  # one: fine
     assert model.global_step == 4
