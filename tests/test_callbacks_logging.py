@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import errno
 import os
+import re
 import sys
 
 import numpy as np
@@ -15,6 +16,7 @@ from torch import nn
 
 import fitkit
 from fitkit.callbacks import BackupAndRestore, CSVLogger, LambdaCallback, TensorBoard
+from fitkit.checks import FitkitWarning
 
 
 def _data(n: int = 16):
@@ -167,14 +169,19 @@ def test_csv_logger_recreates_a_file_deleted_mid_run_with_its_header(tmp_path):
     assert path.read_text() == "epoch,learning_rate,loss\n1,0.5,0.0\n2,0.5,0.0\n"
 
 
-def test_tensorboard_names_a_folder_deleted_mid_run(tmp_path):
+def test_tensorboard_names_a_folder_deleted_mid_run_and_the_run_goes_on(tmp_path):
+    """A logger never ends a run: one warning names the folder and the fix, nothing more is
+    written in this fit, and training finishes (before: FileNotFoundError ended the fit)."""
     pytest.importorskip("tensorboard")
     import shutil
 
     log_dir = tmp_path / "tb"
     delete = LambdaCallback(on_epoch_begin=lambda epoch, logs: shutil.rmtree(log_dir) if epoch == 1 else None)
-    with pytest.raises(FileNotFoundError, match=r"TensorBoard's folder '.*tb/train' was deleted while fit.*Fix"):
-        _line_fit([TensorBoard(log_dir), delete])
+    with pytest.warns(FitkitWarning) as caught:
+        model = _line_fit([TensorBoard(log_dir), delete])
+    stopped = [str(w.message) for w in caught if "TensorBoard stopped writing" in str(w.message)]
+    assert len(stopped) == 1 and re.search(r"TensorBoard's folder '.*tb/train' was deleted while fit.*Fix", stopped[0])
+    assert model.history.epoch == [0, 1, 2] and not log_dir.exists()  # it trained on and wrote nothing more
 
 
 def test_a_full_disk_leaves_whole_csv_rows_and_names_the_file(tmp_path, monkeypatch):
@@ -192,8 +199,55 @@ def test_a_full_disk_leaves_whole_csv_rows_and_names_the_file(tmp_path, monkeypa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "write", full_disk_write)
-    with pytest.raises(OSError, match="log.csv") as caught:
-        line_model().fit(x, y, epochs=1, verbose=0, callbacks=[CSVLogger(path, append=True)])
+    model = line_model()
+    with pytest.warns(FitkitWarning, match=r"CSVLogger stopped writing .* which goes on: .*log.csv.*No space left") \
+            as caught:  # fmt: skip
+        history = model.fit(x, y, epochs=3, verbose=0, callbacks=[CSVLogger(path, append=True)])
     monkeypatch.undo()
-    assert caught.value.errno == errno.ENOSPC
+    assert len([w for w in caught if "stopped writing" in str(w.message)]) == 1  # once, not per epoch
+    assert history.epoch == [0, 1, 2]  # the run went on
     assert path.read_text() == whole  # the partial row was cut off
+
+
+def test_tensorboard_on_a_full_disk_warns_once_and_the_run_goes_on(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", full)
+    board = TensorBoard(tmp_path / "tb", update_freq=1)
+    with pytest.warns(FitkitWarning) as caught:
+        model = _line_fit([board])
+    stopped = [str(w.message) for w in caught if "TensorBoard stopped writing" in str(w.message)]
+    assert len(stopped) == 1 and "No space left on device" in stopped[0]
+    assert model.history.epoch == [0, 1, 2] and model.global_step == 3
+    monkeypatch.undo()
+    _line_fit([board])  # the next fit writes again
+    assert list((tmp_path / "tb" / "train").glob("events.out.tfevents.*"))
+
+
+def test_history_plot_on_a_full_disk_keeps_the_old_png(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    h = fitkit.callbacks.History()
+    h.on_epoch_end(0, {"loss": 1.0})
+    h.on_epoch_end(1, {"loss": 0.5})
+    path = tmp_path / "history.png"
+    h.plot(path=str(path))
+    old = path.read_bytes()
+    real = Figure.savefig
+
+    def half_then_full(self, fname, **kwargs):  # part of the PNG reaches the disk, then it is full
+        real(self, fname, **kwargs)
+        with open(fname, "r+b") as f:
+            f.truncate(100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", half_then_full)
+    with pytest.raises(OSError, match=r"history.png.*Fix: free space") as caught:
+        h.plot(path=str(path))
+    assert caught.value.errno == errno.ENOSPC
+    assert path.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == ["history.png"]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
 
+from fitkit.checks import FitkitWarning
 from fitkit.files import to_python
 
 __all__ = ["Callback", "CallbackList", "History", "BatchLogs", "HOOKS"]
@@ -295,6 +297,8 @@ class History(Callback):
         Raises:
             ImportError: matplotlib is not installed.
             ValueError: a key that the history does not hold.
+            OSError: the PNG cannot be written (a full disk): a file already at ``path`` is
+                left as it was, and no temp file stays.
 
         Example:
             >>> h = History(); h.on_epoch_end(0, {"loss": 1.0}); h.on_epoch_end(1, {"loss": 0.5})
@@ -327,10 +331,33 @@ class History(Callback):
             ax.set_xlabel("epoch")
             ax.legend()
         fig.tight_layout()
-        if path is not None:
-            fig.savefig(path, format="png")
-        plt.close(fig)
+        try:
+            if path is not None:  # a temp file renamed over path: a full disk leaves the old PNG as it was
+                from fitkit.files.writing import _atomic_write
+
+                _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+        finally:
+            plt.close(fig)
         return fig
+
+
+class StopsWriting:
+    """A logger that never ends a run: when its file cannot be written (a full disk, a deleted
+    folder, a read-only mount), it warns once, naming the file and the fix, and writes nothing
+    more in this ``fit``; training goes on. (Checkpoints and backups still fail loudly.)"""
+
+    _stopped = False  # this fit's writes failed once: no more tries until the next fit
+
+    def _stop_writing(self, error: OSError) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        warnings.warn(
+            f"{type(self).__name__} stopped writing for the rest of this fit, which goes on: {error} "
+            "(Fix: free space or keep the folder; the next fit writes again.)",
+            category=FitkitWarning, stacklevel=3,
+        )  # fmt: skip
+
 
 
 def _overrides(cb: Callback, hook: str) -> bool:

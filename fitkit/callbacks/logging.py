@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fitkit.callbacks.base import StopsWriting
 from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.callbacks.tensorboard import TensorBoard
@@ -72,7 +73,7 @@ def _cell(value: Any) -> str:
     return str(to_python(value))
 
 
-class CSVLogger(StatefulCallback):
+class CSVLogger(StopsWriting, StatefulCallback):
     """Write one row per epoch to a CSV file: ``epoch``, then one column per log key.
 
     The columns are fixed when the first row is written, in sorted order (Keras' order): every
@@ -151,6 +152,7 @@ class CSVLogger(StatefulCallback):
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
+        self._stopped = False  # a new fit tries again
         if not is_rank_zero():
             return
         # Before step 1: a folder it can write, a name the file system takes, no link to
@@ -214,6 +216,8 @@ class CSVLogger(StatefulCallback):
             self._row(int(logs["epoch"]), {k: v for k, v in logs.items() if k != "epoch"})
 
     def _row(self, epoch: int, logs: dict[str, Any]) -> None:
+        if self._stopped:
+            return
         header = False
         if is_rank_zero() and not self._opened:
             header = self._open()
@@ -240,10 +244,10 @@ class CSVLogger(StatefulCallback):
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise
-            raise OSError(
+            self._stop_writing(OSError(
                 e.errno, f"CSVLogger could not write epoch {epoch + 1} to {str(self.filename)!r}: {e.strerror}. "
-                "The file keeps its whole rows. Fix: free space or choose another folder."
-            ) from e
+                "The file keeps its whole rows."
+            ))  # fmt: skip
 
     def close(self) -> None:
         """Release the file's lock (the file itself is opened for each row and closed after

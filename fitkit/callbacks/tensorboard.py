@@ -6,6 +6,7 @@ first write, so a ``fit`` that fails its checks before the first step leaves no 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fitkit.callbacks.base import StopsWriting
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import check_bool, check_int
 from fitkit.files import check_target, to_python
@@ -24,7 +26,7 @@ from fitkit.training.checkpoint import is_rank_zero
 __all__ = ["TensorBoard"]
 
 
-class TensorBoard(StatefulCallback):
+class TensorBoard(StopsWriting, StatefulCallback):
     """Write the logs as TensorBoard events with ``torch.utils.tensorboard`` (no TensorFlow).
 
     Keras' layout: training values go to ``log_dir/train`` and ``val_`` values to
@@ -107,8 +109,23 @@ class TensorBoard(StatefulCallback):
     def _set_state(self, state: dict[str, Any]) -> None:
         self._batches_seen = state["batches_seen"]
 
+    def _safely(self, write: Callable[[], None]) -> None:
+        """Run ``write`` (rank 0's writes); a write that fails stops this fit's writing with one
+        warning (:class:`~fitkit.callbacks.logging.StopsWriting`), and the run goes on."""
+        if self._stopped:
+            return
+        try:
+            write()
+        except OSError as e:
+            writers, self._writers = self._writers, {}
+            for w in writers.values():
+                with contextlib.suppress(Exception):  # its thread may hold the same error
+                    w.close()
+            self._stop_writing(e)
+
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
+        self._stopped = False  # a new fit tries again
         if is_rank_zero():  # before step 1: a folder it can write
             check_writable_template(str(self.log_dir / "validation" / "events.out.tfevents.0"), None,
                                     "TensorBoard", "log_dir")  # fmt: skip
@@ -161,19 +178,25 @@ class TensorBoard(StatefulCallback):
         if self._batches_seen >= self.update_freq:
             self._batches_seen = 0
             if is_rank_zero():
-                self._check_folders()
-                self._write("batch", {**(logs or {}), **self._steps_per_second()}, self.model.global_step)
+                values = {**(logs or {}), **self._steps_per_second()}
+                self._safely(lambda: self._checked_write("batch", values, self.model.global_step))
 
     def on_epoch_end(self, epoch, logs=None):
         # Every rank takes the weights (an FSDP state dict is gathered collectively); rank 0 writes.
         weights = self._weights() if self.histogram_freq and epoch % self.histogram_freq == 0 else {}
         if is_rank_zero():
-            self._check_folders()
-            self._write("epoch", {**(logs or {}), **self._steps_per_second()}, epoch)
-            for name, values in weights.items():
-                self._writer("train").add_histogram(f"{name.replace('.', '/')}/histogram", values, epoch)
-            for w in self._writers.values():
-                w.flush()
+            self._safely(lambda: self._epoch_write(epoch, {**(logs or {}), **self._steps_per_second()}, weights))
+
+    def _checked_write(self, prefix: str, logs: Any, step: int, suffix: str = "") -> None:
+        self._check_folders()
+        self._write(prefix, logs, step, suffix)
+
+    def _epoch_write(self, epoch: int, logs: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+        self._checked_write("epoch", logs, epoch)
+        for name, values in weights.items():
+            self._writer("train").add_histogram(f"{name.replace('.', '/')}/histogram", values, epoch)
+        for w in self._writers.values():
+            w.flush()
 
     def _weights(self) -> dict[str, torch.Tensor]:
         """The floating-point tensors of ``model.state_dict()``, finite values only, on the CPU."""
@@ -190,18 +213,20 @@ class TensorBoard(StatefulCallback):
         """Every evaluation: ``validation/evaluation_<key>_vs_iterations`` at ``global_step`` (Keras)."""
         if not is_rank_zero() or not logs:
             return
-        self._check_folders()
-        self._write("evaluation", {f"val_{k}": v for k, v in logs.items()}, self.model.global_step, "_vs_iterations")
+        values = {f"val_{k}": v for k, v in logs.items()}
+        self._safely(lambda: self._checked_write("evaluation", values, self.model.global_step, "_vs_iterations"))
         if "do_validation" not in self.params:  # evaluate(callbacks=[...]): no fit closes the writers
-            self.close()
+            self._safely(self.close)
 
     def on_validation_end(self, logs=None):
         """Inside-epoch validations: ``validation/step_<key>`` at ``global_step``."""
         if self.params.get("validation_interval") and is_rank_zero() and logs:
-            self._write("step", {k: v for k, v in logs.items() if k.startswith("val_")}, int(logs["step"]))
+            values = {k: v for k, v in logs.items() if k.startswith("val_")}
+            self._safely(lambda: self._write("step", values, int(logs["step"])))
 
     def on_train_end(self, logs=None):
-        self.close()
+        self._safely(self.close)
+        self._writers = {}  # closed, or dropped after a failed write
 
     def close(self) -> None:
         """Close the writers and their threads (idempotent; the next write opens new ones)."""
