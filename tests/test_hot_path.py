@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 #: case -> (most extra aten ops, most extra Python functions) per steady step against the hand loop
-LIMITS = {"mse": (-1, 15), "cross_entropy": (4, 15), "cross_entropy+accuracy": (19, 60), "bf16": (-1, 25)}
+LIMITS = {"mse": (-1, 15), "cross_entropy": (4, 10), "cross_entropy+accuracy": (19, 60), "bf16": (-1, 25)}
 
 
 @pytest.fixture(scope="module")

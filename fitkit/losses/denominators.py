@@ -145,6 +145,13 @@ def objective(loss: Any, y_pred: Any, y: Any, sample_weight: torch.Tensor | None
         >>> objective(ce, logits, torch.full((2, 4), -100), None)  # nothing counts: 0, not 0/0
         tensor(0.)
     """
+    if (sample_weight is None and type(y) is torch.Tensor and y.dtype is torch.long and y.dim() == 1
+            and type(y_pred) is torch.Tensor and y_pred.dim() == 2 and y_pred.dtype is torch.float32
+            and y_pred.shape[0] == y.shape[0] and type(loss) is Loss and loss.fn in _NLL
+            and loss.class_weights is None and loss.reduction == "mean"):  # fmt: skip
+        # (B, C) logits and (B,) class indices: the classification step, without prepare's checks
+        # (the first batch ran them; torch's kernel checks the class range)
+        return _counted_nll(loss, y_pred, y, y, class_last=False)
     if isinstance(loss, Loss) and loss.reduction == "sum":
         return _sum_objective(loss, y_pred, y, sample_weight)
     if sample_weight is None and isinstance(y, torch.Tensor) and y.is_floating_point():
@@ -196,12 +203,21 @@ _NLL = {F.cross_entropy: True, F.nll_loss: False}  # fn -> it takes logits (log_
 _last_count: tuple[Any, int, torch.Tensor] | None = None
 
 
-def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _counted_nll(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor, given: Any, class_last: bool) -> torch.Tensor:
+    """:func:`_nll_objective`'s mean; its count kept for ``given`` (the caller's targets)."""
+    global _last_count
+    mean, count = _nll_objective(loss, y_pred, y, class_last)
+    _last_count = (given, given._version, count)
+    return mean
+
+
+def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor,
+                   class_last: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Cross-entropy / NLL on class indices without weights: the sum over the targets and their
     count from the one kernel (``nll_loss_forward`` returns both), the sum divided by the count
     (at least 1: nothing counted is 0, not 0/0). The ops of a hand ``F.cross_entropy`` plus a
     clamp and a division. Returns the mean and the count."""
-    if loss.class_last:
+    if class_last:
         logits, target = y_pred.reshape(-1, y_pred.shape[-1]), y.reshape(-1)
     else:
         logits, target = y_pred, y
@@ -220,14 +236,11 @@ def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor) -> tuple[t
 
 
 def _token_objective(loss: Loss, y_pred: Any, y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    global _last_count
     given = y
     y_pred, y = loss.prepare(y_pred, y)
     if w is None and loss.class_weights is None and loss.fn in _NLL and isinstance(y_pred, torch.Tensor) \
             and (y_pred.dim() == 2 and y.dim() == 1 or loss.class_last):  # fmt: skip
-        mean, counted = _nll_objective(loss, y_pred, y)
-        _last_count = (given, given._version, counted)  # keyed by the caller's y (prepare may copy it)
-        return mean
+        return _counted_nll(loss, y_pred, y, given, loss.class_last)  # keyed by the caller's y (prepare may copy)
     tw = _token_weights(loss, y, w)
     reduction = "sum" if w is None else "none"
     try:
