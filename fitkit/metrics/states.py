@@ -97,11 +97,21 @@ def multiclass_stat_scores(
         (tensor(2), tensor(0), tensor(2), tensor(0))
     """
     preds, target = preds.reshape(-1), target.reshape(-1)
+    if average == "micro":  # torchmetrics' micro rule: every miss is one fp and one fn
+        # The fewest ops (each a kernel launch on a GPU): a label outside [0, C) as ignore_index
+        # never equals a prediction, so a hit needs no mask then; tn = C*n - (2*miss + tp).
+        hit = preds == target
+        n: Any = target.numel()
+        if ignore_index is not None:
+            valid = target != ignore_index
+            n = valid.sum()
+            if 0 <= ignore_index < num_classes:
+                hit = hit & valid
+        tp = hit.sum()
+        miss = n - tp
+        return tp, miss, tp + (num_classes - 2) * n, miss
     valid = target != ignore_index if ignore_index is not None else torch.ones_like(target, dtype=torch.bool)  # (N,)
     hit = (preds == target) & valid
-    if average == "micro":  # torchmetrics' micro rule: every miss is one fp and one fn
-        tp, miss, n = hit.sum(), (valid & ~hit).sum(), valid.sum()
-        return tp, miss, num_classes * n - (2 * miss + tp), miss
     # Ignored targets (possibly outside [0, C)) are sent to class 0 with a weight of 0.
     safe_target = torch.where(valid, target, torch.zeros_like(target))
     safe_preds = torch.where(valid, preds, torch.zeros_like(preds)).clamp(0, num_classes - 1)
