@@ -521,6 +521,7 @@ class Model:
         validate_at_end: bool = False,
         min_epochs: int | None = None,
         min_steps: int | None = None,
+        max_time: Any = None,
         # quick runs (Lightning's names; fitkit.training.quick)
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0,
@@ -601,6 +602,12 @@ class Model:
                 dropped and training goes on, so the callback decides again later. A signal
                 (SIGTERM) and ``max_steps`` still stop. ``ValueError`` above ``epochs`` /
                 ``max_steps``.
+            max_time: a training time budget (Lightning's ``Trainer(max_time=...)``): seconds,
+                a ``datetime.timedelta``, a dict of its keywords or ``"DD:HH:MM:SS"``. Adds a
+                :class:`~fitkit.callbacks.Timer` with that duration (checked after each
+                optimizer step; its elapsed time is in checkpoints, so a resumed run counts the
+                time already spent; under torchrun the ranks stop at one agreed step).
+                ``ValueError`` with a ``Timer`` in the callbacks already.
             fast_dev_run: a smoke test before a long job (Lightning's flag): ``True`` (1) or an
                 int ``n`` runs ``n`` training batches and then one validation of ``n`` batches,
                 in one epoch (``initial_epoch``), whatever ``epochs``, ``max_steps``,
@@ -676,6 +683,7 @@ class Model:
                 "but validation_interval is None (validations then run at epoch ends, the last one included). "
                 "Fix: pass validation_interval=N, or drop validate_at_end."
             )
+        callbacks = _with_time_budget(max_time, callbacks)
         quick = check_quick(fast_dev_run, overfit_batches, limit_train_batches, limit_val_batches,
                             num_sanity_val_steps, x=x, steps_per_epoch=steps_per_epoch,
                             validation_steps=validation_steps)  # fmt: skip
@@ -1410,3 +1418,19 @@ class Model:
 
         return find_batch_size(self, x, y, **kwargs)
 
+
+
+def _with_time_budget(max_time: Any, callbacks: Any) -> Any:
+    """``callbacks`` with ``fit(max_time=...)``'s :class:`~fitkit.callbacks.Timer` added."""
+    if max_time is None:
+        return callbacks
+    from fitkit.callbacks.timer import Timer
+
+    timer = Timer(max_time)  # checks the duration
+    listed = list(callbacks or [])
+    if any(isinstance(cb, Timer) for cb in listed):
+        raise ValueError(
+            "fit(max_time=...) adds a Timer, and the callbacks hold one already: two time budgets. "
+            "Fix: pass one of them (max_time=, or Timer(duration=...))."
+        )
+    return [*listed, timer]

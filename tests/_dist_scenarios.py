@@ -532,3 +532,30 @@ def bn_reference(state: dict[str, torch.Tensor]) -> dict:
     model = fitkit.Model(module, device="cpu")
     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     return model.evaluate(xv, yv, verbose=0, return_dict=True)
+
+
+def time_budget() -> dict:
+    """A Timer of 3 s whose (fake) clock runs 1 s per batch on rank 0 and 0.25 s on rank 1:
+    rank 0 spends its budget at step 3, and the ranks stop together where they agree (after
+    step 1, then every 8 steps: step 9; 16 steps per epoch, so no epoch end comes first)."""
+    import os
+
+    from fitkit.callbacks import Timer
+
+    now = [0.0]
+    per_batch = 1.0 if rank() == 0 else 0.25
+    tick = LambdaCallback(on_train_batch_begin=lambda b, logs: now.__setitem__(0, now[0] + per_batch))
+    timer = Timer(duration=3, clock=lambda: now[0])
+    x, y, _ = data(128)
+    model = fitkit.Model(net(), device="cpu")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.01), loss="mse")
+    old = os.environ.get("FITKIT_SIGNAL_SECONDS")
+    os.environ["FITKIT_SIGNAL_SECONDS"] = "1000"  # agreements by steps only: deterministic
+    try:
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[tick, timer])
+    finally:
+        if old is None:
+            os.environ.pop("FITKIT_SIGNAL_SECONDS")
+        else:
+            os.environ["FITKIT_SIGNAL_SECONDS"] = old
+    return {"step": model.global_step, "spent": timer.stopped, "elapsed": timer.elapsed}

@@ -93,3 +93,27 @@ def test_a_resumed_run_counts_the_time_spent_before(tmp_path):
 def test_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         Timer(**kwargs)
+
+
+def test_fit_max_time_adds_a_timer():
+    """fit(max_time=...) is Lightning's Trainer(max_time): a Timer with that duration. A budget
+    spent by the first step stops there; an hour trains every epoch; two budgets are refused
+    before anything changes, as is a bad duration."""
+    import torch
+
+    import fitkit
+
+    x, y = torch.randn(16, 2), torch.randn(16, 1)
+    model = fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, max_time=1e-9)
+    assert model.global_step == 1 and history.epoch == [0]
+    history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, max_time={"hours": 1})
+    assert model.global_step == 13 and history.epoch == [0, 1, 2]
+    before = [p.detach().clone() for p in model.module.parameters()]
+    with pytest.raises(ValueError, match="two time budgets"):
+        model.fit(x, y, batch_size=4, verbose=0, max_time=60, callbacks=[Timer(duration=60)])
+    with pytest.raises(ValueError, match="'DD:HH:MM:SS'"):
+        model.fit(x, y, batch_size=4, verbose=0, max_time="1 hour")
+    assert model.global_step == 13 and all(torch.equal(a, b) for a, b in zip(before, model.module.parameters(),
+                                                                           strict=True))  # fmt: skip

@@ -58,6 +58,7 @@ for case in ("unfreeze", "find_unused", "static_graph", "bucket_view"):
 res["unused_refused"] = sc.unused_refused()
 res["unused_refused_bucket_view"] = sc.unused_refused(bucket_view=True)
 res["bn_validation"] = sc.bn_validation()
+res["time_budget"] = sc.time_budget()
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -418,3 +419,13 @@ def test_sync_batchnorm_converts_in_place_and_is_refused_off_cuda():
         DDP(sync_batchnorm=True).convert(nn.Sequential(nn.BatchNorm1d(3)), torch.device("cpu"))
     with pytest.raises(TypeError, match="`sync_batchnorm`"):
         DDP(sync_batchnorm="yes")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_time_budget_stops_every_rank_at_one_step(job):
+    """Each rank's clock is its own: rank 0 spends a 3 s budget at step 3, rank 1 (a slower
+    clock) would not until step 12; both stop at the next agreement point, step 9."""
+    r0, r1, _, _ = job
+    assert r0["time_budget"] == {"step": 9, "spent": True, "elapsed": 9.0}
+    assert r1["time_budget"] == {"step": 9, "spent": False, "elapsed": 2.25}
