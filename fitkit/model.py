@@ -20,6 +20,7 @@ the order a batch meets it::
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -517,7 +518,7 @@ class Model:
         validation_batch_size: int | None = None,
         validation_freq: int | list[int] = 1,
         max_steps: int | None = None,
-        validation_interval: int | float | None = None,
+        validation_interval: int | float | datetime.timedelta | None = None,
         validate_at_end: bool = False,
         min_epochs: int | None = None,
         min_steps: int | None = None,
@@ -586,7 +587,9 @@ class Model:
             validation_interval: validate inside epochs: an int ``N``, after every ``N``-th
                 optimizer step (``global_step % N == 0``; Transformers' ``eval_steps``), or a
                 float in ``(0, 1]``, every ``max(1, int(f * S))`` of an epoch's ``S`` steps
-                (Lightning's ``val_check_interval``). Validations then run only there; each is
+                (Lightning's ``val_check_interval``), or a ``datetime.timedelta`` of training
+                time (checked after each step; under torchrun agreed by the ranks within 8
+                steps, then run after the next step on all). Validations then run only there; each is
                 recorded in ``history.validations`` with its ``step`` and fires
                 ``on_validation_end``; the training stream (totals, data order, RNG) is that
                 of a fit without them. Not with ``validation_freq``. See

@@ -559,3 +559,34 @@ def time_budget() -> dict:
         else:
             os.environ["FITKIT_SIGNAL_SECONDS"] = old
     return {"step": model.global_step, "spent": timer.stopped, "elapsed": timer.elapsed}
+
+
+def time_validation() -> dict:
+    """validation_interval=timedelta(seconds=2.5) with fake clocks of 1 s per batch on rank 0 and
+    0.1 s on rank 1: the ranks agree where they agree on signals (after step 1, then every 8
+    steps) and validate after the next step, together."""
+    import datetime
+    import os
+
+    from fitkit.training.step_validation import ValidationInterval
+
+    now = [0.0]
+    per_batch = 1.0 if rank() == 0 else 0.1
+    tick = LambdaCallback(on_train_batch_begin=lambda b, logs: now.__setitem__(0, now[0] + per_batch))
+    real = ValidationInterval.clock
+    ValidationInterval.clock = staticmethod(lambda: now[0])
+    old = os.environ.get("FITKIT_SIGNAL_SECONDS")
+    os.environ["FITKIT_SIGNAL_SECONDS"] = "1000"  # agreements by steps only: deterministic
+    x, y, _ = data(128)
+    model = fitkit.Model(net(), device="cpu")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.01), loss="mse")
+    try:
+        h = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[tick],
+                      validation_data=(x[:16], y[:16]), validation_interval=datetime.timedelta(seconds=2.5))
+    finally:
+        ValidationInterval.clock = real
+        if old is None:
+            os.environ.pop("FITKIT_SIGNAL_SECONDS")
+        else:
+            os.environ["FITKIT_SIGNAL_SECONDS"] = old
+    return {"validations": [(v["step"], v["val_loss"]) for v in h.validations], "steps": model.global_step}

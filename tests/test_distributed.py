@@ -59,6 +59,7 @@ res["unused_refused"] = sc.unused_refused()
 res["unused_refused_bucket_view"] = sc.unused_refused(bucket_view=True)
 res["bn_validation"] = sc.bn_validation()
 res["time_budget"] = sc.time_budget()
+res["time_validation"] = sc.time_validation()
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -429,3 +430,14 @@ def test_a_time_budget_stops_every_rank_at_one_step(job):
     r0, r1, _, _ = job
     assert r0["time_budget"] == {"step": 9, "spent": True, "elapsed": 9.0}
     assert r1["time_budget"] == {"step": 9, "spent": False, "elapsed": 2.25}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_timedelta_validation_interval_validates_every_rank_at_one_step(job):
+    """Rank 0's clock says 2.5 s have passed after step 3, rank 1's only after step 25: the
+    ranks agree at the signal agreement points (steps 1, 9, 17, 25) and validate after the next
+    step, together, with the same numbers."""
+    r0, r1, _, _ = job
+    assert [s for s, _ in r0["time_validation"]["validations"]] == [10, 18, 26]
+    assert r0["time_validation"] == r1["time_validation"]

@@ -222,7 +222,8 @@ def test_a_backup_taken_after_a_step_validation_resumes_exactly(tmp_path):
     [
         (0, {}, ValueError, r"`validation_interval` to be a positive number\. Received: validation_interval=0\. Fix:"),
         (1.5, {}, ValueError, r"float `validation_interval` in \(0, 1\]\. Received: validation_interval=1\.5"),
-        ("4", {}, TypeError, r"`validation_interval` to be an int or a float\. Received: validation_interval='4'"),
+        ("4", {}, TypeError,
+         r"`validation_interval` to be an int, a float or a timedelta\. Received: validation_interval='4'"),
         (True, {}, TypeError, r"validation_interval=True of type bool"),
         (2, {"validation_data": None}, ValueError, r"no validation data\. Fix: pass `validation_data="),
         (2, {"validation_freq": 2}, ValueError, r"both say when to validate\. Fix: pass one of them"),
@@ -344,3 +345,27 @@ def test_a_bad_validate_at_end_is_an_error_before_step_1(value, error):
     with pytest.raises(error, match="validate_at_end"):
         model.fit(x, y, batch_size=4, validation_data=(x, y), validate_at_end=value, verbose=0)
     assert model.global_step == 0
+
+
+def test_a_timedelta_interval_validates_once_that_much_training_time_has_passed(monkeypatch):
+    """validation_interval=timedelta(seconds=2.5) with a fake clock that ticks 1 s per training
+    batch: validations after steps 3, 6 and 9 (the time restarts at each validation), none at
+    other steps; a timedelta <= 0 and a wrong type are refused before training."""
+    import datetime
+
+    from fitkit.training.step_validation import ValidationInterval
+
+    now = [0.0]
+    monkeypatch.setattr(ValidationInterval, "clock", staticmethod(lambda: now[0]))
+    tick = fitkit.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: now.__setitem__(0, now[0] + 1.0))
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Linear(2, 1), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = torch.randn(20, 2), torch.randn(20, 1)
+    h = model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[tick], validation_data=(x[:4], y[:4]),
+                  validation_interval=datetime.timedelta(seconds=2.5))  # fmt: skip
+    assert [v["step"] for v in h.validations] == [3, 6, 9]
+    for bad, error in ((datetime.timedelta(0), ValueError), ("30m", TypeError)):
+        with pytest.raises(error, match="validation_interval"):
+            model.fit(x, y, batch_size=2, verbose=0, validation_data=(x, y), validation_interval=bad)
+    assert model.global_step == 10

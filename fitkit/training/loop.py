@@ -170,6 +170,9 @@ class FitLoop:
             with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting, \
                     _progress.beating(place):
                 self.stop.begin(self.interrupt)
+                if self.step_val is not None and self.step_val.interval.seconds is not None and model.parallel:
+                    self.step_val.agreed = self.stop.agreement  # a timedelta interval: agreed over ranks
+                    self.stop.agreement.due_here = self.step_val.time_due
                 warn_if_all_eval(model.module)
                 model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
                 cbs.on_train_begin({})

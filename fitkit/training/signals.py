@@ -25,7 +25,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fitkit.distributed.agreement import SignalAgreement
@@ -120,6 +120,10 @@ class RankAgreement:
         self.interrupt, self.distributed = interrupt, distributed
         self._schedule: SignalAgreement | None = None  # made at the first step (reads the settings)
         self.stop_agreed = False  # a rank's stop_training, agreed at the last step boundary
+        #: This rank's time trigger (a timedelta validation_interval): asked at each agreement
+        #: point; :attr:`due_agreed` says whether it was due on any rank (until its reader clears it).
+        self.due_here: Callable[[], bool] | None = None
+        self.due_agreed = False
 
     def at_step_boundary(self, stop_training: bool = False) -> bool:
         """Whether a SIGTERM / SIGINT stops training after this optimizer step.
@@ -138,8 +142,10 @@ class RankAgreement:
             return local
         if self._schedule is None:
             self._schedule = SignalAgreement()
-        agreed = self._schedule.after_step(local, bool(stop_training))
+        due_here = self.due_here is not None and self.due_here()
+        agreed = self._schedule.after_step(local, bool(stop_training), due_here)
         self.stop_agreed = self._schedule.stopped
+        self.due_agreed = self.due_agreed or self._schedule.due
         if agreed is None:  # between agreements: every rank goes on
             return False
         if agreed and not local:

@@ -6,7 +6,11 @@ inside them (``validation_interval``), and the record of every validation.
 with ``check_val_every_n_epoch=None``). A float ``f`` in ``(0, 1]`` validates every
 ``max(1, int(f * S))`` optimizer steps of each epoch of ``S`` steps, counted from the epoch's
 start (Lightning's float ``val_check_interval``: ``0.25`` is four validations per epoch).
-Validations then run only there: an epoch's logs hold the ``val_`` values of its last
+A ``datetime.timedelta`` validates once that much training time has passed since the fit began
+or since the last validation (checked after each optimizer step on one process; under torchrun
+the ranks agree where they already agree on signals, after at most 8 steps and about every
+2 s, and validate after the next step, all at the same one; the time restarts with each
+``fit`` call). Validations then run only there: an epoch's logs hold the ``val_`` values of its last
 validation, if it had one (as ``validation_freq`` leaves epochs out), and ``validation_freq``
 cannot be combined with it.
 
@@ -23,7 +27,9 @@ stepped then (other timm schedulers still get ``step(epoch + 1)`` at epoch ends)
 
 from __future__ import annotations
 
+import datetime
 import math
+import time
 from typing import Any
 
 from fitkit.callbacks.logkeys import per_validation
@@ -73,25 +79,40 @@ class ValidationInterval:
     """When ``fit`` validates inside an epoch (see the module's docstring).
 
     Args:
-        value: an int >= 1 (every that many optimizer steps, counted by ``global_step``) or a
-            float in ``(0, 1]`` (a fraction of each epoch's optimizer steps).
+        value: an int >= 1 (every that many optimizer steps, counted by ``global_step``), a
+            float in ``(0, 1]`` (a fraction of each epoch's optimizer steps) or a
+            ``datetime.timedelta`` (that much training time; see the module).
 
     Raises:
-        TypeError: not an int or a float.
-        ValueError: an int < 1 or a float outside ``(0, 1]``.
+        TypeError: not an int, a float or a timedelta.
+        ValueError: an int < 1, a float outside ``(0, 1]``, a timedelta not > 0.
 
     Example:
         >>> every3, quarter = ValidationInterval(3), ValidationInterval(0.25)
         >>> [s for s in range(1, 10) if every3.due(s, s)], quarter.plan(10), quarter.steps_between
         ([3, 6, 9], None, 2)
+        >>> ValidationInterval(datetime.timedelta(minutes=30)).seconds
+        1800.0
     """
 
+    #: Seconds (``time.monotonic``) for a timedelta interval; a test may set a fake clock.
+    clock = staticmethod(time.monotonic)
+
     def __init__(self, value: Any):
-        fix = "pass an int (every N optimizer steps) or a float in (0, 1] (a fraction of the epoch), e.g. 0.25."
+        fix = ("pass an int (every N optimizer steps), a float in (0, 1] (a fraction of the epoch), e.g. 0.25, "
+               "or a datetime.timedelta (training time).")  # fmt: skip
+        self.seconds: float | None = None
+        self.value: Any
+        if isinstance(value, datetime.timedelta):
+            if value.total_seconds() <= 0:
+                raise ValueError(f"Expected a timedelta `validation_interval` > 0. Received: {value!r}. Fix: {fix}")
+            self.value, self.fraction, self.steps_between = value, False, 0
+            self.seconds = value.total_seconds()
+            return
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(
-                f"Expected `validation_interval` to be an int or a float. Received: validation_interval={value!r} "
-                f"of type {type(value).__name__}. Fix: {fix}"
+                f"Expected `validation_interval` to be an int, a float or a timedelta. Received: "
+                f"validation_interval={value!r} of type {type(value).__name__}. Fix: {fix}"
             )
         check_number("validation_interval", value, positive=True, fix=fix)
         if isinstance(value, float) and value > 1:
@@ -118,7 +139,9 @@ class ValidationInterval:
 
     def due(self, global_step: int, step_in_epoch: int) -> bool:
         """Whether the optimizer step just done (``global_step``, the epoch's ``step_in_epoch``-th,
-        1-based) is followed by a validation."""
+        1-based) is followed by a validation (a timedelta interval: see :class:`StepValidation`)."""
+        if self.seconds is not None:
+            return False
         counted = step_in_epoch if self.fraction else global_step
         return counted > 0 and counted % self.steps_between == 0
 
@@ -151,6 +174,13 @@ class StepValidation:
         self.model, self.val, self.callbacks, self.history, self.steps = model, validation, callbacks, history, steps
         self.interval = interval
         self.last_step = -1  # the global_step of the last validation (a vetoed step does not move it)
+        self._since = interval.clock()  # a timedelta interval counts from here, and from each validation
+        self.agreed: Any = None  # under torchrun: the fit's RankAgreement (its due_agreed flag)
+
+    def time_due(self) -> bool:
+        """This rank's clock says a timedelta interval has passed (``False`` for other intervals)."""
+        seconds = self.interval.seconds
+        return seconds is not None and self.interval.clock() - self._since >= seconds
 
     def begin_epoch(self, batches: int | None, accumulation: int) -> None:
         """A fraction's spacing for this epoch of ``batches`` at ``accumulation``."""
@@ -162,6 +192,14 @@ class StepValidation:
         stepper = self.model.stepper
         step = stepper.global_step
         if step == self.last_step:
+            return
+        if self.interval.seconds is not None:  # training time
+            if self.agreed is None:
+                due = self.time_due()
+            else:  # the ranks agreed at the last agreement point that some rank's time had come
+                due, self.agreed.due_agreed = self.agreed.due_agreed, False
+            if due:
+                self.run(epoch)
             return
         if self.interval.due(step, math.ceil(batches_done / stepper.accumulation)):
             self.run(epoch)
@@ -178,6 +216,7 @@ class StepValidation:
             _checkpoint.set_rng_state(rng)
         stepper.scheduling.step_on_validation(epoch, val_logs)  # a compiled ReduceLROnPlateau
         record_validation(self.history, self.callbacks, self.last_step, epoch, val_logs)
+        self._since = self.interval.clock()
 
     def epoch_logs(self, epoch: int) -> dict[str, float] | None:
         """The ``val_`` values of ``epoch``'s last validation (the epoch logs'), if it had one."""
