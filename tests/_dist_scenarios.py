@@ -561,10 +561,11 @@ def time_budget() -> dict:
     return {"step": model.global_step, "spent": timer.stopped, "elapsed": timer.elapsed}
 
 
-def time_validation() -> dict:
-    """validation_interval=timedelta(seconds=2.5) with fake clocks of 1 s per batch on rank 0 and
-    0.1 s on rank 1: the ranks agree where they agree on signals (after step 1, then every 8
-    steps) and validate after the next step, together."""
+def time_validation(folder) -> dict:
+    """validation_interval=timedelta(seconds=2.5) and ModelCheckpoint(train_time_interval= the
+    same) with fake clocks of 1 s per batch on rank 0 and 0.1 s on rank 1: the ranks agree
+    where they agree on signals (after step 1, then every 8 steps) and validate and save after
+    the next step, together."""
     import datetime
     import os
 
@@ -581,7 +582,9 @@ def time_validation() -> dict:
     model = fitkit.Model(net(), device="cpu")
     model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.01), loss="mse")
     try:
-        h = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[tick],
+        ck = ModelCheckpoint(folder / "m-{step}.pt", monitor="loss", keep_last=10, clock=lambda: now[0],
+                             train_time_interval=datetime.timedelta(seconds=2.5))  # fmt: skip
+        h = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[tick, ck],
                       validation_data=(x[:16], y[:16]), validation_interval=datetime.timedelta(seconds=2.5))
     finally:
         ValidationInterval.clock = real
@@ -589,4 +592,5 @@ def time_validation() -> dict:
             os.environ.pop("FITKIT_SIGNAL_SECONDS")
         else:
             os.environ["FITKIT_SIGNAL_SECONDS"] = old
-    return {"validations": [(v["step"], v["val_loss"]) for v in h.validations], "steps": model.global_step}
+    return {"validations": [(v["step"], v["val_loss"]) for v in h.validations], "steps": model.global_step,
+            "saved": [os.path.basename(p) for p in ck.recent]}

@@ -96,3 +96,43 @@ def test_bad_keep_last_is_refused(tmp_path, kwargs, error, match):
 def test_keep_last_needs_a_name_per_save(tmp_path):
     with pytest.raises(ValueError, match=r"keep_last=2.*must differ per save"):
         ModelCheckpoint(tmp_path / "model.pt", keep_last=2)
+
+
+def test_train_time_interval_saves_after_that_much_training_time(tmp_path):
+    """ModelCheckpoint(train_time_interval=timedelta(seconds=2.5)) with a fake clock of 1 s per
+    batch: files after steps 3, 6 and 9 (the time restarts at each save), none at epoch ends;
+    with accumulation 2 a due save waits for the window's end; bad arguments are refused."""
+    import datetime
+
+    import torch
+    from torch import nn
+
+    import fitkit
+    from fitkit.callbacks import LambdaCallback, ModelCheckpoint
+
+    now = [0.0]
+    tick = LambdaCallback(on_train_batch_begin=lambda b, logs: now.__setitem__(0, now[0] + 1.0))
+    ck = ModelCheckpoint(tmp_path / "m-{step}.pt", monitor="loss", train_time_interval=datetime.timedelta(seconds=2.5),
+                         clock=lambda: now[0])  # fmt: skip
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Linear(2, 1), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = torch.randn(20, 2), torch.randn(20, 1)
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[tick, ck])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt") == ["m-3.pt", "m-6.pt", "m-9.pt"]
+    saved = torch.load(tmp_path / "m-6.pt", weights_only=True)
+    assert saved["global_step"] == 6
+
+    # accumulation 2: due after batch 3 (mid-window), saved at batch 4's end (step 2); 2 s more by step 3
+    now[0] = 0.0
+    acc = fitkit.Model(nn.Linear(2, 1), device="cpu")
+    acc.compile(optimizer="sgd", loss="mse", gradient_accumulation_steps=2)
+    ck2 = ModelCheckpoint(tmp_path / "acc" / "m-{step}.pt", monitor="loss",
+                          train_time_interval=datetime.timedelta(seconds=2.5), clock=lambda: now[0])  # fmt: skip
+    acc.fit(x[:12], y[:12], batch_size=2, epochs=1, verbose=0, callbacks=[tick, ck2])
+    assert sorted(p.name for p in (tmp_path / "acc").iterdir() if p.suffix == ".pt") == ["m-2.pt"]  # then 2 s: none
+
+    with pytest.raises(TypeError, match="train_time_interval"):
+        ModelCheckpoint(tmp_path / "a.pt", train_time_interval=30)
+    with pytest.raises(ValueError, match="train_time_interval.*save_freq=5"):
+        ModelCheckpoint(tmp_path / "a.pt", train_time_interval=datetime.timedelta(seconds=1), save_freq=5)

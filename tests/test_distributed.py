@@ -59,7 +59,7 @@ res["unused_refused"] = sc.unused_refused()
 res["unused_refused_bucket_view"] = sc.unused_refused(bucket_view=True)
 res["bn_validation"] = sc.bn_validation()
 res["time_budget"] = sc.time_budget()
-res["time_validation"] = sc.time_validation()
+res["time_validation"] = sc.time_validation(OUT / "timed")
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -436,8 +436,11 @@ def test_a_time_budget_stops_every_rank_at_one_step(job):
 @pytest.mark.slow
 def test_a_timedelta_validation_interval_validates_every_rank_at_one_step(job):
     """Rank 0's clock says 2.5 s have passed after step 3, rank 1's only after step 25: the
-    ranks agree at the signal agreement points (steps 1, 9, 17, 25) and validate after the next
-    step, together, with the same numbers."""
-    r0, r1, _, _ = job
+    ranks agree at the signal agreement points (steps 1, 9, 17, 25) and validate (and save, for
+    ModelCheckpoint(train_time_interval=)) after the next step, together, with the same numbers."""
+    r0, r1, _, folder = job
     assert [s for s, _ in r0["time_validation"]["validations"]] == [10, 18, 26]
     assert r0["time_validation"] == r1["time_validation"]
+    # ModelCheckpoint(train_time_interval=) on the same clocks: saved at the same steps (rank 0 wrote)
+    assert r0["time_validation"]["saved"] == ["m-10.pt", "m-18.pt", "m-26.pt"]
+    assert sorted(p.name for p in (folder / "timed").iterdir() if p.suffix == ".pt") == r0["time_validation"]["saved"]

@@ -11,9 +11,12 @@ write is atomic (:func:`fitkit.files.atomic_save`), and only rank 0 writes when
 
 from __future__ import annotations
 
+import datetime
 import glob
 import math
 import os
+import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,7 @@ from fitkit.callbacks.monitor import (
 )
 from fitkit.callbacks.scoring import scored_weights
 from fitkit.checks import check_bool, check_every, check_int, check_mode, check_number
-from fitkit.distributed import say
+from fitkit.distributed import is_distributed, say
 from fitkit.files import check_target, remove_stale_temps
 from fitkit.files.content import typed_problems
 from fitkit.files.locks import FileLock
@@ -88,6 +91,13 @@ class ModelCheckpoint(StatefulCallback):
             The list carries over in checkpoints, so a resumed run goes on rotating it. The
             peers' names: the Trainer's ``save_total_limit``, torchtitan's ``keep_latest_k``,
             Accelerate's ``total_limit``. Not with ``save_top_k`` (which keeps the best k).
+        train_time_interval: a ``datetime.timedelta``: save at the first batch end (of a whole
+            accumulation group) after that much training time since the fit began or since
+            the last save, as Lightning's ``train_time_interval`` (the time restarts with each
+            ``fit`` call; not with ``save_freq`` or ``every_n_epochs``). Under torchrun the ranks
+            agree where they agree on signals (after at most 8 steps, about every 2 s) and save
+            after the next step, all together.
+        clock: seconds for ``train_time_interval`` (``time.monotonic``; a fake clock in tests).
 
     Raises:
         ValueError: a bad ``filepath`` (an existing folder too), ``mode``, ``save_freq``, ``save_top_k`` or
@@ -96,7 +106,7 @@ class ModelCheckpoint(StatefulCallback):
             ``save_freq``; at ``on_train_begin``, a direction ``auto`` cannot infer; when
             saving, a key the logs do not hold.
         TypeError: ``initial_value_threshold`` is not a number, ``save_last`` neither a bool
-            nor a path.
+            nor a path, ``train_time_interval`` not a positive timedelta, ``clock`` not callable.
 
     Example:
         >>> import os, tempfile, torch, fitkit
@@ -125,8 +135,12 @@ class ModelCheckpoint(StatefulCallback):
         every_n_epochs: int = 1,
         save_last: bool | str | os.PathLike = False,
         keep_last: int | None = None,
+        train_time_interval: datetime.timedelta | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         super().__init__()
+        _check_time_interval(train_time_interval, save_freq, every_n_epochs, clock)
+        self.train_time_interval, self.clock = train_time_interval, clock
         check_bool("save_best_only", save_best_only)
         check_bool("save_weights_only", save_weights_only)
         if not isinstance(monitor, str):
@@ -231,7 +245,9 @@ class ModelCheckpoint(StatefulCallback):
 
     def on_train_begin(self, logs=None):
         # Before step 1: every key the decisions read can hold a value when they are taken.
-        batch_level = None if self.save_freq == "epoch" else self.save_freq
+        batch_level = (1 if self.train_time_interval is not None else None) if self.save_freq == "epoch" \
+            else self.save_freq  # fmt: skip
+        self._since, self._time_agreed = self.clock(), False  # train_time_interval counts from each fit's start
         if "batch" in self._fields and batch_level is None:
             raise ValueError(
                 f"ModelCheckpoint's filepath {self.filepath!r} uses {{batch}}, but save_freq='epoch' "
@@ -293,6 +309,8 @@ class ModelCheckpoint(StatefulCallback):
             )
 
     def on_epoch_end(self, epoch, logs=None):
+        if self.train_time_interval is not None:
+            return  # saved by training time only
         if self.save_freq == "epoch" and self.every_n_epochs == 0:
             self._pending_last = epoch if self.last_path is not None else None  # no ranked file (Lightning)
         elif self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0 and not per_validation(self):
@@ -300,13 +318,37 @@ class ModelCheckpoint(StatefulCallback):
 
     def on_validation_end(self, logs=None):
         # Inside-epoch validation with a val_ monitor: decide at each validation ({step} names it).
-        if self.save_freq == "epoch" and self.every_n_epochs != 0 and per_validation(self):
+        if self.save_freq == "epoch" and self.every_n_epochs != 0 and per_validation(self) \
+                and self.train_time_interval is None:  # fmt: skip
             self._decide(self.model.epoch, None, logs or {})
 
     def _save_on_validation_end(self, logs=None):
         self._write()
 
+    # -- train_time_interval: a time trigger (agreed over ranks where they agree on signals) --
+    def time_due(self) -> bool:
+        """This rank's clock says ``train_time_interval`` has passed since the last save."""
+        interval = self.train_time_interval
+        return interval is not None and self.clock() - self._since >= interval.total_seconds()
+
+    def time_agreed(self) -> None:
+        """Under torchrun: the ranks agreed that the interval has passed; save at the next step."""
+        self._time_agreed = True
+
+    def _time_save(self, batch: int, logs: Any) -> None:
+        if not is_distributed():
+            due = self.time_due()
+        else:
+            due = self._time_agreed
+        full = not self.save_weights_only or self.last_path is not None
+        if due and (not full or self.model.closes_accumulation_window):  # a window's gradients: wait
+            self._time_agreed, self._since = False, self.clock()
+            self._decide(self.model.epoch, batch, logs)
+
     def on_train_batch_end(self, batch, logs=None):
+        if self.train_time_interval is not None:
+            self._time_save(batch, logs or {})
+            return
         if self.save_freq == "epoch":
             return
         self._batches_seen += 1
@@ -435,3 +477,20 @@ class ModelCheckpoint(StatefulCallback):
     def _worst(self, kept: list[tuple[float, str]]) -> tuple[float, str]:
         pick = max if self._mode == "min" else min
         return pick(kept, key=lambda vp: vp[0])
+
+
+def _check_time_interval(interval: Any, save_freq: Any, every_n_epochs: Any, clock: Any) -> None:
+    """``ModelCheckpoint``'s ``train_time_interval`` and ``clock`` checked."""
+    if interval is not None:
+        if not isinstance(interval, datetime.timedelta) or interval.total_seconds() <= 0:
+            raise TypeError(
+                "Expected `train_time_interval` to be a datetime.timedelta > 0 (Lightning's). Received: "
+                f"train_time_interval={interval!r}. Fix: e.g. datetime.timedelta(minutes=30)."
+            )
+        if save_freq != "epoch" or every_n_epochs != 1:
+            raise ValueError(
+                f"`train_time_interval` saves by training time, and save_freq={save_freq!r} / every_n_epochs="
+                f"{every_n_epochs!r} say when to save too. Fix: pass one of them (as Lightning allows one)."
+            )
+    if not callable(clock):
+        raise TypeError(f"Expected `clock` to be a callable returning seconds. Received: clock={clock!r}.")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,25 +70,27 @@ class SignalAgreement:
         self.since = 0
         self.t0 = time.monotonic()
         self.stopped = False  # whether any rank asked to stop, at the last agreement
-        self.due = False  # whether any rank's time trigger was due, at the last agreement
+        self.dues: list[bool] = []  # per time trigger: whether it was due on any rank, at the last agreement
 
-    def after_step(self, signalled_here: bool, stop_here: bool = False, due_here: bool = False) -> bool | None:
+    def after_step(self, signalled_here: bool, stop_here: bool = False, dues_here: Sequence[bool] = ()) -> bool | None:
         """At an agreement point: whether any rank was signalled; ``None`` between them.
 
-        ``stop_here`` (this rank's ``stop_training``) and ``due_here`` (this rank's clock says a
-        time trigger, such as a timedelta ``validation_interval``, is due) ride in the same
-        all-reduce: :attr:`stopped` and :attr:`due` say whether any rank asked, at this point.
+        ``stop_here`` (this rank's ``stop_training``) and ``dues_here`` (per time trigger, such
+        as a timedelta ``validation_interval``: this rank's clock says it is due) ride in the
+        same all-reduce: :attr:`stopped` and :attr:`dues` say whether any rank asked, at this point.
         """
         self.since += 1
-        self.stopped = self.due = False
+        self.stopped, self.dues = False, [False] * len(dues_here)
         if self.since < self.interval:
             return None
         now = time.monotonic()
         pace = (now - self.t0) / self.since  # seconds per step, on this rank's host clock
         proposal = self.every if pace <= 0 else max(1, min(self.every, int(self.seconds / pace)))
-        flags = torch.tensor([int(signalled_here), int(stop_here), int(due_here), -proposal],
+        flags = torch.tensor([int(signalled_here), int(stop_here), *(int(d) for d in dues_here), -proposal],
                              dtype=torch.int64).to(_comm_device())  # fmt: skip
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # any signal, any stop, any due; the smallest proposal
-        signalled, stopped, due, neg = flags.tolist()  # one host read per agreement
-        self.since, self.t0, self.interval, self.stopped, self.due = 0, now, -int(neg), bool(stopped), bool(due)
+        values = flags.tolist()  # one host read per agreement
+        signalled, stopped, neg = values[0], values[1], values[-1]
+        self.since, self.t0, self.interval, self.stopped = 0, now, -int(neg), bool(stopped)
+        self.dues = [bool(d) for d in values[2:-1]]
         return bool(signalled)

@@ -67,6 +67,7 @@ def beating(place: Any) -> Iterator[None]:
         yield
     finally:
         done.set()
+        thread.join(timeout=5)  # it wakes at once; joined, it holds nothing of the fit (its loop) any more
 
 
 def _describe(place: list[int]) -> str:

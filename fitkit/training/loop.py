@@ -169,10 +169,8 @@ class FitLoop:
             place = self._place if model.parallel is not None else None
             with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting, \
                     _progress.beating(place):
-                self.stop.begin(self.interrupt)
-                if self.step_val is not None and self.step_val.interval.seconds is not None and model.parallel:
-                    self.step_val.agreed = self.stop.agreement  # a timedelta interval: agreed over ranks
-                    self.stop.agreement.due_here = self.step_val.time_due
+                # time triggers, under torchrun: agreed over ranks where signals are
+                self.stop.begin(self.interrupt, self._time_triggers() if model.parallel is not None else [])
                 warn_if_all_eval(model.module)
                 model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
                 cbs.on_train_begin({})
@@ -208,6 +206,16 @@ class FitLoop:
             cbs.params.pop("train_data", None)  # History keeps params: not the data
             cbs.close(finished)
             model.pop_resume()  # a loaded resume point serves one fit only
+
+    def _time_triggers(self) -> list[Any]:
+        """What acts on a clock (``time_due()`` / ``time_agreed()``): a timedelta validation
+        interval, callbacks such as ``ModelCheckpoint(train_time_interval=...)``."""
+        triggers: list[Any] = []
+        if self.step_val is not None and self.step_val.interval.seconds is not None:
+            self.step_val.agree_by_ranks()
+            triggers.append(self.step_val)
+        triggers += [cb for cb in self.callbacks.callbacks if callable(getattr(cb, "time_agreed", None))]
+        return triggers
 
     def _place(self) -> tuple[int, int, int]:
         """(epoch, batch begun, batches done) for :mod:`fitkit.distributed.progress`."""

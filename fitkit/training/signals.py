@@ -25,7 +25,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from fitkit.distributed.agreement import SignalAgreement
@@ -109,6 +109,7 @@ class RankAgreement:
         interrupt: the fit's :class:`Interrupt` (a signal to another rank is recorded in it
             as a SIGTERM, so this rank stops and saves the same way).
         distributed: whether the fit runs under torchrun (else every answer is local).
+        triggers: objects with ``time_due()`` / ``time_agreed()`` (see :attr:`triggers`).
 
     Example:
         >>> agree = RankAgreement(Interrupt(), distributed=False)
@@ -116,14 +117,14 @@ class RankAgreement:
         (False, True)
     """
 
-    def __init__(self, interrupt: Interrupt, distributed: bool):
+    def __init__(self, interrupt: Interrupt, distributed: bool, triggers: list[Any] | None = None):
         self.interrupt, self.distributed = interrupt, distributed
         self._schedule: SignalAgreement | None = None  # made at the first step (reads the settings)
         self.stop_agreed = False  # a rank's stop_training, agreed at the last step boundary
-        #: This rank's time trigger (a timedelta validation_interval): asked at each agreement
-        #: point; :attr:`due_agreed` says whether it was due on any rank (until its reader clears it).
-        self.due_here: Callable[[], bool] | None = None
-        self.due_agreed = False
+        #: The fit's time triggers (a timedelta validation_interval, ModelCheckpoint's
+        #: train_time_interval): each one's ``time_due()`` (this rank's clock) is asked at each
+        #: agreement point, and ``time_agreed()`` is called on those due on any rank.
+        self.triggers: list[Any] = list(triggers or [])
 
     def at_step_boundary(self, stop_training: bool = False) -> bool:
         """Whether a SIGTERM / SIGINT stops training after this optimizer step.
@@ -142,10 +143,12 @@ class RankAgreement:
             return local
         if self._schedule is None:
             self._schedule = SignalAgreement()
-        due_here = self.due_here is not None and self.due_here()
-        agreed = self._schedule.after_step(local, bool(stop_training), due_here)
+        triggers = self.triggers
+        agreed = self._schedule.after_step(local, bool(stop_training), [bool(t.time_due()) for t in triggers])
         self.stop_agreed = self._schedule.stopped
-        self.due_agreed = self.due_agreed or self._schedule.due
+        for trigger, due in zip(triggers, self._schedule.dues, strict=True):
+            if due:
+                trigger.time_agreed()
         if agreed is None:  # between agreements: every rank goes on
             return False
         if agreed and not local:

@@ -175,12 +175,20 @@ class StepValidation:
         self.interval = interval
         self.last_step = -1  # the global_step of the last validation (a vetoed step does not move it)
         self._since = interval.clock()  # a timedelta interval counts from here, and from each validation
-        self.agreed: Any = None  # under torchrun: the fit's RankAgreement (its due_agreed flag)
+        self.agreed: bool | None = None  # under torchrun: whether the ranks agreed a timedelta is due
 
     def time_due(self) -> bool:
         """This rank's clock says a timedelta interval has passed (``False`` for other intervals)."""
         seconds = self.interval.seconds
         return seconds is not None and self.interval.clock() - self._since >= seconds
+
+    def agree_by_ranks(self) -> None:
+        """Under torchrun: a timedelta interval validates where the ranks agree it is due."""
+        self.agreed = False
+
+    def time_agreed(self) -> None:
+        """The ranks agreed that the interval has passed on some rank: validate after the next step."""
+        self.agreed = True
 
     def begin_epoch(self, batches: int | None, accumulation: int) -> None:
         """A fraction's spacing for this epoch of ``batches`` at ``accumulation``."""
@@ -194,10 +202,10 @@ class StepValidation:
         if step == self.last_step:
             return
         if self.interval.seconds is not None:  # training time
-            if self.agreed is None:
+            if self.agreed is None:  # one process: its own clock
                 due = self.time_due()
             else:  # the ranks agreed at the last agreement point that some rank's time had come
-                due, self.agreed.due_agreed = self.agreed.due_agreed, False
+                due, self.agreed = self.agreed, False
             if due:
                 self.run(epoch)
             return

@@ -43,10 +43,11 @@ class StopDecision:
         self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
         self.interrupt: Interrupt | Any = None
 
-    def begin(self, interrupt: Interrupt) -> None:
-        """The fit's signal catcher (:func:`~fitkit.training.signals.deferred`): where the ranks agree."""
+    def begin(self, interrupt: Interrupt, triggers: list[Any] | None = None) -> None:
+        """The fit's signal catcher (:func:`~fitkit.training.signals.deferred`): where the ranks
+        agree, on signals, stops and the fit's time ``triggers``."""
         self.interrupt = interrupt
-        self.agreement = RankAgreement(interrupt, self.model.parallel is not None)
+        self.agreement = RankAgreement(interrupt, self.model.parallel is not None, triggers)
 
     def save_on_signal(self) -> None:
         """At the end of training: a signal not yet acted on writes its backup now."""
