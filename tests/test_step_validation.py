@@ -369,3 +369,22 @@ def test_a_timedelta_interval_validates_once_that_much_training_time_has_passed(
         with pytest.raises(error, match="validation_interval"):
             model.fit(x, y, batch_size=2, verbose=0, validation_data=(x, y), validation_interval=bad)
     assert model.global_step == 10
+
+
+@pytest.mark.parametrize("call, kwargs", [
+    ("fit", {"steps_per_epoch": 2.5}),
+    ("fit", {"validation_steps": 0.5, "validation_data": "data"}),
+    ("evaluate", {"steps": 1.5}),
+    ("predict", {"steps": 1.5}),
+])
+def test_a_fractional_step_count_is_refused_with_the_fractions_that_exist(call, kwargs):
+    """Keras documents steps as ints (whole batches): a float names the arguments that do take a
+    fraction, before anything runs."""
+    model = _model()
+    x, y = _data()
+    kwargs = {k: (x, y) if v == "data" else v for k, v in kwargs.items()}
+    args = (x,) if call == "predict" else (x, y)
+    fix = r"to be an int\. Received: .*Fix: steps count whole batches.*limit_train_batches"
+    with pytest.raises(TypeError, match=fix):
+        getattr(model, call)(*args, batch_size=2, verbose=0, **kwargs)
+    assert model.global_step == 0

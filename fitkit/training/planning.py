@@ -47,8 +47,13 @@ def call_args(batch_size: int | None, steps: int | None, verbose: Any, callbacks
     """
     batch_size = 32 if batch_size is None else batch_size
     check_int("batch_size", batch_size, 1)
-    check_int(steps_name, steps, 1, allow_none=True)
+    check_int(steps_name, steps, 1, allow_none=True, fix=_WHOLE_BATCHES)
     return batch_size, resolve_verbose(verbose), check_callbacks(callbacks, Callback)
+
+
+#: The fix for a float step count (Keras documents them as ints: whole batches).
+_WHOLE_BATCHES = ("steps count whole batches (as in Keras); for a fraction of the data pass "
+                  "limit_train_batches= / limit_val_batches= a float, or epochs= a float.")  # fmt: skip
 
 
 class FitPlan:
@@ -89,7 +94,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     epochs, fraction = _budget.fractional_epochs(epochs)  # epochs=2.5: a step budget, below
     epochs = _budget.check_max_steps(max_steps, epochs)
     check_int("initial_epoch", initial_epoch, 0)
-    check_int("validation_steps", validation_steps, 1, allow_none=True)
+    check_int("validation_steps", validation_steps, 1, allow_none=True, fix=_WHOLE_BATCHES)
     check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
     check_bool("shuffle", shuffle)
     check_number("validation_split", validation_split)
