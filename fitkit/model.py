@@ -1072,20 +1072,30 @@ class Model:
         """
         x, y, sample_weight = batch
         stepper = self._stepper or self._require_compiled("train_step")
+        inputs = x if isinstance(x, torch.Tensor) else self._forward_inputs(x, y)
+        window = stepper.window
+        if window.num_items is not None and isinstance(inputs, Mapping):  # the module's own token loss
+            inputs = {**inputs, "num_items_in_batch": window.num_items}
         if stepper.plain:  # one process, float32: both contexts below would do nothing
-            y_pred = self._forward(x if isinstance(x, torch.Tensor) else self._forward_inputs(x, y))
+            y_pred = self._forward(inputs)
             loss = self.compute_loss(x, y, y_pred, sample_weight)
             self.backward(loss)
         else:
             with stepper.no_sync(self.module):
                 with self.autocast():
-                    y_pred = self._forward(x if isinstance(x, torch.Tensor) else self._forward_inputs(x, y))
+                    y_pred = self._forward(inputs)
                     loss = self.compute_loss(x, y, y_pred, sample_weight)
                 if self._parallel is not None and nest.rows(y if y is not None else x) == 0:
                     loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
                 self.backward(loss)
         # Metrics first: a metric that rejects the batch then fails before the weights change.
-        self.update_metrics(loss, y_pred, y if y is not None else targets_of(x, y), sample_weight)
+        target = y if y is not None else targets_of(x, y)
+        if window.num_items is not None and isinstance(inputs, Mapping):  # this batch's sum over the window's count:
+            here = window.items_here  # its own mean and count go to the totals
+            mean = loss.detach() * (window.num_items / torch.clamp(here, min=1))
+            self._update(mean, y_pred, target, sample_weight, here)
+        else:
+            self.update_metrics(loss, y_pred, target, sample_weight)
         self.optimizer_step()
 
     def _forward_inputs(self, x: Any, y: Any) -> Any:
@@ -1166,6 +1176,12 @@ class Model:
             require_prediction(y_pred, "the compiled metrics")  # raises, naming the rule and the fix
         count = denominator(self.loss, y, sample_weight, y_pred) if loss is not None else None
         totals.update(loss, y_pred if pred is None else pred, y, sample_weight, denominator=count)
+
+    def _update(self, loss: torch.Tensor, y_pred: Any, y: Any, sample_weight: Any, count: Any) -> None:
+        """:meth:`update_metrics` with the batch's loss denominator given (a module's own token loss)."""
+        stack = self._phases.stack
+        pred = y_pred if isinstance(y_pred, torch.Tensor) else prediction_of(y_pred)
+        stack[-1].update(loss, y_pred if pred is None else pred, y, sample_weight, denominator=count)
 
     def _batch_denominator(self, batch: tuple[Any, Any, Any]) -> int | torch.Tensor:
         x, y, w = batch

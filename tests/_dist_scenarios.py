@@ -594,3 +594,27 @@ def time_validation(folder) -> dict:
             os.environ["FITKIT_SIGNAL_SECONDS"] = old
     return {"validations": [(v["step"], v["val_loss"]) for v in h.validations], "steps": model.global_step,
             "saved": [os.path.basename(p) for p in ck.recent]}
+
+
+def own_items() -> dict:
+    """A tiny GPT-2 computing its own loss (it takes num_items_in_batch) on 4 sequences whose
+    counted label tokens are 4, 1, 3, 2: batches of 2 over all ranks, SGD, one epoch. On 2 ranks
+    each step's gradient is the mean over the step's counted tokens of both ranks, as one process
+    with batches of 2 computes it. Returns the parameters and the epoch loss."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 32, (4, 6), generator=g)
+    labels = ids.clone()
+    for row, counted in enumerate((4, 1, 3, 2)):
+        labels[row, 1 + counted:] = -100  # the causal shift: positions 1..counted count
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2,
+                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    net = transformers.GPT2LMHeadModel(cfg)
+    model = fitkit.Model(net, device="cpu")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.5), loss=None)
+    h = model.fit({"input_ids": ids, "labels": labels}, batch_size=GLOBAL_BATCH // 4 // world_size(), epochs=1,
+                  shuffle=False, verbose=0)  # fmt: skip
+    return {"params": full_params(model), "loss": h.history["loss"][0]}

@@ -60,6 +60,7 @@ res["unused_refused_bucket_view"] = sc.unused_refused(bucket_view=True)
 res["bn_validation"] = sc.bn_validation()
 res["time_budget"] = sc.time_budget()
 res["time_validation"] = sc.time_validation(OUT / "timed")
+res["own_items"] = sc.own_items()
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -444,3 +445,16 @@ def test_a_timedelta_validation_interval_validates_every_rank_at_one_step(job):
     # ModelCheckpoint(train_time_interval=) on the same clocks: saved at the same steps (rank 0 wrote)
     assert r0["time_validation"]["saved"] == ["m-10.pt", "m-18.pt", "m-26.pt"]
     assert sorted(p.name for p in (folder / "timed").iterdir() if p.suffix == ".pt") == r0["time_validation"]["saved"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_models_own_token_loss_is_exact_across_ranks(job):
+    """GPT-2's own loss with num_items_in_batch on 2 ranks (1 sequence each per step, 4 + 1 and
+    3 + 2 counted tokens): each step is the mean over the step's 5 tokens, as on one process with
+    both sequences in one batch (its own mean); the epoch loss is the mean over all 10 tokens."""
+    r0, r1, _, _ = job
+    _assert_identical(r0["own_items"]["params"], r1["own_items"]["params"])
+    one = sc.own_items()
+    _assert_close(r0["own_items"]["params"], one["params"], atol=1e-6)
+    assert r0["own_items"]["loss"] == pytest.approx(one["loss"], rel=1e-5)

@@ -269,3 +269,74 @@ def test_a_model_with_its_own_loss_still_gets_the_labels():
     model.compile(optimizer="sgd", loss=None)
     model.fit({"input_ids": ids, "labels": labels}, batch_size=16, epochs=1, verbose=0)
     assert model.module.calls == [["input_ids", "labels"]] * 2  # the check before step 1, the step
+
+
+# -- a model's own token loss under accumulation: num_items_in_batch --------------------------
+def _gpt2_tiny() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2,
+                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _uneven_labels() -> dict[str, torch.Tensor]:
+    """Two sequences of 6: the first has 4 label tokens that count after the causal shift, the
+    second 1 (the rest -100)."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 32, (2, 6), generator=g)
+    labels = ids.clone()
+    labels[0, 5] = -100  # shifted targets: positions 1..4 of row 0 count (4)
+    labels[1, 2:] = -100  # and position 1 of row 1 (1)
+    return {"input_ids": ids, "labels": labels}
+
+
+def test_a_models_own_token_loss_is_exact_under_accumulation_with_num_items_in_batch():
+    """GPT-2 computes its own loss (compile(loss=None)) and takes num_items_in_batch: with
+    micro-batches of 4 and 1 counted tokens and gradient_accumulation_steps=2, the step equals
+    one step on both sequences at once (its mean over the 5 tokens), and the epoch loss is that
+    mean. Without the count (before) each micro-batch's mean weighed the same: another step."""
+    batch = _uneven_labels()
+    hand = _gpt2_tiny()
+    opt = torch.optim.SGD(hand.parameters(), lr=0.5)
+    full = hand(**batch).loss  # the mean over the 5 shifted label tokens
+    full.backward()
+    opt.step()
+
+    net = _gpt2_tiny()
+    model = fitkit.Model(net, device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss=None, gradient_accumulation_steps=2)
+    history = model.fit(batch, batch_size=1, epochs=1, shuffle=False, verbose=0)
+    assert model.global_step == 1
+    for (name, a), b in zip(net.named_parameters(), hand.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+    assert history.history["loss"][0] == pytest.approx(full.item(), rel=1e-5)
+
+
+def test_num_items_in_batch_is_passed_only_to_a_module_that_takes_it_and_only_when_needed():
+    """The count goes to a module's forward when it declares num_items_in_batch (or is a Hugging
+    Face model), under accumulation or torchrun; one process without accumulation leaves the
+    module's own mean alone; a module without the parameter never gets it."""
+    seen = []
+
+    class Own(nn.Module):
+        def __init__(self, takes):
+            super().__init__()
+            self.lin, self.takes = nn.Linear(3, 1), takes
+
+        def forward(self, x, labels=None, **kwargs):
+            seen.append(kwargs.get("num_items_in_batch"))
+            return {"loss": ((self.lin(x).squeeze(-1) - labels.float()) ** 2).mean()}
+
+    class Takes(Own):
+        def forward(self, x, labels=None, num_items_in_batch=None):
+            return super().forward(x, labels, num_items_in_batch=num_items_in_batch)
+
+    data = {"x": torch.randn(4, 3), "labels": torch.tensor([1, -100, 2, 3])}
+    # windows of 2 rows: labels (1, -100) count 1, labels (2, 3) count 2
+    for module, k, expected in ((Takes(True), 2, [1, 1, 2, 2]), (Takes(True), 1, [None] * 4),
+                                (Own(False), 2, [None] * 4)):  # fmt: skip
+        seen.clear()
+        model = fitkit.Model(module, device="cpu")
+        model.compile(optimizer="sgd", loss=None, gradient_accumulation_steps=k)
+        model.fit(data, batch_size=1, epochs=1, shuffle=False, verbose=0)
+        assert [None if v is None else int(v) for v in seen[-4:]] == expected

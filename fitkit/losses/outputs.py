@@ -133,3 +133,69 @@ def targets_of(x: Any, y: Any) -> Any:
     if y is None and isinstance(x, Mapping):
         return x.get("labels")
     return y
+
+
+def takes_num_items(module: Any) -> tuple[bool, bool]:
+    """``(accepts, shifts)`` for a module computing its own loss: whether its ``forward`` takes
+    ``num_items_in_batch`` (the Transformers convention: it then divides its summed token loss
+    by that count), and whether its loss shifts the labels by one (a Hugging Face causal LM:
+    ``labels[..., 1:]`` are the targets that count). The rule of the Transformers Trainer: the
+    model's ``accepts_loss_kwargs``, else a ``**kwargs`` in ``forward`` (a ``PreTrainedModel``), or
+    an explicit ``num_items_in_batch`` parameter; a PEFT model is looked through.
+
+    Example:
+        >>> class Own(torch.nn.Module):
+        ...     def forward(self, input_ids, labels=None, num_items_in_batch=None):
+        ...         return input_ids
+        >>> takes_num_items(Own()), takes_num_items(torch.nn.Linear(2, 2))
+        ((True, False), (False, False))
+    """
+    import inspect
+
+    base = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return False, False
+    hf = any(c.__name__ == "PreTrainedModel" for c in type(base).__mro__)
+    accepts = getattr(base, "accepts_loss_kwargs", None)
+    if accepts is None:
+        var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+        accepts = "num_items_in_batch" in params or (hf and var_kw)
+    if not accepts:
+        return False, False
+    shifts = False
+    if hf and not getattr(getattr(base, "config", None), "is_encoder_decoder", False):
+        try:
+            from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+            # The loss the model's forward calls (its loss_function property, read without its
+            # warning): a loss set on it, else its loss_type's, ForCausalLM's when unknown.
+            own = getattr(base, "_loss_function", None)
+            chosen = own if own is not None else LOSS_MAPPING.get(str(getattr(base, "loss_type", None)),
+                                                                  ForCausalLMLoss)  # fmt: skip
+            shifts = chosen is ForCausalLMLoss
+        except ImportError:  # pragma: no cover - a transformers without the loss registry
+            shifts = False
+    return bool(accepts), shifts
+
+
+def label_items(x: Any, shifts: bool) -> Any:
+    """The count of a batch's label tokens that are not ``-100`` (a 0-dim device tensor, no
+    sync): ``x["shift_labels"]`` if given, else ``x["labels"]`` (from position 1 when the loss
+    ``shifts``); ``None`` without labels.
+
+    Example:
+        >>> label_items({"labels": torch.tensor([[5, 6, -100], [7, 8, 9]])}, shifts=True)
+        tensor(3)
+    """
+    if not isinstance(x, Mapping):
+        return None
+    labels = x.get("shift_labels")
+    if labels is None:
+        labels = x.get("labels")
+        if labels is None or not isinstance(labels, torch.Tensor):
+            return None
+        if shifts:
+            labels = labels[..., 1:]
+    return (labels != -100).sum()

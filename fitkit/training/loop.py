@@ -26,6 +26,7 @@ from fitkit.checks import FitkitWarning
 from fitkit.checks.preflight import BatchGuard
 from fitkit.data import order as _order
 from fitkit.distributed import progress as _progress
+from fitkit.losses.outputs import takes_num_items
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.training.modes import modes, warn_if_all_eval
 from fitkit.training.position import Position
@@ -165,7 +166,8 @@ class FitLoop:
         try:
             agree = before_step is not None and cbs.host_agreement_after_backward()  # else no per-step agreement
             wants_stop = (lambda: model.stop_training) if agree else None
-            fitting = stepper.fitting(before_step, wants_stop, self.val is not None, self.accumulation)
+            fitting = stepper.fitting(before_step, wants_stop, self.val is not None, self.accumulation,
+                                      self._own_items())  # fmt: skip
             place = self._place if model.parallel is not None else None
             with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting, \
                     _progress.beating(place):
@@ -206,6 +208,15 @@ class FitLoop:
             cbs.params.pop("train_data", None)  # History keeps params: not the data
             cbs.close(finished)
             model.pop_resume()  # a loaded resume point serves one fit only
+
+    def _own_items(self) -> bool | None:
+        """A module that computes its own loss and takes ``num_items_in_batch``: whether its labels
+        shift (:func:`fitkit.losses.outputs.takes_num_items`); ``None`` for any other."""
+        model = self.model
+        if model.loss is not None or not model.default_compute_loss or not model.default_train_step:
+            return None
+        accepts, shifts = takes_num_items(model.module)
+        return shifts if accepts else None
 
     def _time_triggers(self) -> list[Any]:
         """What acts on a clock (``time_due()`` / ``time_agreed()``): a timedelta validation

@@ -37,6 +37,7 @@ from torch import nn
 from fitkit import distributed as _distributed
 from fitkit import nest
 from fitkit.devices import NO_CONTEXT
+from fitkit.losses.outputs import label_items
 from fitkit.training.accumulation import AccumulationSchedule
 from fitkit.training.scheduling import SchedulerDriver
 
@@ -73,14 +74,18 @@ class Window:
         loss: the window's loss so far, detached, on the device (``model.step_loss``).
         skip_requested: a host veto of the coming step (``model.skip_optimizer_step()``).
         veto: a device bool: skip the coming step where it is true (``skip_optimizer_step(when=)``).
+        num_items: for a module that computes its own loss and takes ``num_items_in_batch``
+            (under accumulation or torchrun): the count of label tokens of the whole window over
+            all ranks, divided by the ranks (DDP averages their gradients); ``None`` otherwise.
+        items_here: this micro-batch's own count of label tokens (with ``num_items``).
 
     Example:
         >>> w = Window()
-        >>> w.micro_last, w.micro_scale, w.loss, w.skip_requested, w.veto
-        (True, None, None, False, None)
+        >>> w.micro_last, w.micro_scale, w.loss, w.skip_requested, w.veto, w.num_items
+        (True, None, None, False, None, None)
     """
 
-    __slots__ = ("micro_last", "micro_scale", "loss", "skip_requested", "veto")
+    __slots__ = ("micro_last", "micro_scale", "loss", "skip_requested", "veto", "num_items", "items_here")
 
     def __init__(self) -> None:
         self.micro_last = True
@@ -88,6 +93,8 @@ class Window:
         self.loss: torch.Tensor | None = None
         self.skip_requested = False
         self.veto: torch.Tensor | None = None
+        self.num_items: Any = None
+        self.items_here: Any = None
 
 
 class FitHooks:
@@ -111,7 +118,7 @@ class FitHooks:
         (None, False, None, False)
     """
 
-    __slots__ = ("before_step", "stop_training", "validates", "host_rows", "stop_agreed", "check_unused")
+    __slots__ = ("before_step", "stop_training", "validates", "host_rows", "stop_agreed", "check_unused", "items")
 
     def __init__(self, before_step: Callable[[], None] | None = None,
                  stop_training: Callable[[], bool] | None = None, validates: bool = False):  # fmt: skip
@@ -119,6 +126,7 @@ class FitHooks:
         self.host_rows: Callable[[int], int] | None = None
         self.stop_agreed = False  # a fit starts with no stop agreed
         self.check_unused = False  # under plain DDP: look for parameters without a gradient at the first step
+        self.items: bool | None = None  # a module's own loss takes num_items_in_batch: whether its labels shift
 
 
 class Stepper:
@@ -228,6 +236,20 @@ class Stepper:
             group = list(itertools.islice(batches, k))
             if not group:
                 return
+            items = None if self.fit.items is None else [label_items(b[0], self.fit.items) for b in group]
+            if items is not None and all(n is not None for n in items):
+                # A module's own loss divided by the window's label tokens over all ranks (/ W: DDP
+                # averages): num_items_in_batch, as the Transformers Trainer passes it; no share.
+                total = _distributed.global_share(items) if self.parallel is not None else _nonzero(sum(items))
+                for i, batch in enumerate(group):
+                    window = self.window
+                    window.micro_scale, window.num_items, window.items_here = None, total, items[i]
+                    window.micro_last = i == len(group) - 1
+                    yield step, batch
+                    step += 1
+                    if stop():
+                        return
+                continue
             if self.sums:  # the sum over the window (and, times W against DDP's average, the ranks)
                 scale = float(_distributed.world_size()) if self.parallel is not None else 1.0
                 shares: list[Any] = [scale] * len(group)
@@ -252,7 +274,8 @@ class Stepper:
 
     @contextlib.contextmanager
     def fitting(self, before_step: Callable[[], None] | None, stop_training: Callable[[], bool] | None,
-                validates: bool, accumulation: AccumulationSchedule | None = None) -> Iterator[None]:  # fmt: skip
+                validates: bool, accumulation: AccumulationSchedule | None = None,
+                items: bool | None = None) -> Iterator[None]:  # fmt: skip
         """Entered once per ``fit``: the fit's :class:`FitHooks` for each of its steps.
 
         ``before_step()`` (``on_backward_end``, or ``None`` when no callback listens) runs
@@ -261,7 +284,9 @@ class Stepper:
         (``None``: the hook vetoes on the device only, ``Callback.device_veto_only``, and the
         ranks do not agree there). ``validates``: whether the fit validates at all (the per-epoch
         scheduler step reads it). ``accumulation``: the fit's own schedule (a
-        ``GradientAccumulationScheduler``), or ``None``.
+        ``GradientAccumulationScheduler``), or ``None``. ``items``: the module computes its own
+        loss and takes ``num_items_in_batch`` (``True`` / ``False``: whether its labels shift;
+        :func:`fitkit.losses.outputs.takes_num_items`), or ``None``.
 
         What the fit hands the stepper lives as long as the fit: its hooks, its epochs'
         ``host_rows`` (bound to this rank's shards of the training data: on CUDA, the data's
@@ -271,6 +296,7 @@ class Stepper:
         """
         outer = self.fit, self.window, self.accumulation, self.accumulation_schedule
         self.fit, self.window = FitHooks(before_step, stop_training, validates), Window()
+        self.fit.items = items
         parallel = self.parallel
         self.fit.check_unused = parallel is not None and not parallel.fsdp and not parallel.ddp_options.tolerates_unused
         if accumulation is not None:
