@@ -8,6 +8,8 @@ Models are built from configs (no download). A dict batch calls ``module(**x)``;
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -338,5 +340,36 @@ def test_num_items_in_batch_is_passed_only_to_a_module_that_takes_it_and_only_wh
         seen.clear()
         model = fitkit.Model(module, device="cpu")
         model.compile(optimizer="sgd", loss=None, gradient_accumulation_steps=k)
-        model.fit(data, batch_size=1, epochs=1, shuffle=False, verbose=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(data, batch_size=1, epochs=1, shuffle=False, verbose=0)
         assert [None if v is None else int(v) for v in seen[-4:]] == expected
+        noted = [w for w in caught if "takes no `num_items_in_batch`" in str(w.message)]
+        assert len(noted) == (1 if not module.takes and k == 2 else 0)  # the -100 label, weighed by rows
+
+
+def test_an_own_loss_without_num_items_on_ignored_labels_is_noted_once_under_accumulation():
+    """A module computing its own token mean without num_items_in_batch: under accumulation its
+    micro-batch means weigh by rows; one FitkitWarning names the fix, only when labels hold -100
+    and only where the weighing applies (not on one process without accumulation)."""
+    from fitkit.checks import FitkitWarning
+
+    class OwnMean(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = nn.Parameter(torch.zeros(3))
+
+        def forward(self, ids, labels=None):
+            logits = self.b.expand(ids.shape[0], ids.shape[1], 3)
+            return {"loss": F.cross_entropy(logits.reshape(-1, 3), labels.reshape(-1)), "logits": logits}
+
+    ignored = {"ids": torch.zeros(4, 2, dtype=torch.long), "labels": torch.tensor([[0, 1], [2, -100]] * 2)}
+    full = {"ids": torch.zeros(4, 2, dtype=torch.long), "labels": torch.tensor([[0, 1], [2, 1]] * 2)}
+    for data, k, expected in ((ignored, 2, 1), (full, 2, 0), (ignored, 1, 0)):
+        model = fitkit.Model(OwnMean(), device="cpu")
+        model.compile(optimizer="sgd", loss=None, gradient_accumulation_steps=k)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(data, batch_size=1, epochs=2, shuffle=False, verbose=0)
+        notes = [w for w in caught if issubclass(w.category, FitkitWarning) and "num_items_in_batch" in str(w.message)]
+        assert len(notes) == expected, (k, [str(w.message) for w in caught])

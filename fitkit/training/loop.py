@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checks import FitkitWarning
 from fitkit.checks.preflight import BatchGuard
+from fitkit.data import TensorBatches
 from fitkit.data import order as _order
 from fitkit.distributed import progress as _progress
 from fitkit.losses.outputs import takes_num_items
@@ -144,6 +146,7 @@ class FitLoop:
         self.interrupt: Any = None
         self.running = False
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
+        self.rows_note = False  # a module's own loss without num_items_in_batch: note -100 labels once
         self.batch: Any = None  # the running batch (x, y, sample_weight), on the device
         self._warned_short = False
 
@@ -168,6 +171,8 @@ class FitLoop:
             wants_stop = (lambda: model.stop_training) if agree else None
             fitting = stepper.fitting(before_step, wants_stop, self.val is not None, self.accumulation,
                                       self._own_items())  # fmt: skip
+            if self.rows_note and isinstance(getattr(self.train, "batches", None), TensorBatches):
+                self._note_rows(None)  # in-memory data: all its labels now (a loader's: its first batch)
             place = self._place if model.parallel is not None else None
             with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting, \
                     _progress.beating(place):
@@ -211,12 +216,40 @@ class FitLoop:
 
     def _own_items(self) -> bool | None:
         """A module that computes its own loss and takes ``num_items_in_batch``: whether its labels
-        shift (:func:`fitkit.losses.outputs.takes_num_items`); ``None`` for any other."""
+        shift (:func:`fitkit.losses.outputs.takes_num_items`); ``None`` for any other (then
+        :attr:`rows_note`: its own loss is a mean per micro-batch that fitkit weighs by rows)."""
         model = self.model
         if model.loss is not None or not model.default_compute_loss or not model.default_train_step:
             return None
         accepts, shifts = takes_num_items(model.module)
+        self.rows_note = not accepts
         return shifts if accepts else None
+
+    def _first_batch(self, guard: Any, batch: Any) -> None:
+        """The first batch of the fit: checked (:class:`BatchGuard`), and its labels looked at."""
+        self.example = guard.first(self.model, batch)
+        if self.rows_note:
+            self._note_rows(batch)
+
+    def _note_rows(self, batch: Any) -> None:
+        """Once per fit: a module's own loss, without ``num_items_in_batch``, on labels holding -100,
+        under accumulation or torchrun: its micro-batch means are weighed by rows, not tokens.
+        In-memory data: all its labels are looked at; else the first batch's."""
+        self.rows_note = False
+        if self.model.stepper.accumulation == 1 and self.model.parallel is None:
+            return
+        source: Any = getattr(self.train, "batches", None)
+        x = source.x if batch is None else batch[0]
+        labels = x.get("labels") if isinstance(x, Mapping) else None
+        if isinstance(labels, torch.Tensor) and bool((labels == -100).any()):  # one host read, once
+            warnings.warn(
+                f"{type(self.model.module).__name__} computes its own loss, a mean over its label tokens, and its "
+                "forward takes no `num_items_in_batch`: under gradient accumulation or torchrun each micro-batch's "
+                "mean counts by its rows, so a micro-batch with few real tokens (labels of -100) weighs as much as "
+                "a full one. Fix: accept `num_items_in_batch` in forward (sum the token losses and divide by it, "
+                "as Hugging Face models do), or compile a loss (loss='cross_entropy', token-exact).",
+                category=FitkitWarning, stacklevel=3,
+            )  # fmt: skip
 
     def _time_triggers(self) -> list[Any]:
         """What acts on a clock (``time_due()`` / ``time_agreed()``): a timedelta validation
@@ -291,7 +324,7 @@ class FitLoop:
                     continue
                 if check_first:
                     check_first = False
-                    self.example = guard.first(model, batch)
+                    self._first_batch(guard, batch)
                 self.batch_index, self.batch = step, batch
                 if want_begin:
                     cbs.on_train_batch_begin(step, {})
