@@ -618,3 +618,18 @@ def own_items() -> dict:
     h = model.fit({"input_ids": ids, "labels": labels}, batch_size=GLOBAL_BATCH // 4 // world_size(), epochs=1,
                   shuffle=False, verbose=0)  # fmt: skip
     return {"params": full_params(model), "loss": h.history["loss"][0]}
+
+
+def tokens_seen() -> dict:
+    """TokensSeen over 33 sequences of 3 tokens (the last global batch uneven), 2 epochs:
+    the global count on every rank, as on one process."""
+    from fitkit.callbacks import TokensSeen
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 1))
+    model = fitkit.Model(module, device="cpu")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.01), loss="mse")
+    x = torch.arange(99).remainder(10).reshape(33, 3)
+    h = model.fit(x, torch.zeros(33, 1), batch_size=GLOBAL_BATCH // world_size(), epochs=2, verbose=0,
+                  callbacks=[TokensSeen()])  # fmt: skip
+    return {"seen": h.history["num_input_tokens_seen"]}

@@ -61,6 +61,7 @@ res["bn_validation"] = sc.bn_validation()
 res["time_budget"] = sc.time_budget()
 res["time_validation"] = sc.time_validation(OUT / "timed")
 res["own_items"] = sc.own_items()
+res["tokens_seen"] = sc.tokens_seen()
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -458,3 +459,11 @@ def test_a_models_own_token_loss_is_exact_across_ranks(job):
     one = sc.own_items()
     _assert_close(r0["own_items"]["params"], one["params"], atol=1e-6)
     assert r0["own_items"]["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tokens_seen_counts_every_rank(job):
+    """TokensSeen on 2 ranks logs the tokens of every rank's batches (99 per epoch), as one process."""
+    r0, r1, _, _ = job
+    assert r0["tokens_seen"] == r1["tokens_seen"] == sc.tokens_seen() == {"seen": [99, 198]}
