@@ -60,10 +60,14 @@ class Ids50(IterableDataset):  # 50 items: shards of 13, 13, 12, 12 over 2 ranks
             yield torch.tensor([float(i), 0.0, 0.0]), torch.zeros(1)
 
 for name, ds in (("rank_only", RankOnly()), ("helper_uneven", split_by_rank_and_worker(Ids50()))):
+    rec = Recorder()
+    begin = fitkit.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: rec.seen.append([]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model_of(net()).fit(already_sharded(DataLoader(ds, batch_size=4, num_workers=2)), epochs=2, verbose=0)
+        model_of(rec).fit(already_sharded(DataLoader(ds, batch_size=4, num_workers=2)), epochs=4, verbose=0,
+                          callbacks=[begin])
     res[name] = [str(w.message) for w in caught if issubclass(w.category, fitkit.checks.FitkitWarning)]
+    res[name + "_ids"] = rec.seen
 
 x, y, _ = data(40)
 def uneven(kind):
@@ -214,8 +218,8 @@ def test_two_ranks_by_two_workers_train_each_sample_once_per_epoch(job):
     r0, r1 = job
     for epoch in range(2):
         assert sorted(r0["worker_ids"][epoch] + r1["worker_ids"][epoch]) == list(range(40))
-        # shard k mod 4: rank 0's workers take 0, 4, 8, ... and 1, 5, 9, ...
-        assert sorted(r0["worker_ids"][epoch]) == sorted(i for i in range(40) if i % 4 in (0, 1))
+        # epoch e: item k goes to shard (k + e) mod 4; rank 0's workers hold shards 0 and 1
+        assert sorted(r0["worker_ids"][epoch]) == sorted(i for i in range(40) if (i + epoch) % 4 in (0, 1))
     assert r0["worker_steps"] == r1["worker_steps"] == 8  # 2 workers x 2 batches of 5, 2 epochs
 
 
@@ -232,6 +236,14 @@ def test_a_rank_only_split_with_workers_is_caught_and_the_helpers_tail_names_its
     uneven = [m for m in r0["helper_uneven"] if "Uneven data over the ranks" in m]
     assert uneven and all("drop_last=True" in m and "split_by_rank_and_worker" not in m for m in uneven)
     assert not any("first two batches" in m for m in r0["helper_uneven"])
+    # the deal turns each epoch: the items left out (the longer rank's last batches) are not the
+    # same every epoch (before: 48 and 49 in every epoch), and no item trains twice in an epoch
+    dropped = []
+    for epoch in range(4):
+        trained = r0["helper_uneven_ids"][epoch] + r1["helper_uneven_ids"][epoch]
+        assert len(trained) == len(set(trained))
+        dropped.append(sorted(set(range(50)) - set(trained)))
+    assert dropped == [[48, 49], [], [48, 49], []]
 
 
 @_torchrun_test

@@ -63,6 +63,7 @@ def set_epoch(source: tud.DataLoader, epoch: int) -> None:
     ``DistributedSampler``, a bucketing batch sampler that seeds its order by epoch), once.
 
     A default ``BatchSampler`` wraps the loader's sampler itself: it is told once, not twice.
+    A dataset that asks for it (``follows_epoch``: fitkit's ``split_by_rank_and_worker``) is told too.
 
     Example:
         >>> class Told(tud.SequentialSampler):
@@ -77,6 +78,9 @@ def set_epoch(source: tud.DataLoader, epoch: int) -> None:
         tell = getattr(s, "set_epoch", None)
         if callable(tell):
             tell(epoch)
+    dataset: Any = source.dataset
+    if getattr(dataset, "follows_epoch", False):  # fitkit's split_by_rank_and_worker
+        dataset.set_epoch(epoch)
 
 
 def _generators(source: tud.DataLoader) -> list[torch.Generator]:

@@ -45,16 +45,29 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 class RankWorkerSplit(IterableDataset):
-    """This rank's, this worker's share of ``source``: item ``k`` goes to shard ``k mod (W * n)``.
+    """This rank's, this worker's share of ``source``: in epoch ``e``, item ``k`` goes to shard
+    ``(k + e) mod (W * n)``.
 
     Shard ``rank * n + worker`` of ``W`` ranks times ``n`` workers per rank; every process reads
     the whole stream and keeps its own items (so the source's own order and randomness are
     the same everywhere, and re-seeding is up to it). Over one pass every item is yielded
-    exactly once by exactly one (rank, worker).
+    exactly once by exactly one (rank, worker). The deal turns by one shard each epoch
+    (``fit`` calls :meth:`set_epoch`): when the stream's length is not a multiple of the
+    shards, the ranks that get the extra items, and so the last batches that a shorter rank
+    makes the others leave out, change from epoch to epoch instead of always being the stream's
+    last items.
 
     Args:
         source: an iterable of samples (an ``IterableDataset``, a list, a re-iterable).
+
+    Example:
+        >>> split = RankWorkerSplit(range(6))
+        >>> list(split), split.set_epoch(1), list(split)  # one process: every item, in order
+        ([0, 1, 2, 3, 4, 5], None, [0, 1, 2, 3, 4, 5])
     """
+
+    #: ``fit`` tells the dataset of a DataLoader that has it which epoch starts (:meth:`set_epoch`).
+    follows_epoch = True
 
     def __init__(self, source: Iterable):
         if not isinstance(source, Iterable):
@@ -63,6 +76,11 @@ class RankWorkerSplit(IterableDataset):
                 "Fix: pass an IterableDataset, a list or another re-iterable."
             )
         self.source = source
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch that starts: the deal of items to shards turns by ``epoch`` shards."""
+        self.epoch = int(epoch)
 
     def shard(self) -> tuple[int, int]:
         """``(index, count)`` of this process's shard."""
@@ -73,7 +91,7 @@ class RankWorkerSplit(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         index, count = self.shard()
-        return itertools.islice(iter(self.source), index, None, count)
+        return itertools.islice(iter(self.source), (index - self.epoch) % count, None, count)
 
 
 def split_by_rank_and_worker(source: Iterable) -> RankWorkerSplit:
