@@ -10,7 +10,7 @@ import torch
 if TYPE_CHECKING:
     from fitkit.model import Model
 
-__all__ = ["check_loss_has_grad", "wants_grad_check"]
+__all__ = ["check_loss_has_grad", "check_every_parameter_reached", "wants_grad_check"]
 
 
 def wants_grad_check(model: Model, training: bool) -> bool:
@@ -43,4 +43,29 @@ def check_loss_has_grad(loss: Any, label: str = "first batch") -> None:
         "every step would leave the weights unchanged. Fix: compute the loss from the module's output with "
         "torch operations, without .detach(), .item(), .numpy() or integer casts, and return it as a float "
         "tensor."
+    )
+
+
+def check_every_parameter_reached(module: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Under DDP without ``find_unused_parameters`` / ``static_graph``: refuse, before the fit's
+    first optimizer step, a trainable parameter that the window's losses gave no gradient.
+
+    DDP's all-reduce waits for a gradient of every parameter it registered: a bucket holding one
+    that gets none is never reduced, so each rank would apply its own gradients (the ranks' weights
+    differ from step 1 on) and torch raises at step 2. The gradients are dropped; no weight moved.
+
+    Raises:
+        RuntimeError: naming the parameters and the fixes.
+    """
+    unused = [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+    if not unused:
+        return
+    opt.zero_grad(set_to_none=True)
+    shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+    raise RuntimeError(
+        f"Under DDP the first training step gave no gradient to the trainable parameter(s) {shown}: DDP's "
+        "all-reduce would skip their buckets, so every rank would step with its own gradients and the ranks' "
+        "weights would drift apart. Nothing was applied. Fix: pass strategy=fitkit.distributed.DDP("
+        "find_unused_parameters=True) (parameters unused in some steps), strategy=fitkit.distributed.DDP("
+        "static_graph=True) (the same ones unused at every step), or freeze them with requires_grad_(False)."
     )

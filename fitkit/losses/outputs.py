@@ -199,3 +199,32 @@ def label_items(x: Any, shifts: bool) -> Any:
         if shifts:
             labels = labels[..., 1:]
     return (labels != -100).sum()
+
+
+def note_row_weighted(module: Any, x: Any) -> None:
+    """Warn (a ``FitkitWarning``) that ``module``'s own loss, which takes no
+    ``num_items_in_batch``, is weighed by rows when ``x["labels"]`` holds -100 (one host read);
+    for a ``fit`` under accumulation or torchrun, once.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     note_row_weighted(torch.nn.Linear(1, 1), {"labels": torch.tensor([1, -100])})
+        >>> "takes no `num_items_in_batch`" in str(caught[0].message)
+        True
+    """
+    import warnings
+
+    from fitkit.checks import FitkitWarning
+
+    labels = x.get("labels") if isinstance(x, Mapping) else None
+    if isinstance(labels, torch.Tensor) and bool((labels == -100).any()):
+        warnings.warn(
+            f"{type(module).__name__} computes its own loss, a mean over its label tokens, and its forward "
+            "takes no `num_items_in_batch`: under gradient accumulation or torchrun each micro-batch's mean "
+            "counts by its rows, so a micro-batch with few real tokens (labels of -100) weighs as much as a "
+            "full one. Fix: accept `num_items_in_batch` in forward (sum the token losses and divide by it, as "
+            "Hugging Face models do), or compile a loss (loss='cross_entropy', token-exact).",
+            category=FitkitWarning, stacklevel=4,
+        )  # fmt: skip

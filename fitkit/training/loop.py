@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ from fitkit.checks.preflight import BatchGuard
 from fitkit.data import TensorBatches
 from fitkit.data import order as _order
 from fitkit.distributed import progress as _progress
-from fitkit.losses.outputs import takes_num_items
+from fitkit.losses.outputs import note_row_weighted, takes_num_items
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.training.modes import modes, warn_if_all_eval
 from fitkit.training.position import Position
@@ -240,16 +239,7 @@ class FitLoop:
             return
         source: Any = getattr(self.train, "batches", None)
         x = source.x if batch is None else batch[0]
-        labels = x.get("labels") if isinstance(x, Mapping) else None
-        if isinstance(labels, torch.Tensor) and bool((labels == -100).any()):  # one host read, once
-            warnings.warn(
-                f"{type(self.model.module).__name__} computes its own loss, a mean over its label tokens, and its "
-                "forward takes no `num_items_in_batch`: under gradient accumulation or torchrun each micro-batch's "
-                "mean counts by its rows, so a micro-batch with few real tokens (labels of -100) weighs as much as "
-                "a full one. Fix: accept `num_items_in_batch` in forward (sum the token losses and divide by it, "
-                "as Hugging Face models do), or compile a loss (loss='cross_entropy', token-exact).",
-                category=FitkitWarning, stacklevel=3,
-            )  # fmt: skip
+        note_row_weighted(self.model.module, x)
 
     def _time_triggers(self) -> list[Any]:
         """What acts on a clock (``time_due()`` / ``time_agreed()``): a timedelta validation

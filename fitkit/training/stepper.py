@@ -36,6 +36,7 @@ from torch import nn
 
 from fitkit import distributed as _distributed
 from fitkit import nest
+from fitkit.checks.gradient import check_every_parameter_reached
 from fitkit.devices import NO_CONTEXT
 from fitkit.losses.outputs import label_items
 from fitkit.training.accumulation import AccumulationSchedule
@@ -379,7 +380,7 @@ class Stepper:
         fit = self.fit
         if fit.check_unused:  # the fit's first step under DDP, before anything is applied
             fit.check_unused = False
-            _check_every_parameter_reached(module, opt)
+            check_every_parameter_reached(module, opt)
         if self.scaler is not None:
             self.scaler.unscale_(opt)
         before_step = fit.before_step
@@ -518,31 +519,6 @@ class Stepper:
             self.scheduling.keep_lrs_used(record["lrs_used"])
             window.micro_last, window.micro_scale = record["micro_last"], record["micro_scale"]
             window.loss, window.skip_requested = record["window_loss"], record["skip_requested"]
-
-
-def _check_every_parameter_reached(module: nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Under DDP without ``find_unused_parameters`` / ``static_graph``: refuse, before the fit's
-    first optimizer step, a trainable parameter that the window's losses gave no gradient.
-
-    DDP's all-reduce waits for a gradient of every parameter it registered: a bucket holding one
-    that gets none is never reduced, so each rank would apply its own gradients (the ranks' weights
-    differ from step 1 on) and torch raises at step 2. The gradients are dropped; no weight moved.
-
-    Raises:
-        RuntimeError: naming the parameters and the fixes.
-    """
-    unused = [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
-    if not unused:
-        return
-    opt.zero_grad(set_to_none=True)
-    shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-    raise RuntimeError(
-        f"Under DDP the first training step gave no gradient to the trainable parameter(s) {shown}: DDP's "
-        "all-reduce would skip their buckets, so every rank would step with its own gradients and the ranks' "
-        "weights would drift apart. Nothing was applied. Fix: pass strategy=fitkit.distributed.DDP("
-        "find_unused_parameters=True) (parameters unused in some steps), strategy=fitkit.distributed.DDP("
-        "static_graph=True) (the same ones unused at every step), or freeze them with requires_grad_(False)."
-    )
 
 
 def _host_veto_unagreed() -> None:
