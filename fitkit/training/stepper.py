@@ -237,23 +237,16 @@ class Stepper:
             group = list(itertools.islice(batches, k))
             if not group:
                 return
+            # A module's own loss that takes num_items_in_batch: divided by the window's label tokens
+            # over all ranks (/ W: DDP averages), as the Transformers Trainer passes it; no share.
             items = None if self.fit.items is None else [label_items(b[0], self.fit.items) for b in group]
+            num_items = None
             if items is not None and all(n is not None for n in items):
-                # A module's own loss divided by the window's label tokens over all ranks (/ W: DDP
-                # averages): num_items_in_batch, as the Transformers Trainer passes it; no share.
-                total = _distributed.global_share(items) if self.parallel is not None else _nonzero(sum(items))
-                for i, batch in enumerate(group):
-                    window = self.window
-                    window.micro_scale, window.num_items, window.items_here = None, total, items[i]
-                    window.micro_last = i == len(group) - 1
-                    yield step, batch
-                    step += 1
-                    if stop():
-                        return
-                continue
-            if self.sums:  # the sum over the window (and, times W against DDP's average, the ranks)
+                num_items = _distributed.global_share(items) if self.parallel is not None else _nonzero(sum(items))
+                shares: list[Any] = [None] * len(group)
+            elif self.sums:  # the sum over the window (and, times W against DDP's average, the ranks)
                 scale = float(_distributed.world_size()) if self.parallel is not None else 1.0
-                shares: list[Any] = [scale] * len(group)
+                shares = [scale] * len(group)
             else:
                 sizes = [self.weigh(b) for b in group]
                 # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
@@ -266,7 +259,8 @@ class Stepper:
                 shares = [size / total for size in sizes]
             for i, batch in enumerate(group):
                 window = self.window
-                window.micro_scale = shares[i]
+                window.micro_scale, window.num_items = shares[i], num_items
+                window.items_here = None if items is None else items[i]
                 window.micro_last = i == len(group) - 1
                 yield step, batch
                 step += 1
