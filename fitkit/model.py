@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from fitkit.distributed import meta as _meta
 from fitkit.files.differences import check_state_dict_fits
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.losses.denominators import denominator, objective
+from fitkit.losses.labels import LABELS, resolve_label_names
 from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
 from fitkit.metrics import MetricSet
 from fitkit.tools.summary import summary_table
@@ -135,6 +136,7 @@ class Model:
         # properties below).
         self.loss: Any = None
         self.compiled_ema: Any = None  # compile(use_ema=True)'s EMA callback, first in every fit
+        self.label_names: tuple[str, ...] = LABELS  # a dict batch's target keys (compile(label_names=))
         # Flags a callback sets; the running loop reads them.
         self.stop_training = False
         self.stop_evaluating = False
@@ -404,6 +406,7 @@ class Model:
         use_ema: bool = False,
         ema_momentum: float = 0.99,
         ema_overwrite_frequency: int | None = None,
+        label_names: str | Sequence[str] | None = None,
     ) -> None:
         """Set the optimizer, loss, metrics and step options. Checks everything first.
 
@@ -444,6 +447,11 @@ class Model:
                 so ``fit`` refuses another averaging callback that swaps in at the end.
             ema_momentum: ``new_average = ema_momentum * average + (1 - ema_momentum) * weights``.
             ema_overwrite_frequency: copy the EMA into the weights every that many optimizer steps.
+            label_names: the keys of a dict batch that are the targets of a compiled loss and the
+                metrics (taken out of the batch before ``forward``; several give a tuple ``y_true``),
+                as the Transformers Trainer's ``label_names``. ``None``: ``"labels"``, or for a
+                Transformers model the Trainer's default (``start_positions`` / ``end_positions``
+                for question answering); see :mod:`fitkit.losses.labels`.
 
         Raises:
             ValueError: unknown names (the message lists valid ones), bad values.
@@ -470,13 +478,14 @@ class Model:
         loss_fn = resolve_loss(loss, loss_weights)
         metric_set = MetricSet(metrics)
         ema = compiled_ema(use_ema, ema_momentum, ema_overwrite_frequency)
+        labels = resolve_label_names(label_names, self.module)
         # Everything that can be checked is checked: only now does anything change.
         if self._parallel is not None:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists
         opt = resolve_optimizer(optimizer, self.module, self.device)
         sched = resolve_scheduler(scheduler, opt, scheduler_interval)
         check_plateau_mode(sched)
-        self.loss, self.compiled_ema = loss_fn, ema
+        self.loss, self.compiled_ema, self.label_names = loss_fn, ema, labels
         self._phases.configure(metric_set.configure(loss_fn, self.device))
         if self._stepper is not None:
             self._stepper.close()
@@ -1043,11 +1052,12 @@ class Model:
                 "targets in the input dict as 'labels', `model.compile(loss=...)`, or override `compute_loss`."
             )
         if y is None:
-            y = targets_of(x, y)  # a dict batch's "labels" (Hugging Face's convention)
+            y = targets_of(x, y, self.label_names)  # a dict batch's "labels" (Hugging Face's convention)
         if y is None:
             raise ValueError(
-                "The loss needs targets, but the batch has no `y`. Fix: pass `y=`, yield "
-                "`(x, y)` batches, put the targets in a dict batch as 'labels', or override `compute_loss`."
+                f"The loss needs targets, but the batch has no `y` (nor a dict entry named by label_names="
+                f"{list(self.label_names)}). Fix: pass `y=`, yield `(x, y)` batches, put the targets in a dict "
+                "batch as 'labels' (or name their key: compile(label_names=[...])), or override `compute_loss`."
             )
         if not isinstance(self.loss, MultiLoss) and not isinstance(y_pred, torch.Tensor):
             # A plain callable loss may read the whole structured output; fitkit's losses need
@@ -1089,7 +1099,7 @@ class Model:
                     loss = loss.nan_to_num(0.0)  # a rank's empty share of a short last batch: 0, not 0/0
                 self.backward(loss)
         # Metrics first: a metric that rejects the batch then fails before the weights change.
-        target = y if y is not None else targets_of(x, y)
+        target = y if y is not None else targets_of(x, y, self.label_names)
         if window.num_items is not None and isinstance(inputs, Mapping):  # this batch's sum over the window's count:
             here = window.items_here  # its own mean and count go to the totals
             mean = loss.detach() * (window.num_items / torch.clamp(here, min=1))
@@ -1100,7 +1110,7 @@ class Model:
 
     def _forward_inputs(self, x: Any, y: Any) -> Any:
         """The module's inputs (:func:`fitkit.losses.outputs.module_inputs`)."""
-        return module_inputs(x, y, self.loss is not None and self.default_compute_loss)
+        return module_inputs(x, y, self.loss is not None and self.default_compute_loss, self.label_names)
 
     def test_step(self, batch: tuple[Any, Any, Any]) -> None:
         """One batch of evaluation (eval mode, no grad): loss and metrics."""
@@ -1111,7 +1121,7 @@ class Model:
             # y=None still reaches compute_loss: an override may not need targets (autoencoders),
             # and the default one says that a compiled loss does.
             loss = self.compute_loss(x, y, y_pred, sample_weight) if has_loss else None
-        self.update_metrics(loss, y_pred, targets_of(x, y), sample_weight)
+        self.update_metrics(loss, y_pred, targets_of(x, y, self.label_names), sample_weight)
 
     def predict_step(self, batch: tuple[Any, Any, Any]) -> Any:
         """One batch of prediction: the module's output for ``x`` (``y`` is ignored).
@@ -1185,7 +1195,7 @@ class Model:
 
     def _batch_denominator(self, batch: tuple[Any, Any, Any]) -> int | torch.Tensor:
         x, y, w = batch
-        return denominator(self.loss, y if y is not None else targets_of(x, y), w, x)
+        return denominator(self.loss, y if y is not None else targets_of(x, y, self.label_names), w, x)
 
     # -- files -------------------------------------------------------------------------------
     def save_weights(self, path: str | os.PathLike, *, trainable_only: bool = False) -> None:

@@ -3,8 +3,10 @@ folder, an unformattable template and a name past the file system's limits fail 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import subprocess
 import tempfile
 
 import pytest
@@ -58,14 +60,38 @@ def test_a_read_only_folder_is_refused_before_step_1_for_every_file_callback(tmp
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_a_chmod_read_only_folder_is_refused_before_step_1(tmp_path):
-    tmp_path.chmod(0o555)
+@contextlib.contextmanager
+def _really_read_only(folder):
+    """``folder`` made read-only by the OS itself: chmod for a user; root writes through chmod, so
+    for root a read-only tmpfs is mounted over it (root may mount here)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"root cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        with pytest.raises(PermissionError, match="not writable"):
-            _model().fit(X, Y, epochs=1, callbacks=[CSVLogger(tmp_path / "log.csv")], verbose=0)
+        yield
     finally:
-        tmp_path.chmod(0o755)
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_really_read_only_folder_is_refused_before_step_1(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    with _really_read_only(folder):
+        assert not os.access(folder, os.W_OK)  # the OS itself refuses, for this user
+        model = _model()
+        before = model.module.weight.clone()
+        with pytest.raises(PermissionError, match=f"CSVLogger writes under `.*`, but the folder '{folder}'.*"
+                                                  "not writable.*Fix"):  # fmt: skip
+            model.fit(X, Y, epochs=1, callbacks=[CSVLogger(folder / "log.csv")], verbose=0)
+        assert torch.equal(model.module.weight, before) and model.global_step == 0
+        assert os.listdir(folder) == []
 
 
 def test_save_weights_in_a_read_only_folder_names_the_file_not_its_temp(tmp_path, monkeypatch):

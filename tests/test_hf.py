@@ -373,3 +373,83 @@ def test_an_own_loss_without_num_items_on_ignored_labels_is_noted_once_under_acc
             model.fit(data, batch_size=1, epochs=2, shuffle=False, verbose=0)
         notes = [w for w in caught if issubclass(w.category, FitkitWarning) and "num_items_in_batch" in str(w.message)]
         assert len(notes) == expected, (k, [str(w.message) for w in caught])
+
+
+# -- label_names: the Trainer's target keys other than "labels" -------------------------------
+def _qa_loss(out, y_true):
+    """Question answering's loss as the Transformers models compute it: the mean of the start and
+    end positions' cross-entropies."""
+    start, end = y_true
+    return (F.cross_entropy(out.start_logits, start) + F.cross_entropy(out.end_logits, end)) / 2
+
+
+def test_question_answering_positions_are_the_targets_of_a_compiled_loss_by_default():
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, 50, (32, T), generator=g)
+    start = torch.randint(0, T, (32,), generator=g)
+    end = torch.randint(0, T, (32,), generator=g)
+    torch.manual_seed(0)
+    module = _Spy(transformers.BertForQuestionAnswering(_bert_config(dropout=0.0)))
+    model = fitkit.Model(module, device="cpu")
+    model.compile(optimizer=torch.optim.SGD(module.parameters(), lr=0.1), loss=_qa_loss,
+                  label_names=fitkit.losses.labels.default_label_names(module.inner))
+    assert model.label_names == ("start_positions", "end_positions")  # the Trainer's default for QA
+    history = model.fit({"input_ids": ids, "start_positions": start, "end_positions": end}, batch_size=8,
+                        epochs=1, shuffle=False, verbose=0)
+    assert module.calls == [["input_ids"]] * 5  # the positions are targets, not inputs: no loss of its own
+
+    # The model's own loss, in a plain loop: the same four SGD steps.
+    torch.manual_seed(0)
+    plain = transformers.BertForQuestionAnswering(_bert_config(dropout=0.0))
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    losses = []
+    for i in range(0, 32, 8):
+        loss = plain(input_ids=ids[i:i + 8], start_positions=start[i:i + 8], end_positions=end[i:i + 8]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    for (name, p), q in zip(module.inner.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+    assert history.history["loss"][0] == pytest.approx(sum(losses) / 4, abs=1e-6)
+
+
+def test_the_default_label_names_follow_the_trainers_rule():
+    from fitkit.losses.labels import default_label_names
+    cfg = _bert_config(dropout=0.0)
+    assert default_label_names(transformers.BertForQuestionAnswering(cfg)) == ("start_positions", "end_positions")
+    assert default_label_names(transformers.BertForSequenceClassification(cfg)) == ("labels",)
+    assert default_label_names(transformers.BertForPreTraining(cfg)) == ("labels", "next_sentence_label")
+    model = fitkit.Model(transformers.BertForQuestionAnswering(cfg), device="cpu")
+    model.compile(optimizer="sgd", loss=_qa_loss)
+    assert model.label_names == ("start_positions", "end_positions")
+
+
+def test_a_named_target_key_and_a_batch_missing_one_of_several():
+    x = {"features": torch.randn(8, 3, generator=torch.Generator().manual_seed(0)), "target": torch.randn(8, 1)}
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, features):
+            return self.lin(features)
+
+    torch.manual_seed(0)
+    model = fitkit.Model(Net(), device="cpu")
+    model.compile(optimizer="sgd", loss="mse", label_names="target")
+    result = model.evaluate(x, verbose=0)
+    with torch.no_grad():
+        expected = float(F.mse_loss(model.module(x["features"]), x["target"]))
+    assert result["loss"] == pytest.approx(expected, abs=1e-7)
+
+    model.compile(optimizer="sgd", loss=_qa_loss, label_names=["target", "other"])
+    before = model.module.lin.weight.clone()
+    with pytest.raises(ValueError, match=r"holds the label entries \['target'\] but not \['other'\].*Fix"):
+        model.fit(x, epochs=1, verbose=0)
+    assert torch.equal(model.module.lin.weight, before)
+    for bad, kind in ((5, TypeError), ([], ValueError), (["a", "a"], ValueError)):
+        with pytest.raises(kind, match=r"compile\(label_names=\).*Fix"):
+            model.compile(optimizer="sgd", loss="mse", label_names=bad)
+    assert model.label_names == ("target", "other")  # a refused compile changed nothing

@@ -284,7 +284,8 @@ def dict_keys_fix(module: Any, x: Any) -> str | None:
 def _inputs_and_targets(model: Any, x: Any, y: Any) -> tuple[Any, Any]:
     """The module's inputs and the loss's targets: a dict batch's ``labels`` when a loss is compiled."""
     compiled = model.loss is not None and model.default_compute_loss
-    return module_inputs(x, y, compiled), targets_of(x, y) if compiled else y
+    names = model.label_names
+    return module_inputs(x, y, compiled, names), targets_of(x, y, names) if compiled else y
 
 
 def first_batch_check(
@@ -340,7 +341,7 @@ def first_batch_check(
             check_batch_loss(batch, loss, label)  # NaN in the batch that the loss does not handle
             if grad:
                 check_loss_has_grad(loss, label)
-        target = targets_of(x, y)
+        target = targets_of(x, y, model.label_names)
         if model.metrics.entries is None and target is not None:
             pred = require_prediction(y_pred, "the compiled metrics")  # the rule's error names the fix
             try:
@@ -435,8 +436,8 @@ def in_memory_check(model: Model, source: TensorBatches, training: bool) -> Any:
         seen = _CHECKED.get(model.module, {}).get(training)  # fit's and evaluate's data apart
         if seen is not None and seen[0] == signature:
             return seen[1]  # the same data and model passed this check in an earlier call
-        example = first_batch_check(model, _first_batch(source, model.device), targets_of(source.x, source.y),
-                                    training=training)  # fmt: skip
+        y_all = targets_of(source.x, source.y, model.label_names)
+        example = first_batch_check(model, _first_batch(source, model.device), y_all, training=training)
         checked = _CHECKED.setdefault(model.module, {})
         checked[training] = (_checked_signature(model, source, training), example)  # lazy shapes now known
         return example

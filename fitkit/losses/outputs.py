@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from fitkit.losses.labels import LABELS
+
 __all__ = ["prediction_of", "require_prediction", "own_loss", "targets_of", "module_inputs"]
 
 
@@ -107,10 +109,11 @@ def own_loss(output: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) else None
 
 
-def module_inputs(x: Any, y: Any, compiled_loss: bool) -> Any:
-    """The module's inputs for a batch ``(x, y)``: a dict ``x``'s ``"labels"`` are left out when they
-    are the target of a compiled loss (``compiled_loss``: a loss is compiled and ``compute_loss`` is
-    fitkit's own), as the Transformers Trainer pops them for a custom loss; else ``x`` itself.
+def module_inputs(x: Any, y: Any, compiled_loss: bool, names: tuple[str, ...] = LABELS) -> Any:
+    """The module's inputs for a batch ``(x, y)``: a dict ``x``'s label entries (``names``: the
+    compiled ``label_names``, see :mod:`fitkit.losses.labels`) are left out when they are the target
+    of a compiled loss (``compiled_loss``: a loss is compiled and ``compute_loss`` is fitkit's own),
+    as the Transformers Trainer pops them for a custom loss; else ``x`` itself.
 
     Example:
         >>> sorted(module_inputs({"input_ids": torch.zeros(2), "labels": torch.ones(2)}, None, True))
@@ -118,20 +121,37 @@ def module_inputs(x: Any, y: Any, compiled_loss: bool) -> Any:
         >>> sorted(module_inputs({"input_ids": torch.zeros(2), "labels": torch.ones(2)}, None, False))
         ['input_ids', 'labels']
     """
-    if compiled_loss and y is None and isinstance(x, Mapping) and "labels" in x:
-        return {k: v for k, v in x.items() if k != "labels"}
+    if compiled_loss and y is None and isinstance(x, Mapping) and any(n in x for n in names):
+        return {k: v for k, v in x.items() if k not in names}
     return x
 
 
-def targets_of(x: Any, y: Any) -> Any:
-    """``y``, or ``x["labels"]`` for a dict input without ``y`` (Hugging Face batches).
+def targets_of(x: Any, y: Any, names: tuple[str, ...] = LABELS) -> Any:
+    """``y``, or a dict input's label entries without ``y`` (Hugging Face batches): ``x[name]`` for
+    one name, a tuple in ``names``' order for several, ``None`` when ``x`` holds none of them.
+
+    Raises:
+        ValueError: ``x`` holds some of several label names but not all.
 
     Example:
         >>> targets_of({"input_ids": torch.zeros(2), "labels": torch.ones(2)}, None)
         tensor([1., 1.])
+        >>> targets_of({"s": torch.zeros(1), "e": torch.ones(1)}, None, ("s", "e"))
+        (tensor([0.]), tensor([1.]))
     """
     if y is None and isinstance(x, Mapping):
-        return x.get("labels")
+        if len(names) == 1:
+            return x.get(names[0])
+        missing = [n for n in names if n not in x]
+        if len(missing) == len(names):
+            return None
+        if missing:
+            raise ValueError(
+                f"The batch holds the label entries {[n for n in names if n in x]} but not {missing} "
+                f"(label_names={list(names)}); batch keys: {list(x)}. Fix: add them to every batch, or "
+                "pass compile(label_names=[...]) with the keys the batches hold."
+            )
+        return tuple(x[n] for n in names)
     return y
 
 
