@@ -1,5 +1,7 @@
 """Arguments that cannot apply to a source are refused; DataFrames and lists are converted."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -32,6 +34,20 @@ def test_batch_size_with_a_dataloader_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match=r"`validation_batch_size` .* `validation_data` is a DataLoader"):
         model.fit(x, y, validation_data=loader, validation_batch_size=2, epochs=1, verbose=0)
     assert torch.equal(model.module.weight, w0) and model.global_step == 0
+
+
+def test_shuffle_false_beside_a_dataloader_that_shuffles_is_warned():
+    x, y = _data()
+    model = _model()
+    shuffling = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
+    expected = (r"fit\(shuffle=False\) does not apply to a DataLoader.*RandomSampler.*"
+                r"Fix: build it with `DataLoader\(\.\.\., shuffle=False\)`")
+    with pytest.warns(fitkit.FitkitWarning, match=expected):
+        model.fit(shuffling, shuffle=False, epochs=1, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a loader in order, or fit's default: nothing to say
+        model.fit(DataLoader(TensorDataset(x, y), batch_size=4), shuffle=False, epochs=1, verbose=0)
+        model.fit(shuffling, epochs=1, verbose=0)
 
 
 def test_a_dataloader_records_its_own_batch_size():

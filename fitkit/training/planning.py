@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 from fitkit import data as _data
 from fitkit import distributed as _distributed
@@ -82,6 +82,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     """Check every argument of ``fit``, build its loaders and check its data (nothing changes)."""
     _check_batches_itself(x, batch_size, "x", "batch_size")
     _check_batches_itself(validation_data, validation_batch_size, "validation_data", "validation_batch_size")
+    _warn_shuffle_not_applied(x, shuffle)
     batch_size, verbose, callbacks = call_args(batch_size, steps_per_epoch, verbose, callbacks, "steps_per_epoch")
     if quick is not None and quick.active:  # fitkit.training.quick: what fast_dev_run / overfit_batches replace
         over = quick.overrides(initial_epoch)
@@ -170,6 +171,20 @@ def _check_batches_itself(source: Any, size: int | None, name: str, size_name: s
         f"batches (batch_size={source.batch_size!r}), so {size_name}={size!r} would be ignored. Fix: drop "
         f"`{size_name}=` and set the batch size on the DataLoader, or pass its Dataset instead."
     )
+
+
+def _warn_shuffle_not_applied(x: Any, shuffle: Any) -> None:
+    """A ``FitkitWarning`` for ``shuffle=False`` beside a DataLoader that shuffles: its sampler decides."""
+    if shuffle is not False or not isinstance(x, DataLoader):
+        return
+    sampler = x.batch_sampler.sampler if x.batch_sampler is not None else x.sampler
+    if isinstance(sampler, RandomSampler):
+        warnings.warn(
+            "fit(shuffle=False) does not apply to a DataLoader, which draws its own order: this one shuffles "
+            "(its sampler is a RandomSampler). Fix: build it with `DataLoader(..., shuffle=False)`, or pass its "
+            "Dataset to fit with shuffle=False.",
+            category=FitkitWarning, stacklevel=4,
+        )
 
 
 def _check_interval(value: Any, validation_freq: Any, validation_data: Any, validation_split: float) -> Any:
