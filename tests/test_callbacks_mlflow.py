@@ -1,7 +1,11 @@
 """MLflowLogger against a real MLflow store (SQLite in a temporary folder), read back with MlflowClient."""
 
+import contextlib
 import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import fitkit
 from fitkit.callbacks import BackupAndRestore, Callback, CSVLogger, MLflowLogger, ModelCheckpoint
 from fitkit.callbacks import mlflow as mlflow_module
 
+ROOT = Path(__file__).resolve().parents[1]
 mlflow = pytest.importorskip("mlflow")
 from mlflow import MlflowClient  # noqa: E402
 
@@ -188,3 +193,87 @@ def test_each_validation_inside_an_epoch_is_logged_at_its_step(tmp_path):
     assert [m.step for m in metrics] == [v["step"] for v in history.validations] == [3, 6]
     assert [m.value for m in metrics] == pytest.approx([v["val_loss"] for v in history.validations], rel=1e-12)
     assert _steps(client, logger.run_id, "val_loss") == [0, 1]  # the epoch logs: each epoch's last validation
+
+
+# -- a store that cannot be written, and two runs creating one store ------------------------
+def test_a_store_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    x, y = _data()
+    logger = MLflowLogger(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", log_every_n_steps=1)
+    model = _model()
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[logger])  # the store exists, a run in it
+
+    calls = []
+
+    def full(*args, **kwargs):
+        calls.append(kwargs)
+        raise mlflow.exceptions.MlflowException("(sqlite3.OperationalError) database or disk is full")
+
+    monkeypatch.setattr(logger._client, "log_batch", full)
+    with pytest.warns(fitkit.FitkitWarning, match=r"MLflowLogger stopped writing to sqlite:///.*mlflow.db for the rest "
+                                                  r"of this fit, which goes on: .*disk is full.*Fix") as caught:
+        history = model.fit(x, y, batch_size=4, epochs=3, initial_epoch=1, verbose=0, callbacks=[logger])
+    assert len([w for w in caught if "stopped writing" in str(w.message)]) == 1 and len(calls) == 1
+    assert len(history.history["loss"]) == 2 and model.global_step == 12  # the two epochs trained
+
+    reference = _model()
+    reference.fit(x, y, batch_size=4, epochs=3, verbose=0)
+    for p, q in zip(model.module.parameters(), reference.module.parameters(), strict=True):
+        assert torch.equal(p, q)
+    monkeypatch.undo()
+    model.fit(x, y, batch_size=4, epochs=4, initial_epoch=3, verbose=0, callbacks=[logger])  # the next fit writes
+    assert _steps(MlflowClient(logger.tracking_uri), logger.run_id, "loss") == [3]
+
+
+def test_a_full_disk_under_a_real_store_warns_and_training_goes_on(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (the test above covers the same path with a failing call)")
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(folder)]
+    if subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("mount -t tmpfs is not allowed here")
+    try:
+        x, y = _data()
+        logger = MLflowLogger(tracking_uri=f"sqlite:///{folder}/mlflow.db", log_every_n_steps=1, log_plot=False)
+        model = _model()
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[logger])
+        with open(folder / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:  # the rest of the disk
+                f.write(b"\0" * 4096)
+        with pytest.warns(fitkit.FitkitWarning, match=r"MLflowLogger stopped writing .* which goes on"):
+            history = model.fit(x, y, batch_size=4, epochs=41, initial_epoch=1, verbose=0, callbacks=[logger])
+        assert len(history.history["loss"]) == 40 and model.global_step == 164
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)  # MLflow keeps its store open
+
+
+_CHILD = """
+import os, sys, time, warnings
+import torch, fitkit
+from fitkit.callbacks import MLflowLogger
+warnings.simplefilter("error", fitkit.FitkitWarning)  # a failed write ends this child
+folder, me = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
+model.compile(optimizer="sgd", loss="mse")
+logger = MLflowLogger(tracking_uri=f"sqlite:///{folder}/store/mlflow.db", experiment_name="e")
+open(os.path.join(folder, "ready-" + me), "w").close()
+while len([f for f in os.listdir(folder) if f.startswith("ready-")]) < 2:  # both start the store at once
+    time.sleep(0.001)
+model.fit(torch.ones(8, 2), torch.ones(8, 1), epochs=2, verbose=0, callbacks=[logger])
+print(logger.run_id)
+"""
+
+
+def test_two_runs_creating_a_new_sqlite_store_at_once_both_log(tmp_path):
+    (tmp_path / "store").mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path), me], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for me in "ab"]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    client = MlflowClient(f"sqlite:///{tmp_path}/store/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("e").experiment_id])
+    assert sorted(r.info.run_id for r in runs) == sorted(out.strip() for out, _ in outs)
+    for r in runs:
+        assert _steps(client, r.info.run_id, "loss") == [0, 1] and r.info.status == "FINISHED"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,27 @@ def _local_sqlite_dir(uri: str) -> Path | None:
     if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
         return None
     return Path(uri[len("sqlite:///"):]).resolve().parent
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """One process at a time opens a local SQLite store: MLflow creates and migrates a new
+    database on first use, and two runs doing that at once crash one of them. An exclusive
+    ``flock`` on the database's folder (no file of its own) serialises it; elsewhere, nothing."""
+    folder = _local_sqlite_dir(uri)
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock
+        fcntl = None  # type: ignore[assignment]
+    if folder is None or fcntl is None or not folder.is_dir():
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
 
 
 class MLflowLogger(StatefulCallback):
@@ -135,6 +158,7 @@ class MLflowLogger(StatefulCallback):
         self.tags = {str(k): str(v) for k, v in (tags or {}).items()}
         self._client: Any = None
         self._active = False  # a run is open: started or reopened by this fit, not yet ended
+        self._quiet = False  # a write failed in this fit: nothing more is written until the next
         self._logged_params: set[str] = set()  # params the open run already holds
         self._reset()
 
@@ -200,12 +224,33 @@ class MLflowLogger(StatefulCallback):
         self._logged_params = set(run.data.params)
         return True
 
+    def _write(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, or ``None`` once a write failed in this fit: a store that cannot be
+        written (a full disk, a deleted folder, a server gone) warns once and the logger goes quiet;
+        training goes on."""
+        if self._quiet:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a logger never ends a run
+            self._quiet = True
+            warnings.warn(
+                f"MLflowLogger stopped writing to {self.tracking_uri} for the rest of this fit, which goes on: "
+                f"{what} failed ({type(e).__name__}: {e}). (Fix: free space or fix the store; the next fit "
+                "writes again.)", category=FitkitWarning, stacklevel=3,
+            )  # fmt: skip
+            return None
+
     def _start(self) -> None:
+        self._write("starting the run", self._open_run)
+
+    def _open_run(self) -> None:
         self._logged_params = set()
-        if self.run_id is None or not self._reopen():
-            run = self._mlflow_client().create_run(self._experiment_id(), run_name=self.run_name, tags=self.tags)
-            self.run_id = run.info.run_id
-            self._last_epoch, self._last_step = -1, 0
+        with _store_lock(self.tracking_uri):  # a new SQLite store is created once, not by two runs at once
+            if self.run_id is None or not self._reopen():
+                run = self._mlflow_client().create_run(self._experiment_id(), run_name=self.run_name, tags=self.tags)
+                self.run_id = run.info.run_id
+                self._last_epoch, self._last_step = -1, 0
         self._active = True
         # A resumed run keeps the values it started with (MLflow refuses to change a param).
         params = {k: v for k, v in self._fit_params().items() if k not in self._logged_params}
@@ -246,7 +291,7 @@ class MLflowLogger(StatefulCallback):
             if value is not None:
                 metrics.append(Metric(prefix + key, value, now, step))
         if metrics:
-            self._client.log_batch(self.run_id, metrics=metrics)
+            self._write("logging metrics", self._client.log_batch, self.run_id, metrics=metrics)
 
     # -- hooks -------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -256,14 +301,14 @@ class MLflowLogger(StatefulCallback):
             check_writable(folder, "MLflowLogger", "tracking_uri")
         # The run starts at the first epoch, not here: a resumed fit restores this callback's
         # state (the run id) after on_train_begin.
-        self._active = False
+        self._active = self._quiet = False
 
     def on_epoch_begin(self, epoch, logs=None):
         if is_rank_zero() and not self._active:
             self._start()
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.log_every_n_steps is None or not self._active:
+        if self.log_every_n_steps is None or not self._active or self._quiet:
             return
         step = self.model.global_step
         # With gradient accumulation several batches share a step: the first that reaches it logs.
@@ -273,14 +318,14 @@ class MLflowLogger(StatefulCallback):
 
     def on_validation_end(self, logs=None):
         """Inside-epoch validations: ``step_val_<key>`` with ``step=global_step``."""
-        if not self.params.get("validation_interval") or not is_rank_zero() or not logs:
+        if not self.params.get("validation_interval") or not is_rank_zero() or not logs or self._quiet:
             return
         if not self._active:
             self._start()
         self._log_metrics({k: v for k, v in logs.items() if k.startswith("val_")}, int(logs["step"]), "step_")
 
     def on_epoch_end(self, epoch, logs=None):
-        if not is_rank_zero():
+        if not is_rank_zero() or self._quiet:
             return
         if not self._active:
             self._start()
@@ -292,7 +337,7 @@ class MLflowLogger(StatefulCallback):
         if not self._active:
             return
         try:
-            self._log_files()
+            self._write("logging the files", self._log_files)
         finally:
             self._end("FINISHED")
 
@@ -306,7 +351,7 @@ class MLflowLogger(StatefulCallback):
 
     def _end(self, status: str) -> None:
         self._active = False
-        self._client.set_terminated(self.run_id, status=status)
+        self._write("ending the run", self._client.set_terminated, self.run_id, status=status)
 
     # -- artifacts ---------------------------------------------------------------------------
     def _best_checkpoint(self) -> str | None:

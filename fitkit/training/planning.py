@@ -177,7 +177,7 @@ def _warn_shuffle_not_applied(x: Any, shuffle: Any) -> None:
     """A ``FitkitWarning`` for ``shuffle=False`` beside a DataLoader that shuffles: its sampler decides."""
     if shuffle is not False or not isinstance(x, DataLoader):
         return
-    sampler = x.batch_sampler.sampler if x.batch_sampler is not None else x.sampler
+    sampler = getattr(x.batch_sampler, "sampler", x.sampler)  # a BatchSampler's, else the loader's own
     if isinstance(sampler, RandomSampler):
         warnings.warn(
             "fit(shuffle=False) does not apply to a DataLoader, which draws its own order: this one shuffles "
