@@ -94,6 +94,11 @@ class MLflowLogger(StatefulCallback):
     0 talks to MLflow. If ``fit`` raises, :meth:`close` (which fit calls on its callbacks when it
     fails) marks the run ``FAILED``; a normal end marks it ``FINISHED``.
 
+    A logger never ends a run: when the store cannot be written (a full disk, a deleted folder,
+    a server gone) it warns once (a ``FitkitWarning`` naming the store and the fix) and writes
+    nothing more in that ``fit``, which goes on; the next ``fit`` tries again. Two runs that
+    create a new local SQLite store at once take turns (a lock on its folder), so both log.
+
     Args:
         tracking_uri: an MLflow tracking URI (``sqlite:///path.db``, ``http://host:5000``,
             ``databricks``, ...); ``None``: see above.
