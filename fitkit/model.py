@@ -376,8 +376,8 @@ class Model:
 
     def refresh_parallel(self) -> None:
         """Under DDP: a new training wrapper when the trainable parameters changed since the
-        last was built (:mod:`fitkit.distributed.ddp`); the fit loop calls it at each epoch
-        start, after ``on_epoch_begin``. Nothing on one process or under FSDP."""
+        last was built (:mod:`fitkit.distributed.ddp`); the fit loop calls it before each
+        optimizer step's first micro-batch. Nothing on one process or under FSDP."""
         if self._parallel is not None and not self._parallel.fsdp and self.optimizer is not None:
             self._forward.refresh()
 

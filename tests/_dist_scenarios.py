@@ -436,7 +436,8 @@ class _Unused(nn.Module):
 
 def ddp_options(case: str) -> dict:
     """``unfreeze``: the first layer frozen at compile, unfrozen by a callback at epoch 2's start
-    (DDP must follow: its wrapper is rebuilt); ``find_unused`` / ``static_graph``: a parameter
+    (DDP must follow: its wrapper is rebuilt); ``unfreeze_mid_epoch``: the same after step 2, in
+    the epoch; ``find_unused`` / ``static_graph``: a parameter
     without a gradient, trained with DDP's option. Weights after 3 epochs, no shuffling."""
     from fitkit.distributed import DDP
 
@@ -448,6 +449,12 @@ def ddp_options(case: str) -> dict:
         unfreeze = LambdaCallback(on_epoch_begin=lambda e, logs: module[0].requires_grad_(True) if e == 1 else None)
         callbacks.append(unfreeze)
         strategy: Any = "auto"
+    elif case == "unfreeze_mid_epoch":  # after step 2 of epoch 1's 4: followed from step 3
+        module = net()
+        module[0].requires_grad_(False)
+        callbacks.append(LambdaCallback(on_train_batch_end=lambda b, logs: module[0].requires_grad_(True)
+                                        if model.global_step == 2 else None))
+        strategy = "auto"
     elif case == "bucket_view":
         module, strategy = net(), DDP(gradient_as_bucket_view=True)
     else:

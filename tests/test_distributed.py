@@ -53,7 +53,7 @@ res["resume_fsdp_file_with_ddp"] = sc.resume(OUT / "fsdp.pt")
 res["lifetime"] = sc.lifetime()
 res["batch_sampler_epochs"] = sc.batch_sampler_epochs()
 res["sum_reduction"] = sc.sum_reduction()
-for case in ("unfreeze", "find_unused", "static_graph", "bucket_view"):
+for case in ("unfreeze", "unfreeze_mid_epoch", "find_unused", "static_graph", "bucket_view"):
     res[f"ddp_{case}"] = sc.ddp_options(case)
 res["unused_refused"] = sc.unused_refused()
 res["unused_refused_bucket_view"] = sc.unused_refused(bucket_view=True)
@@ -360,16 +360,17 @@ def test_a_sum_loss_sums_over_the_ranks(job):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["unfreeze", "find_unused", "static_graph", "bucket_view"])
+@pytest.mark.parametrize("case", ["unfreeze", "unfreeze_mid_epoch", "find_unused", "static_graph", "bucket_view"])
 def test_ddp_follows_the_trainable_set_and_takes_its_options(job, case):
-    """A layer unfrozen at epoch 2 is all-reduced from then on (the wrapper is rebuilt), and a
+    """A layer unfrozen at epoch 2, or after a step in the epoch, is all-reduced from the next
+    step on (the wrapper is rebuilt), and a
     parameter without a gradient trains with DDP(find_unused_parameters=True) or
     DDP(static_graph=True): both ranks hold the same weights, those of one process (1e-6)."""
     r0, r1, _, _ = job
     _assert_identical(r0[f"ddp_{case}"]["params"], r1[f"ddp_{case}"]["params"])
     one = sc.ddp_options(case)
     _assert_close(r0[f"ddp_{case}"]["params"], one["params"])
-    if case == "unfreeze":  # the unfrozen layer did train
+    if case.startswith("unfreeze"):  # the unfrozen layer did train
         assert not torch.equal(one["params"]["0.weight"], sc.net()[0].weight.detach())
 
 

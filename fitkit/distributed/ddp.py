@@ -4,9 +4,12 @@
 wrapper follows the module's trainable set: DDP registers the parameters that require a
 gradient when it is built, so one unfrozen later (the fine-tuning recipe: a callback calls
 ``backbone.requires_grad_(True)`` at an epoch start) would never be all-reduced and the ranks
-would drift apart. At every epoch start (after ``on_epoch_begin``) fitkit compares the
-``requires_grad`` flags with those the wrapper was built for and, when they changed, builds a
-new wrapper (rank 0's weights broadcast again; the optimizer and its state untouched).
+would drift apart. Before each optimizer step's first micro-batch (after ``on_epoch_begin`` and
+``on_train_batch_begin``, so a change made in any epoch or batch hook counts from the next step)
+fitkit compares the ``requires_grad`` flags with those the wrapper was built for and, when they
+changed, builds a new wrapper (rank 0's weights broadcast again; the optimizer and its state
+untouched). A change between the micro-batches of one accumulation window counts from the next
+window.
 
 Buffers (BatchNorm's running statistics) are rank 0's on every rank before each validation,
 in an epoch (``validation_interval``) and at its end, so every rank validates the same model;

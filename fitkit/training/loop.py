@@ -290,7 +290,6 @@ class FitLoop:
         if loader.next_epoch_batches is not None:  # the batches this epoch will really run
             cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
-        model.refresh_parallel()  # DDP follows a trainable set a callback changed (unfreezing)
         stepper.begin_epoch(epoch, _distributed.host_rows(loader, model.loss))  # host rows: fitkit's shards
         if self.step_val is not None:
             self.step_val.begin_epoch(loader.next_epoch_batches or loader.num_batches, stepper.accumulation)
@@ -306,7 +305,7 @@ class FitLoop:
         local = model.parallel is None  # one process: stops and signals need no agreement
         budget, step_val = self.max_steps, self.step_val
         position.enter()
-        ran, skipped = False, 0
+        ran, skipped, begins = False, 0, True
         with phases.running(totals):
             for step, batch in stepper.micro_batches(batches, start, self.stop.now):
                 if skip_single and guard.single(batch, stepper, step, epoch):
@@ -318,8 +317,10 @@ class FitLoop:
                 self.batch_index, self.batch = step, batch
                 if want_begin:
                     cbs.on_train_batch_begin(step, {})
+                if not local and begins:  # DDP follows a trainable set a callback changed, from this step
+                    model.refresh_parallel()
                 model.train_step(batch)
-                ran = True
+                ran, begins = True, stepper.window.micro_last  # the next micro-batch begins a window
                 position.done(step + 1)
                 if step_val is not None and stepper.window.micro_last:
                     step_val.after_step(step + 1, epoch)  # before the batch's hooks: a backup there holds it
@@ -333,9 +334,14 @@ class FitLoop:
                         and self.stop.at_boundary()):
                     break
         position.leave()
+        return self._end_epoch(epoch, ran or bool(start), skipped, totals)
+
+    def _end_epoch(self, epoch: int, ran: bool, skipped: int, totals: Any) -> dict[str, float] | None:
+        """The epoch's logs once its batches ran (``None``: interrupted, or no batch at all)."""
+        model, phases, stepper = self.model, self.model.phases, self.model.stepper
         if self.stop.interrupted:
             return None
-        if not ran and not start:
+        if not ran:
             self._no_batches(epoch, skipped)
             return None
         self._warn_ran_out(epoch)
