@@ -434,11 +434,12 @@ class _Unused(nn.Module):
         return self.body(x)
 
 
-def ddp_options(case: str) -> dict:
+def ddp_options(case: str, fsdp: bool = False) -> dict:
     """``unfreeze``: the first layer frozen at compile, unfrozen by a callback at epoch 2's start
     (DDP must follow: its wrapper is rebuilt); ``unfreeze_mid_epoch``: the same after step 2, in
     the epoch; ``find_unused`` / ``static_graph``: a parameter
-    without a gradient, trained with DDP's option. Weights after 3 epochs, no shuffling."""
+    without a gradient, trained with DDP's option (``fsdp``: the unfreezing cases under FSDP,
+    which follows the flags by itself). Weights after 3 epochs, no shuffling."""
     from fitkit.distributed import DDP
 
     x, y, _ = data(32)
@@ -460,7 +461,7 @@ def ddp_options(case: str) -> dict:
     else:
         module = _Unused()
         strategy = DDP(**{"find_unused_parameters" if case == "find_unused" else "static_graph": True})
-    model = fitkit.Model(module, device="cpu", strategy=strategy)
+    model = fitkit.Model(module, device="cpu", strategy="fsdp" if fsdp and world_size() > 1 else strategy)
     model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.05), loss="mse")
     model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
     return {"params": full_params(model)}

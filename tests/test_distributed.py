@@ -55,6 +55,8 @@ res["batch_sampler_epochs"] = sc.batch_sampler_epochs()
 res["sum_reduction"] = sc.sum_reduction()
 for case in ("unfreeze", "unfreeze_mid_epoch", "find_unused", "static_graph", "bucket_view"):
     res[f"ddp_{case}"] = sc.ddp_options(case)
+for case in ("unfreeze", "unfreeze_mid_epoch"):
+    res[f"fsdp_{case}"] = sc.ddp_options(case, fsdp=True)
 res["unused_refused"] = sc.unused_refused()
 res["unused_refused_bucket_view"] = sc.unused_refused(bucket_view=True)
 res["bn_validation"] = sc.bn_validation()
@@ -372,6 +374,19 @@ def test_ddp_follows_the_trainable_set_and_takes_its_options(job, case):
     _assert_close(r0[f"ddp_{case}"]["params"], one["params"])
     if case.startswith("unfreeze"):  # the unfrozen layer did train
         assert not torch.equal(one["params"]["0.weight"], sc.net()[0].weight.detach())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["unfreeze", "unfreeze_mid_epoch"])
+def test_fsdp_follows_a_layer_unfrozen_at_an_epoch_start_or_after_a_step(job, case):
+    """FSDP all-reduces (reduce-scatters) whatever requires a gradient at each backward: the same
+    unfreezing as above leaves both ranks with the weights of one process (1e-6)."""
+    r0, r1, _, _ = job
+    _assert_identical(r0[f"fsdp_{case}"]["params"], r1[f"fsdp_{case}"]["params"])
+    one = sc.ddp_options(case)
+    _assert_close(r0[f"fsdp_{case}"]["params"], one["params"])
+    assert not torch.equal(one["params"]["0.weight"], sc.net()[0].weight.detach())
 
 
 @pytest.mark.distributed
