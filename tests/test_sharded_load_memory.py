@@ -65,3 +65,49 @@ def test_a_sharded_load_peaks_at_the_state_plus_one_piece(tmp_path):
     # then a fresh copy of the whole state filled and copied in).
     ratio = (out["weights"] + out["grew"]) / out["state"]
     assert ratio <= 1.2, ratio
+
+
+def test_a_sharded_load_on_2_fsdp_ranks_peaks_at_each_ranks_state_plus_one_piece(tmp_path):
+    """The same under torchrun: 2 FSDP ranks save a sharded checkpoint; in a fresh launch each rank
+    loads it into a new sharded model, its growth measured from its own resident memory."""
+    from _torchrun import run_torchrun
+
+    setup = f"""
+import json, torch, fitkit
+from fitkit.distributed import rank
+from fitkit.layers import GPT
+torch.manual_seed(0)
+model = fitkit.Model(GPT(**{GPT_ARGS!r}), device="cpu", strategy="fsdp")
+model.compile(optimizer="adamw", loss="cross_entropy")
+"""
+    run_torchrun(setup + """
+ids = torch.randint(0, 256, (4, 16))
+model.fit(ids, ids, batch_size=2, verbose=0)
+model.save_checkpoint(OUT / "ck", sharded=True)
+""", tmp_path, timeout=300)
+    run_torchrun(setup + """
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+def local(tensors):
+    return sum(getattr(t, "_local_tensor", t).numel() * t.element_size() for t in tensors)
+weights = local(model.module.parameters())
+base = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+model.load_checkpoint(OUT / "ck")
+moments = local(t for s in model.optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0)
+json.dump({"grew": status("VmHWM") - base, "weights": weights, "state": weights + moments,
+           "step": model.global_step}, open(OUT / f"r{rank()}.json", "w"))
+""", tmp_path, timeout=300)
+    import json
+
+    for r in (0, 1):
+        out = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert out["step"] == 1
+        assert 65e6 < out["state"] < 90e6  # half of the 12.8 M weights and their two moments, float32
+        assert out["grew"] > 0.6 * (out["state"] - out["weights"])  # the measure sees the moments made
+        ratio = (out["weights"] + out["grew"]) / out["state"]
+        assert ratio <= 1.2, (r, ratio)
