@@ -201,3 +201,57 @@ def test_a_huge_pid_and_a_folder_in_the_locks_place(tmp_path):
     (tmp_path / ".y.lock").mkdir()
     with pytest.raises(LockError, match=r"a folder is where its lock file goes.*Fix: remove or rename"):
         FileLock(tmp_path / ".y.lock", "y", "CSVLogger").acquire()
+
+
+# -- locks from other hosts: a requeued SLURM job, and the user's word ---------------------
+def _foreign_lock(path, **extra):
+    import json
+
+    path.write_text(json.dumps({"pid": 4242, "host": "node-17", "token": "t", "start": 1, **extra}))
+
+
+def test_a_requeued_slurm_job_takes_over_its_earlier_attempts_locks_from_another_node(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "991")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    folder = tmp_path / "bk"
+    folder.mkdir()
+    _foreign_lock(folder / ".backup.lock", job="991", attempt=1)
+    with pytest.warns(FitkitWarning, match=r"locked by process 4242 on node-17, an earlier attempt \(1\) of this "
+                                           r"SLURM job 991, requeued since \(attempt 2\); the lock is taken over"):
+        _model().fit(X, Y, epochs=1, callbacks=[BackupAndRestore(folder)], verbose=0)
+    # The same attempt on another node (or another job) is a live run as far as anyone here knows.
+    for extra in ({"job": "991", "attempt": 2}, {"job": "990", "attempt": 0}, {}):
+        lock = tmp_path / ".x.lock"
+        _foreign_lock(lock, **extra)
+        with pytest.raises(LockError, match="process 4242 on host node-17"):
+            FileLock(lock, "x", "CSVLogger").acquire()
+        assert lock.exists()
+
+
+def test_take_over_locks_takes_every_lock_of_another_host_in_one_rerun_and_never_a_live_one(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    (run / "bk").mkdir(parents=True)
+    _foreign_lock(run / "bk" / ".backup.lock")
+    _foreign_lock(run / ".log.csv.lock")
+    _foreign_lock(run / ".other.lock")
+    callbacks = [BackupAndRestore(run / "bk"), CSVLogger(run / "log.csv")]
+    model = _model()
+    with pytest.raises(LockError, match=r"another host cannot be checked from here\. Other locks near it: "
+                                        r"\['.*run/\.log\.csv\.lock', '.*run/\.other\.lock'\]\. Fix: .* run again "
+                                        r"with FITKIT_TAKE_OVER_LOCKS=1 to take over every lock it left at once"):
+        model.fit(X, Y, epochs=1, callbacks=callbacks, verbose=0)
+    assert model.global_step == 0
+    monkeypatch.setenv("FITKIT_TAKE_OVER_LOCKS", "1")
+    with pytest.warns(FitkitWarning, match="FITKIT_TAKE_OVER_LOCKS=1 says that run has ended") as caught:
+        model.fit(X, Y, epochs=1, callbacks=callbacks, verbose=0)
+    assert len([w for w in caught if "taken over" in str(w.message)]) == 2 and model.global_step == 1
+    # A live holder on this host is never taken over, whatever the variable says.
+    lock = tmp_path / ".live.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(f'{{"pid": {holder.pid}, "host": "{socket.gethostname()}"}}')
+        with pytest.raises(LockError, match=f"process {holder.pid} on host .*wait for that run to end"):
+            FileLock(lock, "x", "CSVLogger").acquire()
+    finally:
+        holder.kill()
+        holder.wait()

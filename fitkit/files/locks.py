@@ -3,8 +3,14 @@
 A lock is a file, ``.<name>.lock``, created with ``O_CREAT | O_EXCL`` (atomic on local file
 systems and NFSv3+): it holds the holder's pid and host. A second run that asks for the same
 lock gets a :class:`LockError` naming them, before its first step. A lock whose holder is
-dead (same host, no process with that pid) is taken over (``took_over`` says so; the callbacks
-warn), so a killed run's folder resumes without a manual step. Temp files carry their writer's pid
+dead (same host, no process with that pid, or that pid now another process's: the lock holds
+the holder's start time and a token of its own) is taken over (``took_over`` says so; the
+callbacks warn), so a killed run's folder resumes without a manual step. A lock from another
+host cannot be checked, except that a SLURM job requeued onto another node (the same
+``SLURM_JOB_ID``, a higher ``SLURM_RESTART_COUNT``) takes over its earlier attempt's locks:
+SLURM requeues a job once it has ended. Any other lock from another host is taken over only on
+the user's word, ``FITKIT_TAKE_OVER_LOCKS=1`` (every such lock of the re-run at once); a live
+holder on this host never is. Temp files carry their writer's pid
 (:func:`temp_prefix`), so the clean-up of a run's start removes only a dead process's temps.
 """
 
@@ -22,6 +28,16 @@ from typing import Any
 __all__ = ["FileLock", "LockError", "temp_prefix", "temp_owner", "pid_alive"]
 
 _HOST = socket.gethostname()
+TAKE_OVER = "FITKIT_TAKE_OVER_LOCKS"  # =1: take over locks of other hosts' runs (the user says they ended)
+
+
+def _slurm_attempt() -> tuple[str | None, int]:
+    """This process's SLURM job id (``None`` outside SLURM) and its requeue count."""
+    try:
+        attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        attempt = 0
+    return os.environ.get("SLURM_JOB_ID") or None, attempt
 
 
 class LockError(RuntimeError):
@@ -130,8 +146,9 @@ class FileLock:
                 f"{self.who} cannot use {self.what}: a folder is where its lock file goes "
                 f"({str(self.path)!r}). Fix: remove or rename that folder."
             )
-        record = json.dumps({"pid": os.getpid(), "host": _HOST, "token": _TOKEN,
-                             "start": _start_time(os.getpid())}).encode()  # fmt: skip
+        my_job, my_attempt = _slurm_attempt()
+        record = json.dumps({"pid": os.getpid(), "host": _HOST, "token": _TOKEN, "start": _start_time(os.getpid()),
+                             "job": my_job, "attempt": my_attempt}).encode()  # fmt: skip
         for _ in range(3):  # a dead holder's lock is removed, then taken
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -139,26 +156,18 @@ class FileLock:
                 holder = self._holder()
                 if holder is None:
                     continue  # released meanwhile, or unreadable (being written): try again
-                pid, host, token, start = holder
+                pid, host, token, start, job, attempt = holder
                 mine = host == _HOST and pid == os.getpid() and token in (None, _TOKEN)
-                if host == _HOST and not mine and not self._running(pid, token, start):
-                    self.took_over = (
-                        f"{self.who}: {self.what} was locked by process {pid} on {host}, which is no "
-                        "longer running (it was killed or crashed, or its container restarted); the lock "
-                        "is taken over."
-                    )
+                why = None if mine else self._ended(pid, host, token, start, job, attempt)
+                if why is not None:
+                    self.took_over = (f"{self.who}: {self.what} was locked by process {pid} on {host}, {why}; "
+                                      "the lock is taken over.")
                     try:
                         os.unlink(self.path)
                     except FileNotFoundError:
                         pass
                     continue
-                by = "another callback of this fit" if mine else f"another run: process {pid} on host {host}"
-                raise LockError(
-                    f"{self.who} cannot use {self.what}: it is in use by {by} (lock file "
-                    f"{str(self.path)!r}). Two runs writing one folder would delete each other's "
-                    "files. Fix: give each run (and each callback) a folder or file of its own, or "
-                    "wait for that run to end; if it is over, delete the lock file."
-                ) from None
+                raise self._refusal(mine, pid, host) from None
             try:
                 os.write(fd, record)
             finally:
@@ -166,6 +175,42 @@ class FileLock:
             self.held = True
             return self
         raise LockError(f"{self.who} could not take the lock {str(self.path)!r} of {self.what}. Fix: try again.")
+
+    @classmethod
+    def _ended(cls, pid: int, host: str, token: str | None, start: int | None, job: str | None,
+               attempt: int | None) -> str | None:
+        """Why the holder's run is known to have ended (then its lock is taken over), or ``None``."""
+        if host == _HOST:
+            if cls._running(pid, token, start):
+                return None  # a live holder on this host: never taken over
+            return "which is no longer running (it was killed or crashed, or its container restarted)"
+        my_job, my_attempt = _slurm_attempt()
+        if job is not None and job == my_job and attempt is not None and attempt < my_attempt:
+            return f"an earlier attempt ({attempt}) of this SLURM job {job}, requeued since (attempt {my_attempt})"
+        if os.environ.get(TAKE_OVER) == "1":
+            return f"another host; {TAKE_OVER}=1 says that run has ended"
+        return None
+
+    def _refusal(self, mine: bool, pid: int, host: str) -> LockError:
+        if mine:
+            return LockError(
+                f"{self.who} cannot use {self.what}: it is in use by another callback of this fit (lock file "
+                f"{str(self.path)!r}). Two callbacks writing one folder would delete each other's files. Fix: "
+                "give each callback a folder or file of its own."
+            )
+        text = (f"{self.who} cannot use {self.what}: it is in use by another run: process {pid} on host {host} "
+                f"(lock file {str(self.path)!r}). Two runs writing one folder would delete each other's files. ")
+        if host == _HOST:
+            return LockError(text + "Fix: give each run a folder or file of its own, or wait for that run to end.")
+        run = self.path.parent.parent  # the run's folder, when callbacks write into its sub-folders
+        near = {*self.path.parent.glob(".*.lock"), *run.glob(".*.lock"), *run.glob("*/.*.lock")} - {self.path}
+        others = sorted(str(p) for p in near)
+        listed = f" Other locks near it: {others}." if others else ""
+        return LockError(
+            text + f"A process on another host cannot be checked from here.{listed} Fix: give each run a folder "
+            f"of its own, or wait for that run to end; if it is over (a crashed machine, a job moved to another "
+            f"node), run again with {TAKE_OVER}=1 to take over every lock it left at once, or delete the lock file."
+        )
 
     @staticmethod
     def _running(pid: int, token: str | None, start: int | None) -> bool:
@@ -178,18 +223,21 @@ class FileLock:
         now = _start_time(pid)
         return start is None or now is None or now == start  # another start time: the pid was reused
 
-    def _holder(self) -> tuple[int, str, str | None, int | None] | None:
+    def _holder(self) -> tuple[int, str, str | None, int | None, str | None, int | None] | None:
+        """``(pid, host, token, start, job, attempt)`` of the lock file (older locks: ``None`` for
+        what they do not hold), or ``None`` when it is gone or being written."""
         try:
             data: Any = json.loads(self.path.read_text())
-            start = data.get("start")
+            start, job, attempt = data.get("start"), data.get("job"), data.get("attempt")
             return (int(data["pid"]), str(data["host"]), data.get("token"),
-                    int(start) if isinstance(start, int) else None)  # fmt: skip
+                    int(start) if isinstance(start, int) else None, job if isinstance(job, str) else None,
+                    attempt if isinstance(attempt, int) else None)  # fmt: skip
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
             # An empty or garbled lock: its writer died between create and write, or it is
             # being written now. Treat an old one as dead (pid 0), a fresh one as a retry.
-            return (0, _HOST, None, None) if _age(self.path) > 5 else None
+            return (0, _HOST, None, None, None, None) if _age(self.path) > 5 else None
 
     def release(self) -> None:
         """Give the lock up (idempotent; only the lock this object took is removed)."""
