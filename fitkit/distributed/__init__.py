@@ -90,6 +90,7 @@ from fitkit.distributed.group import (  # noqa: F401
     any_rank,
     any_rank_on_device,
     check_timeout,
+    check_timeout_applies,
     global_share,
     init_if_needed,
     is_distributed,
