@@ -18,7 +18,6 @@ import torch
 
 from fitkit.callbacks.base import Callback
 from fitkit.checks import check_bool, check_every
-from fitkit.distributed import dcp
 from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["RayReport"]
@@ -39,9 +38,11 @@ class RayReport(Callback):
     the epoch's (batch's) logs with ``epoch`` and ``global_step``; the checkpoint is a folder
     holding :attr:`checkpoint_name`, written by :meth:`fitkit.Model.save_checkpoint` after every
     other callback of the event (the model, optimizer, scheduler, RNG states, the position in
-    the epoch, History and callback states). Under DDP rank 0 writes it and reports it; under
-    ``strategy="fsdp"`` every rank writes and reports its own shards, which Ray gathers into
-    one folder (``torch.distributed.checkpoint``, any world size).
+    the epoch, History and callback states), one file that rank 0 writes and reports. Under
+    ``strategy="fsdp"`` the state is gathered to rank 0's CPU memory for it (each worker writes
+    into a folder of its own, so shards would be split among the workers): a model whose
+    training state does not fit one host's memory needs :class:`~fitkit.callbacks.BackupAndRestore`
+    on storage every worker shares instead.
 
     When ``fit`` starts and ``ray.train.get_checkpoint()`` is not ``None`` (Ray restarted the
     workers after a failure, or the trainer got ``resume_from_checkpoint``), every rank loads
@@ -149,9 +150,10 @@ class RayReport(Callback):
         if not self.checkpoint:
             train.report(metrics)
             return
-        sharded = dcp.is_sharded_default(model)
         with tempfile.TemporaryDirectory(prefix="fitkit-ray-") as folder:
-            model.save_checkpoint(Path(folder) / self.checkpoint_name)  # every rank: a collective
-            mine = sharded or is_rank_zero()  # DDP: rank 0's one file; FSDP: each rank's shards
+            # One file, written by rank 0 (under FSDP the state is gathered there: a collective).
+            # Each worker's temp folder is its own, so a folder of shards would be split among them.
+            model.save_checkpoint(Path(folder) / self.checkpoint_name, sharded=False)
             # Ray copies the folder to its storage before report returns: the temp folder may go.
-            train.report(metrics, checkpoint=train.Checkpoint.from_directory(folder) if mine else None)
+            mine = train.Checkpoint.from_directory(folder) if is_rank_zero() else None
+            train.report(metrics, checkpoint=mine)
