@@ -78,7 +78,9 @@ class Model:
         timeout: under torchrun, seconds a collective may wait for the other ranks before the
             job ends with an error (a rank that hangs or died without its process ending);
             ``None``: the ``FITKIT_DIST_TIMEOUT`` environment variable, else torch's default
-            (10 min for nccl, 30 min for gloo). Used when fitkit starts the process group.
+            (10 min for nccl, 30 min for gloo). Used when fitkit starts the process group; refused
+            (``ValueError``) when a group started elsewhere is running (Ray Train's
+            ``TorchTrainer``: set ``TorchConfig(timeout_s=...)`` there).
         activation_checkpointing: recompute the activations of these submodules in the
             backward instead of keeping them (:func:`torch.utils.checkpoint.checkpoint`,
             non-reentrant), on one process or under DDP: ``True`` (the default units of
@@ -91,7 +93,8 @@ class Model:
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, ``strategy`` not a string or ``FSDP``, ``timeout``
             not a number.
-        ValueError: an unknown ``strategy``; a ``timeout`` that is not positive; an
+        ValueError: an unknown ``strategy``; a ``timeout`` that is not positive, or given while a
+            process group that fitkit did not start is running; an
             ``activation_checkpointing`` that picks no submodule, or one with an FSDP strategy.
 
     Example:
@@ -116,7 +119,8 @@ class Model:
         _distributed.check_strategy(strategy)
         if isinstance(strategy, _distributed.FSDP):
             strategy.check_names(module)  # a typo in wrap= would wrap nothing, on any number of processes
-        timeout = _distributed.check_timeout(timeout)
+        given, timeout = timeout, _distributed.check_timeout(timeout)
+        _distributed.check_timeout_applies(given)  # a group started elsewhere (Ray Train) keeps its own
         self.device = resolve_device(device)
         _distributed.init_if_needed(self.device, timeout)  # under torchrun: nccl on CUDA, gloo on CPU
         if activation_checkpointing is not None and activation_checkpointing is not False:

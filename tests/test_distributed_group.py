@@ -116,3 +116,20 @@ def test_where_ranks_were_names_the_ranks_behind(monkeypatch):
     progress.mark_failed("rank 0: RuntimeError")  # the fake store has no set: nothing is raised
     store.data["fitkit/failed"] = "rank 0: RuntimeError"
     assert progress.peer_failed()
+
+
+def test_timeout_is_refused_for_a_process_group_fitkit_did_not_start():
+    """Ray Train's TorchTrainer (or the script) starts the group with its own timeout: fitkit
+    cannot change it, so Model(timeout=) says where to set it instead of being ignored."""
+    import torch
+    import torch.distributed as dist
+
+    import fitkit
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"started before fitkit .*TorchConfig\(timeout_s=5\)"):
+            fitkit.Model(torch.nn.Linear(1, 1), device="cpu", timeout=5)
+        assert fitkit.Model(torch.nn.Linear(1, 1), device="cpu").device.type == "cpu"  # without: the group's own
+    finally:
+        dist.destroy_process_group()

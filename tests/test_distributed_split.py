@@ -267,9 +267,10 @@ def test_no_collective_per_step_beyond_ddps_for_fitkits_own_shards(job):
         # (fitkit.distributed.agreement: after step 1, then at most every 8 steps)
         assert r["count_tensors"] == [1, 0, 0, 0]
         assert r["count_loader"] == [1, 0, 0, 0]
-        assert r["count_weighted"] == [2, 1, 1, 1]  # + the global weight sum: the feature needs it
-        # cross-entropy's denominators are rows unless a target is ignore_index (then the count of
-        # the targets that count is summed over the ranks, a collective the feature needs)
+        # Sample weights, or a target equal to ignore_index: the global denominator rides in DDP's
+        # gradient all-reduce, which fitkit's count hook then issues from Python (counted here; the
+        # C++ reducer's is not). Every collective, DDP's included: tests/test_distributed_collectives.py
+        assert r["count_weighted"] == [2, 1, 1, 1]
         assert r["count_ce_index"] == r["count_ce_probabilities"] == [1, 0, 0, 0]
         assert r["count_ce_ignored"] == [2, 1, 1, 1]
 

@@ -20,8 +20,10 @@
 - :mod:`~fitkit.callbacks.tokens`: ``TokensSeen`` (``num_input_tokens_seen`` in logs and checkpoints).
 - :mod:`~fitkit.callbacks.neftune`: ``NEFTune`` (noisy input embeddings while fine-tuning).
 - :mod:`~fitkit.callbacks.wandb`: ``WandbLogger`` (``pip install torch-fitkit[wandb]``).
+- :mod:`~fitkit.callbacks.raytrain`: ``RayReport`` (Ray Train's reports, checkpoints and restarts;
+  ``pip install torch-fitkit[ray]``).
 
-The MLflow, Optuna and W&B callbacks import their library when they are created, not here.
+The MLflow, Optuna, W&B and Ray callbacks import their library when they are created, not here.
 """
 
 from fitkit.callbacks.accumulation import GradientAccumulationScheduler
@@ -38,6 +40,7 @@ from fitkit.callbacks.neftune import NEFTune
 from fitkit.callbacks.optuna import OptunaPruning
 from fitkit.callbacks.profiler import Profiler
 from fitkit.callbacks.progress import ProgressBar
+from fitkit.callbacks.raytrain import RayReport
 from fitkit.callbacks.swap_ema import SwapEMAWeights
 from fitkit.callbacks.tensorboard import TensorBoard
 from fitkit.callbacks.throughput import ThroughputMonitor
@@ -46,6 +49,7 @@ from fitkit.callbacks.tokens import TokensSeen
 from fitkit.callbacks.wandb import WandbLogger
 
 __all__ = [
+    "RayReport",
     "WandbLogger",
     "NEFTune",
     "TokensSeen",

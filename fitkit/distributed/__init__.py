@@ -24,9 +24,13 @@ What makes the numbers exact, not approximately right:
 - **Same steps on every rank.** A rank whose share of the short last batch is empty still runs
   the step (forward and backward on an empty batch, zero contribution), so DDP's all-reduce
   never waits for a rank that is not coming.
-- **Exact gradients.** Each rank backpropagates ``sum(w * l) * W / global_weight``, with
-  ``global_weight`` all-reduced on the device (no host sync), so DDP's gradient average is the
-  single-process mean over the global batch, short last batches included.
+- **Exact gradients.** Each rank backpropagates ``sum(w * l) * W / global_weight``, so DDP's
+  gradient average is the single-process mean over the global batch, short last batches
+  included. ``global_weight`` is known on the host for fitkit's shards with rows as the loss's
+  terms; otherwise (sample weights, ignored or per-token class targets, a DataLoader's labels)
+  it rides in DDP's own gradient all-reduce (:mod:`~fitkit.distributed.counted`): no collective
+  per step beyond DDP's, for every built-in loss. Under FSDP, or with 16-bit gradients, it is
+  all-reduced on its own then (one small collective per step, no host read).
 - **Exact logs.** Epoch loss totals and counts are summed over ranks before the division;
   torchmetrics metrics sync their states in ``compute()``. Every rank gets the same History.
 
@@ -55,6 +59,8 @@ The package, one concern per module (everything is re-exported here):
   loss reductions (``init_if_needed``, ``rank``, ``any_rank``, ``global_share``, ...).
 - :mod:`~fitkit.distributed.parallel`: ``Model(strategy=...)``, DDP / FSDP2 wrapping and full
   state dicts (``check_strategy``, ``Parallel``).
+- :mod:`~fitkit.distributed.counted`: the loss denominator summed over the ranks inside DDP's
+  gradient all-reduce (a communication hook).
 - :mod:`~fitkit.distributed.fsdp`: ``Model(strategy=FSDP(...))``, the FSDP2 options: the wrap
   policy (Hugging Face's ``_no_split_modules`` by default), mixed precision, activation
   checkpointing, CPU offload.
@@ -84,6 +90,7 @@ from fitkit.distributed.group import (  # noqa: F401
     any_rank,
     any_rank_on_device,
     check_timeout,
+    check_timeout_applies,
     global_share,
     init_if_needed,
     is_distributed,

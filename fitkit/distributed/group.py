@@ -142,6 +142,30 @@ def check_timeout(timeout: Any) -> float | None:
     return float(timeout)
 
 
+def check_timeout_applies(timeout: Any) -> None:
+    """Refuse ``Model(timeout=...)`` when a process group that fitkit did not start is running.
+
+    Ray Train's ``TorchTrainer`` starts the group before the training function runs (and a
+    script may start its own): its timeout was fixed then, and fitkit cannot change it, so the
+    argument would be silently ignored. (``FITKIT_DIST_TIMEOUT`` applies only to a group fitkit
+    starts.)
+
+    Raises:
+        ValueError: ``timeout`` given and such a group running, naming where to set it.
+
+    Example:
+        >>> check_timeout_applies(30)  # no group running: fitkit will start it with this timeout
+    """
+    if timeout is None or _started_here or not (dist.is_available() and dist.is_initialized()):
+        return
+    raise ValueError(
+        f"Model(timeout={timeout!r}) cannot apply: the process group was started before fitkit (by Ray Train's "
+        "TorchTrainer, or by the script), with its own timeout. Fix: drop `timeout=` and set it where the group "
+        f"starts: TorchTrainer(..., torch_config=ray.train.torch.TorchConfig(timeout_s={timeout!r})), or "
+        f"torch.distributed.init_process_group(..., timeout=datetime.timedelta(seconds={timeout!r}))."
+    )
+
+
 def init_if_needed(device: torch.device, timeout: float | None = None) -> bool:
     """Start the default process group when launched by torchrun and none is running yet.
 

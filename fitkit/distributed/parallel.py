@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitkit.distributed.counted import CountState, can_carry, count_hook
 from fitkit.distributed.ddp import DDP as DDPStrategy
 from fitkit.distributed.fsdp import FSDP
 from fitkit.distributed.group import _broadcast_states, rank, world_size
@@ -59,6 +60,7 @@ class Parallel:
         self.device = device
         self.ddp: nn.Module | None = None
         self._trainable: tuple[bool, ...] | None = None  # the requires_grad flags DDP was built for
+        self.counted: CountState | None = None  # the wrapper's count hook, once registered
 
     def __repr__(self) -> str:
         return f"Parallel({self.kind!r}, rank={rank()}, world_size={world_size()})"
@@ -130,9 +132,26 @@ class Parallel:
         else:  # older torch: also skips the buffer sync at init, done below
             kwargs["broadcast_buffers"] = False
         self.ddp = DDP(module, **kwargs)
-        self._trainable = trainable
+        self._trainable, self.counted = trainable, None
         _broadcast_states(module.buffers())
         return self.ddp
+
+    def carries_count(self) -> bool:
+        """Whether a window's loss denominator can ride in DDP's gradient all-reduce
+        (:mod:`~fitkit.distributed.counted`): DDP, with float32 / float64 gradients."""
+        ddp: Any = self.ddp
+        return ddp is not None and (self.counted is not None or can_carry(ddp.module))
+
+    def set_count(self, count: Any) -> None:
+        """This rank's denominator for the coming all-reduce (``None``: DDP's mean), before the
+        window's last backward; the hook is registered with the first count."""
+        state, ddp = self.counted, self.ddp
+        if state is None:
+            if count is None or ddp is None:
+                return
+            state = self.counted = CountState(world_size())
+            ddp.register_comm_hook(state, count_hook)  # type: ignore[operator]
+        state.carry(count)
 
     def sync_buffers(self, module: nn.Module) -> None:
         """Give every rank rank 0's buffers (BatchNorm statistics); called at each epoch end."""

@@ -79,6 +79,10 @@ class Window:
             (under accumulation or torchrun): the count of label tokens of the whole window over
             all ranks, divided by the ranks (DDP averages their gradients); ``None`` otherwise.
         items_here: this micro-batch's own count of label tokens (with ``num_items``).
+        count: under DDP, when only the device knows the window's denominator: this rank's
+            denominator, summed over the ranks inside DDP's gradient all-reduce
+            (:mod:`fitkit.distributed.counted`; ``micro_scale`` is then the share of this rank's
+            window); ``None`` otherwise.
 
     Example:
         >>> w = Window()
@@ -86,11 +90,12 @@ class Window:
         (True, None, None, False, None, None)
     """
 
-    __slots__ = ("micro_last", "micro_scale", "loss", "skip_requested", "veto", "num_items", "items_here")
+    __slots__ = ("micro_last", "micro_scale", "loss", "skip_requested", "veto", "num_items", "items_here", "count")
 
     def __init__(self) -> None:
         self.micro_last = True
         self.micro_scale: Any = None
+        self.count: Any = None
         self.loss: torch.Tensor | None = None
         self.skip_requested = False
         self.veto: torch.Tensor | None = None
@@ -240,7 +245,7 @@ class Stepper:
             # A module's own loss that takes num_items_in_batch: divided by the window's label tokens
             # over all ranks (/ W: DDP averages), as the Transformers Trainer passes it; no share.
             items = None if self.fit.items is None else [label_items(b[0], self.fit.items) for b in group]
-            num_items = None
+            num_items = count = None
             if items is not None and all(n is not None for n in items):
                 num_items = _distributed.global_share(items) if self.parallel is not None else _nonzero(sum(items))
                 shares: list[Any] = [None] * len(group)
@@ -252,14 +257,20 @@ class Stepper:
                 # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
                 # each rank's share makes DDP's gradient average the exact global mean.
                 # A window whose denominator is 0 (all weights 0, every token ignored) adds nothing.
+                known = None if self.parallel is None else _distributed.known_rows(self.fit.host_rows, sizes, step)
                 if self.parallel is None:
                     total = _nonzero(sum(sizes))
+                elif known is None and self.parallel.carries_count():
+                    # each rank's window mean; the sum of the denominators over the ranks rides in
+                    # DDP's gradient all-reduce (fitkit.distributed.counted): no collective of ours
+                    count = sum(sizes)
+                    total = _nonzero(count)
                 else:  # no collective when the sizes are rows that every rank's host knows
-                    total = _distributed.global_share(sizes, _distributed.known_rows(self.fit.host_rows, sizes, step))
+                    total = _distributed.global_share(sizes, known)
                 shares = [size / total for size in sizes]
             for i, batch in enumerate(group):
                 window = self.window
-                window.micro_scale, window.num_items = shares[i], num_items
+                window.micro_scale, window.num_items, window.count = shares[i], num_items, count
                 window.items_here = None if items is None else items[i]
                 window.micro_last = i == len(group) - 1
                 yield step, batch
@@ -346,6 +357,8 @@ class Stepper:
         window = self.window
         if window.micro_scale is not None:
             loss = loss * window.micro_scale
+            if window.micro_last and self.parallel is not None:
+                self.parallel.set_count(window.count)  # the all-reduce this backward starts carries it
         # Kept attached (a detach per step saved; step_loss detaches when read): after backward
         # the graph's buffers are freed, and the window drops the tensor at its step.
         window.loss = loss if window.loss is None else window.loss.detach() + loss.detach()
@@ -498,7 +511,7 @@ class Stepper:
             state["record"] = {"grad_norm": self.grad_norm, "lrs_used": self.scheduling.lrs_used,
                                "micro_last": window.micro_last, "micro_scale": window.micro_scale,
                                "window_loss": None if window.loss is None else window.loss.detach(),
-                               "skip_requested": window.skip_requested}  # fmt: skip
+                               "skip_requested": window.skip_requested, "count": window.count}  # fmt: skip
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -512,6 +525,7 @@ class Stepper:
             self.grad_norm = record["grad_norm"]
             self.scheduling.keep_lrs_used(record["lrs_used"])
             window.micro_last, window.micro_scale = record["micro_last"], record["micro_scale"]
+            window.count = record.get("count")
             window.loss, window.skip_requested = record["window_loss"], record["skip_requested"]
 
 
