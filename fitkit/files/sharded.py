@@ -278,11 +278,13 @@ def _metadata(path: Path) -> Any:
     return read_metadata(path / ".metadata")
 
 
-def check_sharded(path: str | os.PathLike) -> Any:
-    """Check that a sharded checkpoint is complete; return its DCP metadata.
+def check_sharded(path: str | os.PathLike, digests: bool = True) -> Any:
+    """Check that a sharded checkpoint is complete and intact; return its DCP metadata.
 
-    Cheap (no tensor is read): the two index files exist, and every shard file the index
-    names is there and long enough.
+    The two index files exist, every shard file the index names is there and long enough, and
+    (``digests``) every file matches the folder's manifest, size and SHA-256
+    (:func:`fitkit.files.manifest.verify_manifest`: each byte is read once; a folder written
+    before manifests existed has none and is checked without).
 
     Raises:
         FileNotFoundError: no folder at ``path``.
@@ -312,6 +314,10 @@ def check_sharded(path: str | os.PathLike) -> Any:
                 f"{where} is damaged: its shard file {name!r} has {f.stat().st_size} bytes, the index "
                 f"needs {size} (truncated). {_FIX_DAMAGED}"
             )
+    if digests:
+        from fitkit.files.manifest import verify_manifest
+
+        verify_manifest(p)
     return meta
 
 
