@@ -238,3 +238,19 @@ def test_a_save_killed_between_its_renames_loses_nothing(tmp_path, monkeypatch):
     again = _model(seed=4)
     assert again.load_checkpoint(ck) == 2
     assert all(torch.equal(v, resumed.module.state_dict()[k]) for k, v in again.module.state_dict().items())
+
+
+def test_backup_and_restore_resumes_from_a_backup_kept_by_a_cut_swap(tmp_path):
+    _trained(tmp_path / "backup.prev.pt")  # 4 steps
+    newest = _model()
+    newest.fit(*_data(), batch_size=2, epochs=1, verbose=0)  # 8 steps
+    newest.save_checkpoint(tmp_path / "backup.pt", sharded=True)
+    os.replace(tmp_path / "backup.pt", kept_copy(tmp_path / "backup.pt"))  # a kill between the two renames
+    resumed = _model(seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        history = resumed.fit(*_data(), batch_size=4, epochs=2, verbose=0, callbacks=[
+            fitkit.callbacks.BackupAndRestore(tmp_path, delete_checkpoint=False)])  # fmt: skip
+    assert history.epoch == [0, 1] and resumed.global_step == 8 + 4  # the newest backup, not the previous one
+    assert sorted(p for p in os.listdir(tmp_path) if not p.endswith(".lock")) == ["backup.prev.pt", "backup.pt"]
+    assert (tmp_path / "backup.pt").is_file()  # one process writes one-file backups

@@ -4,8 +4,9 @@ A sharded checkpoint is a folder: DCP's ``.metadata`` and one ``__<rank>_<n>.dis
 per writing rank (the module's and the optimizer's tensors, keys ``model.<name>`` and
 ``optim.state.<name>.<field>``), plus :data:`STATE_NAME`, a small fitkit file with everything
 else (epoch, position, RNG states, scheduler, callbacks, history), checksummed like a
-one-file checkpoint. The folder is written under a temp name and renamed when complete
-(:mod:`fitkit.distributed.dcp`), so a folder without both ``.metadata`` and
+one-file checkpoint, and last the manifest of every file's size and SHA-256
+(:mod:`fitkit.files.manifest`), checked before a load. The folder is written under a temp
+name and renamed when complete (:mod:`fitkit.distributed.dcp`), so a folder without both ``.metadata`` and
 :data:`STATE_NAME` is a write that did not finish, and is never taken for a checkpoint.
 
 This module reads such folders without a process group (one process, offline).
