@@ -81,6 +81,18 @@ def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
         assert record == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def test_an_async_save_writes_the_manifest_last_in_the_background(tmp_path):
+    from fitkit.distributed import dcp
+
+    model = _model()
+    model.fit(*_data(), batch_size=4, epochs=1, verbose=0)
+    model.save_checkpoint(tmp_path / "ck", sharded=True, async_save=True)
+    dcp.wait()
+    assert verify_manifest(tmp_path / "ck") is True
+    assert sorted(json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text())["files"]) == [
+        ".metadata", "__0_0.distcp", "fitkit_state.pt"]  # fmt: skip
+
+
 _FILES = [".metadata", "__0_0.distcp", "fitkit_state.pt"]
 
 
