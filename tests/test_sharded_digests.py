@@ -266,3 +266,18 @@ def test_backup_and_restore_resumes_from_a_backup_kept_by_a_cut_swap(tmp_path):
     assert history.epoch == [0, 1] and resumed.global_step == 8 + 4  # the newest backup, not the previous one
     assert sorted(p for p in os.listdir(tmp_path) if not p.endswith(".lock")) == ["backup.prev.pt", "backup.pt"]
     assert (tmp_path / "backup.pt").is_file()  # one process writes one-file backups
+
+
+def test_a_swap_cut_after_its_second_rename_keeps_the_new_checkpoint(tmp_path):
+    from fitkit.files.swap import readable_path, restore_interrupted, swap_into_place
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "f").write_text("new")
+    kept_copy(tmp_path / "ck").mkdir()  # the old one, not yet deleted when the kill came
+    (kept_copy(tmp_path / "ck") / "f").write_text("old")
+    assert readable_path(tmp_path / "ck") == tmp_path / "ck"
+    assert restore_interrupted(tmp_path / "ck") is False and (tmp_path / "ck" / "f").read_text() == "new"
+    (tmp_path / "next").mkdir()
+    (tmp_path / "next" / "f").write_text("next")
+    swap_into_place(tmp_path / "next", tmp_path / "ck")
+    assert sorted(os.listdir(tmp_path)) == ["ck"] and (tmp_path / "ck" / "f").read_text() == "next"
