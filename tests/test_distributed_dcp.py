@@ -4,6 +4,7 @@ included; async writes; a write cut short is never taken for a checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -14,6 +15,7 @@ from _torchrun import run_torchrun
 
 import fitkit
 from fitkit.files import CheckpointError, consolidate_weights
+from fitkit.files.manifest import MANIFEST_NAME, verify_manifest, write_manifest
 
 JOB = """
 import os, signal, torch, fitkit
@@ -59,6 +61,23 @@ m3 = fsdp_model()
 m3.load_checkpoint(OUT / "ck_async")
 res["async_loaded"] = full_params(m3)
 m.save_weights(OUT / "full.safetensors")  # the full-weights export: one file, rank 0
+# a flipped byte in rank 1's shard: every rank refuses the load (rank 0 checks), nothing changes
+import shutil
+if rank() == 0:
+    shutil.copytree(OUT / "ck", OUT / "ck_flip")
+    shard = bytearray((OUT / "ck_flip" / "__1_0.distcp").read_bytes())
+    shard[len(shard) // 2] ^= 0x01
+    (OUT / "ck_flip" / "__1_0.distcp").write_bytes(bytes(shard))
+dist.barrier()
+m4 = fsdp_model()
+flip_before = full_params(m4)
+try:
+    m4.load_checkpoint(OUT / "ck_flip")
+    res["flip_error"] = None
+except fitkit.files.CheckpointError as e:
+    res["flip_error"] = str(e)
+res["flip_after"], res["flip_before"] = full_params(m4), flip_before
+res["flip_optim_empty"] = not m4.optimizer.state
 torch.save(res, OUT / f"rank{rank()}.pt")
 dist.barrier()
 
@@ -115,7 +134,21 @@ def _torchrun_test(f):
 def test_each_rank_writes_its_shards_and_no_rank_gathers(job):
     r0, r1, out = job
     assert r0["full_gathers_in_save"] == r1["full_gathers_in_save"] == 0
-    assert sorted(os.listdir(out / "ck")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "fitkit_state.pt"]
+    files = [".metadata", "__0_0.distcp", "__1_0.distcp", "fitkit_state.pt"]
+    assert sorted(os.listdir(out / "ck")) == sorted([*files, MANIFEST_NAME])
+    for folder in ("ck", "ck_async"):  # every rank's files, sync and async: recorded and intact
+        assert sorted(json.loads((out / folder / MANIFEST_NAME).read_text())["files"]) == files
+        assert verify_manifest(out / folder) is True
+
+
+@_torchrun_test
+def test_a_flipped_byte_in_one_ranks_shard_is_refused_on_every_rank_and_nothing_changes(job):
+    r0, r1, _ = job
+    for r in (r0, r1):
+        assert re.fullmatch(r"'.*ck_flip' is damaged: its file '__1_0\.distcp' does not match its manifest .*",
+                            r["flip_error"])
+        assert r["flip_optim_empty"]
+    _equal(r0["flip_after"], r0["flip_before"])
     # net(): Linear(3, 8), Tanh, Linear(8, 1): FSDP shards dim 0 over 2 ranks
     assert r0["local_rows"] == {"0.weight": 4, "0.bias": 4, "2.weight": 1, "2.bias": 1}
     assert r1["local_rows"] == {"0.weight": 4, "0.bias": 4, "2.weight": 0, "2.bias": 0}
@@ -333,6 +366,7 @@ def test_a_pickled_item_in_a_shard_is_refused_before_it_runs(tmp_path):
     meta.storage_data[index] = dataclasses.replace(meta.storage_data[index], relative_path="__0_9.distcp",
                                                    offset=0, length=len(buf.getvalue()))  # fmt: skip
     (folder / ".metadata").write_bytes(pickle.dumps(meta))  # an index of DCP's own classes only
+    write_manifest(folder)  # who can write the folder can rewrite its digests: the refusal still holds
     fresh = _plain()
     before = [p.detach().clone() for p in fresh.module.parameters()]
     with pytest.raises(RefusedCheckpointError, match=rf"Refused to load '.*ck': its item '{index.fqn}' holds pickled"):
@@ -358,6 +392,7 @@ def test_a_shard_torch_cannot_read_gives_a_checkpoint_error_and_a_backup_falls_b
     data_ = bytearray(shard.read_bytes())
     data_[info.offset] ^= 0xFF  # the tensor record's first byte: torch.load of it fails
     shard.write_bytes(bytes(data_))
+    write_manifest(tmp_path / "backup.pt")  # digests rewritten too: torch's own error is still converted
     fresh = _plain()
     before = [p.detach().clone() for p in fresh.module.parameters()]
     try:

@@ -25,6 +25,7 @@ from fitkit.files import CheckpointError, check_target, remove_path, remove_stal
 from fitkit.files.content import is_count, typed_problems
 from fitkit.files.locks import FileLock
 from fitkit.files.preflight import check_writable
+from fitkit.files.swap import readable_path, restore_interrupted
 from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["BackupAndRestore"]
@@ -132,7 +133,7 @@ class BackupAndRestore(StatefulCallback):
         # Restores module / optimizer / scheduler now; fit applies the RNG states, the
         # position in the epoch, the history and the callback states (this one's too).
         self._rotate = False
-        if self.path.exists():  # a file, or a folder of shards
+        if readable_path(self.path).exists():  # a file, or a folder of shards (or its copy kept by a cut swap)
             try:
                 self.model.load_checkpoint(self.path)  # fit starts at the backup's epoch
                 self._rotate = True
@@ -180,6 +181,8 @@ class BackupAndRestore(StatefulCallback):
         # resume past the stop. Every rank calls save_checkpoint; rank 0 writes.
         if not self.model.stop_training:
             dcp.wait()  # the write in flight, if any, is the backup to keep as the previous one
+            if is_rank_zero():
+                restore_interrupted(self.path)  # a swap killed between its renames
             moved = self._rotate and is_rank_zero() and self.path.exists()
             if moved:
                 if self.path.is_dir() or self.prev_path.is_dir():

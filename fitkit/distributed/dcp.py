@@ -11,8 +11,11 @@ Guarantees, as for a one-file checkpoint:
 - **Atomic.** The folder is written as ``.<name>.tmp`` next to ``path``; when every rank has
   written and DCP's index is there, rank 0 adds the non-tensor state (checksummed) and renames
   the folder into place. A folder without both index files is never taken for a checkpoint.
-- **Damage named, all or nothing.** A load checks the index files and every shard file's
-  size, then compares the names and shapes of the tensors (and the optimizer class, parameter
+  An old checkpoint there is kept beside it until the new one is in place, and every load
+  finds it there if a kill came between the two renames (:mod:`fitkit.files.swap`).
+- **Damage named, all or nothing.** A load checks the index files, every shard file's
+  size and every file's SHA-256 against the manifest rank 0 writes last (on rank 0 alone, the
+  verdict sent to every rank), then compares the names and shapes of the tensors (and the optimizer class, parameter
   groups and scheduler) with the model before reading anything into it; the tensors are read
   into a fresh state dict and set only when all were read.
 - **Async** (``async_save=True``): the state is copied off the tensors being trained (into
@@ -33,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from fitkit.distributed.group import is_distributed, is_rank_zero
-from fitkit.files import atomic_save, optimizer_differences
+from fitkit.files import CheckpointError, atomic_save, optimizer_differences
+from fitkit.files.manifest import write_manifest
 from fitkit.files.sharded import (
     STATE_NAME,
     check_sharded,
@@ -45,7 +49,7 @@ from fitkit.files.sharded import (
     sharded_shapes,
     torch_errors,
 )
-from fitkit.files.writing import sync_folder
+from fitkit.files.swap import restore_interrupted, swap_into_place
 
 if TYPE_CHECKING:
     from fitkit.model import Model
@@ -136,6 +140,7 @@ def save(model: Model, state: dict[str, Any], path: str | os.PathLike, async_sav
     group = _ckpt_group()
     if is_rank_zero():
         final.parent.mkdir(parents=True, exist_ok=True)
+        restore_interrupted(final)  # a swap killed between its renames: its old checkpoint goes back first
         remove_path(tmp)  # what a killed write left
     if group is not None:
         dist.barrier(group=group)  # nobody writes into the folder before it is cleared
@@ -146,6 +151,7 @@ def save(model: Model, state: dict[str, Any], path: str | os.PathLike, async_sav
     def finish() -> None:
         if is_rank_zero():
             atomic_save(state, tmp / STATE_NAME)
+            write_manifest(tmp)  # every rank's files are written: each one's size and SHA-256, last
             swap_into_place(tmp, final)
 
     no_dist = group is None
@@ -167,18 +173,6 @@ def save(model: Model, state: dict[str, Any], path: str | os.PathLike, async_sav
     if not _atexit:
         _atexit = True
         atexit.register(wait)
-
-
-def swap_into_place(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
-    """Rename ``tmp`` (a file or folder) to ``final``, replacing what is there (rank 0 only)."""
-    tmp, final = Path(tmp), Path(final)
-    old = final.parent / f".{final.name}.old.tmp"
-    remove_path(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    remove_path(old)
-    sync_folder(final.parent)  # make the renames durable
 
 
 def _group_names(model: Model) -> list[list[str]]:
@@ -214,7 +208,8 @@ def inspect(model: Model, path: str | os.PathLike) -> tuple[dict[str, Any], list
         ValueError: a folder that is not a fitkit sharded checkpoint.
     """
     wait()
-    meta = check_sharded(path)
+    meta = check_sharded(path, digests=False)
+    _verify_once(path)
     state = read_state(path, model.device)
     if not isinstance(state, dict) or state.get("format") != "dcp":
         raise ValueError(
@@ -226,6 +221,29 @@ def inspect(model: Model, path: str | os.PathLike) -> tuple[dict[str, Any], list
         problem = f"checkpoint['param_groups_names'] is {names!r:.60}, expected a list of lists of parameter names"
         return state, [*_writer_problems(meta, state), problem], []  # nothing to compare the groups with
     return state, _writer_problems(meta, state), differences(model, meta, state)
+
+
+def _verify_once(path: str | os.PathLike) -> None:
+    """Check the folder against its manifest on rank 0 alone (each byte is read once), and
+    raise the same error on every rank."""
+    from fitkit.files.manifest import verify_manifest
+
+    if not is_distributed():
+        verify_manifest(path)
+        return
+    box: list[Any] = [None]
+    error: Exception | None = None
+    if is_rank_zero():
+        try:
+            verify_manifest(path)
+        except Exception as e:  # every rank must leave the broadcast below
+            error, box = e, [(isinstance(e, CheckpointError), str(e))]
+    dist.broadcast_object_list(box, src=0, group=_ckpt_group())
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        damaged, text = box[0]
+        raise (CheckpointError if damaged else RuntimeError)(text)
 
 
 def _writer_problems(meta: Any, state: dict[str, Any]) -> list[str]:

@@ -4,8 +4,9 @@ A sharded checkpoint is a folder: DCP's ``.metadata`` and one ``__<rank>_<n>.dis
 per writing rank (the module's and the optimizer's tensors, keys ``model.<name>`` and
 ``optim.state.<name>.<field>``), plus :data:`STATE_NAME`, a small fitkit file with everything
 else (epoch, position, RNG states, scheduler, callbacks, history), checksummed like a
-one-file checkpoint. The folder is written under a temp name and renamed when complete
-(:mod:`fitkit.distributed.dcp`), so a folder without both ``.metadata`` and
+one-file checkpoint, and last the manifest of every file's size and SHA-256
+(:mod:`fitkit.files.manifest`), checked before a load. The folder is written under a temp
+name and renamed when complete (:mod:`fitkit.distributed.dcp`), so a folder without both ``.metadata`` and
 :data:`STATE_NAME` is a write that did not finish, and is never taken for a checkpoint.
 
 This module reads such folders without a process group (one process, offline).
@@ -278,11 +279,13 @@ def _metadata(path: Path) -> Any:
     return read_metadata(path / ".metadata")
 
 
-def check_sharded(path: str | os.PathLike) -> Any:
-    """Check that a sharded checkpoint is complete; return its DCP metadata.
+def check_sharded(path: str | os.PathLike, digests: bool = True) -> Any:
+    """Check that a sharded checkpoint is complete and intact; return its DCP metadata.
 
-    Cheap (no tensor is read): the two index files exist, and every shard file the index
-    names is there and long enough.
+    The two index files exist, every shard file the index names is there and long enough, and
+    (``digests``) every file matches the folder's manifest, size and SHA-256
+    (:func:`fitkit.files.manifest.verify_manifest`: each byte is read once; a folder written
+    before manifests existed has none and is checked without).
 
     Raises:
         FileNotFoundError: no folder at ``path``.
@@ -312,6 +315,10 @@ def check_sharded(path: str | os.PathLike) -> Any:
                 f"{where} is damaged: its shard file {name!r} has {f.stat().st_size} bytes, the index "
                 f"needs {size} (truncated). {_FIX_DAMAGED}"
             )
+    if digests:
+        from fitkit.files.manifest import verify_manifest
+
+        verify_manifest(p)
     return meta
 
 

@@ -25,6 +25,7 @@ from fitkit.files import (
     save_safetensors,
     state_dict_differences,
 )
+from fitkit.files.swap import readable_path, restore_interrupted
 from fitkit.training.state import ResumePoint, RunState, raise_differences, rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def load_checkpoint(model: Model, path: str | os.PathLike) -> int:
         The epoch to pass as ``initial_epoch``.
     """
     check_path(path)
+    path = readable_path(path)  # a save killed between its renames kept the old checkpoint beside it
     if is_sharded(path):  # a folder of shards (strategy="fsdp"): each rank reads its own
         state, problems, differences = _dcp.inspect(model, path)
         run = RunState(model, tensors=False)
@@ -110,6 +112,7 @@ def save_checkpoint(model: Model, path: str | os.PathLike, sharded: bool | None 
     _dcp.wait()  # a sharded save in flight finishes first (saves stay in call order)
     state = checkpoint_state(model)
     if is_rank_zero():
+        restore_interrupted(path)  # a swap killed between its renames: its old checkpoint is the one to replace
         if is_sharded(path):  # a folder there (of an FSDP run): replaced once the file is complete
             tmp = os.path.join(os.path.dirname(os.fspath(path)) or ".", f".{os.path.basename(path)}.file.tmp")
             atomic_save(state, tmp)
