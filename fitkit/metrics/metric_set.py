@@ -289,7 +289,6 @@ class MetricSet:
             kind = "accuracy"  # labels, and the loss's count of the targets when it has one
         return _Entry(key, metric, kind, output)
 
-    @torch.no_grad()
     def update(self, y_pred: Any, y: Any) -> None:
         """Add one batch (``y_pred`` detached here) to every metric's state, with no host sync.
 
@@ -302,11 +301,17 @@ class MetricSet:
             ValueError: a metric callable whose result is neither 0-dim nor ``(B, ...)``.
         """
         if self.entries is None:
-            self.build(y_pred, y)
+            with torch.no_grad():
+                self.build(y_pred, y)
         if not self.entries:
             return
-        if self.keeps_inputs:  # under no_grad nothing else here records a graph: a detach is an op
-            y_pred = y_pred.detach()
+        if self.keeps_inputs:
+            with torch.no_grad():
+                self._update(y_pred.detach(), y)
+        else:  # label counts only: integer ops record no graph; no context (Python calls), no detach (an op)
+            self._update(y_pred.detach() if y_pred.dtype in (torch.float16, torch.bfloat16) else y_pred, y)
+
+    def _update(self, y_pred: Any, y: Any) -> None:
         given_pred, given_y = y_pred, y  # what callables see: the tensors as the module gave them
         if y_pred.dtype in (torch.float16, torch.bfloat16):
             y_pred = y_pred.float()  # mixed precision: built-in metrics in float32, targets never cast down
