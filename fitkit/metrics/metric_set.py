@@ -322,7 +322,7 @@ class MetricSet:
         if self.task != "regression" and not y.is_floating_point() and y.dtype != torch.long:
             y = y.long()
         prepared: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
-        for e in self.entries:
+        for e in self.entries or ():  # built by update
             if e.kind == "callable":
                 out = _metric_value(e.key, e.fn(given_pred, given_y))
                 e.metric.update(out, int(given_y.shape[0]))
