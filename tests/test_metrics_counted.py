@@ -48,6 +48,18 @@ def test_the_value_is_torchmetrics_micro_accuracy_to_the_bit(ignore_index, given
         theirs.update(preds, target)
         assert torch.equal(ours.compute(), theirs.compute())
     assert ours.compute().dtype == torch.float32
+    assert ours.update_count == theirs.update_count == 4
+
+
+def test_a_copy_counts_for_itself():
+    """``MetricSet.clone`` deep-copies the metric: its update must count into the copy alone."""
+    ms = MetricSet(["accuracy"]).configure("cross_entropy")
+    ms.update(torch.tensor([[1.0, 0.0]]), torch.tensor([0]))
+    other = ms.clone()
+    other.update(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([1, 1]))
+    assert ms.compute()["accuracy"].item() == 1.0 and other.compute()["accuracy"].item() == 0.0
+    assert ms.entries is not None and other.entries is not None
+    assert (ms.entries[0].metric.update_count, other.entries[0].metric.update_count) == (1, 1)
 
 
 def test_nothing_counted_is_0_as_in_torchmetrics():

@@ -13,6 +13,8 @@ This module imports torchmetrics at the top: it is imported when a model builds 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,6 +72,21 @@ class CountedAccuracy(Metric):
                 count = valid.sum()
         self.correct.add_(hit.sum())  # in place: no attribute set (an nn.Module's setattr is slow)
         self.total.add_(target.numel() if count is None else count)
+
+    def _wrap_update(self, update: Callable[..., None]) -> Callable[..., None]:
+        """torchmetrics' update wrapper (the next ``compute`` computes again, one more update
+        counted), less its grad-mode context and its attribute sets through
+        ``nn.Module.__setattr__``: integer counts record no graph, and on a fast GPU each Python
+        call is step time."""
+
+        @functools.wraps(update)
+        def counted_update(*args: Any, **kwargs: Any) -> None:
+            attrs = self.__dict__
+            attrs["_computed"] = None
+            attrs["_update_count"] += 1
+            update(*args, **kwargs)
+
+        return counted_update
 
     def compute(self) -> torch.Tensor:
         # torchmetrics' own division of its float32 counts: the same value to the last bit
