@@ -7,6 +7,7 @@ under 10 in all; each part prints its own time)::
     python benchmarks/gpu_check.py --no-tests   # skip the pytest part
     python benchmarks/gpu_check.py --only syncs # one part: tests, syncs, predict, mlp or timing
     python benchmarks/gpu_check.py --dry-run    # no GPU: the mlp and timing code on the CPU, tiny sizes
+    python benchmarks/gpu_check.py --dry-run --compile  # ... and the torch.compile case (about 1 min)
 
 1. **tests**: the CUDA-marked tests (``pytest -m requires_cuda``).
 2. **syncs**: for each configuration (the matrix of ``tests/test_host_syncs.py``: callbacks,
