@@ -1,7 +1,7 @@
 """One script for a CUDA machine: GPU tests, zero host syncs per step, predict's memory, step times.
 
-Run from the repository root on a machine with one CUDA GPU (about 4-6 minutes on a recent GPU,
-under 10 in all; each part prints its own time)::
+Run from the repository root on a machine with one CUDA GPU (sized to finish in under 10 minutes
+on a recent GPU; each part prints its own time and the total)::
 
     python benchmarks/gpu_check.py              # every part
     python benchmarks/gpu_check.py --no-tests   # skip the pytest part
