@@ -1,21 +1,30 @@
 """One script for a CUDA machine: GPU tests, zero host syncs per step, predict's memory, step times.
 
-Run from the repository root on a machine with one CUDA GPU (about 3-5 minutes on a recent GPU)::
+Run from the repository root on a machine with one CUDA GPU (sized to finish in under 10 minutes
+on a recent GPU; each part prints its own time and the total)::
 
     python benchmarks/gpu_check.py              # every part
     python benchmarks/gpu_check.py --no-tests   # skip the pytest part
-    python benchmarks/gpu_check.py --only syncs # one part: tests, syncs, predict or timing
+    python benchmarks/gpu_check.py --only syncs # one part: tests, syncs, predict, mlp or timing
+    python benchmarks/gpu_check.py --dry-run    # no GPU: the mlp and timing code on the CPU, tiny sizes
+    python benchmarks/gpu_check.py --dry-run --compile  # ... and the torch.compile case (about 1 min)
 
 1. **tests**: the CUDA-marked tests (``pytest -m requires_cuda``).
 2. **syncs**: for each configuration (the matrix of ``tests/test_host_syncs.py``: callbacks,
    precisions, accumulation, clipping, schedulers, validation, weights, a DataLoader, a user
-   torchmetrics object, ``evaluate`` and ``predict``), the steady-state steps run under
+   torchmetrics object, ``evaluate`` and ``predict``), at least 50 steady-state steps run under
    ``torch.cuda.set_sync_debug_mode("error")``: any host sync in a step raises. Epoch ends and
-   log points are outside the checked steps. A table says which configurations passed.
+   log points are outside the checked steps. A table says which configurations passed (a
+   configuration with fewer than 50 steps checked fails too).
 3. **predict**: a vocabulary-sized output (``(N, 32000)`` logits) through ``predict``: the peak
    device memory against the outputs' size (the device should hold about one batch), and the
    time against a plain loop that copies each batch with ``.cpu()``.
-4. **timing**: fitkit against a plain loop on the GPT preset and the same batches, in fp32,
+4. **mlp**: the small classifier (64 -> 256 -> 10, batch 128, data on the device) where kernel
+   launches are the step time: ``fit`` against a hand loop, cross-entropy and cross-entropy +
+   ``metrics=["accuracy"]`` (the hand loop counts its accuracy on the device: argmax, eq, sum)
+   in fp32, and cross-entropy + accuracy in bf16-mixed against a hand autocast loop; medians of
+   the per-repeat pairs, as ms/step and ratios.
+5. **timing**: fitkit against a plain loop on the GPT preset and the same batches, in fp32,
    bf16-mixed, 16-mixed (GradScaler, fused AdamW) and bf16-mixed + ``torch.compile``; medians
    of several repeats, printed as a table of ms/step and ratios.
 """
@@ -37,7 +46,8 @@ from torch import nn
 import fitkit
 from fitkit.callbacks import Callback
 
-PARTS = ("tests", "syncs", "predict", "timing")
+PARTS = ("tests", "syncs", "predict", "mlp", "timing")
+STEADY = 50  # steps each sync configuration checks at least
 
 
 # -- 2. host syncs --------------------------------------------------------------------------------
@@ -87,6 +97,9 @@ def _sync_configs(tmp: str) -> dict[str, tuple[dict[str, Any], dict[str, Any], l
     return {
         "plain": ({}, {}, []),
         "metrics by name": ({"metrics": ["accuracy", "f1", "precision", "recall"]}, {}, []),
+        "accuracy": ({"metrics": ["accuracy"]}, {}, []),
+        "accuracy + bf16-mixed": ({"metrics": ["accuracy"], "precision": "bf16-mixed"}, {}, []),
+        "ignore_index 0 + accuracy": ({"loss": nn.CrossEntropyLoss(ignore_index=0), "metrics": ["accuracy"]}, {}, []),
         "bf16-mixed": ({"precision": "bf16-mixed"}, {}, []),
         "16-mixed (fused adam)": ({"precision": "16-mixed"}, {}, []),
         "accumulation 2": ({"gradient_accumulation_steps": 2}, {}, []),
@@ -148,14 +161,15 @@ def check_syncs(device: torch.device) -> list[tuple[str, str, int]]:
                 rows.append((name, f"SYNC: {str(e).splitlines()[0][:70]}", on.checked))
             finally:
                 torch.cuda.set_sync_debug_mode(0)
+        x2, y2 = torch.cat([x, x]), torch.cat([y, y])  # 64 batches: 62 steady ones
         for verb in ("evaluate", "predict"):
             model = _classifier(device, metrics=["accuracy", "f1"])
             on = SyncOn()
             try:
                 if verb == "evaluate":
-                    model.evaluate(x, y, batch_size=128, verbose=0, callbacks=[on, SyncOff()])
+                    model.evaluate(x2, y2, batch_size=128, verbose=0, callbacks=[on, SyncOff()])
                 else:
-                    model.predict(x, batch_size=128, verbose=0, callbacks=[on, SyncOff()])
+                    model.predict(x2, batch_size=128, verbose=0, callbacks=[on, SyncOff()])
                 rows.append((verb, "0 syncs", on.checked))
             except RuntimeError as e:
                 rows.append((verb, f"SYNC: {str(e).splitlines()[0][:70]}", on.checked))
@@ -190,13 +204,100 @@ def check_predict(device: torch.device, rows: int = 20_000, vocab: int = 32_000,
             "same_values": float(exact)}  # fmt: skip
 
 
-# -- 4. step times ----------------------------------------------------------------------------------
+# -- 4. the small classifier: fit vs a hand loop ---------------------------------------------------
 
 
-def make_gpt(seed: int = 0) -> nn.Module:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def mlp_data(device: torch.device, n: int, features: int = 64, classes: int = 10):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, features, generator=g)
+    return x.to(device), x[:, :classes].argmax(1).to(device)
+
+
+def make_mlp(features: int = 64, classes: int = 10) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(features, 256), nn.ReLU(), nn.Linear(256, classes))
+
+
+def mlp_hand(net, x, y, batch: int, epochs: int, accuracy: bool, precision: str) -> float:
+    """The hand loop of ``benchmarks/hot_path.py`` on the device: one randperm per epoch, index
+    slicing, the epoch loss (and the correct labels) summed on the device, read once per epoch."""
+    device = x.device
+    net = net.to(device)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    bf16 = precision == "bf16-mixed"
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), device=device)
+        total = torch.zeros((), device=device)
+        correct = torch.zeros((), dtype=torch.long, device=device)
+        for i in range(0, len(x), batch):
+            idx = perm[i : i + batch]
+            xb, yb = x[idx], y[idx]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                out = net(xb)
+            out = out.float() if bf16 else out
+            loss = F.cross_entropy(out, yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += loss.detach() * len(xb)
+            if accuracy:
+                correct += (out.detach().argmax(1) == yb).sum()
+        float(total / len(x))
+        if accuracy:
+            float(correct / len(x))
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def mlp_fitkit(net, x, y, batch: int, epochs: int, accuracy: bool, precision: str) -> float:
+    model = fitkit.Model(net, device=x.device)
+    model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), loss="cross_entropy", precision=precision,
+                  metrics=["accuracy"] if accuracy else None, jit_compile=False)  # fmt: skip
+    _sync(x.device)
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
+    _sync(x.device)
+    return time.perf_counter() - start
+
+
+MLP_CASES = (("cross_entropy", False, "32"), ("cross_entropy + accuracy", True, "32"),
+             ("cross_entropy + accuracy, bf16-mixed", True, "bf16-mixed"))  # fmt: skip
+
+
+def time_mlp(device: torch.device, rows: int, epochs: int, repeats: int, batch: int = 128):
+    """``(case, hand ms/step, fitkit ms/step, median of the per-repeat ratios)`` per case."""
+    x, y = mlp_data(device, rows)
+    steps = epochs * -(-rows // batch)
+    out = []
+    for label, accuracy, precision in MLP_CASES:
+        base = make_mlp()
+        mlp_hand(copy.deepcopy(base), x[: batch * 4], y[: batch * 4], batch, 1, accuracy, precision)  # warm-up
+        mlp_fitkit(copy.deepcopy(base), x[: batch * 4], y[: batch * 4], batch, 1, accuracy, precision)
+        hand, fit = [], []
+        for _ in range(repeats):
+            hand.append(mlp_hand(copy.deepcopy(base), x, y, batch, epochs, accuracy, precision))
+            fit.append(mlp_fitkit(copy.deepcopy(base), x, y, batch, epochs, accuracy, precision))
+        ratio = statistics.median(f / h for f, h in zip(fit, hand, strict=True))
+        out.append((label, statistics.median(hand) / steps * 1e3, statistics.median(fit) / steps * 1e3, ratio))
+    return out
+
+
+# -- 5. step times ----------------------------------------------------------------------------------
+
+
+def make_gpt(seed: int = 0, tiny: bool = False) -> nn.Module:
     from fitkit.layers import GPT
 
     torch.manual_seed(seed)
+    if tiny:  # --dry-run on a CPU
+        return GPT(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=32, bias=False)
     return GPT(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False)
 
 
@@ -210,12 +311,13 @@ def plain_loop(net, data, precision: str, compiled: bool) -> float:
     net = torch.compile(net) if compiled else net
     opt = torch.optim.AdamW(net.parameters(), lr=3e-4, fused=True)
     dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    scaler = torch.amp.GradScaler("cuda") if precision == "16-mixed" else None
-    torch.cuda.synchronize()
+    device = data[0][0].device
+    scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
+    _sync(device)
     start = time.perf_counter()
-    total = torch.zeros((), device=data[0][0].device)
+    total = torch.zeros((), device=device)
     for x, y in data:
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             logits = net(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -228,26 +330,31 @@ def plain_loop(net, data, precision: str, compiled: bool) -> float:
             opt.step()
         total += loss.detach()
     float(total)
-    torch.cuda.synchronize()
+    _sync(device)
     return time.perf_counter() - start
 
 
 def fitkit_loop(net, data, precision: str, compiled: bool) -> float:
-    model = fitkit.Model(net, device="cuda")
+    device = data[0][0].device
+    model = fitkit.Model(net, device=device)
     model.compile(optimizer=lambda p: torch.optim.AdamW(p, lr=3e-4, fused=True), loss="cross_entropy",
                   precision=precision, jit_compile=compiled)  # fmt: skip
-    torch.cuda.synchronize()
+    _sync(device)
     start = time.perf_counter()
     model.fit(data, epochs=1, verbose=0)
-    torch.cuda.synchronize()
+    _sync(device)
     return time.perf_counter() - start
 
 
-def time_steps(device: torch.device, steps: int, repeats: int) -> list[tuple[str, float, float]]:
-    data = batches(steps, device)
+GPT_CASES = (("32", False), ("bf16-mixed", False), ("16-mixed", False), ("bf16-mixed", True))
+
+
+def time_steps(device: torch.device, steps: int, repeats: int, tiny: bool = False,
+               cases=GPT_CASES) -> list[tuple[str, float, float]]:  # fmt: skip
+    data = batches(steps, device, bs=2, T=16) if tiny else batches(steps, device)
     rows = []
-    for precision, compiled in (("32", False), ("bf16-mixed", False), ("16-mixed", False), ("bf16-mixed", True)):
-        base = make_gpt()
+    for precision, compiled in cases:
+        base = make_gpt(tiny=tiny)
         plain_loop(copy.deepcopy(base), data[:10], precision, compiled)  # warm-up / compile
         fitkit_loop(copy.deepcopy(base), data[:10], precision, compiled)
         p, f = [], []
@@ -271,38 +378,74 @@ def _table(title: str, header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> 
     Console().print(table)
 
 
+def _dry_run(args: argparse.Namespace) -> int:
+    """The mlp and timing parts on the CPU at tiny sizes (no sync checks, no CUDA tests): the
+    script's code runs; its numbers mean nothing."""
+    dev = torch.device("cpu")
+    start = time.perf_counter()
+    rows = time_mlp(dev, rows=512, epochs=1, repeats=1)
+    _table("dry run (CPU): mlp, 512 rows", ("case", "hand ms/step", "fitkit ms/step", "ratio"), rows)
+    # fp32 and bf16-mixed (a CPU has no float16 GradScaler path worth checking); compiled on request
+    cases = [c for c in GPT_CASES if c[0] != "16-mixed" and (args.compile or not c[1])]
+    rows = time_steps(dev, steps=2, repeats=1, tiny=True, cases=tuple(cases))
+    _table("dry run (CPU): tiny GPT, 2 steps", ("precision", "plain ms/step", "fitkit ms/step"), rows)
+    print(f"dry run: {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-tests", action="store_true", help="skip the pytest part")
     parser.add_argument("--only", choices=PARTS, help="run one part only")
     parser.add_argument("--steps", type=int, default=40, help="GPT steps per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per contender (medians)")
+    parser.add_argument("--mlp-rows", type=int, default=32768, help="rows of the mlp part (batch 128)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU needed: run the mlp and timing code on the CPU at tiny sizes")
+    parser.add_argument("--compile", action="store_true", help="with --dry-run: the compiled case too (slow)")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        return _dry_run(args)
     if not torch.cuda.is_available():
-        print("gpu_check.py needs a CUDA GPU.", file=sys.stderr)
+        print("gpu_check.py needs a CUDA GPU (or --dry-run).", file=sys.stderr)
         return 2
     parts = [args.only] if args.only else [p for p in PARTS if not (p == "tests" and args.no_tests)]
     dev = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, fitkit {fitkit.__version__}")
     failed = False
-    if "tests" in parts:
+    began = time.perf_counter()
+    for part in parts:
+        start = time.perf_counter()
+        failed |= _run_part(part, dev, args)
+        print(f"{part}: {time.perf_counter() - start:.0f} s")
+    print(f"total: {time.perf_counter() - began:.0f} s")
+    return 1 if failed else 0
+
+
+def _run_part(part: str, dev: torch.device, args: argparse.Namespace) -> bool:
+    """Run one part; ``True`` when it failed."""
+    if part == "tests":
         rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "requires_cuda", "tests"])
         print(f"CUDA tests exit code: {rc}")
-        failed |= rc not in (0, 5)  # 5: no test collected
-    if "syncs" in parts:
+        return rc not in (0, 5)  # 5: no test collected
+    if part == "syncs":
         rows = check_syncs(dev)
-        _table("Host syncs in steady-state steps (set_sync_debug_mode('error'))", ("configuration", "result",
-               "steps checked"), rows)  # fmt: skip
-        failed |= any(r[1] != "0 syncs" for r in rows)
-    if "predict" in parts:
+        _table(f"Host syncs in steady-state steps (set_sync_debug_mode('error'), >= {STEADY} each)",
+               ("configuration", "result", "steps checked"), rows)  # fmt: skip
+        return any(r[1] != "0 syncs" or r[2] < STEADY for r in rows)
+    if part == "predict":
         r = check_predict(dev)
         _table("predict: (20000, 32000) float32 logits, batch 256", tuple(r), [tuple(r.values())])
-    if "timing" in parts:
+    elif part == "mlp":
+        rows = time_mlp(dev, args.mlp_rows, epochs=2, repeats=max(args.repeats, 5))
+        _table(f"MLP 64-256-10, batch 128, {args.mlp_rows} rows x 2 epochs, data on the device",
+               ("case", "hand ms/step", "fitkit ms/step", "ratio (median of pairs)"), rows)  # fmt: skip
+    elif part == "timing":
         rows = time_steps(dev, args.steps, args.repeats)
         _table(f"GPT 6x384, batch 32x256, {args.steps} steps, median of {args.repeats}",
                ("precision", "plain ms/step", "fitkit ms/step", "ratio"),
                [(label, p, f, f / p) for label, p, f in rows])  # fmt: skip
-    return 1 if failed else 0
+    return False
 
 
 if __name__ == "__main__":

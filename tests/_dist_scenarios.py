@@ -467,10 +467,10 @@ def ddp_options(case: str, fsdp: bool = False) -> dict:
     return {"params": full_params(model)}
 
 
-def ce_case(kind: str, callbacks=()) -> dict:
+def ce_case(kind: str, callbacks=(), metrics=None) -> dict:
     """Cross-entropy on 37 rows, batches of 8 over all ranks, 1 epoch of SGD, no shuffling:
     ``index`` class targets, ``probabilities`` (one-hot floats) or ``ignored`` (row 5 is
-    -100). Returns the parameters and the epoch's loss."""
+    -100). Returns the parameters, the epoch's loss and the History's logs (with ``metrics``)."""
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(37, 3, generator=g), torch.randint(0, 4, (37,), generator=g)
     if kind == "probabilities":
@@ -482,10 +482,10 @@ def ce_case(kind: str, callbacks=()) -> dict:
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
     model = fitkit.Model(module, device="cpu")
-    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss="cross_entropy")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss="cross_entropy", metrics=metrics)
     h = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=1, shuffle=False, verbose=0,
                   callbacks=list(callbacks))
-    return {"params": full_params(model), "loss": h.history["loss"][0]}
+    return {"params": full_params(model), "loss": h.history["loss"][0], "logs": dict(h.history)}
 
 
 def unused_refused(bucket_view: bool = False) -> dict:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from fitkit import nest
 from fitkit.losses import Loss
 
-__all__ = ["denominator", "objective", "counts_tokens"]
+__all__ = ["denominator", "objective", "counts_tokens", "counted"]
 
 
 def counts_tokens(loss: Any, y: Any) -> bool:
@@ -114,7 +114,8 @@ def denominator(loss: Any, y: Any, sample_weight: torch.Tensor | None, x: Any = 
         return int(y.shape[0]) if y.dim() else 1  # the common case, without the calls below (hot path)
     if counts_tokens(loss, y):
         last = _last_count
-        if last is not None and last[0] is y and last[1] == y._version and sample_weight is None:
+        if last is not None and last[0] is y and last[1] == y._version and sample_weight is None \
+                and last[3] == (-100 if loss.ignore_index is None else loss.ignore_index):  # fmt: skip
             return last[2]  # counted by the objective of this batch a moment ago
         tw = _token_weights(loss, y, sample_weight)
         return y.numel() if tw is None else tw.sum()
@@ -197,22 +198,45 @@ def _sum_objective(loss: Loss, y_pred: Any, y: Any, w: torch.Tensor | None) -> t
 #: The losses whose per-target terms and count come from one ``nll_loss_forward`` call.
 _NLL = {F.cross_entropy: True, F.nll_loss: False}  # fn -> it takes logits (log_softmax first)
 
-#: ``(y, y._version, count)`` of the last batch whose targets the objective counted: the running
-#: totals ask :func:`denominator` for the same batch right after (one count per step, not two).
-#: The version counter tells a tensor refilled in place from the one that was counted.
-_last_count: tuple[Any, int, torch.Tensor] | None = None
+#: ``(y, y._version, count, ignore_index)`` of the last batch whose targets the objective counted:
+#: the running totals ask :func:`denominator` for the same batch right after, and the accuracy
+#: :func:`counted` (one count per step, not three). The version counter tells a tensor refilled in
+#: place from the one that was counted.
+_last_count: tuple[Any, int, torch.Tensor, int] | None = None
+
+
+def counted(y: Any, ignore_index: int | None) -> torch.Tensor | None:
+    """The count of ``y``'s entries that are not ``ignore_index``, if the objective has just made it.
+
+    The cross-entropy kernel counts the targets that count for the loss's mean; a metric over
+    the same targets (the built-in accuracy) adds that count instead of counting again. ``None``
+    when the last batch counted was another tensor, was changed in place since, or skipped
+    another value.
+
+    Example:
+        >>> from fitkit.losses import resolve_loss
+        >>> y = torch.tensor([0, 2, -100])
+        >>> _ = objective(resolve_loss("cross_entropy"), torch.zeros(3, 3), y, None)
+        >>> counted(y, -100), counted(y, 0), counted(y.clone(), -100)
+        (tensor(2.), None, None)
+    """
+    last = _last_count
+    if last is not None and last[0] is y and last[1] == y._version and last[3] == ignore_index:
+        return last[2]
+    return None
 
 
 def _counted_nll(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor, given: Any, class_last: bool) -> torch.Tensor:
     """:func:`_nll_objective`'s mean; its count kept for ``given`` (the caller's targets)."""
     global _last_count
-    mean, count = _nll_objective(loss, y_pred, y, class_last)
-    _last_count = (given, given._version, count)
+    ignore = -100 if loss.ignore_index is None else loss.ignore_index  # torch's default: the kernel's
+    mean, count = _nll_objective(loss, y_pred, y, class_last, ignore)
+    _last_count = (given, given._version, count, ignore)
     return mean
 
 
 def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor,
-                   class_last: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                   class_last: bool, ignore: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Cross-entropy / NLL on class indices without weights: the sum over the targets and their
     count from the one kernel (``nll_loss_forward`` returns both), the sum divided by the count
     (at least 1: nothing counted is 0, not 0/0). The ops of a hand ``F.cross_entropy`` plus a
@@ -222,7 +246,6 @@ def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor,
     else:
         logits, target = y_pred, y
     logp = F.log_softmax(logits, 1) if _NLL[loss.fn] else logits
-    ignore = -100 if loss.ignore_index is None else loss.ignore_index
     try:
         total, count = torch.ops.aten.nll_loss_forward(logp, target, None, 2, ignore)  # 2: sum
     except IndexError as e:  # torch's CPU kernels: a class label out of range

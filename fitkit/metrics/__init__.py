@@ -31,7 +31,9 @@ batch's mean and weighted by the batch size.
 Classification metrics that only need labels are fed integer labels (argmax or a threshold
 computed here), which keeps torchmetrics from checking the range of the predictions, a host
 sync on every step; ``ignore_index`` is applied to them without a sync too
-(:mod:`fitkit.metrics.states`). ``"auroc"`` and ``"average_precision"`` keep every prediction
+(:mod:`fitkit.metrics.states`). Multi-class ``"accuracy"`` keeps torchmetrics' micro value as two
+counts, correct labels and targets, the second the one the cross-entropy kernel made for the
+loss (:mod:`fitkit.metrics.counted`). ``"auroc"`` and ``"average_precision"`` keep every prediction
 and check their range in torchmetrics: they cost a host sync per step.
 """
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from fitkit.losses import resolve_loss
+from fitkit.losses.denominators import counted
 from fitkit.metrics.names import (
     _REGRESSION,
     _SCORE_METRICS,
@@ -38,8 +39,8 @@ class _Entry:
     __slots__ = ("key", "metric", "kind", "output", "fn")
 
     def __init__(self, key: str, metric: Any, kind: str, output: str | None = None, fn: Any = None):
-        # kind: labels | scores | regression | raw (a torchmetrics object) | stat_scores (one
-        # updated without a host sync) | callable
+        # kind: labels | accuracy (labels, and the loss's count) | scores | regression | raw (a
+        # torchmetrics object) | stat_scores (one updated without a host sync) | callable
         self.key, self.metric, self.kind, self.output, self.fn = key, metric, kind, output, fn
 
 
@@ -119,6 +120,7 @@ class MetricSet:
         self.task: str | None = None
         self.num_classes = 0
         self.class_last = False
+        self.keeps_inputs = True
         #: a checkpoint's metric states that wait for the metrics to be built (:mod:`fitkit.metrics.saved`)
         self.pending: dict[str, Any] | None = None
 
@@ -255,6 +257,9 @@ class MetricSet:
         for e in entries:
             e.metric.to(device)
         self.task, self.num_classes, self.class_last, self.entries = task, n, class_last, entries
+        # Entries that may keep ``y_pred`` itself (a callable's result, a user's metric, a list
+        # state) get it detached; the built-in label metrics only count.
+        self.keeps_inputs = any(e.kind not in ("labels", "accuracy") for e in entries)
         if self.pending is not None:  # a resumed epoch's states, loaded at birth
             self.load_state_dict(self.pending)
 
@@ -279,9 +284,11 @@ class MetricSet:
             )
         own_loss = self.loss_kind is None  # compile(loss=None): -100 is skipped in multiclass labels only
         ignore = None if own_loss and task != "multiclass" else self.ignore_index
-        return _Entry(key, _make_classification(name, task, n, ignore), kind, output)
+        metric = _make_classification(name, task, n, ignore, self.device or y_pred.device)
+        if name == "accuracy" and task == "multiclass":
+            kind = "accuracy"  # labels, and the loss's count of the targets when it has one
+        return _Entry(key, metric, kind, output)
 
-    @torch.no_grad()
     def update(self, y_pred: Any, y: Any) -> None:
         """Add one batch (``y_pred`` detached here) to every metric's state, with no host sync.
 
@@ -294,10 +301,17 @@ class MetricSet:
             ValueError: a metric callable whose result is neither 0-dim nor ``(B, ...)``.
         """
         if self.entries is None:
-            self.build(y_pred, y)
+            with torch.no_grad():
+                self.build(y_pred, y)
         if not self.entries:
             return
-        y_pred = y_pred.detach()
+        if self.keeps_inputs:
+            with torch.no_grad():
+                self._update(y_pred.detach(), y)
+        else:  # label counts only: integer ops record no graph; no context (Python calls), no detach (an op)
+            self._update(y_pred.detach() if y_pred.dtype in (torch.float16, torch.bfloat16) else y_pred, y)
+
+    def _update(self, y_pred: Any, y: Any) -> None:
         given_pred, given_y = y_pred, y  # what callables see: the tensors as the module gave them
         if y_pred.dtype in (torch.float16, torch.bfloat16):
             y_pred = y_pred.float()  # mixed precision: built-in metrics in float32, targets never cast down
@@ -308,7 +322,7 @@ class MetricSet:
         if self.task != "regression" and not y.is_floating_point() and y.dtype != torch.long:
             y = y.long()
         prepared: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
-        for e in self.entries:
+        for e in self.entries or ():  # built by update
             if e.kind == "callable":
                 out = _metric_value(e.key, e.fn(given_pred, given_y))
                 e.metric.update(out, int(given_y.shape[0]))
@@ -323,10 +337,14 @@ class MetricSet:
                 p = y_pred.reshape(y.shape) if y_pred.shape != y.shape and y_pred.numel() == y.numel() else y_pred
                 e.metric.update(p, y.to(p.dtype))
             else:
-                if (e.kind, e.output) not in prepared:
-                    make = self._labels if e.kind == "labels" else self._scores
-                    prepared[e.kind, e.output] = make(y_pred, y, e.output)
-                e.metric.update(*prepared[e.kind, e.output])
+                kind = "scores" if e.kind == "scores" else "labels"
+                if (kind, e.output) not in prepared:
+                    make = self._scores if kind == "scores" else self._labels
+                    prepared[kind, e.output] = make(y_pred, y, e.output)
+                if e.kind == "accuracy":  # the loss's count of these targets, when it made one
+                    e.metric.update(*prepared[kind, e.output], counted(given_y, e.metric.ignore_index))
+                else:
+                    e.metric.update(*prepared[kind, e.output])
 
     def _target(self, y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.task == "multiclass" and y.shape == y_pred.shape:

@@ -52,11 +52,17 @@ def _is_metric(obj: Any) -> bool:
     return tm is not None and isinstance(obj, tm.Metric)
 
 
-def _make_classification(name: str, task: str, n: int, ignore_index: int | None) -> Any:
+def _make_classification(name: str, task: str, n: int, ignore_index: int | None,
+                         device: torch.device | None = None) -> Any:  # fmt: skip
     from torchmetrics import classification
 
     from fitkit.metrics import states
 
+    if name == "accuracy" and task == "multiclass":  # torchmetrics' micro accuracy from two counts
+        from fitkit.metrics.counted import CountedAccuracy
+
+        mps = device is not None and device.type == "mps"  # MPS has no float64
+        return CountedAccuracy(n, ignore_index, count_dtype=torch.float32 if mps else torch.float64)
     cls_name, kwargs = _CLASSIFICATION[name][task]
     if ignore_index is not None:
         if task == "multiclass" and name not in _SCORE_METRICS:

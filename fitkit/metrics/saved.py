@@ -17,6 +17,13 @@ from fitkit.checks import FitkitWarning
 __all__ = ["metric_states", "load_metric_states", "metric_state_problems"]
 
 
+def _in_layout(e: Any, saved: Any) -> Any:
+    """A saved state in the layout of the built metric ``e.metric`` (one that reads an earlier
+    layout says how, through its ``from_saved``; see :class:`fitkit.metrics.counted.CountedAccuracy`)."""
+    convert = getattr(e.metric, "from_saved", None)
+    return convert(saved) if convert is not None and isinstance(saved, dict) else saved
+
+
 def metric_states(entries: list[Any], sync: bool) -> dict[str, dict[str, Any]]:
     """``{log key: {state name: tensor(s), "_update_count": int}}`` of built metrics.
 
@@ -38,7 +45,7 @@ def metric_state_problems(entries: list[Any], states: Any) -> list[str]:
     state names and, for tensor states, their shapes (a list state grows: any length)."""
     out = []
     for e in entries:
-        saved = states.get(e.key) if isinstance(states, dict) else None
+        saved = _in_layout(e, states.get(e.key)) if isinstance(states, dict) else None
         if not isinstance(saved, dict):
             continue
         mine = e.metric.metric_state
@@ -81,7 +88,7 @@ def load_metric_states(entries: list[Any], states: dict[str, dict[str, Any]]) ->
             category=FitkitWarning, stacklevel=6,
         )
     for e in entries:
-        for k, v in (states.get(e.key) or {}).items():
+        for k, v in (_in_layout(e, states.get(e.key)) or {}).items():
             if k == "_update_count":
                 e.metric._update_count = v
             else:

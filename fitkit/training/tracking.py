@@ -90,10 +90,10 @@ class RunningTotals:
         """
         if loss is not None and denominator is not None:
             if isinstance(denominator, torch.Tensor):
-                # a count of targets or a sum of weights; no cast: the in-place add and the sum
-                # below promote to the totals' dtype
+                # a count of targets or a sum of weights; no cast: the in-place multiply-add (one
+                # kernel, the product taken in the totals' dtype) and the sum below promote
                 d = denominator.detach() if denominator.requires_grad else denominator
-                self.loss_total.add_(loss.detach() * d)
+                self.loss_total.addcmul_(loss.detach(), d)
                 self.loss_wsum = d.to(self.dtype) if self.loss_wsum is None else self.loss_wsum + d  # float64 sums
             elif denominator:
                 self.loss_total.add_(loss.detach(), alpha=denominator)
