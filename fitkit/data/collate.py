@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from fitkit import nest
 from fitkit.data.hf_datasets import padding_error
@@ -27,6 +27,42 @@ def check_not_empty(dataset: Any) -> None:
             f"The {type(dataset).__name__} has 0 samples: there are no batches to run. Fix: pass a Dataset "
             "with samples (check its __len__)."
         )
+
+
+def _collate_none(batch: list[Any], *, collate_fn_map: Any = None) -> None:
+    """A column that is ``None`` in every sample stays ``None`` in the batch (a ``y`` of a dict
+    sample that holds its labels, a mask a Dataset leaves out), as ``y=None`` does for arrays."""
+    kinds = sorted({type(v).__name__ for v in batch})
+    if kinds != ["NoneType"]:
+        raise TypeError(f"a column is None in some samples and not in others ({', '.join(kinds)})")
+
+
+_COLLATE_MAP = {**default_collate_fn_map, type(None): _collate_none}
+
+
+def default_collate(samples: list[Any]) -> Any:
+    """torch's ``default_collate``, where a column of ``None`` stays ``None``.
+
+    Example:
+        >>> default_collate([(torch.zeros(2), None), (torch.ones(2), None)])
+        [tensor([[0., 0.],
+                [1., 1.]]), None]
+    """
+    return collate(samples, collate_fn_map=_COLLATE_MAP)
+
+
+def _kinds(value: Any) -> str:
+    """Every leaf of a sample: tensors by shape, anything else by its type (``None``, ``list of 5 str``)."""
+    if isinstance(value, torch.Tensor):
+        return str(tuple(value.shape))
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_kinds(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_kinds(v) for v in value) + ")"
+    if isinstance(value, list):
+        inner = sorted({type(v).__name__ for v in value})
+        return f"list of {len(value)} {'/'.join(inner) or 'items'}"
+    return "None" if value is None else type(value).__name__
 
 
 def _shapes(sample: Any) -> str:
@@ -60,6 +96,14 @@ class NamingCollate:
                 raise padding from e
             shapes = [_shapes(s) for s in samples[:8]]
             more = f", ... ({len(samples)} samples)" if len(samples) > 8 else ""
+            if len(set(_shapes(s) for s in samples)) == 1:  # equal shapes: a value that is not a tensor
+                raise ValueError(
+                    f"A batch of the Dataset (number {self.batches} since the loader was built) cannot be made: "
+                    f"its samples' tensors have equal shapes, but a value torch cannot stack is among them "
+                    f"({type(e).__name__}: {e}). The first sample holds {_kinds(samples[0])}. Fix: return "
+                    "tensors, numbers or strings from __getitem__ (the same kind in every sample), or pass a "
+                    "DataLoader with a collate_fn that builds the batch."
+                ) from e
             raise ValueError(
                 f"A batch of the Dataset (number {self.batches} since the loader was built) cannot be made: "
                 "its samples have different shapes "
