@@ -300,6 +300,13 @@ def _check_first_validation_batch(model: Any, loader: _data.DeviceLoader) -> Any
     before step 1, as training data does; the RNGs, the loader's own generators and the
     module's buffers are put back, so shuffling and training are unchanged."""
     source = getattr(loader.batches, "source", None)
+    empty = getattr(loader.batches, "is_empty_iterator", None)
+    if isinstance(source, Iterator) and empty is not None and empty():  # named now, not after epoch 1
+        raise ValueError(
+            f"`validation_data` ({type(source).__name__}) yields no batch, so the first validation, after the "
+            "first epoch's training, would fail. Fix: pass data with at least one sample; a generator is used "
+            "up after one pass, so pass a re-iterable such as a DataLoader or a list for validation in every epoch."
+        )
     if source is None or isinstance(source, Iterator) or getattr(loader, "sharded", False):
         return None  # a one-shot iterator would lose its batch; under torchrun each rank has its own
     with leaves_no_trace(model.module, loader):

@@ -63,6 +63,21 @@ def warn_unreachable(model: Any, *, max_steps: int | None, interval: Any, valida
                   "validates (and callbacks that monitor `val_` keys never act). Fix: pass validation_interval <= "
                   f"{max(1, steps)}, a fraction of the epoch such as 0.5, or drop it to validate at each epoch end.")
     _warn_early_stopping(callbacks, initial_epoch, epochs, interval is not None)
+    _warn_checkpoint_epochs(callbacks, initial_epoch, epochs)
+
+
+def _warn_checkpoint_epochs(callbacks: list[Any], initial_epoch: int, epochs: int | None) -> None:
+    from fitkit.callbacks.checkpointing import ModelCheckpoint
+
+    if epochs is None or epochs <= initial_epoch:
+        return
+    for cb in callbacks:
+        n = getattr(cb, "every_n_epochs", 0) if isinstance(cb, ModelCheckpoint) else 0
+        if n and cb.save_freq == "epoch" and cb.last_path is None \
+                and not any((e + 1) % n == 0 for e in range(initial_epoch, epochs)):  # fmt: skip
+            _warn(f"ModelCheckpoint(every_n_epochs={n}) writes nothing in this fit: it saves at epochs {n}, "
+                  f"{2 * n}, ... (1-based), and the fit runs epochs {initial_epoch + 1} to {epochs}. Fix: pass "
+                  f"every_n_epochs <= {epochs}, more epochs, or save_last=True for a file at every epoch end.")
 
 
 def _warn_early_stopping(callbacks: list[Any], initial_epoch: int, epochs: int | None, by_interval: bool) -> None:
