@@ -737,9 +737,6 @@ WARNS = [
     ("EarlyStopping start_from_epoch past the fit", {"callbacks": [EarlyStopping(monitor="loss", start_from_epoch=5)]},
      r"EarlyStopping\(start_from_epoch=5\) never acts: this fit ends after epoch index 1 \(epochs=2\).*"
      r"Fix: pass start_from_epoch < 2"),
-    ("EarlyStopping patience longer than the fit", {"callbacks": [EarlyStopping(monitor="loss", patience=5)]},
-     r"EarlyStopping\(patience=5\) can never stop this fit: it decides at 2 epoch end\(s\), and stopping needs 6.*"
-     r"Fix: pass patience < 2"),
 ]
 
 
@@ -748,6 +745,16 @@ def test_a_budget_spent_or_an_interval_longer_than_the_fit_warns_before_step_1(k
     model = _classifier(scheduler=False)  # global_step 1
     with pytest.warns(fitkit.FitkitWarning, match=match):
         model.fit(**{"x": _x(), "y": _y(), "epochs": 2, "batch_size": 5, "verbose": 0, **kwargs})
+
+
+def test_an_early_stopping_patience_longer_than_a_first_fit_warns():
+    model = _model()
+    with pytest.warns(fitkit.FitkitWarning, match=r"EarlyStopping\(patience=5\) can never stop this fit: it decides at "
+                      r"2 epoch end\(s\), and stopping needs 6.*Fix: pass patience < 2"):
+        model.fit(_x(), _y(), epochs=2, batch_size=5, verbose=0, callbacks=[EarlyStopping(monitor="loss", patience=5)])
+    with warnings.catch_warnings():  # a model that trained before may resume the callback's count: not judged
+        warnings.simplefilter("error")
+        model.fit(_x(), _y(), epochs=2, batch_size=5, verbose=0, callbacks=[EarlyStopping(monitor="loss", patience=5)])
 
 
 def test_a_spent_max_steps_changes_nothing():
@@ -782,8 +789,8 @@ def test_intervals_and_patience_the_fit_reaches_do_not_warn(tmp_path):
 # -- logger options: TypeErrors at construction (issue 28) -----------------------------------------------
 LOGGERS = [
     ("MLflowLogger", {"tags": ["a", "b"]},
-     r"Expected `tags` to be a dict of \{name: value\} with str names, or None\. Received: tags=\['a', 'b'\] \(list\)\. "
-     r"Fix: pass e\.g\. tags="),
+     r"Expected `tags` to be a dict of \{name: value\} with str names, or None\. "
+     r"Received: tags=\['a', 'b'\] \(list\)\. Fix: pass e\.g\. tags="),
     ("MLflowLogger", {"tags": {1: "a"}}, r"Received: tags=\{1: 'a'\} \(a key of type int\)\. Fix"),
     ("MLflowLogger", {"tracking_uri": 5}, r"Expected `tracking_uri` to be a str or None\. Received: tracking_uri=5 "
      r"\(int\)\. Fix: pass a URI such as"),
@@ -890,3 +897,28 @@ def test_sample_weight_with_a_hugging_face_dataset_weights_the_loss():
     half.fit(data, sample_weight=torch.full((N,), 0.5), batch_size=5, epochs=1, verbose=0, shuffle=False)
     plain.fit(_x(), _y(), batch_size=5, epochs=1, verbose=0, shuffle=False)
     assert half.global_step == plain.global_step == 4
+
+
+class _Widening(nn.Module):
+    """3 logits for the first two forwards (the check before step 1 and step 1), then 6."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(4, 6), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)[:, :3] if self.calls <= 2 else self.lin(x)
+
+
+@pytest.mark.parametrize("sample_weight", [None, torch.ones(N)], ids=["plain", "weighted"])
+def test_an_output_that_widens_during_training_is_refused_at_the_batch_it_widens(sample_weight):
+    model = _model(_Widening())
+    with pytest.raises(ValueError, match=r"^Loss 'cross_entropy' got logits for 6 classes \(5, 6\), but earlier "
+                       r"batches had 3: the module's output changed width during training.*Fix: make the module's "
+                       r"output size fixed"):
+        model.fit(_x(), _y(), batch_size=5, epochs=1, verbose=0, shuffle=False, sample_weight=sample_weight)
+    assert model.global_step == 1  # step 1 ran on 3 logits; the step with 6 was not applied
+    model.compile(optimizer="adam", loss="cross_entropy")  # a new head on purpose: compile again
+    history = model.fit(_x(), _y(), batch_size=5, epochs=1, verbose=0)
+    assert history.epoch == [0] and len(history.history["loss"]) == 1

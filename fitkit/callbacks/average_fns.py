@@ -33,8 +33,10 @@ def try_average_fn(who: str, avg_fn: Callable[..., Any] | None, multi_avg_fn: Ca
     if avg_fn is None and multi_avg_fn is None:
         return
     name = "avg_fn" if avg_fn is not None else "multi_avg_fn"
-    signature = ("avg_fn(averaged, current, num_averaged) -> a tensor of averaged's shape" if avg_fn is not None
-                 else "multi_avg_fn(averaged_list, current_list, num_averaged) -> None, updating averaged_list in place")
+    signature = (
+        "avg_fn(averaged, current, num_averaged) -> a tensor of averaged's shape" if avg_fn is not None
+        else "multi_avg_fn(averaged_list, current_list, num_averaged) -> None, updating averaged_list in place"
+    )
     a, c = averaged.detach().clone(), current.detach().clone()
     n = torch.tensor(1, device=a.device)
     shape = tuple(a.shape)

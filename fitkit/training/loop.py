@@ -25,8 +25,8 @@ from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checks import FitkitWarning
 from fitkit.checks.preflight import BatchGuard
 from fitkit.data import TensorBatches
-from fitkit.data.collate import collate_failure
 from fitkit.data import order as _order
+from fitkit.data.collate import collate_failure
 from fitkit.distributed import progress as _progress
 from fitkit.losses.outputs import note_row_weighted, takes_num_items
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name

@@ -142,10 +142,10 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
         steps = _budget.fraction_budget(train.num_batches, _accumulation(model.stepper, fit_accumulation), fraction)
         max_steps = steps if max_steps is None else min(max_steps, steps)
     total, shown = _plan_steps(model, train, epochs, max_steps, fit_accumulation)
-    steps = _reach.fit_steps(model.global_step, train.num_batches, _accumulation(model.stepper, fit_accumulation),
+    fit_steps = _reach.fit_steps(model.global_step, train.num_batches, _accumulation(model.stepper, fit_accumulation),
                              initial_epoch, epochs, max_steps)
     _reach.warn_unreachable(model, max_steps=max_steps, interval=interval, validation_interval=validation_interval,
-                            steps=steps, initial_epoch=initial_epoch, epochs=epochs, callbacks=callbacks)
+                            steps=fit_steps, initial_epoch=initial_epoch, epochs=epochs, callbacks=callbacks)
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
     by_epoch = validates and shown and interval is None
