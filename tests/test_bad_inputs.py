@@ -749,8 +749,8 @@ def test_a_budget_spent_or_an_interval_longer_than_the_fit_warns_before_step_1(k
 
 def test_an_early_stopping_patience_longer_than_a_first_fit_warns():
     model = _model()
-    with pytest.warns(fitkit.FitkitWarning, match=r"EarlyStopping\(patience=5\) can never stop this fit: it decides at "
-                      r"2 epoch end\(s\), and stopping needs 6.*Fix: pass patience < 2"):
+    with pytest.warns(fitkit.FitkitWarning, match=r"EarlyStopping\(patience=5\) can never stop this fit: it decides "
+                      r"at most at 2 epoch end\(s\), and stopping needs 6.*Fix: pass patience < 2"):
         model.fit(_x(), _y(), epochs=2, batch_size=5, verbose=0, callbacks=[EarlyStopping(monitor="loss", patience=5)])
     with warnings.catch_warnings():  # a model that trained before may resume the callback's count: not judged
         warnings.simplefilter("error")

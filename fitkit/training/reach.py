@@ -103,9 +103,9 @@ def _warn_early_stopping(callbacks: list[Any], initial_epoch: int, epochs: int |
                   f"index {epochs - 1} (epochs={epochs}), before the first epoch it watches. Fix: pass "
                   f"start_from_epoch < {epochs}, or more epochs.")
         elif fresh and not others and checked <= cb.patience:
-            _warn(f"EarlyStopping(patience={cb.patience}) can never stop this fit: it decides at {checked} epoch "
-                  f"end(s), and stopping needs {cb.patience + 1} (the first sets the best, then `patience` without "
-                  f"improvement). Fix: pass patience < {checked}, or more epochs.")
+            _warn(f"EarlyStopping(patience={cb.patience}) can never stop this fit: it decides at most at {checked} "
+                  f"epoch end(s), and stopping needs {cb.patience + 1} (the first sets the best, then `patience` "
+                  f"without improvement). Fix: pass patience < {checked}, or more epochs.")
 
 
 def _warn(message: str) -> None:
