@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fitkit
 from fitkit.callbacks import (
+    SWA,
     BackupAndRestore,
     CSVLogger,
     EarlyStopping,
@@ -31,9 +32,12 @@ from fitkit.callbacks import (
     ReduceLROnPlateau,
     TensorBoard,
     TerminateOnNaN,
+    WeightAveraging,
 )
 from fitkit.files import atomic_save
 from fitkit.layers import GPT
+from fitkit.tools.batch_size_finder import find_batch_size
+from fitkit.tools.lr_finder import find_lr
 
 N, FEATURES, CLASSES = 20, 4, 3
 
@@ -437,6 +441,45 @@ CASES = [
          setup=_weights_with_bad_aliases("w.safetensors")),
     Case("load_checkpoint SGD into Adam", lambda m, tmp: m.load_checkpoint(tmp / "sgd.pt"), ValueError,
          "SGD.*Fix", setup=_sgd_checkpoint("sgd.pt")),
+    # -- helpers, options and user functions (issue 28) ---------------------------------------------
+    Case("find_lr batch_size 0", lambda m, tmp: find_lr(m, _x(), _y(), batch_size=0, num_steps=5), ValueError,
+         r"Expected `batch_size` >= 1\. Received: batch_size=0\. Fix"),
+    Case("find_lr batch_size str", lambda m, tmp: find_lr(m, _x(), _y(), batch_size="8", num_steps=5), TypeError,
+         r"Expected `batch_size` to be an int\. Received: batch_size='8'\. Fix"),
+    Case("find_lr plot str", lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, plot="no"), TypeError,
+         r"Expected `plot` to be a bool\. Received: plot='no'"),
+    Case("find_lr path is a folder", lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=tmp / "plots"),
+         ValueError, r"find_lr writes a file at `path`, but it is an existing folder\. Received: path=.*Fix",
+         setup=_mkdir("plots")),
+    Case("find_lr path under a file", lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=tmp / "afile" / "lr.png"),
+         ValueError, r"find_lr writes a file at `path`, but .*afile' above it is an existing file.*Fix",
+         setup=_file("afile")),
+    Case("find_lr path int", lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=5), TypeError,
+         r"Expected `path` to be a str or a path\. Received: path=5"),
+    Case("find_batch_size init_val 0", lambda m, tmp: find_batch_size(m, _x(), _y(), init_val=0), ValueError,
+         r"Expected `init_val` >= 1\. Received: init_val=0"),
+    Case("Model timeout inf", lambda m, tmp: fitkit.Model(nn.Linear(4, 3), device="cpu", timeout=float("inf")),
+         ValueError, r"Expected `timeout` to be a finite number of seconds.*Received: timeout=inf\. Fix"),
+    Case("WeightAveraging avg_fn raises", fit_cb(lambda tmp: WeightAveraging(avg_fn=lambda a, c, n: a / "n")),
+         ValueError, r"WeightAveraging's `avg_fn` failed when tried before training on a copy of one weight "
+         r"\(shape \(8, 4\)\): TypeError: .*Expected `avg_fn\(averaged, current, num_averaged\).*Fix"),
+    Case("WeightAveraging avg_fn of 2 arguments", fit_cb(lambda tmp: WeightAveraging(avg_fn=lambda a, c: a)),
+         ValueError, r"`avg_fn` failed .*takes 2 positional arguments but 3.*Fix"),
+    Case("WeightAveraging avg_fn returns a scalar", fit_cb(lambda tmp: WeightAveraging(avg_fn=lambda a, c, n: a.sum())),
+         ValueError, r"`avg_fn` returned a tensor of shape \(\) when tried before training on a weight of shape "
+         r"\(8, 4\)\. Expected .*Fix"),
+    Case("WeightAveraging multi_avg_fn raises",
+         fit_cb(lambda tmp: WeightAveraging(multi_avg_fn=lambda a, c, n: a.missing)), ValueError,
+         r"`multi_avg_fn` failed .*AttributeError.*Expected `multi_avg_fn\(averaged_list, current_list, .*Fix"),
+    Case("SWA avg_fn raises", fit_cb(lambda tmp: SWA(swa_lrs=0.01, swa_epoch_start=1, avg_fn=lambda a, c, n: 1 / 0)),
+         ValueError, r"SWA's `avg_fn` failed when tried before training.*ZeroDivisionError.*Fix", scheduler=False),
+    Case("fit empty validation generator", fit(validation_data=(b for b in [])), ValueError,
+         r"`validation_data` \(generator\) yields no batch, so the first validation, after the first epoch's "
+         r"training, would fail\. Fix"),
+    Case("fit ragged samples in the first batch of a DataLoader", fit(x=DataLoader(_Samples(ragged_at=2), batch_size=5),
+                                                                       y=None),
+         ValueError, r"training DataLoader could not be made after 0 optimizer step\(s\).*default_collate.*equal "
+         r"shapes.*Fix: pass DataLoader\(\.\.\., collate_fn=\.\.\.\)"),
 ]
 
 
@@ -676,3 +719,206 @@ def test_no_warning_for_good_inputs():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _model().fit(np.random.default_rng(0).normal(size=(16, 4)), np.arange(16) % 3, epochs=1, verbose=0)
+
+
+# -- budgets and intervals that cannot act: a FitkitWarning before step 1 (issue 28) ---------------------
+def _val():
+    return (_x(6), _y(6))
+
+
+WARNS = [
+    ("max_steps at the step count", {"max_steps": 1},
+     r"fit\(max_steps=1\) is already spent: the model has taken 1 optimizer steps .*Fix: pass max_steps > 1"),
+    ("max_steps below the step count, epochs=None", {"max_steps": 1, "epochs": None},
+     r"fit\(max_steps=1\) is already spent.*Fix"),
+    ("validation_interval longer than the fit", {"validation_data": _val(), "validation_interval": 100},
+     r"fit\(validation_interval=100\) is longer than this fit: .*from step 1 to 9, so it never validates.*"
+     r"Fix: pass validation_interval <= 8"),
+    ("EarlyStopping start_from_epoch past the fit", {"callbacks": [EarlyStopping(monitor="loss", start_from_epoch=5)]},
+     r"EarlyStopping\(start_from_epoch=5\) never acts: this fit ends after epoch index 1 \(epochs=2\).*"
+     r"Fix: pass start_from_epoch < 2"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", [pytest.param(k, m, id=i) for i, k, m in WARNS])
+def test_a_budget_spent_or_an_interval_longer_than_the_fit_warns_before_step_1(kwargs, match):
+    model = _classifier(scheduler=False)  # global_step 1
+    with pytest.warns(fitkit.FitkitWarning, match=match):
+        model.fit(**{"x": _x(), "y": _y(), "epochs": 2, "batch_size": 5, "verbose": 0, **kwargs})
+
+
+def test_an_early_stopping_patience_longer_than_a_first_fit_warns():
+    model = _model()
+    with pytest.warns(fitkit.FitkitWarning, match=r"EarlyStopping\(patience=5\) can never stop this fit: it decides "
+                      r"at most at 2 epoch end\(s\), and stopping needs 6.*Fix: pass patience < 2"):
+        model.fit(_x(), _y(), epochs=2, batch_size=5, verbose=0, callbacks=[EarlyStopping(monitor="loss", patience=5)])
+    with warnings.catch_warnings():  # a model that trained before may resume the callback's count: not judged
+        warnings.simplefilter("error")
+        model.fit(_x(), _y(), epochs=2, batch_size=5, verbose=0, callbacks=[EarlyStopping(monitor="loss", patience=5)])
+
+
+def test_a_spent_max_steps_changes_nothing():
+    model = _classifier(scheduler=False)
+    before = _snapshot(model)
+    with pytest.warns(fitkit.FitkitWarning, match="already spent"):
+        history = model.fit(_x(), _y(), batch_size=5, max_steps=1, verbose=0)
+    assert history.epoch == [] and _same(_snapshot(model), before)
+
+
+def test_a_checkpoint_every_n_epochs_past_the_fit_warns_and_writes_nothing(tmp_path):
+    with pytest.warns(fitkit.FitkitWarning, match=r"ModelCheckpoint\(every_n_epochs=5\) writes nothing in this fit.*"
+                      r"the fit runs epochs 1 to 2\. Fix: pass every_n_epochs <= 2"):
+        _model().fit(_x(), _y(), epochs=2, batch_size=5, verbose=0,
+                     callbacks=[ModelCheckpoint(tmp_path / "m{epoch}.pt", every_n_epochs=5)])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_intervals_and_patience_the_fit_reaches_do_not_warn(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = _model()
+        model.fit(_x(), _y(), epochs=2, batch_size=5, verbose=0, validation_data=_val(), validation_interval=8,
+                  callbacks=[EarlyStopping(monitor="loss", patience=1),
+                             EarlyStopping(monitor="loss", patience=9, restore_best_weights=True),  # acts at the end
+                             ModelCheckpoint(tmp_path / "m.pt", every_n_epochs=2)])
+        assert model.global_step == 8 and len(model.history.history["val_loss"]) == 1
+        model.fit(_x(), _y(), batch_size=5, max_steps=9, verbose=0)  # one step left
+        assert model.global_step == 9
+
+
+# -- logger options: TypeErrors at construction (issue 28) -----------------------------------------------
+LOGGERS = [
+    ("MLflowLogger", {"tags": ["a", "b"]},
+     r"Expected `tags` to be a dict of \{name: value\} with str names, or None\. "
+     r"Received: tags=\['a', 'b'\] \(list\)\. Fix: pass e\.g\. tags="),
+    ("MLflowLogger", {"tags": {1: "a"}}, r"Received: tags=\{1: 'a'\} \(a key of type int\)\. Fix"),
+    ("MLflowLogger", {"tracking_uri": 5}, r"Expected `tracking_uri` to be a str or None\. Received: tracking_uri=5 "
+     r"\(int\)\. Fix: pass a URI such as"),
+    ("MLflowLogger", {"experiment_name": 5}, r"Expected `experiment_name` to be a str or None\. Received: .*Fix"),
+    ("MLflowLogger", {"run_name": ["a"]}, r"Expected `run_name` to be a str or None\. Received: run_name=\['a'\].*Fix"),
+    ("WandbLogger", {"project": 5}, r"Expected `project` to be a str or None\. Received: project=5 \(int\)\. Fix"),
+    ("WandbLogger", {"config": [1]}, r"Expected `config` to be a dict .*Received: config=\[1\] \(list\)\. Fix"),
+]
+
+
+@pytest.mark.parametrize("name, kwargs, match", LOGGERS, ids=[f"{n} {list(k)[0]}" for n, k, _ in LOGGERS])
+def test_logger_names_uris_and_tags_of_the_wrong_type_are_refused(tmp_path, monkeypatch, name, kwargs, match):
+    pytest.importorskip("mlflow" if name == "MLflowLogger" else "wandb")
+    from fitkit import callbacks as C
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TypeError, match=match):
+        getattr(C, name)(**kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- a loss whose gradient reaches no parameter (issue 28, left from round 3) ----------------------------
+class _Unreached(nn.Module):
+    """The output detached, plus a tensor that requires grad but is no Parameter: the loss requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.shift = torch.zeros(3, requires_grad=True)
+
+    def forward(self, x):
+        return self.lin(x).detach() + self.shift
+
+
+def test_a_loss_that_requires_grad_but_reaches_no_parameter_is_refused_before_step_1(tmp_path):
+    e = _fit_fails(_model(_Unreached()), tmp_path, _x(), _y(), batch_size=5)
+    assert str(e).startswith("The loss of the first batch requires grad, but its gradient reaches no parameter: ")
+    assert "Fix: compute the loss from the module's output without .detach()" in str(e)
+
+
+# -- ragged samples after the first batch of a user's DataLoader: named, not torch's stack error -------------
+def test_ragged_samples_in_a_later_batch_of_a_users_dataloader_name_the_collate_fix():
+    model = _model()
+    with pytest.raises(ValueError, match=r"A batch of the training DataLoader could not be made after 1 optimizer "
+                       r"step\(s\) of this fit: its collate_fn \(torch's default_collate\).*Fix: pass DataLoader") as e:
+        model.fit(DataLoader(_Samples(ragged_at=7), batch_size=5), epochs=1, verbose=0)
+    assert isinstance(e.value.__cause__, RuntimeError) and model.global_step == 1
+
+
+# -- what a failed batch was fed, when it holds None or strings ------------------------------------------
+def test_describe_names_none_and_strings_in_a_batch():
+    from fitkit.checks.preflight import describe
+
+    assert describe(({"x": torch.zeros(2, 4), "mask": None}, torch.tensor([0, 1]), None)) == (
+        "x: 'x' float32 (2, 4), 'mask' None; y: int64 (2,) values 0..1")
+    assert describe(({"text": ["a", "b"]}, None, None)) == "x: 'text' list of 2 str"
+    assert describe((None, None, None)) == "x: None"
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x=None, mask=None):
+        return self.lin(x * mask)
+
+
+def test_a_dict_batch_holding_none_says_so(tmp_path):
+    e = _fit_fails(_model(_Masked()), tmp_path, [({"x": _x(5), "mask": None}, _y(5))])
+    assert "It was fed x: 'x' float32 (5, 4), 'mask' None; y: int64 (5,) values 0..2. Fix" in str(e)
+
+
+def test_samples_of_equal_shapes_holding_a_value_torch_cannot_stack_are_named_as_such():
+    from fitkit.data.collate import NamingCollate
+
+    with pytest.raises(ValueError, match=r"its samples' tensors have equal shapes, but a value torch cannot stack is "
+                       r"among them .*The first sample holds \(\(2,\), object\)\. Fix"):
+        NamingCollate()([(torch.zeros(2), object()), (torch.zeros(2), object())])
+    with pytest.raises(ValueError, match=r"its samples have different kinds of values \(each sample's tensors: "
+                       r"\(\(2,\), None\), \(\(2,\), \(1,\)\)\).*a column is None in some samples and not in others"):
+        NamingCollate()([(torch.zeros(2), None), (torch.zeros(2), torch.ones(1))])
+    assert NamingCollate()([(torch.zeros(2), None), (torch.ones(2), None)])[1] is None  # a None column stays None
+
+
+def test_sample_weight_with_a_hugging_face_dataset_weights_the_loss():
+    datasets = pytest.importorskip("datasets")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    data = datasets.Dataset.from_dict({"x": _x().tolist(), "labels": _y().tolist()}).with_format("torch")
+    zero = _model(Net())
+    before = _state(zero)
+    with pytest.warns(fitkit.FitkitWarning, match="every sample weight was 0"):
+        zero.fit(data, sample_weight=torch.zeros(N), batch_size=5, epochs=1, verbose=0, shuffle=False)
+    assert _unchanged(zero, before)  # a weight of 0 everywhere: no gradient
+    half, plain = _model(Net()), _model(Net())
+    half.fit(data, sample_weight=torch.full((N,), 0.5), batch_size=5, epochs=1, verbose=0, shuffle=False)
+    plain.fit(_x(), _y(), batch_size=5, epochs=1, verbose=0, shuffle=False)
+    assert half.global_step == plain.global_step == 4
+
+
+class _Widening(nn.Module):
+    """3 logits for the first two forwards (the check before step 1 and step 1), then 6."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(4, 6), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)[:, :3] if self.calls <= 2 else self.lin(x)
+
+
+@pytest.mark.parametrize("sample_weight", [None, torch.ones(N)], ids=["plain", "weighted"])
+def test_an_output_that_widens_during_training_is_refused_at_the_batch_it_widens(sample_weight):
+    model = _model(_Widening())
+    with pytest.raises(ValueError, match=r"^Loss 'cross_entropy' got logits for 6 classes \(5, 6\), but earlier "
+                       r"batches had 3: the module's output changed width during training.*Fix: make the module's "
+                       r"output size fixed"):
+        model.fit(_x(), _y(), batch_size=5, epochs=1, verbose=0, shuffle=False, sample_weight=sample_weight)
+    assert model.global_step == 1  # step 1 ran on 3 logits; the step with 6 was not applied
+    model.compile(optimizer="adam", loss="cross_entropy")  # a new head on purpose: compile again
+    history = model.fit(_x(), _y(), batch_size=5, epochs=1, verbose=0)
+    assert history.epoch == [0] and len(history.history["loss"]) == 1

@@ -10,6 +10,7 @@ from torch import nn
 
 import fitkit
 from fitkit.callbacks import BackupAndRestore, LambdaCallback
+from fitkit.checks import FitkitWarning
 
 
 def _model(accumulation: int = 1, scheduler=None, interval: str = "step", lr: float = 0.1) -> fitkit.Model:
@@ -62,7 +63,8 @@ def test_epochs_and_max_steps_whichever_comes_first():
     # the counter runs over fits: a second fit with the same budget has 90 steps left
     model.fit(x, y, batch_size=2, epochs=1, max_steps=12, verbose=0)
     assert model.global_step == 12
-    assert model.fit(x, y, batch_size=2, max_steps=12, verbose=0).epoch == []  # spent: nothing runs
+    with pytest.warns(FitkitWarning, match=r"fit\(max_steps=12\) is already spent: the model has taken 12"):
+        assert model.fit(x, y, batch_size=2, max_steps=12, verbose=0).epoch == []  # spent: nothing runs
 
 
 def test_max_steps_ends_one_long_epoch_of_an_endless_source():
@@ -197,7 +199,7 @@ def test_the_budget_the_accumulation_schedule_and_step_validation_add_no_host_sy
 
     x, y = _data(40)
     counts = []
-    for options in ({}, {"max_steps": 12, "validation_data": (x, y), "validation_interval": 11}):
+    for options in ({}, {"max_steps": 12, "validation_data": (x, y), "validation_interval": 9}):
         model, count = _model(), CountSteps(2, 8)  # steps 3-8: no validation falls in them
         extra = [GradientAccumulationScheduler({0: 2})] if options else []
         model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[count, *extra], **options)

@@ -16,6 +16,7 @@ import torch
 
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import FitkitWarning, check_bool
+from fitkit.checks.options import check_tags, check_text
 from fitkit.files.preflight import check_writable
 from fitkit.training.checkpoint import is_rank_zero
 
@@ -156,6 +157,11 @@ class MLflowLogger(StatefulCallback):
                 "Expected `checkpoint` to be a path or a ModelCheckpoint. "
                 f"Received: {type(checkpoint).__name__}."
             )
+        check_text("tracking_uri", tracking_uri, "pass a URI such as 'sqlite:///mlflow.db' or 'http://host:5000', "
+                   "or None for MLFLOW_TRACKING_URI or ./mlflow.db.")
+        check_text("experiment_name", experiment_name, "pass the experiment's name, e.g. experiment_name='digits'.")
+        check_text("run_name", run_name, "pass the run's display name, e.g. run_name='baseline'.")
+        check_tags("tags", tags, "tags={'team': 'vision'}")
         if tracking_uri is None:
             tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
         self.tracking_uri, self.experiment_name, self.run_name = tracking_uri, experiment_name, run_name

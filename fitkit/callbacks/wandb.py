@@ -12,6 +12,7 @@ import torch
 
 from fitkit.callbacks.base import Callback
 from fitkit.checks import FitkitWarning, check_bool
+from fitkit.checks.options import check_tags, check_text
 from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["WandbLogger"]
@@ -101,6 +102,9 @@ class WandbLogger(Callback):
                 "Expected `checkpoint` to be a path or a ModelCheckpoint. "
                 f"Received: {type(checkpoint).__name__}. Fix: pass the file's path or the callback."
             )
+        check_text("project", project, "pass the W&B project's name, e.g. project='digits'.")
+        check_text("name", name, "pass the run's display name, e.g. name='baseline'.")
+        check_tags("config", config, "config={'lr': 0.001}")
         self.project, self.name, self.config = project, name, dict(config or {})
         self.log_every_n_steps, self.checkpoint = log_every_n_steps, checkpoint
         self.log_checkpoints = bool(log_checkpoints)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_swa_multi_avg_fn
 
+from fitkit.callbacks.average_fns import try_average_fn
 from fitkit.callbacks.base import Callback
 from fitkit.callbacks.swapping import WeightSwap, copy_tensors, no_swap, restorer, weight_swap
 from fitkit.checks import check_bool, check_int
@@ -79,7 +80,9 @@ class WeightAveraging(Callback):
 
     Args:
         avg_fn: ``(averaged, current, num_averaged) -> new averaged``, per tensor.
-        multi_avg_fn: ``(averaged_list, current_list, num_averaged) -> None``, in place.
+        multi_avg_fn: ``(averaged_list, current_list, num_averaged) -> None``, in place. Either
+            is called once at ``on_train_begin`` on copies of one weight (``num_averaged`` 1), so
+            a broken function is refused before step 1 (a ``ValueError``), nothing changed.
         use_buffers: average the buffers too (BatchNorm statistics); ``False`` averages the
             parameters and keeps the module's own buffers.
         update_every_n_steps: update at every n-th optimizer step (an int >= 1).
@@ -388,6 +391,9 @@ class WeightAveraging(Callback):
             self._group(module)  # loaded into the existing average, or the average goes on (Keras' optimizer EMA)
             return
         self._build(module)
+        if self._groups:  # a broken function is refused now, not at the second update
+            try_average_fn(type(self).__name__, self.avg_fn, self.multi_avg_fn, self._groups[0][0][0],
+                           self._groups[0][1][0])
         self._last_step = self.model.global_step
         if self._pending is not None:
             state, self._pending = self._pending, None

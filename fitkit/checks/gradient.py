@@ -32,7 +32,17 @@ def check_loss_has_grad(loss: Any, label: str = "first batch") -> None:
         ...
         ValueError: The loss of the first batch has no gradient (a float32 tensor with requires_grad=False)...
     """
-    if loss is None or isinstance(loss, torch.Tensor) and loss.requires_grad:
+    if loss is None:
+        return
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        if _reaches_no_parameter(loss):
+            raise ValueError(
+                f"The loss of the {label} requires grad, but its gradient reaches no parameter: it flows only "
+                "into tensors that are not nn.Parameters of the module (the module's output was detached, or "
+                "the loss adds a tensor created with requires_grad=True), so every step would leave the weights "
+                "unchanged. Fix: compute the loss from the module's output without .detach(), and register "
+                "trainable tensors as nn.Parameter on the module."
+            )
         return
     if isinstance(loss, torch.Tensor):
         what = f"a {str(loss.dtype).removeprefix('torch.')} tensor with requires_grad=False"
@@ -44,6 +54,32 @@ def check_loss_has_grad(loss: Any, label: str = "first batch") -> None:
         "torch operations, without .detach(), .item(), .numpy() or integer casts, and return it as a float "
         "tensor."
     )
+
+
+def _reaches_no_parameter(loss: torch.Tensor) -> bool:
+    """Whether the autograd graph of ``loss`` has leaves, none of them an ``nn.Parameter``.
+
+    A walk over the graph's nodes (no computation), once before step 1. A custom autograd
+    Function (reentrant checkpointing, FSDP's hooks) may hold parameters the walk cannot see:
+    then the answer is ``False`` (not known to be unreachable).
+    """
+    seen: set[int] = set()
+    todo = [loss.grad_fn]
+    leaves = 0
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return False
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf tensor
+        if variable is not None:
+            if isinstance(variable, torch.nn.Parameter):
+                return False
+            leaves += 1
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return leaves > 0
 
 
 def check_every_parameter_reached(module: torch.nn.Module, opt: torch.optim.Optimizer) -> None:

@@ -120,14 +120,34 @@ def describe(batch: Any) -> str:
     parts = []
     for name, part in zip(("x", "y", "sample_weight"), batch, strict=False):
         if isinstance(part, Mapping):  # name the entries: {"input_ids": ..., "labels": ...}
-            named = [f"{k!r} {_describe_tensor(t)}" for k, v in part.items() for t in nest.leaves(v)]
-            if named:
-                parts.append(f"{name}: " + ", ".join(named))
+            named = [f"{k!r} {_describe_value(v)}" for k, v in part.items()]
+            parts.append(f"{name}: " + (", ".join(named) if named else "an empty dict"))
             continue
-        ts = nest.leaves(part)
-        if ts:
-            parts.append(f"{name}: " + ", ".join(_describe_tensor(t) for t in ts))
+        if part is not None or name == "x":
+            parts.append(f"{name}: {_describe_value(part)}")
     return "; ".join(parts)
+
+
+def _describe_value(value: Any) -> str:
+    """Tensors by dtype and shape; anything else by what it is (``None``, ``list of 5 str``)."""
+    ts = nest.leaves(value)
+    if ts and (isinstance(value, torch.Tensor) or not _odd_leaves(value)):
+        return ", ".join(_describe_tensor(t) for t in ts)
+    if value is None:
+        return "None"
+    if isinstance(value, (list, tuple)):
+        kinds = "/".join(sorted({type(v).__name__ for v in value})) or "items"
+        return f"{type(value).__name__} of {len(value)} {kinds}"
+    return type(value).__name__
+
+
+def _odd_leaves(value: Any) -> bool:
+    """Whether a nested value holds something besides tensors (None, strings, numbers)."""
+    if isinstance(value, Mapping):
+        return any(_odd_leaves(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_odd_leaves(v) for v in value)
+    return not isinstance(value, torch.Tensor)
 
 
 def _describe_tensor(t: torch.Tensor) -> str:

@@ -115,6 +115,21 @@ class _IterableBatches:
     def one_shot(self) -> bool:
         return iter(self.source) is self.source
 
+    def is_empty_iterator(self) -> bool:
+        """Whether a one-shot source (a generator) yields nothing; a batch it yields is put back
+        in front, so the first pass sees every batch (checked once, before step 1)."""
+        if not self.one_shot:
+            return False
+        it = iter(self.source)
+        first = next(it, _NOTHING)
+        if first is _NOTHING:
+            return True
+        self.source = itertools.chain([first], it)
+        return False
+
+
+_NOTHING = object()
+
 
 class DeviceLoader:
     """Iterate ``(x, y, sample_weight)`` batches on ``device``: the only place batches move.

@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -139,7 +140,16 @@ def check_timeout(timeout: Any) -> float | None:
             f"Expected `{where}` to be a positive number of seconds. Received: {where}={timeout!r}. "
             "Fix: pass e.g. timeout=600 (10 minutes), or None for torch's default."
         )
+    if not math.isfinite(timeout) or timeout > _MAX_TIMEOUT:  # torch keeps it as a timedelta
+        raise ValueError(
+            f"Expected `{where}` to be a finite number of seconds (at most {_MAX_TIMEOUT:.0f}, a timedelta's "
+            f"limit). Received: {where}={timeout!r}. Fix: pass a long but finite wait, e.g. timeout=7 * 24 * 3600 "
+            "(a week), or None for torch's default."
+        )
     return float(timeout)
+
+
+_MAX_TIMEOUT = float(999_999_999 * 86_400)  # datetime.timedelta.max, in whole days
 
 
 def check_timeout_applies(timeout: Any) -> None:

@@ -163,6 +163,7 @@ class Loss:
         self.class_last = False  # set per call for class_index losses
         self.class_weights: torch.Tensor | None = None  # nn.CrossEntropyLoss(weight=...)'s
         self._layout: str | None = None  # the class layout seen first, kept when ambiguous
+        self.classes: int | None = None  # the number of classes seen first (an int compare per step)
         #: ``"sum"`` for a module loss built with ``reduction="sum"``: the objective is then the
         #: batch's sum (and a window's, and the ranks'), not a mean (:mod:`fitkit.losses.denominators`)
         self.reduction = "mean"
@@ -223,6 +224,16 @@ class Loss:
         if layout is not None:
             self._layout = layout
             self.class_last = layout == "last"
+            classes = y_pred.shape[-1] if self.class_last else y_pred.shape[1]
+            if classes != self.classes:  # a host int already known: no sync, no op
+                if self.classes is not None:
+                    raise ValueError(
+                        f"Loss '{self.name}' got logits for {classes} classes {_shape(y_pred)}, but earlier batches "
+                        f"had {self.classes}: the module's output changed width during training, so the class "
+                        "indices no longer mean what they did. Fix: make the module's output size fixed (one output "
+                        "per class); after replacing the head on purpose, call model.compile(...) again."
+                    )
+                self.classes = classes
             return y_pred, y
         raise ValueError(
             f"Loss '{self.name}' got logits {_shape(y_pred)} and class indices {_shape(y)}. "

@@ -149,9 +149,11 @@ def objective(loss: Any, y_pred: Any, y: Any, sample_weight: torch.Tensor | None
     if (sample_weight is None and type(y) is torch.Tensor and y.dtype is torch.long and y.dim() == 1
             and type(y_pred) is torch.Tensor and y_pred.dim() == 2 and y_pred.dtype is torch.float32
             and y_pred.shape[0] == y.shape[0] and type(loss) is Loss and loss.fn in _NLL
-            and loss.class_weights is None and loss.reduction == "mean"):  # fmt: skip
+            and loss.class_weights is None and loss.reduction == "mean"
+            and y_pred.shape[1] == loss.classes):  # fmt: skip
         # (B, C) logits and (B,) class indices: the classification step, without prepare's checks
-        # (the first batch ran them; torch's kernel checks the class range)
+        # (the first batch ran them, and C is the width they saw: another width goes through
+        # prepare, which refuses it; torch's kernel checks the class range)
         return _counted_nll(loss, y_pred, y, y, class_last=False)
     if isinstance(loss, Loss) and loss.reduction == "sum":
         return _sum_objective(loss, y_pred, y, sample_weight)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fitkit import data as _data
-from fitkit.checks import FitkitWarning, check_bool, check_that
+from fitkit.checks import FitkitWarning, check_bool, check_int, check_that
 
 __all__ = ["find_lr", "LRFinderResult", "apply_lr"]
 
@@ -198,6 +198,7 @@ def find_lr(
         True
     """
     check_sweep(model, start_lr, end_lr, num_steps, smooth, diverge_threshold, mode, apply)
+    _check_output(batch_size, plot, path)  # before the sweep: a bad path would fail after it
     loader = _data.as_loader(x, y, None, batch_size=batch_size, shuffle=True, device=model.device)
     result = sweep(model, loader, start_lr, end_lr, num_steps, smooth, diverge_threshold, mode)
     if apply:
@@ -205,6 +206,17 @@ def find_lr(
     if plot or path is not None:
         result.plot(path)
     return result
+
+
+def _check_output(batch_size: Any, plot: Any, path: Any) -> None:
+    """:func:`find_lr`'s ``batch_size``, ``plot`` and ``path``, checked before the sweep."""
+    from fitkit.files.preflight import check_writable_template
+    from fitkit.files.writing import check_target
+
+    check_int("batch_size", batch_size, 1, fix="pass the samples per sweep step, e.g. batch_size=32.")
+    check_bool("plot", plot)
+    if path is not None:
+        check_writable_template(check_target(path, "path", "find_lr"), None, "find_lr", "path")
 
 
 def check_sweep(model: Any, start_lr: float, end_lr: float, num_steps: int, smooth: float,

@@ -26,6 +26,7 @@ from fitkit.checks import FitkitWarning
 from fitkit.checks.preflight import BatchGuard
 from fitkit.data import TensorBatches
 from fitkit.data import order as _order
+from fitkit.data.collate import collate_failure
 from fitkit.distributed import progress as _progress
 from fitkit.losses.outputs import note_row_weighted, takes_num_items
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
@@ -155,6 +156,16 @@ class FitLoop:
         return self.position.epoch
 
     # -- the run ---------------------------------------------------------------------------------
+    def _named_epoch(self, epoch: int, first_step: int) -> Any:
+        """:meth:`run_epoch`, with torch's stack error from a user's DataLoader named (no cost per step)."""
+        try:
+            return self.run_epoch(epoch)
+        except RuntimeError as e:
+            named = collate_failure(e, self.model.global_step - first_step)
+            if named is None:
+                raise
+            raise named from e
+
     def run(self) -> None:
         model, cbs, stepper = self.model, self.callbacks, self.model.stepper
         model.stop_training = False
@@ -163,7 +174,7 @@ class FitLoop:
         cbs.params["train_data"] = self.train  # the training batches (SWA's BatchNorm update)
         logs: dict[str, float] = {}
         pending = model.pop_resume()  # loaded before fit (BackupAndRestore loads in on_train_begin)
-        finished = False
+        finished, first_step = False, model.global_step
         self.running = True
         try:
             agree = before_step is not None and cbs.host_agreement_after_backward()  # else no per-step agreement
@@ -189,7 +200,7 @@ class FitLoop:
                         range(self.start_epoch, self.epochs):  # fmt: skip
                     if self.stop.budget_spent():
                         break
-                    epoch_logs = self.run_epoch(epoch)
+                    epoch_logs = self._named_epoch(epoch, first_step)
                     if epoch_logs is None:  # no batch, or a signal: no partial epoch for callbacks
                         break
                     logs = epoch_logs

@@ -24,6 +24,7 @@ from fitkit.callbacks.swapping import check_weight_swaps
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
 from fitkit.checks.preflight import first_batch_check, in_memory_check, leaves_no_trace
 from fitkit.training import budget as _budget
+from fitkit.training import reach as _reach
 from fitkit.training.loop import lr_keys
 from fitkit.training.optim import check_plateau_mode
 from fitkit.training.quick import QuickRun
@@ -141,6 +142,10 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
         steps = _budget.fraction_budget(train.num_batches, _accumulation(model.stepper, fit_accumulation), fraction)
         max_steps = steps if max_steps is None else min(max_steps, steps)
     total, shown = _plan_steps(model, train, epochs, max_steps, fit_accumulation)
+    fit_steps = _reach.fit_steps(model.global_step, train.num_batches, _accumulation(model.stepper, fit_accumulation),
+                             initial_epoch, epochs, max_steps)
+    _reach.warn_unreachable(model, max_steps=max_steps, interval=interval, validation_interval=validation_interval,
+                            steps=fit_steps, initial_epoch=initial_epoch, epochs=epochs, callbacks=callbacks)
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
     by_epoch = validates and shown and interval is None
@@ -295,6 +300,13 @@ def _check_first_validation_batch(model: Any, loader: _data.DeviceLoader) -> Any
     before step 1, as training data does; the RNGs, the loader's own generators and the
     module's buffers are put back, so shuffling and training are unchanged."""
     source = getattr(loader.batches, "source", None)
+    empty = getattr(loader.batches, "is_empty_iterator", None)
+    if isinstance(source, Iterator) and empty is not None and empty():  # named now, not after epoch 1
+        raise ValueError(
+            f"`validation_data` ({type(source).__name__}) yields no batch, so the first validation, after the "
+            "first epoch's training, would fail. Fix: pass data with at least one sample; a generator is used "
+            "up after one pass, so pass a re-iterable such as a DataLoader or a list for validation in every epoch."
+        )
     if source is None or isinstance(source, Iterator) or getattr(loader, "sharded", False):
         return None  # a one-shot iterator would lose its batch; under torchrun each rank has its own
     with leaves_no_trace(model.module, loader):
