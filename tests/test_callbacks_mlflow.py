@@ -198,7 +198,8 @@ def test_each_validation_inside_an_epoch_is_logged_at_its_step(tmp_path):
 # -- a store that cannot be written, and two runs creating one store ------------------------
 def test_a_store_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     x, y = _data()
-    logger = MLflowLogger(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", log_every_n_steps=1)
+    logger = MLflowLogger(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", log_every_n_steps=1,
+                          experiment_name="e")  # its artifacts next to the store, not in the working directory
     model = _model()
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[logger])  # the store exists, a run in it
 
@@ -234,7 +235,8 @@ def test_a_full_disk_under_a_real_store_warns_and_training_goes_on(tmp_path):
         pytest.skip("mount -t tmpfs is not allowed here")
     try:
         x, y = _data()
-        logger = MLflowLogger(tracking_uri=f"sqlite:///{folder}/mlflow.db", log_every_n_steps=1, log_plot=False)
+        logger = MLflowLogger(tracking_uri=f"sqlite:///{folder}/mlflow.db", experiment_name="e", log_every_n_steps=1,
+                              log_plot=False)
         model = _model()
         model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[logger])
         with open(folder / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
