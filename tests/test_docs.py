@@ -158,8 +158,9 @@ _CAPTION = re.compile(r"^\s+:caption:\s*(.*)$")
 def _untested_python_blocks(page: Path) -> list[str]:
     """Python code blocks that no builder runs, except side-by-side code of other libraries.
 
-    A page may show Keras or Lightning code (which is not installed) in a ``code-block``
-    whose caption names that library; every other Python example must be a
+    A page may show Keras or Lightning code (which is not installed), or Ray Train code (which
+    needs a cluster), in a ``code-block`` whose caption names that library; every other Python
+    example must be a
     ``testcode`` / ``doctest`` block. ``::`` literal blocks are allowed for shell output.
     """
     lines = page.read_text(encoding="utf-8").splitlines()
@@ -172,7 +173,7 @@ def _untested_python_blocks(page: Path) -> list[str]:
         if language is None:
             continue  # bash, text, ... are given a language explicitly below
         caption = next((c.group(1) for c in map(_CAPTION.match, lines[i + 1:i + 4]) if c), "")
-        if not re.match(r"(Keras|Lightning|PyTorch Lightning|TensorFlow|timm)\b", caption):
+        if not re.match(r"(Keras|Lightning|PyTorch Lightning|TensorFlow|timm|Ray Train)\b", caption):
             bad.append(f"{page.relative_to(DOCS)}:{i + 1}: {line.strip()} (caption {caption!r})")
     return bad
 
