@@ -432,3 +432,38 @@ def test_a_failed_sharded_save_is_an_os_error_naming_the_checkpoint(tmp_path, mo
         model.save_checkpoint(tmp_path / "ck", sharded=True)
     assert e.value.errno == errno.ENOSPC
     assert _files(tmp_path / "ck") == files
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_sharded_save_on_a_really_full_disk_names_a_file_and_keeps_the_previous_checkpoint(tmp_path, async_save):
+    """A real tmpfs that the second save overflows: an OSError (ENOSPC) naming a file of the
+    folder, raised by the save (sync) or by the wait for it (async), and the first checkpoint
+    still at its path, complete."""
+    import errno
+    import subprocess
+
+    from fitkit.distributed import dcp
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (the monkeypatched ENOSPC tests cover the same path)")
+    folder = tmp_path / "small"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("mount -t tmpfs is not allowed here")
+    try:
+        first = _trained_folder(folder / "ck")  # fits: a small net and its Adam moments
+        expected = {k: v.clone() for k, v in first.module.state_dict().items()}
+        big = fitkit.Model(torch.nn.Linear(300, 300), device="cpu")  # 360 kB of weights, 1 MB with Adam
+        big.compile(optimizer="adam", loss="mse")
+        big.fit(torch.randn(4, 300), torch.randn(4, 300), batch_size=4, verbose=0)
+        with pytest.raises(OSError) as excinfo:
+            big.save_checkpoint(folder / "ck", sharded=True, async_save=async_save)
+            dcp.wait()
+        assert excinfo.value.errno == errno.ENOSPC
+        assert str(folder) in str(excinfo.value)
+        fresh = _plain()
+        fresh.load_checkpoint(folder / "ck")  # the first checkpoint, whole
+        _equal(fresh.module.state_dict(), expected)
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)

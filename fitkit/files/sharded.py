@@ -35,6 +35,7 @@ from typing import Any, cast
 import torch
 
 from fitkit.files.reading import _FIX_DAMAGED, CheckpointError, RefusedCheckpointError, safe_load
+from fitkit.files.writing import disk_full_errno
 
 __all__ = ["STATE_NAME", "is_sharded", "check_sharded", "sharded_shapes", "consolidate_weights", "remove_path",
            "read_metadata", "safe_reader"]  # fmt: skip
@@ -260,6 +261,12 @@ def torch_errors(folder: str | os.PathLike, saving: bool = False) -> Iterator[No
                        else "Fix: check that the folder is readable."), exc.filename,  # fmt: skip
                 ) from None
         first = failures[0] if failures else e
+        full = next((n for n in map(disk_full_errno, failures) if n is not None), None) if saving else None
+        if full is not None:  # torch's short write on a full disk: "unexpected pos 704 vs 598"
+            raise OSError(
+                full, f"The sharded checkpoint {where} could not be written: {os.strerror(full)} ({first}). "
+                "Fix: free space or pick another folder; the previous checkpoint is kept.", os.fspath(folder),
+            ) from None
         if saving:
             raise RuntimeError(
                 f"The sharded checkpoint {where} could not be written: {type(first).__name__}: {first}"

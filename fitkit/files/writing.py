@@ -111,7 +111,7 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None
             os.unlink(tmp)
         except OSError:
             pass
-        full = _disk_error(e)
+        full = disk_full_errno(e)
         if full is not None:
             raise OSError(
                 full, f"{os.strerror(full)} while writing {str(path)!r}; the older file, if any, "
@@ -140,8 +140,15 @@ def _umask() -> int:
     return mask
 
 
-def _disk_error(exc: BaseException) -> int | None:
-    """``errno.ENOSPC`` / ``EDQUOT`` when ``e`` (or its cause) says the disk is full."""
+def disk_full_errno(exc: BaseException) -> int | None:
+    """``errno.ENOSPC`` / ``EDQUOT`` when ``exc`` (or its cause) says the disk is full, else ``None``.
+
+    Example:
+        >>> disk_full_errno(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+        28
+        >>> disk_full_errno(ValueError("bad value")) is None
+        True
+    """
     e: BaseException | None = exc
     while e is not None:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
