@@ -449,7 +449,8 @@ def test_a_sharded_save_on_a_really_full_disk_names_a_file_and_keeps_the_previou
         pytest.skip("mounting a tmpfs needs root (the monkeypatched ENOSPC tests cover the same path)")
     folder = tmp_path / "small"
     folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(folder)], capture_output=True).returncode:
+    mount = ["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(folder)]
+    if subprocess.run(mount, capture_output=True).returncode:
         pytest.skip("mount -t tmpfs is not allowed here")
     try:
         first = _trained_folder(folder / "ck")  # fits: a small net and its Adam moments
