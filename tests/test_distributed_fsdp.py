@@ -5,6 +5,8 @@ costs per DDP step (collectives and host reads) and that a NaN on one rank skips
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from _torchrun import run_torchrun
@@ -54,6 +56,26 @@ res["meta"] = {"full_bytes": 4 * numel, "grew": grew, "local_numel": sum(v.numel
                "tied": big.embed.wte.weight is big.lm_head.weight, "loss": h.history["loss"][0],
                "steps": mm.global_step}
 del mm, big, local
+
+# -- a Hugging Face model from its config on the meta device: its own init_weights() fills the shards
+transformers.logging.set_verbosity_error()
+cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+torch.manual_seed(0)
+with torch.device("meta"):
+    hf = transformers.GPT2LMHeadModel(cfg)
+hm = fitkit.Model(hf, device="cpu", strategy="fsdp")
+hm.compile(optimizer="adamw", loss=None)
+wte = hf.transformer.wte.weight
+init = {"std": float(wte.detach().full_tensor().std()),  # as init_weights left them
+        "ln": float(hf.transformer.h[0].ln_1.weight.detach().full_tensor().mean())}
+torch.manual_seed(1)
+ids = torch.randint(0, 64, (8, 16))
+start = hm.evaluate({"input_ids": ids, "labels": ids}, batch_size=4, verbose=0)["loss"]
+hh = hm.fit({"input_ids": ids, "labels": ids}, batch_size=2, epochs=3, verbose=0, shuffle=False)
+res["hf_meta"] = {**init, "tied": hf.lm_head.weight is wte, "start": start,
+                  "losses": hh.history["loss"], "local": sum(p.to_local().numel() for p in hf.parameters()),
+                  "numel": sum(p.numel() for p in hf.parameters())}
+del hm, hf
 
 def mlp():
     torch.manual_seed(0)
@@ -393,6 +415,20 @@ def test_a_wrap_name_that_matches_no_submodule_is_refused_at_model_construction(
     with pytest.raises(ValueError, match=r"names 'Lineer'.*Did you mean 'Linear'.*Classes in the model: Linear, ReLU"):
         fitkit.Model(net, device="cpu", strategy=FSDP(wrap=["Lineer"]))
     fitkit.Model(net, device="cpu", strategy=FSDP(wrap=["Linear"]))  # the exact name is fine
+
+
+@_torchrun_test
+def test_a_hugging_face_model_built_from_its_config_on_the_meta_device_trains_sharded(job):
+    """GPT-2 from a config under ``torch.device("meta")``: each rank holds half the parameters,
+    the model's own ``init_weights()`` gives them their initial values (std 0.02 =
+    ``initializer_range``, LayerNorm weights 1, embeddings still tied to the head), the first
+    loss is near ln(64) = 4.16 and training lowers it; both ranks agree."""
+    r0, r1 = job[0]["hf_meta"], job[1]["hf_meta"]
+    assert r0 == r1
+    assert r0["local"] * 2 == r0["numel"] and r0["tied"] and r0["ln"] == 1.0
+    assert r0["std"] == pytest.approx(0.02, rel=0.05)
+    assert abs(r0["start"] - math.log(64)) < 0.1
+    assert r0["losses"][2] < r0["losses"][0]
 
 
 @_torchrun_test
