@@ -441,18 +441,12 @@ def test_a_sharded_save_on_a_really_full_disk_names_a_file_and_keeps_the_previou
     folder, raised by the save (sync) or by the wait for it (async), and the first checkpoint
     still at its path, complete."""
     import errno
-    import subprocess
+
+    from _tmpfs import tmpfs
 
     from fitkit.distributed import dcp
 
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (the monkeypatched ENOSPC tests cover the same path)")
-    folder = tmp_path / "small"
-    folder.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(folder)]
-    if subprocess.run(mount, capture_output=True).returncode:
-        pytest.skip("mount -t tmpfs is not allowed here")
-    try:
+    with tmpfs(tmp_path / "small", "400k") as folder:  # root only: the monkeypatched ENOSPC tests run everywhere
         first = _trained_folder(folder / "ck")  # fits: a small net and its Adam moments
         expected = {k: v.clone() for k, v in first.module.state_dict().items()}
         big = fitkit.Model(torch.nn.Linear(300, 300), device="cpu")  # 360 kB of weights, 1 MB with Adam
@@ -466,5 +460,3 @@ def test_a_sharded_save_on_a_really_full_disk_names_a_file_and_keeps_the_previou
         fresh = _plain()
         fresh.load_checkpoint(folder / "ck")  # the first checkpoint, whole
         _equal(fresh.module.state_dict(), expected)
-    finally:
-        subprocess.run(["umount", "--lazy", str(folder)], check=True)

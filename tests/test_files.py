@@ -13,6 +13,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from _tmpfs import tmpfs
 from conftest import WrappedFile
 
 import fitkit
@@ -116,20 +117,12 @@ def test_torchs_opaque_short_write_error_is_named_a_full_disk(tmp_path, monkeypa
 
 
 def test_a_real_full_tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    folder = tmp_path / "small"
-    folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True).returncode:
-        pytest.skip("mount -t tmpfs is not allowed here")
-    try:
+    with tmpfs(tmp_path / "small", "64k") as folder:
         path = folder / "c.pt"
         atomic_save({"a": torch.ones(2)}, path)
         with pytest.raises(OSError) as excinfo:
             atomic_save({"a": torch.zeros(2), "big": torch.zeros(100_000)}, path)  # 400 kB
         _assert_disk_full_left_the_old_file(excinfo, path, folder)
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_a_payload_that_would_not_load_back_is_never_written(tmp_path):

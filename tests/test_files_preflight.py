@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import subprocess
 import tempfile
 
 import pytest
 import torch
+from _tmpfs import tmpfs
 
 import fitkit
 from fitkit.callbacks import BackupAndRestore, CSVLogger, ModelCheckpoint, TensorBoard
@@ -71,13 +71,8 @@ def _really_read_only(folder):
         finally:
             folder.chmod(0o755)
         return
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True)
-    if mounted.returncode:
-        pytest.skip(f"root cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(folder, "64k", read_only=True):
         yield
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_a_really_read_only_folder_is_refused_before_step_1(tmp_path):

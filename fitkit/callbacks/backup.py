@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fitkit.callbacks.base import SavesEveryNBatches
 from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import FitkitWarning, check_bool, check_every
@@ -31,7 +32,7 @@ from fitkit.training.checkpoint import is_rank_zero
 __all__ = ["BackupAndRestore"]
 
 
-class BackupAndRestore(StatefulCallback):
+class BackupAndRestore(SavesEveryNBatches, StatefulCallback):
     """Back up the training state so that a crashed ``fit``, run again, continues exactly.
 
     The backup is one full checkpoint, ``backup_dir/backup.pt``, replaced atomically at the end
@@ -153,18 +154,8 @@ class BackupAndRestore(StatefulCallback):
         if self.save_freq == "epoch":
             self._write()
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq == "epoch":
-            return
-        self._batches_seen += 1
-        # Inside an accumulation group the gradients are not in the checkpoint: wait for its end.
-        if self._batches_seen >= self.save_freq and self.model.closes_accumulation_window:
-            self._batches_seen, self._due = 0, True
-
-    def _save_on_batch_end(self, batch, logs=None):
-        if self._due:
-            self._due = False
-            self._write()
+    def _save_due(self, logs: Any) -> None:  # every save_freq batches (SavesEveryNBatches)
+        self._write()
 
     def _save_on_interrupt(self):
         # SIGTERM / SIGINT: the state of this step boundary, kept for the re-run.

@@ -360,6 +360,34 @@ class StopsWriting:
 
 
 
+class SavesEveryNBatches:
+    """``save_freq`` as a number of training batches, counted where a save can hold the state:
+    ``on_train_batch_end`` marks a save due once ``save_freq`` batches ran and the batch closes
+    an accumulation window (inside a window the gradients would not be saved);
+    ``_save_on_batch_end`` (after every callback's batch hook) then calls ``_save_due(logs)``
+    once. ``save_freq="epoch"``: nothing here."""
+
+    save_freq: Any
+    model: Any
+    _batches_seen = 0
+    _due = False
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self.save_freq == "epoch":
+            return
+        self._batches_seen += 1
+        if self._batches_seen >= self.save_freq and self.model.closes_accumulation_window:
+            self._batches_seen, self._due = 0, True
+
+    def _save_on_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self._due:
+            self._due = False
+            self._save_due(logs)
+
+    def _save_due(self, logs: Any) -> None:
+        raise NotImplementedError
+
+
 def _overrides(cb: Callback, hook: str) -> bool:
     # An instance attribute counts too: LambdaCallback sets only the hooks it was given.
     return hook in vars(cb) or getattr(type(cb), hook, None) is not getattr(Callback, hook)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fitkit.callbacks.base import Callback
+from fitkit.callbacks.base import Callback, SavesEveryNBatches
 from fitkit.checks import check_bool, check_every
 from fitkit.training.checkpoint import is_rank_zero
 
@@ -29,7 +29,7 @@ def _ray_train() -> Any:
     return ray.train
 
 
-class RayReport(Callback):
+class RayReport(SavesEveryNBatches, Callback):
     """Report to Ray Train: the logs as metrics and fitkit's full checkpoint as Ray's checkpoint,
     and resume from Ray's checkpoint when ``fit`` starts.
 
@@ -120,18 +120,8 @@ class RayReport(Callback):
                 )
             self.model.load_checkpoint(path)  # fit applies the position, RNG states and History
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq == "epoch":
-            return
-        self._batches_seen += 1
-        # Inside an accumulation window the gradients are not in the checkpoint: wait for its end.
-        if self._batches_seen >= self.save_freq and self.model.closes_accumulation_window:
-            self._batches_seen, self._due = 0, True
-
-    def _save_on_batch_end(self, batch, logs=None):
-        if self._due:
-            self._due = False
-            self._report(logs)
+    def _save_due(self, logs: Any) -> None:  # every save_freq batches (SavesEveryNBatches)
+        self._report(logs)
 
     def _save_on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
