@@ -917,7 +917,7 @@ class Model:
         nothing = isinstance(out, torch.Tensor) and out.numel() == 0 and out.dim() == 1
         if nothing and not isinstance(src, _data.TensorBatches):
             raise ValueError(
-                f"`x` ({type(getattr(src, 'source', src)).__name__}) yielded no batch, so there is nothing to "
+                f"`x` ({_data.loaders.source_name(src)}) yielded no batch, so there is nothing to "
                 "predict. Fix: pass data with at least one sample (a generator is used up after one pass)."
             )
         return out

@@ -84,6 +84,7 @@ class _IterableBatches:
 
     def __init__(self, source: Iterable):
         self.source = source
+        self.kind = type(source).__name__  # what the user passed (messages), even once wrapped
         self.resumed = False  # a StatefulDataLoader restored inside an epoch (fitkit.data.order)
 
     def continue_own_position(self) -> None:
@@ -129,6 +130,17 @@ class _IterableBatches:
 
 
 _NOTHING = object()
+
+
+def source_name(loader: Any) -> str:
+    """The type name of the data a loader reads (``generator``, ``DataLoader``, ``list``), for messages.
+
+    Example:
+        >>> source_name(DeviceLoader((x for x in []), torch.device("cpu")))
+        'generator'
+    """
+    src = getattr(loader, "batches", loader)
+    return getattr(src, "kind", None) or type(getattr(src, "source", src)).__name__
 
 
 class DeviceLoader:

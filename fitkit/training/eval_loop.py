@@ -9,6 +9,7 @@ from typing import Any
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checks.preflight import wrap
+from fitkit.data.loaders import source_name
 from fitkit.training.host_outputs import HostOutputs
 from fitkit.training.modes import modes
 
@@ -16,8 +17,7 @@ __all__ = ["EvalLoop", "PredictLoop"]
 
 
 def _name(source: Any) -> str:
-    src = getattr(source, "batches", source)
-    return type(getattr(src, "source", src)).__name__
+    return source_name(source)
 
 
 class EvalLoop:

@@ -282,7 +282,7 @@ def check_data(model: Any, loader: _data.DeviceLoader, name: str, training: bool
     if not isinstance(src, _data.TensorBatches):
         if getattr(src, "num_batches", None) == 0:  # a DataLoader over an empty Dataset: known before step 1
             raise ValueError(
-                f"`{name}` ({type(getattr(src, 'source', src)).__name__}) has 0 batches. Fix: pass data "
+                f"`{name}` ({_data.loaders.source_name(src)}) has 0 batches. Fix: pass data "
                 "with at least one sample (an empty Dataset or filter?)."
             )
         if validation:  # fit's validation runs after epoch 1: check its first batch now

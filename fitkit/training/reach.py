@@ -2,12 +2,12 @@
 
 A budget already spent (``max_steps`` at or below ``model.global_step``) trains nothing; an
 interval longer than the fit (``validation_interval`` steps that no step of this fit reaches)
-never validates; an ``EarlyStopping`` whose ``start_from_epoch`` or ``patience`` reaches past the
-last epoch never stops. None of these is an error (a script may be rerun on a finished model),
-so each is a :class:`~fitkit.checks.FitkitWarning` naming the option and the fix. The patience
-rule is judged only on a model's first fit without ``BackupAndRestore`` (a resumed count may be
-closer to its end). All are decided
-from the plan (counts, no data), once per fit: nothing runs per step.
+never validates; an ``EarlyStopping`` whose ``start_from_epoch`` is past the last epoch never
+looks; a ``ModelCheckpoint(every_n_epochs=)`` past the fit writes nothing. None of these is an
+error (a script may be rerun on a finished model), so each is a
+:class:`~fitkit.checks.FitkitWarning` naming the option and the fix. A ``patience`` longer than
+the fit is not warned: a large patience is how people keep the best value without stopping.
+All are decided from the plan (counts, no data), once per fit: nothing runs per step.
 """
 
 from __future__ import annotations
@@ -64,10 +64,7 @@ def warn_unreachable(model: Any, *, max_steps: int | None, interval: Any, valida
                   f"{k}th optimizer step, but the fit goes from step {step} to {step + steps}, so it never "
                   "validates (and callbacks that monitor `val_` keys never act). Fix: pass validation_interval <= "
                   f"{max(1, steps)}, a fraction of the epoch such as 0.5, or drop it to validate at each epoch end.")
-    # A model that trained before may resume an EarlyStopping's count (a checkpoint, a backup):
-    # the patience rule is then judged by the callback itself.
-    fresh = step == 0 and not any(type(cb).__name__ == "BackupAndRestore" for cb in callbacks)
-    _warn_early_stopping(callbacks, initial_epoch, epochs, interval is not None, fresh)
+    _warn_early_stopping(callbacks, initial_epoch, epochs, interval is not None)
     _warn_checkpoint_epochs(callbacks, initial_epoch, epochs)
 
 
@@ -85,8 +82,7 @@ def _warn_checkpoint_epochs(callbacks: list[Any], initial_epoch: int, epochs: in
                   f"every_n_epochs <= {epochs}, more epochs, or save_last=True for a file at every epoch end.")
 
 
-def _warn_early_stopping(callbacks: list[Any], initial_epoch: int, epochs: int | None, by_interval: bool,
-                         fresh: bool) -> None:  # fmt: skip
+def _warn_early_stopping(callbacks: list[Any], initial_epoch: int, epochs: int | None, by_interval: bool) -> None:
     from fitkit.callbacks.monitor import EarlyStopping
 
     if epochs is None:
@@ -94,18 +90,10 @@ def _warn_early_stopping(callbacks: list[Any], initial_epoch: int, epochs: int |
     for cb in callbacks:
         if not isinstance(cb, EarlyStopping) or (by_interval and cb.monitor.startswith("val_")):
             continue
-        checked = epochs - max(initial_epoch, cb.start_from_epoch)  # epoch ends it decides at
-        # other ways to act: a threshold, a baseline, a non-finite value, the best weights restored at the end
-        others = (cb.baseline, cb.stopping_threshold, cb.divergence_threshold) != (None, None, None) or (
-            cb.check_finite or cb.restore_best_weights)
-        if checked <= 0:
+        if epochs <= max(initial_epoch, cb.start_from_epoch):  # no epoch end it decides at
             _warn(f"EarlyStopping(start_from_epoch={cb.start_from_epoch}) never acts: this fit ends after epoch "
                   f"index {epochs - 1} (epochs={epochs}), before the first epoch it watches. Fix: pass "
                   f"start_from_epoch < {epochs}, or more epochs.")
-        elif fresh and not others and checked <= cb.patience:
-            _warn(f"EarlyStopping(patience={cb.patience}) can never stop this fit: it decides at most at {checked} "
-                  f"epoch end(s), and stopping needs {cb.patience + 1} (the first sets the best, then `patience` "
-                  f"without improvement). Fix: pass patience < {checked}, or more epochs.")
 
 
 def _warn(message: str) -> None:
