@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from fitkit.callbacks.base import SavesEveryNBatches
 from fitkit.callbacks.locking import take_lock
+from fitkit.callbacks.mixins import SavesEveryNBatches
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import FitkitWarning, check_bool, check_every
 from fitkit.distributed import dcp

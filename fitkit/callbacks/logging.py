@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from fitkit.callbacks.base import StopsWriting
 from fitkit.callbacks.locking import take_lock
+from fitkit.callbacks.mixins import StopsWriting
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.callbacks.tensorboard import TensorBoard
 from fitkit.checks import FitkitWarning, check_bool

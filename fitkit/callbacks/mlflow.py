@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fitkit.callbacks.mlflow_store import local_sqlite_dir, store_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import FitkitWarning, check_bool
 from fitkit.checks.options import check_tags, check_text
@@ -34,34 +33,6 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
-
-
-def _local_sqlite_dir(uri: str) -> Path | None:
-    # "sqlite:////abs/path/mlflow.db" or "sqlite:///rel/path.db": the folder of the file.
-    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
-        return None
-    return Path(uri[len("sqlite:///"):]).resolve().parent
-
-
-@contextlib.contextmanager
-def _store_lock(uri: str) -> Iterator[None]:
-    """One process at a time opens a local SQLite store: MLflow creates and migrates a new
-    database on first use, and two runs doing that at once crash one of them. An exclusive
-    ``flock`` on the database's folder (no file of its own) serialises it; elsewhere, nothing."""
-    folder = _local_sqlite_dir(uri)
-    try:
-        import fcntl
-    except ImportError:  # Windows: no flock
-        fcntl = None  # type: ignore[assignment]
-    if folder is None or fcntl is None or not folder.is_dir():
-        yield
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # and with it the lock
 
 
 class MLflowLogger(StatefulCallback):
@@ -205,7 +176,7 @@ class MLflowLogger(StatefulCallback):
         experiment = client.get_experiment_by_name(name)
         if experiment is not None:
             return experiment.experiment_id
-        folder = _local_sqlite_dir(self.tracking_uri)
+        folder = local_sqlite_dir(self.tracking_uri)
         location = None if folder is None else (folder / "mlruns").as_uri()
         return client.create_experiment(name, artifact_location=location)
 
@@ -257,7 +228,7 @@ class MLflowLogger(StatefulCallback):
 
     def _open_run(self) -> None:
         self._logged_params = set()
-        with _store_lock(self.tracking_uri):  # a new SQLite store is created once, not by two runs at once
+        with store_lock(self.tracking_uri):  # a new SQLite store is created once, not by two runs at once
             if self.run_id is None or not self._reopen():
                 run = self._mlflow_client().create_run(self._experiment_id(), run_name=self.run_name, tags=self.tags)
                 self.run_id = run.info.run_id
@@ -307,7 +278,7 @@ class MLflowLogger(StatefulCallback):
     # -- hooks -------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
-        folder = _local_sqlite_dir(self.tracking_uri or "")
+        folder = local_sqlite_dir(self.tracking_uri or "")
         if folder is not None and is_rank_zero():  # a local store: its folder must be writable
             check_writable(folder, "MLflowLogger", "tracking_uri")
         # The run starts at the first epoch, not here: a resumed fit restores this callback's

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from fitkit.callbacks.base import Callback, SavesEveryNBatches
+from fitkit.callbacks.base import Callback
+from fitkit.callbacks.mixins import SavesEveryNBatches
 from fitkit.checks import check_bool, check_every
 from fitkit.training.checkpoint import is_rank_zero
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fitkit.callbacks.base import StopsWriting
+from fitkit.callbacks.mixins import StopsWriting
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import check_bool, check_int
 from fitkit.files import check_target, to_python
