@@ -25,7 +25,7 @@ from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int,
 from fitkit.checks.preflight import first_batch_check, in_memory_check, leaves_no_trace
 from fitkit.training import budget as _budget
 from fitkit.training import reach as _reach
-from fitkit.training.loop import lr_keys
+from fitkit.training.lr_logs import lr_keys
 from fitkit.training.optim import check_plateau_mode
 from fitkit.training.quick import QuickRun
 from fitkit.training.step_validation import ValidationInterval, ValidationSchedule
