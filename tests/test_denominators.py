@@ -294,3 +294,79 @@ def test_a_target_changed_in_place_after_its_loss_is_counted_again():
     assert denominator(ce, y, None).item() == 4  # the objective's own count
     y[0] = -100  # the same tensor, refilled (a loader's reused buffer)
     assert denominator(ce, y, None).item() == 3
+
+
+class _NllReductions(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ``reduction`` argument of every NLL kernel call: 1 the kernel's own mean, 2 its sum
+    (fitkit's guarded mean, 0 where nothing counts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.nll_loss_forward.default:
+            self.seen.append(args[3])
+        return func(*args, **(kwargs or {}))
+
+
+def _classifier_fit(x, y=None, **fit_kwargs):
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Linear(4, 3), device="cpu")
+    model.compile(optimizer="sgd", loss="cross_entropy", jit_compile=False)
+    with _NllReductions() as mode:
+        history = model.fit(x, y, epochs=1, verbose=0, shuffle=False, **fit_kwargs)
+    return mode.seen[1:], history, model  # [0]: the first-batch check before step 1 (its own guard)
+
+
+def test_targets_known_to_hold_no_ignored_entry_take_the_kernels_own_mean():
+    # Every batch's mean divides by its size (nothing can be ignored): the kernel's mean, as a
+    # hand F.cross_entropy; any other source (or a target equal to -100) keeps the guarded sum.
+    x, y = torch.randn(12, 4), torch.tensor([0, 1, 2] * 4)
+    assert _classifier_fit(x, y, batch_size=4)[0] == [1, 1, 1]
+    ds = torch.utils.data.TensorDataset(x, y)
+    assert _classifier_fit(torch.utils.data.DataLoader(ds, batch_size=4))[0] == [1, 1, 1]
+    sub = torch.utils.data.Subset(ds, range(8))
+    assert _classifier_fit(torch.utils.data.DataLoader(sub, batch_size=4))[0] == [1, 1]
+    custom = torch.utils.data.DataLoader(ds, batch_size=4, collate_fn=lambda s: torch.utils.data.default_collate(s))
+    assert _classifier_fit(custom)[0] == [2, 2, 2]  # a user's collate may change the targets
+    assert _classifier_fit(iter([(x[:4], y[:4]), (x[4:], y[4:])]))[0] == [2, 2]  # a generator: not known
+    y_ignored = y.clone()
+    y_ignored[5] = -100
+    assert _classifier_fit(x, y_ignored, batch_size=4)[0] == [2, 2, 2]
+
+
+def test_a_batch_whose_every_target_is_ignored_is_0_after_the_targets_change_in_place():
+    # The scan's verdict is kept per tensor and version: an in-place write is seen by the next fit.
+    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 1, 0, 2, 1, 0])
+    assert _classifier_fit(x, y, batch_size=4)[0] == [1, 1]
+    y[:4] = -100  # the first batch now counts nothing
+    losses: list[float] = []
+
+    class StepLoss(fitkit.callbacks.Callback):
+        def on_backward_end(self, batch):
+            losses.append(float(self.model.step_loss))
+
+    seen, history, _ = _classifier_fit(x, y, batch_size=4, callbacks=[StepLoss()])
+    assert seen == [2, 2]
+    assert losses[0] == 0.0 and math.isfinite(losses[1])  # 0, not 0 / 0
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    with torch.no_grad():  # the first step leaves the weights as they were (a zero gradient)
+        expected = nn.functional.cross_entropy(net(x[4:]), y[4:]).item()
+    assert history.history["loss"] == [pytest.approx(expected, rel=1e-6)]
+
+
+def test_validation_inside_a_fit_on_known_targets_keeps_its_own_guard():
+    # Training data free of ignored targets does not vouch for other data: validation batches
+    # (a list) of which one ignores every target still report the loss over the batch that counts.
+    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 1, 0, 2, 1, 0])
+    vy = torch.tensor([-100, -100, 1, 2])
+    seen, history, model = _classifier_fit(x, y, batch_size=4,
+                                          validation_data=[(x[:2], vy[:2]), (x[2:4], vy[2:])],
+                                          validation_interval=1)
+    # the validation data's first-batch check; then each of the 2 steps and the 2 validation batches after it
+    assert seen == [2, 1, 2, 2, 1, 2, 2]
+    with torch.no_grad():
+        expected = nn.functional.cross_entropy(model.module(x[2:4]), vy[2:]).item()
+    assert history.history["val_loss"] == [pytest.approx(expected, rel=1e-6)]

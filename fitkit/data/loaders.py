@@ -33,7 +33,8 @@ from fitkit.data.resume_order import resumed_loader
 from fitkit.data.weights import ClassWeights, class_weights, combine
 from fitkit.devices import move_to_device
 
-__all__ = ["as_loader", "validation_loader", "device_batch", "DeviceLoader", "ClassWeights", "unpack_batch"]
+__all__ = ["as_loader", "validation_loader", "device_batch", "DeviceLoader", "ClassWeights", "unpack_batch",
+           "known_targets"]
 
 
 def unpack_batch(batch: Any) -> Batch:
@@ -141,6 +142,38 @@ def source_name(loader: Any) -> str:
     """
     src = getattr(loader, "batches", loader)
     return getattr(src, "kind", None) or type(getattr(src, "source", src)).__name__
+
+
+def known_targets(loader: Any) -> torch.Tensor | None:
+    """The tensor every batch's targets are rows of, when the host knows it before the pass:
+    in-memory ``y`` (also fitkit's per-rank shards of it), or the second tensor of a
+    ``DataLoader`` over a ``TensorDataset`` (or a ``Subset`` of one) collated by torch's default;
+    ``None`` for any other source, or a source whose batches carry ``class_weight``.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> y = torch.tensor([0, 1, 1])
+        >>> dl = DataLoader(TensorDataset(torch.zeros(3, 2), y), batch_size=2)
+        >>> known_targets(DeviceLoader(dl, torch.device("cpu"))) is y
+        True
+    """
+    from torch.utils.data import Subset, TensorDataset
+    from torch.utils.data._utils.collate import default_collate as torch_collate
+
+    if getattr(loader, "class_weight", None) is not None:
+        return None
+    src = getattr(loader, "batches", None)
+    if isinstance(src, TensorBatches):  # fitkit's shards subclass it
+        return src.y if isinstance(src.y, torch.Tensor) else None
+    dl = getattr(src, "source", None)
+    if not isinstance(dl, DataLoader) or not (dl.collate_fn is torch_collate or type(dl.collate_fn) is NamingCollate):
+        return None
+    data = dl.dataset
+    while isinstance(data, Subset):
+        data = data.dataset
+    if type(data) is TensorDataset and len(data.tensors) in (2, 3):  # (x, y) or (x, y, sample_weight)
+        return data.tensors[1]
+    return None
 
 
 class DeviceLoader:

@@ -26,15 +26,18 @@ count rows. Nothing here reads a device value on the host.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fitkit import nest
 from fitkit.losses import Loss
 
-__all__ = ["denominator", "objective", "counts_tokens", "counted"]
+__all__ = ["denominator", "objective", "counts_tokens", "counted", "none_ignored", "targets_count"]
 
 
 def counts_tokens(loss: Any, y: Any) -> bool:
@@ -53,6 +56,66 @@ def counts_tokens(loss: Any, y: Any) -> bool:
         and not y.is_floating_point()
         and y.dtype != torch.bool
     )
+
+
+#: Class-index target tensors found free of an ignore index: ``{y: (y._version, ignore_index)}``
+#: (weak keys: nothing is kept alive; a write in place since changes the version).
+_NO_IGNORED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def none_ignored(loss: Any, y: torch.Tensor) -> bool:
+    """Whether no entry of the integer targets ``y`` equals ``loss``'s ignore index (torch's
+    ``-100`` when it has none), so every entry is a term of the loss.
+
+    One host read, once per tensor: a tensor found free is not scanned again while its version
+    counter is unchanged (a script calling ``fit`` in chunks on the same data pays it once).
+
+    Example:
+        >>> from fitkit.losses import resolve_loss
+        >>> ce = resolve_loss("cross_entropy")
+        >>> none_ignored(ce, torch.tensor([0, 2, 1])), none_ignored(ce, torch.tensor([0, -100]))
+        (True, False)
+    """
+    ignore = -100 if loss.ignore_index is None else loss.ignore_index
+    if _NO_IGNORED.get(y) == (y._version, ignore):
+        return True
+    free = not bool((y == ignore).any())  # the host read
+    if free:
+        _NO_IGNORED[y] = (y._version, ignore)
+    return free
+
+
+#: The loss whose running phase feeds it class-index targets known to hold no ignored entry
+#: (:func:`targets_count`): its batches' counts are their sizes, never 0, so its mean needs no
+#: guard against 0 / 0. ``None``: not known.
+_every_target_counts: Any = None
+
+
+@contextlib.contextmanager
+def targets_count(loss: Any, y: Any) -> Iterator[None]:
+    """Within: the batches given to ``loss`` come from the targets ``y`` (in-memory data, or a
+    ``TensorDataset``'s) and, when :func:`none_ignored` finds every entry of them counts, the
+    cross-entropy / NLL mean runs as ``F.cross_entropy`` does (one kernel for the mean and its
+    count, no guard for a batch where nothing counts, which cannot occur). ``y`` ``None`` (a
+    source whose targets are not known up front): the guarded mean. Phases nest: each sets its
+    own and the outer one's comes back on exit.
+
+    Example:
+        >>> from fitkit.losses import resolve_loss
+        >>> ce = resolve_loss("cross_entropy")
+        >>> y = torch.tensor([0, 2, 1])
+        >>> with targets_count(ce, y):
+        ...     objective(ce, torch.zeros(3, 3), y, None)
+        tensor(1.0986)
+    """
+    global _every_target_counts
+    outer = _every_target_counts
+    known = counts_tokens(loss, y) and loss.class_weights is None and none_ignored(loss, y)
+    _every_target_counts = loss if known else None
+    try:
+        yield
+    finally:
+        _every_target_counts = outer
 
 
 def _rows(y: Any, x: Any = None) -> int:
@@ -241,22 +304,26 @@ def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor,
                    class_last: bool, ignore: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Cross-entropy / NLL on class indices without weights: the sum over the targets and their
     count from the one kernel (``nll_loss_forward`` returns both), the sum divided by the count
-    (at least 1: nothing counted is 0, not 0/0). The ops of a hand ``F.cross_entropy`` plus a
-    clamp and a division. Returns the mean and the count."""
+    (at least 1: nothing counted is 0, not 0/0): the ops of a hand ``F.cross_entropy`` plus a
+    clamp and a division. Where the phase's targets are known to hold no ignored entry
+    (:func:`targets_count`), the kernel's own mean: a hand ``F.cross_entropy``'s ops. Returns the
+    mean and the count."""
     if class_last:
         logits, target = y_pred.reshape(-1, y_pred.shape[-1]), y.reshape(-1)
     else:
         logits, target = y_pred, y
     logp = F.log_softmax(logits, 1) if _NLL[loss.fn] else logits
+    plain = _every_target_counts is loss  # no target is ignored: the count is never 0
     try:
-        total, count = torch.ops.aten.nll_loss_forward(logp, target, None, 2, ignore)  # 2: sum
+        # 1: the mean, as F.cross_entropy (0 / 0 only where nothing counts); 2: the sum
+        total, count = torch.ops.aten.nll_loss_forward(logp, target, None, 1 if plain else 2, ignore)
     except IndexError as e:  # torch's CPU kernels: a class label out of range
         n = logits.shape[1]
         raise ValueError(
             f"Loss '{loss.name}' got a class label outside [0, {n - 1}] for logits {tuple(y_pred.shape)} ({e}). "
             "Fix: remap the labels, or give the module one output per class."
         ) from None
-    mean = total / count.clamp_min(1)
+    mean = total if plain else total / count.clamp_min(1)
     return (mean if loss.weight == 1.0 else mean * loss.weight), count
 
 

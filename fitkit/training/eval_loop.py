@@ -9,7 +9,8 @@ from typing import Any
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checks.preflight import wrap
-from fitkit.data.loaders import source_name
+from fitkit.data.loaders import known_targets, source_name
+from fitkit.losses.denominators import targets_count
 from fitkit.training.host_outputs import HostOutputs
 from fitkit.training.modes import modes
 
@@ -47,7 +48,8 @@ class EvalLoop:
             model.stop_evaluating = outer
 
     def _run(self, model: Any, cbs: CallbackList, want: bool) -> dict[str, float]:
-        with modes(model.module, training=False, grad=False), model.phases.running(self.totals):
+        with modes(model.module, training=False, grad=False), model.phases.running(self.totals), \
+                targets_count(model.loss, known_targets(self.loader)):  # fmt: skip
             cbs.on_test_begin({})
             for step, batch in enumerate(self.loader):
                 cbs.on_test_batch_begin(step, {})

@@ -27,7 +27,9 @@ from fitkit.checks.preflight import BatchGuard
 from fitkit.data import TensorBatches
 from fitkit.data import order as _order
 from fitkit.data.collate import collate_failure
+from fitkit.data.loaders import known_targets
 from fitkit.distributed import progress as _progress
+from fitkit.losses.denominators import targets_count
 from fitkit.losses.outputs import note_row_weighted, takes_num_items
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.training.lr_logs import lr_keys, lr_logs
@@ -262,7 +264,7 @@ class FitLoop:
         budget, step_val = self.max_steps, self.step_val
         position.enter()
         ran, skipped, begins = False, 0, True
-        with phases.running(totals):
+        with phases.running(totals), targets_count(model.loss, known_targets(loader)):
             for step, batch in stepper.micro_batches(batches, start, self.stop.now):
                 if skip_single and guard.single(batch, stepper, step, epoch):
                     skipped += 1
