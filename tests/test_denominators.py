@@ -370,3 +370,24 @@ def test_validation_inside_a_fit_on_known_targets_keeps_its_own_guard():
     with torch.no_grad():
         expected = nn.functional.cross_entropy(model.module(x[2:4]), vy[2:]).item()
     assert history.history["val_loss"] == [pytest.approx(expected, rel=1e-6)]
+
+
+def test_the_ignore_index_scan_reads_the_host_once_per_tensor_and_version():
+    from fitkit.losses.denominators import none_ignored
+    from tests._syncs import SyncCounter
+
+    ce = resolve_loss("cross_entropy")
+    y = torch.tensor([0, 1, 2] * 1000)
+
+    def reads(loss=ce) -> tuple[bool, int]:
+        counter = SyncCounter()
+        with counter:
+            free = none_ignored(loss, y)
+        return free, len(counter.events)
+
+    assert reads() == (True, 1)
+    assert reads() == (True, 0)  # the same tensor, not written since: not scanned again
+    assert reads(resolve_loss(nn.CrossEntropyLoss(ignore_index=2))) == (False, 1)  # another ignore index
+    y[7] = -100  # an in-place write moves the version counter: scanned again, and found
+    assert reads() == (False, 1)
+    assert reads() == (False, 0)  # each epoch and each fit asks: the verdict is kept either way

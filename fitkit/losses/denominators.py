@@ -58,17 +58,18 @@ def counts_tokens(loss: Any, y: Any) -> bool:
     )
 
 
-#: Class-index target tensors found free of an ignore index: ``{y: (y._version, ignore_index)}``
-#: (weak keys: nothing is kept alive; a write in place since changes the version).
-_NO_IGNORED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: Class-index target tensors scanned for an ignore index: ``{y: (y._version, ignore_index, none
+#: found)}`` (weak keys: nothing is kept alive; a write in place since changes the version).
+_SCANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def none_ignored(loss: Any, y: torch.Tensor) -> bool:
     """Whether no entry of the integer targets ``y`` equals ``loss``'s ignore index (torch's
     ``-100`` when it has none), so every entry is a term of the loss.
 
-    One host read, once per tensor: a tensor found free is not scanned again while its version
-    counter is unchanged (a script calling ``fit`` in chunks on the same data pays it once).
+    One host read, once per tensor: a tensor is not scanned again for the same ignore index
+    while its version counter is unchanged (a script calling ``fit`` in chunks, or a fit of many
+    epochs, on the same data pays it once).
 
     Example:
         >>> from fitkit.losses import resolve_loss
@@ -77,11 +78,11 @@ def none_ignored(loss: Any, y: torch.Tensor) -> bool:
         (True, False)
     """
     ignore = -100 if loss.ignore_index is None else loss.ignore_index
-    if _NO_IGNORED.get(y) == (y._version, ignore):
-        return True
+    seen = _SCANNED.get(y)
+    if seen is not None and seen[:2] == (y._version, ignore):
+        return seen[2]
     free = not bool((y == ignore).any())  # the host read
-    if free:
-        _NO_IGNORED[y] = (y._version, ignore)
+    _SCANNED[y] = (y._version, ignore, free)
     return free
 
 
