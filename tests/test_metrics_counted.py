@@ -312,7 +312,8 @@ from fitkit.distributed import rank
 metrics = {"accuracy": "accuracy", "tm": tmc.MulticlassAccuracy(4, average="micro", ignore_index=-100),
            "precision": "precision", "recall": "recall", "f1": "f1",
            "tm_precision": tmc.MulticlassPrecision(4, ignore_index=-100),
-           "tm_recall": tmc.MulticlassRecall(4, ignore_index=-100), "tm_f1": tmc.MulticlassF1Score(4, ignore_index=-100)}
+           "tm_recall": tmc.MulticlassRecall(4, ignore_index=-100),
+           "tm_f1": tmc.MulticlassF1Score(4, ignore_index=-100)}
 torch.save(ce_case("ignored", metrics=metrics)["logs"], OUT / f"rank{rank()}.pt")
 """
 

@@ -171,6 +171,8 @@ class CountedStatScores(_Counted):
 
     by_target: torch.Tensor
     by_prediction: torch.Tensor
+    _one: torch.Tensor
+    average: Any  # torchmetrics' Literal of averages
 
     def __init__(self, num_classes: int, stat: str = "f1", ignore_index: int | None = None,
                  average: str | None = "macro", zero_division: float = 0.0, **kwargs: Any):  # fmt: skip
@@ -181,7 +183,9 @@ class CountedStatScores(_Counted):
                 f"Expected `average` to be one of {', '.join(map(repr, _AVERAGES))}. Received: average={average!r}."
             )
         if not isinstance(num_classes, int) or num_classes < 2:
-            raise ValueError(f"Expected `num_classes` to be an int of at least 2. Received: num_classes={num_classes!r}.")
+            raise ValueError(
+                f"Expected `num_classes` to be an int of at least 2. Received: num_classes={num_classes!r}."
+            )
         super().__init__(**kwargs)
         self.num_classes, self.stat, self.ignore_index = num_classes, stat, ignore_index
         self.average, self.zero_division = average, zero_division
@@ -217,8 +221,8 @@ class CountedStatScores(_Counted):
         tp, fp, tn, fn = self.stat_scores()
         if self.stat == "f1":
             return _fbeta_reduce(tp, fp, tn, fn, 1.0, average=self.average, zero_division=self.zero_division)
-        return _precision_recall_reduce(self.stat, tp, fp, tn, fn, average=self.average,  # type: ignore[arg-type]
-                                        zero_division=self.zero_division)  # fmt: skip
+        stat: Any = self.stat  # "precision" or "recall": torchmetrics' Literal
+        return _precision_recall_reduce(stat, tp, fp, tn, fn, average=self.average, zero_division=self.zero_division)
 
     def from_saved(self, state: dict[str, Any]) -> dict[str, Any]:
         """A saved running state in this metric's layout: torchmetrics' per-class stat scores
@@ -241,7 +245,8 @@ class CountedStatScores(_Counted):
             return state  # micro or another class count: not these counts (the load then names the mismatch)
         extra = torch.zeros(1, dtype=torch.long, device=tp.device)
         by_target = torch.stack([torch.cat([fn.long(), extra]), torch.cat([tp.long(), extra])], 1)  # (C + 1, 2)
-        out: dict[str, Any] = {"by_target": by_target.reshape(-1), "by_prediction": torch.cat([(tp + fp).long(), extra])}
+        by_prediction = torch.cat([(tp + fp).long(), extra])
+        out: dict[str, Any] = {"by_target": by_target.reshape(-1), "by_prediction": by_prediction}
         if "_update_count" in state:
             out["_update_count"] = state["_update_count"]
         return out
