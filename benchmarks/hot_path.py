@@ -42,12 +42,13 @@ _BOUNDARIES = {F.mse_loss.__code__, F.cross_entropy.__code__, F.log_softmax.__co
 
 
 #: The configurations counted: (compile options, classes; 1 = a regression), and whether the
-#: hand loop counts its accuracy on the device / runs under bf16 autocast.
+#: hand loop counts its accuracy / its per-class counts on the device / runs under bf16 autocast.
 CASES: dict[str, dict[str, Any]] = {
     "mse": {"compile": {"loss": "mse"}, "classes": 1},
     "cross_entropy": {"compile": {"loss": "cross_entropy"}, "classes": 4},
     "cross_entropy+accuracy": {"compile": {"loss": "cross_entropy", "metrics": ["accuracy"]}, "classes": 4,
                                "accuracy": True},
+    "cross_entropy+f1": {"compile": {"loss": "cross_entropy", "metrics": ["f1"]}, "classes": 4, "stat_scores": True},
     "bf16": {"compile": {"loss": "mse"}, "classes": 1, "precision": "bf16-mixed"},
 }
 
@@ -139,6 +140,9 @@ def _hand(case: str) -> Any:
         opt = torch.optim.Adam(net.parameters(), lr=1e-3)
         perm = torch.randperm(N)
         total, correct = torch.zeros(()), torch.zeros((), dtype=torch.long)
+        # per class: true positives, predictions, targets (F1 = 2 tp / (predictions + targets))
+        tp, predicted, actual = (torch.zeros(classes, dtype=torch.long) for _ in range(3))
+        ones = torch.ones(BATCH, dtype=torch.long)
         for i in range(0, N, BATCH):
             idx = perm[i : i + BATCH]
             xb, yb = x[idx], y[idx]
@@ -152,9 +156,17 @@ def _hand(case: str) -> Any:
             total += loss.detach() * len(xb)
             if config.get("accuracy"):
                 correct += (out.detach().argmax(1) == yb).sum()
+            if config.get("stat_scores"):  # sync-free per-class counts (bincount reads its size on the host)
+                pred = out.detach().argmax(1)
+                tp.index_add_(0, yb, (pred == yb).long())
+                predicted.index_add_(0, pred, ones)
+                actual.index_add_(0, yb, ones)
         float(total / N)
         if config.get("accuracy"):
             float(correct / N)
+        if config.get("stat_scores"):  # macro F1 over the classes seen
+            seen = (predicted + actual) > 0
+            float((2 * tp / (predicted + actual).clamp(min=1))[seen].mean())
 
     return run
 

@@ -37,6 +37,8 @@ _CLASSIFICATION: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
     )
 }
 _SCORE_METRICS = {"auroc", "average_precision"}
+# multi-class label metrics that fitkit counts itself (fitkit.metrics.counted), torchmetrics' values
+_COUNTED_STATS = {"precision", "recall", "f1"}
 _REGRESSION: dict[str, tuple[str, dict[str, Any]]] = {
     "mae": ("MeanAbsoluteError", {}),
     "mse": ("MeanSquaredError", {}),
@@ -56,18 +58,17 @@ def _make_classification(name: str, task: str, n: int, ignore_index: int | None,
                          device: torch.device | None = None) -> Any:  # fmt: skip
     from torchmetrics import classification
 
-    from fitkit.metrics import states
-
     if name == "accuracy" and task == "multiclass":  # torchmetrics' micro accuracy from two counts
         from fitkit.metrics.counted import CountedAccuracy
 
         mps = device is not None and device.type == "mps"  # MPS has no float64
         return CountedAccuracy(n, ignore_index, count_dtype=torch.float32 if mps else torch.float64)
+    if name in _COUNTED_STATS and task == "multiclass":  # torchmetrics' macro values from per-class counts
+        from fitkit.metrics.counted import CountedStatScores
+
+        return CountedStatScores(n, name, ignore_index)
     cls_name, kwargs = _CLASSIFICATION[name][task]
     if ignore_index is not None:
-        if task == "multiclass" and name not in _SCORE_METRICS:
-            # torchmetrics' own ignore_index drops targets by boolean indexing: a sync per step.
-            return states.masked_multiclass(cls_name, n, ignore_index, **kwargs)
         kwargs = {**kwargs, "ignore_index": ignore_index}
     cls = getattr(classification, cls_name)
     if task == "binary":

@@ -5,7 +5,10 @@
   own ``ignore_index`` drops those targets by boolean-mask indexing, whose output size the
   host must read: a host sync on every step on CUDA. Here the counts are masked sums and
   ``index_add_`` into fixed-size tensors instead, fed to torchmetrics' own states, so
-  ``compute``, the distributed sync, ``reset`` and the state dict stay torchmetrics'.
+  ``compute``, the distributed sync, ``reset`` and the state dict stay torchmetrics'
+  (:func:`masked_multiclass`; the metric names themselves build the leaner counts of
+  :mod:`fitkit.metrics.counted`), and a user's torchmetrics object is updated the same way
+  (:func:`sync_free_update`).
 
 This module imports torchmetrics at the top: :mod:`fitkit.metrics` imports this module only when a model
 builds its metrics, which keeps ``import fitkit`` fast.
