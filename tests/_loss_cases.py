@@ -55,7 +55,8 @@ def _data(kind: str) -> tuple[torch.Tensor, ...]:
 #: ``loss="class_weights"``: torch's cross-entropy with these class weights (and ``ignore_index=-100``)
 CLASS_WEIGHTS = torch.tensor([1.0, 3.0, 0.5, 2.0])
 #: FSDP cases: ``name -> (loss, kind, source, options)``; options: ``accumulate`` (micro-batches
-#: per step), ``float64`` (the module and the data in float64: FSDP's own division differs), ``bf16`` (``FSDP(mixed_precision=torch.bfloat16)``, reductions in float32; both
+#: per step), ``float64`` (the module and the data in float64: FSDP would divide before and after
+#: the sum), ``bf16`` (``FSDP(mixed_precision=torch.bfloat16)``, reductions in float32; both
 #: layers are units then, the root holds none: each unit's output is float32 under the shorthand).
 FSDP_CASES = {
     "ignored": ("cross_entropy", "ignored", "tensors", {}),

@@ -62,7 +62,9 @@ class FSDP:
             (``torch.bfloat16``) as a shorthand for ``MixedPrecisionPolicy(param_dtype=dtype,
             reduce_dtype=torch.float32, output_dtype=torch.float32)``: the forward and backward
             compute in ``dtype`` from the gathered parameters, gradients are reduced in float32,
-            the sharded parameters and the optimizer stay float32.
+            the sharded parameters and the optimizer stay float32. A policy that reduces in a
+            16-bit type costs one small all-reduce per step where the loss denominator is known
+            on the device only (:mod:`~fitkit.distributed.counted`).
         activation_checkpointing: wrap every outermost unit in ``checkpoint_wrapper``
             (``torch.utils.checkpoint``, non-reentrant): its activations are recomputed in the
             backward instead of kept. The values are the same; state-dict keys keep their names.
