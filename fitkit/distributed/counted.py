@@ -25,9 +25,9 @@ gradients and, under FSDP, one copy of the unit's reduce-scatter input; no colle
 read. Not used (the denominator is all-reduced on its own, one small collective per step, as
 :func:`~fitkit.distributed.group.global_share` does) when the gradients are reduced in a 16-bit
 type (too few digits for the count): DDP with 16-bit parameters, FSDP with a
-``MixedPrecisionPolicy`` that reduces in ``float16`` / ``bfloat16`` (``FSDP(mixed_precision=
-torch.bfloat16)`` reduces in float32: it carries the count), or a module sharded before it was
-given to :class:`fitkit.Model`.
+``MixedPrecisionPolicy`` that reduces in ``float16`` / ``bfloat16`` (the shorthand
+``FSDP(mixed_precision=torch.bfloat16)`` reduces in float32: it carries the count), or a module
+sharded before it was given to :class:`fitkit.Model`.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
