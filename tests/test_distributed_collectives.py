@@ -90,8 +90,9 @@ def test_fsdp_steps_run_a_hand_fsdp_loops_collectives(ranks, name):
         else:
             assert hand == [{"_allgather_base_": gathers, "_reduce_scatter_base_": 2}] * 5
             assert ours[1] == hand[1] + AGREEMENT and ours[2:] == hand[2:5]
-        # the first step: fewer all-gathers (the module ran a forward at compile / fit set-up,
-        # the root's layer is gathered already), the same reduce-scatters, no all-reduce
+        # the first step: other all-gathers (fitkit's first-batch check, a forward without
+        # gradients, runs before it on tensors, inside it on a DataLoader, and leaves the root's
+        # own layer gathered), the same reduce-scatters, no all-reduce
         assert "allreduce_" not in ours[0] and ours[0]["_reduce_scatter_base_"] == (0 if kind == "accumulate" else 2)
 
 
