@@ -28,9 +28,10 @@ What makes the numbers exact, not approximately right:
   gradient average is the single-process mean over the global batch, short last batches
   included. ``global_weight`` is known on the host for fitkit's shards with rows as the loss's
   terms; otherwise (sample weights, ignored or per-token class targets, a DataLoader's labels)
-  it rides in DDP's own gradient all-reduce (:mod:`~fitkit.distributed.counted`): no collective
-  per step beyond DDP's, for every built-in loss. Under FSDP, or with 16-bit gradients, it is
-  all-reduced on its own then (one small collective per step, no host read).
+  it rides in DDP's own gradient all-reduce, or in the reduce-scatters of FSDP's units
+  (:mod:`~fitkit.distributed.counted`): no collective per step beyond DDP's / FSDP's, for every
+  built-in loss. Where the gradients are reduced in a 16-bit type it is all-reduced on its own
+  (one small collective per step, no host read).
 - **Exact logs.** Epoch loss totals and counts are summed over ranks before the division;
   torchmetrics metrics sync their states in ``compute()``. Every rank gets the same History.
 
@@ -60,7 +61,7 @@ The package, one concern per module (everything is re-exported here):
 - :mod:`~fitkit.distributed.parallel`: ``Model(strategy=...)``, DDP / FSDP2 wrapping and full
   state dicts (``check_strategy``, ``Parallel``).
 - :mod:`~fitkit.distributed.counted`: the loss denominator summed over the ranks inside DDP's
-  gradient all-reduce (a communication hook).
+  gradient all-reduce (a communication hook) or FSDP's reduce-scatters (a custom reduce-scatter).
 - :mod:`~fitkit.distributed.fsdp`: ``Model(strategy=FSDP(...))``, the FSDP2 options: the wrap
   policy (Hugging Face's ``_no_split_modules`` by default), mixed precision, activation
   checkpointing, CPU offload.

@@ -62,7 +62,9 @@ class FSDP:
             (``torch.bfloat16``) as a shorthand for ``MixedPrecisionPolicy(param_dtype=dtype,
             reduce_dtype=torch.float32, output_dtype=torch.float32)``: the forward and backward
             compute in ``dtype`` from the gathered parameters, gradients are reduced in float32,
-            the sharded parameters and the optimizer stay float32.
+            the sharded parameters and the optimizer stay float32. A policy that reduces in a
+            16-bit type costs one small all-reduce per step where the loss denominator is known
+            on the device only (:mod:`~fitkit.distributed.counted`).
         activation_checkpointing: wrap every outermost unit in ``checkpoint_wrapper``
             (``torch.utils.checkpoint``, non-reentrant): its activations are recomputed in the
             backward instead of kept. The values are the same; state-dict keys keep their names.
@@ -160,12 +162,26 @@ class FSDP:
                     "the block's class (or its exact name)."
                 )
 
+    def policy(self) -> Any:
+        """The ``MixedPrecisionPolicy`` the units are sharded with (a dtype: its shorthand).
+
+        Example:
+            >>> p = FSDP(mixed_precision=torch.bfloat16).policy()
+            >>> p.param_dtype, p.reduce_dtype, FSDP().policy().reduce_dtype
+            (torch.bfloat16, torch.float32, None)
+        """
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp = self.mixed_precision
+        if isinstance(mp, torch.dtype):
+            return MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=torch.float32, output_dtype=torch.float32)
+        return mp if mp is not None else MixedPrecisionPolicy()
+
     def shard(self, module: nn.Module) -> None:
         """``fully_shard`` the units (checkpoint-wrapped first if asked), then the root."""
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             FSDPModule,
-            MixedPrecisionPolicy,
             OffloadPolicy,
             fully_shard,
         )
@@ -179,11 +195,8 @@ class FSDP:
                     "wrap=[the block class] (or a function), or activation_checkpointing=False."
                 )
             units = _checkpoint_outermost(module, units)
-        mp = self.mixed_precision
-        if isinstance(mp, torch.dtype):
-            mp = MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=torch.float32, output_dtype=torch.float32)
         kwargs: dict[str, Any] = {
-            "mp_policy": mp if mp is not None else MixedPrecisionPolicy(),
+            "mp_policy": self.policy(),
             "offload_policy": CPUOffloadPolicy(pin_memory=_pinnable(module)) if self.cpu_offload else OffloadPolicy(),
         }
         for unit in reversed(units):  # innermost first: fully_shard goes bottom-up

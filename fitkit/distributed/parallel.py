@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitkit.distributed.counted import CountState, can_carry, count_hook
+from fitkit.distributed.counted import CountedReduceScatter, CountState, can_carry, count_hook, reduces_exactly
 from fitkit.distributed.ddp import DDP as DDPStrategy
 from fitkit.distributed.fsdp import FSDP
 from fitkit.distributed.group import _broadcast_states, rank, world_size
@@ -60,7 +60,8 @@ class Parallel:
         self.device = device
         self.ddp: nn.Module | None = None
         self._trainable: tuple[bool, ...] | None = None  # the requires_grad flags DDP was built for
-        self.counted: CountState | None = None  # the wrapper's count hook, once registered
+        self.counted: CountState | None = None  # the wrapper's count hook (FSDP: reduce-scatter), once set
+        self.sharded: nn.Module | None = None  # FSDP: the module sharded here, when its reductions hold a count
 
     def __repr__(self) -> str:
         return f"Parallel({self.kind!r}, rank={rank()}, world_size={world_size()})"
@@ -92,6 +93,8 @@ class Parallel:
 
         if isinstance(module, FSDPModule):
             return  # compiled before: already sharded
+        # the loss denominator can ride in the units' reduce-scatters (fitkit.distributed.counted)
+        self.sharded = module if reduces_exactly(module, self.options.policy()) else None
         if on_meta(module):  # built on the meta device: shard first, then allocate this rank's shards
             self.options.shard(module)
             materialize(module, self.device, stream=rank())  # the model's own init, per-rank stream
@@ -137,20 +140,30 @@ class Parallel:
         return self.ddp
 
     def carries_count(self) -> bool:
-        """Whether a window's loss denominator can ride in DDP's gradient all-reduce
-        (:mod:`~fitkit.distributed.counted`): DDP, with float32 / float64 gradients."""
+        """Whether a window's loss denominator can ride in the gradient reduction
+        (:mod:`~fitkit.distributed.counted`): DDP with float32 / float64 gradients, or FSDP
+        sharded at ``compile()`` with a policy that reduces in float32 / float64."""
+        if self.fsdp:
+            return self.sharded is not None
         ddp: Any = self.ddp
         return ddp is not None and (self.counted is not None or can_carry(ddp.module))
 
     def set_count(self, count: Any) -> None:
-        """This rank's denominator for the coming all-reduce (``None``: DDP's mean), before the
-        window's last backward; the hook is registered with the first count."""
-        state, ddp = self.counted, self.ddp
+        """This rank's denominator for the coming reduction (``None``: DDP's / FSDP's mean),
+        before the window's last backward; the DDP hook (the FSDP units' reduce-scatter) is
+        set with the first count."""
+        state = self.counted
         if state is None:
-            if count is None or ddp is None:
+            if count is None:
+                return
+            target: Any = self.sharded if self.fsdp else self.ddp
+            if target is None:
                 return
             state = self.counted = CountState(world_size())
-            ddp.register_comm_hook(state, count_hook)  # type: ignore[operator]
+            if self.fsdp:
+                CountedReduceScatter(state).install(target)
+            else:
+                target.register_comm_hook(state, count_hook)
         state.carry(count)
 
     def sync_buffers(self, module: nn.Module) -> None:

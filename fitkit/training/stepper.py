@@ -79,8 +79,8 @@ class Window:
             (under accumulation or torchrun): the count of label tokens of the whole window over
             all ranks, divided by the ranks (DDP averages their gradients); ``None`` otherwise.
         items_here: this micro-batch's own count of label tokens (with ``num_items``).
-        count: under DDP, when only the device knows the window's denominator: this rank's
-            denominator, summed over the ranks inside DDP's gradient all-reduce
+        count: under DDP / FSDP, when only the device knows the window's denominator: this
+            rank's denominator, summed over the ranks inside the gradient reduction
             (:mod:`fitkit.distributed.counted`; ``micro_scale`` is then the share of this rank's
             window); ``None`` otherwise.
 
@@ -262,7 +262,7 @@ class Stepper:
                     total = _nonzero(sum(sizes))
                 elif known is None and self.parallel.carries_count():
                     # each rank's window mean; the sum of the denominators over the ranks rides in
-                    # DDP's gradient all-reduce (fitkit.distributed.counted): no collective of ours
+                    # DDP's all-reduce / FSDP's reduce-scatters (fitkit.distributed.counted): no collective of ours
                     count = sum(sizes)
                     total = _nonzero(count)
                 else:  # no collective when the sizes are rows that every rank's host knows
@@ -357,8 +357,8 @@ class Stepper:
         window = self.window
         if window.micro_scale is not None:
             loss = loss * window.micro_scale
-            if window.micro_last and self.parallel is not None:
-                self.parallel.set_count(window.count)  # the all-reduce this backward starts carries it
+        if window.micro_last and self.parallel is not None:  # the reduction this backward starts carries it
+            self.parallel.set_count(window.count)  # (None: the strategy's own mean, also after a counted fit)
         # Kept attached (a detach per step saved; step_loss detaches when read): after backward
         # the graph's buffers are freed, and the window drops the tensor at its step.
         window.loss = loss if window.loss is None else window.loss.detach() + loss.detach()
