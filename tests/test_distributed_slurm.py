@@ -30,6 +30,8 @@ def _batch_script(port: int) -> str:
     script = "\n".join(line[3:] for line in block.group(1).splitlines() if line.startswith("   "))
     script = script[script.index("#!/bin/bash"):]
     assert "--nproc_per_node=8" in script and ":29500" in script and "train.py" in script
+    lead = int(re.search(r"--signal=TERM@(\d+)", script)[1])  # torchrun's wait for its workers fits in the lead
+    assert int(re.search(r"^export PET_SHUTDOWN_TIMEOUT=(\d+)", script, flags=re.M)[1]) < lead == 120
     return script.replace("--nproc_per_node=8", "--nproc_per_node=2").replace(":29500", f":{port}")
 
 
