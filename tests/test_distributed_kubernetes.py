@@ -8,9 +8,11 @@ the master's address 127.0.0.1 and a free port.
 Stopping a pod (a deletion, a drain, a preemption) sends SIGTERM to the main process of its
 container, torchrun here, which forwards it to its workers; both pods are stopped at step 3 and
 must be gone within ``terminationGracePeriodSeconds`` (the kubelet's SIGKILL comes then), each
-worker's ``fit`` ending with status 143 after the backup. The pods then start again with the
-same command (the operator recreates them): the run resumes at step 3, redoes no step and ends
-with the weights of an uninterrupted run."""
+worker's ``fit`` ending with status 143 after the backup and each container with torchrun's 1
+(a failure: ``OnFailure`` restarts it). torchrun's own wait for its workers, set by the
+container's ``PET_SHUTDOWN_TIMEOUT``, must fit in that grace period. The pods then start again
+with the same command (the operator recreates them): the run resumes at step 3, redoes no step
+and ends with the weights of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ DOCS = TESTS_DIR.parent / "docs" / "tutorials" / "07_scaling_out.rst"
 
 def _pytorchjob() -> dict:
     """The tutorial's ``PyTorchJob``: the YAML block of its Kubernetes section, parsed."""
-    section = DOCS.read_text().split("\nKubernetes\n----------\n", 1)[-1]
+    text = DOCS.read_text()
+    assert "\nKubernetes\n----------\n" in text, "the tutorial's Kubernetes section is gone"
+    section = text.split("\nKubernetes\n----------\n", 1)[1]
     block = re.search(r"\.\. code-block:: yaml\n\n((?:   .*\n|\n)+?)(?=\S)", section)
     assert block is not None, "the tutorial's PyTorchJob is gone"
     return yaml.safe_load(textwrap.dedent(block.group(1)))
