@@ -239,7 +239,7 @@ def test_a_second_signal_acts_at_once(job, sig):
 
 @pytest.mark.slow
 def test_a_sigterm_repeated_at_once_is_one_request_and_the_stop_backup_is_written(job):
-    """SLURM / Kubernetes signal every process and torchrun forwards its own SIGTERM: a worker
+    """SLURM signals every process of a job step and torchrun forwards its own SIGTERM: a worker
     gets SIGTERM twice within moments. Before, the second was an "exit now": no stop backup
     (the last was step 6) and no on_train_end; now the stop is the same as for one signal."""
     proc, folder = job("twice_at_once", "SIGTERM", "7", twice=True)

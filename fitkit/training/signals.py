@@ -6,10 +6,11 @@ the current optimizer step is done; the loop then writes a backup (when a ``Back
 is in the callbacks), runs ``on_train_end``, restores the modes, and ends the way the signal
 asks: ``SystemExit(128 + 15)`` for SIGTERM (status 143, as a killed process), and
 ``KeyboardInterrupt`` for SIGINT. A second signal while the first is handled acts at once,
-except a SIGTERM repeated within :data:`REPEAT_GRACE` seconds of the first: SLURM and Kubernetes
-signal every process of a job, and torchrun forwards its own SIGTERM to its workers, so each
-worker gets the same request twice within moments; the repeat is that request, not an "exit
-now", and the stop backup is still written. The previous handlers come back when ``fit`` returns.
+except a SIGTERM repeated within :data:`REPEAT_GRACE` seconds of the first: SLURM signals every
+process of a job, and torchrun forwards its own SIGTERM to its workers, so each worker gets the
+same request twice within moments (Kubernetes signals only a container's main process, torchrun,
+so there it comes once); the repeat is that request, not an "exit now", and the stop backup is
+still written. The previous handlers come back when ``fit`` returns.
 
 Under torchrun every rank must run the same steps, so a stop or a signal on one rank takes
 effect where the ranks agree (:class:`RankAgreement`): after at most ``AGREE_EVERY`` optimizer
