@@ -671,8 +671,11 @@ def counted_then_own(strategy: str = "auto") -> dict:
     compiled cross-entropy on class targets where row 4 (the last batch's first) is -100, so the
     ranks' counts of that last step differ (1 and 2 under torchrun: the count rides in FSDP's
     reduce-scatter). Fit 2, after ``compile(loss=None)``: the module's own loss taking
-    ``num_items_in_batch``, labels with -100 in rows 1, 2 and 6. Returns fit 2's parameters
-    and epoch loss, and fit 1's epoch loss."""
+    ``num_items_in_batch``, labels with -100 in rows 1 and 6: 3 counted labels in each global
+    batch (one process without accumulation averages its batches' own means into the epoch
+    loss, torchrun weighs them by their labels: equal counts give both the same). Returns fit
+    2's parameters and epoch loss, fit 1's epoch loss, and whether fit 1's count rode in the
+    gradient reduction (the count hook / reduce-scatter installed)."""
     g = torch.Generator().manual_seed(13)
     x = torch.randn(8, 3, generator=g)
     y = torch.randint(0, 4, (8,), generator=g)
@@ -684,9 +687,11 @@ def counted_then_own(strategy: str = "auto") -> dict:
     bs = 4 // world_size()
     model.compile(optimizer=sgd, loss="cross_entropy")
     first = model.fit(x, y, batch_size=bs, epochs=1, shuffle=False, verbose=0).history["loss"][0]
+    parallel = model.parallel  # under torchrun: fit 1's count rode in the gradient reduction
+    counted = parallel is not None and parallel.carries_count() and parallel.counted is not None
     model.compile(optimizer=sgd, loss=None)
     h = model.fit({"x": x, "labels": labels}, batch_size=bs, epochs=1, shuffle=False, verbose=0)
-    return {"params": full_params(model), "loss": h.history["loss"][0], "first": first}
+    return {"params": full_params(model), "loss": h.history["loss"][0], "first": first, "counted": counted}
 
 
 def bf16_root(mixed_precision: Any = torch.bfloat16, wrap: Any = None) -> dict:

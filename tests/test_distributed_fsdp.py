@@ -1,7 +1,9 @@
 """``Model(strategy=FSDP(...))``: the units a wrap policy creates (module classes, a function,
-a Hugging Face model's ``_no_split_modules``), mixed precision, activation checkpointing and CPU
-offload under torchrun (2 CPU ranks, gloo); and, in the same launch, what ``TerminateOnNaN``
-costs per DDP step (collectives and host reads) and that a NaN on one rank skips and stops both."""
+a Hugging Face model's ``_no_split_modules``), mixed precision (the bf16 shorthand with a root
+that holds a layer too), activation checkpointing and CPU offload under torchrun (2 CPU ranks,
+gloo); a counted fit followed by a module's own loss on the same Model (FSDP and DDP); and, in
+the same launch, what ``TerminateOnNaN`` costs per DDP step (collectives and host reads) and
+that a NaN on one rank skips and stops both."""
 
 from __future__ import annotations
 
@@ -356,6 +358,7 @@ def test_a_counted_fits_count_does_not_scale_a_later_own_loss_fit(job, strategy)
 
     one = sc.counted_then_own()
     r0, r1 = (r["counted_then_own"][strategy] for r in job)
+    assert r0["counted"] and r1["counted"] and not one["counted"]
     assert _equal(r0["params"], r1["params"]) and r0["loss"] == r1["loss"]
     for k, v in one["params"].items():
         torch.testing.assert_close(r0["params"][k], v, rtol=0, atol=1e-6)
