@@ -641,3 +641,86 @@ def tokens_seen() -> dict:
     h = model.fit(x, torch.zeros(33, 1), batch_size=GLOBAL_BATCH // world_size(), epochs=2, verbose=0,
                   callbacks=[TokensSeen()])  # fmt: skip
     return {"seen": h.history["num_input_tokens_seen"]}
+
+
+class OwnTokenLoss(nn.Module):
+    """Linear(3, 4) logits; given ``labels``, its own loss: the summed cross-entropy of the
+    labels that are not -100 divided by ``num_items_in_batch`` (the Transformers convention;
+    without it, their mean)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.linear = nn.Linear(3, 4)
+        with torch.no_grad():
+            for p in self.linear.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, x, labels=None, num_items_in_batch=None):
+        logits = self.linear(x)
+        if labels is None:
+            return logits
+        if num_items_in_batch is None:
+            return {"loss": nn.functional.cross_entropy(logits, labels, ignore_index=-100), "logits": logits}
+        total = nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+        return {"loss": total / num_items_in_batch, "logits": logits}
+
+
+def counted_then_own(strategy: str = "auto") -> dict:
+    """One Model, two fits of 8 rows in global batches of 4, SGD, no shuffling. Fit 1: the
+    compiled cross-entropy on class targets where row 4 (the last batch's first) is -100, so the
+    ranks' counts of that last step differ (1 and 2 under torchrun: the count rides in FSDP's
+    reduce-scatter). Fit 2, after ``compile(loss=None)``: the module's own loss taking
+    ``num_items_in_batch``, labels with -100 in rows 1 and 6: 3 counted labels in each global
+    batch (one process without accumulation averages its batches' own means into the epoch
+    loss, torchrun weighs them by their labels: equal counts give both the same). Returns fit
+    2's parameters and epoch loss, fit 1's epoch loss, and whether fit 1's count rode in the
+    gradient reduction (the count hook / reduce-scatter installed)."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(8, 3, generator=g)
+    y = torch.randint(0, 4, (8,), generator=g)
+    y[4] = -100
+    labels = torch.randint(0, 4, (8,), generator=g)
+    labels[[1, 6]] = -100
+    model = fitkit.Model(OwnTokenLoss(), device="cpu", strategy=strategy)
+    sgd = functools.partial(torch.optim.SGD, lr=0.5)
+    bs = 4 // world_size()
+    model.compile(optimizer=sgd, loss="cross_entropy")
+    first = model.fit(x, y, batch_size=bs, epochs=1, shuffle=False, verbose=0).history["loss"][0]
+    parallel = model.parallel  # under torchrun: fit 1's count rode in the gradient reduction
+    counted = parallel is not None and parallel.carries_count() and parallel.counted is not None
+    model.compile(optimizer=sgd, loss=None)
+    h = model.fit({"x": x, "labels": labels}, batch_size=bs, epochs=1, shuffle=False, verbose=0)
+    return {"params": full_params(model), "loss": h.history["loss"][0], "first": first, "counted": counted}
+
+
+def bf16_root(mixed_precision: Any = torch.bfloat16, wrap: Any = None) -> dict:
+    """Linear(3, 8)-ReLU-Linear(8, 1) under ``FSDP(mixed_precision=..., wrap=...)`` (default
+    wrap: the first Linear is a unit, the root holds the last), MSE, SGD, 2 epochs of 16 rows
+    in global batches of 8, no shuffling (one process: plain float32 training). Returns the
+    epoch losses, the full parameters and the dtypes a forward of 4 rows shows after the fit:
+    the first Linear's output, the last Linear's weight, input and output, the module's output."""
+    from fitkit.distributed import FSDP
+
+    g = torch.Generator().manual_seed(21)
+    module = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    x = torch.randn(16, 3, generator=g)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5]])
+    first = module[0]
+    strategy = FSDP(wrap=(lambda m: m is first) if wrap is None else wrap, mixed_precision=mixed_precision)
+    model = fitkit.Model(module, device="cpu", strategy=strategy)
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.05), loss="mse")
+    h = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=2, shuffle=False, verbose=0)
+    params = full_params(model)  # before the forward below: FSDP's root stays gathered after it
+    seen: dict[str, Any] = {}
+    hooks = [module[0].register_forward_hook(lambda m, i, o: seen.__setitem__("unit_out", o.dtype)),
+             module[2].register_forward_hook(lambda m, i, o: seen.__setitem__("head", (m.weight.dtype, i[0].dtype,
+                                                                                     o.dtype)))]  # fmt: skip
+    with torch.no_grad():
+        seen["out"] = module(x[:4]).dtype
+    for hook in hooks:
+        hook.remove()
+    return {"loss": h.history["loss"], "params": params, "dtypes": seen}

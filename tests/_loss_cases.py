@@ -57,7 +57,7 @@ CLASS_WEIGHTS = torch.tensor([1.0, 3.0, 0.5, 2.0])
 #: FSDP cases: ``name -> (loss, kind, source, options)``; options: ``accumulate`` (micro-batches
 #: per step), ``float64`` (the module and the data in float64: FSDP would divide before and after
 #: the sum), ``bf16`` (``FSDP(mixed_precision=torch.bfloat16)``, reductions in float32; both
-#: layers are units then, the root holds none: each unit's output is float32 under the shorthand).
+#: layers are units then, the root holds none).
 FSDP_CASES = {
     "ignored": ("cross_entropy", "ignored", "tensors", {}),
     "class_weights": ("class_weights", "ignored", "tensors", {}),

@@ -58,13 +58,16 @@ class FSDP:
             classes. A function ``module -> bool``: every submodule (not the root) for which it
             returns ``True``. ``[]``: the root only.
         mixed_precision: ``None`` (parameters, gradients and their reduction in their own
-            dtype), a ``torch.distributed.fsdp.MixedPrecisionPolicy``, or a floating dtype
-            (``torch.bfloat16``) as a shorthand for ``MixedPrecisionPolicy(param_dtype=dtype,
-            reduce_dtype=torch.float32, output_dtype=torch.float32)``: the forward and backward
-            compute in ``dtype`` from the gathered parameters, gradients are reduced in float32,
-            the sharded parameters and the optimizer stay float32. A policy that reduces in a
-            16-bit type costs one small all-reduce per step where the loss denominator is known
-            on the device only (:mod:`~fitkit.distributed.counted`).
+            dtype), a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (every unit's, the root's
+            included, as given), or a floating dtype (``torch.bfloat16``) as a shorthand for
+            ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)`` on the units
+            and the same with ``output_dtype=torch.float32`` on the root: the forward and
+            backward compute in ``dtype`` from the gathered parameters (a unit hands its output
+            on in ``dtype``, so a layer the root holds itself computes in it too) and only the
+            module's output is float32; gradients are reduced in float32, the sharded
+            parameters and the optimizer stay float32. A policy that reduces in a 16-bit type
+            costs one small all-reduce per step where the loss denominator is known on the
+            device only (:mod:`~fitkit.distributed.counted`).
         activation_checkpointing: wrap every outermost unit in ``checkpoint_wrapper``
             (``torch.utils.checkpoint``, non-reentrant): its activations are recomputed in the
             backward instead of kept. The values are the same; state-dict keys keep their names.
@@ -162,19 +165,26 @@ class FSDP:
                     "the block's class (or its exact name)."
                 )
 
-    def policy(self) -> Any:
-        """The ``MixedPrecisionPolicy`` the units are sharded with (a dtype: its shorthand).
+    def policy(self, root: bool = True) -> Any:
+        """The ``MixedPrecisionPolicy`` the root (``root=False``: every other unit) is sharded
+        with. A policy given is used as given, for every unit. The dtype shorthand computes in
+        ``dtype`` and reduces in float32 everywhere, and only the root casts its output to
+        float32: a unit hands its output on in ``dtype``, so a layer the root holds itself
+        (a head after the blocks) gets its input in the dtype of its gathered weights.
 
         Example:
             >>> p = FSDP(mixed_precision=torch.bfloat16).policy()
-            >>> p.param_dtype, p.reduce_dtype, FSDP().policy().reduce_dtype
-            (torch.bfloat16, torch.float32, None)
+            >>> p.param_dtype, p.reduce_dtype, p.output_dtype, FSDP().policy().reduce_dtype
+            (torch.bfloat16, torch.float32, torch.float32, None)
+            >>> FSDP(mixed_precision=torch.bfloat16).policy(root=False).output_dtype is None
+            True
         """
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mp = self.mixed_precision
         if isinstance(mp, torch.dtype):
-            return MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=torch.float32, output_dtype=torch.float32)
+            return MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=torch.float32,
+                                        output_dtype=torch.float32 if root else None)  # fmt: skip
         return mp if mp is not None else MixedPrecisionPolicy()
 
     def shard(self, module: nn.Module) -> None:
@@ -195,13 +205,10 @@ class FSDP:
                     "wrap=[the block class] (or a function), or activation_checkpointing=False."
                 )
             units = _checkpoint_outermost(module, units)
-        kwargs: dict[str, Any] = {
-            "mp_policy": self.policy(),
-            "offload_policy": CPUOffloadPolicy(pin_memory=_pinnable(module)) if self.cpu_offload else OffloadPolicy(),
-        }
+        offload = CPUOffloadPolicy(pin_memory=_pinnable(module)) if self.cpu_offload else OffloadPolicy()
         for unit in reversed(units):  # innermost first: fully_shard goes bottom-up
-            fully_shard(unit, **kwargs)
-        fully_shard(module, **kwargs)
+            fully_shard(unit, mp_policy=self.policy(root=False), offload_policy=offload)
+        fully_shard(module, mp_policy=self.policy(), offload_policy=offload)
 
 
 def _checkpoint_outermost(module: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
