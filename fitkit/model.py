@@ -1104,9 +1104,9 @@ class Model:
                 self.backward(loss)
         # Metrics first: a metric that rejects the batch then fails before the weights change.
         target = y if y is not None else targets_of(x, y, self.label_names)
-        if window.num_items is not None and isinstance(inputs, Mapping):  # this batch's sum over the window's count:
-            here = window.items_here  # its own mean and count go to the totals
-            mean = loss.detach() * (window.num_items / torch.clamp(here, min=1))
+        if window.items_here is not None and isinstance(inputs, Mapping):  # a module's own token loss:
+            here = window.items_here  # the batch's mean and its count of label tokens go to the totals
+            mean = loss if window.num_items is None else loss.detach() * (window.num_items / torch.clamp(here, min=1))
             self._update(mean, y_pred, target, sample_weight, here)
         else:
             self.update_metrics(loss, y_pred, target, sample_weight)

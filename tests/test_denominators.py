@@ -391,3 +391,46 @@ def test_the_ignore_index_scan_reads_the_host_once_per_tensor_and_version():
     y[7] = -100  # an in-place write moves the version counter: scanned again, and found
     assert reads() == (False, 1)
     assert reads() == (False, 0)  # each epoch and each fit asks: the verdict is kept either way
+
+
+class _OwnTokenLoss(nn.Module):
+    """Linear(3, 4) logits and, given ``labels``, its own cross-entropy over the labels that are not
+    -100: summed over ``num_items_in_batch`` when given (the Transformers convention), else its mean."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.linear = nn.Linear(3, 4)
+
+    def forward(self, x, labels=None, num_items_in_batch=None):
+        logits = self.linear(x)
+        if num_items_in_batch is None:
+            return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+        return {"loss": nn.functional.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch,
+                "logits": logits}
+
+
+def test_a_modules_own_token_loss_weighs_its_batches_by_label_tokens_on_one_process():
+    # Batches of 2 rows holding 2, 1 and 0 + 2 counted labels: the epoch loss is the mean over the
+    # 5 counted labels, as under accumulation or torchrun (it was the mean of the 3 batch means);
+    # each step still takes the module's own mean (no num_items_in_batch passed), as a hand loop.
+    x = torch.randn(6, 3)
+    labels = torch.tensor([1, 2, 3, -100, 0, 2])
+    hand = _OwnTokenLoss()
+    opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    total, tokens = 0.0, 0
+    for i in range(0, 6, 2):
+        out = hand(x[i : i + 2], labels[i : i + 2])
+        n = int((labels[i : i + 2] != -100).sum())
+        total, tokens = total + out["loss"].item() * n, tokens + n
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+
+    net = _OwnTokenLoss()
+    model = fitkit.Model(net, device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=None)
+    history = model.fit({"x": x, "labels": labels}, batch_size=2, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(net.parameters(), hand.parameters(), strict=True):
+        assert torch.equal(a, b)  # the module's own mean each step: bitwise the hand loop
+    assert history.history["loss"] == [pytest.approx(total / tokens, rel=1e-6)]

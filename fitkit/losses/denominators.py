@@ -20,8 +20,9 @@ multi-task regression / binary target) weighs each term alone. ``class_weight`` 
 ``(B, T)`` targets is such a per-position weight (see :mod:`fitkit.data.weights`). A batch, a
 window or an epoch whose denominator is 0 contributes nothing (a 0 loss, not 0/0).
 
-Losses fitkit does not know the terms of (callables, several losses, a module's own loss)
-count rows. Nothing here reads a device value on the host.
+Losses fitkit does not know the terms of (callables, several losses, a module's own loss that
+takes no ``num_items_in_batch``) count rows; a module's own loss that takes it counts the
+batch's label tokens (:func:`fitkit.losses.outputs.label_items`). Nothing here reads a device value on the host.
 """
 
 from __future__ import annotations

@@ -229,7 +229,7 @@ class Stepper:
 
         ``stop()`` is asked after each batch of a window; a stop ends the epoch there.
         """
-        if self.accumulation == 1 and self.parallel is None:  # every batch is a window
+        if self.accumulation == 1 and self.parallel is None and self.fit.items is None:  # every batch is a window
             window = self.window
             window.micro_last, window.micro_scale = True, None
             return enumerate(batches, start)
@@ -246,8 +246,15 @@ class Stepper:
             # over all ranks (/ W: DDP averages), as the Transformers Trainer passes it; no share.
             items = None if self.fit.items is None else [label_items(b[0], self.fit.items) for b in group]
             num_items = count = None
-            if items is not None and all(n is not None for n in items):
-                num_items = _distributed.global_share(items) if self.parallel is not None else _nonzero(sum(items))
+            if items is not None and not all(n is not None for n in items):
+                items = None  # a batch without labels: the window weighs rows
+            if items is not None:
+                if self.parallel is not None:
+                    num_items = _distributed.global_share(items)
+                elif k > 1:
+                    num_items = _nonzero(sum(items))
+                # else one batch a step on one process: the module's own mean is the step's; its
+                # count (items_here) weighs the batch in the epoch loss, as the count does above
                 shares: list[Any] = [None] * len(group)
             elif self.sums:  # the sum over the window (and, times W against DDP's average, the ranks)
                 scale = float(_distributed.world_size()) if self.parallel is not None else 1.0
