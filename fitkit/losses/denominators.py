@@ -269,10 +269,10 @@ _NLL = {F.cross_entropy: True, F.nll_loss: False}  # fn -> it takes logits (log_
 #: the running totals ask :func:`denominator` for the same batch right after, and the accuracy
 #: :func:`counted` (one count per step, not three). The version counter tells a tensor refilled in
 #: place from the one that was counted.
-_last_count: tuple[Any, int, torch.Tensor, int] | None = None
+_last_count: tuple[Any, int, torch.Tensor | int, int] | None = None
 
 
-def counted(y: Any, ignore_index: int | None) -> torch.Tensor | None:
+def counted(y: Any, ignore_index: int | None) -> torch.Tensor | int | None:
     """The count of ``y``'s entries that are not ``ignore_index``, if the objective has just made it.
 
     The cross-entropy kernel counts the targets that count for the loss's mean; a metric over
@@ -303,13 +303,13 @@ def _counted_nll(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor, given: Any, 
 
 
 def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor,
-                   class_last: bool, ignore: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                   class_last: bool, ignore: int) -> tuple[torch.Tensor, torch.Tensor | int]:  # fmt: skip
     """Cross-entropy / NLL on class indices without weights: the sum over the targets and their
     count from the one kernel (``nll_loss_forward`` returns both), the sum divided by the count
     (at least 1: nothing counted is 0, not 0/0): the ops of a hand ``F.cross_entropy`` plus a
     clamp and a division. Where the phase's targets are known to hold no ignored entry
-    (:func:`targets_count`), the kernel's own mean: a hand ``F.cross_entropy``'s ops. Returns the
-    mean and the count."""
+    (:func:`targets_count`), the kernel's own mean: a hand ``F.cross_entropy``'s ops, and the count
+    is the number of targets, a host ``int``. Returns the mean and the count."""
     if class_last:
         logits, target = y_pred.reshape(-1, y_pred.shape[-1]), y.reshape(-1)
     else:
@@ -325,7 +325,10 @@ def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor,
             f"Loss '{loss.name}' got a class label outside [0, {n - 1}] for logits {tuple(y_pred.shape)} ({e}). "
             "Fix: remap the labels, or give the module one output per class."
         ) from None
-    mean = total if plain else total / count.clamp_min(1)
+    if plain:  # every target counts: the count is the host's (no tensor to add on the device)
+        mean, count = total, target.numel()
+    else:
+        mean = total / count.clamp_min(1)
     return (mean if loss.weight == 1.0 else mean * loss.weight), count
 
 

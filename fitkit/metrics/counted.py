@@ -84,7 +84,7 @@ class CountedAccuracy(_Counted):
         self.add_state("correct", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("total", torch.zeros((), dtype=count_dtype), dist_reduce_fx="sum")
 
-    def update(self, preds: torch.Tensor, target: torch.Tensor, count: torch.Tensor | None = None) -> None:
+    def update(self, preds: torch.Tensor, target: torch.Tensor, count: torch.Tensor | int | None = None) -> None:
         """Add a batch of predicted labels and target labels (equal shapes, any).
 
         ``count``: the number of ``target`` entries that are not ``ignore_index`` when the caller
