@@ -330,3 +330,19 @@ def test_two_ranks_report_the_label_metrics_of_every_row_as_torchmetrics(tmp_pat
         assert logs["accuracy"] == logs["tm"] == one["accuracy"]
         for name in STATS:
             assert logs[name] == logs[f"tm_{name}"] == one[name] == one[f"tm_{name}"]
+
+
+def test_a_target_outside_the_classes_in_a_later_batch_is_named_before_that_step():
+    # The first batch's labels are in range (its check passes); the second holds a 7 for 4 classes.
+    x, y = torch.randn(8, 3), torch.tensor([0, 1, 2, 3, 0, 1, 7, 2])
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Linear(3, 4), device="cpu")
+    model.compile(optimizer="sgd", loss=lambda p, t: p.logsumexp(1).mean(), metrics=["f1"])
+    torch.manual_seed(0)
+    first = fitkit.Model(nn.Linear(3, 4), device="cpu")
+    first.compile(optimizer="sgd", loss=lambda p, t: p.logsumexp(1).mean(), metrics=["f1"])
+    first.fit(x[:4], y[:4], batch_size=4, verbose=0, shuffle=False)
+    with pytest.raises(ValueError, match=r"Metric 'f1' got a target label outside \[0, 3\] for 4 classes .*Fix: remap"):
+        model.fit(x, y, batch_size=4, verbose=0, shuffle=False)
+    for a, b in zip(model.module.parameters(), first.module.parameters(), strict=True):
+        assert torch.equal(a, b)  # the failing batch's step was not taken

@@ -205,7 +205,16 @@ class CountedStatScores(_Counted):
         one = self._one.expand(target.shape[0])
         # in place (an nn.Module's setattr is slow); index_add_ reads nothing on the host, where
         # bincount reads the size of its output
-        self.by_target.index_add_(0, torch.add(preds == target, target, alpha=2), one)  # 2 * target + hit
+        slots = torch.add(preds == target, target, alpha=2)  # 2 * target + hit
+        try:
+            self.by_target.index_add_(0, slots, one)
+        except IndexError as e:  # torch's CPU kernel: a target outside [0, C); on CUDA a device assert
+            c = self.num_classes
+            raise ValueError(
+                f"Metric '{self.stat}' got a target label outside [0, {c - 1}] for {c} classes ({e}). Fix: remap "
+                "the labels to 0..C-1 (mark the ones to leave out with the loss's ignore_index), or give the "
+                "module one output per class."
+            ) from None
         self.by_prediction.index_add_(0, preds, one)
 
     def stat_scores(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
