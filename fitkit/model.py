@@ -41,7 +41,7 @@ from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resol
 from fitkit.distributed import meta as _meta
 from fitkit.files.differences import check_state_dict_fits
 from fitkit.losses import MultiLoss, resolve_loss
-from fitkit.losses.denominators import denominator, objective
+from fitkit.losses.denominators import denominator, objective, targets_count
 from fitkit.losses.labels import LABELS, resolve_label_names
 from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
 from fitkit.metrics import MetricSet
@@ -954,7 +954,9 @@ class Model:
         batch = _data.device_batch(x, y, sample_weight, device=self.device, class_weight=class_weight)
         phases = self._phases
         totals = phases.new_totals()
-        with stepper.step_of_its_own(), modes(self.module, training=None, grad=True), phases.running(totals):
+        # targets_count(.., None): one batch's targets are not the scanned ones of a fit it runs within
+        with stepper.step_of_its_own(), modes(self.module, training=None, grad=True), phases.running(totals), \
+                targets_count(self.loss, None):  # fmt: skip
             self.train_step(batch)
         phases.adopt(totals)
         return totals.result()
@@ -983,7 +985,8 @@ class Model:
         self._require_compiled("test_on_batch")
         batch = _data.device_batch(x, y, sample_weight, device=self.device)
         totals = self._phases.new_totals()
-        with modes(self.module, training=False, grad=False), self._phases.running(totals):
+        with modes(self.module, training=False, grad=False), self._phases.running(totals), \
+                targets_count(self.loss, None):  # fmt: skip
             self.test_step(batch)
         return totals.result()
 

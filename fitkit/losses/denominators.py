@@ -87,10 +87,12 @@ def none_ignored(loss: Any, y: torch.Tensor) -> bool:
     return free
 
 
-#: The loss whose running phase feeds it class-index targets known to hold no ignored entry
-#: (:func:`targets_count`): its batches' counts are their sizes, never 0, so its mean needs no
-#: guard against 0 / 0. ``None``: not known.
-_every_target_counts: Any = None
+#: ``(loss, y, y._version)``: the loss whose running phase feeds it rows of the class-index
+#: targets ``y``, found to hold no ignored entry at that version (:func:`targets_count`): its
+#: batches' counts are their sizes, never 0, so its mean needs no guard against 0 / 0 while
+#: ``y`` is unchanged (a write in place mid-pass, by a callback, falls back to the guarded mean).
+#: ``None``: not known.
+_every_target_counts: tuple[Any, torch.Tensor, int] | None = None
 
 
 @contextlib.contextmanager
@@ -98,9 +100,10 @@ def targets_count(loss: Any, y: Any) -> Iterator[None]:
     """Within: the batches given to ``loss`` come from the targets ``y`` (in-memory data, or a
     ``TensorDataset``'s) and, when :func:`none_ignored` finds every entry of them counts, the
     cross-entropy / NLL mean runs as ``F.cross_entropy`` does (one kernel for the mean and its
-    count, no guard for a batch where nothing counts, which cannot occur). ``y`` ``None`` (a
-    source whose targets are not known up front): the guarded mean. Phases nest: each sets its
-    own and the outer one's comes back on exit.
+    count, no guard for a batch where nothing counts, which cannot occur) while ``y`` is not
+    written in place. ``y`` ``None`` (a source whose targets are not known up front, or a single
+    batch: ``train_on_batch`` / ``test_on_batch``, also when a callback calls them mid-``fit``):
+    the guarded mean. Phases nest: each sets its own and the outer one's comes back on exit.
 
     Example:
         >>> from fitkit.losses import resolve_loss
@@ -113,7 +116,7 @@ def targets_count(loss: Any, y: Any) -> Iterator[None]:
     global _every_target_counts
     outer = _every_target_counts
     known = counts_tokens(loss, y) and loss.class_weights is None and none_ignored(loss, y)
-    _every_target_counts = loss if known else None
+    _every_target_counts = (loss, y, y._version) if known else None
     try:
         yield
     finally:
@@ -315,7 +318,8 @@ def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor,
     else:
         logits, target = y_pred, y
     logp = F.log_softmax(logits, 1) if _NLL[loss.fn] else logits
-    plain = _every_target_counts is loss  # no target is ignored: the count is never 0
+    known = _every_target_counts  # no target is ignored (while the scanned targets are unchanged)
+    plain = known is not None and known[0] is loss and known[1]._version == known[2]
     try:
         # 1: the mean, as F.cross_entropy (0 / 0 only where nothing counts); 2: the sum
         total, count = torch.ops.aten.nll_loss_forward(logp, target, None, 1 if plain else 2, ignore)
