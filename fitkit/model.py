@@ -1109,7 +1109,10 @@ class Model:
         target = y if y is not None else targets_of(x, y, self.label_names)
         if window.items_here is not None and isinstance(inputs, Mapping):  # a module's own token loss:
             here = window.items_here  # the batch's mean and its count of label tokens go to the totals
-            mean = loss if window.num_items is None else loss.detach() * (window.num_items / torch.clamp(here, min=1))
+            if window.num_items is None:  # its own mean: NaN where no label counts (0 / 0), weighed 0 here
+                mean = loss.detach().where(here > 0, 0.0)
+            else:
+                mean = loss.detach() * (window.num_items / torch.clamp(here, min=1))
             self._update(mean, y_pred, target, sample_weight, here)
         else:
             self.update_metrics(loss, y_pred, target, sample_weight)

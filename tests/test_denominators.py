@@ -492,3 +492,29 @@ def test_a_modules_own_token_loss_weighs_its_batches_by_label_tokens_on_one_proc
     for a, b in zip(net.parameters(), hand.parameters(), strict=True):
         assert torch.equal(a, b)  # the module's own mean each step: bitwise the hand loop
     assert history.history["loss"] == [pytest.approx(total / tokens, rel=1e-6)]
+
+
+def test_a_batch_of_a_modules_own_token_loss_whose_every_label_is_ignored_adds_nothing_to_the_epoch_loss():
+    # The module's own mean of a batch without a label that counts is 0 / 0 (NaN); weighed by its
+    # 0 label tokens it adds nothing, as under accumulation (was: a NaN epoch loss on one process).
+    x = torch.randn(6, 3)
+    labels = torch.tensor([1, 2, -100, -100, 0, 3])
+    hand = _OwnTokenLoss()
+    opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    total, tokens = 0.0, 0
+    for i in range(0, 6, 2):
+        out = hand(x[i : i + 2], labels[i : i + 2])
+        n = int((labels[i : i + 2] != -100).sum())
+        if n:
+            total, tokens = total + out["loss"].item() * n, tokens + n
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+
+    net = _OwnTokenLoss()
+    model = fitkit.Model(net, device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=None)
+    history = model.fit({"x": x, "labels": labels}, batch_size=2, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(net.parameters(), hand.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert history.history["loss"] == [pytest.approx(total / tokens, rel=1e-6)]
