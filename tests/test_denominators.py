@@ -518,3 +518,39 @@ def test_a_batch_of_a_modules_own_token_loss_whose_every_label_is_ignored_adds_n
     for a, b in zip(net.parameters(), hand.parameters(), strict=True):
         assert torch.equal(a, b)
     assert history.history["loss"] == [pytest.approx(total / tokens, rel=1e-6)]
+
+
+class _MaskingModel(fitkit.Model):
+    """A ``compute_loss`` that makes its own targets from ``y``: -100 where ``x[:, 0] > 0``."""
+
+    def compute_loss(self, x, y, y_pred, sample_weight=None):
+        return super().compute_loss(x, y.masked_fill(x[:, 0] > 0, -100), y_pred, sample_weight)
+
+
+def test_an_overridden_compute_loss_that_ignores_targets_of_known_clean_data_keeps_the_guard():
+    # y holds no -100, but compute_loss makes targets that do: a batch of them all ignored is 0,
+    # not the kernel's 0 / 0 (was NaN in fit and evaluate: the scan vouched for y, not for these).
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 4), torch.tensor([0, 1, 2, 1, 0, 2, 1, 0, 2, 2, 1, 0])
+    x[:4, 0], x[4:, 0] = 1.0, -x[4:, 0].abs()  # the first batch: every target ignored
+    x[[5, 9], 0] = 1.0
+    step_losses: list[float] = []
+
+    class StepLoss(fitkit.callbacks.Callback):
+        def on_backward_end(self, batch):
+            step_losses.append(float(self.model.step_loss))
+
+    torch.manual_seed(1)
+    net = nn.Linear(4, 3)
+    model = _MaskingModel(net, device="cpu")
+    model.compile(optimizer=torch.optim.SGD(net.parameters(), lr=0.0), loss="cross_entropy")
+    history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[StepLoss()])
+    masked = y.masked_fill(x[:, 0] > 0, -100)
+    with torch.no_grad():
+        logits = net(x)
+        means = [0.0] + [nn.functional.cross_entropy(logits[i : i + 4], masked[i : i + 4]).item() for i in (4, 8)]
+    assert step_losses == [0.0, pytest.approx(means[1], rel=1e-6), pytest.approx(means[2], rel=1e-6)]
+    # the epoch and evaluate weigh each batch by the terms of its y (4 rows each, none -100)
+    assert history.history["loss"] == [pytest.approx(sum(means) / 3, rel=1e-6)]
+    evaluated = model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)
+    assert evaluated["loss"] == pytest.approx(sum(means) / 3, rel=1e-6)

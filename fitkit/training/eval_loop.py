@@ -48,8 +48,10 @@ class EvalLoop:
             model.stop_evaluating = outer
 
     def _run(self, model: Any, cbs: CallbackList, want: bool) -> dict[str, float]:
+        # an overridden step or compute_loss may make targets of its own from y (-100 where masked)
+        known = known_targets(self.loader) if model.default_compute_loss and model.default_test_step else None
         with modes(model.module, training=False, grad=False), model.phases.running(self.totals), \
-                targets_count(model.loss, known_targets(self.loader)):  # fmt: skip
+                targets_count(model.loss, known):  # fmt: skip
             cbs.on_test_begin({})
             for step, batch in enumerate(self.loader):
                 cbs.on_test_batch_begin(step, {})

@@ -264,7 +264,9 @@ class FitLoop:
         budget, step_val = self.max_steps, self.step_val
         position.enter()
         ran, skipped, begins = False, 0, True
-        with phases.running(totals), targets_count(model.loss, known_targets(loader)):
+        # an overridden step or compute_loss may make targets of its own from y (-100 where masked)
+        own = model.default_compute_loss and model.default_train_step
+        with phases.running(totals), targets_count(model.loss, known_targets(loader) if own else None):
             for step, batch in stepper.micro_batches(batches, start, self.stop.now):
                 if skip_single and guard.single(batch, stepper, step, epoch):
                     skipped += 1
