@@ -70,7 +70,9 @@ def none_ignored(loss: Any, y: torch.Tensor) -> bool:
 
     One host read, once per tensor: a tensor is not scanned again for the same ignore index
     while its version counter is unchanged (a script calling ``fit`` in chunks, or a fit of many
-    epochs, on the same data pays it once).
+    epochs, on the same data pays it once). A write that bypasses the version counter (through
+    ``.data``, or a NumPy array sharing the memory) is not seen, as for the finite scan
+    (:mod:`fitkit.checks.finite`): write targets through torch, or pass a new tensor.
 
     Example:
         >>> from fitkit.losses import resolve_loss
