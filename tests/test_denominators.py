@@ -468,37 +468,11 @@ class _OwnTokenLoss(nn.Module):
                 "logits": logits}
 
 
-def test_a_modules_own_token_loss_weighs_its_batches_by_label_tokens_on_one_process():
-    # Batches of 2 rows holding 2, 1 and 0 + 2 counted labels: the epoch loss is the mean over the
-    # 5 counted labels, as under accumulation or torchrun (it was the mean of the 3 batch means);
-    # each step still takes the module's own mean (no num_items_in_batch passed), as a hand loop.
+def _own_token_loss_fits(labels: torch.Tensor):
+    """A hand loop and ``fit`` on 6 rows in batches of 2, SGD: ``(hand module, fitted module,
+    the hand's epoch loss weighed by label tokens, fit's History)``. A batch without a counted
+    label adds nothing to the hand's mean."""
     x = torch.randn(6, 3)
-    labels = torch.tensor([1, 2, 3, -100, 0, 2])
-    hand = _OwnTokenLoss()
-    opt = torch.optim.SGD(hand.parameters(), lr=0.1)
-    total, tokens = 0.0, 0
-    for i in range(0, 6, 2):
-        out = hand(x[i : i + 2], labels[i : i + 2])
-        n = int((labels[i : i + 2] != -100).sum())
-        total, tokens = total + out["loss"].item() * n, tokens + n
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-
-    net = _OwnTokenLoss()
-    model = fitkit.Model(net, device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=None)
-    history = model.fit({"x": x, "labels": labels}, batch_size=2, epochs=1, shuffle=False, verbose=0)
-    for a, b in zip(net.parameters(), hand.parameters(), strict=True):
-        assert torch.equal(a, b)  # the module's own mean each step: bitwise the hand loop
-    assert history.history["loss"] == [pytest.approx(total / tokens, rel=1e-6)]
-
-
-def test_a_batch_of_a_modules_own_token_loss_whose_every_label_is_ignored_adds_nothing_to_the_epoch_loss():
-    # The module's own mean of a batch without a label that counts is 0 / 0 (NaN); weighed by its
-    # 0 label tokens it adds nothing, as under accumulation (was: a NaN epoch loss on one process).
-    x = torch.randn(6, 3)
-    labels = torch.tensor([1, 2, -100, -100, 0, 3])
     hand = _OwnTokenLoss()
     opt = torch.optim.SGD(hand.parameters(), lr=0.1)
     total, tokens = 0.0, 0
@@ -510,14 +484,30 @@ def test_a_batch_of_a_modules_own_token_loss_whose_every_label_is_ignored_adds_n
         opt.zero_grad()
         out["loss"].backward()
         opt.step()
-
     net = _OwnTokenLoss()
     model = fitkit.Model(net, device="cpu")
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=None)
     history = model.fit({"x": x, "labels": labels}, batch_size=2, epochs=1, shuffle=False, verbose=0)
+    return hand, net, total / tokens, history
+
+
+def test_a_modules_own_token_loss_weighs_its_batches_by_label_tokens_on_one_process():
+    # Batches of 2 rows holding 2, 1 and 0 + 2 counted labels: the epoch loss is the mean over the
+    # 5 counted labels, as under accumulation or torchrun (it was the mean of the 3 batch means);
+    # each step still takes the module's own mean (no num_items_in_batch passed), as a hand loop.
+    hand, net, expected, history = _own_token_loss_fits(torch.tensor([1, 2, 3, -100, 0, 2]))
+    for a, b in zip(net.parameters(), hand.parameters(), strict=True):
+        assert torch.equal(a, b)  # the module's own mean each step: bitwise the hand loop
+    assert history.history["loss"] == [pytest.approx(expected, rel=1e-6)]
+
+
+def test_a_batch_of_a_modules_own_token_loss_whose_every_label_is_ignored_adds_nothing_to_the_epoch_loss():
+    # The module's own mean of a batch without a label that counts is 0 / 0 (NaN); weighed by its
+    # 0 label tokens it adds nothing, as under accumulation (was: a NaN epoch loss on one process).
+    hand, net, expected, history = _own_token_loss_fits(torch.tensor([1, 2, -100, -100, 0, 3]))
     for a, b in zip(net.parameters(), hand.parameters(), strict=True):
         assert torch.equal(a, b)
-    assert history.history["loss"] == [pytest.approx(total / tokens, rel=1e-6)]
+    assert history.history["loss"] == [pytest.approx(expected, rel=1e-6)]
 
 
 class _MaskingModel(fitkit.Model):
