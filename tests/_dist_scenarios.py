@@ -687,7 +687,7 @@ def counted_then_own(strategy: str = "auto") -> dict:
     bs = 4 // world_size()
     model.compile(optimizer=sgd, loss="cross_entropy")
     first = model.fit(x, y, batch_size=bs, epochs=1, shuffle=False, verbose=0).history["loss"][0]
-    parallel = model.parallel  # under torchrun: fit 1's count rode in the gradient reduction
+    parallel = model._core.parallel  # under torchrun: fit 1's count rode in the gradient reduction
     counted = parallel is not None and parallel.carries_count() and parallel.counted is not None
     model.compile(optimizer=sgd, loss=None)
     h = model.fit({"x": x, "labels": labels}, batch_size=bs, epochs=1, shuffle=False, verbose=0)

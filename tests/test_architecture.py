@@ -346,15 +346,15 @@ def test_the_write_finder_counts_container_changes_and_resolves_the_owner_by_cla
 
 
 # -- the internal surface ---------------------------------------------------------------------------
-#: What fitkit's own packages use of a model beyond the public vocabulary (``Model``'s "internal
-#: surface" section); the training core, the checks, the tools and the distributed checkpoint
-#: may, callbacks (user-facing examples of the public vocabulary) and the leaf packages may not.
-INTERNAL_SURFACE = {"stepper", "parallel", "phases", "running_fit", "fit_position", "await_resume", "pop_resume",
-                    "refresh_parallel"}
-MAY_USE_THE_INTERNAL_SURFACE = ("training/", "checks/", "tools/", "distributed/dcp.py", "model.py")
+#: What fitkit's own packages use of a model beyond the public vocabulary lives under one internal
+#: name, ``model._core`` (:class:`fitkit.training.core.Core`); the training core, the tools and the
+#: distributed checkpoint may use it, callbacks (user-facing examples of the public vocabulary)
+#: and the leaf packages may not.
+MAY_USE_THE_INTERNAL_SURFACE = ("training/", "tools/", "distributed/dcp.py", "model.py")
 
 
-def _model_uses(pkg: Path, private: bool) -> list[str]:
+def _model_uses(pkg: Path) -> list[str]:
+    """``path: model._x`` for every private attribute of a model read outside ``model.py``."""
     out = []
     for path in sorted(pkg.rglob("*.py")):
         rel = path.relative_to(pkg).as_posix()
@@ -363,23 +363,28 @@ def _model_uses(pkg: Path, private: bool) -> list[str]:
                 continue
             inner = node.value
             name = inner.attr if isinstance(inner, ast.Attribute) else getattr(inner, "id", "")
-            if name != "model":
-                continue
-            if private and node.attr.startswith("_") and not node.attr.startswith("__") and rel != "model.py":
-                out.append(f"{rel}: model.{node.attr}")
-            if not private and node.attr in INTERNAL_SURFACE and not rel.startswith(MAY_USE_THE_INTERNAL_SURFACE):
+            if name == "model" and node.attr.startswith("_") and not node.attr.startswith("__") and rel != "model.py":
                 out.append(f"{rel}: model.{node.attr}")
     return out
 
 
-def test_private_model_attributes_are_used_in_model_py_only():
-    # The aim is at most 10; the one left: the first-batch check runs the module's plain
-    # forward (not the compiled one), which the model keeps privately.
-    assert _model_uses(PKG, private=True) == ["checks/preflight.py: model._forward"]
+def test_the_only_private_model_attribute_used_elsewhere_is_the_internal_core():
+    assert {use.split(": ")[1] for use in _model_uses(PKG)} == {"model._core"}
 
 
 def test_only_the_training_core_uses_the_models_internal_surface():
-    assert _model_uses(PKG, private=False) == []
+    outside = [use for use in _model_uses(PKG) if not use.startswith(MAY_USE_THE_INTERNAL_SURFACE)]
+    assert outside == []
+
+
+def test_the_users_model_carries_the_public_vocabulary_and_one_internal_name():
+    model = fitkit.Model(nn.Linear(1, 1), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    internal = [k for k in vars(model) if k.startswith("_")]
+    assert internal == ["_core"]
+    for gone in ("stepper", "parallel", "phases", "running_fit", "fit_position", "await_resume", "pop_resume",
+                 "refresh_parallel"):
+        assert not hasattr(model, gone), gone
 
 
 # -- nested evaluate / predict leave the training epoch exact --------------------------------
@@ -492,12 +497,12 @@ class RecordingParallel:
 )
 def test_compile_checks_everything_before_sharding(kwargs, error):
     model = fitkit.Model(nn.Linear(1, 1), device="cpu")
-    model._parallel = RecordingParallel()
+    model._core.parallel = RecordingParallel()
     if kwargs.get("precision") == "16-mixed":
         model.device = torch.device("meta")  # a device without a GradScaler
     with pytest.raises((ValueError, TypeError), match=error):
         model.compile(**kwargs)
-    assert model._parallel.calls == [] and model.optimizer is None
+    assert model._core.parallel.calls == [] and model.optimizer is None
 
 
 def test_the_first_batch_check_does_not_call_the_compiled_forward():
@@ -506,8 +511,8 @@ def test_the_first_batch_check_does_not_call_the_compiled_forward():
     model = fitkit.Model(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), device="cpu")
     model.compile(loss="cross_entropy", jit_compile={"backend": backend})
     calls = []
-    forward = model._forward.run
-    model._forward.run = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    forward = model._core.training_forward.run
+    model._core.training_forward.run = lambda *a, **k: calls.append(1) or forward(*a, **k)
     with pytest.raises(ValueError, match="Class labels must lie in"):
         model.fit(torch.zeros(8, 3), torch.full((8,), 5), batch_size=8, verbose=0)  # caught by the check
     assert calls == [] and backend.compiles == 0

@@ -841,7 +841,7 @@ def test_ragged_samples_in_a_later_batch_of_a_users_dataloader_name_the_collate_
 
 # -- what a failed batch was fed, when it holds None or strings ------------------------------------------
 def test_describe_names_none_and_strings_in_a_batch():
-    from fitkit.checks.preflight import describe
+    from fitkit.training.preflight import describe
 
     assert describe(({"x": torch.zeros(2, 4), "mask": None}, torch.tensor([0, 1]), None)) == (
         "x: 'x' float32 (2, 4), 'mask' None; y: int64 (2,) values 0..1")

@@ -71,7 +71,7 @@ model = fitkit.Model(sc.net(), device="cpu")
 model.compile(optimizer="sgd", loss="mse")
 model.fit(x, y, batch_size=4, epochs=2, verbose=2)
 res["world_size"] = distributed.world_size()
-res["is_ddp"] = type(model._forward.eager).__name__
+res["is_ddp"] = type(model._core.training_forward.eager).__name__
 torch.save(res, OUT / f"rank{distributed.rank()}.pt")
 """
 
@@ -327,7 +327,7 @@ def test_one_process_ignores_the_strategy(strategy):
     model = fitkit.Model(nn.Linear(1, 1), device="cpu", strategy=strategy)
     model.compile(optimizer="sgd", loss="mse")
     model.fit(torch.zeros(4, 1), torch.zeros(4, 1), epochs=1, verbose=0)
-    assert model._parallel is None and model._forward.eager is model.module
+    assert model._core.parallel is None and model._core.training_forward.eager is model.module
     assert not distributed.is_distributed() and distributed.is_rank_zero()
 
 

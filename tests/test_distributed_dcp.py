@@ -30,7 +30,7 @@ def fsdp_model():
     return m
 
 def full_optim(m):  # the plain optimizer's format, gathered (a collective; rank 0 gets it)
-    return m._parallel.optimizer_state_dict(m.module, m.optimizer)
+    return m._core.parallel.optimizer_state_dict(m.module, m.optimizer)
 
 gathers = []
 plain_gather = fitkit.distributed.Parallel.state_dict

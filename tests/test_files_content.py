@@ -67,7 +67,7 @@ def test_a_crafted_checkpoint_is_refused_before_anything_changes(tmp_path, key, 
     pattern = f"(?s)content fitkit does not write.*nothing was loaded.*{expected}.*Fix"
     with pytest.raises(CheckpointError, match=pattern):
         model.load_checkpoint(tmp_path / "c.pt")
-    assert _same(_snapshot(model), before) and model._resume is None
+    assert _same(_snapshot(model), before) and model._core.resume is None
 
 
 def test_a_callback_state_of_the_wrong_type_is_refused_at_resume_before_step_1(tmp_path):

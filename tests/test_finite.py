@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fitkit
-from fitkit.checks.finite import scan
+from fitkit.training.finite import scan
 
 
 def masked_bce(y_pred, y):
@@ -107,7 +107,7 @@ def test_nan_sample_weights_are_always_refused():
 
 
 def test_scan_counts_and_names_rows_chunk_by_chunk(monkeypatch):
-    import fitkit.checks.finite as finite
+    import fitkit.training.finite as finite
 
     monkeypatch.setattr(finite, "_CHUNK", 6)  # 3 rows of 2 per chunk
     t = torch.zeros(10, 2)
@@ -118,7 +118,7 @@ def test_scan_counts_and_names_rows_chunk_by_chunk(monkeypatch):
 
 
 def test_the_finite_check_reads_the_data_in_chunks_and_copies_none_of_it(monkeypatch):
-    import fitkit.checks.finite as finite
+    import fitkit.training.finite as finite
 
     sizes = []
     real = torch.isfinite
@@ -149,8 +149,8 @@ def test_a_loader_whose_first_batch_holds_nan_trains_only_with_a_loss_that_handl
 
 
 def test_the_scan_reads_the_host_once_per_call_and_not_again_for_unchanged_tensors():
-    from fitkit.checks.finite import check_in_memory
     from fitkit.data import TensorBatches
+    from fitkit.training.finite import check_in_memory
     from tests._syncs import SyncCounter
 
     x = torch.randn(60_000, 20)  # 1.2M values: 5 chunks of rows

@@ -104,7 +104,7 @@ def test_failing_compile_falls_back_with_one_warning():
     fallback = [w for w in caught if "torch.compile failed" in str(w.message)]
     assert len(fallback) == 1
     assert len(hist.history["loss"]) == 2
-    assert model._forward._fn is model._forward.eager  # eager from the fallback on
+    assert model._core.training_forward._fn is model._core.training_forward.eager  # eager from the fallback on
 
 
 def test_bad_compile_kwargs_fall_back():

@@ -141,7 +141,7 @@ def _fp16_fused(optimizer, **compile_kwargs) -> fitkit.Model:
 def test_fp16_with_a_fused_optimizer_skips_on_the_device_and_does_not_count_the_step(name):
     x = torch.tensor([[1.0], [99.0], [2.0]])  # batch 1 has an inf gradient
     model = _fp16_fused(name)
-    assert model.optimizer.defaults["fused"] and model._stepper.takes_found_inf
+    assert model.optimizer.defaults["fused"] and model._core.stepper.takes_found_inf
     seen = []
     record = LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(
         (model.module.w.detach().clone(), copy.deepcopy(model.optimizer.state_dict()["state"]))))

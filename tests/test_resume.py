@@ -124,7 +124,7 @@ def test_a_resume_point_serves_one_fit_only(tmp_path):
     with pytest.warns(UserWarning, match=r"continues at epoch 2, but fit starts at initial_epoch=0.*initial_epoch=2"):
         model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)  # no second warning
-    assert model._resume is None
+    assert model._core.resume is None
 
 
 # -- BackupAndRestore ---------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def test_a_skipped_step_holds_a_per_step_torch_scheduler_back():
 def test_a_fit_hands_the_stepper_hooks_and_a_window_of_its_own_and_a_nested_step_has_its_own():
     model = fitkit.Model(Scale(), device="cpu")
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss="mse", gradient_accumulation_steps=2)
-    stepper = model.stepper
+    stepper = model._core.stepper
     idle = stepper.fit, stepper.window
     forwards, losses = [], []
 

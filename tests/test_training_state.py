@@ -358,7 +358,7 @@ def test_each_crafted_field_is_refused_before_any_part_changes(tmp_path, sharded
         with pytest.raises(CheckpointError, match=message):
             model.load_checkpoint(path)
         assert _same(_everything(model), before), name
-        assert model.pop_resume() is None, name  # nothing waits for the next fit either
+        assert model._core.pop_resume() is None, name  # nothing waits for the next fit either
     atomic_save(good, state_file)
     if sharded:
         write_manifest(path)
@@ -377,7 +377,7 @@ def test_a_crafted_optimizer_state_is_refused_before_any_part_changes(tmp_path, 
     with pytest.raises(CheckpointError, match=message):
         model.load_checkpoint(path)
     assert _same(_everything(model), before)
-    assert model.pop_resume() is None
+    assert model._core.pop_resume() is None
 
 
 @pytest.mark.slow
@@ -392,7 +392,7 @@ def test_crafted_parameter_group_names_of_a_sharded_checkpoint_are_refused(tmp_p
     with pytest.raises(CheckpointError, match=r"checkpoint\['param_groups_names'\] is 3, expected a list of lists of "
                                               r"parameter names"):
         model.load_checkpoint(path)
-    assert _same(_everything(model), before) and model.pop_resume() is None
+    assert _same(_everything(model), before) and model._core.pop_resume() is None
 
 
 @pytest.mark.slow

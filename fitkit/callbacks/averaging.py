@@ -19,7 +19,7 @@ from torch.optim.swa_utils import SWALR, get_ema_multi_avg_fn, update_bn
 
 from fitkit.callbacks.weight_averaging import WeightAveraging
 from fitkit.checks import FitkitWarning, check_bool, check_int, check_number
-from fitkit.training.modes import modes
+from fitkit.modes import modes
 
 __all__ = ["EMA", "SWA", "WeightAveraging"]
 

@@ -21,13 +21,12 @@ from fitkit.callbacks.mixins import SavesEveryNBatches
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import FitkitWarning, check_bool, check_every
 from fitkit.distributed import dcp
-from fitkit.distributed.group import is_distributed
+from fitkit.distributed.group import is_distributed, is_rank_zero
 from fitkit.files import CheckpointError, check_target, remove_path, remove_stale_temps
 from fitkit.files.content import is_count, typed_problems
 from fitkit.files.locks import FileLock
 from fitkit.files.preflight import check_writable
 from fitkit.files.swap import readable_path, restore_interrupted
-from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["BackupAndRestore"]
 

@@ -39,12 +39,12 @@ from fitkit.callbacks.monitor import (
 from fitkit.callbacks.scoring import scored_weights
 from fitkit.checks import check_bool, check_every, check_int, check_mode, check_number
 from fitkit.distributed import is_distributed, say
+from fitkit.distributed.group import is_rank_zero
 from fitkit.files import check_target, remove_stale_temps
 from fitkit.files.content import typed_problems
 from fitkit.files.locks import FileLock
 from fitkit.files.owned import Owned
 from fitkit.files.preflight import check_writable_template
-from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["ModelCheckpoint"]
 

@@ -22,11 +22,11 @@ from fitkit.callbacks.mixins import StopsWriting
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.callbacks.tensorboard import TensorBoard
 from fitkit.checks import FitkitWarning, check_bool
+from fitkit.distributed.group import is_rank_zero
 from fitkit.files import check_target, cut_to_last_line, to_python
 from fitkit.files.content import typed_problems
 from fitkit.files.locks import FileLock
 from fitkit.files.preflight import check_writable_template
-from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["CSVLogger", "TensorBoard"]  # TensorBoard lives in fitkit.callbacks.tensorboard
 

@@ -16,8 +16,8 @@ from fitkit.callbacks.mlflow_store import local_sqlite_dir, store_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import FitkitWarning, check_bool
 from fitkit.checks.options import check_tags, check_text
+from fitkit.distributed.group import is_rank_zero
 from fitkit.files.preflight import check_writable
-from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["MLflowLogger"]
 

@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 
 from fitkit.callbacks.base import Callback
 from fitkit.checks import check_bool, check_int
-from fitkit.training.checkpoint import is_rank_zero
+from fitkit.distributed.group import is_rank_zero
 
 __all__ = ["Profiler"]
 

@@ -18,7 +18,7 @@ from rich.progress import (
 )
 
 from fitkit.callbacks.base import Callback
-from fitkit.training.checkpoint import is_rank_zero
+from fitkit.distributed.group import is_rank_zero
 
 __all__ = ["ProgressBar", "resolve_verbose", "format_logs"]
 

@@ -19,7 +19,7 @@ import torch
 from fitkit.callbacks.base import Callback
 from fitkit.callbacks.mixins import SavesEveryNBatches
 from fitkit.checks import check_bool, check_every
-from fitkit.training.checkpoint import is_rank_zero
+from fitkit.distributed.group import is_rank_zero
 
 __all__ = ["RayReport"]
 

@@ -19,9 +19,9 @@ import torch
 from fitkit.callbacks.mixins import StopsWriting
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import check_bool, check_int
+from fitkit.distributed.group import is_rank_zero
 from fitkit.files import check_target, to_python
 from fitkit.files.preflight import check_writable_template
-from fitkit.training.checkpoint import is_rank_zero
 
 __all__ = ["TensorBoard"]
 

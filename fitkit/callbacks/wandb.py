@@ -13,7 +13,7 @@ import torch
 from fitkit.callbacks.base import Callback
 from fitkit.checks import FitkitWarning, check_bool
 from fitkit.checks.options import check_tags, check_text
-from fitkit.training.checkpoint import is_rank_zero
+from fitkit.distributed.group import is_rank_zero
 
 __all__ = ["WandbLogger"]
 

@@ -63,7 +63,7 @@ _atexit = False
 
 def is_sharded_default(model: Model) -> bool:
     """Whether ``save_checkpoint`` writes a sharded folder by default: under FSDP."""
-    return model.parallel is not None and model.parallel.fsdp
+    return model._core.parallel is not None and model._core.parallel.fsdp
 
 
 def _ckpt_group() -> Any:

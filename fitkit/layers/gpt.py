@@ -16,7 +16,7 @@ from torch import nn
 
 from fitkit.checks import check_int, check_probability
 from fitkit.layers.blocks import TransformerBlock
-from fitkit.training.modes import modes
+from fitkit.modes import modes
 
 __all__ = ["Embedding", "GPT", "param_groups_weight_decay"]
 

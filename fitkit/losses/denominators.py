@@ -72,7 +72,7 @@ def none_ignored(loss: Any, y: torch.Tensor) -> bool:
     while its version counter is unchanged (a script calling ``fit`` in chunks, or a fit of many
     epochs, on the same data pays it once). A write that bypasses the version counter (through
     ``.data``, or a NumPy array sharing the memory) is not seen, as for the finite scan
-    (:mod:`fitkit.checks.finite`): write targets through torch, or pass a new tensor.
+    (:mod:`fitkit.training.finite`): write targets through torch, or pass a new tensor.
 
     Example:
         >>> from fitkit.losses import resolve_loss

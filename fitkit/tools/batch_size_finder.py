@@ -110,7 +110,7 @@ def find_batch_size(model: Any, x: Any, y: Any = None, *, init_val: int = 2, max
     """
     if getattr(model, "optimizer", None) is None:
         raise RuntimeError("`find_batch_size` needs a compiled model. Call `model.compile(...)` first.")
-    if model.parallel is not None:
+    if model._core.parallel is not None:
         raise RuntimeError(
             "`find_batch_size` runs on one process: under torchrun an out-of-memory error on one rank would "
             "leave the others waiting in a collective. Fix: find the batch size on one process (per device), "

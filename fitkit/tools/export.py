@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fitkit import nest
-from fitkit.training.modes import modes
+from fitkit.modes import modes
 
 __all__ = ["export", "FORMATS"]
 

@@ -371,7 +371,7 @@ def snapshot(model: Any) -> dict[str, Any]:
         "scheduler_state": None if model.scheduler is None else copy.deepcopy(model.scheduler.state_dict()),
         "scaler": None if scaler is None else copy.deepcopy(scaler.state_dict()),
         # The step count and the per-step record a sweep's steps overwrite (grad_norm, LRs used).
-        "stepper": _clone(model.stepper.state_dict(record=True)),
+        "stepper": _clone(model._core.stepper.state_dict(record=True)),
         "stop_training": model.stop_training,
         "rng": (
             random.getstate(), np.random.get_state(), torch.get_rng_state(),
@@ -407,7 +407,7 @@ def restore(model: Any, snap: dict[str, Any]) -> None:
         model.scheduler.load_state_dict(snap["scheduler_state"])
     if snap["scaler"] is not None:
         model.grad_scaler.load_state_dict(snap["scaler"])
-    model.stepper.load_state_dict(snap["stepper"])
+    model._core.stepper.load_state_dict(snap["stepper"])
     model.stop_training = snap["stop_training"]
     py, np_state, torch_state, cuda = snap["rng"]
     random.setstate(py)

@@ -11,9 +11,9 @@ from torch import nn
 
 from fitkit.compile import call
 from fitkit.distributed.group import is_rank_zero
-from fitkit.training.modes import modes
+from fitkit.modes import modes
 
-__all__ = ["summary_table"]
+__all__ = ["summary_table", "summary_input"]
 
 
 def _shape(out: Any) -> str:
@@ -104,3 +104,38 @@ def summary_table(module: nn.Module, print_fn: Any = None, example_input: Any = 
     else:
         print_fn(table)
     return table
+
+
+def summary_input(module: nn.Module, device: torch.device, input_shape: Any, example_input: Any,
+                  last_example: Any) -> Any:  # fmt: skip
+    """The input ``Model.summary`` runs to find output shapes: zeros of ``(1, *input_shape)`` in the
+    module's dtype, ``example_input`` on the device, else the first batch of the last data checked.
+
+    Raises:
+        TypeError: ``input_shape`` is not a tuple or list of ints.
+        ValueError: both ``input_shape`` and ``example_input``, or a size < 1.
+
+    Example:
+        >>> summary_input(nn.Linear(4, 2), torch.device("cpu"), (4,), None, None).shape
+        torch.Size([1, 4])
+    """
+    if input_shape is not None and example_input is not None:
+        raise ValueError("Pass `input_shape` or `example_input` to summary, not both.")
+    if input_shape is None:
+        if example_input is None:
+            return last_example
+        from fitkit.data import device_batch
+
+        return device_batch(example_input, device=device)[0]
+    if not isinstance(input_shape, (tuple, list)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in input_shape
+    ):
+        raise TypeError(
+            "Expected `input_shape` to be a tuple of ints (one sample, without the batch "
+            f"dimension), e.g. (64,). Received: input_shape={input_shape!r}."
+        )
+    if any(d < 1 for d in input_shape):
+        raise ValueError(f"Expected every size in `input_shape` >= 1. Received: input_shape={input_shape!r}.")
+    param = next(module.parameters(), None)
+    dtype = param.dtype if param is not None else torch.get_default_dtype()
+    return torch.zeros((1, *input_shape), device=device, dtype=dtype)

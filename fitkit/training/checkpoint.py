@@ -70,7 +70,7 @@ def load_checkpoint(model: Model, path: str | os.PathLike) -> int:
             )
         run = RunState(model)
         run.check(state, path)
-    model.await_resume(run.load_state_dict(state))
+    model._core.await_resume(run.load_state_dict(state))
     return int(state["epoch"])
 
 

@@ -8,11 +8,11 @@ from typing import Any
 
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, CallbackList
-from fitkit.checks.preflight import wrap
 from fitkit.data.loaders import known_targets, source_name
 from fitkit.losses.denominators import targets_count
+from fitkit.modes import modes
 from fitkit.training.host_outputs import HostOutputs
-from fitkit.training.modes import modes
+from fitkit.training.preflight import wrap
 
 __all__ = ["EvalLoop", "PredictLoop"]
 
@@ -34,7 +34,7 @@ class EvalLoop:
 
     def __init__(self, model: Any, loader: Any, callbacks: CallbackList, steps: int | None, what: str = "evaluate"):
         self.model, self.loader, self.callbacks, self.steps, self.what = model, loader, callbacks, steps, what
-        self.totals = model.phases.new_totals()
+        self.totals = model._core.phases.new_totals()
         self.batches = 0
 
     def run(self) -> dict[str, float]:
@@ -50,7 +50,7 @@ class EvalLoop:
     def _run(self, model: Any, cbs: CallbackList, want: bool) -> dict[str, float]:
         # an overridden step or compute_loss may make targets of its own from y (-100 where masked)
         known = known_targets(self.loader) if model.default_compute_loss and model.default_test_step else None
-        with modes(model.module, training=False, grad=False), model.phases.running(self.totals), \
+        with modes(model.module, training=False, grad=False), model._core.phases.running(self.totals), \
                 targets_count(model.loss, known):  # fmt: skip
             cbs.on_test_begin({})
             for step, batch in enumerate(self.loader):
@@ -69,7 +69,7 @@ class EvalLoop:
                 )
             logs = self.totals.result(self.what if self.what == "evaluate" else None)
             cbs.on_test_end(logs)
-        model.phases.adopt(self.totals)
+        model._core.phases.adopt(self.totals)
         return logs
 
 

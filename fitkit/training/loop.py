@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.checks import FitkitWarning
-from fitkit.checks.preflight import BatchGuard
 from fitkit.data import TensorBatches
 from fitkit.data import order as _order
 from fitkit.data.collate import collate_failure
@@ -31,16 +30,20 @@ from fitkit.data.loaders import known_targets
 from fitkit.distributed import progress as _progress
 from fitkit.losses.denominators import targets_count
 from fitkit.losses.outputs import note_row_weighted, takes_num_items
+from fitkit.modes import modes, warn_if_all_eval
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.training.lr_logs import lr_keys, lr_logs
-from fitkit.training.modes import modes, warn_if_all_eval
 from fitkit.training.position import Position
+from fitkit.training.preflight import BatchGuard
 from fitkit.training.resume import Resume
 from fitkit.training.signals import deferred
-from fitkit.training.step_validation import StepValidation, ValidationInterval, ValidationSchedule, record_validation
+from fitkit.training.step_validation import StepValidation, ValidationSchedule, record_validation
 from fitkit.training.stopping import StopDecision
 from fitkit.training.tracking import RunningTotals
 from fitkit.training.validation_sets import run_validation
+
+if TYPE_CHECKING:
+    from fitkit.training.planning import FitPlan
 
 __all__ = ["FitLoop", "EvalLoop", "PredictLoop", "ValidationSchedule"]
 
@@ -50,44 +53,26 @@ class FitLoop:
 
     Args:
         model: the :class:`fitkit.Model` (compiled).
-        train: the training :class:`~fitkit.data.DeviceLoader`.
+        plan: the call's :class:`~fitkit.training.planning.FitPlan` (loaders, budgets, schedules).
         callbacks: the call's :class:`CallbackList` (with its ``History``).
-        initial_epoch: first epoch to run (0-based); a restored backup may move it.
-        epochs: index of the last epoch (Keras).
-        validation: the validation :class:`~fitkit.data.DeviceLoader`, or ``None``.
-        schedule: the epochs that validate (:class:`ValidationSchedule`).
-        validation_steps: batches per validation (``None``: all).
-        max_steps: stop once ``global_step`` reaches it (:mod:`fitkit.training.budget`), or ``None``.
-        validation_interval: validate inside epochs (:mod:`fitkit.training.step_validation`), or ``None``.
-        validate_at_end: with an interval, validate at the last step of the run too.
-        min_epochs, min_steps: no stop request is heard before them (:class:`StopDecision`).
-        accumulation: this fit's accumulation schedule (:mod:`fitkit.training.accumulation`), or ``None``.
     """
 
-    def __init__(self, model: Any, train: Any, callbacks: CallbackList, *, initial_epoch: int, epochs: int | None,
-                 validation: Any = None, schedule: ValidationSchedule | None = None,
-                 validation_steps: int | None = None, max_steps: int | None = None,
-                 validation_interval: ValidationInterval | None = None, accumulation: Any = None,
-                 validate_at_end: bool = False, min_epochs: int | None = None,
-                 min_steps: int | None = None):  # fmt: skip
-        self.model, self.train, self.callbacks = model, train, callbacks
-        self.val, self.val_schedule, self.val_steps = validation, schedule, validation_steps
+    def __init__(self, model: Any, plan: FitPlan, callbacks: CallbackList):
+        self.model, self.plan, self.callbacks = model, plan, callbacks
         self.history: Any = next(cb for cb in callbacks.callbacks if type(cb).__name__ == "History")
-        self.start_epoch, self.epochs, self.max_steps = initial_epoch, epochs, max_steps
-        self.validate_at_end = validate_at_end
-        self.step_val = None if validation_interval is None else StepValidation(
-            model, validation, callbacks, self.history, validation_steps, validation_interval)
-        self.accumulation = accumulation
+        self.start_epoch = plan.initial_epoch  # a restored backup may move it
+        self.step_val = None if plan.interval is None else StepValidation(
+            model, plan.val, callbacks, self.history, plan.validation_steps, plan.interval)
+        train = plan.train
         batches = getattr(train, "batches", None)
-        self.position = Position(initial_epoch, batch_size=getattr(train, "batch_size", None),
+        self.position = Position(plan.initial_epoch, batch_size=getattr(train, "batch_size", None),
                                  world=getattr(batches, "world", 1),
                                  n_used=getattr(batches, "n_used", None))  # fmt: skip
         self.resume = Resume(train, self.position)  # a loaded checkpoint's point, applied once
-        self.stop = StopDecision(model, callbacks, max_steps, min_epochs, min_steps)
+        self.stop = StopDecision(model, callbacks, plan.max_steps, plan.min_epochs, plan.min_steps)
         self.epoch_order: dict[str, Any] | None = None  # the loader's own order state at the epoch start
         self.totals: RunningTotals | None = None
         self.validated = False  # this epoch: validation was scheduled and ran over > 0 batches
-        self.lr_keys = lr_keys(model.optimizer, model.scheduler)
         self.guard = BatchGuard(model, train)
         self.example: Any = None  # the first training batch's x, if checked here (summary's input)
         self.interrupt: Any = None
@@ -95,7 +80,17 @@ class FitLoop:
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
         self.rows_note = False  # a module's own loss without num_items_in_batch: note -100 labels once
         self.batch: Any = None  # the running batch (x, y, sample_weight), on the device
-        self._warned_short = False
+        self.warned_short = False
+
+    @property
+    def train(self) -> Any:
+        """The training :class:`~fitkit.data.DeviceLoader` (the plan's)."""
+        return self.plan.train
+
+    @property
+    def val(self) -> Any:
+        """The validation loader or sets (the plan's), or ``None``."""
+        return self.plan.val
 
     @property
     def epoch(self) -> int:
@@ -114,37 +109,37 @@ class FitLoop:
             raise named from e
 
     def run(self) -> None:
-        model, cbs, stepper = self.model, self.callbacks, self.model.stepper
+        model, cbs, stepper = self.model, self.callbacks, self.model._core.stepper
         model.stop_training = False
         # on_backward_end, run by the stepper before each of the fit's steps (None: nobody listens).
         before_step = self._on_backward_end if cbs.wants("on_backward_end") else None
         cbs.params["train_data"] = self.train  # the training batches (SWA's BatchNorm update)
         logs: dict[str, float] = {}
-        pending = model.pop_resume()  # loaded before fit (BackupAndRestore loads in on_train_begin)
+        pending = model._core.pop_resume()  # loaded before fit (BackupAndRestore loads in on_train_begin)
         finished, first_step = False, model.global_step
         self.running = True
         try:
             agree = before_step is not None and cbs.host_agreement_after_backward()  # else no per-step agreement
             wants_stop = (lambda: model.stop_training) if agree else None
-            fitting = stepper.fitting(before_step, wants_stop, self.val is not None, self.accumulation,
+            fitting = stepper.fitting(before_step, wants_stop, self.val is not None, self.plan.accumulation,
                                       self._own_items())  # fmt: skip
             if self.rows_note and isinstance(getattr(self.train, "batches", None), TensorBatches):
                 self._note_rows(None)  # in-memory data: all its labels now (a loader's: its first batch)
-            place = self._place if model.parallel is not None else None
+            place = self._place if model._core.parallel is not None else None
             with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting, \
                     _progress.beating(place):
                 # time triggers, under torchrun: agreed over ranks where signals are
-                self.stop.begin(self.interrupt, self._time_triggers() if model.parallel is not None else [])
+                self.stop.begin(self.interrupt, self._time_triggers() if model._core.parallel is not None else [])
                 warn_if_all_eval(model.module)
                 model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
                 cbs.on_train_begin({})
-                late = model.pop_resume()  # loaded during on_train_begin (BackupAndRestore): start there
+                late = model._core.pop_resume()  # loaded during on_train_begin (BackupAndRestore): start there
                 start = self.resume.take(pending, late, self.start_epoch, cbs)
                 if late is not None:
                     self.start_epoch = start
                     self.position.starts_at(start)
-                for epoch in itertools.count(self.start_epoch) if self.epochs is None else \
-                        range(self.start_epoch, self.epochs):  # fmt: skip
+                for epoch in itertools.count(self.start_epoch) if self.plan.epochs is None else \
+                        range(self.start_epoch, self.plan.epochs):  # fmt: skip
                     if self.stop.budget_spent():
                         break
                     epoch_logs = self._named_epoch(epoch, first_step)
@@ -169,7 +164,7 @@ class FitLoop:
             _distributed.dcp.wait()  # an async checkpoint still being written ends with fit
             cbs.params.pop("train_data", None)  # History keeps params: not the data
             cbs.close(finished)
-            model.pop_resume()  # a loaded resume point serves one fit only
+            model._core.pop_resume()  # a loaded resume point serves one fit only
 
     def _own_items(self) -> bool | None:
         """A module that computes its own loss and takes ``num_items_in_batch``: whether its labels
@@ -193,7 +188,7 @@ class FitLoop:
         under accumulation or torchrun: its micro-batch means are weighed by rows, not tokens.
         In-memory data: all its labels are looked at; else the first batch's."""
         self.rows_note = False
-        if self.model.stepper.accumulation == 1 and self.model.parallel is None:
+        if self.model._core.stepper.accumulation == 1 and self.model._core.parallel is None:
             return
         source: Any = getattr(self.train, "batches", None)
         x = source.x if batch is None else batch[0]
@@ -219,28 +214,29 @@ class FitLoop:
 
     def _last_epoch(self, epoch: int) -> bool:
         """Whether training ends with ``epoch`` by plan: the last epoch, or the step budget spent."""
-        return (self.epochs is not None and epoch == self.epochs - 1) or self.stop.budget_spent()
+        return (self.plan.epochs is not None and epoch == self.plan.epochs - 1) or self.stop.budget_spent()
 
     def _validate(self, epoch: int, logs: dict[str, float]) -> None:
         self.validated = False
         if self.step_val is not None:  # validated inside the epoch: its last validation's values
-            if self.validate_at_end and self._last_epoch(epoch) and self.step_val.last_step != self.model.global_step:
+            at_end = self.plan.validate_at_end and self._last_epoch(epoch)
+            if at_end and self.step_val.last_step != self.model.global_step:
                 self.step_val.run(epoch)  # the run's last step is scored too (the Trainer's end-of-training evaluation)
             val_logs = self.step_val.epoch_logs(epoch)
             self.validated = val_logs is not None
             logs.update(val_logs or {})
             return
-        if self.val is None or self.val_schedule is None or not self.val_schedule(epoch):
+        if self.val is None or self.plan.schedule is None or not self.plan.schedule(epoch):
             return
-        val_logs = run_validation(self.model, self.val, self.callbacks, self.val_steps)
+        val_logs = run_validation(self.model, self.val, self.callbacks, self.plan.validation_steps)
         self.validated = True
         logs.update(record_validation(self.history, self.callbacks, self.model.global_step, epoch, val_logs))
 
     def run_epoch(self, epoch: int) -> dict[str, float] | None:
         """One epoch of training batches; ``None`` if the source yielded no batch."""
         model, cbs, loader, position = self.model, self.callbacks, self.train, self.position
-        stepper = model.stepper
-        phases = model.phases
+        stepper = model._core.stepper
+        phases = model._core.phases
         self.totals = totals = phases.new_totals()
         position.begin_epoch(epoch)
         self.resume.epoch_begin(epoch)
@@ -260,8 +256,8 @@ class FitLoop:
         batches = _distributed.agree_on_epoch_end(loader, batches, start)  # already_sharded: even steps
         guard, interrupt = self.guard, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first
-        local = model.parallel is None  # one process: stops and signals need no agreement
-        budget, step_val = self.max_steps, self.step_val
+        local = model._core.parallel is None  # one process: stops and signals need no agreement
+        budget, step_val = self.plan.max_steps, self.step_val
         position.enter()
         ran, skipped, begins = False, 0, True
         # an overridden step or compute_loss may make targets of its own from y (-100 where masked)
@@ -278,7 +274,7 @@ class FitLoop:
                 if want_begin:
                     cbs.on_train_batch_begin(step, {})
                 if not local and begins:  # DDP follows a trainable set a callback changed, from this step
-                    model.refresh_parallel()
+                    model._core.refresh_parallel()
                 model.train_step(batch)
                 ran, begins = True, stepper.window.micro_last  # the next micro-batch begins a window
                 position.done(step + 1)
@@ -298,25 +294,26 @@ class FitLoop:
 
     def _end_epoch(self, epoch: int, ran: bool, skipped: int, totals: Any) -> dict[str, float] | None:
         """The epoch's logs once its batches ran (``None``: interrupted, or no batch at all)."""
-        model, phases, stepper = self.model, self.model.phases, self.model.stepper
+        model, phases, stepper = self.model, self.model._core.phases, self.model._core.stepper
         if self.stop.interrupted:
             return None
         if not ran:
             self._no_batches(epoch, skipped)
             return None
         self._warn_ran_out(epoch)
-        if model.parallel is not None:
-            model.parallel.sync_buffers(model.module)  # rank 0's BatchNorm statistics on every rank
+        if model._core.parallel is not None:
+            model._core.parallel.sync_buffers(model.module)  # rank 0's BatchNorm statistics on every rank
         logs = totals.result()
         phases.adopt(totals)
         # The LR the epoch's last step used (a per-step scheduler has moved it on since).
-        logs.update(lr_logs(stepper.scheduling.lrs_used or model.optimizer.param_groups, self.lr_keys))
+        keys = lr_keys(model.optimizer, model.scheduler)
+        logs.update(lr_logs(stepper.scheduling.lrs_used or model.optimizer.param_groups, keys))
         return logs
 
     def _warn_ran_out(self, epoch: int) -> None:
         loader = self.train
-        if getattr(loader, "ran_out", False) and not self._warned_short:
-            self._warned_short = True
+        if getattr(loader, "ran_out", False) and not self.warned_short:
+            self.warned_short = True
             warnings.warn(
                 f"The training data ran out after {self.position.batches} of steps_per_epoch="
                 f"{loader.steps} batches in epoch {epoch + 1}; that epoch ends early and the next "

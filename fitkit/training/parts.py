@@ -136,7 +136,7 @@ class OptimizerPart(Part):
         model, opt = self.model, self.model.optimizer
         state = None
         if self.tensors and opt is not None:  # an uncompiled model has none
-            parallel = model.parallel
+            parallel = model._core.parallel
             state = parallel.optimizer_state_dict(model.module, opt) if parallel is not None else opt.state_dict()
         return {"optimizer": state, "optimizer_class": type(opt).__name__ if opt is not None else None}
 
@@ -157,8 +157,8 @@ class OptimizerPart(Part):
         model, saved = self.model, state["optimizer"]
         if saved is None or model.optimizer is None:
             return
-        if model.parallel is not None:
-            model.parallel.load_optimizer_state_dict(model.module, model.optimizer, saved)
+        if model._core.parallel is not None:
+            model._core.parallel.load_optimizer_state_dict(model.module, model.optimizer, saved)
         else:
             model.optimizer.load_state_dict(saved)
 
@@ -176,7 +176,7 @@ class StepperPart(Part):
         return typed_problems(state["scaler"], SCALER, "checkpoint['scaler']")
 
     def __init__(self, model: Model):
-        self.stepper = model.stepper
+        self.stepper = model._core.stepper
 
     def state_dict(self) -> dict[str, Any]:
         if self.stepper is None:
@@ -197,7 +197,7 @@ class SchedulerPart(Part):
     optional = frozenset({"scheduler_class"})
 
     def __init__(self, model: Model):
-        self.model, self.stepper = model, model.stepper
+        self.model, self.stepper = model, model._core.stepper
 
     def state_dict(self) -> dict[str, Any]:
         sched = None if self.stepper is None else self.stepper.scheduling.scheduler
@@ -268,7 +268,7 @@ class PositionPart(Part):
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        return self.model.fit_position()
+        return self.model._core.fit_position()
 
     def differences(self, state: Mapping[str, Any]) -> list[str]:
         """The running metric states against the compiled metrics, once built (else at their birth)."""

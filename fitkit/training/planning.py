@@ -2,7 +2,7 @@
 
 ``fit``, ``evaluate`` and ``predict`` check everything they can here, before anything
 changes: the arguments (:func:`call_args`, :func:`plan_fit`), the data and its first batch
-(:func:`check_data`, through :mod:`fitkit.checks.preflight`), the schedules, and the epoch-log keys
+(:func:`check_data`, through :mod:`fitkit.training.preflight`), the schedules, and the epoch-log keys
 callbacks are told about (``params["metrics"]``). What a plan learns (the loaders, the
 validation schedule, the example input for ``summary``) comes back in a :class:`FitPlan`; the
 model stores what outlives the call.
@@ -11,7 +11,8 @@ model stores what outlives the call.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader, RandomSampler
@@ -20,14 +21,15 @@ from fitkit import data as _data
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import Callback, CallbackList
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
+from fitkit.callbacks.swap_ema import with_compiled_ema
 from fitkit.callbacks.swapping import check_weight_swaps
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
-from fitkit.checks.preflight import first_batch_check, in_memory_check, leaves_no_trace
 from fitkit.training import budget as _budget
 from fitkit.training import reach as _reach
 from fitkit.training.lr_logs import lr_keys
 from fitkit.training.optim import check_plateau_mode
-from fitkit.training.quick import QuickRun
+from fitkit.training.preflight import first_batch_check, in_memory_check, leaves_no_trace
+from fitkit.training.quick import QuickRun, check_quick
 from fitkit.training.step_validation import ValidationInterval, ValidationSchedule
 from fitkit.training.validation_sets import ValidationSets, named_sets, prefixed_keys
 
@@ -57,110 +59,215 @@ _WHOLE_BATCHES = ("steps count whole batches (as in Keras); for a fraction of th
                   "limit_train_batches= / limit_val_batches= a float, or epochs= a float.")  # fmt: skip
 
 
+@dataclass(frozen=True)
 class FitPlan:
-    """What :func:`plan_fit` learned: the loaders, the schedule, the callbacks' params."""
+    """One ``fit`` call, resolved before step 1: every argument read, checked and turned into what
+    the loop, the stepper, validation and the callbacks' params read (built by :func:`plan_fit`
+    only, and never changed afterwards).
 
-    def __init__(self, train: Any, val: Any, schedule: ValidationSchedule, verbose: int, callbacks: list[Callback],
-                 params: dict[str, Any], example: Any, epochs: int | None = None,
-                 total_steps: int | None = None):  # fmt: skip
-        self.train, self.val, self.schedule = train, val, schedule
-        self.verbose, self.callbacks, self.params = verbose, callbacks, params
-        self.example = example  # the last first batch checked (summary's input), or None
-        self.epochs = epochs  # the last-epoch bound (None: unbounded, the step budget ends the fit)
-        self.total_steps = total_steps  # the optimizer steps the fit plans (None: unknown)
-        self.shown_epochs = epochs
-        self.interval: Any = None  # a fitkit.training.step_validation.ValidationInterval, or None
-        self.accumulation: Any = None  # a GradientAccumulationScheduler's AccumulationSchedule, or None
+    Attributes:
+        train: the training :class:`~fitkit.data.DeviceLoader` (this rank's share).
+        val: the validation loader, :class:`ValidationSets` of named sets, or ``None``.
+        schedule: the epochs that validate (``validation_freq``).
+        interval: validation inside epochs (``validation_interval``), or ``None``.
+        verbose: 0, 1 or 2, resolved.
+        callbacks: the user's callbacks, with ``max_time``'s Timer and compile's EMA, less those a
+            ``fast_dev_run`` leaves out.
+        params: the callbacks' params (Keras' ``params``) beyond verbose / epochs / steps.
+        example: the last first batch checked (``summary``'s input), or ``None``.
+        initial_epoch: the first epoch (0-based).
+        epochs: the last-epoch bound (``None``: unbounded, the step budget ends the fit).
+        shown_epochs: ``params["epochs"]``: the bound, or the epochs the step budget takes.
+        total_steps: the optimizer steps the fit plans (``None``: unknown).
+        max_steps: the step budget (``None``: none); ``epochs=2.5`` becomes one.
+        accumulation: a ``GradientAccumulationScheduler``'s schedule for this fit, or ``None``.
+        validation_steps: batches per validation (``None``: all).
+        validate_at_end: validate at the run's last step too (with ``interval``).
+        min_epochs, min_steps: no stop request is heard before them.
+        sanity_steps: validation batches run before step 1 (``num_sanity_val_steps``).
+    """
+
+    train: Any
+    val: Any
+    schedule: ValidationSchedule
+    interval: ValidationInterval | None
+    verbose: int
+    callbacks: tuple[Callback, ...]
+    params: Mapping[str, Any]
+    example: Any
+    initial_epoch: int
+    epochs: int | None
+    shown_epochs: int | None
+    total_steps: int | None
+    max_steps: int | None
+    accumulation: Any
+    validation_steps: int | None
+    validate_at_end: bool
+    min_epochs: int | None
+    min_steps: int | None
+    sanity_steps: int
 
 
-def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int | float | None, verbose: Any,
-             callbacks: Any, validation_split: float, validation_data: Any, shuffle: bool, class_weight: Any,
-             sample_weight: Any,
-             initial_epoch: int, steps_per_epoch: int | None, validation_steps: int | None,
-             validation_batch_size: int | None, validation_freq: Any,
-             max_steps: int | None = None, validation_interval: Any = None,
-             quick: QuickRun | None = None) -> FitPlan:  # fmt: skip
-    """Check every argument of ``fit``, build its loaders and check its data (nothing changes)."""
-    _check_batches_itself(x, batch_size, "x", "batch_size")
-    _check_batches_itself(validation_data, validation_batch_size, "validation_data", "validation_batch_size")
-    _warn_shuffle_not_applied(x, shuffle)
-    batch_size, verbose, callbacks = call_args(batch_size, steps_per_epoch, verbose, callbacks, "steps_per_epoch")
-    if quick is not None and quick.active:  # fitkit.training.quick: what fast_dev_run / overfit_batches replace
-        over = quick.overrides(initial_epoch)
-        epochs, max_steps = over.get("epochs", epochs), over.get("max_steps", max_steps)
-        validation_freq = over.get("validation_freq", validation_freq)
-        validation_interval = over.get("validation_interval", validation_interval)
-        shuffle = over.get("shuffle", shuffle)
-        if quick.fast_dev_run:  # no files, no tuning: the callbacks that write or tune stay out
-            callbacks = [cb for cb in callbacks if not cb.skip_in_fast_dev_run]
-    epochs, fraction = _budget.fractional_epochs(epochs)  # epochs=2.5: a step budget, below
-    epochs = _budget.check_max_steps(max_steps, epochs)
-    check_int("initial_epoch", initial_epoch, 0)
-    check_int("validation_steps", validation_steps, 1, allow_none=True, fix=_WHOLE_BATCHES)
-    check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
-    check_bool("shuffle", shuffle)
-    check_number("validation_split", validation_split)
-    if not 0 <= validation_split < 1:
-        raise ValueError(
-            f"Expected `validation_split` in [0, 1). Received: validation_split={validation_split!r}. "
-            "Fix: pass a fraction such as 0.2."
-        )
-    schedule = ValidationSchedule(validation_freq)
-    interval = _check_interval(validation_interval, validation_freq, validation_data, validation_split)
-    check_schedules(model, callbacks)
-    # one averaged copy validated on, one swapped in at the end
-    check_weight_swaps(model, callbacks, validates=validation_data is not None or bool(validation_split))
-    check_process_resources(callbacks)
-    if x is None:
-        raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")
-    if validation_split:
-        if validation_data is not None:
-            warnings.warn(
-                "`validation_data` is given, so `validation_split` is ignored.",
-                category=FitkitWarning,
-                stacklevel=3,
-            )
-        else:
-            (x, y, sample_weight), validation_data = _data.split_validation(x, y, sample_weight, validation_split)
-    train = _distributed.sharded(
-        _data.as_loader, x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-        class_weight=class_weight, steps=steps_per_epoch, device=model.device,
-    )  # fmt: skip
-    val = None if validation_data is None else validation_loaders(model, validation_data,
-                                                                   validation_batch_size or batch_size)
-    if quick is not None and quick.active:
+def plan_fit(model: Any, x: Any, y: Any, options: Mapping[str, Any]) -> FitPlan:
+    """Read, check and resolve every argument of ``fit`` (``options``: its keywords by name), build
+    its loaders and check its data; nothing changes before this returns.
+
+    Raises:
+        TypeError, ValueError: an argument or data that ``fit`` cannot run (see ``Model.fit``).
+    """
+    o = dict(options)
+    _check_stop_options(o)
+    quick = check_quick(o["fast_dev_run"], o["overfit_batches"], o["limit_train_batches"], o["limit_val_batches"],
+                        o["num_sanity_val_steps"], x=x, steps_per_epoch=o["steps_per_epoch"],
+                        validation_steps=o["validation_steps"])  # fmt: skip
+    callbacks = with_compiled_ema(model.compiled_ema, _with_time_budget(o["max_time"], o["callbacks"]))
+    _check_batches_itself(x, o["batch_size"], "x", "batch_size")
+    _check_batches_itself(o["validation_data"], o["validation_batch_size"], "validation_data",
+                          "validation_batch_size")  # fmt: skip
+    _warn_shuffle_not_applied(x, o["shuffle"])
+    o["batch_size"], o["verbose"], o["callbacks"] = call_args(o["batch_size"], o["steps_per_epoch"], o["verbose"],
+                                                              callbacks, "steps_per_epoch")  # fmt: skip
+    _apply_quick(o, quick)
+    o["epochs"], fraction = _budget.fractional_epochs(o["epochs"])  # epochs=2.5: a step budget, below
+    o["epochs"] = _budget.check_max_steps(o["max_steps"], o["epochs"])
+    _check_scalars(o)
+    schedule = ValidationSchedule(o["validation_freq"])
+    interval = _check_interval(o["validation_interval"], o["validation_freq"], o["validation_data"],
+                               o["validation_split"])  # fmt: skip
+    _check_callbacks(model, o["callbacks"], o["validation_data"] is not None or bool(o["validation_split"]))
+    train, val, example = _loaders(model, x, y, o)
+    if quick.active:
         val = quick.limit(train, val)  # the loaders capped; limit_val_batches=0: no validation
         interval = interval if val is not None else None
+    _warn_nothing_to_train(model, o["initial_epoch"], o["epochs"])
+    return _planned(model, o, x, train, val, example, schedule, interval, fraction, quick.sanity_steps)
+
+
+def _check_stop_options(o: dict[str, Any]) -> None:
+    """``validate_at_end``, ``min_epochs`` and ``min_steps`` against the bounds they cannot pass."""
+    check_bool("validate_at_end", o["validate_at_end"])
+    for name, bound_name in (("min_epochs", "epochs"), ("min_steps", "max_steps")):
+        value, bound = o[name], o[bound_name]
+        check_int(name, value, 0, allow_none=True)
+        if value is not None and isinstance(bound, int) and not isinstance(bound, bool) and value > bound:
+            raise ValueError(
+                f"{name}={value} asks for more than {bound_name}={bound}, which ends training first. "
+                f"Fix: lower {name}, or raise {bound_name}."
+            )
+    if o["validate_at_end"] and o["validation_interval"] is None:
+        raise ValueError(
+            "validate_at_end=True adds a validation at the last step to those of `validation_interval`, "
+            "but validation_interval is None (validations then run at epoch ends, the last one included). "
+            "Fix: pass validation_interval=N, or drop validate_at_end."
+        )
+
+
+def _with_time_budget(max_time: Any, callbacks: Any) -> Any:
+    """``callbacks`` with a :class:`~fitkit.callbacks.Timer` for ``fit(max_time=...)``."""
+    if max_time is None:
+        return callbacks
+    from fitkit.callbacks.timer import Timer
+
+    timer = Timer(max_time)  # checks the duration
+    listed = list(callbacks or [])
+    if any(isinstance(cb, Timer) for cb in listed):
+        raise ValueError(
+            "fit(max_time=...) adds a Timer, and the callbacks hold one already: two time budgets. "
+            "Fix: pass one of them (max_time=, or Timer(duration=...))."
+        )
+    return [*listed, timer]
+
+
+def _apply_quick(o: dict[str, Any], quick: QuickRun) -> None:
+    """What ``fast_dev_run`` / ``overfit_batches`` replace of fit's arguments (:mod:`fitkit.training.quick`)."""
+    if not quick.active:
+        return
+    for key, value in quick.overrides(o["initial_epoch"]).items():
+        o[key] = value
+    if quick.fast_dev_run:  # no files, no tuning: the callbacks that write or tune stay out
+        o["callbacks"] = [cb for cb in o["callbacks"] if not cb.skip_in_fast_dev_run]
+
+
+def _check_scalars(o: dict[str, Any]) -> None:
+    check_int("initial_epoch", o["initial_epoch"], 0)
+    check_int("validation_steps", o["validation_steps"], 1, allow_none=True, fix=_WHOLE_BATCHES)
+    check_int("validation_batch_size", o["validation_batch_size"], 1, allow_none=True)
+    check_bool("shuffle", o["shuffle"])
+    check_number("validation_split", o["validation_split"])
+    if not 0 <= o["validation_split"] < 1:
+        raise ValueError(
+            f"Expected `validation_split` in [0, 1). Received: validation_split={o['validation_split']!r}. "
+            "Fix: pass a fraction such as 0.2."
+        )
+
+
+def _check_callbacks(model: Any, callbacks: list[Callback], validates: bool) -> None:
+    check_schedules(model, callbacks)
+    check_weight_swaps(model, callbacks, validates=validates)  # one averaged copy validated on, one swapped in
+    check_process_resources(callbacks)
+
+
+def _loaders(model: Any, x: Any, y: Any, o: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """``(train, val, example)``: the loaders of the training and validation data, their data
+    checked before step 1 (the last first batch checked is ``summary``'s example)."""
+    if x is None:
+        raise ValueError("`fit` needs data. Received x=None. Fix: pass tensors, a Dataset or a DataLoader.")
+    sample_weight, validation_data = o["sample_weight"], o["validation_data"]
+    if o["validation_split"]:
+        if validation_data is not None:
+            warnings.warn("`validation_data` is given, so `validation_split` is ignored.", category=FitkitWarning,
+                          stacklevel=4)  # fmt: skip
+        else:
+            (x, y, sample_weight), validation_data = _data.split_validation(x, y, sample_weight,
+                                                                            o["validation_split"])  # fmt: skip
+    train = _distributed.sharded(
+        _data.as_loader, x, y, sample_weight, batch_size=o["batch_size"], shuffle=o["shuffle"],
+        class_weight=o["class_weight"], steps=o["steps_per_epoch"], device=model.device,
+    )  # fmt: skip
+    val = None
+    if validation_data is not None:
+        val = validation_loaders(model, validation_data, o["validation_batch_size"] or o["batch_size"])
     example = check_data(model, train, "x", training=True)
     for name, loader in _named(val, "validation_data"):
         val_example = check_data(model, loader, name, training=False, validation=True)
         example = example if val_example is None else val_example
-    _warn_nothing_to_train(model, initial_epoch, epochs)
-    validates = val is not None
-    fit_accumulation = _callback_schedule(model.stepper, callbacks)
+    return train, val, example
+
+
+def _planned(model: Any, o: dict[str, Any], x: Any, train: Any, val: Any, example: Any,
+             schedule: ValidationSchedule, interval: ValidationInterval | None, fraction: float | None,
+             sanity_steps: int) -> FitPlan:  # fmt: skip
+    """The budgets and the callbacks' params of a checked fit: the :class:`FitPlan`."""
+    stepper, epochs, max_steps, initial_epoch = model._core.stepper, o["epochs"], o["max_steps"], o["initial_epoch"]
+    fit_accumulation = _callback_schedule(stepper, o["callbacks"])
+    accumulation = _accumulation(stepper, fit_accumulation)
     if fraction is not None:  # the fraction's steps, or max_steps if that comes first
-        steps = _budget.fraction_budget(train.num_batches, _accumulation(model.stepper, fit_accumulation), fraction)
+        steps = _budget.fraction_budget(train.num_batches, accumulation, fraction)
         max_steps = steps if max_steps is None else min(max_steps, steps)
-    total, shown = _plan_steps(model, train, epochs, max_steps, fit_accumulation)
-    fit_steps = _reach.fit_steps(model.global_step, train.num_batches, _accumulation(model.stepper, fit_accumulation),
-                             initial_epoch, epochs, max_steps)
-    _reach.warn_unreachable(model, max_steps=max_steps, interval=interval, validation_interval=validation_interval,
-                            steps=fit_steps, initial_epoch=initial_epoch, epochs=epochs, callbacks=callbacks)
+    total, shown = _plan_steps(model, train, epochs, max_steps, accumulation)
+    fit_steps = _reach.fit_steps(model.global_step, train.num_batches, accumulation, initial_epoch, epochs, max_steps)
+    _reach.warn_unreachable(model, max_steps=max_steps, interval=interval, validation_interval=o["validation_interval"],
+                            steps=fit_steps, initial_epoch=initial_epoch, epochs=epochs,
+                            callbacks=o["callbacks"])  # fmt: skip
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
+    validates = val is not None
     by_epoch = validates and shown and interval is None
     # A source that makes its own batches (a DataLoader, an iterable of batches) records its own size.
-    recorded = train.batch_size if _data.batches_itself(x) else batch_size
+    recorded = train.batch_size if _data.batches_itself(x) else o["batch_size"]
     params = {"batch_size": recorded, "do_validation": validates, "metrics": planned_keys(model, validates, val),
               # the (0-based) epochs whose validation is scheduled
               "validation_epochs": schedule.epochs(initial_epoch, shown) if by_epoch and shown else [],
-              "validation_interval": validation_interval,
+              "validation_interval": o["validation_interval"],
               "max_steps": max_steps, "total_steps": total}  # fmt: skip
-    plan = FitPlan(train, val, schedule, verbose, callbacks, params, example, epochs, total)
-    plan.shown_epochs = shown  # params["epochs"]: the bound, or the epochs the budget takes
-    plan.interval = interval
-    plan.accumulation = fit_accumulation
-    return plan
+    return FitPlan(
+        train=train, val=val, schedule=schedule, interval=interval, verbose=o["verbose"],
+        callbacks=tuple(o["callbacks"]), params=params, example=example, initial_epoch=initial_epoch,
+        epochs=epochs, shown_epochs=shown, total_steps=total, max_steps=max_steps,
+        accumulation=fit_accumulation, validation_steps=o["validation_steps"],
+        validate_at_end=o["validate_at_end"], min_epochs=o["min_epochs"], min_steps=o["min_steps"],
+        sanity_steps=sanity_steps,
+    )  # fmt: skip
 
 
 def _check_batches_itself(source: Any, size: int | None, name: str, size_name: str) -> None:
@@ -217,11 +324,10 @@ def _accumulation(stepper: Any, fit_accumulation: Any) -> Any:
 
 
 def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | None,
-                fit_accumulation: Any) -> tuple[int | None, int | None]:  # fmt: skip
+                accumulation: Any) -> tuple[int | None, int | None]:  # fmt: skip
     """``(total_steps, epochs shown to callbacks)``; ``ValueError`` when a scheduler factory
     asks for the step count and it cannot be known."""
-    stepper = model.stepper
-    accumulation = _accumulation(stepper, fit_accumulation)
+    stepper = model._core.stepper
     batches = train.num_batches
     total = _budget.planned_steps(batches, accumulation, epochs, max_steps)
     planned = stepper.scheduling.planned
@@ -276,7 +382,7 @@ def check_schedules(model: Any, callbacks: list[Callback]) -> None:
 
 
 def check_data(model: Any, loader: _data.DeviceLoader, name: str, training: bool, validation: bool = False) -> Any:
-    """The data checks before step 1 (:mod:`fitkit.checks.preflight`); returns the first batch's ``x``
+    """The data checks before step 1 (:mod:`fitkit.training.preflight`); returns the first batch's ``x``
     when one was run (``summary``'s example), else ``None``."""
     src = loader.batches
     if not isinstance(src, _data.TensorBatches):

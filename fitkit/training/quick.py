@@ -234,7 +234,7 @@ def sanity_check(model: Any, val: Any, steps: int) -> None:
     try:
         # EvalLoop restores the modes; an empty CallbackList: no hook, no log
         for what, loader in sets:
-            with model.phases.template_kept():
+            with model._core.phases.template_kept():
                 EvalLoop(model, loader, CallbackList([], model, {}), None if steps < 0 else steps,
                          what=what).run()  # fmt: skip
     finally:

@@ -90,7 +90,7 @@ class RunState:
 
     def __init__(self, model: Model, tensors: bool = True):
         self.model = model
-        running = model.running_fit()
+        running = model._core.running_fit()
         self.parts: list[Part] = [
             VersionPart(), ModulePart(model, tensors), OptimizerPart(model, tensors), StepperPart(model),
             SchedulerPart(model), PositionPart(model), RngPart(),

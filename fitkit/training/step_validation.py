@@ -197,7 +197,7 @@ class StepValidation:
 
     def after_step(self, batches_done: int, epoch: int) -> None:
         """After an optimizer step: validate if it is due (``batches_done``: of ``epoch``)."""
-        stepper = self.model.stepper
+        stepper = self.model._core.stepper
         step = stepper.global_step
         if step == self.last_step:
             return
@@ -213,10 +213,10 @@ class StepValidation:
             self.run(epoch)
 
     def run(self, epoch: int) -> None:
-        stepper = self.model.stepper
+        stepper = self.model._core.stepper
         self.last_step = stepper.global_step
-        if self.model.parallel is not None:  # every rank validates with rank 0's BatchNorm statistics
-            self.model.parallel.sync_buffers(self.model.module)
+        if self.model._core.parallel is not None:  # every rank validates with rank 0's BatchNorm statistics
+            self.model._core.parallel.sync_buffers(self.model.module)
         rng = _checkpoint.rng_state()  # the training stream goes on as if nothing ran
         try:
             val_logs = run_validation(self.model, self.val, self.callbacks, self.steps)

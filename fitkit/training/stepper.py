@@ -36,10 +36,10 @@ from torch import nn
 
 from fitkit import distributed as _distributed
 from fitkit import nest
+from fitkit.callbacks.accumulation import AccumulationSchedule
 from fitkit.checks.gradient import check_every_parameter_reached
 from fitkit.devices import NO_CONTEXT
 from fitkit.losses.outputs import label_items
-from fitkit.training.accumulation import AccumulationSchedule
 from fitkit.training.scheduling import SchedulerDriver
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class Stepper:
         precision: ``"16-mixed"`` adds a ``GradScaler``.
         device: the model's device.
         accumulation: micro-batches per optimizer step, or an
-            :class:`~fitkit.training.accumulation.AccumulationSchedule` (by epoch, applied at epoch begin).
+            :class:`~fitkit.callbacks.accumulation.AccumulationSchedule` (by epoch, applied at epoch begin).
         clip_grad_norm: max global 2-norm of the gradients, or ``None``.
         clip_grad_value: max absolute gradient element, or ``None``.
         parallel: the model's :class:`fitkit.distributed.Parallel` under torchrun, else ``None``.

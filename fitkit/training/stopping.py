@@ -47,7 +47,7 @@ class StopDecision:
         """The fit's signal catcher (:func:`~fitkit.training.signals.deferred`): where the ranks
         agree, on signals, stops and the fit's time ``triggers``."""
         self.interrupt = interrupt
-        self.agreement = RankAgreement(interrupt, self.model.parallel is not None, triggers)
+        self.agreement = RankAgreement(interrupt, self.model._core.parallel is not None, triggers)
 
     def save_on_signal(self) -> None:
         """At the end of training: a signal not yet acted on writes its backup now."""
@@ -103,12 +103,12 @@ class StopDecision:
     def now(self, epoch_end: bool = False) -> bool:
         """Whether training stops here (``model.stop_training``; agreed over ranks under torchrun)."""
         model = self.model
-        if model.parallel is None:
+        if model._core.parallel is None:
             return model.stop_training and not self.held(epoch_end)
         if epoch_end:  # one all-reduce: a stop, or a signal, on any rank holds for all
             model.stop_training = self.agreement.at_epoch_end(model.stop_training)
             return model.stop_training and not self.held(epoch_end)
-        stepper = model.stepper
+        stepper = model._core.stepper
         if stepper is None or not stepper.fit.stop_agreed:
             return False
         model.stop_training = True

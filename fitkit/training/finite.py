@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fitkit import nest
 from fitkit.compile import call
 from fitkit.data import device_batch
-from fitkit.training.modes import modes
+from fitkit.modes import modes
 
 if TYPE_CHECKING:
     from fitkit.model import Model

@@ -30,14 +30,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fitkit import nest
 from fitkit.checks import FitkitWarning
-from fitkit.checks.finite import check_batch_loss, check_in_memory
 from fitkit.checks.gradient import check_loss_has_grad, wants_grad_check
 from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
 from fitkit.data import order as _order
 from fitkit.devices import accelerator_rng_state, set_accelerator_rng_state
 from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
-from fitkit.training.modes import modes
+from fitkit.modes import modes
+from fitkit.training.finite import check_batch_loss, check_in_memory
 
 if TYPE_CHECKING:
     from fitkit.model import Model
@@ -174,7 +174,7 @@ def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool, 
 
     NaN / inf values are looked for without copying the data; in ``x`` / ``y`` they are refused
     only where the ``model``'s loss (or gradient) on those rows is not finite (see
-    :mod:`fitkit.checks.finite`; without a model, always).
+    :mod:`fitkit.training.finite`; without a model, always).
 
     Raises:
         ValueError: NaN / inf in ``sample_weight``, or in ``x`` / ``y`` that the loss does not
@@ -388,11 +388,11 @@ def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:
 
 def _check_with_test_step(model: Model, batch: tuple[Any, Any, Any], label: str) -> None:
     """An overridden ``test_step`` knows what the module's output means: run it, eagerly."""
-    phases = model.phases
+    phases = model._core.phases
     totals = phases.new_totals()
     try:
         # The module itself, not the compiled forward: no compilation here.
-        with modes(model.module, training=False, grad=False), phases.running(totals), model._forward.plain():
+        with modes(model.module, training=False, grad=False), phases.running(totals), model._core.training_forward.plain():
             model.test_step(batch)
     except Exception as e:
         raise wrap("test_step", batch, e, label=label) from e
