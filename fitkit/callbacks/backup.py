@@ -73,7 +73,7 @@ class BackupAndRestore(SavesEveryNBatches, StatefulCallback):
         [0, 1, 2]
     """
 
-    _is_backup = True  # written after the other checkpoint files of the same event
+    is_backup = True  # written after the other checkpoint files of the same event
 
     skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
 

@@ -60,6 +60,47 @@ class Callback:
     #: callback's ``resource_in_use()`` (if it has one) whether it is taken already.
     process_resource: str | None = None
 
+    #: Whether this callback writes the run's backup (``BackupAndRestore``): in each event the
+    #: callback list runs the backup writers after the other checkpoint writers, so a backup
+    #: taken at a point holds the other files of that point.
+    is_backup: bool = False
+
+    #: What the fit loop asks of a callback beyond its hooks is declared here, with defaults that
+    #: mean "nothing": the core calls these on every callback and never probes with ``getattr``.
+
+    def accumulation_for(self, compiled: int) -> Any:
+        """This fit's gradient-accumulation schedule by epoch (``GradientAccumulationScheduler``),
+        with ``compiled`` for the epochs before its first key; ``None``: the callback has none."""
+        return None
+
+    def resource_in_use(self) -> str | None:
+        """Why :attr:`process_resource` is taken already (another torch profiler runs), else ``None``."""
+        return None
+
+    def time_due(self) -> bool:
+        """Whether this callback's clock trigger is due on this rank (:meth:`acts_on_time` callbacks)."""
+        return False
+
+    def time_agreed(self) -> None:
+        """Called on every rank at the step where the ranks agreed a clock trigger was due on any."""
+
+    @property
+    def acts_on_time(self) -> bool:
+        """Whether this callback has a clock trigger (it overrides :meth:`time_agreed`): under torchrun
+        the fit agrees its time over the ranks (``ModelCheckpoint(train_time_interval=...)``)."""
+        return type(self).time_agreed is not Callback.time_agreed
+
+    def loaded_by_fit(self) -> None:
+        """Called after the fit itself loaded this callback's state (a resume point applied after
+        ``on_train_begin``): a callback that keeps a loaded state for its next ``on_train_begin``
+        drops that flag here."""
+
+    def watches(self) -> dict[str, str]:
+        """What this callback's saved state means: the key it monitors and the direction
+        (``{"monitor": ..., "mode": ...}``; empty for a callback without them). A resume that
+        watches another key does not restore the state."""
+        return {k: str(getattr(self, k)) for k in ("monitor", "mode") if isinstance(getattr(self, k, None), str)}
+
     def __init__(self) -> None:
         self.model: Any = None
         self.params: dict[str, Any] = {}
@@ -373,7 +414,7 @@ class CallbackList:
         }
         # Checkpoint writers, in list order but backups last: a backup then never records a
         # file that another callback has yet to write.
-        writers = sorted(self.callbacks, key=lambda cb: bool(getattr(cb, "_is_backup", False)))
+        writers = sorted(self.callbacks, key=lambda cb: cb.is_backup)
         for save in (*_SAVE_HOOKS.values(), *_INTERNAL):
             self._hooks[save] = [getattr(cb, save) for cb in writers if _overrides(cb, save)]
 
@@ -409,8 +450,7 @@ class CallbackList:
             >>> CallbackList([TerminateOnNaN(), hook], model=None, params={}).host_agreement_after_backward()
             True
         """
-        return any(not getattr(cb, "device_veto_only", False)
-                   for cb in self.callbacks if _overrides(cb, "on_backward_end"))  # fmt: skip
+        return any(not cb.device_veto_only for cb in self.callbacks if _overrides(cb, "on_backward_end"))
 
     def _call(self, hook: str, *args: Any) -> None:
         for fn in self._hooks[hook]:

@@ -318,5 +318,5 @@ def _resuming(model: Any) -> bool:
     """Whether this fit continues a run: steps taken, a checkpoint loaded, or a backup to load."""
     if model.global_step > 0:  # a loaded checkpoint restored its step count too
         return True
-    backups = [cb for cb in model.callbacks if getattr(cb, "_is_backup", False)]
+    backups = [cb for cb in model.callbacks if cb.is_backup]
     return any(cb.path.is_file() or cb.prev_path.is_file() for cb in backups)

@@ -126,6 +126,10 @@ class StatefulCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         return self._get_state()
 
+    def loaded_by_fit(self) -> None:
+        """The fit loaded this state itself (after ``on_train_begin``): nothing left to keep."""
+        self._restored = False
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._set_state(state)
         self._restored = True  # consumed by the next on_train_begin

@@ -330,6 +330,10 @@ class WeightAveraging(Callback):
             state["training_weights"] = [saved[i] for idx in self._index for i in idx]
         return state
 
+    def loaded_by_fit(self) -> None:
+        """The fit loaded this state itself (after ``on_train_begin``): nothing left to keep."""
+        self._restored = False
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return

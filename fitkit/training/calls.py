@@ -95,10 +95,10 @@ def predict(model: Any, x: Any, o: Mapping[str, Any]) -> Any:
     loader = _distributed.sharded(_data.as_loader, x, batch_size=batch_size, device=model.device, steps=steps)
     src = loader.batches
     in_memory = isinstance(src, _data.TensorBatches)
-    if in_memory:
+    if isinstance(src, _data.TensorBatches):
         cast_to_module(src, model.module)  # float64 arrays into a float32 module, as fit does
-    if in_memory and src.n == 0 and not _distributed.is_distributed():
-        return model.predict_on_batch(src.x)
+        if src.n == 0 and not _distributed.is_distributed():
+            return model.predict_on_batch(src.x)
     cbs = planning.callback_list(model, callbacks, verbose, None, loader.num_batches)
     out = PredictLoop(model, loader, cbs, steps).run()
     nothing = isinstance(out, torch.Tensor) and out.numel() == 0 and out.dim() == 1

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch  # noqa: F401  (the examples use it)
 from torch import nn  # noqa: F401  (the examples use it)
 
 from fitkit.tools.summary import summary_input, summary_table
 from fitkit.training import checkpoint as _checkpoint
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 __all__ = ["FilesAndTools"]
 
@@ -25,6 +28,9 @@ class FilesAndTools:
     module: nn.Module
     device: torch.device
     _core: Any
+
+    def _model(self) -> Model:
+        return cast("Model", self)
 
     # -- files -------------------------------------------------------------------------------
     def save_weights(self, path: str | os.PathLike, *, trainable_only: bool = False) -> None:
@@ -58,7 +64,7 @@ class FilesAndTools:
             ...     sorted(torch.load(os.path.join(d, "weights.pt"), weights_only=True))
             ['bias', 'weight']
         """
-        _checkpoint.save_weights(self, path, trainable_only)
+        _checkpoint.save_weights(self._model(), path, trainable_only)
 
     def load_weights(self, path: str | os.PathLike, strict: bool = True, *, trainable_only: bool = False) -> None:
         """Load a state dict saved by :meth:`save_weights` (or a checkpoint) onto ``model.device``.
@@ -91,7 +97,7 @@ class FilesAndTools:
             >>> torch.equal(other.module.weight, model.module.weight)
             True
         """
-        _checkpoint.load_weights(self, path, strict, trainable_only)
+        _checkpoint.load_weights(self._model(), path, strict, trainable_only)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The full training state as a ``weights_only``-loadable dict.
@@ -101,7 +107,7 @@ class FilesAndTools:
         drew its order), global step, RNG states, callback states, history, the
         fitkit version; :meth:`save_checkpoint` adds a checksum of the payload.
         """
-        return _checkpoint.checkpoint_state(self)
+        return _checkpoint.checkpoint_state(self._model())
 
     def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool | None = None,
                         async_save: bool = False) -> None:  # fmt: skip
@@ -125,7 +131,7 @@ class FilesAndTools:
             OSError: the file cannot be written (the old file, if any, is left as it was).
             ValueError: ``async_save=True`` for a one-file checkpoint.
         """
-        _checkpoint.save_checkpoint(self, path, sharded, async_save)
+        _checkpoint.save_checkpoint(self._model(), path, sharded, async_save)
 
     def load_checkpoint(self, path: str | os.PathLike) -> int:
         """Restore a checkpoint; the next ``fit(..., initial_epoch=k)`` continues from it.
@@ -148,7 +154,7 @@ class FilesAndTools:
                 model (nothing is loaded then).
         """
         self._core.require_compiled("load_checkpoint")
-        return _checkpoint.load_checkpoint(self, path)
+        return _checkpoint.load_checkpoint(self._model(), path)
 
     def summary(self, print_fn: Any = None, *, input_shape: tuple[int, ...] | None = None,
                 example_input: Any = None) -> Any:

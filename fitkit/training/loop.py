@@ -201,7 +201,7 @@ class FitLoop:
         if self.step_val is not None and self.step_val.interval.seconds is not None:
             self.step_val.agree_by_ranks()
             triggers.append(self.step_val)
-        triggers += [cb for cb in self.callbacks.callbacks if callable(getattr(cb, "time_agreed", None))]
+        triggers += [cb for cb in self.callbacks.callbacks if cb.acts_on_time]
         return triggers
 
     def _place(self) -> tuple[int, int, int]:

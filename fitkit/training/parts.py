@@ -327,7 +327,7 @@ class CallbacksPart(Part):
 
     def state_dict(self) -> dict[str, Any]:
         return {"callbacks": {k: cb.state_dict() for k, cb in self.callbacks.items()},
-                "callback_config": {k: watches(cb) for k, cb in self.callbacks.items()}}  # fmt: skip
+                "callback_config": {k: cb.watches() for k, cb in self.callbacks.items()}}  # fmt: skip
 
     def content_problems(self, state: Mapping[str, Any]) -> list[str]:
         out = super().content_problems(state)
@@ -378,8 +378,3 @@ def stateful(callbacks: Sequence[Any]) -> dict[str, Any]:
         seen[name] = n + 1
         out[name if n == 0 else f"{name}_{n}"] = cb
     return out
-
-
-def watches(cb: Any) -> dict[str, str]:
-    """What a callback's saved state means: the key it watches and the direction."""
-    return {k: str(getattr(cb, k)) for k in ("monitor", "mode") if isinstance(getattr(cb, k, None), str)}

@@ -343,7 +343,7 @@ def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | Non
 
 def _callback_schedule(stepper: Any, callbacks: list[Callback]) -> Any:
     """A GradientAccumulationScheduler's schedule for this fit (``None``: none in the list)."""
-    by_callback: list[Any] = [cb for cb in callbacks if callable(getattr(cb, "accumulation_for", None))]
+    by_callback = [cb for cb in callbacks if cb.accumulation_for(stepper.accumulation) is not None]
     if by_callback and (len(by_callback) > 1 or stepper.accumulation_schedule is not None):
         both = "compile(gradient_accumulation_steps={...}) and a GradientAccumulationScheduler"
         n = len(by_callback)
@@ -484,11 +484,10 @@ def check_process_resources(callbacks: Any) -> None:
     """
     held: dict[str, list[str]] = {}
     for cb in callbacks or ():
-        resource = getattr(cb, "process_resource", None)
+        resource = cb.process_resource
         if resource:
             held.setdefault(resource, []).append(type(cb).__name__)
-            busy = getattr(cb, "resource_in_use", None)
-            why = busy() if callable(busy) else None
+            why = cb.resource_in_use()
             if why:
                 raise RuntimeError(f"{type(cb).__name__} cannot start: {why}")
     for resource, names in held.items():

@@ -392,7 +392,8 @@ def _check_with_test_step(model: Model, batch: tuple[Any, Any, Any], label: str)
     totals = phases.new_totals()
     try:
         # The module itself, not the compiled forward: no compilation here.
-        with modes(model.module, training=False, grad=False), phases.running(totals), model._core.training_forward.plain():
+        plain = model._core.training_forward.plain()
+        with modes(model.module, training=False, grad=False), phases.running(totals), plain:
             model.test_step(batch)
     except Exception as e:
         raise wrap("test_step", batch, e, label=label) from e

@@ -74,7 +74,7 @@ def _warn_checkpoint_epochs(callbacks: list[Any], initial_epoch: int, epochs: in
     if epochs is None or epochs <= initial_epoch:
         return
     for cb in callbacks:
-        n = getattr(cb, "every_n_epochs", 0) if isinstance(cb, ModelCheckpoint) else 0
+        n = cb.every_n_epochs if isinstance(cb, ModelCheckpoint) else 0
         if n and cb.save_freq == "epoch" and cb.last_path is None \
                 and not any((e + 1) % n == 0 for e in range(initial_epoch, epochs)):  # fmt: skip
             _warn(f"ModelCheckpoint(every_n_epochs={n}) writes nothing in this fit: it saves at epochs {n}, "

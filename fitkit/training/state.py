@@ -55,7 +55,6 @@ from fitkit.training.parts import (
     rng_state,
     set_rng_state,
     stateful,
-    watches,
 )
 from fitkit.training.position import Position
 
@@ -158,9 +157,9 @@ class ResumePoint:
         raise_problems("The checkpoint", callback_state_problems(saved, mine), CheckpointError,
                        "so no callback state and no history was restored (the weights and the optimizer were)")
         for key, cb in mine.items():
-            if key in config and config[key] != watches(cb):
+            if key in config and config[key] != cb.watches():
                 warnings.warn(
-                    f"{key} was saved watching {config[key]} and now watches {watches(cb)}: its saved "
+                    f"{key} was saved watching {config[key]} and now watches {cb.watches()}: its saved "
                     "state (best value, patience) is not restored. Fix: resume with the same settings.",
                     category=FitkitWarning, stacklevel=4,
                 )
@@ -169,8 +168,7 @@ class ResumePoint:
                 cb.load_state_dict(saved[key])
                 # Loaded after on_train_begin: the flag that asks the next on_train_begin to
                 # keep a loaded state is consumed here.
-                if getattr(cb, "_restored", False):
-                    cb._restored = False
+                cb.loaded_by_fit()
         history = self.state["history"]
         for cb in callbacks.callbacks:
             if type(cb).__name__ == "History" and history is not None:
