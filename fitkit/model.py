@@ -802,56 +802,13 @@ class Model(FilesAndTools):
         """Whether :meth:`test_step` is fitkit's own."""
         return type(self).test_step is Model.test_step
 
-    def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: torch.Tensor | None) -> torch.Tensor:
-        """The batch's training objective: ``sum(w * l) / sum(w)`` over its loss terms.
+    compute_loss = _steps.compute_loss
 
-        The terms are the tokens that count for a class-index loss (``"cross_entropy"``,
-        ``"nll"``: every target position but ``ignore_index``) and the rows for the others;
-        ``w`` is 1 without sample weights (see :mod:`fitkit.losses.denominators`). Override it to add
-        terms (e.g. a regularizer); ``x`` is there for losses that need it. With
-        ``compile(loss=None)``, a module output that carries its own ``"loss"`` (Hugging Face
-        models called with ``labels``) is the objective. With a compiled loss and no ``y``, a dict
-        batch's ``"labels"`` are the targets (the Transformers Trainer's default ``label_names``), for
-        the metrics too; the default steps then leave ``labels`` out of the module's inputs, as the
-        Trainer does for a custom loss, so the model does not compute a loss of its own.
+    train_step = _steps.train_step
 
-        Args:
-            x: the batch's inputs.
-            y: its targets (``None`` if the batches have none: then ``x["labels"]`` for a dict ``x``).
-            y_pred: the module's output.
-            sample_weight: ``(B,)`` weights, per-position weights shaped like ``y``, or ``None``.
+    test_step = _steps.test_step
 
-        Returns:
-            A 0-dim tensor.
-
-        Raises:
-            RuntimeError: no loss was compiled and the output carries none.
-            ValueError: no targets, or targets that do not fit the prediction.
-        """
-        return _steps.compute_loss(self, x, y, y_pred, sample_weight)
-
-    def train_step(self, batch: tuple[Any, Any, Any]) -> None:
-        """One (micro-)batch of training: forward, loss, backward, metrics, optimizer step.
-
-        ``batch`` is ``(x, y, sample_weight)`` on the device (``y`` / ``sample_weight`` may be
-        ``None``). Override it with the public pieces: ``self(x)`` (the training forward),
-        :meth:`compute_loss`, :meth:`autocast`, :meth:`backward`, :meth:`optimizer_step`
-        (a no-op inside an accumulation window) and :meth:`update_metrics`; see
-        "Custom training steps" in the docs for an auxiliary loss and a two-optimizer step.
-        """
-        _steps.train_step(self, batch)
-
-    def test_step(self, batch: tuple[Any, Any, Any]) -> None:
-        """One batch of evaluation (eval mode, no grad): loss and metrics."""
-        _steps.test_step(self, batch)
-
-    def predict_step(self, batch: tuple[Any, Any, Any]) -> Any:
-        """One batch of prediction: the module's output for ``x`` (``y`` is ignored).
-
-        Under mixed precision the module runs under autocast, and float16 / bfloat16 outputs
-        come back as float32, as a user of ``predict`` expects (Keras returns float32 too).
-        """
-        return _steps.predict_step(self, batch)
+    predict_step = _steps.predict_step
 
     # -- the pieces a train_step override uses -----------------------------------------------
     def autocast(self) -> Any:
@@ -865,7 +822,7 @@ class Model(FilesAndTools):
 
         A loss that needs no gradient (every parameter frozen) is not backpropagated.
         """
-        stepper = self._core.require_compiled("backward")
+        stepper = self._core.stepper or self._core.require_compiled("backward")
         if loss.requires_grad:
             stepper.backward(loss)
 
@@ -875,22 +832,10 @@ class Model(FilesAndTools):
         Runs ``on_backward_end`` (gradients unscaled), the skip decision, clipping, the
         GradScaler and a per-step scheduler. Returns whether the weights changed.
         """
-        stepper = self._core.require_compiled("optimizer_step")
+        stepper = self._core.stepper or self._core.require_compiled("optimizer_step")
         return stepper.step(self.module)
 
-    def update_metrics(
-        self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None
-    ) -> None:
-        """Add a batch to the running phase's loss and metrics (on the device, no sync).
-
-        Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch.
-        ``y_pred`` may be a structured output (its prediction is picked as in
-        :mod:`fitkit.losses.outputs`).
-
-        Raises:
-            RuntimeError: called outside ``fit`` / ``evaluate`` / ``*_on_batch``.
-        """
-        _steps.update_metrics(self, loss, y_pred, y, sample_weight)
+    update_metrics = _steps.update_metrics
 
 
 

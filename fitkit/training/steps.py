@@ -22,7 +22,31 @@ __all__ = ["compute_loss", "train_step", "test_step", "predict_step", "update_me
 
 
 def compute_loss(model: Any, x: Any, y: Any, y_pred: Any, sample_weight: torch.Tensor | None) -> torch.Tensor:
-    """The default ``Model.compute_loss`` (see there)."""
+    """The batch's training objective: ``sum(w * l) / sum(w)`` over its loss terms.
+
+    The terms are the tokens that count for a class-index loss (``"cross_entropy"``,
+    ``"nll"``: every target position but ``ignore_index``) and the rows for the others;
+    ``w`` is 1 without sample weights (see :mod:`fitkit.losses.denominators`). Override it to add
+    terms (e.g. a regularizer); ``x`` is there for losses that need it. With
+    ``compile(loss=None)``, a module output that carries its own ``"loss"`` (Hugging Face
+    models called with ``labels``) is the objective. With a compiled loss and no ``y``, a dict
+    batch's ``"labels"`` are the targets (the Transformers Trainer's default ``label_names``), for
+    the metrics too; the default steps then leave ``labels`` out of the module's inputs, as the
+    Trainer does for a custom loss, so the model does not compute a loss of its own.
+
+    Args:
+        x: the batch's inputs.
+        y: its targets (``None`` if the batches have none: then ``x["labels"]`` for a dict ``x``).
+        y_pred: the module's output.
+        sample_weight: ``(B,)`` weights, per-position weights shaped like ``y``, or ``None``.
+
+    Returns:
+        A 0-dim tensor.
+
+    Raises:
+        RuntimeError: no loss was compiled and the output carries none.
+        ValueError: no targets, or targets that do not fit the prediction.
+    """
     loss = model.loss
     if loss is None:
         own = own_loss(y_pred)
@@ -60,7 +84,14 @@ def forward_inputs(model: Any, x: Any, y: Any) -> Any:
 
 
 def train_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
-    """The default ``Model.train_step`` (see there)."""
+    """One (micro-)batch of training: forward, loss, backward, metrics, optimizer step.
+
+    ``batch`` is ``(x, y, sample_weight)`` on the device (``y`` / ``sample_weight`` may be
+    ``None``). Override it with the public pieces: ``self(x)`` (the training forward),
+    :meth:`compute_loss`, :meth:`autocast`, :meth:`backward`, :meth:`optimizer_step`
+    (a no-op inside an accumulation window) and :meth:`update_metrics`; see
+    "Custom training steps" in the docs for an auxiliary loss and a two-optimizer step.
+    """
     x, y, sample_weight = batch
     core = model._core
     stepper = core.stepper or core.require_compiled("train_step")
@@ -95,7 +126,7 @@ def train_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
 
 
 def test_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
-    """The default ``Model.test_step`` (see there)."""
+    """One batch of evaluation (eval mode, no grad): loss and metrics."""
     x, y, sample_weight = batch
     with model.autocast():
         y_pred = model._core.training_forward(x if isinstance(x, torch.Tensor) else forward_inputs(model, x, y))
@@ -107,7 +138,11 @@ def test_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
 
 
 def predict_step(model: Any, batch: tuple[Any, Any, Any]) -> Any:
-    """The default ``Model.predict_step`` (see there)."""
+    """One batch of prediction: the module's output for ``x`` (``y`` is ignored).
+
+    Under mixed precision the module runs under autocast, and float16 / bfloat16 outputs
+    come back as float32, as a user of ``predict`` expects (Keras returns float32 too).
+    """
     with model.autocast():
         out = model._core.training_forward(batch[0])
     if isinstance(out, Mapping) and "logits" in out:
@@ -119,7 +154,15 @@ def predict_step(model: Any, batch: tuple[Any, Any, Any]) -> Any:
 
 def update_metrics(model: Any, loss: torch.Tensor | None, y_pred: Any, y: Any,
                    sample_weight: torch.Tensor | None = None) -> None:  # fmt: skip
-    """The default ``Model.update_metrics`` (see there)."""
+    """Add a batch to the running phase's loss and metrics (on the device, no sync).
+
+    Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch.
+    ``y_pred`` may be a structured output (its prediction is picked as in
+    :mod:`fitkit.losses.outputs`).
+
+    Raises:
+        RuntimeError: called outside ``fit`` / ``evaluate`` / ``*_on_batch``.
+    """
     stack = model._core.phases.stack
     if not stack:
         raise RuntimeError(
