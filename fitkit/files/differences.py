@@ -126,6 +126,14 @@ def optimizer_differences(
     saved_groups, groups = state["param_groups"], optimizer.param_groups
     if len(saved_groups) != len(groups):
         return [*out, f"optimizer: param groups: {len(saved_groups)} in the file, {len(groups)} in the model"]
+    out += _group_differences(saved_groups, groups, saved_class)
+    if out or isinstance(optimizer, torch.optim.LBFGS):
+        return out
+    return _state_shape_differences(state, saved_groups, groups)
+
+
+def _group_differences(saved_groups: list[Any], groups: list[Any], saved_class: str | None) -> list[str]:
+    out = []
     for i, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
         if len(saved["params"]) != len(group["params"]):
             out.append(
@@ -134,8 +142,12 @@ def optimizer_differences(
             )
         if saved_class is None:
             out += _hyper_parameter_differences(i, saved, group)
-    if out or isinstance(optimizer, torch.optim.LBFGS):
-        return out
+    return out
+
+
+def _state_shape_differences(state: Mapping[str, Any], saved_groups: list[Any], groups: list[Any]) -> list[str]:
+    """Per-parameter state tensors whose shape does not fit their parameter's."""
+    out = []
     ids = [p for g in saved_groups for p in g["params"]]
     params = dict(zip(ids, (p for g in groups for p in g["params"]), strict=True))
     for pid, pstate in (state.get("state") or {}).items():

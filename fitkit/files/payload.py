@@ -36,22 +36,9 @@ def payload_checksum(obj: Any) -> str:
 
 def _feed(h: Any, obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        t = t.to_dense() if t.layout != torch.strided else t
-        h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
-        if t.numel() and t.device.type != "meta":
-            h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    elif isinstance(obj, Mapping):
-        h.update(b"D%d;" % len(obj))
-        for k, v in obj.items():
-            _feed(h, k)
-            _feed(h, v)
-    elif isinstance(obj, (list, tuple)):
-        h.update(b"%s%d;" % (b"L" if isinstance(obj, list) else b"U", len(obj)))
-        for v in obj:
-            _feed(h, v)
-    elif isinstance(obj, (set, frozenset)):  # no order: hash the sorted element digests
-        h.update(b"S%d;" % len(obj) + b"".join(sorted(bytes.fromhex(payload_checksum(v)[7:]) for v in obj)))
+        _feed_tensor(h, obj)
+    elif isinstance(obj, (Mapping, list, tuple, set, frozenset)):
+        _feed_container(h, obj)
     elif isinstance(obj, str):
         data = obj.encode("utf-8", "surrogatepass")
         h.update(b"s%d;" % len(data) + data)
@@ -61,6 +48,28 @@ def _feed(h: Any, obj: Any) -> None:
         h.update(b"f" + obj.hex().encode() + b";")
     else:  # None, bool, int, complex, torch.dtype / device / layout
         h.update(f"{type(obj).__name__}:{obj!r};".encode())
+
+
+def _feed_tensor(h: Any, obj: torch.Tensor) -> None:
+    t = obj.detach()
+    t = t.to_dense() if t.layout != torch.strided else t
+    h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
+    if t.numel() and t.device.type != "meta":
+        h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _feed_container(h: Any, obj: Any) -> None:
+    if isinstance(obj, Mapping):
+        h.update(b"D%d;" % len(obj))
+        for k, v in obj.items():
+            _feed(h, k)
+            _feed(h, v)
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"%s%d;" % (b"L" if isinstance(obj, list) else b"U", len(obj)))
+        for v in obj:
+            _feed(h, v)
+    else:  # a set: no order, so the sorted element digests
+        h.update(b"S%d;" % len(obj) + b"".join(sorted(bytes.fromhex(payload_checksum(v)[7:]) for v in obj)))
 
 
 def with_weights_checksum(state: Mapping[str, Any]) -> OrderedDict:

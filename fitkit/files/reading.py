@@ -74,6 +74,25 @@ def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
     """
     where = repr(str(path))
     p = Path(path)
+    _check_head(p, where)
+    try:
+        state = torch.load(p, map_location=map_location, weights_only=True)
+    except Exception as e:
+        if "weights_only" in str(e) or "Unsupported global" in str(e) or "Weights only load failed" in str(e):
+            raise RefusedCheckpointError(
+                f"Refused to load {where}: it holds pickled objects that could run code, and "
+                "fitkit loads with weights_only=True. Fix: save with model.save_weights / "
+                "save_checkpoint, or re-save a plain state dict from code you trust."
+            ) from None
+        raise CheckpointError(
+            f"{where} is damaged: torch.load failed with {type(e).__name__}: {e}. {_FIX_DAMAGED}"
+        ) from e
+    _check_checksums(state, where)
+    return state
+
+
+def _check_head(p: Path, where: str) -> None:
+    """The file exists, is not empty, and is a torch zip (its CRCs verified) or legacy file."""
     if p.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{where} is a folder, not a checkpoint. Fix: pass the file in it.")
     if not p.is_file():
@@ -90,18 +109,10 @@ def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
             f"{where} is not a fitkit or torch checkpoint (it starts with {head[:8]!r}).{hint} Fix: pass a "
             "file written by save_weights, save_checkpoint or torch.save."
         )
-    try:
-        state = torch.load(p, map_location=map_location, weights_only=True)
-    except Exception as e:
-        if "weights_only" in str(e) or "Unsupported global" in str(e) or "Weights only load failed" in str(e):
-            raise RefusedCheckpointError(
-                f"Refused to load {where}: it holds pickled objects that could run code, and "
-                "fitkit loads with weights_only=True. Fix: save with model.save_weights / "
-                "save_checkpoint, or re-save a plain state dict from code you trust."
-            ) from None
-        raise CheckpointError(
-            f"{where} is damaged: torch.load failed with {type(e).__name__}: {e}. {_FIX_DAMAGED}"
-        ) from e
+
+
+def _check_checksums(state: Any, where: str) -> None:
+    """A weights file's and a fitkit checkpoint's checksums (removed from ``state``), and its version."""
     weights_sum = pop_weights_checksum(state)  # a weights file of save_weights
     if weights_sum is not None and weights_sum.startswith("sha256:") and payload_checksum(dict(state)) != weights_sum:
         raise CheckpointError(f"{where} is corrupted: its checksum does not match its tensors. {_FIX_DAMAGED}")
@@ -110,7 +121,6 @@ def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
         expected = state.pop(CHECKSUM_KEY, None)
         if isinstance(expected, str) and expected.startswith("sha256:") and payload_checksum(state) != expected:
             raise CheckpointError(f"{where} is corrupted: its checksum does not match its contents. {_FIX_DAMAGED}")
-    return state
 
 
 def _verify_archive(p: Path, where: str) -> None:
