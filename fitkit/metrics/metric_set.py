@@ -44,6 +44,42 @@ class _Entry:
         self.key, self.metric, self.kind, self.output, self.fn = key, metric, kind, output, fn
 
 
+def _items(metrics: Any) -> list[tuple[str | None, Any]]:
+    """``compile(metrics=...)`` as ``(log name or None, metric)`` pairs."""
+    if metrics is None:
+        return []
+    if isinstance(metrics, (str, MetricSpec)) or _is_metric(metrics) or callable(metrics):
+        metrics = [metrics]
+    if isinstance(metrics, Mapping):
+        return list(metrics.items())
+    if isinstance(metrics, (list, tuple)):
+        return [(None, m) for m in metrics]
+    raise TypeError(
+        "Expected `metrics` to be a list of names / torchmetrics.Metric objects / callables or a "
+        f"dict {{log_name: metric}}. Received: {type(metrics).__name__}."
+    )
+
+
+def _spec(key: str | None, m: Any) -> tuple[str, Any]:
+    """One metric's ``(log name, torchmetrics.Metric or MetricSpec)``."""
+    if _is_metric(m):
+        return key or snake_case(type(m).__name__), m
+    if isinstance(m, str) or not isinstance(m, MetricSpec) and callable(m):
+        m = MetricSpec(m)
+    elif not isinstance(m, MetricSpec):
+        raise TypeError(
+            "Expected each metric to be a name, a torchmetrics.Metric, a callable fn(y_pred, y_true) "
+            f"or a MetricSpec. Received: {m!r} of type {type(m).__name__}."
+        )
+    key = key or m.default_key()
+    if key is None:
+        raise ValueError(
+            f"A metric callable needs a log name. Received: {m.metric!r}. Fix: pass a dict "
+            "{'name': fn}, or a function defined with `def`."
+        )
+    return key, m
+
+
 class MetricSet:
     """The compiled metrics of a model: configured from the loss, built on the first batch.
 
@@ -75,38 +111,7 @@ class MetricSet:
     """
 
     def __init__(self, metrics: Any = None):
-        if metrics is None:
-            metrics = []
-        if isinstance(metrics, (str, MetricSpec)) or _is_metric(metrics) or callable(metrics):
-            metrics = [metrics]
-        if isinstance(metrics, Mapping):
-            items = list(metrics.items())
-        elif isinstance(metrics, (list, tuple)):
-            items = [(None, m) for m in metrics]
-        else:
-            raise TypeError(
-                "Expected `metrics` to be a list of names / torchmetrics.Metric objects / callables or a "
-                f"dict {{log_name: metric}}. Received: {type(metrics).__name__}."
-            )
-        self.specs: list[tuple[str, Any]] = []  # (log name, torchmetrics.Metric or MetricSpec)
-        for key, m in items:
-            if _is_metric(m):
-                self.specs.append((key or snake_case(type(m).__name__), m))
-                continue
-            if isinstance(m, str) or not isinstance(m, MetricSpec) and callable(m):
-                m = MetricSpec(m)
-            elif not isinstance(m, MetricSpec):
-                raise TypeError(
-                    "Expected each metric to be a name, a torchmetrics.Metric, a callable fn(y_pred, y_true) "
-                    f"or a MetricSpec. Received: {m!r} of type {type(m).__name__}."
-                )
-            key = key or m.default_key()
-            if key is None:
-                raise ValueError(
-                    f"A metric callable needs a log name. Received: {m.metric!r}. Fix: pass a dict "
-                    "{'name': fn}, or a function defined with `def`."
-                )
-            self.specs.append((key, m))
+        self.specs: list[tuple[str, Any]] = [_spec(key, m) for key, m in _items(metrics)]  # (log name, metric)
         keys = [k for k, _ in self.specs]
         if len(set(keys)) != len(keys):
             raise ValueError(f"Metric log names must be unique. Received: {keys}. Fix: pass a dict.")
