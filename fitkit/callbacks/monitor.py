@@ -324,31 +324,48 @@ class EarlyStopping(StatefulCallback):
         if self.restore_best_weights and self.best_weights is None and not math.isnan(current):
             self.best_weights, self.best_epoch = self._snapshot(), epoch  # nothing better yet
         # Lightning's order: not finite, stopping threshold, divergence threshold, patience.
-        if self.check_finite and not math.isfinite(current):
-            return self._stop(epoch, f"not finite: {self.monitor} = {current}{self._best_text()}.")
-        if self.divergence_threshold is not None and is_improvement(self.divergence_threshold, current, self._mode):
-            worse = ">" if self._mode == "min" else "<"
-            return self._stop(epoch, f"divergence_threshold: {self.monitor} = {current:.4g} {worse} "
-                              f"{self.divergence_threshold:.4g}.")
+        mode = self._mode
+        reason = self._threshold_stop(current, mode, before_patience=True)
+        if reason is not None:
+            return self._stop(epoch, reason)
         self.wait += 1
+        improved = self._note(current, epoch, mode)
+        reason = self._threshold_stop(current, mode, before_patience=False)
+        if reason is not None:
+            return self._stop(epoch, reason)
+        if not improved and self.wait >= self.patience and later:
+            what = "validation(s)" if per_validation(self) else "epoch(s)"
+            self._stop(epoch, f"patience: {self.monitor} did not improve for {self.wait} {what}{self._best_text()}.")
+
+    def _threshold_stop(self, current: float, mode: str, before_patience: bool) -> str | None:
+        """Why ``current`` stops training at once (a value not finite or past the divergence
+        threshold, checked before patience counts; the stopping threshold, after), else ``None``."""
+        if not before_patience:
+            if self.stopping_threshold is not None and is_improvement(current, self.stopping_threshold, mode):
+                better = "<" if mode == "min" else ">"
+                return f"stopping_threshold: {self.monitor} = {current:.4g} {better} {self.stopping_threshold:.4g}."
+            return None
+        if self.check_finite and not math.isfinite(current):
+            return f"not finite: {self.monitor} = {current}{self._best_text()}."
+        if self.divergence_threshold is not None and is_improvement(self.divergence_threshold, current, mode):
+            worse = ">" if mode == "min" else "<"
+            return f"divergence_threshold: {self.monitor} = {current:.4g} {worse} {self.divergence_threshold:.4g}."
+        return None
+
+    def _note(self, current: float, epoch: int, mode: str) -> bool:
+        """Keep ``current`` if it improves on the best (and its weights); whether it did."""
         improved = not math.isnan(current) and (
-            self.best is None or is_improvement(current, self.best, self._mode, self.min_delta, self.threshold_mode)
+            self.best is None or is_improvement(current, self.best, mode, self.min_delta, self.threshold_mode)
         )
         if improved:
             self.best, self.best_epoch = current, epoch
             if self.restore_best_weights:
                 self.best_weights = self._snapshot()
             # The wait restarts only on a value that beats the baseline too.
-            if self.baseline is None or is_improvement(current, self.baseline, self._mode, self.min_delta,
+            if self.baseline is None or is_improvement(current, self.baseline, mode, self.min_delta,
                                                        self.threshold_mode):  # fmt: skip
                 self.wait = 0
-        if self.stopping_threshold is not None and is_improvement(current, self.stopping_threshold, self._mode):
-            better = "<" if self._mode == "min" else ">"
-            return self._stop(epoch, f"stopping_threshold: {self.monitor} = {current:.4g} {better} "
-                              f"{self.stopping_threshold:.4g}.")
-        if not improved and self.wait >= self.patience and later:
-            what = "validation(s)" if per_validation(self) else "epoch(s)"
-            self._stop(epoch, f"patience: {self.monitor} did not improve for {self.wait} {what}{self._best_text()}.")
+        return improved
 
     def _best_text(self) -> str:
         # No best yet when every value so far was NaN.
