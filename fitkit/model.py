@@ -94,7 +94,7 @@ class Model(FilesAndTools):
 
     def __init__(self, module: nn.Module, *, device: str | torch.device = "auto",
                  strategy: str | _distributed.FSDP = "auto", timeout: float | None = None,
-                 activation_checkpointing: Any = False):  # fmt: skip
+                 activation_checkpointing: object = False):  # fmt: skip
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"Expected `module` to be a torch.nn.Module. Received: {type(module).__name__}. "
@@ -145,7 +145,7 @@ class Model(FilesAndTools):
         return None if stepper is None else stepper.scheduling.scheduler
 
     @scheduler.setter
-    def scheduler(self, value: Any) -> None:
+    def scheduler(self, value: object) -> None:
         self._core.require_compiled("scheduler").scheduling.set_scheduler(value)
 
     @property
@@ -370,12 +370,12 @@ class Model(FilesAndTools):
     @known_keywords
     def compile(
         self,
-        optimizer: Any = "adam",
-        loss: Any = None,
-        metrics: Any = None,
+        optimizer: object = "adam",
+        loss: object = None,
+        metrics: object = None,
         *,
-        loss_weights: Any = None,
-        scheduler: Any = None,
+        loss_weights: object = None,
+        scheduler: object = None,
         scheduler_interval: str = "epoch",
         precision: str = "32",
         gradient_accumulation_steps: int | dict[int, int] = 1,
@@ -444,18 +444,18 @@ class Model(FilesAndTools):
     @known_keywords
     def fit(
         self,
-        x: Any = None,
-        y: Any = None,
+        x: object = None,
+        y: object = None,
         *,
         batch_size: int | None = None,
         epochs: int | float | None = None,
         verbose: int | str = "auto",
         callbacks: list[Callback] | None = None,
         validation_split: float = 0.0,
-        validation_data: Any = None,
+        validation_data: object = None,
         shuffle: bool = True,
         class_weight: Mapping[int, float] | None = None,
-        sample_weight: Any = None,
+        sample_weight: object = None,
         initial_epoch: int = 0,
         steps_per_epoch: int | None = None,
         validation_steps: int | None = None,
@@ -466,7 +466,7 @@ class Model(FilesAndTools):
         validate_at_end: bool = False,
         min_epochs: int | None = None,
         min_steps: int | None = None,
-        max_time: Any = None,
+        max_time: object = None,
         # quick runs (Lightning's names; fitkit.training.quick)
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0,
@@ -622,12 +622,12 @@ class Model(FilesAndTools):
     @known_keywords
     def evaluate(
         self,
-        x: Any = None,
-        y: Any = None,
+        x: object = None,
+        y: object = None,
         *,
         batch_size: int | None = 32,
         verbose: int | str = "auto",
-        sample_weight: Any = None,
+        sample_weight: object = None,
         steps: int | None = None,
         callbacks: list[Callback] | None = None,
         return_dict: bool = True,
@@ -680,7 +680,7 @@ class Model(FilesAndTools):
     @known_keywords
     def predict(
         self,
-        x: Any,
+        x: object,
         *,
         batch_size: int | None = 32,
         verbose: int | str = "auto",
@@ -720,7 +720,7 @@ class Model(FilesAndTools):
 
     # -- single batches ----------------------------------------------------------------------
     def train_on_batch(
-        self, x: Any, y: Any = None, sample_weight: Any = None, class_weight: Mapping[int, float] | None = None
+        self, x: object, y: object = None, sample_weight: object = None, class_weight: Mapping[int, float] | None = None
     ) -> dict[str, float]:
         """One optimizer step on one batch; returns that batch's loss and metrics.
 
@@ -748,7 +748,7 @@ class Model(FilesAndTools):
         """
         return _calls.train_on_batch(self, x, y, sample_weight, class_weight)
 
-    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
+    def test_on_batch(self, x: object, y: object = None, sample_weight: object = None) -> dict[str, float]:
         """Loss and metrics of one batch in eval mode, without training.
 
         Args:
@@ -771,7 +771,7 @@ class Model(FilesAndTools):
         """
         return _calls.test_on_batch(self, x, y, sample_weight)
 
-    def predict_on_batch(self, x: Any) -> Any:
+    def predict_on_batch(self, x: object) -> Any:
         """The module's output for one batch in eval mode under ``no_grad``, on the CPU.
 
         Args:

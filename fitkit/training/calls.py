@@ -5,7 +5,7 @@ signatures and docstrings; each hands its arguments here by name."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,10 +23,13 @@ from fitkit.training.preflight import cast_to_module
 from fitkit.training.quick import sanity_check
 from fitkit.training.validation_sets import named_sets, run_validation
 
+if TYPE_CHECKING:
+    from fitkit.model import Model
+
 __all__ = ["prepare_fit", "run_fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch"]
 
 
-def prepare_fit(model: Any, x: Any, y: Any, options: Mapping[str, Any]) -> planning.FitPlan:
+def prepare_fit(model: Model, x: object, y: object, options: Mapping[str, Any]) -> planning.FitPlan:
     """Everything ``fit`` does before step 1: the plan (:func:`~fitkit.training.planning.plan_fit`),
     the sanity validation and a scheduler factory's planned steps; nothing else changes."""
     core = model._core
@@ -38,7 +41,7 @@ def prepare_fit(model: Any, x: Any, y: Any, options: Mapping[str, Any]) -> plann
     return plan
 
 
-def run_fit(model: Any, plan: planning.FitPlan, history: History) -> History:
+def run_fit(model: Model, plan: planning.FitPlan, history: History) -> History:
     """Run a planned fit with ``history`` (``model.history``) last but the progress bar."""
     cbs = planning.callback_list(model, list(plan.callbacks), plan.verbose, plan.shown_epochs,
                                  plan.train.num_batches, history, **plan.params)  # fmt: skip
@@ -49,14 +52,14 @@ def run_fit(model: Any, plan: planning.FitPlan, history: History) -> History:
     return history
 
 
-def _values(model: Any, logs: dict[str, float], return_dict: bool) -> Any:
+def _values(model: Model, logs: dict[str, float], return_dict: bool) -> Any:
     if return_dict:
         return logs
     values = [logs[k] for k in ("loss", *model.metrics.keys) if k in logs]
     return values[0] if len(values) == 1 else values
 
 
-def evaluate(model: Any, x: Any, y: Any, o: Mapping[str, Any]) -> Any:
+def evaluate(model: Model, x: object, y: object, o: Mapping[str, Any]) -> Any:
     """``Model.evaluate`` (``o``: its keyword arguments by name)."""
     core = model._core
     core.require_compiled("evaluate")
@@ -74,7 +77,7 @@ def evaluate(model: Any, x: Any, y: Any, o: Mapping[str, Any]) -> Any:
     return _values(model, EvalLoop(model, loader, cbs, steps).run(), return_dict)
 
 
-def _evaluate_sets(model: Any, sets: dict[str, Any], batch_size: int | None, verbose: int, steps: int | None,
+def _evaluate_sets(model: Model, sets: dict[str, Any], batch_size: int | None, verbose: int, steps: int | None,
                    callbacks: list[Any], return_dict: bool) -> Any:  # fmt: skip
     val = planning.validation_loaders(model, sets, batch_size, argument="x")
     for name, loader in val.items():
@@ -88,7 +91,7 @@ def _evaluate_sets(model: Any, sets: dict[str, Any], batch_size: int | None, ver
     return [v[0] if len(v) == 1 else v for v in per_set]
 
 
-def predict(model: Any, x: Any, o: Mapping[str, Any]) -> Any:
+def predict(model: Model, x: object, o: Mapping[str, Any]) -> Any:
     """``Model.predict`` (``o``: its keyword arguments by name)."""
     steps = o["steps"]
     batch_size, verbose, callbacks = planning.call_args(o["batch_size"], steps, o["verbose"], o["callbacks"])
@@ -110,7 +113,8 @@ def predict(model: Any, x: Any, o: Mapping[str, Any]) -> Any:
     return out
 
 
-def train_on_batch(model: Any, x: Any, y: Any, sample_weight: Any, class_weight: Any) -> dict[str, float]:
+def train_on_batch(model: Model, x: object, y: object, sample_weight: object,
+                   class_weight: Mapping[int, float] | None) -> dict[str, float]:  # fmt: skip
     """``Model.train_on_batch``: one optimizer step on one batch, its logs."""
     core = model._core
     stepper = core.require_compiled("train_on_batch")
@@ -125,7 +129,7 @@ def train_on_batch(model: Any, x: Any, y: Any, sample_weight: Any, class_weight:
     return totals.result()
 
 
-def test_on_batch(model: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, float]:
+def test_on_batch(model: Model, x: object, y: object, sample_weight: object) -> dict[str, float]:
     """``Model.test_on_batch``: the logs of one batch in eval mode."""
     core = model._core
     core.require_compiled("test_on_batch")
@@ -137,7 +141,7 @@ def test_on_batch(model: Any, x: Any, y: Any, sample_weight: Any) -> dict[str, f
     return totals.result()
 
 
-def predict_on_batch(model: Any, x: Any) -> Any:
+def predict_on_batch(model: Model, x: object) -> Any:
     """``Model.predict_on_batch``: the outputs of one batch, on the CPU."""
     batch = _data.device_batch(x, device=model.device)
     with modes(model.module, training=False, grad=False):

@@ -4,7 +4,9 @@ scheduler and :class:`~fitkit.training.stepper.Stepper` built (nothing changes o
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
 
 from fitkit.callbacks.accumulation import AccumulationSchedule
 from fitkit.callbacks.swap_ema import compiled_ema
@@ -18,10 +20,13 @@ from fitkit.training.optim import check_plateau_mode, resolve_optimizer, resolve
 from fitkit.training.stepper import Stepper
 from fitkit.training.steps import batch_denominator
 
+if TYPE_CHECKING:
+    from fitkit.model import Model
+
 __all__ = ["Compiled", "compile_model"]
 
 
-def _accumulation(steps: Any) -> AccumulationSchedule | int:
+def _accumulation(steps: int | dict[int, int]) -> AccumulationSchedule | int:
     """``gradient_accumulation_steps`` checked: an int >= 1, or a schedule from a dict."""
     if isinstance(steps, dict):
         return AccumulationSchedule(steps, name="gradient_accumulation_steps")
@@ -30,7 +35,7 @@ def _accumulation(steps: Any) -> AccumulationSchedule | int:
     return int(steps)
 
 
-def _check_precision(precision: Any, device: Any) -> None:
+def _check_precision(precision: str, device: torch.device) -> None:
     if precision not in PRECISIONS:
         raise ValueError(
             f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)}. "
@@ -45,15 +50,15 @@ def _check_precision(precision: Any, device: Any) -> None:
 class Compiled(NamedTuple):
     """What ``compile`` built: the model's public fields, and the core's stepper and forward."""
 
-    loss: Any
+    loss: object
     ema: Any
     label_names: tuple[str, ...]
     stepper: Stepper
-    metrics: Any
-    jit: Any
+    metrics: object
+    jit: object
 
 
-def compile_model(model: Any, optimizer: Any, loss: Any, metrics: Any, o: dict[str, Any]) -> Compiled:
+def compile_model(model: Model, optimizer: object, loss: object, metrics: object, o: dict[str, Any]) -> Compiled:
     """Check compile's arguments (``o``: its keywords by name), then build what it sets; only the
     optimizer's construction (and FSDP's sharding before it) changes anything, after every check."""
     core, device = model._core, model.device

@@ -21,8 +21,10 @@ from fitkit.training.state import ResumePoint
 from fitkit.training.tracking import Phases
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
+    from fitkit.metrics import MetricSet
     from fitkit.training.loop import FitLoop
     from fitkit.training.stepper import Stepper
 
@@ -44,7 +46,7 @@ class Core:
         (True, True, 0)
     """
 
-    def __init__(self, module: nn.Module, parallel: Any, device: Any):
+    def __init__(self, module: nn.Module, parallel: _distributed.Parallel | None, device: torch.device):
         self.stepper: Stepper | None = None
         self.parallel: _distributed.Parallel | None = parallel
         self.training_forward = Forward(module)
@@ -73,11 +75,11 @@ class Core:
             return None
         return self.parallel.wrap
 
-    def new_forward(self, module: nn.Module, jit: Any) -> None:
+    def new_forward(self, module: nn.Module, jit: dict[str, Any] | bool) -> None:
         """A new training forward for ``module`` (after ``compile`` or ``to``)."""
         self.training_forward = Forward(module, self.wrap_for_training(), jit)
 
-    def install(self, module: nn.Module, stepper: Stepper, metrics: Any, jit: Any) -> None:
+    def install(self, module: nn.Module, stepper: Stepper, metrics: MetricSet, jit: dict[str, Any] | bool) -> None:
         """Take what ``compile`` built: the stepper (closing the one before), the metric template
         and a new training forward."""
         self.phases.configure(metrics)
@@ -125,7 +127,7 @@ class Core:
         self.fit_ended = loop.state_dict(boundary=True)
         self.keep_example(loop.example)
 
-    def keep_example(self, x: Any) -> None:
+    def keep_example(self, x: object) -> None:
         """Keep the last first batch checked: ``summary``'s input."""
         if x is not None:
             self.example_x = x

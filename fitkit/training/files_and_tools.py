@@ -156,8 +156,8 @@ class FilesAndTools:
         self._core.require_compiled("load_checkpoint")
         return _checkpoint.load_checkpoint(self._model(), path)
 
-    def summary(self, print_fn: Any = None, *, input_shape: tuple[int, ...] | None = None,
-                example_input: Any = None) -> Any:
+    def summary(self, print_fn: object = None, *, input_shape: tuple[int, ...] | None = None,
+                example_input: object = None) -> Any:
         """Print a rich table of layers: type, output shape, parameters (trainable, frozen).
 
         Output shapes come from one forward pass with hooks (eval mode, ``no_grad``, flags
@@ -191,7 +191,7 @@ class FilesAndTools:
         example = summary_input(self.module, self.device, input_shape, example_input, self._core.example_x)
         return summary_table(self.module, print_fn, example)
 
-    def export(self, path: str | os.PathLike, example_input: Any, format: str = "torch",
+    def export(self, path: str | os.PathLike, example_input: object, format: str = "torch",
                dynamic_batch: bool = True) -> Path:
         """Export the module for serving: a ``torch.export`` program (``.pt2``) or ONNX.
 
@@ -229,7 +229,7 @@ class FilesAndTools:
         return export(self.module, path, example, format=format, dynamic_batch=dynamic_batch)
 
     # -- tools ------------------------------------------------------------------------------
-    def find_lr(self, x: Any, y: Any = None, **kwargs: Any) -> Any:
+    def find_lr(self, x: object, y: object = None, **kwargs: Any) -> Any:
         """Sweep the learning rate and suggest one; the model is left exactly as it was.
 
         See :func:`fitkit.tools.lr_finder.find_lr` for the arguments (``batch_size``, ``start_lr``,
@@ -250,7 +250,7 @@ class FilesAndTools:
 
         return find_lr(self, x, y, **kwargs)
 
-    def find_batch_size(self, x: Any, y: Any = None, **kwargs: Any) -> Any:
+    def find_batch_size(self, x: object, y: object = None, **kwargs: Any) -> Any:
         """The largest batch size that fits, by doubling; everything is put back afterwards.
 
         See :func:`fitkit.tools.batch_size_finder.find_batch_size` for the arguments

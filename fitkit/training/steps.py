@@ -9,7 +9,7 @@ the training forward, the phase stack).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,10 +18,14 @@ from fitkit.losses import MultiLoss
 from fitkit.losses.denominators import denominator, objective
 from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
 
+if TYPE_CHECKING:
+    from fitkit.model import Model
+
 __all__ = ["compute_loss", "train_step", "test_step", "predict_step", "update_metrics", "batch_denominator"]
 
 
-def compute_loss(model: Any, x: Any, y: Any, y_pred: Any, sample_weight: torch.Tensor | None) -> torch.Tensor:
+def compute_loss(model: Model, x: object, y: object, y_pred: object,
+                 sample_weight: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """The batch's training objective: ``sum(w * l) / sum(w)`` over its loss terms.
 
     The terms are the tokens that count for a class-index loss (``"cross_entropy"``,
@@ -78,12 +82,12 @@ def compute_loss(model: Any, x: Any, y: Any, y_pred: Any, sample_weight: torch.T
     return objective(loss, y_pred, y, sample_weight)  # sum(w * l) / sum(w) over rows or tokens
 
 
-def forward_inputs(model: Any, x: Any, y: Any) -> Any:
+def forward_inputs(model: Model, x: object, y: object) -> Any:
     """What the module is called with for batch ``(x, y)`` (a dict batch less its targets)."""
     return module_inputs(x, y, model.loss is not None and model.default_compute_loss, model.label_names)
 
 
-def train_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
+def train_step(model: Model, batch: tuple[Any, Any, Any]) -> None:
     """One (micro-)batch of training: forward, loss, backward, metrics, optimizer step.
 
     ``batch`` is ``(x, y, sample_weight)`` on the device (``y`` / ``sample_weight`` may be
@@ -125,7 +129,7 @@ def train_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
     model.optimizer_step()
 
 
-def test_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
+def test_step(model: Model, batch: tuple[Any, Any, Any]) -> None:
     """One batch of evaluation (eval mode, no grad): loss and metrics."""
     x, y, sample_weight = batch
     with model.autocast():
@@ -137,7 +141,7 @@ def test_step(model: Any, batch: tuple[Any, Any, Any]) -> None:
     model.update_metrics(loss, y_pred, targets_of(x, y, model.label_names), sample_weight)
 
 
-def predict_step(model: Any, batch: tuple[Any, Any, Any]) -> Any:
+def predict_step(model: Model, batch: tuple[Any, Any, Any]) -> Any:
     """One batch of prediction: the module's output for ``x`` (``y`` is ignored).
 
     Under mixed precision the module runs under autocast, and float16 / bfloat16 outputs
@@ -152,7 +156,7 @@ def predict_step(model: Any, batch: tuple[Any, Any, Any]) -> Any:
     return nest.map_structure(lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, out)
 
 
-def update_metrics(model: Any, loss: torch.Tensor | None, y_pred: Any, y: Any,
+def update_metrics(model: Model, loss: torch.Tensor | None, y_pred: object, y: object,
                    sample_weight: torch.Tensor | None = None) -> None:  # fmt: skip
     """Add a batch to the running phase's loss and metrics (on the device, no sync).
 
@@ -177,14 +181,14 @@ def update_metrics(model: Any, loss: torch.Tensor | None, y_pred: Any, y: Any,
     totals.update(loss, y_pred if pred is None else pred, y, sample_weight, denominator=count)
 
 
-def _add(model: Any, loss: torch.Tensor, y_pred: Any, y: Any, sample_weight: Any, count: Any) -> None:
+def _add(model: Model, loss: torch.Tensor, y_pred: object, y: object, sample_weight: object, count: object) -> None:
     """Add a batch whose loss denominator is known (a module's own token loss) to the totals."""
     totals = model._core.phases.stack[-1]
     pred = y_pred if isinstance(y_pred, torch.Tensor) else prediction_of(y_pred)
     totals.update(loss, y_pred if pred is None else pred, y, sample_weight, denominator=count)
 
 
-def batch_denominator(model: Any, batch: tuple[Any, Any, Any]) -> int | torch.Tensor:
+def batch_denominator(model: Model, batch: tuple[Any, Any, Any]) -> int | torch.Tensor:
     """The loss denominator of ``batch`` (rows, label tokens or weights): the stepper's window weights."""
     x, y, w = batch
     return denominator(model.loss, y if y is not None else targets_of(x, y, model.label_names), w, x)
