@@ -348,16 +348,20 @@ def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor,
 
 def _smoothed(loss: Loss, logits: torch.Tensor, target: torch.Tensor, plain: bool,
               ignore: int) -> tuple[torch.Tensor, torch.Tensor | int]:  # fmt: skip
-    """Cross-entropy with label smoothing, by ``F.cross_entropy`` itself: its mean where every
-    target counts (the ops of a hand loop, and the count a host ``int`` without class weights),
-    else its sum over the targets that count divided by their count (or weight), 0 where none do."""
-    options = loss.options
-    if plain and loss.class_weights is None:
+    """Cross-entropy with label smoothing ``eps``: where every target counts and no class weighs,
+    ``F.cross_entropy`` itself (a hand loop's ops; the count a host ``int``). Else torch's own
+    formula, ``(1 - eps) * nll / n + smooth / n * eps / C`` with ``n`` the count (or the weight)
+    of the targets that count, from the NLL kernel, at least 1 (or 1 where 0): the same values
+    as ``F.cross_entropy``'s mean, and 0 where nothing counts (not 0 / 0)."""
+    options, cw = loss.options, loss.class_weights
+    if plain and cw is None:
         return F.cross_entropy(logits, target, reduction="mean", **options), target.numel()
-    count = _token_weights(loss, target, None)
-    count = target.numel() if count is None else count.sum()
-    total = F.cross_entropy(logits, target, reduction="sum", **options)
-    return (total / count if isinstance(count, int) else _safe_div(total, count)), count
+    eps = options["label_smoothing"]
+    logp = F.log_softmax(logits, 1)
+    nll, count = torch.ops.aten.nll_loss_forward(logp, target, cw, 2, ignore)  # the sum, the count
+    smooth = -(logp if cw is None else logp * cw).sum(1).masked_fill(target == ignore, 0.0).sum()
+    n = count.clamp_min(1) if cw is None else torch.where(count == 0, torch.ones_like(count), count)
+    return (1 - eps) * (nll / n) + smooth / n * (eps / logits.shape[1]), count
 
 
 def _token_objective(loss: Loss, y_pred: Any, y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
