@@ -197,7 +197,8 @@ def test_a_module_resolves_to_its_functional_and_options():
         assert (loss.fn, loss.kind, loss.options, loss.ignore_index, loss.reduction, loss.class_weights) == (
             named.fn, named.kind, {}, -100, "mean", None)
     bce = resolve_loss(nn.BCEWithLogitsLoss(pos_weight=POS_WEIGHT))
-    assert (bce.fn, bce.options, bce.output) == (F.binary_cross_entropy_with_logits, {"pos_weight": POS_WEIGHT}, "logits")
+    assert (bce.fn, bce.options, bce.output) == (
+        F.binary_cross_entropy_with_logits, {"pos_weight": POS_WEIGHT}, "logits")
     huber = resolve_loss(nn.HuberLoss(delta=0.5, reduction="none"))
     assert (huber.fn, huber.options, huber.reduction) == (F.huber_loss, {"delta": 0.5}, "mean")
     kl = resolve_loss(nn.KLDivLoss(reduction="batchmean", log_target=True))
