@@ -125,6 +125,8 @@ class Loss:
 
     Attributes:
         output: as above; set by :func:`resolve_loss` for the losses it knows.
+        options: keyword arguments ``fn`` takes beyond ``reduction`` (a module's
+            ``label_smoothing``, ``pos_weight``, ...; set by :func:`resolve_loss`), empty by default.
         ignore_index: as above.
         weight: as above.
 
@@ -318,6 +320,15 @@ class Loss:
 def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None:
     """Build a :class:`Loss` from a name, an ``nn.Module`` loss or a callable.
 
+    A loss fitkit knows has one form however it is written: the name (``"cross_entropy"``),
+    torch's functional (``F.cross_entropy``) and torch's module (``nn.CrossEntropyLoss()``)
+    resolve to the functional of :data:`LOSSES`, with the module's own options in
+    :attr:`Loss.options` (``weight``, ``ignore_index``, ``label_smoothing``, ``pos_weight``,
+    ``delta``, ``beta``, ``log_target``, those that differ from the functional's defaults) and its
+    ``reduction`` in :attr:`Loss.reduction` (``"sum"``, KL's ``"batchmean"``, else ``"mean"``),
+    so every spelling takes the same path through the step. Exact module types only: a subclass
+    may redefine ``forward`` and is called as a callable.
+
     The losses fitkit knows tell the metrics what the predictions are (``output``) and which
     targets to skip (``ignore_index``): ``"cross_entropy"`` / ``nn.CrossEntropyLoss`` take
     logits, ``"nll"`` / ``nn.NLLLoss`` log-probabilities (both with ``ignore_index`` -100 or
@@ -348,6 +359,9 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
         ('probs', None)
         >>> resolve_loss("mse", loss_weights=0.5)(torch.zeros(2), torch.tensor([1.0, 3.0]))
         tensor(2.5000)
+        >>> smoothed = resolve_loss(nn.CrossEntropyLoss(label_smoothing=0.1))
+        >>> smoothed.fn is F.cross_entropy, smoothed.options, resolve_loss(F.mse_loss).name
+        (True, {'label_smoothing': 0.1}, 'mse')
     """
     if loss_weights is not None:
         return _weighted(loss, loss_weights)

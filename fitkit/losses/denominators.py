@@ -99,10 +99,12 @@ _every_target_counts: tuple[Any, torch.Tensor, int] | None = None
 
 @contextlib.contextmanager
 def targets_count(loss: Any, y: Any) -> Iterator[None]:
-    """Within: the batches given to ``loss`` come from the targets ``y`` (in-memory data, or a
-    ``TensorDataset``'s) and, when :func:`none_ignored` finds every entry of them counts, the
+    """Within: the batches given to ``loss`` come from the targets ``y`` (in-memory data, a
+    ``TensorDataset``'s, or a dataset's ``targets`` tensor: :func:`fitkit.data.loaders.known_targets`)
+    and, when :func:`none_ignored` finds every entry of them counts, the
     cross-entropy / NLL mean runs as ``F.cross_entropy`` does (one kernel for the mean and its
-    count, no guard for a batch where nothing counts, which cannot occur) while ``y`` is not
+    count, no guard for a batch where nothing counts, which cannot occur; class weights must all
+    be above 0 for that, one host read of them) while ``y`` is not
     written in place. ``y`` ``None`` (a source whose targets are not known up front, or a single
     batch: ``train_on_batch`` / ``test_on_batch``, also when a callback calls them mid-``fit``):
     the guarded mean. Phases nest: each sets its own and the outer one's comes back on exit.
