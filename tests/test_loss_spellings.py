@@ -229,3 +229,16 @@ def test_label_smoothing_where_nothing_counts_is_0_not_nan():
     out = objective(ce, logits, torch.full((3,), -100), None)
     out.backward()
     assert out.item() == 0.0 and torch.equal(logits.grad, torch.zeros(3, 4))
+
+
+def test_a_datasets_targets_tensor_is_known_unless_a_transform_may_change_it():
+    from fitkit.data.loaders import DeviceLoader, known_targets
+
+    x, y = _data("index")
+    pairs = Pairs(x, y)
+    assert known_targets(DeviceLoader(DataLoader(pairs, batch_size=BATCH), torch.device("cpu"))) is y
+    pairs.target_transform = lambda t: t
+    assert known_targets(DeviceLoader(DataLoader(pairs, batch_size=BATCH), torch.device("cpu"))) is None
+    assert known_targets(DeviceLoader(DataLoader(Opaque(x, y), batch_size=BATCH), torch.device("cpu"))) is None
+    listed = Pairs(x, y.tolist())  # a list (CIFAR's): not scanned, the guarded mean
+    assert known_targets(DeviceLoader(DataLoader(listed, batch_size=BATCH), torch.device("cpu"))) is None
