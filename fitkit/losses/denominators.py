@@ -297,7 +297,8 @@ def counted(y: Any, ignore_index: int | None) -> torch.Tensor | int | None:
         (tensor(2.), None, None)
     """
     last = _last_count
-    if last is not None and last[0] is y and last[1] == y._version and last[3] == ignore_index is not None:
+    if last is not None and last[0] is y and last[1] == y._version \
+            and ignore_index is not None and last[3] == ignore_index:  # fmt: skip
         return last[2]
     return None
 
