@@ -175,8 +175,7 @@ class Loss:
         #: ``"sum"`` for a module loss built with ``reduction="sum"``: the objective is then the
         #: batch's sum (and a window's, and the ranks'), not a mean (:mod:`fitkit.losses.denominators`)
         self.reduction = "mean"
-        #: keyword arguments of ``fn`` beyond ``reduction`` (a module's ``label_smoothing``,
-        #: ``pos_weight``, ``ignore_index``, ``weight``, ...): empty for a name's defaults
+        # keyword arguments of fn beyond reduction (a module's label_smoothing, pos_weight, ...)
         self.options: dict[str, Any] = {}
 
     def prepare(self, y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
