@@ -22,8 +22,10 @@ on a recent GPU; each part prints its own time and the total)::
 4. **mlp**: the small classifier (64 -> 256 -> 10, batch 128, data on the device) where kernel
    launches are the step time: ``fit`` against a hand loop, cross-entropy and cross-entropy +
    ``metrics=["accuracy"]`` (the hand loop counts its accuracy on the device: argmax, eq, sum)
-   in fp32, and cross-entropy + accuracy in bf16-mixed against a hand autocast loop; medians of
-   the per-repeat pairs, as ms/step and ratios.
+   in fp32, and cross-entropy + accuracy in bf16-mixed against a hand autocast loop; the loss
+   written as a module too (``nn.CrossEntropyLoss()``, and with ``label_smoothing=0.1`` against
+   a hand loop passing it to ``F.cross_entropy``); medians of the per-repeat pairs, as ms/step
+   and ratios.
 5. **timing**: fitkit against a plain loop on the GPT preset and the same batches, in fp32,
    bf16-mixed, 16-mixed (GradScaler, fused AdamW) and bf16-mixed + ``torch.compile``; medians
    of several repeats, printed as a table of ms/step and ratios.
@@ -223,13 +225,14 @@ def make_mlp(features: int = 64, classes: int = 10) -> nn.Module:
     return nn.Sequential(nn.Linear(features, 256), nn.ReLU(), nn.Linear(256, classes))
 
 
-def mlp_hand(net, x, y, batch: int, epochs: int, accuracy: bool, precision: str) -> float:
+def mlp_hand(net, x, y, batch: int, epochs: int, accuracy: bool, precision: str, loss: Any = "cross_entropy") -> float:
     """The hand loop of ``benchmarks/hot_path.py`` on the device: one randperm per epoch, index
     slicing, the epoch loss (and the correct labels) summed on the device, read once per epoch."""
     device = x.device
     net = net.to(device)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     bf16 = precision == "bf16-mixed"
+    smoothing = getattr(loss, "label_smoothing", 0.0)
     _sync(device)
     start = time.perf_counter()
     for _ in range(epochs):
@@ -242,11 +245,11 @@ def mlp_hand(net, x, y, batch: int, epochs: int, accuracy: bool, precision: str)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 out = net(xb)
             out = out.float() if bf16 else out
-            loss = F.cross_entropy(out, yb)
+            step_loss = F.cross_entropy(out, yb, label_smoothing=smoothing)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            step_loss.backward()
             opt.step()
-            total += loss.detach() * len(xb)
+            total += step_loss.detach() * len(xb)
             if accuracy:
                 correct += (out.detach().argmax(1) == yb).sum()
         float(total / len(x))
@@ -256,9 +259,10 @@ def mlp_hand(net, x, y, batch: int, epochs: int, accuracy: bool, precision: str)
     return time.perf_counter() - start
 
 
-def mlp_fitkit(net, x, y, batch: int, epochs: int, accuracy: bool, precision: str) -> float:
+def mlp_fitkit(net, x, y, batch: int, epochs: int, accuracy: bool, precision: str,
+               loss: Any = "cross_entropy") -> float:  # fmt: skip
     model = fitkit.Model(net, device=x.device)
-    model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), loss="cross_entropy", precision=precision,
+    model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), loss=loss, precision=precision,
                   metrics=["accuracy"] if accuracy else None, jit_compile=False)  # fmt: skip
     _sync(x.device)
     start = time.perf_counter()
@@ -267,8 +271,13 @@ def mlp_fitkit(net, x, y, batch: int, epochs: int, accuracy: bool, precision: st
     return time.perf_counter() - start
 
 
-MLP_CASES = (("cross_entropy", False, "32"), ("cross_entropy + accuracy", True, "32"),
-             ("cross_entropy + accuracy, bf16-mixed", True, "bf16-mixed"))  # fmt: skip
+#: (label, accuracy, precision, the loss as written)
+MLP_CASES = (("cross_entropy", False, "32", "cross_entropy"), ("cross_entropy + accuracy", True, "32", "cross_entropy"),
+             ("cross_entropy + accuracy, bf16-mixed", True, "bf16-mixed", "cross_entropy"),
+             ("nn.CrossEntropyLoss()", False, "32", nn.CrossEntropyLoss()),
+             ("nn.CrossEntropyLoss() + accuracy", True, "32", nn.CrossEntropyLoss()),
+             ("nn.CrossEntropyLoss(label_smoothing=0.1)", False, "32",
+              nn.CrossEntropyLoss(label_smoothing=0.1)))  # fmt: skip
 
 
 def time_mlp(device: torch.device, rows: int, epochs: int, repeats: int, batch: int = 128):
@@ -276,14 +285,14 @@ def time_mlp(device: torch.device, rows: int, epochs: int, repeats: int, batch: 
     x, y = mlp_data(device, rows)
     steps = epochs * -(-rows // batch)
     out = []
-    for label, accuracy, precision in MLP_CASES:
+    for label, accuracy, precision, loss in MLP_CASES:
         base = make_mlp()
-        mlp_hand(copy.deepcopy(base), x[: batch * 4], y[: batch * 4], batch, 1, accuracy, precision)  # warm-up
-        mlp_fitkit(copy.deepcopy(base), x[: batch * 4], y[: batch * 4], batch, 1, accuracy, precision)
+        mlp_hand(copy.deepcopy(base), x[: batch * 4], y[: batch * 4], batch, 1, accuracy, precision, loss)  # warm-up
+        mlp_fitkit(copy.deepcopy(base), x[: batch * 4], y[: batch * 4], batch, 1, accuracy, precision, loss)
         hand, fit = [], []
         for _ in range(repeats):
-            hand.append(mlp_hand(copy.deepcopy(base), x, y, batch, epochs, accuracy, precision))
-            fit.append(mlp_fitkit(copy.deepcopy(base), x, y, batch, epochs, accuracy, precision))
+            hand.append(mlp_hand(copy.deepcopy(base), x, y, batch, epochs, accuracy, precision, loss))
+            fit.append(mlp_fitkit(copy.deepcopy(base), x, y, batch, epochs, accuracy, precision, loss))
         ratio = statistics.median(f / h for f, h in zip(fit, hand, strict=True))
         out.append((label, statistics.median(hand) / steps * 1e3, statistics.median(fit) / steps * 1e3, ratio))
     return out

@@ -24,6 +24,7 @@ import collections
 import os
 import statistics
 import sys
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,7 +39,12 @@ N, FEATURES, BATCH = 384, 16, 32  # 12 batches per epoch
 MEASURED = range(5, 9)  # the steps counted: from the loss of batch 5 to that of batch 9
 #: One loss call per step in each loop (fit computes cross-entropy from F.log_softmax and the
 #: NLL kernel, a hand loop calls F.cross_entropy).
-_BOUNDARIES = {F.mse_loss.__code__, F.cross_entropy.__code__, F.log_softmax.__code__}
+#: Each case's losses call exactly one of these once per step, in fit and in its hand loop (NLL
+#: and KL take a ``log_softmax`` head, BCE a sigmoid head, so that the functional is the boundary).
+_BOUNDARIES = {f.__code__ for f in (F.mse_loss, F.cross_entropy, F.log_softmax, F.l1_loss, F.smooth_l1_loss,
+                                    F.huber_loss, F.binary_cross_entropy_with_logits, F.binary_cross_entropy)}
+_WEIGHTS = torch.tensor([1.0, 2.0, 0.5, 1.5])  # class weights of the weighted cross-entropy cases
+_POS_WEIGHT = torch.tensor([3.0])
 
 
 #: The configurations counted: (compile options, classes; 1 = a regression), and whether the
@@ -51,20 +57,77 @@ CASES: dict[str, dict[str, Any]] = {
     "cross_entropy+f1": {"compile": {"loss": "cross_entropy", "metrics": ["f1"]}, "classes": 4, "stat_scores": True},
     "bf16": {"compile": {"loss": "mse"}, "classes": 1, "precision": "bf16-mixed"},
 }
+_CE = {"classes": 4, "hand": F.cross_entropy}
+#: Every spelling of the losses fitkit knows, each against the hand loop that calls its functional
+#: with the same options: ``hand(out, yb)`` is the hand loop's loss, ``head`` a last layer of the
+#: net, ``targets`` what ``y`` holds (default: class indices for ``classes`` > 1, else regression).
+CASES.update({
+    "F.cross_entropy": {**_CE, "compile": {"loss": F.cross_entropy}},
+    "CrossEntropyLoss()": {**_CE, "compile": {"loss": nn.CrossEntropyLoss()}},
+    "CrossEntropyLoss()+accuracy": {**_CE, "compile": {"loss": nn.CrossEntropyLoss(), "metrics": ["accuracy"]},
+                                    "accuracy": True},
+    "CrossEntropyLoss(label_smoothing)": {**_CE, "compile": {"loss": nn.CrossEntropyLoss(label_smoothing=0.1)},
+                                          "hand": partial(F.cross_entropy, label_smoothing=0.1)},
+    "CrossEntropyLoss(weight)": {**_CE, "compile": {"loss": nn.CrossEntropyLoss(weight=_WEIGHTS)},
+                                 "hand": partial(F.cross_entropy, weight=_WEIGHTS)},
+    "CrossEntropyLoss(ignore_index)": {**_CE, "compile": {"loss": nn.CrossEntropyLoss(ignore_index=0)},
+                                       "hand": partial(F.cross_entropy, ignore_index=0)},
+    "CrossEntropyLoss(), Pairs DataLoader": {**_CE, "compile": {"loss": nn.CrossEntropyLoss()}, "source": "pairs"},
+    "nll": {"compile": {"loss": "nll"}, "classes": 4, "head": nn.LogSoftmax(1), "hand": F.nll_loss},
+    "NLLLoss()": {"compile": {"loss": nn.NLLLoss()}, "classes": 4, "head": nn.LogSoftmax(1), "hand": F.nll_loss},
+    "bce_with_logits": {"compile": {"loss": "bce_with_logits"}, "classes": 1, "targets": "binary",
+                        "hand": F.binary_cross_entropy_with_logits},
+    "BCEWithLogitsLoss(pos_weight)": {"compile": {"loss": nn.BCEWithLogitsLoss(pos_weight=_POS_WEIGHT)},
+                                      "classes": 1, "targets": "binary",
+                                      "hand": partial(F.binary_cross_entropy_with_logits, pos_weight=_POS_WEIGHT)},
+    "bce": {"compile": {"loss": "bce"}, "classes": 1, "targets": "binary", "head": nn.Sigmoid(),
+            "hand": F.binary_cross_entropy},
+    "BCELoss()": {"compile": {"loss": nn.BCELoss()}, "classes": 1, "targets": "binary", "head": nn.Sigmoid(),
+                  "hand": F.binary_cross_entropy},
+    "F.mse_loss": {"compile": {"loss": F.mse_loss}, "classes": 1},
+    "MSELoss()": {"compile": {"loss": nn.MSELoss()}, "classes": 1},
+    "l1": {"compile": {"loss": "l1"}, "classes": 1, "hand": F.l1_loss},
+    "L1Loss()": {"compile": {"loss": nn.L1Loss()}, "classes": 1, "hand": F.l1_loss},
+    "SmoothL1Loss(beta)": {"compile": {"loss": nn.SmoothL1Loss(beta=0.5)}, "classes": 1,
+                           "hand": partial(F.smooth_l1_loss, beta=0.5)},
+    "HuberLoss(delta)": {"compile": {"loss": nn.HuberLoss(delta=0.5)}, "classes": 1,
+                         "hand": partial(F.huber_loss, delta=0.5)},
+    "KLDivLoss(batchmean)": {"compile": {"loss": nn.KLDivLoss(reduction="batchmean")}, "classes": 4,
+                             "targets": "probs", "head": nn.LogSoftmax(1),
+                             "hand": partial(F.kl_div, reduction="batchmean")},
+})  # fmt: skip
 
 
-def _data(classes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(classes: int = 1, targets: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, FEATURES, generator=g)
     y = x[:, :1] * 2 - x[:, 1:2]
+    if targets == "binary":  # (B, 1) labels 0. / 1.
+        return x, (y > 0).float()
+    if targets == "probs":  # (B, C) probabilities
+        return x, torch.softmax(x[:, :classes], 1)
     if classes > 1:  # four classes by the quadrant of two features
         return x, (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long()
     return x, y
 
 
-def _net(classes: int = 1) -> nn.Module:
+def _net(classes: int = 1, head: nn.Module | None = None) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, classes))
+    layers = [nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, classes)]
+    return nn.Sequential(*layers, *([head] if head is not None else []))
+
+
+class Pairs(torch.utils.data.Dataset):
+    """A map-style dataset that is not a ``TensorDataset``: torchvision's ``data`` / ``targets``."""
+
+    def __init__(self, data: torch.Tensor, targets: torch.Tensor):
+        self.data, self.targets = data, targets
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i], self.targets[i]
 
 
 class _Counter:
@@ -122,11 +185,14 @@ def _fit(case: str) -> Any:
     config = CASES[case]
 
     def run(counter: _Counter) -> None:
-        model = fitkit.Model(_net(config["classes"]), device="cpu", )
+        model = fitkit.Model(_net(config["classes"], config.get("head")), device="cpu", )
         model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), jit_compile=False,
                       precision=config.get("precision", "32"), **config["compile"])  # fmt: skip
-        x, y = _data(config["classes"])
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        x, y = _data(config["classes"], config.get("targets"))
+        if config.get("source") == "pairs":
+            model.fit(torch.utils.data.DataLoader(Pairs(x, y), batch_size=BATCH), epochs=1, verbose=0)
+        else:
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
     return run
 
@@ -136,20 +202,25 @@ def _hand(case: str) -> Any:
     classes, bf16 = config["classes"], config.get("precision") == "bf16-mixed"
 
     def run(counter: _Counter) -> None:
-        net, (x, y) = _net(classes), _data(classes)
+        net, (x, y) = _net(classes, config.get("head")), _data(classes, config.get("targets"))
+        hand_loss = config.get("hand", F.cross_entropy if classes > 1 else F.mse_loss)
         opt = torch.optim.Adam(net.parameters(), lr=1e-3)
         perm = torch.randperm(N)
         total, correct = torch.zeros(()), torch.zeros((), dtype=torch.long)
         # per class: true positives, predictions, targets (F1 = 2 tp / (predictions + targets))
         tp, predicted, actual = (torch.zeros(classes, dtype=torch.long) for _ in range(3))
         ones = torch.ones(BATCH, dtype=torch.long)
+        loader = iter(torch.utils.data.DataLoader(Pairs(x, y), batch_size=BATCH)) if config.get("source") else None
         for i in range(0, N, BATCH):
-            idx = perm[i : i + BATCH]
-            xb, yb = x[idx], y[idx]
+            if loader is None:
+                idx = perm[i : i + BATCH]
+                xb, yb = x[idx], y[idx]
+            else:
+                xb, yb = next(loader)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 out = net(xb)
             out = out.float() if bf16 else out
-            loss = F.cross_entropy(out, yb) if classes > 1 else F.mse_loss(out, yb)
+            loss = hand_loss(out, yb)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

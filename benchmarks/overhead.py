@@ -10,6 +10,11 @@ are compared:
 - classification: ``loss="cross_entropy"`` (4 classes), with ``metrics=["accuracy"]`` against a
   hand loop that counts its accuracy on the device (argmax, eq, sum), each over tensors and over
   a ``DataLoader``; and ``precision="bf16-mixed"`` against a hand autocast loop;
+- the same classification written as a module (``nn.CrossEntropyLoss()``, with and without
+  accuracy, over tensors and a ``DataLoader``), with label smoothing
+  (``nn.CrossEntropyLoss(label_smoothing=0.1)`` against ``F.cross_entropy(..., label_smoothing=0.1)``),
+  ``nn.MSELoss()``, and over a ``DataLoader`` of a map-style dataset that is not a
+  ``TensorDataset`` (torchvision's layout: ``data`` and ``targets`` attributes);
 - ``fit(verbose=1)`` (rich bar, throttled) vs ``fit(verbose=0)``;
 - Lightning, Keras (torch backend, run with ``KERAS_BACKEND=torch``) and Poutyne on the same
   work, if installed.
@@ -35,7 +40,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import fitkit
 from fitkit.callbacks import ProgressBar
@@ -63,14 +68,31 @@ def make_classifier(features: int) -> nn.Module:
     return nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
+class Pairs(Dataset):
+    """A map-style dataset that is not a ``TensorDataset``: torchvision's ``data`` / ``targets``."""
+
+    def __init__(self, data: torch.Tensor, targets: torch.Tensor):
+        self.data, self.targets = data, targets
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i], self.targets[i]
+
+
 def _hand_step(net, opt, xb, yb, kind, correct):
     """One step of a tutorial loop: ``kind`` is mse, cross_entropy, accuracy (cross-entropy and
-    the correct predictions counted on the device) or bf16 (mse under bf16 autocast)."""
+    the correct predictions counted on the device), smoothing (cross-entropy with label
+    smoothing 0.1) or bf16 (mse under bf16 autocast)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bf16"):
         out = net(xb)
     if kind == "bf16":
         out = out.float()
-    loss = F.mse_loss(out, yb) if kind in ("mse", "bf16") else F.cross_entropy(out, yb)
+    if kind in ("mse", "bf16"):
+        loss = F.mse_loss(out, yb)
+    else:
+        loss = F.cross_entropy(out, yb, label_smoothing=0.1 if kind == "smoothing" else 0.0)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -113,7 +135,12 @@ def plain_loader(net, loader, epochs, kind="mse") -> float:
 #: fitkit's compile options for each kind of hand loop.
 COMPILE = {"mse": {"loss": "mse"}, "cross_entropy": {"loss": "cross_entropy"},
            "accuracy": {"loss": "cross_entropy", "metrics": ["accuracy"]},
-           "bf16": {"loss": "mse", "precision": "bf16-mixed"}}  # fmt: skip
+           "bf16": {"loss": "mse", "precision": "bf16-mixed"},
+           "module": {"loss": nn.CrossEntropyLoss()}, "module+accuracy": {"loss": nn.CrossEntropyLoss(),
+           "metrics": ["accuracy"]}, "smoothing": {"loss": nn.CrossEntropyLoss(label_smoothing=0.1)},
+           "mse module": {"loss": nn.MSELoss()}}  # fmt: skip
+#: The hand loop each module spelling is compared with.
+HAND = {"module": "cross_entropy", "module+accuracy": "accuracy", "smoothing": "smoothing", "mse module": "mse"}
 
 
 def fitkit_run(net, data, epochs, bs, verbose=0, y=None, kind="mse") -> float:
@@ -172,6 +199,30 @@ def keras_run(net, x, y, epochs, bs):
     model.fit(x.numpy(), y.numpy(), epochs=epochs, batch_size=bs, verbose=0)
 
 
+def _module_rows(contenders, pairs, regression, classification, sizes) -> None:
+    """The rows of the losses written as modules (and label smoothing), and of a DataLoader over a
+    dataset that is not a ``TensorDataset``, each against its hand loop."""
+    x, y, base = regression
+    classes, classifier, class_loader = classification
+    ep, bs = sizes
+    for kind, hand_kind in HAND.items():
+        net, target = (base, y) if kind == "mse module" else (classifier, classes)
+        hand, fit = f"plain slicing loop, {hand_kind}", f"fitkit fit(tensors), {kind}"
+        hand = "plain slicing loop" if hand_kind == "mse" else hand
+        if hand_kind == "smoothing":
+            contenders[hand] = lambda m=net, t=target: plain_slicing(copy.deepcopy(m), x, t, ep, bs, kind="smoothing")
+        contenders[fit] = lambda k=kind, m=net, t=target: fitkit_run(copy.deepcopy(m), x, ep, bs, y=t, kind=k)
+        pairs[fit] = hand
+    hand, fit = "plain DataLoader loop, cross_entropy", "fitkit fit(DataLoader), module"
+    contenders[fit] = lambda: fitkit_run(copy.deepcopy(classifier), class_loader, ep, bs, kind="module")
+    pairs[fit] = hand
+    pairs_loader = DataLoader(Pairs(x, classes), batch_size=bs, shuffle=True)
+    hand, fit = "plain loop, Pairs DataLoader", "fitkit fit(Pairs DataLoader), module"
+    contenders[hand] = lambda: plain_loader(copy.deepcopy(classifier), pairs_loader, ep, kind="cross_entropy")
+    contenders[fit] = lambda: fitkit_run(copy.deepcopy(classifier), pairs_loader, ep, bs, kind="module")
+    pairs[fit] = hand
+
+
 def timed(fn, clock=time.perf_counter) -> float:
     start = clock()
     fn()
@@ -213,6 +264,7 @@ def main() -> None:
         "poutyne (tensors)": "plain slicing loop",
         "keras (torch backend)": "plain slicing loop",
     }
+    _module_rows(contenders, pairs, (x, y, base), (classes, classifier, class_loader), (ep, bs))
     for kind in ("cross_entropy", "accuracy", "bf16"):
         net, target = (base, y) if kind == "bf16" else (classifier, classes)
         hand, fit = f"plain slicing loop, {kind}", f"fitkit fit(tensors), {kind}"

@@ -146,8 +146,10 @@ def source_name(loader: Any) -> str:
 
 def known_targets(loader: Any) -> torch.Tensor | None:
     """The tensor every batch's targets are rows of, when the host knows it before the pass:
-    in-memory ``y`` (also fitkit's per-rank shards of it), or the second tensor of a
-    ``DataLoader`` over a ``TensorDataset`` (or a ``Subset`` of one) collated by torch's default;
+    in-memory ``y`` (also fitkit's per-rank shards of it), the second tensor of a
+    ``DataLoader`` over a ``TensorDataset`` (or a ``Subset`` of one) collated by torch's default,
+    or the ``targets`` tensor of any other map-style dataset there (torchvision's convention: the
+    dataset yields ``targets[i]`` as sample ``i``'s target, and has no ``target_transform``);
     ``None`` for any other source, or a source whose batches carry ``class_weight``.
 
     Example:
@@ -173,6 +175,9 @@ def known_targets(loader: Any) -> torch.Tensor | None:
         data = data.dataset
     if type(data) is TensorDataset and len(data.tensors) in (2, 3):  # (x, y) or (x, y, sample_weight)
         return data.tensors[1]
+    targets = getattr(data, "targets", None)  # torchvision's datasets, and datasets written like them
+    if isinstance(targets, torch.Tensor) and getattr(data, "target_transform", None) is None:
+        return targets
     return None
 
 

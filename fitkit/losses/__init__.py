@@ -47,27 +47,33 @@ LOSSES: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
     "nll": (F.nll_loss, "class_index"),
     "bce_with_logits": (F.binary_cross_entropy_with_logits, "binary"),
     "bce": (F.binary_cross_entropy, "binary"),
+    "kl_div": (F.kl_div, "regression"),
 }
 
-_MODULE_KINDS: dict[type, str] = {
-    nn.MSELoss: "regression",
-    nn.L1Loss: "regression",
-    nn.HuberLoss: "regression",
-    nn.SmoothL1Loss: "regression",
-    nn.CrossEntropyLoss: "class_index",
-    nn.NLLLoss: "class_index",
-    nn.BCEWithLogitsLoss: "binary",
-    nn.BCELoss: "binary",
+#: The functionals that stand for the named losses: ``compile(loss=F.cross_entropy)`` is
+#: ``compile(loss="cross_entropy")``.
+_FUNCTIONAL_NAMES: dict[int, str] = {
+    id(F.mse_loss): "mse", id(F.l1_loss): "l1", id(F.huber_loss): "huber", id(F.smooth_l1_loss): "smooth_l1",
+    id(F.cross_entropy): "cross_entropy", id(F.nll_loss): "nll", id(F.kl_div): "kl_div",
+    id(F.binary_cross_entropy_with_logits): "bce_with_logits", id(F.binary_cross_entropy): "bce",
+}  # fmt: skip
+
+#: The loss modules fitkit knows: their name in :data:`LOSSES`, and the attributes (torch's
+#: constructor arguments) passed on to the functional when they differ from its default.
+_MODULES: dict[type, tuple[str, dict[str, Any]]] = {
+    nn.MSELoss: ("mse", {}),
+    nn.L1Loss: ("l1", {}),
+    nn.HuberLoss: ("huber", {"delta": 1.0}),
+    nn.SmoothL1Loss: ("smooth_l1", {"beta": 1.0}),
+    nn.CrossEntropyLoss: ("cross_entropy", {"weight": None, "ignore_index": -100, "label_smoothing": 0.0}),
+    nn.NLLLoss: ("nll", {"weight": None, "ignore_index": -100}),
+    nn.BCEWithLogitsLoss: ("bce_with_logits", {"weight": None, "pos_weight": None}),
+    nn.BCELoss: ("bce", {"weight": None}),
+    nn.KLDivLoss: ("kl_div", {"log_target": False}),
 }
 
 # What the classification losses expect of the prediction: PyTorch's documented inputs.
 _NAME_OUTPUTS = {"cross_entropy": "logits", "nll": "log_probs", "bce_with_logits": "logits", "bce": "probs"}
-_MODULE_OUTPUTS: dict[type, str] = {
-    nn.CrossEntropyLoss: "logits",
-    nn.NLLLoss: "log_probs",
-    nn.BCEWithLogitsLoss: "logits",
-    nn.BCELoss: "probs",
-}
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -119,6 +125,8 @@ class Loss:
 
     Attributes:
         output: as above; set by :func:`resolve_loss` for the losses it knows.
+        options: keyword arguments ``fn`` takes beyond ``reduction`` (a module's
+            ``label_smoothing``, ``pos_weight``, ...; set by :func:`resolve_loss`), empty by default.
         ignore_index: as above.
         weight: as above.
 
@@ -167,6 +175,8 @@ class Loss:
         #: ``"sum"`` for a module loss built with ``reduction="sum"``: the objective is then the
         #: batch's sum (and a window's, and the ranks'), not a mean (:mod:`fitkit.losses.denominators`)
         self.reduction = "mean"
+        # keyword arguments of fn beyond reduction (a module's label_smoothing, pos_weight, ...)
+        self.options: dict[str, Any] = {}
 
     def prepare(self, y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Match ``y`` to ``y_pred`` (dtype and shape); raise ``ValueError`` when they cannot.
@@ -275,9 +285,9 @@ class Loss:
             if self.kind == "class_index" and self.class_last:
                 v = y_pred.shape[-1]
                 flat_y = y.reshape(-1, v) if y.shape == y_pred.shape else y.reshape(-1)  # probabilities keep V
-                out = self.fn(y_pred.reshape(-1, v), flat_y, reduction=reduction)
+                out = self.fn(y_pred.reshape(-1, v), flat_y, reduction=reduction, **self.options)
                 return self._per_sample(out, y) if per_sample else out
-            out = self.fn(y_pred, y, reduction=reduction)
+            out = self.fn(y_pred, y, reduction=reduction, **self.options)
         except IndexError as e:
             # torch's CPU kernels raise IndexError for a class label out of range (no sync is
             # spent checking it here; in-memory data is range-checked before the first step).
@@ -298,6 +308,8 @@ class Loss:
         count, so a sample's loss is the mean over its real tokens, as the unweighted loss is.
         """
         per = out.reshape(y.shape[0], -1) if y.dim() else out.reshape(out.shape[0], -1)
+        if self.reduction == "batchmean":  # KL's: the sum over each sample's values
+            return per.sum(1)
         if self.kind != "class_index" or self.ignore_index is None or y.is_floating_point():
             return per.mean(1)
         counts = (y.reshape(y.shape[0], -1) != self.ignore_index).sum(1)
@@ -306,6 +318,15 @@ class Loss:
 
 def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None:
     """Build a :class:`Loss` from a name, an ``nn.Module`` loss or a callable.
+
+    A loss fitkit knows has one form however it is written: the name (``"cross_entropy"``),
+    torch's functional (``F.cross_entropy``) and torch's module (``nn.CrossEntropyLoss()``)
+    resolve to the functional of :data:`LOSSES`, with the module's own options in
+    :attr:`Loss.options` (``weight``, ``ignore_index``, ``label_smoothing``, ``pos_weight``,
+    ``delta``, ``beta``, ``log_target``, those that differ from the functional's defaults) and its
+    ``reduction`` in :attr:`Loss.reduction` (``"sum"``, KL's ``"batchmean"``, else ``"mean"``),
+    so every spelling takes the same path through the step. Exact module types only: a subclass
+    may redefine ``forward`` and is called as a callable.
 
     The losses fitkit knows tell the metrics what the predictions are (``output``) and which
     targets to skip (``ignore_index``): ``"cross_entropy"`` / ``nn.CrossEntropyLoss`` take
@@ -337,6 +358,9 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
         ('probs', None)
         >>> resolve_loss("mse", loss_weights=0.5)(torch.zeros(2), torch.tensor([1.0, 3.0]))
         tensor(2.5000)
+        >>> smoothed = resolve_loss(nn.CrossEntropyLoss(label_smoothing=0.1))
+        >>> smoothed.fn is F.cross_entropy, smoothed.options, resolve_loss(F.mse_loss).name
+        (True, {'label_smoothing': 0.1}, 'mse')
     """
     if loss_weights is not None:
         return _weighted(loss, loss_weights)
@@ -345,47 +369,57 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
     if isinstance(loss, (list, tuple, Mapping)):
         return MultiLoss(loss)
     if isinstance(loss, str):
-        loss = loss if loss in LOSSES else keras_names.canonical_loss(loss)
-        if loss not in LOSSES:
-            advice = keras_names.loss_advice(loss)
-            if advice is not None:
-                raise ValueError(f"Unknown loss '{loss}': {advice}")
-            raise ValueError(
-                f"Unknown loss '{loss}'.{keras_names.close_matches(loss, LOSSES)} Valid names: "
-                f"{', '.join(LOSSES)}. Or pass an nn.Module or a callable loss(y_pred, y)."
-            )
-        fn, kind = LOSSES[loss]
-        ignore = -100 if loss in ("cross_entropy", "nll") else None  # F.cross_entropy's default
-        return Loss(fn, kind, loss, output=_NAME_OUTPUTS.get(loss), ignore_index=ignore)
+        return _named(loss)
     if isinstance(loss, type):
         raise TypeError(class_not_instance("loss", loss))
     if isinstance(loss, nn.Module):
-        module_kind = next((k for cls, k in _MODULE_KINDS.items() if type(loss) is cls), None)
-        if module_kind is not None:
-            base = loss
-
-            def call(y_pred, y, reduction="mean", _base=base):
-                m = _base
-                if m.reduction != reduction:
-                    m = copy.copy(_base)
-                    m.reduction = reduction
-                return m(y_pred, y)
-
-            # Exact types only: a subclass may redefine forward, and with it what it expects.
-            output = _MODULE_OUTPUTS.get(type(loss))
-            ignore = getattr(loss, "ignore_index", None) if module_kind == "class_index" else None
-            out = Loss(call, module_kind, type(loss).__name__, output=output, ignore_index=ignore)
-            out.reduction = "sum" if getattr(loss, "reduction", "mean") == "sum" else "mean"  # "none": fitkit's mean
-            weight = getattr(loss, "weight", None) if module_kind == "class_index" else None
-            out.class_weights = weight if isinstance(weight, torch.Tensor) else None
-            return out
-        return Loss(loss, "custom", type(loss).__name__)
+        known = _MODULES.get(type(loss))  # exact types only: a subclass may redefine forward
+        return _from_module(loss, *known) if known is not None else Loss(loss, "custom", type(loss).__name__)
     if callable(loss):
+        name = _FUNCTIONAL_NAMES.get(id(loss))  # the functional itself, alive as long as torch is
+        if name is not None:
+            return _named(name)
         return Loss(loss, "custom", getattr(loss, "__name__", type(loss).__name__))
     raise TypeError(
         "Expected `loss` to be a name, an nn.Module or a callable loss(y_pred, y). "
         f"Received: loss={loss!r} of type {type(loss).__name__}."
     )
+
+
+def _named(loss: str, name: str | None = None, options: dict[str, Any] | None = None) -> Loss:
+    """The one form of every spelling of a known loss: its functional, kind, and the options
+    (``label_smoothing``, ``pos_weight``, ...) that differ from the functional's defaults."""
+    loss = loss if loss in LOSSES else keras_names.canonical_loss(loss)
+    if loss not in LOSSES:
+        advice = keras_names.loss_advice(loss)
+        if advice is not None:
+            raise ValueError(f"Unknown loss '{loss}': {advice}")
+        raise ValueError(
+            f"Unknown loss '{loss}'.{keras_names.close_matches(loss, LOSSES)} Valid names: "
+            f"{', '.join(LOSSES)}. Or pass an nn.Module or a callable loss(y_pred, y)."
+        )
+    fn, kind = LOSSES[loss]
+    options = options or {}
+    ignore = options.get("ignore_index", -100) if kind == "class_index" else None  # F.cross_entropy's default
+    out = Loss(fn, kind, name or loss, output=_NAME_OUTPUTS.get(loss), ignore_index=ignore)
+    out.options = options
+    weight = options.get("weight") if kind == "class_index" else None
+    out.class_weights = weight if isinstance(weight, torch.Tensor) else None
+    return out
+
+
+def _from_module(module: nn.Module, name: str, defaults: dict[str, Any]) -> Loss:
+    """A loss module of torch's as its functional: its own ``weight``, ``ignore_index``,
+    ``label_smoothing``, ``pos_weight``, ``delta``, ``beta``, ``log_target`` and ``reduction``."""
+    options = {}
+    for key, default in defaults.items():
+        value = getattr(module, key, default)
+        if isinstance(value, torch.Tensor) or value != default:
+            options[key] = value
+    out = _named(name, type(module).__name__, options)
+    reduction = getattr(module, "reduction", "mean")
+    out.reduction = reduction if reduction in ("sum", "batchmean") else "mean"  # "none": fitkit's mean
+    return out
 
 
 def _weighted(loss: Any, loss_weights: Any) -> Loss | MultiLoss:

@@ -99,10 +99,12 @@ _every_target_counts: tuple[Any, torch.Tensor, int] | None = None
 
 @contextlib.contextmanager
 def targets_count(loss: Any, y: Any) -> Iterator[None]:
-    """Within: the batches given to ``loss`` come from the targets ``y`` (in-memory data, or a
-    ``TensorDataset``'s) and, when :func:`none_ignored` finds every entry of them counts, the
+    """Within: the batches given to ``loss`` come from the targets ``y`` (in-memory data, a
+    ``TensorDataset``'s, or a dataset's ``targets`` tensor: :func:`fitkit.data.loaders.known_targets`)
+    and, when :func:`none_ignored` finds every entry of them counts, the
     cross-entropy / NLL mean runs as ``F.cross_entropy`` does (one kernel for the mean and its
-    count, no guard for a batch where nothing counts, which cannot occur) while ``y`` is not
+    count, no guard for a batch where nothing counts, which cannot occur; class weights must all
+    be above 0 for that, one host read of them) while ``y`` is not
     written in place. ``y`` ``None`` (a source whose targets are not known up front, or a single
     batch: ``train_on_batch`` / ``test_on_batch``, also when a callback calls them mid-``fit``):
     the guarded mean. Phases nest: each sets its own and the outer one's comes back on exit.
@@ -117,7 +119,8 @@ def targets_count(loss: Any, y: Any) -> Iterator[None]:
     """
     global _every_target_counts
     outer = _every_target_counts
-    known = counts_tokens(loss, y) and loss.class_weights is None and none_ignored(loss, y)
+    cw = getattr(loss, "class_weights", None)  # all > 0: every batch's weight is > 0 too (one host read)
+    known = counts_tokens(loss, y) and (cw is None or bool((cw > 0).all())) and none_ignored(loss, y)
     _every_target_counts = (loss, y, y._version) if known else None
     try:
         yield
@@ -184,8 +187,8 @@ def denominator(loss: Any, y: Any, sample_weight: torch.Tensor | None, x: Any = 
         return int(y.shape[0]) if y.dim() else 1  # the common case, without the calls below (hot path)
     if counts_tokens(loss, y):
         last = _last_count
-        if last is not None and last[0] is y and last[1] == y._version and sample_weight is None \
-                and last[3] == (-100 if loss.ignore_index is None else loss.ignore_index):  # fmt: skip
+        key = None if loss.class_weights is not None else -100 if loss.ignore_index is None else loss.ignore_index
+        if last is not None and last[0] is y and last[1] == y._version and sample_weight is None and last[3] == key:
             return last[2]  # counted by the objective of this batch a moment ago
         tw = _token_weights(loss, y, sample_weight)
         return y.numel() if tw is None else tw.sum()
@@ -219,8 +222,7 @@ def objective(loss: Any, y_pred: Any, y: Any, sample_weight: torch.Tensor | None
     if (sample_weight is None and type(y) is torch.Tensor and y.dtype is torch.long and y.dim() == 1
             and type(y_pred) is torch.Tensor and y_pred.dim() == 2 and y_pred.dtype is torch.float32
             and y_pred.shape[0] == y.shape[0] and type(loss) is Loss and loss.fn in _NLL
-            and loss.class_weights is None and loss.reduction == "mean"
-            and y_pred.shape[1] == loss.classes):  # fmt: skip
+            and loss.reduction == "mean" and y_pred.shape[1] == loss.classes):  # fmt: skip
         # (B, C) logits and (B,) class indices: the classification step, without prepare's checks
         # (the first batch ran them, and C is the width they saw: another width goes through
         # prepare, which refuses it; torch's kernel checks the class range)
@@ -257,10 +259,11 @@ def _sum_objective(loss: Loss, y_pred: Any, y: Any, w: torch.Tensor | None) -> t
     if loss.kind == "class_index" and loss.class_last:
         v = y_pred.shape[-1]
         probs = y.shape == y_pred.shape
-        out = loss.fn(y_pred.reshape(-1, v), y.reshape(-1, v) if probs else y.reshape(-1), reduction="none")
+        flat_y = y.reshape(-1, v) if probs else y.reshape(-1)
+        out = loss.fn(y_pred.reshape(-1, v), flat_y, reduction="none", **loss.options)
         out = out.reshape(y.shape[:-1] if probs else y.shape)
     else:
-        out = loss.fn(y_pred, y, reduction="none")
+        out = loss.fn(y_pred, y, reduction="none", **loss.options)
     if w is not None:
         out = out * _spread(w.to(out.dtype), out, "loss value")
     total = out.sum()
@@ -270,11 +273,12 @@ def _sum_objective(loss: Loss, y_pred: Any, y: Any, w: torch.Tensor | None) -> t
 #: The losses whose per-target terms and count come from one ``nll_loss_forward`` call.
 _NLL = {F.cross_entropy: True, F.nll_loss: False}  # fn -> it takes logits (log_softmax first)
 
-#: ``(y, y._version, count, ignore_index)`` of the last batch whose targets the objective counted:
+#: ``(y, y._version, count, ignore_index)`` of the last batch whose targets the objective counted
+#: (``ignore_index`` ``None``: the count is of class weights, so not the targets' number):
 #: the running totals ask :func:`denominator` for the same batch right after, and the accuracy
 #: :func:`counted` (one count per step, not three). The version counter tells a tensor refilled in
 #: place from the one that was counted.
-_last_count: tuple[Any, int, torch.Tensor | int, int] | None = None
+_last_count: tuple[Any, int, torch.Tensor | int, int | None] | None = None
 
 
 def counted(y: Any, ignore_index: int | None) -> torch.Tensor | int | None:
@@ -293,7 +297,8 @@ def counted(y: Any, ignore_index: int | None) -> torch.Tensor | int | None:
         (tensor(2.), None, None)
     """
     last = _last_count
-    if last is not None and last[0] is y and last[1] == y._version and last[3] == ignore_index:
+    if last is not None and last[0] is y and last[1] == y._version \
+            and ignore_index is not None and last[3] == ignore_index:  # fmt: skip
         return last[2]
     return None
 
@@ -303,7 +308,8 @@ def _counted_nll(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor, given: Any, 
     global _last_count
     ignore = -100 if loss.ignore_index is None else loss.ignore_index  # torch's default: the kernel's
     mean, count = _nll_objective(loss, y_pred, y, class_last, ignore)
-    _last_count = (given, given._version, count, ignore)
+    # a count of class weights is the denominator's, not the number of targets a metric needs
+    _last_count = (given, given._version, count, ignore if loss.class_weights is None else None)
     return mean
 
 
@@ -319,39 +325,62 @@ def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor,
         logits, target = y_pred.reshape(-1, y_pred.shape[-1]), y.reshape(-1)
     else:
         logits, target = y_pred, y
-    logp = F.log_softmax(logits, 1) if _NLL[loss.fn] else logits
     known = _every_target_counts  # no target is ignored (while the scanned targets are unchanged)
     plain = known is not None and known[0] is loss and known[1]._version == known[2]
+    cw = loss.class_weights
     try:
-        # 1: the mean, as F.cross_entropy (0 / 0 only where nothing counts); 2: the sum
-        total, count = torch.ops.aten.nll_loss_forward(logp, target, None, 1 if plain else 2, ignore)
+        if loss.options.get("label_smoothing"):
+            mean, count = _smoothed(loss, logits, target, plain, ignore)
+        else:
+            logp = F.log_softmax(logits, 1) if _NLL[loss.fn] else logits
+            # 1: the mean, as F.cross_entropy (0 / 0 only where nothing counts); 2: the sum.
+            # With class weights the count is the targets' weights, as torch's mean divides by.
+            total, count = torch.ops.aten.nll_loss_forward(logp, target, cw, 1 if plain else 2, ignore)
+            if plain:  # every target counts (and weighs > 0): the kernel's mean
+                mean, count = total, (target.numel() if cw is None else count)
+            else:
+                mean = total / count.clamp_min(1) if cw is None else _safe_div(total, count)
     except IndexError as e:  # torch's CPU kernels: a class label out of range
         n = logits.shape[1]
         raise ValueError(
             f"Loss '{loss.name}' got a class label outside [0, {n - 1}] for logits {tuple(y_pred.shape)} ({e}). "
             "Fix: remap the labels, or give the module one output per class."
         ) from None
-    if plain:  # every target counts: the count is the host's (no tensor to add on the device)
-        mean, count = total, target.numel()
-    else:
-        mean = total / count.clamp_min(1)
     return (mean if loss.weight == 1.0 else mean * loss.weight), count
+
+
+def _smoothed(loss: Loss, logits: torch.Tensor, target: torch.Tensor, plain: bool,
+              ignore: int) -> tuple[torch.Tensor, torch.Tensor | int]:  # fmt: skip
+    """Cross-entropy with label smoothing ``eps``: where every target counts and no class weighs,
+    ``F.cross_entropy`` itself (a hand loop's ops; the count a host ``int``). Else torch's own
+    formula, ``(1 - eps) * nll / n + smooth / n * eps / C`` with ``n`` the count (or the weight)
+    of the targets that count, from the NLL kernel, at least 1 (or 1 where 0): the same values
+    as ``F.cross_entropy``'s mean, and 0 where nothing counts (not 0 / 0)."""
+    options, cw = loss.options, loss.class_weights
+    if plain and cw is None:
+        return F.cross_entropy(logits, target, reduction="mean", **options), target.numel()
+    eps = options["label_smoothing"]
+    logp = F.log_softmax(logits, 1)
+    nll, count = torch.ops.aten.nll_loss_forward(logp, target, cw, 2, ignore)  # the sum, the count
+    smooth = -(logp if cw is None else logp * cw).sum(1).masked_fill(target == ignore, 0.0).sum()
+    n = count.clamp_min(1) if cw is None else torch.where(count == 0, torch.ones_like(count), count)
+    return (1 - eps) * (nll / n) + smooth / n * (eps / logits.shape[1]), count
 
 
 def _token_objective(loss: Loss, y_pred: Any, y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     given = y
     y_pred, y = loss.prepare(y_pred, y)
-    if w is None and loss.class_weights is None and loss.fn in _NLL and isinstance(y_pred, torch.Tensor) \
+    if w is None and loss.fn in _NLL and isinstance(y_pred, torch.Tensor) \
             and (y_pred.dim() == 2 and y.dim() == 1 or loss.class_last):  # fmt: skip
         return _counted_nll(loss, y_pred, y, given, loss.class_last)  # keyed by the caller's y (prepare may copy)
     tw = _token_weights(loss, y, w)
     reduction = "sum" if w is None else "none"
     try:
         if loss.class_last:
-            out = loss.fn(y_pred.reshape(-1, y_pred.shape[-1]), y.reshape(-1), reduction=reduction)
+            out = loss.fn(y_pred.reshape(-1, y_pred.shape[-1]), y.reshape(-1), reduction=reduction, **loss.options)
             out = out if w is None else out.reshape(y.shape)
         else:
-            out = loss.fn(y_pred, y, reduction=reduction)
+            out = loss.fn(y_pred, y, reduction=reduction, **loss.options)
     except IndexError as e:  # torch's CPU kernels: a class label out of range
         n = y_pred.shape[-1] if loss.class_last else y_pred.shape[1]
         raise ValueError(
@@ -368,7 +397,7 @@ def _token_objective(loss: Loss, y_pred: Any, y: torch.Tensor, w: torch.Tensor |
 def _elementwise_objective(loss: Loss, y_pred: Any, y: Any, w: torch.Tensor) -> torch.Tensor:
     """Per-value weights (a ``(B, T)`` multi-task mask) on a regression / binary loss."""
     y_pred, y = loss.prepare(y_pred, y)
-    out = loss.fn(y_pred, y, reduction="none")
+    out = loss.fn(y_pred, y, reduction="none", **loss.options)
     spread = _spread(w.to(out.dtype), out, "target value")
     mean = _safe_div((out * spread).sum(), spread.sum())
     return mean if loss.weight == 1.0 else mean * loss.weight
