@@ -174,16 +174,20 @@ class RunningTotals:
     def load_state_dict(self, state: dict[str, Any], owner: bool = True) -> None:
         """Restore :meth:`state_dict`; metrics built from the first batch get their states at birth.
 
-        The saved sums are over all ranks: one rank (``owner``) takes them, the others start
-        from zero, so the sums over ranks come out right at any world size.
+        The saved sums are over all ranks: one rank (``owner``) takes them, the others take zeros
+        of the same kinds (a weight sum where one was kept, each metric's empty state with the
+        saved update count). So the sums over ranks come out right at any world size, and every
+        rank reaches the same collectives at the epoch's end (a rank without the metrics' states
+        would skip their sync while the owner waits in it).
         """
-        if not owner:
-            return
-        self.loss_total = state["loss_total"].to(self.device)
-        self.loss_count = state["loss_count"]
-        wsum = state["loss_wsum"]
-        self.loss_wsum = None if wsum is None else wsum.to(self.device)
-        self.metrics.load_state_dict(state["metrics"])
+        total, wsum = state["loss_total"].to(self.device), state["loss_wsum"]
+        wsum = None if wsum is None else wsum.to(self.device)
+        if owner:
+            self.loss_total, self.loss_count, self.loss_wsum = total, state["loss_count"], wsum
+        else:
+            self.loss_total = torch.zeros_like(total)
+            self.loss_count, self.loss_wsum = 0, None if wsum is None else torch.zeros_like(wsum)
+        self.metrics.load_state_dict(state["metrics"], owner=owner)
 
 
 class Phases:
