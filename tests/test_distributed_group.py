@@ -84,6 +84,28 @@ def test_srun_without_torchrun_is_refused_at_model(monkeypatch):
         fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
 
 
+@pytest.mark.parametrize(("env", "tasks"), [
+    ({"SLURM_STEP_NUM_TASKS": "4"}, 4),  # srun
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}, 4),  # a step that sets the job's names only
+    ({"SLURM_STEPID": "3", "SLURM_NPROCS": "4"}, 4),  # older srun: the old names
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "", "SLURM_NPROCS": "3"}, 3),  # the first one set counts
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "8"}, 2),  # the step's own count first
+    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "8"}, 1),  # srun -n 1 in a job of 8 tasks
+    ({"SLURM_NTASKS": "4", "SLURM_NPROCS": "4"}, 1),  # the batch script itself: no step variable
+    ({"SLURM_STEP_ID": "0"}, 1),  # a step with no count: one task
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "many"}, 1),  # not a number: not ours to judge
+])
+def test_srun_detection_reads_every_variable_slurm_sets_for_a_step(env, tasks):
+    from fitkit.distributed.group import check_not_bare_srun
+
+    env = {"SLURM_PROCID": "1", **env}
+    if tasks == 1:
+        assert check_not_bare_srun(env) is None
+        return
+    with pytest.raises(RuntimeError, match=rf"task 1 of {tasks} that srun started without torchrun.*Fix: "):
+        check_not_bare_srun(env)
+
+
 def test_where_ranks_were_names_the_ranks_behind(monkeypatch):
     """The failing rank's line from the store's places (a fake store of 3 ranks): rank 2 has
     not begun the batch rank 0 waits in; rank 1 has."""
