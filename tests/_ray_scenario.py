@@ -83,6 +83,17 @@ def train_loop(config):
                os.path.join(out, f"rank{rank()}.pt"))
 
 
+def partial_loop(config):
+    """3 epochs of 5 steps with ``RayReport(save_freq=4)``: reports at steps 4, 8, 12 and 15."""
+    import fitkit
+    from fitkit.distributed import world_size
+
+    x, y, net = _data_and_net()
+    torch.manual_seed(0)
+    _model(net).fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=3, shuffle=True, verbose=0,
+                    callbacks=[fitkit.callbacks.RayReport(save_freq=4, checkpoint=False)])
+
+
 def main(out: str) -> None:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -103,6 +114,11 @@ def main(out: str) -> None:
         torch.save({"metrics": dict(result.metrics), "files": files,
                     "reports": [(c.path, dict(m)) for c, m in result.best_checkpoints]},
                    os.path.join(out, "result.pt"))  # fmt: skip
+        partial = TorchTrainer(partial_loop, scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                               run_config=RunConfig(storage_path=os.path.join(out, "storage"), name="partial"))
+        frame = partial.fit().metrics_dataframe
+        torch.save({"reported": [(int(e), int(s)) for e, s in zip(frame["epoch"], frame["global_step"], strict=True)]},
+                   os.path.join(out, "partial.pt"))  # fmt: skip
     finally:
         ray.shutdown()
 

@@ -115,3 +115,15 @@ def run_all(out) -> dict:
         res[name] = {**result(*relaunched), "stopped_at": stopped.global_step,
                      "relaunch_s": time.perf_counter() - t0}  # fmt: skip
     return res
+
+
+def tied_gpt(strategy: str = "auto") -> fitkit.Model:
+    """A tiny :class:`fitkit.layers.GPT` (vocabulary 16, 8 channels): its head weight is its token
+    embedding's. Adam, token cross-entropy."""
+    from fitkit.layers import GPT
+
+    torch.manual_seed(5)
+    model = fitkit.Model(GPT(vocab_size=16, block_size=4, n_layer=1, n_head=2, n_embd=8), device="cpu",
+                         strategy=strategy)  # fmt: skip
+    model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss="cross_entropy")
+    return model
