@@ -349,7 +349,8 @@ def consolidate_weights(checkpoint: str | os.PathLike, path: str | os.PathLike) 
     """Turn a sharded checkpoint folder into one weights file, offline, on one process.
 
     The module's tensors are read from every shard at their full size (the optimizer state is
-    not read; a tied tensor, stored once, is given each of its names again, one tensor) and written to ``path``: safetensors when it ends in ``.safetensors``
+    not read; a tied tensor, stored once, is given each of its names again, one tensor) and
+    written to ``path``: safetensors when it ends in ``.safetensors``
     (``pip install torch-fitkit[safetensors]``), else a ``torch.save`` state dict. Either loads
     with :meth:`fitkit.Model.load_weights` at any world size, or with plain torch.
 
