@@ -3,7 +3,7 @@
 Run as ``python _ray_scenario.py OUT``: the workers train 4 epochs with ``RayReport``; rank 1
 dies at the start of epoch 2 on the first attempt, Ray restarts the workers (``max_failures=1``)
 and fitkit resumes from the checkpoint Ray gives back (epoch 1's). Each rank writes what it saw
-to ``OUT/rank{r}.pt``, the driver Ray's result to ``OUT/result.pt``. :func:`reference` is the
+to ``OUT/rank{r}.pt`` (and, first, :func:`partial_reports`), the driver Ray's result to ``OUT/result.pt``. :func:`reference` is the
 same training on one process with the global batch.
 """
 
@@ -61,6 +61,8 @@ def train_loop(config):
     except ValueError as e:
         refused = str(e)
     given = ray.train.get_checkpoint()
+    if given is None:  # the first attempt
+        partial_reports(out)
     model = _model(net)
     torch.manual_seed(0)
     marker = os.path.join(out, "crashed")
@@ -83,15 +85,30 @@ def train_loop(config):
                os.path.join(out, f"rank{rank()}.pt"))
 
 
-def partial_loop(config):
-    """3 epochs of 5 steps with ``RayReport(save_freq=4)``: reports at steps 4, 8, 12 and 15."""
+def partial_reports(out: str) -> None:
+    """3 epochs of 5 steps with ``RayReport(save_freq=4, checkpoint=False)`` on a fresh model, before
+    the main fit of the first attempt: each rank records the ``(epoch, global_step)`` of every report
+    it makes to Ray (4, 8, 12, and 15, the run's last step)."""
+    import ray.train
+
     import fitkit
-    from fitkit.distributed import world_size
+    from fitkit.distributed import rank, world_size
+
+    reported, plain = [], ray.train.report
+
+    def recording(metrics, *args, **kwargs):
+        reported.append((metrics["epoch"], metrics["global_step"]))
+        return plain(metrics, *args, **kwargs)
 
     x, y, net = _data_and_net()
     torch.manual_seed(0)
-    _model(net).fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=3, shuffle=True, verbose=0,
-                    callbacks=[fitkit.callbacks.RayReport(save_freq=4, checkpoint=False)])
+    ray.train.report = recording
+    try:
+        _model(net).fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=3, shuffle=True, verbose=0,
+                        callbacks=[fitkit.callbacks.RayReport(save_freq=4, checkpoint=False)])
+    finally:
+        ray.train.report = plain
+    torch.save(reported, os.path.join(out, f"partial{rank()}.pt"))
 
 
 def main(out: str) -> None:
@@ -114,11 +131,6 @@ def main(out: str) -> None:
         torch.save({"metrics": dict(result.metrics), "files": files,
                     "reports": [(c.path, dict(m)) for c, m in result.best_checkpoints]},
                    os.path.join(out, "result.pt"))  # fmt: skip
-        partial = TorchTrainer(partial_loop, scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                               run_config=RunConfig(storage_path=os.path.join(out, "storage"), name="partial"))
-        frame = partial.fit().metrics_dataframe
-        torch.save({"reported": [(int(e), int(s)) for e, s in zip(frame["epoch"], frame["global_step"], strict=True)]},
-                   os.path.join(out, "partial.pt"))  # fmt: skip
     finally:
         ray.shutdown()
 

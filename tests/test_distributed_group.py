@@ -140,6 +140,68 @@ def test_where_ranks_were_names_the_ranks_behind(monkeypatch):
     assert progress.peer_failed()
 
 
+class _FakeStore:
+    def __init__(self, data):
+        self.data = data
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key].encode()
+
+
+def _where(monkeypatch, places, failed=None, me=0):
+    """progress.where_ranks_were(me) over a fake store of ``places`` (each 5.0 s old)."""
+    import json as _json
+
+    from fitkit.distributed import progress
+
+    data = {f"fitkit/progress/{r}": _json.dumps({"place": p, "since": 995.0}) for r, p in enumerate(places)}
+    if failed is not None:
+        data["fitkit/failed"] = _json.dumps(failed)
+    monkeypatch.setattr(progress, "_store", lambda: _FakeStore(data))
+    monkeypatch.setattr(progress.time, "time", lambda: 1000.0)
+    monkeypatch.setattr(progress.dist, "get_world_size", lambda: len(places))
+    return progress.where_ranks_were(me=me)
+
+
+@pytest.mark.parametrize(("hung", "waiting", "said"), [
+    # the last batch's callbacks, while rank 0 syncs the epoch's metrics (was: the same place)
+    ([0, 5, 6, 0, None], [0, 5, 6, 2, None], "epoch 0, after batch 6 (in its callbacks)"),
+    ([0, 5, 6, 2, None], [0, 5, 6, 3, None], "epoch 0, at its end (its metrics)"),  # the epoch end
+    ([0, 5, 6, 3, None], [0, 5, 6, 4, None], "epoch 0, in its validation"),  # validation
+    ([0, 2, 3, 0, "writing a checkpoint"], [0, 3, 3, 0, None],  # a checkpoint write in a batch's callbacks
+     "epoch 0, after batch 3 (in its callbacks), writing a checkpoint"),
+    ([1, 5, 6, 4, "writing a checkpoint"], [2, -1, 0, 0, None],
+     "epoch 1, in its epoch-end callbacks, writing a checkpoint"),
+])  # fmt: skip
+def test_a_hang_is_named_with_its_rank_and_phase(monkeypatch, hung, waiting, said):
+    line = _where(monkeypatch, [waiting, hung])
+    assert line.startswith(f"fitkit: rank(s) 1 behind rank 0, which was {_describe(waiting)}: hung or slow there. ")
+    assert f"rank 1: {said} for 5.0 s." in line
+
+
+def _describe(place):
+    from fitkit.distributed import progress
+
+    return progress._describe(place)
+
+
+def test_after_an_exception_the_survivors_name_the_failed_rank_as_failed(monkeypatch):
+    # rank 1 raised in batch 3; rank 0, whose collective then broke, was in batch 4's step
+    line = _where(monkeypatch, [[0, 3, 3, 0, None], [0, 2, 2, 0, None], [0, 1, 2, 0, None]],
+                  failed={"rank": 1, "error": "RuntimeError"})  # fmt: skip
+    assert line == (
+        "fitkit: rank 1 failed (RuntimeError) at epoch 0, in batch 3; rank 0 stopped because of it. rank(s) 2 "
+        "behind rank 0, which was epoch 0, in batch 4: hung or slow there. Where each rank was: rank 0: epoch 0, "
+        "in batch 4 for 5.0 s; rank 1: epoch 0, in batch 3 for 5.0 s; rank 2: epoch 0, after batch 2 (in its "
+        "callbacks) for 5.0 s."
+    )
+    # the failed rank's own line (written before its mark) is unchanged
+    assert "failed" not in _where(monkeypatch, [[0, 3, 3, 0, None], [0, 2, 2, 0, None]], me=1)
+
+
 def test_timeout_is_refused_for_a_process_group_fitkit_did_not_start():
     """Ray Train's TorchTrainer (or the script) starts the group with its own timeout: fitkit
     cannot change it, so Model(timeout=) says where to set it instead of being ignored."""

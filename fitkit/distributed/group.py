@@ -245,7 +245,7 @@ def _record_uncaught() -> None:
         from fitkit.distributed import progress
 
         where = progress.where_ranks_were()  # the ranks behind this one: hung or slow there
-        progress.mark_failed(f"rank {rank()}: {kind.__name__}")  # a peer's SIGTERM then exits at once
+        progress.mark_failed(kind.__name__)  # a peer's SIGTERM then exits at once
         message = f"{kind.__name__}: {value}" + (f"\n{where}" if where else "")
         try:  # the format of torch's ErrorHandler.record_exception, with this exception's stack
             data = {"message": {"message": message, "extraInfo": {
