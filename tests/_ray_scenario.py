@@ -3,7 +3,8 @@
 Run as ``python _ray_scenario.py OUT``: the workers train 4 epochs with ``RayReport``; rank 1
 dies at the start of epoch 2 on the first attempt, Ray restarts the workers (``max_failures=1``)
 and fitkit resumes from the checkpoint Ray gives back (epoch 1's). Each rank writes what it saw
-to ``OUT/rank{r}.pt`` (and, first, :func:`partial_reports`), the driver Ray's result to ``OUT/result.pt``. :func:`reference` is the
+to ``OUT/rank{r}.pt`` (and, first, :func:`partial_reports`), the driver Ray's result to
+``OUT/result.pt``. :func:`reference` is the
 same training on one process with the global batch.
 """
 
