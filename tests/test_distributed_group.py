@@ -50,6 +50,47 @@ def test_a_hanging_rank_ends_the_job_with_the_timeout_in_torchruns_summary(tmp_p
     assert "rank 1: epoch 0, after batch 2 (in its callbacks) for" in summary
 
 
+PHASE_HANG = """
+import time, fitkit
+import fitkit.training.checkpoint as ck
+from fitkit.distributed import rank
+from _dist_scenarios import data, net
+
+class Hang(fitkit.callbacks.Callback):  # rank 1 stalls in the epoch's last batch's callbacks
+    def on_train_batch_end(self, batch, logs=None):
+        if CASE == "last_batch" and rank() == 1 and self.model.global_step == 5:
+            time.sleep(60)
+
+plain = ck.atomic_save
+def slow_save(*args, **kwargs):  # rank 0 (the one that writes) stalls inside the write
+    time.sleep(60)
+    return plain(*args, **kwargs)
+if CASE == "checkpoint" and rank() == 0:
+    ck.atomic_save = slow_save
+x, y, _ = data(40)
+model = fitkit.Model(net(), device="cpu", timeout=5)  # 1 s: a loaded machine may exceed it in a step
+model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+backup = fitkit.callbacks.BackupAndRestore(OUT / "bk", save_freq=2)
+model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[Hang(), backup])
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "line"), [
+    # 5 steps an epoch: rank 0 waits in the epoch end's metric sync (was: the same place as rank 1)
+    ("last_batch", "fitkit: rank(s) 1 behind rank 0, which was epoch 0, at its end (its metrics): hung or slow "
+                   "there. Where each rank was: rank 0: epoch 0, at its end (its metrics) for "),
+    # the backup after step 2: rank 1 goes on to step 3's all-reduce
+    ("checkpoint", "fitkit: rank(s) 0 behind rank 1, which was epoch 0, in batch 3: hung or slow there. Where "
+                   "each rank was: rank 0: epoch 0, after batch 2 (in its callbacks), writing a checkpoint for "),
+])  # fmt: skip
+def test_a_hang_names_the_rank_and_its_phase(tmp_path, case, line):
+    proc = run_torchrun(f"CASE = {case!r}\n" + PHASE_HANG, tmp_path, check=False, timeout=150)
+    assert proc.returncode != 0
+    assert line in proc.stderr
+
+
 def test_timeout_is_checked(monkeypatch):
     assert check_timeout(2) == 2.0
     monkeypatch.setenv("FITKIT_DIST_TIMEOUT", "90")
