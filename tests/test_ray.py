@@ -27,7 +27,7 @@ def run(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FITKIT_DEVICE": "cpu",
            "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(TESTS / "_ray_scenario.py"), str(out)], env=env, cwd=out,
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+                          capture_output=True, text=True, timeout=480)  # fmt: skip
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-10000:]}"
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     return {"ranks": ranks, "result": torch.load(out / "result.pt", weights_only=False), "dir": out,
