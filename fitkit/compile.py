@@ -114,6 +114,7 @@ class Forward:
         self.eager = module if wrapped is None else wrapped
         self.jit = jit
         self._fn: Any = None
+        self._inner: Any = None  # under a wrapper (DDP): the module's compiled call, used inside it
 
     def refresh(self) -> None:
         """Ask the wrap again (DDP rebuilds its wrapper when the trainable set changed); a new
@@ -123,23 +124,54 @@ class Forward:
         wrapped = self.wrap(self.module)
         new = self.module if wrapped is None else wrapped
         if new is not self.eager:
-            self.eager, self._fn = new, None
+            self.eager, self._fn, self._inner = new, None, None
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Call the forward with the module's own signature."""
         if self._fn is None:
-            compiled = maybe_compile(self.eager, self.jit)
-            self._fn = self.eager if compiled is None else compiled
+            self._build()
         if self._fn is self.eager:
             return self.eager(*args, **kwargs)
         try:
+            if self._inner is not None:
+                return self._inside(*args, **kwargs)
             return self._fn(*args, **kwargs)
         except Exception as e:
             if not is_compile_error(e):
                 raise
             warn_fallback(e)  # once: the eager module is used from now on
-            self._fn = self.eager
+            self._fn, self._inner = self.eager, None
             return self.eager(*args, **kwargs)
+
+    def _build(self) -> None:
+        """The compiled forward. Under a wrapper (DDP) the module is compiled, not the wrapper:
+        DDP then calls one compiled graph of the module (compiling DDP itself made dynamo break
+        the graph at DDP's own forward and run it eagerly, on CPU and gloo)."""
+        if self.eager is self.module or self.jit is False:
+            compiled = maybe_compile(self.eager, self.jit)
+            self._fn = self.eager if compiled is None else compiled
+            return
+        module = self.module
+
+        def call_module(*args: Any, **kwargs: Any) -> Any:  # its hooks included; a frame of fitkit's
+            return module._call_impl(*args, **kwargs)  # (dynamo skips a top-level frame of torch.nn's own)
+
+        try:  # nn.Module.compile's recipe, kept to the training forward: the module's call, compiled
+            self._inner = torch.compile(call_module, **self.jit)  # type: ignore[arg-type]
+        except Exception as e:  # bad kwargs or an unsupported platform: run eager, say so once
+            warn_fallback(e)
+            self._inner = None
+        self._fn = self.eager if self._inner is None else self._inside
+
+    def _inside(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapper's forward, whose call of the module runs the compiled module (only while
+        it runs: the module itself stays eager for everything else)."""
+        module, inner = self.module, self._inner
+        object.__setattr__(module, "_compiled_call_impl", inner)  # what nn.Module.__call__ runs when set
+        try:
+            return self.eager(*args, **kwargs)
+        finally:
+            object.__setattr__(module, "_compiled_call_impl", None)
 
     def __call__(self, x: Any) -> Any:
         """Call the forward on a batch's inputs (see :func:`call`)."""

@@ -3,7 +3,8 @@
 Run as ``python _ray_scenario.py OUT``: the workers train 4 epochs with ``RayReport``; rank 1
 dies at the start of epoch 2 on the first attempt, Ray restarts the workers (``max_failures=1``)
 and fitkit resumes from the checkpoint Ray gives back (epoch 1's). Each rank writes what it saw
-to ``OUT/rank{r}.pt``, the driver Ray's result to ``OUT/result.pt``. :func:`reference` is the
+to ``OUT/rank{r}.pt`` (and, first, :func:`partial_reports`), the driver Ray's result to
+``OUT/result.pt``. :func:`reference` is the
 same training on one process with the global batch.
 """
 
@@ -61,6 +62,8 @@ def train_loop(config):
     except ValueError as e:
         refused = str(e)
     given = ray.train.get_checkpoint()
+    if given is None:  # the first attempt
+        partial_reports(out)
     model = _model(net)
     torch.manual_seed(0)
     marker = os.path.join(out, "crashed")
@@ -81,6 +84,32 @@ def train_loop(config):
     torch.save({"params": [p.detach() for p in net.parameters()], "loss": h.history["loss"], "epochs_run": epochs_run,
                 "world": world_size(), "refused": refused, "given": None if given is None else given.path},
                os.path.join(out, f"rank{rank()}.pt"))
+
+
+def partial_reports(out: str) -> None:
+    """3 epochs of 5 steps with ``RayReport(save_freq=4, checkpoint=False)`` on a fresh model, before
+    the main fit of the first attempt: each rank records the ``(epoch, global_step)`` of every report
+    it makes to Ray (4, 8, 12, and 15, the run's last step)."""
+    import ray.train
+
+    import fitkit
+    from fitkit.distributed import rank, world_size
+
+    reported, plain = [], ray.train.report
+
+    def recording(metrics, *args, **kwargs):
+        reported.append((metrics["epoch"], metrics["global_step"]))
+        return plain(metrics, *args, **kwargs)
+
+    x, y, net = _data_and_net()
+    torch.manual_seed(0)
+    ray.train.report = recording
+    try:
+        _model(net).fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=3, shuffle=True, verbose=0,
+                        callbacks=[fitkit.callbacks.RayReport(save_freq=4, checkpoint=False)])
+    finally:
+        ray.train.report = plain
+    torch.save(reported, os.path.join(out, f"partial{rank()}.pt"))
 
 
 def main(out: str) -> None:

@@ -78,6 +78,15 @@ except fitkit.files.CheckpointError as e:
     res["flip_error"] = str(e)
 res["flip_after"], res["flip_before"] = full_params(m4), flip_before
 res["flip_optim_empty"] = not m4.optimizer.state
+# GPT's head weight is its token embedding: one tensor in the shards, tied again after the load
+from _relaunch import tied_gpt
+g = tied_gpt("fsdp")
+g.fit(torch.randint(0, 16, (8, 4)), torch.randint(0, 16, (8, 4)), batch_size=2, epochs=1, verbose=0)
+g.save_checkpoint(OUT / "ck_tied")
+g2 = tied_gpt("fsdp")
+g2.load_checkpoint(OUT / "ck_tied")
+res["tied"] = {"tied": g2.module.lm_head.weight is g2.module.embed.wte.weight,
+               "saved": full_params(g), "loaded": full_params(g2)}
 torch.save(res, OUT / f"rank{rank()}.pt")
 dist.barrier()
 
@@ -176,6 +185,48 @@ def test_async_save_holds_the_state_of_the_call(job):
     r0, r1, _ = job
     for r in (r0, r1):
         _equal(r["async_loaded"], r["async_before"])
+
+
+def _tied_index(folder) -> list[str]:
+    from fitkit.files.sharded import read_metadata
+
+    return sorted(k for k in read_metadata(folder / ".metadata").state_dict_metadata if k.startswith("model."))
+
+
+@_torchrun_test
+def test_a_tied_weight_is_stored_once_in_the_shards_and_loads_tied(job, tmp_path):
+    r0, r1, out = job
+    index = _tied_index(out / "ck_tied")
+    assert "model.embed.wte.weight" in index and "model.lm_head.weight" not in index
+    for r in (r0, r1):
+        assert r["tied"]["tied"]
+        _equal(r["tied"]["loaded"], r["tied"]["saved"])
+    weights = torch.load(tmp_path / "w.pt", weights_only=True) if consolidate_weights(
+        out / "ck_tied", tmp_path / "w.pt") else {}  # fmt: skip
+    assert weights["lm_head.weight"].data_ptr() == weights["embed.wte.weight"].data_ptr()  # one storage in the file
+    assert torch.equal(weights["embed.wte.weight"], r0["tied"]["saved"]["embed.wte.weight"])
+
+
+def test_a_tied_weight_on_one_process_is_stored_once_and_loads_tied(tmp_path):
+    from _relaunch import tied_gpt
+
+    from fitkit.files.sharded import read_metadata
+
+    g = tied_gpt()
+    g.fit(torch.randint(0, 16, (8, 4)), torch.randint(0, 16, (8, 4)), batch_size=2, epochs=1, verbose=0)
+    g.save_checkpoint(tmp_path / "ck", sharded=True)
+    meta = read_metadata(tmp_path / "ck" / ".metadata")
+    assert _tied_index(tmp_path / "ck") == sorted(f"model.{k}" for k in g.module.state_dict() if k != "lm_head.weight")
+    wte = meta.state_dict_metadata["model.embed.wte.weight"]
+    assert tuple(wte.size) == (16, 8)
+    fresh = tied_gpt()
+    fresh.load_checkpoint(tmp_path / "ck")
+    assert fresh.module.lm_head.weight is fresh.module.embed.wte.weight
+    for k, v in g.module.state_dict().items():
+        assert torch.equal(fresh.module.state_dict()[k], v), k
+    # the optimizer state of the one parameter came back too
+    assert torch.equal(fresh.optimizer.state[fresh.module.lm_head.weight]["exp_avg"],
+                       g.optimizer.state[g.module.lm_head.weight]["exp_avg"])
 
 
 @_torchrun_test

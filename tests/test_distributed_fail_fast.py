@@ -27,3 +27,7 @@ model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[Boom()])
 """, tmp_path, check=False, timeout=120)
     assert proc.returncode != 0
     assert "rank 1 failed at step 2 on purpose" in proc.stderr
+    # a survivor whose collective broke names rank 1 as failed, not as hung or slow
+    assert "hung or slow" not in proc.stderr
+    survivor = [ln for ln in proc.stderr.splitlines() if "fitkit: rank 1 failed (RuntimeError) at epoch 0, " in ln]
+    assert survivor and all("rank 0 stopped because of it." in ln for ln in survivor)

@@ -50,6 +50,47 @@ def test_a_hanging_rank_ends_the_job_with_the_timeout_in_torchruns_summary(tmp_p
     assert "rank 1: epoch 0, after batch 2 (in its callbacks) for" in summary
 
 
+PHASE_HANG = """
+import time, fitkit
+import fitkit.training.checkpoint as ck
+from fitkit.distributed import rank
+from _dist_scenarios import data, net
+
+class Hang(fitkit.callbacks.Callback):  # rank 1 stalls in the epoch's last batch's callbacks
+    def on_train_batch_end(self, batch, logs=None):
+        if CASE == "last_batch" and rank() == 1 and self.model.global_step == 5:
+            time.sleep(60)
+
+plain = ck.atomic_save
+def slow_save(*args, **kwargs):  # rank 0 (the one that writes) stalls inside the write
+    time.sleep(60)
+    return plain(*args, **kwargs)
+if CASE == "checkpoint" and rank() == 0:
+    ck.atomic_save = slow_save
+x, y, _ = data(40)
+model = fitkit.Model(net(), device="cpu", timeout=5)  # 1 s: a loaded machine may exceed it in a step
+model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+backup = fitkit.callbacks.BackupAndRestore(OUT / "bk", save_freq=2)
+model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[Hang(), backup])
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "line"), [
+    # 5 steps an epoch: rank 0 waits in the epoch end's metric sync (was: the same place as rank 1)
+    ("last_batch", "fitkit: rank(s) 1 behind rank 0, which was epoch 0, at its end (its metrics): hung or slow "
+                   "there. Where each rank was: rank 0: epoch 0, at its end (its metrics) for "),
+    # the backup after step 2: rank 1 goes on to step 3's all-reduce
+    ("checkpoint", "fitkit: rank(s) 0 behind rank 1, which was epoch 0, in batch 3: hung or slow there. Where "
+                   "each rank was: rank 0: epoch 0, after batch 2 (in its callbacks), writing a checkpoint for "),
+])  # fmt: skip
+def test_a_hang_names_the_rank_and_its_phase(tmp_path, case, line):
+    proc = run_torchrun(f"CASE = {case!r}\n" + PHASE_HANG, tmp_path, check=False, timeout=150)
+    assert proc.returncode != 0
+    assert line in proc.stderr
+
+
 def test_timeout_is_checked(monkeypatch):
     assert check_timeout(2) == 2.0
     monkeypatch.setenv("FITKIT_DIST_TIMEOUT", "90")
@@ -84,6 +125,28 @@ def test_srun_without_torchrun_is_refused_at_model(monkeypatch):
         fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
 
 
+@pytest.mark.parametrize(("env", "tasks"), [
+    ({"SLURM_STEP_NUM_TASKS": "4"}, 4),  # srun
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}, 4),  # a step that sets the job's names only
+    ({"SLURM_STEPID": "3", "SLURM_NPROCS": "4"}, 4),  # older srun: the old names
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "", "SLURM_NPROCS": "3"}, 3),  # the first one set counts
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "8"}, 2),  # the step's own count first
+    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "8"}, 1),  # srun -n 1 in a job of 8 tasks
+    ({"SLURM_NTASKS": "4", "SLURM_NPROCS": "4"}, 1),  # the batch script itself: no step variable
+    ({"SLURM_STEP_ID": "0"}, 1),  # a step with no count: one task
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "many"}, 1),  # not a number: not ours to judge
+])
+def test_srun_detection_reads_every_variable_slurm_sets_for_a_step(env, tasks):
+    from fitkit.distributed.group import check_not_bare_srun
+
+    env = {"SLURM_PROCID": "1", **env}
+    if tasks == 1:
+        assert check_not_bare_srun(env) is None
+        return
+    with pytest.raises(RuntimeError, match=rf"task 1 of {tasks} that srun started without torchrun.*Fix: "):
+        check_not_bare_srun(env)
+
+
 def test_where_ranks_were_names_the_ranks_behind(monkeypatch):
     """The failing rank's line from the store's places (a fake store of 3 ranks): rank 2 has
     not begun the batch rank 0 waits in; rank 1 has."""
@@ -116,6 +179,68 @@ def test_where_ranks_were_names_the_ranks_behind(monkeypatch):
     progress.mark_failed("rank 0: RuntimeError")  # the fake store has no set: nothing is raised
     store.data["fitkit/failed"] = "rank 0: RuntimeError"
     assert progress.peer_failed()
+
+
+class _FakeStore:
+    def __init__(self, data):
+        self.data = data
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key].encode()
+
+
+def _where(monkeypatch, places, failed=None, me=0):
+    """progress.where_ranks_were(me) over a fake store of ``places`` (each 5.0 s old)."""
+    import json as _json
+
+    from fitkit.distributed import progress
+
+    data = {f"fitkit/progress/{r}": _json.dumps({"place": p, "since": 995.0}) for r, p in enumerate(places)}
+    if failed is not None:
+        data["fitkit/failed"] = _json.dumps(failed)
+    monkeypatch.setattr(progress, "_store", lambda: _FakeStore(data))
+    monkeypatch.setattr(progress.time, "time", lambda: 1000.0)
+    monkeypatch.setattr(progress.dist, "get_world_size", lambda: len(places))
+    return progress.where_ranks_were(me=me)
+
+
+@pytest.mark.parametrize(("hung", "waiting", "said"), [
+    # the last batch's callbacks, while rank 0 syncs the epoch's metrics (was: the same place)
+    ([0, 5, 6, 0, None], [0, 5, 6, 2, None], "epoch 0, after batch 6 (in its callbacks)"),
+    ([0, 5, 6, 2, None], [0, 5, 6, 3, None], "epoch 0, at its end (its metrics)"),  # the epoch end
+    ([0, 5, 6, 3, None], [0, 5, 6, 4, None], "epoch 0, in its validation"),  # validation
+    ([0, 2, 3, 0, "writing a checkpoint"], [0, 3, 3, 0, None],  # a checkpoint write in a batch's callbacks
+     "epoch 0, after batch 3 (in its callbacks), writing a checkpoint"),
+    ([1, 5, 6, 4, "writing a checkpoint"], [2, -1, 0, 0, None],
+     "epoch 1, in its epoch-end callbacks, writing a checkpoint"),
+])  # fmt: skip
+def test_a_hang_is_named_with_its_rank_and_phase(monkeypatch, hung, waiting, said):
+    line = _where(monkeypatch, [waiting, hung])
+    assert line.startswith(f"fitkit: rank(s) 1 behind rank 0, which was {_describe(waiting)}: hung or slow there. ")
+    assert f"rank 1: {said} for 5.0 s." in line
+
+
+def _describe(place):
+    from fitkit.distributed import progress
+
+    return progress._describe(place)
+
+
+def test_after_an_exception_the_survivors_name_the_failed_rank_as_failed(monkeypatch):
+    # rank 1 raised in batch 3; rank 0, whose collective then broke, was in batch 4's step
+    line = _where(monkeypatch, [[0, 3, 3, 0, None], [0, 2, 2, 0, None], [0, 1, 2, 0, None]],
+                  failed={"rank": 1, "error": "RuntimeError"})  # fmt: skip
+    assert line == (
+        "fitkit: rank 1 failed (RuntimeError) at epoch 0, in batch 3; rank 0 stopped because of it. rank(s) 2 "
+        "behind rank 0, which was epoch 0, in batch 4: hung or slow there. Where each rank was: rank 0: epoch 0, "
+        "in batch 4 for 5.0 s; rank 1: epoch 0, in batch 3 for 5.0 s; rank 2: epoch 0, after batch 2 (in its "
+        "callbacks) for 5.0 s."
+    )
+    # the failed rank's own line (written before its mark) is unchanged
+    assert "failed" not in _where(monkeypatch, [[0, 3, 3, 0, None], [0, 2, 2, 0, None]], me=1)
 
 
 def test_timeout_is_refused_for_a_process_group_fitkit_did_not_start():

@@ -27,10 +27,11 @@ def run(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FITKIT_DEVICE": "cpu",
            "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(TESTS / "_ray_scenario.py"), str(out)], env=env, cwd=out,
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+                          capture_output=True, text=True, timeout=480)  # fmt: skip
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-10000:]}"
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    return {"ranks": ranks, "result": torch.load(out / "result.pt", weights_only=False), "dir": out}
+    return {"ranks": ranks, "result": torch.load(out / "result.pt", weights_only=False), "dir": out,
+            "partial": [torch.load(out / f"partial{r}.pt", weights_only=False) for r in (0, 1)]}
 
 
 @pytest.mark.slow
@@ -59,6 +60,14 @@ def test_every_epoch_is_reported_with_fitkits_checkpoint(run):
     assert result["metrics"]["loss"] == pytest.approx(run["ranks"][0]["loss"][-1])
     # every epoch's report kept: 0 and 1 from the first attempt, 2 and 3 from the second
     assert sorted(m["epoch"] for _, m in result["reports"]) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_every_save_freq_report_and_the_last_step_that_save_freq_does_not_divide(run):
+    # 3 epochs of 5 steps, save_freq=4: the run's step 15 is reported at its end (was: 12 last)
+    for reported in run["partial"]:  # every worker reports the same steps
+        assert reported == [(0, 4), (1, 8), (2, 12), (2, 15)]
 
 
 @pytest.mark.slow

@@ -56,7 +56,9 @@ class RayReport(SavesEveryNBatches, Callback):
     refuses ``timeout=`` when the group is already running.
 
     Args:
-        save_freq: ``"epoch"``, or an int: report every that many batches.
+        save_freq: ``"epoch"``, or an int: report every that many batches, and the run's last
+            step at the end of ``fit`` when ``save_freq`` does not divide it (Ray's result is
+            then the run's end, as Lightning's ``save_last``).
         checkpoint: ``False``: report the metrics only (no checkpoint written or loaded).
 
     Raises:
@@ -93,6 +95,7 @@ class RayReport(SavesEveryNBatches, Callback):
         check_bool("checkpoint", checkpoint)
         self.save_freq, self.checkpoint = save_freq, bool(checkpoint)
         self._batches_seen, self._due, self._resumed = 0, False, False
+        self._reported = self._epoch_end = -1  # the global steps of the last report and the last epoch end
 
     def on_train_begin(self, logs=None):
         train = _ray_train()
@@ -106,6 +109,7 @@ class RayReport(SavesEveryNBatches, Callback):
                 "ray.train.torch.TorchTrainer(train_loop, ...).fit(), or drop RayReport."
             ) from None
         self._batches_seen, self._due = 0, False
+        self._reported = self._epoch_end = -1
         if self._resumed or not self.checkpoint:
             return
         self._resumed = True
@@ -125,7 +129,17 @@ class RayReport(SavesEveryNBatches, Callback):
         self._report(logs)
 
     def _save_on_epoch_end(self, epoch, logs=None):
+        self._epoch_end = self.model.global_step
         if self.save_freq == "epoch":
+            self._report(logs)
+
+    def on_train_end(self, logs=None):
+        # Every save_freq batches: a run whose last step no report holds (save_freq does not
+        # divide it) reports it with the last epoch's logs, which are that step's. The same on
+        # every worker: it depends on global_step alone. A fit stopped inside an epoch (a
+        # signal) has no logs of its last step: its last report stays the last.
+        step = self.model.global_step
+        if self.save_freq != "epoch" and step != self._reported and step == self._epoch_end:
             self._report(logs)
 
     def _report(self, logs: Any) -> None:
@@ -138,6 +152,7 @@ class RayReport(SavesEveryNBatches, Callback):
             if isinstance(value, (int, float)):
                 metrics[key] = value
         metrics.update(epoch=model.epoch, global_step=model.global_step)
+        self._reported = model.global_step
         if not self.checkpoint:
             train.report(metrics)
             return

@@ -80,11 +80,33 @@ def _optimizer(model: Model) -> torch.optim.Optimizer:
     return model.optimizer
 
 
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """Each other name of a tied tensor (GPT's head weight that is its embedding's) -> its first
+    name in the module's state dict. A sharded checkpoint stores the tensor once, under that
+    first name; the load ties the others to it again (they are the same tensor in the module).
+
+    Example:
+        >>> from fitkit.layers import GPT
+        >>> tied_names(GPT(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4))
+        {'lm_head.weight': 'embed.wte.weight'}
+    """
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            out[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return out
+
+
 def _tensor_state(model: Model) -> dict[str, Any]:
+    """The module's (each tied tensor once: :func:`tied_names`) and the optimizer's tensors."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model.module, _optimizer(model))
-    return {"model": msd, "optim": osd}
+    tied = tied_names(model.module)
+    return {"model": {k: v for k, v in msd.items() if k not in tied}, "optim": osd}
 
 
 class _Pending:
@@ -146,7 +168,7 @@ def save(model: Model, state: dict[str, Any], path: str | os.PathLike, async_sav
         dist.barrier(group=group)  # nobody writes into the folder before it is cleared
     tensors = _tensor_state(model)
     state = {**state, "format": "dcp", "world_size": dist.get_world_size() if is_distributed() else 1,
-             "param_groups_names": _group_names(model)}  # fmt: skip
+             "param_groups_names": _group_names(model), "tied": tied_names(model.module)}  # fmt: skip
 
     def finish() -> None:
         if is_rank_zero():
@@ -187,8 +209,11 @@ def differences(model: Model, meta: Any, state: dict[str, Any]) -> list[str]:
 
     dtypes = {k: v.properties.dtype for k, v in meta.state_dict_metadata.items() if hasattr(v, "properties")}
     shapes = sharded_shapes(meta)
-    saved = {k: torch.empty(shape, dtype=dtypes[f"model.{k}"], device="meta") for k, shape in shapes.items()}
-    out = state_dict_differences(model.module.state_dict(), saved)  # DTensors: global shapes
+    tied = tied_names(model.module)  # stored once (an older folder may hold them twice: not compared)
+    saved = {k: torch.empty(shape, dtype=dtypes[f"model.{k}"], device="meta") for k, shape in shapes.items()
+             if k not in tied}  # fmt: skip
+    mine = {k: v for k, v in model.module.state_dict().items() if k not in tied}
+    out = state_dict_differences(mine, saved)  # DTensors: global shapes
     names = state.get("param_groups_names") or []
     as_saved = {"state": {}, "param_groups": [{"params": list(range(len(g)))} for g in names]}
     out += optimizer_differences(_optimizer(model), as_saved, state.get("optimizer_class"))
@@ -320,4 +345,5 @@ def load_tensors(model: Model, path: str | os.PathLike) -> None:
         if unset is not None:  # a failed load leaves the optimizer as it was: no state
             optimizer.load_state_dict(unset)
         raise
-    set_state_dict(model.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    module_state = {**state["model"], **{a: state["model"][k] for a, k in tied_names(model.module).items()}}
+    set_state_dict(model.module, optimizer, model_state_dict=module_state, optim_state_dict=state["optim"])

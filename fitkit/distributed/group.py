@@ -43,22 +43,29 @@ def check_not_bare_srun(environ: Any = None) -> None:
 
     ``srun --ntasks=4 python train.py`` starts four copies; without torchrun's variables
     (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``) each would train alone on all the data and write
-    the same files. ``SLURM_STEP_NUM_TASKS`` (set by ``srun`` for its job step, not in the batch
-    script itself) tells. A process group started by the user is accepted as it is.
+    the same files. A job step's task has a step variable (``SLURM_STEP_ID``, ``SLURM_STEPID``
+    or ``SLURM_STEP_NUM_TASKS``; the batch script itself has none, though it has the job's
+    ``SLURM_NTASKS``) and its task count in the first of ``SLURM_STEP_NUM_TASKS``,
+    ``SLURM_NTASKS`` and ``SLURM_NPROCS`` that is set (older ``srun`` and other launchers set
+    only the last two). A process group started by the user is accepted as it is.
 
     Raises:
-        RuntimeError: ``SLURM_STEP_NUM_TASKS`` > 1 and no torchrun variables, naming the fix.
+        RuntimeError: a job step's task count > 1 and no torchrun variables, naming the fix.
 
     Example:
         >>> check_not_bare_srun({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"})  # one task: fine
-        >>> check_not_bare_srun({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2"})  # doctest: +ELLIPSIS
+        >>> check_not_bare_srun({"SLURM_NTASKS": "4", "SLURM_PROCID": "0"})  # the batch script: fine
+        >>> check_not_bare_srun({"SLURM_STEP_ID": "0", "SLURM_NPROCS": "4", "SLURM_PROCID": "2"})
         Traceback (most recent call last):
         ...
         RuntimeError: This process is task 2 of 4 that srun started without torchrun...
     """
     env = os.environ if environ is None else environ
+    if not any(k in env for k in ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS")):
+        return  # not a job step's task (the batch script, or no SLURM)
+    given = [env[k] for k in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") if env.get(k)]
     try:
-        tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))
+        tasks = int(given[0]) if given else 1
     except ValueError:
         return
     if tasks <= 1:
@@ -238,7 +245,7 @@ def _record_uncaught() -> None:
         from fitkit.distributed import progress
 
         where = progress.where_ranks_were()  # the ranks behind this one: hung or slow there
-        progress.mark_failed(f"rank {rank()}: {kind.__name__}")  # a peer's SIGTERM then exits at once
+        progress.mark_failed(kind.__name__)  # a peer's SIGTERM then exits at once
         message = f"{kind.__name__}: {value}" + (f"\n{where}" if where else "")
         try:  # the format of torch's ErrorHandler.record_exception, with this exception's stack
             data = {"message": {"message": message, "extraInfo": {

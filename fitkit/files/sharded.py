@@ -349,7 +349,8 @@ def consolidate_weights(checkpoint: str | os.PathLike, path: str | os.PathLike) 
     """Turn a sharded checkpoint folder into one weights file, offline, on one process.
 
     The module's tensors are read from every shard at their full size (the optimizer state is
-    not read) and written to ``path``: safetensors when it ends in ``.safetensors``
+    not read; a tied tensor, stored once, is given each of its names again, one tensor) and
+    written to ``path``: safetensors when it ends in ``.safetensors``
     (``pip install torch-fitkit[safetensors]``), else a ``torch.save`` state dict. Either loads
     with :meth:`fitkit.Model.load_weights` at any world size, or with plain torch.
 
@@ -386,6 +387,8 @@ def consolidate_weights(checkpoint: str | os.PathLike, path: str | os.PathLike) 
     with quiet_single_process(), torch_errors(checkpoint):
         dcp.load(state, checkpoint_id=os.fspath(checkpoint), storage_reader=safe_reader(checkpoint), no_dist=True)
     weights = {k[len("model."):]: v for k, v in sorted(state.items())}
+    tied = read_state(checkpoint).get("tied") or {}  # stored once: the other names are the same tensor
+    weights.update({a: weights[k] for a, k in sorted(tied.items()) if a not in weights and k in weights})
     if os.fspath(path).endswith(".safetensors"):
         save_safetensors(weights, path)
     else:

@@ -128,6 +128,7 @@ class MetricSet:
         self.keeps_inputs = True
         #: a checkpoint's metric states that wait for the metrics to be built (:mod:`fitkit.metrics.saved`)
         self.pending: dict[str, Any] | None = None
+        self.pending_owner = True  # whether the pending states are this rank's to take (see load_state_dict)
 
     @property
     def keys(self) -> list[str]:
@@ -266,7 +267,7 @@ class MetricSet:
         # state) get it detached; the built-in label metrics only count.
         self.keeps_inputs = any(e.kind not in ("labels", "accuracy") for e in entries)
         if self.pending is not None:  # a resumed epoch's states, loaded at birth
-            self.load_state_dict(self.pending)
+            self.load_state_dict(self.pending, owner=self.pending_owner)
 
     def _classification_entry(self, key: str, spec: MetricSpec, task: str, n: int, y_pred, y) -> _Entry:
         name = str(spec.metric)
@@ -415,13 +416,18 @@ class MetricSet:
 
         return dict(self.pending or {}) if self.entries is None else metric_states(self.entries, sync)
 
-    def load_state_dict(self, states: dict[str, dict[str, Any]]) -> None:
-        """Load :meth:`state_dict` now if the metrics are built, else at their birth (:meth:`build`)."""
+    def load_state_dict(self, states: dict[str, dict[str, Any]], owner: bool = True) -> None:
+        """Load :meth:`state_dict` now if the metrics are built, else at their birth (:meth:`build`).
+
+        ``owner=False``: states summed over ranks that another rank takes; this rank's metrics
+        get their empty states with the saved update counts (the same metrics compute everywhere).
+        """
         from fitkit.metrics.saved import load_metric_states
 
         self.pending = dict(states) if self.entries is None else None
+        self.pending_owner = owner
         if self.entries is not None:
-            load_metric_states(self.entries, states)
+            load_metric_states(self.entries, states, owner=owner)
 
     def to(self, device: torch.device | str) -> None:
         """Move the metric states to ``device``, in place; metrics built later are created there.

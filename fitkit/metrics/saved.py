@@ -65,8 +65,12 @@ def metric_state_problems(entries: list[Any], states: Any) -> list[str]:
     return out
 
 
-def load_metric_states(entries: list[Any], states: dict[str, dict[str, Any]]) -> None:
+def load_metric_states(entries: list[Any], states: dict[str, dict[str, Any]], owner: bool = True) -> None:
     """Load :func:`metric_states` into built metrics (a metric the states lack: a warning).
+
+    ``owner=False`` (a rank other than the one that takes the sums over ranks): the same checks,
+    then each metric's own empty state with the saved update count, so every rank computes (and
+    syncs) the same metrics at the epoch's end.
 
     Raises:
         ValueError: states that do not fit the metrics (:func:`metric_state_problems`), before
@@ -88,7 +92,12 @@ def load_metric_states(entries: list[Any], states: dict[str, dict[str, Any]]) ->
             category=FitkitWarning, stacklevel=6,
         )
     for e in entries:
-        for k, v in (_in_layout(e, states.get(e.key)) or {}).items():
+        saved = _in_layout(e, states.get(e.key)) or {}
+        if not owner:
+            e.metric.reset()  # the metric's own neutral states (a sum's 0, a max's -inf, an empty list)
+            e.metric._update_count = saved.get("_update_count", 0)
+            continue
+        for k, v in saved.items():
             if k == "_update_count":
                 e.metric._update_count = v
             else:

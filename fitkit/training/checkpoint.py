@@ -15,6 +15,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from fitkit.distributed import dcp as _dcp
+from fitkit.distributed import progress as _progress
 from fitkit.distributed.group import is_rank_zero
 from fitkit.files import (
     CheckpointError,
@@ -106,6 +107,11 @@ def save_checkpoint(model: Model, path: str | os.PathLike, sharded: bool | None 
             "async_save=True writes a sharded checkpoint (a folder, torch.distributed.checkpoint), but "
             "this one is a single file. Fix: pass sharded=True, or use strategy='fsdp' under torchrun."
         )
+    with _progress.doing("writing a checkpoint"):  # a rank that hangs here is named so
+        _write(model, path, sharded, async_save)
+
+
+def _write(model: Model, path: str | os.PathLike, sharded: bool, async_save: bool) -> None:
     if sharded:
         _dcp.save(model, checkpoint_state(model, tensors=False), path, async_save)
         return

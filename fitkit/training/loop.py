@@ -78,6 +78,7 @@ class FitLoop:
         self.interrupt: Any = None
         self.running = False
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
+        self.phase = 0  # 0 in the epoch's batches, else a phase of progress (read by the progress thread)
         self.rows_note = False  # a module's own loss without num_items_in_batch: note -100 labels once
         self.batch: Any = None  # the running batch (x, y, sample_weight), on the device
         self.warned_short = False
@@ -146,11 +147,13 @@ class FitLoop:
                     if epoch_logs is None:  # no batch, or a signal: no partial epoch for callbacks
                         break
                     logs = epoch_logs
+                    self.phase = _progress.VALIDATION
                     self._validate(epoch, logs)
                     # inside-epoch validations stepped a plateau scheduler already
                     stepper.scheduling.step_epoch(epoch, logs, self.validated and self.step_val is None,
                                                   stepper.fit.validates)
                     self.position.end_epoch(epoch)
+                    self.phase = _progress.EPOCH_CALLBACKS  # and the stop agreement after them
                     cbs.on_epoch_end(epoch, logs)
                     if self.stop.now(epoch_end=True) or self.interrupt.signum is not None or self.stop.budget_spent():
                         break
@@ -204,10 +207,10 @@ class FitLoop:
         triggers += [cb for cb in self.callbacks.callbacks if cb.acts_on_time]
         return triggers
 
-    def _place(self) -> tuple[int, int, int]:
-        """(epoch, batch begun, batches done) for :mod:`fitkit.distributed.progress`."""
+    def _place(self) -> tuple[int, int, int, int]:
+        """(epoch, batch begun, batches done, phase) for :mod:`fitkit.distributed.progress`."""
         position = self.position
-        return position.epoch, self.batch_index, position.batches
+        return position.epoch, self.batch_index, position.batches, self.phase
 
     def _on_backward_end(self) -> None:
         self.callbacks.on_backward_end(self.batch_index)
@@ -252,6 +255,7 @@ class FitLoop:
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self.resume.batches(epoch, totals)
         self.batch_index = start - 1  # none of this epoch begun yet (read by the progress thread)
+        self.phase = 0
         batches = _distributed.check_worker_copies(loader, batches)  # workers that yield the same samples
         batches = _distributed.agree_on_epoch_end(loader, batches, start)  # already_sharded: even steps
         guard, interrupt = self.guard, self.interrupt
@@ -290,6 +294,7 @@ class FitLoop:
                         and self.stop.at_boundary()):
                     break
         position.leave()
+        self.phase = _progress.EPOCH_END
         return self._end_epoch(epoch, ran or bool(start), skipped, totals)
 
     def _end_epoch(self, epoch: int, ran: bool, skipped: int, totals: Any) -> dict[str, float] | None:

@@ -109,7 +109,8 @@ class Resume:
         it = train.epoch_batches(epoch, skip=skip, pass_offset=saved.pass_offset, pass_start=saved.pass_start)
         first = next(it, None)
         set_rng_state(point.rng)
-        totals.load_state_dict(point.trackers, owner=_distributed.is_rank_zero())
+        totals.load_state_dict(point.trackers, owner=_distributed.is_rank_zero(), rank=_distributed.rank(),
+                              ranks=_distributed.world_size())
         return (it if first is None else _chain(first, it)), done
 
 

@@ -287,6 +287,11 @@ def trackers_problems(v: Any, where: str) -> list[str]:
     out = typed_problems(v, TRACKERS, where)
     if out:
         return out
+    shares = v.get("shares")  # each rank's own totals (torchrun), in the same layout
+    if shares is not None and not isinstance(shares, list):
+        return [f"{where}['shares'] is {shown(shares)}, expected a list (one dict of totals per rank)"]
+    for r, share in enumerate(shares or []):
+        out += trackers_problems(share, f"{where}['shares'][{r}]")
     for key, states in v["metrics"].items():
         at = f"{where}['metrics'][{key!r}]"
         if not (mapping(states) and all(isinstance(k, str) for k in states)):

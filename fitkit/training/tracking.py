@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fitkit import distributed as _distributed
 from fitkit import nest
 from fitkit.checks import FitkitWarning
 from fitkit.metrics import MetricSet
@@ -163,27 +164,53 @@ class RunningTotals:
         """The totals and metric states, for a checkpoint taken inside an epoch.
 
         Under torchrun they are the sums over all ranks (a collective: every rank calls it), so
-        the file resumes at any world size.
+        the file resumes at any world size; ``shares`` adds each rank's own totals (one gather),
+        so a relaunch on as many ranks gives each rank its own back and sums in the same order
+        as the uninterrupted run (float32 metric states: bitwise the same epoch values).
         """
         total, count, wsum = self.loss_total, self.loss_count, self.loss_wsum
         if self.reduce is not None:
             total, count, wsum = self.reduce(total, count, wsum)
         metrics = self.metrics.state_dict(sync=self.reduce is not None)
-        return {"loss_total": total, "loss_count": count, "loss_wsum": wsum, "metrics": metrics}
+        out = {"loss_total": total, "loss_count": count, "loss_wsum": wsum, "metrics": metrics}
+        if self.reduce is not None:
+            own = {"loss_total": self.loss_total.detach().cpu(), "loss_count": self.loss_count,
+                   "loss_wsum": None if self.loss_wsum is None else self.loss_wsum.detach().cpu(),
+                   "metrics": _cpu(self.metrics.state_dict(sync=False))}  # fmt: skip
+            out["shares"] = _distributed.all_gather_object(own)  # once per backup, not per step
+        return out
 
-    def load_state_dict(self, state: dict[str, Any], owner: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any], owner: bool = True, rank: int = 0, ranks: int = 1) -> None:
         """Restore :meth:`state_dict`; metrics built from the first batch get their states at birth.
 
-        The saved sums are over all ranks: one rank (``owner``) takes them, the others start
-        from zero, so the sums over ranks come out right at any world size.
+        On as many ranks as saved ``shares``: rank ``rank`` of ``ranks`` takes its own share.
+        Otherwise the saved sums are over all ranks: one rank (``owner``) takes them, the others
+        take zeros of the same kinds (a weight sum where one was kept, each metric's empty state
+        with the saved update count). Either way the sums over ranks come out right, and every
+        rank reaches the same collectives at the epoch's end (a rank without the metrics' states
+        would skip their sync while the owner waits in it).
         """
-        if not owner:
-            return
-        self.loss_total = state["loss_total"].to(self.device)
-        self.loss_count = state["loss_count"]
-        wsum = state["loss_wsum"]
-        self.loss_wsum = None if wsum is None else wsum.to(self.device)
-        self.metrics.load_state_dict(state["metrics"])
+        shares = state.get("shares")
+        if shares is not None and len(shares) == ranks and ranks > 1:
+            state, owner = shares[rank], True
+        total, wsum = state["loss_total"].to(self.device), state["loss_wsum"]
+        wsum = None if wsum is None else wsum.to(self.device)
+        if owner:
+            self.loss_total, self.loss_count, self.loss_wsum = total, state["loss_count"], wsum
+        else:
+            self.loss_total = torch.zeros_like(total)
+            self.loss_count, self.loss_wsum = 0, None if wsum is None else torch.zeros_like(wsum)
+        self.metrics.load_state_dict(state["metrics"], owner=owner)
+
+
+def _cpu(states: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Metric states on the CPU (a gather pickles them; a CUDA tensor would land on rank 0's device)."""
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.detach().cpu()
+        return [t.detach().cpu() for t in v] if isinstance(v, list) else v
+
+    return {key: {k: move(v) for k, v in st.items()} for key, st in states.items()}
 
 
 class Phases:
