@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -69,3 +70,63 @@ def test_build_makes_an_sdist_and_a_wheel_that_install_and_import(tmp_path):
     assert Path(file).resolve() == (target / "fitkit" / "__init__.py").resolve()
     assert imported == installed == version
     assert int(chars) == len((ROOT / "fitkit/examples/data/tinyshakespeare.txt").read_text())
+
+
+# -- a namesake: the unrelated `fitkit` distribution installs the same import package ----------------
+def _fake_dist(site: Path, name: str, version: str, files: list[str], top_level: str | None = None) -> None:
+    """A ``.dist-info`` as pip writes it (METADATA, RECORD, top_level.txt), with no package files."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+    if top_level is not None:
+        (info / "top_level.txt").write_text(top_level)
+
+
+@pytest.mark.parametrize("name, files, top_level, expected", [
+    ("fitkit", ["fitkit/__init__.py", "fitkit/core.py"], None, ["fitkit 0.3.1"]),  # RECORD only
+    ("fitkit", ["fitkit/__init__.py"], "fitkit\n", ["fitkit 0.3.1"]),  # top_level.txt, as setuptools writes
+    ("FitKit", ["fitkit.py"], None, ["FitKit 0.3.1"]),  # a module, and a name that normalizes to fitkit
+    ("fitkit", ["other/__init__.py"], "other\n", []),  # named fitkit, installs something else
+    ("torch-fitkit", ["fitkit/__init__.py"], "fitkit\n", []),  # this library itself
+    ("fitkit-extras", ["fitkit/__init__.py"], None, []),  # another name: not looked up (see the module)
+])
+def test_namesakes_names_another_distribution_that_installs_fitkit(tmp_path, name, files, top_level, expected):
+    from fitkit.checks.namesake import namesakes
+
+    _fake_dist(tmp_path, name, "0.3.1", files, top_level)
+    assert namesakes(path=[str(tmp_path)]) == [f"{e} ({tmp_path})" for e in expected]
+
+
+def test_namesake_warning_is_given_once_with_the_fix(tmp_path, monkeypatch):
+    from fitkit.checks import namesake
+
+    _fake_dist(tmp_path, "fitkit", "0.3.1", ["fitkit/__init__.py"])
+    monkeypatch.setattr(namesake, "_warned", False)
+    with pytest.warns(fitkit.FitkitWarning) as caught:
+        namesake.warn_about_namesakes(path=[str(tmp_path)])
+        namesake.warn_about_namesakes(path=[str(tmp_path)])
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert message.startswith(f"Another distribution also installs the import package `fitkit`: "
+                              f"fitkit 0.3.1 ({tmp_path}).")
+    assert "Fix: `pip uninstall -y fitkit torch-fitkit`, then install torch-fitkit again" in message
+    monkeypatch.setattr(namesake, "_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        namesake.warn_about_namesakes(path=[str(tmp_path / "empty")])  # nothing there: silent
+    assert namesake._warned is False
+
+
+def test_import_fitkit_warns_once_when_the_namesake_is_on_the_path(tmp_path):
+    # A fresh interpreter whose path holds the namesake's dist-info: `import fitkit` itself warns,
+    # a second import (cached) and a second check do not.
+    site = tmp_path / "site"
+    _fake_dist(site, "fitkit", "0.3.1", ["fitkit/__init__.py", "fitkit/core.py"])
+    code = ("import sys, warnings; warnings.simplefilter('always'); sys.path.insert(0, sys.argv[1]); "
+            "import fitkit; import fitkit; fitkit.checks.namesake.warn_about_namesakes()")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", code, str(site)], cwd=tmp_path, env=env, check=True,
+                         capture_output=True, text=True)
+    assert run.stderr.count("FitkitWarning: Another distribution also installs the import package") == 1
+    assert f"fitkit 0.3.1 ({site})" in run.stderr
