@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import re
+import sys
 import warnings
 from collections.abc import Iterable
 
@@ -54,9 +55,8 @@ def namesakes(path: Iterable[str] | None = None) -> list[str]:
         >>> namesakes(path=[])
         []
     """
-    kwargs = {} if path is None else {"path": list(path)}
     found = []
-    for dist in metadata.distributions(name=NAMESAKE, **kwargs):
+    for dist in metadata.distributions(name=NAMESAKE, path=list(sys.path if path is None else path)):
         name = dist.metadata["Name"] or NAMESAKE
         if _normalized(name) != OWN and _provides_fitkit(dist):
             where = getattr(dist, "_path", None)  # the .dist-info folder, for the message
