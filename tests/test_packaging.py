@@ -1,20 +1,28 @@
-"""The distribution builds (sdist + wheel) and the wheel installs and imports on its own."""
+"""The release check: the sdist and wheel build and pass ``twine check``; the wheel installs into a
+fresh virtual environment that has only its declared dependencies, and the README's first job
+runs from it. And ``import fitkit`` warns about a namesake installed beside it."""
 
 import email
+import importlib.metadata as metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
+import venv
 import warnings
 import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import fitkit
 
 pytest.importorskip("build")
+pytest.importorskip("twine")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,22 +62,65 @@ def test_build_makes_an_sdist_and_a_wheel_that_install_and_import(tmp_path):
     assert f"torch_fitkit-{version}/LICENSE" in members
     assert f"torch_fitkit-{version}/fitkit/examples/data/tinyshakespeare.txt" in members
 
-    # Install the wheel alone (no deps, no index) into an empty target and import it from there:
-    # the dependencies come from this environment, fitkit itself only from the wheel.
-    target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
-                    "--target", str(target), str(wheel)], check=True, capture_output=True, text=True)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(target)
-    code = ("import fitkit, importlib.metadata as m, importlib.resources as r; "
+    # The release check of the package index: both files' metadata render (README as the long
+    # description) and pass twine's checks.
+    twine = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(wheel), str(sdist)],
+                           capture_output=True, text=True)
+    assert twine.returncode == 0, twine.stdout + twine.stderr
+    assert twine.stdout.count("PASSED") == 2, twine.stdout
+
+    # A fresh virtual environment that holds the wheel and what it declares it needs, nothing
+    # more: the runtime dependencies and the `examples` extra, linked from this environment
+    # (no index, no download; no pytest, no test extra). The README's first job runs from it.
+    python = _fresh_venv(tmp_path / "venv", wheel, meta.get_all("Requires-Dist"), extras={"examples"})
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(PYTHONNOUSERSITE="1", FITKIT_DEVICE="cpu", OMP_NUM_THREADS="1")
+    code = ("import fitkit, importlib.metadata as m, importlib.resources as r, importlib.util as u; "
             "print(fitkit.__file__); print(fitkit.__version__); print(m.version('torch-fitkit')); "
-            "print(len(r.files('fitkit').joinpath('examples/data/tinyshakespeare.txt').read_text()))")
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True,
+            "print(len(r.files('fitkit').joinpath('examples/data/tinyshakespeare.txt').read_text())); "
+            "print(u.find_spec('pytest') is None, u.find_spec('torchvision') is None)")
+    run = subprocess.run([str(python), "-c", code], cwd=tmp_path, env=env, check=True,
                          capture_output=True, text=True)
-    file, imported, installed, chars = run.stdout.split()
-    assert Path(file).resolve() == (target / "fitkit" / "__init__.py").resolve()
+    file, imported, installed, chars, no_pytest, no_torchvision = run.stdout.split()
+    assert Path(file).parent.parent == python.parent.parent / SITE_PACKAGES
     assert imported == installed == version
     assert int(chars) == len((ROOT / "fitkit/examples/data/tinyshakespeare.txt").read_text())
+    assert no_pytest == no_torchvision == "True"  # only what the wheel declares is there
+    job = subprocess.run([str(python), "-m", "fitkit.examples.digits", "--epochs", "1", "--verbose", "0"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert re.fullmatch(r"test accuracy 0\.\d{4} - test loss \d\.\d{4} - trained in \d+\.\ds on cpu\n",
+                        job.stdout), job.stdout
+
+
+SITE_PACKAGES = Path("lib", f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages")
+
+
+def _fresh_venv(root: Path, wheel: Path, requires: list[str], extras: set[str]) -> Path:
+    """A venv without pip holding ``wheel`` (installed by this pip) and, linked from this
+    environment's site-packages, the distributions ``requires`` needs, recursively; returns its python."""
+    venv.EnvBuilder(with_pip=False).create(root)
+    python = root / "bin" / "python"
+    site = root / SITE_PACKAGES
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                    "--quiet", str(wheel)], check=True, capture_output=True, text=True)
+    deps = root / "deps"  # the linked dependencies, one folder on the venv's path (a .pth line)
+    deps.mkdir()
+    (site / "dependencies.pth").write_text(f"{deps}\n")
+    todo, seen = [(Requirement(r), extras) for r in requires], set()
+    while todo:
+        req, wanted = todo.pop()
+        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in wanted or {""}):
+            continue
+        if canonicalize_name(req.name) in seen:
+            continue
+        dist = metadata.distribution(req.name)
+        seen.add(canonicalize_name(req.name))
+        for top in {f.parts[0] for f in dist.files or () if f.parts[0] != ".."}:
+            if not (deps / top).exists() and (Path(dist.locate_file(top))).exists():
+                (deps / top).symlink_to(Path(dist.locate_file(top)))
+        todo += [(Requirement(r), req.extras) for r in dist.requires or ()]
+    return python
 
 
 # -- a namesake: the unrelated `fitkit` distribution installs the same import package ----------------
