@@ -8,7 +8,7 @@ the objective, and metrics and ``predict`` use its ``logits``. It needs the ``hf
 
 .. code-block:: bash
 
-   pip install "torch-fitkit[hf]"
+   pip install ".[hf]"     # from a checkout; once released: pip install "torch-fitkit[hf]"
 
 Nothing on this page downloads weights: every model is built from a small config, as
 ``from_pretrained`` would build it before loading a checkpoint.
@@ -107,7 +107,7 @@ assert third_history.history == history.history
 # sphinx_gallery_end_ignore
 
 # %%
-# LoRA adapters (``pip install "torch-fitkit[peft]"``): a ``PeftModel`` from
+# LoRA adapters (``pip install ".[peft]"`` from a checkout): a ``PeftModel`` from
 # ``peft.get_peft_model(net, LoraConfig(...))`` is an ``nn.Module`` whose base weights are frozen,
 # so ``fitkit.Model(peft_model)`` trains the adapters alone, and ``summary()`` counts its
 # trainable parameters as PEFT's ``print_trainable_parameters()`` does.
