@@ -411,3 +411,23 @@ def test_the_first_batch_check_runs_once_for_the_same_data_and_model():
     model.evaluate(x, y, batch_size=8, verbose=0)
     model.evaluate(x, y, batch_size=8, verbose=0)
     assert net.forwards - before == 3  # evaluate has a check of its own, once: 1 + 1 batch, then 1 batch
+
+
+class Shouting(nn.Module):
+    """A forward that fails with a message ending in a period, as many libraries' do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+
+    def forward(self, x):
+        raise RuntimeError("The input is not what this layer takes.")
+
+
+def test_a_wrapped_error_that_ends_with_a_period_gets_no_second_one():
+    model = fitkit.Model(Shouting(), device="cpu")
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match=re.escape("RuntimeError: The input is not what this layer takes. It was fed ")) \
+            as info:
+        model.fit(torch.zeros(4, 2), torch.zeros(4, 1), verbose=0)
+    assert ".." not in str(info.value).replace("...", "")

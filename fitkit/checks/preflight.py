@@ -254,7 +254,7 @@ def wrap(what: str, batch: Any, e: Exception, module: nn.Module | None = None, y
         fix = (f"the module returns {kind} and the compiled loss takes a tensor: return one tensor, return "
                "a dict with a \"loss\" entry and compile(loss=None), or override compute_loss")
     return ValueError(
-        f"The {label} failed in the {what}: {type(e).__name__}: {e}. It was fed "
+        f"The {label} failed in the {what}: {type(e).__name__}: {str(e).rstrip('.')}. It was fed "
         f"{describe(batch)}. Fix: {fix} (the original error is chained below)."
     )
 

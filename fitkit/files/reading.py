@@ -100,7 +100,7 @@ def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
                 "save_checkpoint, or re-save a plain state dict from code you trust."
             ) from None
         raise CheckpointError(
-            f"{where} is damaged: torch.load failed with {type(e).__name__}: {e}. {_FIX_DAMAGED}"
+            f"{where} is damaged: torch.load failed with {type(e).__name__}: {str(e).rstrip('.')}. {_FIX_DAMAGED}"
         ) from e
     weights_sum = pop_weights_checksum(state)  # a weights file of save_weights
     if weights_sum is not None and weights_sum.startswith("sha256:") and payload_checksum(dict(state)) != weights_sum:
