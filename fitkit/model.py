@@ -173,13 +173,13 @@ class Model:
 
     @property
     def metrics(self) -> MetricSet:
-        """The compiled metrics: the template each phase (epoch, validation, evaluate) copies."""
+        """The compiled metrics, the template each phase (epoch, validation, evaluate) copies."""
         return self._phases.template
 
     # The step options compile set, stored once, in the stepper (read-only here).
     @property
     def precision(self) -> str:
-        """The compiled precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``."""
+        """The compiled precision, ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``."""
         return "32" if self._stepper is None else self._stepper.precision
 
     @property
@@ -199,7 +199,7 @@ class Model:
 
     @property
     def scheduler_interval(self) -> str:
-        """When a torch scheduler steps: ``"epoch"`` or ``"step"``."""
+        """When a torch scheduler steps, ``"epoch"`` or ``"step"``."""
         return "epoch" if self._stepper is None else self._stepper.scheduling.interval
 
     # -- the public vocabulary of callbacks and overrides ------------------------------------
@@ -612,7 +612,7 @@ class Model:
                 ``max_steps`` reached between validations), so the final weights are scored,
                 as the Trainer's end-of-training evaluation does; not after an early stop.
                 ``ValueError`` without ``validation_interval``.
-            min_epochs / min_steps: no stop before this many epochs (counted from epoch 0, as
+            min_epochs, min_steps: no stop before this many epochs (counted from epoch 0, as
                 ``epochs``) and optimizer steps (``global_step``) are done (Lightning's Trainer
                 flags): a stop requested earlier (``EarlyStopping``, ``model.stop_training``) is
                 dropped and training goes on, so the callback decides again later. A signal

@@ -427,7 +427,7 @@ class Shouting(nn.Module):
 def test_a_wrapped_error_that_ends_with_a_period_gets_no_second_one():
     model = fitkit.Model(Shouting(), device="cpu")
     model.compile("sgd", "mse")
-    with pytest.raises(ValueError, match=re.escape("RuntimeError: The input is not what this layer takes. It was fed ")) \
-            as info:
+    wrapped = "RuntimeError: The input is not what this layer takes. It was fed "
+    with pytest.raises(ValueError, match=re.escape(wrapped)) as info:
         model.fit(torch.zeros(4, 2), torch.zeros(4, 1), verbose=0)
     assert ".." not in str(info.value).replace("...", "")

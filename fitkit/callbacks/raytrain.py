@@ -61,7 +61,7 @@ class RayReport(SavesEveryNBatches, Callback):
 
     Raises:
         ImportError: Ray is not installed (``pip install torch-fitkit[ray]``).
-        TypeError / ValueError: a bad ``save_freq`` or ``checkpoint``.
+        TypeError, ValueError: a bad ``save_freq`` or ``checkpoint``.
         RuntimeError: (at ``on_train_begin``) ``fit`` runs outside a Ray Train worker.
         FileNotFoundError: (at ``on_train_begin``) Ray's checkpoint holds no fitkit checkpoint.
 

@@ -362,7 +362,7 @@ def consolidate_weights(checkpoint: str | os.PathLike, path: str | os.PathLike) 
         The names of the tensors written.
 
     Raises:
-        FileNotFoundError / CheckpointError: see :func:`check_sharded`.
+        FileNotFoundError, CheckpointError: see :func:`check_sharded`.
 
     Example:
         >>> import tempfile, os, fitkit

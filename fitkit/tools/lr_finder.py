@@ -225,7 +225,7 @@ def check_sweep(model: Any, start_lr: float, end_lr: float, num_steps: int, smoo
 
     Raises:
         RuntimeError: the model is not compiled (``model=None`` skips that check).
-        TypeError / ValueError: as :func:`find_lr` documents.
+        TypeError, ValueError: as :func:`find_lr` documents.
     """
     if model is not None and getattr(model, "optimizer", None) is None:
         raise RuntimeError("`find_lr` needs a compiled model. Call `model.compile(optimizer=..., loss=...)` first.")
