@@ -22,6 +22,7 @@ import torch
 
 from fitkit import data as _data
 from fitkit.checks import FitkitWarning, check_bool, check_int, check_that
+from fitkit.formatting import format_lr
 
 __all__ = ["find_lr", "LRFinderResult", "apply_lr"]
 
@@ -115,7 +116,8 @@ class LRFinderResult:
         ax.plot(self.lrs, self.losses, label="smoothed loss")
         if self.suggestion is not None:
             i = self.lrs.index(self.suggestion)
-            ax.plot([self.suggestion], [self.losses[i]], "o", color="red", label=f"suggestion {self.suggestion:.2e}")
+            label = f"suggestion {format_lr(self.suggestion)}"
+            ax.plot([self.suggestion], [self.losses[i]], "o", color="red", label=label)
         if self.mode != "linear":
             ax.set_xscale("log")
         ax.set_xlabel("learning rate")
