@@ -100,8 +100,12 @@ def _documented(env: Any) -> dict[tuple[str, str], tuple[str, str]]:
     return index
 
 
+_DOCSTRING_OF = re.compile(r"docstring of ([\w.]+)")
+
+
 def _candidates(node: Any) -> list[str]:
-    """The names a reference may mean: as written, then inside its class and module."""
+    """The names a reference may mean: as written, then inside its class and module, where
+    documented and where defined (a docstring names its own module's helpers briefly)."""
     target = node.get("reftarget", "").lstrip("~.")
     module, cls = node.get("py:module"), node.get("py:class")
     names = [target]
@@ -109,6 +113,13 @@ def _candidates(node: Any) -> list[str]:
         names.append(f"{module}.{cls}.{target}")
     if module:
         names.append(f"{module}.{target}")
+    of = _DOCSTRING_OF.search(node.source or "")
+    owner = _import(of.group(1)) if of else None
+    where = _source(owner) if owner is not None else None
+    if where is not None:
+        outer = where[1].split(".")[0] if where[1] else ""
+        names += [f"{where[0]}.{outer}.{target}"] if outer else []
+        names.append(f"{where[0]}.{target}")
     return [n for n in names if n.startswith("fitkit")]
 
 
