@@ -155,10 +155,9 @@ def fix_source_backlinks(app: Any, pagename: str, templatename: str, context: di
 
     def fix(match: re.Match) -> str:
         anchor = match.group(3)
-        if anchor in objects:
-            return match.group(0)
+        known = objects.get(anchor)  # a canonical name autodoc recorded is an alias of the entry
         qualname = anchor[len(module) + 1:] if anchor.startswith(module + ".") else anchor.split(".", 1)[-1]
-        entry = _documented(app.env).get((module, qualname))
+        entry = (known.docname, known.node_id) if known else _documented(app.env).get((module, qualname))
         if entry is None:
             return match.group(0)
         return match.group(1) + app.builder.get_relative_uri(pagename, entry[0]) + "#" + entry[1] + match.group(4)

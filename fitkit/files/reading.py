@@ -169,5 +169,6 @@ def _check_version(saved: str, where: str) -> None:
     if _version(saved) > _version(__version__):
         raise CheckpointError(
             f"{where} was written by fitkit {saved}, newer than this fitkit {__version__}, and may "
-            "hold state this version cannot restore. Fix: upgrade fitkit (pip install -U torch-fitkit)."
+            "hold state this version cannot restore. Fix: upgrade fitkit (from a checkout: git pull, then "
+            "pip install .; once released: pip install -U torch-fitkit)."
         )

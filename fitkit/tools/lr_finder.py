@@ -91,7 +91,7 @@ class LRFinderResult:
     def plot(self, path: str | None = None):
         """Draw the smoothed loss against the learning rate (log scale), suggestion marked.
 
-        Needs matplotlib (``pip install torch-fitkit[plot]``), as :meth:`fitkit.History.plot`.
+        Needs matplotlib (``pip install ".[plot]"`` from a checkout), as :meth:`fitkit.History.plot`.
 
         Args:
             path: if given, the figure is saved there as a PNG.
@@ -110,7 +110,8 @@ class LRFinderResult:
             import matplotlib.pyplot as plt
         except ImportError:
             raise ImportError(
-                "find_lr's plot needs matplotlib. Install it with `pip install torch-fitkit[plot]`."
+                "find_lr's plot needs matplotlib. Install the `plot` extra: "
+                "`pip install '.[plot]'` from a checkout (`pip install 'torch-fitkit[plot]'` once released)."
             ) from None
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.plot(self.lrs, self.losses, label="smoothed loss")
