@@ -2,8 +2,9 @@
 
 `sphinx-build -W -b html` catches broken markup and broken docstrings in the API reference
 (``nitpicky`` is on in ``conf.py``: a cross-reference that resolves to nothing is an error),
-checks that every link between the built pages reaches an existing page and anchor, and runs the tutorial scripts (``docs/tutorials/NN_name.py``, sphinx-gallery), each once: they
-assert their own numbers, and their pages must show what they printed and drew;
+the test checks that every link between the built pages reaches an existing page and anchor,
+and the build runs the tutorial scripts (``docs/tutorials/NN_name.py``, sphinx-gallery), each
+once: they assert their own numbers, and their pages must show what they printed and drew;
 `sphinx-build -W -b doctest` runs every ``.. testcode::`` / ``.. doctest::`` block of the
 ``.rst`` pages and compares what it prints with the output written on the page (every digit:
 no ``...``). Needs the
