@@ -24,6 +24,7 @@ from fitkit.callbacks.logkeys import (
 from fitkit.callbacks.scoring import scored_weights
 from fitkit.checks import check_bool, check_int, check_mode, check_number
 from fitkit.distributed import say
+from fitkit.formatting import format_value
 
 __all__ = [
     "EarlyStopping",
@@ -208,7 +209,7 @@ class EarlyStopping(StatefulCallback):
         >>> stop.stopped_epoch, len(history.epoch)
         (1, 2)
         >>> stop.stop_reason
-        'patience: loss did not improve for 1 epoch(s); best 0 at epoch 1.'
+        'patience: loss did not improve for 1 epoch(s); best 0.0000 at epoch 1.'
     """
 
     def __init__(
@@ -324,8 +325,8 @@ class EarlyStopping(StatefulCallback):
             return self._stop(epoch, f"not finite: {self.monitor} = {current}{self._best_text()}.")
         if self.divergence_threshold is not None and is_improvement(self.divergence_threshold, current, self._mode):
             worse = ">" if self._mode == "min" else "<"
-            return self._stop(epoch, f"divergence_threshold: {self.monitor} = {current:.4g} {worse} "
-                              f"{self.divergence_threshold:.4g}.")
+            return self._stop(epoch, f"divergence_threshold: {self.monitor} = {format_value(self.monitor, current)} "
+                              f"{worse} {format_value(self.monitor, self.divergence_threshold)}.")
         self.wait += 1
         improved = not math.isnan(current) and (
             self.best is None or is_improvement(current, self.best, self._mode, self.min_delta, self.threshold_mode)
@@ -340,15 +341,17 @@ class EarlyStopping(StatefulCallback):
                 self.wait = 0
         if self.stopping_threshold is not None and is_improvement(current, self.stopping_threshold, self._mode):
             better = "<" if self._mode == "min" else ">"
-            return self._stop(epoch, f"stopping_threshold: {self.monitor} = {current:.4g} {better} "
-                              f"{self.stopping_threshold:.4g}.")
+            return self._stop(epoch, f"stopping_threshold: {self.monitor} = {format_value(self.monitor, current)} "
+                              f"{better} {format_value(self.monitor, self.stopping_threshold)}.")
         if not improved and self.wait >= self.patience and later:
             what = "validation(s)" if per_validation(self) else "epoch(s)"
             self._stop(epoch, f"patience: {self.monitor} did not improve for {self.wait} {what}{self._best_text()}.")
 
     def _best_text(self) -> str:
         # No best yet when every value so far was NaN.
-        return "" if self.best is None else f"; best {self.best:.4g} at epoch {self.best_epoch + 1}"
+        if self.best is None:
+            return ""
+        return f"; best {format_value(self.monitor, self.best)} at epoch {self.best_epoch + 1}"
 
     def _stop(self, epoch: int, reason: str) -> None:
         self.stopped_epoch, self.stop_reason = epoch, reason
