@@ -150,13 +150,13 @@ class Model(FilesAndTools):
 
     @property
     def metrics(self) -> MetricSet:
-        """The compiled metrics: the template each phase (epoch, validation, evaluate) copies."""
+        """The compiled metrics, the template each phase (epoch, validation, evaluate) copies."""
         return self._core.phases.template
 
     # The step options compile set, stored once, in the stepper (read-only here).
     @property
     def precision(self) -> str:
-        """The compiled precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``."""
+        """The compiled precision, ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``."""
         stepper = self._core.stepper
         return "32" if stepper is None else stepper.precision
 
@@ -180,7 +180,7 @@ class Model(FilesAndTools):
 
     @property
     def scheduler_interval(self) -> str:
-        """When a torch scheduler steps: ``"epoch"`` or ``"step"``."""
+        """When a torch scheduler steps, ``"epoch"`` or ``"step"``."""
         stepper = self._core.stepper
         return "epoch" if stepper is None else stepper.scheduling.interval
 
@@ -543,7 +543,7 @@ class Model(FilesAndTools):
                 ``max_steps`` reached between validations), so the final weights are scored,
                 as the Trainer's end-of-training evaluation does; not after an early stop.
                 ``ValueError`` without ``validation_interval``.
-            min_epochs / min_steps: no stop before this many epochs (counted from epoch 0, as
+            min_epochs, min_steps: no stop before this many epochs (counted from epoch 0, as
                 ``epochs``) and optimizer steps (``global_step``) are done (Lightning's Trainer
                 flags): a stop requested earlier (``EarlyStopping``, ``model.stop_training``) is
                 dropped and training goes on, so the callback decides again later. A signal

@@ -168,47 +168,47 @@ def test_stopping_threshold_stops_at_once():
     stop, ran = _stop([0.9, 0.5, 0.1, 0.05, 0.01], mode="min", patience=10, stopping_threshold=0.1)
     # 0.1 is not strictly below 0.1; 0.05 is (epoch index 3).
     assert (stop.stopped_epoch, ran) == (3, 4)
-    assert stop.stop_reason == "stopping_threshold: score = 0.05 < 0.1."
+    assert stop.stop_reason == "stopping_threshold: score = 0.0500 < 0.1000."
     assert stop.best == 0.05 and stop.best_epoch == 3  # that epoch is the best one
 
 
 def test_stopping_threshold_max_mode_at_epoch_zero():
     stop, ran = _stop([0.99, 0.5], mode="max", stopping_threshold=0.95)
     assert (stop.stopped_epoch, ran) == (0, 1)
-    assert stop.stop_reason == "stopping_threshold: score = 0.99 > 0.95."
+    assert stop.stop_reason == "stopping_threshold: score = 0.9900 > 0.9500."
 
 
 def test_divergence_threshold():
     stop, ran = _stop([1.0, 0.8, 5.0, 12.0, 0.1], mode="min", patience=10, divergence_threshold=10.0)
     assert (stop.stopped_epoch, ran) == (3, 4)
-    assert stop.stop_reason == "divergence_threshold: score = 12 > 10."
+    assert stop.stop_reason == "divergence_threshold: score = 12.0000 > 10.0000."
     assert stop.best == 0.8  # a diverged value never becomes the best
 
 
 def test_divergence_threshold_max_mode_equal_is_not_worse():
     stop, ran = _stop([0.5, 0.2, 0.1], mode="max", patience=10, divergence_threshold=0.2)
     assert (stop.stopped_epoch, ran) == (2, 3)
-    assert stop.stop_reason == "divergence_threshold: score = 0.1 < 0.2."
+    assert stop.stop_reason == "divergence_threshold: score = 0.1000 < 0.2000."
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_check_finite(bad):
     stop, ran = _stop([0.5, 0.4, bad, 0.1], mode="min", patience=10, check_finite=True)
     assert (stop.stopped_epoch, ran) == (2, 3)
-    assert stop.stop_reason == f"not finite: score = {bad}; best 0.4 at epoch 2."
+    assert stop.stop_reason == f"not finite: score = {bad}; best 0.4000 at epoch 2."
 
 
 def test_nan_without_check_finite_counts_as_no_improvement():
     stop, ran = _stop([0.5, math.nan, math.nan, 0.1], mode="min", patience=2)
     assert (stop.stopped_epoch, ran) == (2, 3)
-    assert stop.stop_reason == "patience: score did not improve for 2 epoch(s); best 0.5 at epoch 1."
+    assert stop.stop_reason == "patience: score did not improve for 2 epoch(s); best 0.5000 at epoch 1."
 
 
 def test_patience_reason_and_verbose_message(capsys):
     stop, ran = _stop([0.5, 0.6, 0.7, 0.1], mode="min", patience=2, verbose=1)
     assert (stop.stopped_epoch, ran) == (2, 3)
     out = capsys.readouterr().out
-    assert out == "Epoch 3: early stopping (patience: score did not improve for 2 epoch(s); best 0.5 at epoch 1.)\n"
+    assert out == "Epoch 3: early stopping (patience: score did not improve for 2 epoch(s); best 0.5000 at epoch 1.)\n"
 
 
 def test_not_stopped_has_no_reason():
@@ -226,7 +226,7 @@ def test_stop_reason_is_part_of_the_state():
     stop, _ = _stop([1.0, 20.0], mode="min", divergence_threshold=10.0)
     other = EarlyStopping(monitor="score", mode="min")
     other.load_state_dict(stop.state_dict())
-    assert other.stop_reason == "divergence_threshold: score = 20 > 10."
+    assert other.stop_reason == "divergence_threshold: score = 20.0000 > 10.0000."
 
 
 @pytest.mark.parametrize(

@@ -126,7 +126,9 @@ def test_tensorboard_batch_scalars_every_n_batches(tmp_path):
 
 def test_tensorboard_missing_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(ImportError, match=r"pip install torch-fitkit\[tensorboard\]"):
+    expected = (r"Install the `tensorboard` extra: "
+                r"`pip install '\.\[tensorboard\]'` from a checkout \(`pip install 'torch-fitkit\[tensorboard\]'`")
+    with pytest.raises(ImportError, match=expected):
         TensorBoard("unused")
 
 

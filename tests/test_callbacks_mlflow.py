@@ -177,7 +177,9 @@ def test_bad_arguments(monkeypatch):
         MLflowLogger("sqlite:///x.db", checkpoint=3)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "mlflow" else real(n, *a))
-    with pytest.raises(ImportError, match=r"needs mlflow\. Install it with `pip install torch-fitkit\[mlflow\]`"):
+    expected = (r"needs mlflow\. Install the `mlflow` extra: "
+                r"`pip install '\.\[mlflow\]'` from a checkout \(`pip install 'torch-fitkit\[mlflow\]'`")
+    with pytest.raises(ImportError, match=expected):
         MLflowLogger("sqlite:///x.db")
 
 

@@ -111,7 +111,9 @@ def test_bad_arguments(monkeypatch):
         OptunaPruning(object())
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "optuna" else real(n, *a))
-    with pytest.raises(ImportError, match=r"needs optuna\. Install it with `pip install torch-fitkit\[optuna\]`"):
+    expected = (r"needs optuna\. Install the `optuna` extra: "
+                r"`pip install '\.\[optuna\]'` from a checkout \(`pip install 'torch-fitkit\[optuna\]'`")
+    with pytest.raises(ImportError, match=expected):
         OptunaPruning(FakeTrial())
 
 

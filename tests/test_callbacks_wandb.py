@@ -145,7 +145,9 @@ def test_missing_wandb_and_bad_arguments_are_named(monkeypatch):
         WandbLogger(checkpoint=3)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ImportError, match=r'pip install "torch-fitkit\[wandb\]"'):
+    expected = (r"Install the `wandb` extra: "
+                r"`pip install '\.\[wandb\]'` from a checkout \(`pip install 'torch-fitkit\[wandb\]'`")
+    with pytest.raises(ImportError, match=expected):
         WandbLogger()
 
 

@@ -267,3 +267,38 @@ def test_a_callback_that_now_watches_another_key_starts_fresh(tmp_path):
     with pytest.warns(fitkit.FitkitWarning, match="was saved watching .*'loss'.* now watches .*'learning_rate'"):
         resumed.fit(x, y, initial_epoch=2, epochs=3, verbose=0, callbacks=[other])
     assert other.best == 0.05  # its own first value, not the saved best loss
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_an_adapter_file_loaded_as_a_whole_model_names_trainable_only(tmp_path, suffix):
+    # A frozen base and a trainable head (as LoRA adapters): the head's file, written with
+    # trainable_only=True, loads only with it; without it the error names the option, not the
+    # frozen weights missing from the file, and nothing changes.
+    if suffix == ".safetensors":
+        pytest.importorskip("safetensors")
+
+    def build(seed):
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        net[0].requires_grad_(False)
+        return fitkit.Model(net, device="cpu")
+
+    path = tmp_path / f"adapters{suffix}"
+    build(0).save_weights(path, trainable_only=True)
+    model = build(1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = (r"holds only trainable parameters \(2 of the module's 4 state-dict entries\).*Expected "
+                r"`trainable_only=True` to load such a file\. Received: trainable_only=False\. "
+                r"Fix: model\.load_weights\(.*, trainable_only=True\)\.")
+    with pytest.raises(ValueError, match=expected) as info:
+        model.load_weights(path)
+    assert "missing from the file" not in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    model.load_weights(path, trainable_only=True)  # the fix works: the head is build(0)'s, the base build(1)'s
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))[1]
+    assert torch.equal(model.module[1].weight, head.weight) and torch.equal(model.module[0].weight, before["0.weight"])
+    # A whole-model file that lacks a trainable key is still listed key by key (not this error).
+    torch.save({"0.weight": before["0.weight"]}, tmp_path / "partial.pt")
+    with pytest.raises(ValueError, match=r"'1\.weight': in the module, missing from the file"):
+        model.load_weights(tmp_path / "partial.pt")

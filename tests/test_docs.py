@@ -1,8 +1,10 @@
 """The documentation builds with warnings as errors, and every tutorial example runs.
 
-`sphinx-build -W -b html` catches broken markup and broken docstrings in the API reference,
-and runs the tutorial scripts (``docs/tutorials/NN_name.py``, sphinx-gallery), each once: they
-assert their own numbers, and their pages must show what they printed and drew;
+`sphinx-build -W -b html` catches broken markup and broken docstrings in the API reference
+(``nitpicky`` is on in ``conf.py``: a cross-reference that resolves to nothing is an error),
+the test checks that every link between the built pages reaches an existing page and anchor,
+and the build runs the tutorial scripts (``docs/tutorials/NN_name.py``, sphinx-gallery), each
+once: they assert their own numbers, and their pages must show what they printed and drew;
 `sphinx-build -W -b doctest` runs every ``.. testcode::`` / ``.. doctest::`` block of the
 ``.rst`` pages and compares what it prints with the output written on the page (every digit:
 no ``...``). Needs the
@@ -18,6 +20,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import unquote, urldefrag
 
 import pytest
 
@@ -103,6 +106,42 @@ def test_html_builds_without_warnings(tmp_path):
                 missing.append(f"{module}.{name}")
     assert not missing, f"not in the API reference: {missing}"
     _check_executed_tutorials(tmp_path / "html")
+    broken = broken_internal_links(tmp_path / "html")
+    assert not broken, "links to no page or no anchor:\n" + "\n".join(broken[:40])
+
+
+_HREF = re.compile(r'<a\b[^>]*?\bhref="([^"]*)"')
+_ID = re.compile(r'\bid="([^"]*)"')
+
+
+def broken_internal_links(html: Path) -> list[str]:
+    """Every link of the built site to a page of its own that does not exist, or to an anchor
+    that the page does not have (``page.html: href (why)``); external links are not followed."""
+    pages = sorted(html.rglob("*.html"))
+    ids = {page.resolve(): set(_ID.findall(page.read_text(encoding="utf-8"))) for page in pages}
+    bad = []
+    for page in pages:
+        for href in _HREF.findall(page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z][a-z0-9+.-]*:|//", href):  # http:, mailto:, ... : another site
+                continue
+            target, anchor = urldefrag(unquote(href.replace("&amp;", "&")))
+            dest = (page.parent / target).resolve() if target else page.resolve()
+            dest = dest / "index.html" if dest.is_dir() else dest
+            if not dest.exists():
+                bad.append(f"{page.relative_to(html)}: {href} (no such file)")
+            elif anchor and dest.suffix == ".html" and anchor not in ids.get(dest, ()):
+                bad.append(f"{page.relative_to(html)}: {href} (no such anchor)")
+    return bad
+
+
+def test_the_link_check_finds_a_missing_page_and_a_missing_anchor(tmp_path):
+    (tmp_path / "api").mkdir()
+    (tmp_path / "index.html").write_text(
+        '<a href="api/a.html#f">ok</a><a href="api/a.html#g">no anchor</a><a href="b.html">no page</a>'
+        '<a href="#top">here</a><a href="https://example.org/x.html#y">external</a><p id="top"></p>')
+    (tmp_path / "api" / "a.html").write_text('<dt id="f"></dt><a href="../index.html#top">back</a>')
+    assert broken_internal_links(tmp_path) == ["index.html: api/a.html#g (no such anchor)",
+                                               "index.html: b.html (no such file)"]
 
 
 # The figures each executed tutorial must show (sphinx-gallery numbers them per script).

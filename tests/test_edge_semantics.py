@@ -127,7 +127,7 @@ def test_early_stopping_first_value_nan_is_not_the_best():
     stop = EarlyStopping("s_loss", patience=1)
     history = _fit(_model(lr=0.0), [_script("s_loss", [NAN, 2.0, 2.0, 1.0]), stop], 4)
     assert history.epoch == [0, 1, 2] and stop.best == 2.0 and stop.best_epoch == 1
-    assert stop.stop_reason == "patience: s_loss did not improve for 1 epoch(s); best 2 at epoch 2."
+    assert stop.stop_reason == "patience: s_loss did not improve for 1 epoch(s); best 2.0000 at epoch 2."
 
 
 def test_early_stopping_on_all_nan_stops_by_patience_and_restores_nothing():

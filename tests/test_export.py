@@ -121,7 +121,9 @@ def test_bad_arguments(tmp_path, monkeypatch):
         export(lambda x: x, tmp_path / "x", torch.rand(2, 2))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "onnxscript" else real(n, *a))
-    with pytest.raises(ImportError, match=r"needs onnxscript\. Install it with `pip install torch-fitkit\[onnx\]`"):
+    expected = (r"needs onnxscript\. Install the `onnx` extra: "
+                r"`pip install '\.\[onnx\]'` from a checkout \(`pip install 'torch-fitkit\[onnx\]'`")
+    with pytest.raises(ImportError, match=expected):
         export(nn.Linear(2, 2), tmp_path / "x.onnx", torch.rand(2, 2), format="onnx")
     assert not (tmp_path / "x.onnx").exists()
 

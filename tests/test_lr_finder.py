@@ -191,7 +191,9 @@ def test_plot(tmp_path):
 def test_plot_without_matplotlib(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     r = LRFinderResult(lrs=[1e-3, 1e-2], losses=[1.0, 0.5], raw_losses=[1.0, 0.5])
-    with pytest.raises(ImportError, match=r"Install it with `pip install torch-fitkit\[plot\]`"):
+    expected = (r"Install the `plot` extra: "
+                r"`pip install '\.\[plot\]'` from a checkout \(`pip install 'torch-fitkit\[plot\]'`")
+    with pytest.raises(ImportError, match=expected):
         r.plot()
 
 

@@ -3,6 +3,7 @@ and the checks before step 1 leave no trace."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -240,6 +241,56 @@ def test_dict_batch_missing_a_required_parameter_is_named():
     assert "pop('labels')" not in msg
 
 
+class KwargsTokenNet(TokenNet):
+    """A forward that takes ``**kwargs``, as most Transformers models' do; it records what it got."""
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        self.seen = sorted(kwargs)
+        return self.emb(input_ids).mean(1)
+
+
+@pytest.mark.parametrize("net, extra, refused", [
+    (TokenNet, {"text_len": torch.tensor(3)}, ["text_len"]),  # named parameters only: refused, named
+    (TokenNet, {"text_len": torch.tensor(3), "labels": torch.tensor(1)}, ["text_len", "labels"]),
+    (KwargsTokenNet, {"text_len": torch.tensor(3)}, []),  # **kwargs: passed on, as forward asked
+    (KwargsTokenNet, {"text_len": torch.tensor(3), "labels": torch.tensor(1)}, []),
+])
+def test_a_key_forward_does_not_name_is_refused_unless_forward_takes_kwargs(net, extra, refused):
+    # The rule the Hugging Face tutorial states, for both kinds of forward; no compiled loss, so
+    # `labels` stays in the batch and goes to forward too.
+    torch.manual_seed(0)
+    model = fitkit.Model(net(), device="cpu")
+    model.compile("sgd", None if "labels" in extra else "mse")
+    rows = _rows(**extra) if "labels" in extra else [(r, torch.zeros(3)) for r in _rows(**extra)]
+    loader = DataLoader(rows, batch_size=2)
+    if refused:
+        before = model.module.emb.weight.clone()
+        with pytest.raises(ValueError, match=re.escape(f"; not taken by forward: {refused}")) as info:
+            model.fit(loader, verbose=0)
+        assert torch.equal(model.module.emb.weight, before) and model.global_step == 0
+        msg = str(info.value)
+        assert "Drop or rename the keys forward does not take" in msg
+        assert ("(keep `labels`)" in msg) == ("labels" in refused)
+        return
+    if "labels" in extra:  # forward took every key and returned logits, no loss: the fit stops there
+        with pytest.raises(RuntimeError, match="No loss to compute: none was compiled"):
+            model.fit(loader, verbose=0)
+    else:
+        model.fit(loader, verbose=0)
+        assert model.global_step == 2
+    assert model.module.seen == sorted(k for k in extra)  # every extra key reached forward's **kwargs
+
+
+def test_the_keys_error_never_tells_to_drop_labels():
+    # `labels` alone is the extra key: the fix is a compiled loss, no "drop or rename" at all.
+    model = fitkit.Model(TokenNet(), device="cpu")
+    model.compile("sgd", None)
+    keep = "not taken by forward: ['labels']. Keep `labels`, the loss's target: a module without"
+    with pytest.raises(ValueError, match=re.escape(keep)) as info:
+        model.fit(DataLoader(_rows(labels=torch.tensor(1)), batch_size=2), verbose=0)
+    assert "Drop or rename" not in str(info.value) and "drop `labels`" not in str(info.value).lower()
+
+
 # -- the checks leave no trace ----------------------------------------------------------------------
 # 18 rows in batches of 4: the short last batch runs a shuffling sampler to its end, as a plain
 # loop does, so the sampler's own generator draws the same in both.
@@ -360,3 +411,23 @@ def test_the_first_batch_check_runs_once_for_the_same_data_and_model():
     model.evaluate(x, y, batch_size=8, verbose=0)
     model.evaluate(x, y, batch_size=8, verbose=0)
     assert net.forwards - before == 3  # evaluate has a check of its own, once: 1 + 1 batch, then 1 batch
+
+
+class Shouting(nn.Module):
+    """A forward that fails with a message ending in a period, as many libraries' do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+
+    def forward(self, x):
+        raise RuntimeError("The input is not what this layer takes.")
+
+
+def test_a_wrapped_error_that_ends_with_a_period_gets_no_second_one():
+    model = fitkit.Model(Shouting(), device="cpu")
+    model.compile("sgd", "mse")
+    wrapped = "RuntimeError: The input is not what this layer takes. It was fed "
+    with pytest.raises(ValueError, match=re.escape(wrapped)) as info:
+        model.fit(torch.zeros(4, 2), torch.zeros(4, 1), verbose=0)
+    assert ".." not in str(info.value).replace("...", "")

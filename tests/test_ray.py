@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ray = pytest.importorskip("ray", reason="Ray Train is not installed (pip install torch-fitkit[ray])")
+ray = pytest.importorskip("ray", reason="Ray Train is not installed (pip install '.[ray]' from a checkout)")
 
 from _ray_scenario import EPOCHS, reference  # noqa: E402
 

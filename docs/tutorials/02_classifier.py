@@ -5,7 +5,7 @@
 A classifier of handwritten digits: data in a ``DataLoader``, a network with Dropout, accuracy
 as a metric, validation every epoch, then ``evaluate``, ``predict``, ``summary()`` and the
 learning curves. The data is scikit-learn's digits set (1,797 images of 8 x 8 pixels, shipped
-inside scikit-learn, nothing to download; ``pip install "torch-fitkit[examples]"``).
+inside scikit-learn, nothing to download; ``pip install ".[examples]"`` from a checkout).
 """
 
 # %%
@@ -196,7 +196,7 @@ assert history.epoch == [0, 1, 2, 3, 4, 5]
 # sphinx_gallery_end_ignore
 
 # %%
-# ``history.plot()`` draws them with matplotlib (``pip install "torch-fitkit[plot]"``), a ``val_``
+# ``history.plot()`` draws them with matplotlib (``pip install ".[plot]"``), a ``val_``
 # curve on the same axes as its training curve; given a ``path``, it saves a PNG too. It returns
 # the figure and leaves pyplot's list of open figures as it was (plotting in a loop leaks
 # nothing); ``plt.figure(figure)`` hands it to pyplot to show it:

@@ -214,10 +214,10 @@ class MaxGradNorm(Callback):
 # ----------------------------
 #
 # :class:`~fitkit.callbacks.CSVLogger` writes a row per epoch; :class:`~fitkit.callbacks.TensorBoard`
-# writes scalars for ``tensorboard --logdir`` with ``torch.utils.tensorboard`` (``pip install
-# "torch-fitkit[tensorboard]"``, no TensorFlow needed). Both see the custom key. Runs tracked in
-# Weights & Biases take :class:`~fitkit.callbacks.WandbLogger` (``pip install
-# "torch-fitkit[wandb]"``; ``WANDB_MODE=offline`` needs no network), and MLflow
+# writes scalars for ``tensorboard --logdir`` with ``torch.utils.tensorboard`` (the
+# ``tensorboard`` extra, ``pip install ".[tensorboard]"``; no TensorFlow needed). Both see the custom key. Runs tracked in
+# Weights & Biases take :class:`~fitkit.callbacks.WandbLogger` (the
+# ``wandb`` extra; ``WANDB_MODE=offline`` needs no network), and MLflow
 # :class:`~fitkit.callbacks.MLflowLogger` (:doc:`../tutorials/08_mlflow`):
 
 model = make_model()

@@ -8,7 +8,7 @@ the objective, and metrics and ``predict`` use its ``logits``. It needs the ``hf
 
 .. code-block:: bash
 
-   pip install "torch-fitkit[hf]"
+   pip install ".[hf]"     # from a checkout; once released: pip install "torch-fitkit[hf]"
 
 Nothing on this page downloads weights: every model is built from a small config, as
 ``from_pretrained`` would build it before loading a checkpoint.
@@ -107,7 +107,7 @@ assert third_history.history == history.history
 # sphinx_gallery_end_ignore
 
 # %%
-# LoRA adapters (``pip install "torch-fitkit[peft]"``): a ``PeftModel`` from
+# LoRA adapters (``pip install ".[peft]"`` from a checkout): a ``PeftModel`` from
 # ``peft.get_peft_model(net, LoraConfig(...))`` is an ``nn.Module`` whose base weights are frozen,
 # so ``fitkit.Model(peft_model)`` trains the adapters alone, and ``summary()`` counts its
 # trainable parameters as PEFT's ``print_trainable_parameters()`` does.
@@ -225,9 +225,15 @@ assert history.history["val_accuracy"][-1] > 0.9
 
 # %%
 # A ``datasets.Dataset`` without the torch format (its rows are Python lists) is refused before
-# the first step with the fix, ``with_format("torch")``; so is a batch whose keys ``forward``
-# does not take (a leftover ``"text"`` column, say), with the batch's keys and ``forward``'s
-# parameters listed.
+# the first step with the fix, ``with_format("torch")``. A dict batch is passed as
+# ``forward(**batch)``, by this rule: when ``forward`` names its parameters, a key it does not
+# name (a leftover ``"text"`` column, say) is refused before the first step, with the batch's
+# keys and ``forward``'s parameters listed; when ``forward`` takes ``**kwargs``, as most
+# Transformers models' do today, every key is passed on to it, and the model uses it or
+# ignores it (fitkit cannot tell which). Remove the columns the model does not use yourself
+# (``Dataset.remove_columns``), as the Trainer's ``remove_unused_columns`` does. ``labels`` is
+# never one to remove: with a compiled loss it is the loss's target and is not passed on.
+# ``tests/test_preflight.py`` checks this rule for both kinds of ``forward``.
 #
 # GPT-2 on tiny Shakespeare
 # -------------------------

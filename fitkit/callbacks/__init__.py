@@ -14,14 +14,14 @@
   time); :mod:`~fitkit.callbacks.swap_ema`: Keras' ``SwapEMAWeights`` and ``compile(use_ema=True)``.
 - :mod:`~fitkit.callbacks.throughput`: ``ThroughputMonitor`` (samples / tokens per second, FLOPs, MFU).
 - :mod:`~fitkit.callbacks.profiler`: ``Profiler`` (``torch.profiler`` over a schedule of steps).
-- :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install torch-fitkit[mlflow]``).
-- :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install torch-fitkit[optuna]``).
+- :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install ".[mlflow]"`` from a checkout).
+- :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install ".[optuna]"`` from a checkout).
 - :mod:`~fitkit.callbacks.timer`: ``Timer`` (a time budget, Lightning's ``max_time``).
 - :mod:`~fitkit.callbacks.tokens`: ``TokensSeen`` (``num_input_tokens_seen`` in logs and checkpoints).
 - :mod:`~fitkit.callbacks.neftune`: ``NEFTune`` (noisy input embeddings while fine-tuning).
-- :mod:`~fitkit.callbacks.wandb`: ``WandbLogger`` (``pip install torch-fitkit[wandb]``).
+- :mod:`~fitkit.callbacks.wandb`: ``WandbLogger`` (``pip install ".[wandb]"`` from a checkout).
 - :mod:`~fitkit.callbacks.raytrain`: ``RayReport`` (Ray Train's reports, checkpoints and restarts;
-  ``pip install torch-fitkit[ray]``).
+  ``pip install ".[ray]"`` from a checkout).
 
 The MLflow, Optuna, W&B and Ray callbacks import their library when they are created, not here.
 """

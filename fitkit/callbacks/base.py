@@ -323,7 +323,7 @@ class History(Callback):
         self.validations = [dict(r) for r in state.get("validations", [])]
 
     def plot(self, keys: list[str] | None = None, path: str | None = None):
-        """Draw learning curves with matplotlib (``pip install torch-fitkit[plot]``).
+        """Draw learning curves with matplotlib (``pip install ".[plot]"`` from a checkout).
 
         Args:
             keys: history keys to draw; default: every key but ``learning_rate``, a ``val_``
@@ -353,7 +353,8 @@ class History(Callback):
             import matplotlib.pyplot as plt
         except ImportError:
             raise ImportError(
-                "History.plot needs matplotlib. Install it with `pip install torch-fitkit[plot]`."
+                "History.plot needs matplotlib. Install the `plot` extra: "
+                "`pip install '.[plot]'` from a checkout (`pip install 'torch-fitkit[plot]'` once released)."
             ) from None
         if keys is None:
             keys = [k for k in self.history if not k.startswith("val_") and k != "learning_rate"]

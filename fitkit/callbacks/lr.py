@@ -25,6 +25,7 @@ from fitkit.callbacks.monitor import (
 )
 from fitkit.checks import check_int, check_mode, check_number
 from fitkit.distributed import say
+from fitkit.formatting import format_lr
 from fitkit.tools.lr_finder import LRFinderResult, apply_lr, check_sweep, sweep
 
 __all__ = ["LearningRateScheduler", "ReduceLROnPlateau", "LearningRateFinder"]
@@ -173,7 +174,7 @@ class ReduceLROnPlateau(StatefulCallback):
                 reduced = True
         if reduced:
             lr = float(self.model.optimizer.param_groups[0]["lr"])
-            say(self.verbose, f"Epoch {epoch + 1}: ReduceLROnPlateau reduced the learning rate to {lr:.4g}.")
+            say(self.verbose, f"Epoch {epoch + 1}: ReduceLROnPlateau reduced the learning rate to {format_lr(lr)}.")
             self.cooldown_counter, self.wait = self.cooldown, 0
 
 
@@ -252,7 +253,7 @@ class LearningRateScheduler(StatefulCallback):
                 )
             _set_lr(group, float(lr))
         lr = float(groups[0]["lr"])
-        say(self.verbose, f"Epoch {epoch + 1}: LearningRateScheduler set the learning rate to {lr:.4g}.")
+        say(self.verbose, f"Epoch {epoch + 1}: LearningRateScheduler set the learning rate to {format_lr(lr)}.")
 
 
 class LearningRateFinder(Callback):
@@ -311,7 +312,7 @@ class LearningRateFinder(Callback):
         self.result = sweep(model, data, self.start_lr, self.end_lr, self.num_steps, self.smooth,
                             self.diverge_threshold, self.mode)  # fmt: skip
         if apply_lr(model, self.result.suggestion):
-            say(self.verbose, f"LearningRateFinder: learning rate set to {self.result.suggestion:.3g}.")
+            say(self.verbose, f"LearningRateFinder: learning rate set to {format_lr(self.result.suggestion)}.")
 
 
 def _resuming(model: Any) -> bool:

@@ -1,4 +1,4 @@
-"""``MLflowLogger``: log a fit's parameters, metrics and files to MLflow (``torch-fitkit[mlflow]``)."""
+"""``MLflowLogger``: log a fit's parameters, metrics and files to MLflow (the ``mlflow`` extra)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class MLflowLogger(StatefulCallback):
         tags: tags of the run (``{name: value}``).
 
     Raises:
-        ImportError: mlflow is not installed (``pip install torch-fitkit[mlflow]``).
+        ImportError: mlflow is not installed (``pip install ".[mlflow]"`` from a checkout).
         ValueError: a ``log_every_n_steps`` that is not a positive int.
         TypeError: ``checkpoint`` is neither a path nor a ModelCheckpoint.
 
@@ -113,7 +113,8 @@ class MLflowLogger(StatefulCallback):
         super().__init__()
         check_bool("log_plot", log_plot)
         if importlib.util.find_spec("mlflow") is None:
-            raise ImportError("MLflowLogger needs mlflow. Install it with `pip install torch-fitkit[mlflow]`.")
+            raise ImportError("MLflowLogger needs mlflow. Install the `mlflow` extra: "
+                "`pip install '.[mlflow]'` from a checkout (`pip install 'torch-fitkit[mlflow]'` once released).")
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
@@ -378,8 +379,8 @@ class MLflowLogger(StatefulCallback):
                     history.plot(path=png)
                 except ImportError:
                     warnings.warn(
-                        "MLflowLogger: the learning curves need matplotlib (`pip install "
-                        "torch-fitkit[plot]`); history.png is not logged.",
+                        "MLflowLogger: the learning curves need matplotlib (the `plot` extra: "
+                        "`pip install '.[plot]'` from a checkout); history.png is not logged.",
                         category=FitkitWarning, stacklevel=3,
                     )
                     return

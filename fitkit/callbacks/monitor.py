@@ -24,6 +24,7 @@ from fitkit.callbacks.logkeys import (
 from fitkit.callbacks.scoring import scored_weights
 from fitkit.checks import check_bool, check_int, check_mode, check_number
 from fitkit.distributed import say
+from fitkit.formatting import format_value
 
 __all__ = [
     "EarlyStopping",
@@ -212,7 +213,7 @@ class EarlyStopping(StatefulCallback):
         >>> stop.stopped_epoch, len(history.epoch)
         (1, 2)
         >>> stop.stop_reason
-        'patience: loss did not improve for 1 epoch(s); best 0 at epoch 1.'
+        'patience: loss did not improve for 1 epoch(s); best 0.0000 at epoch 1.'
     """
 
     def __init__(
@@ -343,13 +344,15 @@ class EarlyStopping(StatefulCallback):
         if not before_patience:
             if self.stopping_threshold is not None and is_improvement(current, self.stopping_threshold, mode):
                 better = "<" if mode == "min" else ">"
-                return f"stopping_threshold: {self.monitor} = {current:.4g} {better} {self.stopping_threshold:.4g}."
+                return (f"stopping_threshold: {self.monitor} = {format_value(self.monitor, current)} {better} "
+                        f"{format_value(self.monitor, self.stopping_threshold)}.")
             return None
         if self.check_finite and not math.isfinite(current):
             return f"not finite: {self.monitor} = {current}{self._best_text()}."
         if self.divergence_threshold is not None and is_improvement(self.divergence_threshold, current, mode):
             worse = ">" if mode == "min" else "<"
-            return f"divergence_threshold: {self.monitor} = {current:.4g} {worse} {self.divergence_threshold:.4g}."
+            return (f"divergence_threshold: {self.monitor} = {format_value(self.monitor, current)} {worse} "
+                    f"{format_value(self.monitor, self.divergence_threshold)}.")
         return None
 
     def _note(self, current: float, epoch: int, mode: str) -> bool:
@@ -369,7 +372,9 @@ class EarlyStopping(StatefulCallback):
 
     def _best_text(self) -> str:
         # No best yet when every value so far was NaN.
-        return "" if self.best is None else f"; best {self.best:.4g} at epoch {self.best_epoch + 1}"
+        if self.best is None:
+            return ""
+        return f"; best {format_value(self.monitor, self.best)} at epoch {self.best_epoch + 1}"
 
     def _stop(self, epoch: int, reason: str) -> None:
         self.stopped_epoch, self.stop_reason = epoch, reason

@@ -36,7 +36,7 @@ class NEFTune(Callback):
             only ``nn.Embedding``.
 
     Raises:
-        TypeError / ValueError: ``noise_alpha`` not a positive number (at construction);
+        TypeError, ValueError: ``noise_alpha`` not a positive number (at construction);
             ``ValueError`` before step 1 when no embedding is found, the name is unknown, or
             the module has several ``nn.Embedding`` and no ``get_input_embeddings``.
 

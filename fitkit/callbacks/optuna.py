@@ -1,4 +1,4 @@
-"""``OptunaPruning``: report a monitored value to an Optuna trial and prune (``torch-fitkit[optuna]``)."""
+"""``OptunaPruning``: report a monitored value to an Optuna trial and prune (the ``optuna`` extra)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class OptunaPruning(Callback):
             (Optuna's ``KerasPruningCallback(interval=n)``).
 
     Raises:
-        ImportError: optuna is not installed (``pip install torch-fitkit[optuna]``).
+        ImportError: optuna is not installed (``pip install ".[optuna]"`` from a checkout).
         TypeError: ``trial`` has no ``report`` / ``should_prune`` methods, ``interval`` is
             not an int.
         ValueError: ``interval`` < 1.
@@ -71,7 +71,8 @@ class OptunaPruning(Callback):
     def __init__(self, trial: Any, monitor: str = "val_loss", interval: int = 1):
         super().__init__()
         if importlib.util.find_spec("optuna") is None:
-            raise ImportError("OptunaPruning needs optuna. Install it with `pip install torch-fitkit[optuna]`.")
+            raise ImportError("OptunaPruning needs optuna. Install the `optuna` extra: "
+                "`pip install '.[optuna]'` from a checkout (`pip install 'torch-fitkit[optuna]'` once released).")
         if not (callable(getattr(trial, "report", None)) and callable(getattr(trial, "should_prune", None))):
             raise TypeError(
                 "Expected `trial` to be an optuna Trial (with `report` and `should_prune`). "

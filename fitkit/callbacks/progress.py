@@ -19,6 +19,7 @@ from rich.progress import (
 
 from fitkit.callbacks.base import Callback
 from fitkit.distributed.group import is_rank_zero
+from fitkit.formatting import format_value
 
 __all__ = ["ProgressBar", "resolve_verbose", "format_logs"]
 
@@ -44,11 +45,13 @@ def resolve_verbose(verbose: Any, console: Console | None = None) -> int:
 def format_logs(logs: Mapping[str, Any]) -> str:
     """``loss: 0.1234 - accuracy: 0.9500`` from logs of floats or 0-dim tensors.
 
-    Tensors are read together in one transfer (one host sync for all of them).
+    Tensors are read together in one transfer (one host sync for all of them). Values are
+    printed by :func:`fitkit.formatting.format_value`: learning rates in their one format, every
+    other value in the one format of losses and metrics.
 
     Example:
-        >>> format_logs({"loss": torch.tensor(0.5), "accuracy": 0.25})
-        'loss: 0.5000 - accuracy: 0.2500'
+        >>> format_logs({"loss": torch.tensor(0.5), "accuracy": 0.25, "learning_rate": 0.001})
+        'loss: 0.5000 - accuracy: 0.2500 - learning_rate: 0.001'
     """
     keys = [k for k, v in logs.items() if isinstance(v, (int, float, torch.Tensor))]
     tensors = [logs[k] for k in keys if isinstance(logs[k], torch.Tensor) and logs[k].numel() == 1]
@@ -60,7 +63,7 @@ def format_logs(logs: Mapping[str, Any]) -> str:
             if v.numel() != 1:
                 continue
             v = next(values)
-        parts.append(f"{k}: {v:.4g}" if abs(v) >= 1e4 or (v != 0 and abs(v) < 1e-3) else f"{k}: {v:.4f}")
+        parts.append(f"{k}: {format_value(k, v)}")
     return " - ".join(parts)
 
 

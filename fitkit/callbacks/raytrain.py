@@ -1,4 +1,4 @@
-"""``RayReport``: fitkit inside Ray Train's ``TorchTrainer`` (``torch-fitkit[ray]``).
+"""``RayReport``: fitkit inside Ray Train's ``TorchTrainer`` (the ``ray`` extra).
 
 Ray Train starts the worker processes and their process group (gloo on CPU, nccl on GPUs);
 ``fitkit.Model`` finds the group running and trains data-parallel on it as under torchrun (the
@@ -62,8 +62,8 @@ class RayReport(SavesEveryNBatches, Callback):
         checkpoint: ``False``: report the metrics only (no checkpoint written or loaded).
 
     Raises:
-        ImportError: Ray is not installed (``pip install torch-fitkit[ray]``).
-        TypeError / ValueError: a bad ``save_freq`` or ``checkpoint``.
+        ImportError: Ray is not installed (``pip install ".[ray]"`` from a checkout).
+        TypeError, ValueError: a bad ``save_freq`` or ``checkpoint``.
         RuntimeError: (at ``on_train_begin``) ``fit`` runs outside a Ray Train worker.
         FileNotFoundError: (at ``on_train_begin``) Ray's checkpoint holds no fitkit checkpoint.
 
@@ -90,7 +90,8 @@ class RayReport(SavesEveryNBatches, Callback):
     def __init__(self, save_freq: str | int = "epoch", checkpoint: bool = True):
         super().__init__()
         if importlib.util.find_spec("ray") is None:
-            raise ImportError("RayReport needs Ray Train. Install it with `pip install torch-fitkit[ray]`.")
+            raise ImportError("RayReport needs Ray Train. Install the `ray` extra: "
+                "`pip install '.[ray]'` from a checkout (`pip install 'torch-fitkit[ray]'` once released).")
         check_every("save_freq", save_freq, "epoch", "batches")
         check_bool("checkpoint", checkpoint)
         self.save_freq, self.checkpoint = save_freq, bool(checkpoint)

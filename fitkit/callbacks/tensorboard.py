@@ -56,7 +56,7 @@ class TensorBoard(StopsWriting, StatefulCallback):
         clock: the host clock, in seconds (``time.perf_counter``; a test may pass a fake one).
 
     Raises:
-        ImportError: the ``tensorboard`` package is missing (``pip install torch-fitkit[tensorboard]``).
+        ImportError: the ``tensorboard`` package is missing (``pip install ".[tensorboard]"`` from a checkout).
         ValueError: a bad ``update_freq`` or ``histogram_freq``; ``log_dir`` is empty or an
             existing file.
         TypeError: ``write_steps_per_second`` not a bool, ``clock`` not callable.
@@ -80,8 +80,9 @@ class TensorBoard(StopsWriting, StatefulCallback):
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ImportError(
-                "The TensorBoard callback needs the `tensorboard` package. Install it with "
-                "`pip install torch-fitkit[tensorboard]` (TensorFlow is not needed)."
+                "The TensorBoard callback needs the `tensorboard` package. Install the `tensorboard` extra: "
+                "`pip install '.[tensorboard]'` from a checkout (`pip install 'torch-fitkit[tensorboard]'` "
+                "once released; TensorFlow is not needed)."
             ) from None
         bad = isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
         if update_freq != "epoch" and bad:

@@ -24,7 +24,7 @@ def parse_duration(duration: Any) -> float:
     ``timedelta``'s keywords, or Lightning's ``"DD:HH:MM:SS"`` string.
 
     Raises:
-        TypeError / ValueError: anything else, or a duration that is not > 0.
+        TypeError, ValueError: anything else, or a duration that is not > 0.
 
     Example:
         >>> parse_duration("00:01:30:00"), parse_duration({"minutes": 2}), parse_duration(45)

@@ -1,4 +1,4 @@
-"""``WandbLogger``: log a fit to Weights & Biases (``pip install "torch-fitkit[wandb]"``)."""
+"""``WandbLogger``: log a fit to Weights & Biases (``pip install ".[wandb]"`` from a checkout)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class WandbLogger(Callback):
         **init_kwargs: passed on to ``wandb.init`` (``dir``, ``mode``, ``tags``, ``group``, ...).
 
     Raises:
-        ImportError: wandb is not installed (``pip install "torch-fitkit[wandb]"``).
+        ImportError: wandb is not installed (``pip install ".[wandb]"`` from a checkout).
         ValueError: a ``log_every_n_steps`` that is not a positive int.
         TypeError: ``checkpoint`` is neither a path nor a ModelCheckpoint.
 
@@ -87,7 +87,8 @@ class WandbLogger(Callback):
         super().__init__()
         check_bool("log_checkpoints", log_checkpoints)
         if importlib.util.find_spec("wandb") is None:
-            raise ImportError('WandbLogger needs wandb. Install it with `pip install "torch-fitkit[wandb]"`.')
+            raise ImportError("WandbLogger needs wandb. Install the `wandb` extra: "
+                "`pip install '.[wandb]'` from a checkout (`pip install 'torch-fitkit[wandb]'` once released).")
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):

@@ -133,7 +133,7 @@ class TensorBatches:
 
     @property
     def n_used(self) -> int:
-        """Samples an epoch trains on: ``N``, less a dropped one-row last batch."""
+        """The samples an epoch trains on, ``N`` less a dropped one-row last batch."""
         return self.n - 1 if self.drop_last_single else self.n
 
     @property

@@ -5,7 +5,7 @@ The same command runs data-parallel under ``torchrun --nproc_per_node=2 -m fitki
 
 The data (1,797 8x8 images, 10 classes) ships inside scikit-learn, so nothing is downloaded.
 A stratified 80/20 split holds out a test set; 10% of the training part validates each epoch.
-Needs ``pip install torch-fitkit[examples]``.
+Needs ``pip install ".[examples]"`` from a checkout.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def load_digits_split(seed: int = 0):
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
     except ImportError:
-        sys.exit("This example needs scikit-learn: pip install 'torch-fitkit[examples]'")
+        sys.exit("This example needs scikit-learn: pip install '.[examples]' from a checkout of fitkit")
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
 

@@ -52,7 +52,7 @@ def default_text_path() -> Path:
     """The tiny Shakespeare text that ships in the package (1,115,394 characters, UTF-8).
 
     The file is ``fitkit/examples/data/tinyshakespeare.txt``, found with
-    ``importlib.resources``, so it is there after ``pip install torch-fitkit`` (Karpathy's
+    ``importlib.resources``, so it is there after a plain ``pip install .`` (Karpathy's
     ``char-rnn`` data set; the works of Shakespeare are in the public domain).
 
     Returns:

@@ -78,8 +78,8 @@ def format_with_dummies(template: str, fields: Iterable[str], who: str, argument
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
         raise ValueError(
             f"{who}'s `{argument}` {template!r} cannot format the values it will get ({{epoch}} and {{batch}} "
-            f"are ints, log keys floats): {type(e).__name__}: {e}. Fix: use specs such as '{{epoch:02d}}' "
-            "or '{val_loss:.4f}'."
+            f"are ints, log keys floats): {type(e).__name__}: {str(e).rstrip('.')}. Fix: use specs such as "
+            "'{epoch:02d}' or '{val_loss:.4f}'."
         ) from None
 
 

@@ -85,7 +85,7 @@ def safe_load(path: str | os.PathLike, map_location: Any) -> Any:
                 "save_checkpoint, or re-save a plain state dict from code you trust."
             ) from None
         raise CheckpointError(
-            f"{where} is damaged: torch.load failed with {type(e).__name__}: {e}. {_FIX_DAMAGED}"
+            f"{where} is damaged: torch.load failed with {type(e).__name__}: {str(e).rstrip('.')}. {_FIX_DAMAGED}"
         ) from e
     _check_checksums(state, where)
     return state
@@ -179,5 +179,6 @@ def _check_version(saved: str, where: str) -> None:
     if _version(saved) > _version(__version__):
         raise CheckpointError(
             f"{where} was written by fitkit {saved}, newer than this fitkit {__version__}, and may "
-            "hold state this version cannot restore. Fix: upgrade fitkit (pip install -U torch-fitkit)."
+            "hold state this version cannot restore. Fix: upgrade fitkit (from a checkout: git pull, then "
+            "pip install .; once released: pip install -U torch-fitkit)."
         )

@@ -1,4 +1,4 @@
-"""safetensors weights files (``pip install torch-fitkit[safetensors]``), tied weights included."""
+"""safetensors weights files (``pip install ".[safetensors]"`` from a checkout), tied weights included."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def _safetensors(who: str):
         import safetensors.torch
     except ImportError:
         raise ImportError(
-            f"{who} needs safetensors. Install it with `pip install torch-fitkit[safetensors]`."
+            f"{who} needs safetensors. Install the `safetensors` extra: "
+            "`pip install '.[safetensors]'` from a checkout (`pip install 'torch-fitkit[safetensors]'` "
+            "once released)."
         ) from None
     return safetensors
 
@@ -38,7 +40,7 @@ def save_safetensors(state: Mapping[str, torch.Tensor], path: str | os.PathLike)
     of a shared storage are copied. The metadata also holds ``"fitkit_checksum"``.
 
     Raises:
-        ImportError: safetensors is missing (``pip install torch-fitkit[safetensors]``).
+        ImportError: safetensors is missing (``pip install ".[safetensors]"`` from a checkout).
         TypeError: a value that is not a tensor.
         OSError: the file cannot be written (``errno.ENOSPC`` on a full disk); the old file
             is left as it was.

@@ -351,7 +351,7 @@ def consolidate_weights(checkpoint: str | os.PathLike, path: str | os.PathLike) 
     The module's tensors are read from every shard at their full size (the optimizer state is
     not read; a tied tensor, stored once, is given each of its names again, one tensor) and
     written to ``path``: safetensors when it ends in ``.safetensors``
-    (``pip install torch-fitkit[safetensors]``), else a ``torch.save`` state dict. Either loads
+    (``pip install ".[safetensors]"`` from a checkout), else a ``torch.save`` state dict. Either loads
     with :meth:`fitkit.Model.load_weights` at any world size, or with plain torch.
 
     Args:
@@ -363,7 +363,7 @@ def consolidate_weights(checkpoint: str | os.PathLike, path: str | os.PathLike) 
         The names of the tensors written.
 
     Raises:
-        FileNotFoundError / CheckpointError: see :func:`check_sharded`.
+        FileNotFoundError, CheckpointError: see :func:`check_sharded`.
 
     Example:
         >>> import tempfile, os, fitkit

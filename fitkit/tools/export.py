@@ -4,7 +4,7 @@
 ``no_grad``, with a dynamic batch dimension), then writes the ``ExportedProgram`` with
 ``torch.export.save`` (``format="torch"``, a ``.pt2`` file that ``torch.export.load`` reads
 back) or translates that same program to ONNX with ``torch.onnx.export`` (``format="onnx"``,
-the dynamo-based exporter, which needs ``onnxscript``; ``pip install torch-fitkit[onnx]``).
+the dynamo-based exporter, which needs ``onnxscript``; ``pip install ".[onnx]"`` from a checkout).
 ``Model.export`` calls it with the model's module.
 """
 
@@ -168,7 +168,7 @@ def export(
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
         ValueError: an unknown ``format``.
-        ImportError: ``format="onnx"`` without onnx / onnxscript (``pip install torch-fitkit[onnx]``).
+        ImportError: ``format="onnx"`` without onnx / onnxscript (``pip install ".[onnx]"`` from a checkout).
         RuntimeError: the module cannot be traced (the original error is chained as
             ``__cause__``), e.g. Python control flow on tensor values.
 
@@ -189,7 +189,8 @@ def export(
         for name in ("onnx", "onnxscript"):  # checked before anything is traced or written
             if importlib.util.find_spec(name) is None:
                 raise ImportError(
-                    f"export(format='onnx') needs {name}. Install it with `pip install torch-fitkit[onnx]`."
+                    f"export(format='onnx') needs {name}. Install the `onnx` extra: "
+                    "`pip install '.[onnx]'` from a checkout (`pip install 'torch-fitkit[onnx]'` once released)."
                 )
     path = Path(path)
     program = _trace(module, example_input, bool(dynamic_batch))

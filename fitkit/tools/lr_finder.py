@@ -22,6 +22,7 @@ import torch
 
 from fitkit import data as _data
 from fitkit.checks import FitkitWarning, check_bool, check_int, check_that
+from fitkit.formatting import format_lr
 
 __all__ = ["find_lr", "LRFinderResult", "apply_lr"]
 
@@ -90,7 +91,7 @@ class LRFinderResult:
     def plot(self, path: str | None = None):
         """Draw the smoothed loss against the learning rate (log scale), suggestion marked.
 
-        Needs matplotlib (``pip install torch-fitkit[plot]``), as :meth:`fitkit.History.plot`.
+        Needs matplotlib (``pip install ".[plot]"`` from a checkout), as :meth:`fitkit.History.plot`.
 
         Args:
             path: if given, the figure is saved there as a PNG.
@@ -109,13 +110,15 @@ class LRFinderResult:
             import matplotlib.pyplot as plt
         except ImportError:
             raise ImportError(
-                "find_lr's plot needs matplotlib. Install it with `pip install torch-fitkit[plot]`."
+                "find_lr's plot needs matplotlib. Install the `plot` extra: "
+                "`pip install '.[plot]'` from a checkout (`pip install 'torch-fitkit[plot]'` once released)."
             ) from None
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.plot(self.lrs, self.losses, label="smoothed loss")
         if self.suggestion is not None:
             i = self.lrs.index(self.suggestion)
-            ax.plot([self.suggestion], [self.losses[i]], "o", color="red", label=f"suggestion {self.suggestion:.2e}")
+            label = f"suggestion {format_lr(self.suggestion)}"
+            ax.plot([self.suggestion], [self.losses[i]], "o", color="red", label=label)
         if self.mode != "linear":
             ax.set_xscale("log")
         ax.set_xlabel("learning rate")
@@ -225,7 +228,7 @@ def check_sweep(model: Any, start_lr: float, end_lr: float, num_steps: int, smoo
 
     Raises:
         RuntimeError: the model is not compiled (``model=None`` skips that check).
-        TypeError / ValueError: as :func:`find_lr` documents.
+        TypeError, ValueError: as :func:`find_lr` documents.
     """
     if model is not None and getattr(model, "optimizer", None) is None:
         raise RuntimeError("`find_lr` needs a compiled model. Call `model.compile(optimizer=..., loss=...)` first.")

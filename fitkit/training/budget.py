@@ -36,7 +36,7 @@ def check_max_steps(max_steps: Any, epochs: Any) -> int | None:
     budget ends training, as Lightning's ``max_epochs`` is unlimited when ``max_steps`` is set).
 
     Raises:
-        TypeError / ValueError: ``max_steps`` not an int >= 1, ``epochs`` not an int >= 0.
+        TypeError, ValueError: ``max_steps`` not an int >= 1, ``epochs`` not an int >= 0.
 
     Example:
         >>> check_max_steps(None, None), check_max_steps(100, None), check_max_steps(100, 3)

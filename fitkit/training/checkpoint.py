@@ -162,8 +162,24 @@ def load_weights(model: Model, path: str | os.PathLike, strict: bool = True, tra
     if isinstance(state, dict) and "module" in state and "fitkit_version" in state:
         state = state["module"]
     expected = model.module.state_dict()
+    keep = trainable_names(model)
     if trainable_only:
-        keep = trainable_names(model)
         expected = {k: v for k, v in expected.items() if k in keep}
+    elif strict:
+        _refuse_a_trainable_only_file(path, state, keep, expected)
     raise_differences(path, state_dict_differences(expected, state, strict))
     model.load_state_dict(state, strict=strict and not trainable_only)
+
+
+def _refuse_a_trainable_only_file(path: Any, state: Any, trainable: set[str], expected: dict[str, Any]) -> None:
+    """A file of the trainable parameters alone (``save_weights(..., trainable_only=True)``, e.g.
+    LoRA adapters) loaded as a whole model: one line that names ``trainable_only``, instead of one
+    line per frozen weight missing from the file."""
+    if not isinstance(state, dict) or not state or set(state) == set(expected) or not set(state) <= trainable:
+        return
+    raise ValueError(
+        f"{str(path)!r} holds only trainable parameters ({len(state)} of the module's {len(expected)} "
+        "state-dict entries), as save_weights(..., trainable_only=True) writes them (adapters such as "
+        "LoRA's); nothing was loaded. Expected `trainable_only=True` to load such a file. Received: "
+        f"trainable_only=False. Fix: model.load_weights({str(path)!r}, trainable_only=True)."
+    )

@@ -38,7 +38,7 @@ class FilesAndTools:
 
         With ``strategy="fsdp"`` gathering the state is a collective: call it on every rank.
         The file holds only tensors (no optimizer state); reload it with :meth:`load_weights`.
-        A path ending in ``.safetensors`` writes safetensors (``pip install torch-fitkit[safetensors]``;
+        A path ending in ``.safetensors`` writes safetensors (``pip install ".[safetensors]"`` from a checkout;
         tied weights are stored once), readable by Hugging Face's and timm's tools.
 
         With ``trainable_only=True`` the file holds only the parameters with ``requires_grad``
@@ -203,7 +203,7 @@ class FilesAndTools:
             example_input: one input batch (tensor, tuple or dict, as ``fit`` passes ``x``);
                 moved to ``model.device``.
             format: ``"torch"`` (``torch.export.save``) or ``"onnx"`` (``torch.onnx.export``,
-                needs ``pip install torch-fitkit[onnx]``).
+                needs ``pip install ".[onnx]"`` from a checkout).
             dynamic_batch: export a symbolic batch size instead of the example's.
 
         Returns:

@@ -254,13 +254,17 @@ def wrap(what: str, batch: Any, e: Exception, module: nn.Module | None = None, y
         fix = (f"the module returns {kind} and the compiled loss takes a tensor: return one tensor, return "
                "a dict with a \"loss\" entry and compile(loss=None), or override compute_loss")
     return ValueError(
-        f"The {label} failed in the {what}: {type(e).__name__}: {e}. It was fed "
+        f"The {label} failed in the {what}: {type(e).__name__}: {str(e).rstrip('.')}. It was fed "
         f"{describe(batch)}. Fix: {fix} (the original error is chained below)."
     )
 
 
 def dict_keys_fix(module: Any, x: Any) -> str | None:
     """Why a dict batch does not fit ``module.forward(**x)``, as a fix; ``None`` when its keys fit.
+
+    The rule: a key that names none of forward's parameters is refused, unless forward takes
+    ``**kwargs`` (most Transformers models do): then every key is passed on, and the model uses it
+    or ignores it. ``labels`` is never to be dropped: it is the loss's target.
 
     Example:
         >>> class Net(nn.Module):
@@ -270,6 +274,11 @@ def dict_keys_fix(module: Any, x: Any) -> str | None:
         True
         >>> print(dict_keys_fix(Net(), {"input_ids": 0, "text": "a"}).split("; ")[2].split(". ")[0])
         not taken by forward: ['text']
+        >>> class Open(nn.Module):
+        ...     def forward(self, input_ids, **kwargs):
+        ...         return input_ids
+        >>> dict_keys_fix(Open(), {"input_ids": 0, "text": "a"}) is None  # passed on in **kwargs
+        True
     """
     if not isinstance(x, Mapping) or module is None:
         return None
@@ -293,11 +302,13 @@ def dict_keys_fix(module: Any, x: Any) -> str | None:
         text += f"; not taken by forward: {extra}"
     if missing:
         text += f"; required by forward but not in the batch: {missing}"
-    text += (". Drop or rename those keys (e.g. `Dataset.remove_columns` / `rename_column`, or a `collate_fn`), "
-             "or add them to forward")
+    if missing or [k for k in extra if k != "labels"]:
+        # Never "drop `labels`": it is the loss's target, which the next sentence keeps.
+        text += (". Drop or rename the keys forward does not take" + (" (keep `labels`)" if "labels" in extra else "")
+                 + " (e.g. `Dataset.remove_columns` / `rename_column`, or a `collate_fn`), or add them to forward")
     if "labels" in extra:
-        text += ("; a module without a `labels` parameter needs a compiled loss (`compile(loss=...)`): "
-                 "the batch's `labels` are then its targets and are not passed to forward")
+        text += (". Keep `labels`, the loss's target: a module without a `labels` parameter needs a compiled loss "
+                 "(`compile(loss=...)`): the batch's `labels` are then its targets and are not passed to forward")
     return text
 
 

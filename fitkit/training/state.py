@@ -27,8 +27,9 @@ Restoring is all or nothing, with one defined moment per part:
 2. the parts that exist load at once;
 3. the parts of the next fit wait in a :class:`ResumePoint` that the fit applies where each
    belongs, and a part built later gets its state at birth: a scheduler factory built at the
-   first fit with the planned step count (:meth:`Stepper.build_planned`), metrics built from
-   the first batch (:mod:`fitkit.metrics.saved`). Nothing restores into a part that does not
+   first fit with the planned step count
+   (:meth:`fitkit.training.scheduling.SchedulerDriver.build_planned`), metrics built from the
+   first batch (:mod:`fitkit.metrics.saved`). Nothing restores into a part that does not
    exist yet, and nothing built after the restore overwrites it.
 """
 

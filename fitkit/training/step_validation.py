@@ -47,7 +47,7 @@ class ValidationSchedule:
         validation_freq: validate every n epochs (an int), or after the listed 1-based epochs.
 
     Raises:
-        TypeError / ValueError: not an int >= 1, or a list of them.
+        TypeError, ValueError: not an int >= 1, or a list of them.
 
     Example:
         >>> every2, listed = ValidationSchedule(2), ValidationSchedule([1, 5])
