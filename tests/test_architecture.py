@@ -308,8 +308,6 @@ FOREIGN_WRITES_ALLOWED = {
     # compile(use_ema=True)'s EMA, made by its factory beside the class: its average lives on
     # across fits, as the Keras optimizer's does.
     "callbacks/swap_ema.py: ema._continues": "the factory of compile's EMA marks it as continuing across fits",
-    # A flag of the callbacks' restore protocol: a state loaded after on_train_begin consumes it.
-    "training/state.py: cb._restored": "a callback state loaded by the fit itself is not restored twice",
     # Not fitkit objects: a torch parameter tied to another, an argparse namespace, torch's optimizer.
     "layers/gpt.py: self.embed.wte.weight": "weight tying of torch modules",
     "examples/shakespeare.py: args.verbose": "an argparse namespace",
