@@ -164,6 +164,11 @@ class FitLoop:
                 finished = True
             if self.interrupt.signum is not None:
                 self.interrupt.raise_now()
+        except Exception:
+            if finished or model.global_step == first_step:
+                raise  # before step 1 nothing trained (and nothing may change); after the end, nothing to save
+            cbs.save_on_exception()  # a crash, not a kill: the last completed batch, resumable
+            raise
         finally:
             self.running = False
             _distributed.dcp.wait()  # an async checkpoint still being written ends with fit
