@@ -565,8 +565,8 @@ class ModelCheckpoint(StatefulCallback):
                     Path(p).unlink(missing_ok=True)
         say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
 
-    def _refuse_overwrite(self, path: str) -> None:
-        if not self.save_overwrite:
+    def _refuse_overwrite(self, path: str | None) -> None:
+        if not self.save_overwrite and path is not None:
             _options.refuse_overwrite(path, self._existing, self._own)
             self._own.add(os.path.abspath(path))
 
