@@ -47,7 +47,9 @@ from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, requir
 from fitkit.metrics import MetricSet
 from fitkit.tools.summary import summary_table
 from fitkit.training import checkpoint as _checkpoint
+from fitkit.training import partial as _partial
 from fitkit.training import planning
+from fitkit.training import run_files as _run_files
 from fitkit.training.accumulation import AccumulationSchedule
 from fitkit.training.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.training.modes import modes
@@ -1282,7 +1284,7 @@ class Model:
         """
         return _checkpoint.checkpoint_state(self)
 
-    def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool | None = None,
+    def save_checkpoint(self, path: str | os.PathLike | None = None, *, sharded: bool | None = None,
                         async_save: bool = False) -> None:  # fmt: skip
         """Write the full training state (:meth:`checkpoint_state`) to ``path`` atomically.
 
@@ -1294,7 +1296,10 @@ class Model:
 
         Args:
             path: the file (or folder) to write; missing parent folders are created, an
-                existing one is replaced once the new one is complete.
+                existing one is replaced once the new one is complete. ``None``: the run's
+                ``last.pt``, beside the files of the ``ModelCheckpoint`` of the running or last
+                fit (its ``save_last`` path if it has one; :mod:`fitkit.training.run_files`). A
+                file of a ``keep_last`` callback's pattern joins its rotation.
             sharded: write a folder of shards; ``None``: under ``strategy="fsdp"`` only.
             async_save: for a sharded checkpoint: return once the state is copied off the
                 training tensors and write it in a background thread (one save in flight;
@@ -1303,10 +1308,12 @@ class Model:
         Raises:
             OSError: the file cannot be written (the old file, if any, is left as it was).
             ValueError: ``async_save=True`` for a one-file checkpoint.
+            RuntimeError: no path, and no fit of this model had a ``ModelCheckpoint``.
         """
-        _checkpoint.save_checkpoint(self, path, sharded, async_save)
+        _checkpoint.save_checkpoint(self, _run_files.save_path(self) if path is None else path, sharded, async_save)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> int:
+    def load_checkpoint(self, path: str | os.PathLike | None = None, *, weights_only: bool = False,
+                        ignore_keys: Sequence[str] | None = None) -> int:  # fmt: skip
         """Restore a checkpoint; the next ``fit(..., initial_epoch=k)`` continues from it.
 
         Tensors are mapped onto ``model.device``. RNG states, the position inside the epoch
@@ -1314,20 +1321,33 @@ class Model:
         between does not change the result. A ``BackupAndRestore`` calls it for you.
 
         Args:
-            path: a file or a folder of shards written by :meth:`save_checkpoint`.
+            path: a file or a folder of shards written by :meth:`save_checkpoint`. ``None`` or
+                ``"last"``: the newest checkpoint of the run's folder (that of the
+                ``ModelCheckpoint`` of the running or last fit; :mod:`fitkit.training.run_files`).
+            weights_only: load the module's weights alone (Composer's ``load_weights_only``).
+            ignore_keys: the parts to leave out, of ``"module"``, ``"optimizer"``,
+                ``"global_step"``, ``"scheduler"``, ``"position"``, ``"callbacks"``,
+                ``"history"`` (Composer's ``load_ignore_keys``): e.g. fine-tune from a
+                pre-training checkpoint without its optimizer, scheduler and position. Parts
+                left out are not compared with the model; what was taken is logged (logger
+                ``"fitkit"``, INFO). See :mod:`fitkit.training.partial`.
 
         Returns:
-            ``k``: the epoch to pass as ``initial_epoch`` (0-based).
+            ``k``: the epoch to pass as ``initial_epoch`` (0-based; 0 without ``"position"``).
 
         Raises:
             FileNotFoundError: no file at ``path``.
             RuntimeError: the model is not compiled (the optimizer must exist), or the file is
                 unsafe.
             ValueError: the file is not a fitkit checkpoint, is damaged, or does not match the
-                model (nothing is loaded then).
+                model (nothing is loaded then); an unknown name in ``ignore_keys``.
+            TypeError: ``weights_only`` not a bool, ``ignore_keys`` not a list of names.
         """
         self._require_compiled("load_checkpoint")
-        return _checkpoint.load_checkpoint(self, path)
+        taken = _partial.taken_parts(weights_only, ignore_keys)
+        if path is None or (isinstance(path, str) and path == "last"):
+            path = _run_files.load_path(self)
+        return _checkpoint.load_checkpoint(self, path, taken)
 
     def summary(self, print_fn: Any = None, *, input_shape: tuple[int, ...] | None = None,
                 example_input: Any = None) -> Any:

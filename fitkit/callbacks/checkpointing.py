@@ -549,21 +549,41 @@ class ModelCheckpoint(StatefulCallback):
         # Every rank calls save (gathering FSDP shards is a collective); rank 0 writes. The
         # file first, then the eviction: a crash in between leaves k + 1 files, never k - 1.
         self._refuse_overwrite(path)
-        with scored_weights(self.model, self.monitor) if self._ranked else nullcontext():
-            if self.save_weights_only:
-                self.model.save_weights(path)
-            else:
-                self.model.save_checkpoint(path)
-        if self.keep_last is not None:  # keep_last=0 keeps the newest until the run ends
-            self.recent = [p for p in self.recent if p != path] + [path]
-            old = self.recent[: max(0, len(self.recent) - max(1, self.keep_last))]
-            self.recent = self.recent[len(old):]
-            evicted = evicted + [p for p in old if p != self.best_path]  # never the best one it tracks
+        self._writing = True  # its own file: not adopted by save_checkpoint (run_files.adopt)
+        try:
+            with scored_weights(self.model, self.monitor) if self._ranked else nullcontext():
+                if self.save_weights_only:
+                    self.model.save_weights(path)
+                else:
+                    self.model.save_checkpoint(path)
+        finally:
+            self._writing = False
+        self._evict(evicted)
+        self.rotate(path)
+        say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
+
+    def rotate(self, path: str) -> None:
+        """``path`` (a file of ``filepath``'s pattern, just written) joins the ``keep_last``
+        rotation: the oldest files beyond ``keep_last`` are deleted (``keep_last=0``: beyond 1
+        until the run ends), never the best file. ``save_checkpoint(path)`` calls it for a file
+        of the pattern that the user writes (:mod:`fitkit.training.run_files`)."""
+        if self.keep_last is None or getattr(self, "_writing", False) or not self._owned.owns(path):
+            return
+        self.recent = [p for p in self.recent if p != path] + [path]
+        old = self.recent[: max(0, len(self.recent) - max(1, self.keep_last))]
+        self.recent = self.recent[len(old):]
+        self._evict([p for p in old if p != self.best_path])  # never the best one it tracks
+
+    def _evict(self, evicted: list[str]) -> None:
         if is_rank_zero():
             for p in evicted:
                 if self._owned.owns(p):  # only a file of this template, inside its folder
                     Path(p).unlink(missing_ok=True)
-        say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
+
+    @property
+    def glob_pattern(self) -> str:
+        """The glob of the files ``filepath`` formats to (each field is ``*``)."""
+        return _glob_of(self.filepath)
 
     def _refuse_overwrite(self, path: str | None) -> None:
         if not self.save_overwrite and path is not None:

@@ -31,6 +31,7 @@ from fitkit.data.loaders import known_targets
 from fitkit.distributed import progress as _progress
 from fitkit.losses.denominators import targets_count
 from fitkit.losses.outputs import note_row_weighted, takes_num_items
+from fitkit.training import run_files
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.training.lr_logs import lr_keys, lr_logs
 from fitkit.training.modes import modes, warn_if_all_eval
@@ -123,6 +124,7 @@ class FitLoop:
         pending = model.pop_resume()  # loaded before fit (BackupAndRestore loads in on_train_begin)
         finished, first_step = False, model.global_step
         self.running = True
+        run_files.remember(model, cbs.callbacks)  # save_checkpoint() / load_checkpoint() without a path
         try:
             agree = before_step is not None and cbs.host_agreement_after_backward()  # else no per-step agreement
             wants_stop = (lambda: model.stop_training) if agree else None
