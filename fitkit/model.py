@@ -51,6 +51,7 @@ from fitkit.training import partial as _partial
 from fitkit.training import planning
 from fitkit.training import run_files as _run_files
 from fitkit.training.accumulation import AccumulationSchedule
+from fitkit.training.budget import fresh_run
 from fitkit.training.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.training.modes import modes
 from fitkit.training.optim import check_plateau_mode, resolve_optimizer, resolve_scheduler
@@ -544,6 +545,7 @@ class Model:
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
         num_sanity_val_steps: int = 0,
+        reset_time: bool = False,
     ) -> History:
         """Train for ``range(initial_epoch, epochs)`` and return the :class:`~fitkit.History`.
 
@@ -647,6 +649,13 @@ class Model:
                 broken validation fails in seconds; no hook runs, nothing is logged, the RNG
                 states, modes and metrics are left as they were. Default 0 (Lightning's is 2;
                 Keras has none). See :mod:`fitkit.training.quick`.
+            reset_time: start a fresh run on a trained model (Composer's ``reset_time``):
+                ``global_step`` restarts at 0, so ``max_steps``, ``params["total_steps"]`` and
+                every step count (a ``save_freq`` fraction, ``validation_interval``) count from
+                this fit's first step, and a ``total_steps`` scheduler factory is built again
+                for it; weights and optimizer state are kept. Without it, a second ``fit``
+                trains ``range(initial_epoch, epochs)`` again (Keras) while ``max_steps`` counts
+                the steps taken in every fit (Lightning). See :func:`fitkit.training.budget.fresh_run`.
 
         Returns:
             The :class:`~fitkit.History`: ``history.history[key]`` is a list of floats per
@@ -705,18 +714,19 @@ class Model:
         quick = check_quick(fast_dev_run, overfit_batches, limit_train_batches, limit_val_batches,
                             num_sanity_val_steps, x=x, steps_per_epoch=steps_per_epoch,
                             validation_steps=validation_steps)  # fmt: skip
-        plan = planning.plan_fit(
-            self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-            callbacks=with_compiled_ema(self.compiled_ema, callbacks),
-            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
-            class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-            validation_batch_size=validation_batch_size, validation_freq=validation_freq, max_steps=max_steps,
-            validation_interval=validation_interval, quick=quick,
-        )  # fmt: skip
-        self._keep_example(plan.example)
-        sanity_check(self, plan.val, quick.sanity_steps)  # before step 1: a broken validation fails now
-        self._require_compiled("fit").scheduling.build_planned(plan.total_steps, resolve_scheduler)
+        with fresh_run(self._require_compiled("fit"), reset_time):  # put back if planning raises
+            plan = planning.plan_fit(
+                self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                callbacks=with_compiled_ema(self.compiled_ema, callbacks),
+                validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+                class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                validation_batch_size=validation_batch_size, validation_freq=validation_freq, max_steps=max_steps,
+                validation_interval=validation_interval, quick=quick,
+            )  # fmt: skip
+            self._keep_example(plan.example)
+            sanity_check(self, plan.val, quick.sanity_steps)  # before step 1: a broken validation fails now
+            self._require_compiled("fit").scheduling.build_planned(plan.total_steps, resolve_scheduler)
         self.history = History()
         cbs = planning.callback_list(self, plan.callbacks, plan.verbose, plan.shown_epochs, plan.train.num_batches,
                                      self.history, **plan.params)  # fmt: skip

@@ -16,6 +16,7 @@ import glob
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -38,7 +39,7 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.callbacks.scoring import scored_weights
-from fitkit.checks import check_bool, check_every, check_int, check_mode, check_number
+from fitkit.checks import FitkitWarning, check_bool, check_every, check_int, check_mode, check_number
 from fitkit.distributed import is_distributed, say
 from fitkit.files import check_target, remove_stale_temps
 from fitkit.files.content import typed_problems
@@ -342,6 +343,13 @@ class ModelCheckpoint(StatefulCallback):
                 "int save_freq."
             )
         self._save_steps = _options.fraction_steps(self._fraction, int(total))
+        if self.model.global_step >= total:  # a second fit on a trained model, its time not reset
+            warnings.warn(
+                f"ModelCheckpoint(save_freq={self.save_freq!r}) saves at fractions of the run's {total} planned "
+                f"steps, counted in `global_step`, and the model has taken {self.model.global_step} already, so it "
+                "saves only at the end. Fix: fit(..., reset_time=True) to start a fresh run, or an int save_freq.",
+                category=FitkitWarning, stacklevel=2,
+            )
 
     def _lock(self) -> None:
         """One lock per template (and one for ``last.pt``): a second run, or a second

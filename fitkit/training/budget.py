@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from fitkit.checks import check_int
+from fitkit.checks import check_bool, check_int
 
-__all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps"]
+__all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps", "fresh_run"]
 
 #: The names under which a scheduler factory asks for the planned number of optimizer steps.
 STEP_KEYWORDS = ("total_steps", "num_training_steps")
@@ -48,6 +49,37 @@ def check_max_steps(max_steps: Any, epochs: Any) -> int | None:
         return 1 if max_steps is None else None
     check_int("epochs", epochs, 0)
     return int(epochs)
+
+
+@contextmanager
+def fresh_run(stepper: Any, reset_time: Any) -> Iterator[None]:
+    """``fit(reset_time=True)`` (Composer's ``reset_time``): the fit starts a fresh run, its
+    time at 0. ``global_step`` restarts at 0, so ``max_steps``, the planned ``total_steps``, a
+    ``save_freq`` fraction, ``validation_interval`` and ``{step}`` names count from this fit's
+    first step, and a scheduler factory with a ``total_steps`` parameter is built again with
+    this fit's plan (a scheduler object keeps its own count). The weights and the optimizer's
+    state are kept: a fine-tune after pre-training. Without it (the default) ``epochs`` counts
+    from ``initial_epoch`` in each call, as in Keras, and ``max_steps`` and the other step
+    counts go on from the steps the model has taken, as in Lightning's ``max_steps``.
+
+    Entered around the planning of ``fit``: if planning raises, ``global_step`` and the
+    scheduler are put back as they were.
+
+    Raises:
+        TypeError: ``reset_time`` is not a bool.
+    """
+    check_bool("reset_time", reset_time)
+    if not reset_time:
+        yield
+        return
+    step, before = stepper.global_step, stepper.scheduling.rearm()
+    stepper.global_step = 0
+    try:
+        yield
+    except BaseException:
+        stepper.global_step = step
+        stepper.scheduling.disarm(before)
+        raise
 
 
 def fractional_epochs(epochs: Any) -> tuple[Any, float | None]:
