@@ -606,7 +606,10 @@ class Model:
                 float in ``(0, 1]``, every ``max(1, int(f * S))`` of an epoch's ``S`` steps
                 (Lightning's ``val_check_interval``), or a ``datetime.timedelta`` of training
                 time (checked after each step; under torchrun agreed by the ranks within 8
-                steps, then run after the next step on all). Validations then run only there; each is
+                steps, then run after the next step on all), or a
+                :class:`~fitkit.training.budget.RunFraction` ``(f)``: after the steps at each
+                fraction ``f`` of the run's planned steps (Composer's ``eval_interval="0.25dur"``).
+                Validations then run only there; each is
                 recorded in ``history.validations`` with its ``step`` and fires
                 ``on_validation_end``; the training stream (totals, data order, RNG) is that
                 of a fit without them. Not with ``validation_freq``. See

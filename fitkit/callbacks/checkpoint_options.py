@@ -23,6 +23,8 @@ import os
 from fractions import Fraction
 from typing import Any
 
+from fitkit.training.budget import fraction_steps
+
 __all__ = ["check_fraction", "fraction_steps", "exception_path", "check_retention", "refuse_overwrite"]
 
 
@@ -49,20 +51,6 @@ def check_fraction(save_freq: Any) -> Fraction | None:
             "or 'epoch'."
         )
     return Fraction(str(save_freq))  # 0.1 is one tenth, not the nearest binary float
-
-
-def fraction_steps(fraction: Fraction, total: int) -> frozenset[int]:
-    """The values of ``global_step`` after which a run of ``total`` planned steps saves: the first
-    step at or past each multiple of ``fraction`` of the run, and the last step.
-
-    Example:
-        >>> sorted(fraction_steps(Fraction(1, 4), 10))  # 2.5, 5, 7.5, 10 rounded up
-        [3, 5, 8, 10]
-        >>> sorted(fraction_steps(Fraction(3, 10), 7))  # 2.1, 4.2, 6.3, then the end
-        [3, 5, 7]
-    """
-    k = math.floor(1 / fraction)
-    return frozenset(max(1, math.ceil(i * fraction * total)) for i in range(1, k + 1)) | {total}
 
 
 def exception_path(filepath: str, save_on_exception: Any) -> str | None:

@@ -148,6 +148,8 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
                             steps=fit_steps, initial_epoch=initial_epoch, epochs=epochs, callbacks=callbacks)
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
+    if interval is not None:
+        interval.plan_run(total)  # a RunFraction: ValueError when the run's steps are unknown
     by_epoch = validates and shown and interval is None
     # A source that makes its own batches (a DataLoader, an iterable of batches) records its own size.
     recorded = train.batch_size if _data.batches_itself(x) else batch_size
