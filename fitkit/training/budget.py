@@ -130,12 +130,12 @@ def fresh_run(stepper: Any, reset_time: Any) -> Iterator[None]:
     if not reset_time:
         yield
         return
-    step, before = stepper.global_step, stepper.scheduling.rearm()
-    stepper.global_step = 0
+    before = stepper.scheduling.rearm()
+    step = stepper.restart_count(0)
     try:
         yield
     except BaseException:
-        stepper.global_step = step
+        stepper.restart_count(step)
         stepper.scheduling.disarm(before)
         raise
 
