@@ -112,6 +112,9 @@ class ModelCheckpoint(StatefulCallback):
             the last completed batch there before the error goes on (Lightning's
             ``save_on_exception``), so ``load_checkpoint`` resumes the crashed run. Not on a
             kill, ``KeyboardInterrupt`` or ``SystemExit`` (a signal is ``BackupAndRestore``'s).
+            Under gradient accumulation, a crash inside a window leaves that window's gradients
+            out of the file (its earlier micro-batches count as trained); under torchrun every
+            rank must raise, as a save is a collective.
         save_first_step: also write a file of ``filepath`` after the first optimizer step of
             each fit (the Trainer's ``logging_first_step``), so a broken path or a state that
             does not save fails at once. Not with ``save_best_only`` / ``save_top_k``, nor with
