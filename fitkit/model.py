@@ -473,6 +473,7 @@ class Model(FilesAndTools):
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
         num_sanity_val_steps: int = 0,
+        reset_time: bool = False,
     ) -> History:
         """Train for ``range(initial_epoch, epochs)`` and return the :class:`~fitkit.History`.
 
@@ -533,7 +534,10 @@ class Model(FilesAndTools):
                 float in ``(0, 1]``, every ``max(1, int(f * S))`` of an epoch's ``S`` steps
                 (Lightning's ``val_check_interval``), or a ``datetime.timedelta`` of training
                 time (checked after each step; under torchrun agreed by the ranks within 8
-                steps, then run after the next step on all). Validations then run only there; each is
+                steps, then run after the next step on all), or a
+                :class:`~fitkit.training.budget.RunFraction` ``(f)``: after the steps at each
+                fraction ``f`` of the run's planned steps (Composer's ``eval_interval="0.25dur"``).
+                Validations then run only there; each is
                 recorded in ``history.validations`` with its ``step`` and fires
                 ``on_validation_end``; the training stream (totals, data order, RNG) is that
                 of a fit without them. Not with ``validation_freq``. See
@@ -576,6 +580,13 @@ class Model(FilesAndTools):
                 broken validation fails in seconds; no hook runs, nothing is logged, the RNG
                 states, modes and metrics are left as they were. Default 0 (Lightning's is 2;
                 Keras has none). See :mod:`fitkit.training.quick`.
+            reset_time: start a fresh run on a trained model (Composer's ``reset_time``):
+                ``global_step`` restarts at 0, so ``max_steps``, ``params["total_steps"]`` and
+                every step count (a ``save_freq`` fraction, ``validation_interval``) count from
+                this fit's first step, and a ``total_steps`` scheduler factory is built again
+                for it; weights and optimizer state are kept. Without it, a second ``fit``
+                trains ``range(initial_epoch, epochs)`` again (Keras) while ``max_steps`` counts
+                the steps taken in every fit (Lightning). See :func:`fitkit.training.budget.fresh_run`.
 
         Returns:
             The :class:`~fitkit.History`: ``history.history[key]`` is a list of floats per

@@ -388,3 +388,61 @@ def test_a_fractional_step_count_is_refused_with_the_fractions_that_exist(call, 
     with pytest.raises(TypeError, match=fix):
         getattr(model, call)(*args, batch_size=2, verbose=0, **kwargs)
     assert model.global_step == 0
+
+
+# -- validation_interval=RunFraction(f): fractions of the run's planned steps (Composer's "0.25dur") --
+def _run_fraction_model():
+    torch.manual_seed(0)
+    model = fitkit.Model(nn.Linear(1, 1), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
+    return model
+
+
+def _hand_val_losses(steps: set[int], x, y, xv, yv) -> dict[int, float]:
+    """The validation MSE after each of ``steps`` optimizer steps of plain SGD over x, y in order."""
+    torch.manual_seed(0)
+    layer = nn.Linear(1, 1)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    out = {}
+    for step in range(1, max(steps) + 1):
+        i = 4 * ((step - 1) % 5)
+        opt.zero_grad()
+        nn.functional.mse_loss(layer(x[i:i + 4]), y[i:i + 4]).backward()
+        opt.step()
+        if step in steps:
+            with torch.no_grad():
+                out[step] = nn.functional.mse_loss(layer(xv), yv).item()
+    return out
+
+
+@pytest.mark.parametrize("fit_kwargs, fraction, expected", [
+    ({"epochs": 2}, 0.25, [(0, 3), (0, 5), (1, 8), (1, 10)]),  # 10 planned steps
+    ({"max_steps": 7}, 0.5, [(0, 4), (1, 7)]),  # planned by max_steps: 3.5 -> 4, then the end
+    ({"epochs": 2}, 1.0, [(1, 10)]),
+])
+def test_run_fraction_validates_at_fractions_of_the_planned_run(fit_kwargs, fraction, expected):
+    from fitkit.training.budget import RunFraction
+
+    x = torch.linspace(-1, 1, 20).reshape(20, 1)
+    y, xv = 3 * x + 1, torch.linspace(-1, 1, 6).reshape(6, 1)
+    yv = 3 * xv + 1
+    h = _run_fraction_model().fit(x, y, batch_size=4, shuffle=False, validation_data=(xv, yv), verbose=0,
+                                  validation_interval=RunFraction(fraction), **fit_kwargs)  # fmt: skip
+    assert [(v["epoch"], v["step"]) for v in h.validations] == expected
+    hand = _hand_val_losses({s for _, s in expected}, x, y, xv, yv)
+    assert [v["val_loss"] for v in h.validations] == pytest.approx([hand[s] for _, s in expected], rel=1e-6)
+
+
+def test_run_fraction_bad_values_and_an_unknown_plan_are_refused_before_step_1():
+    from fitkit.training.budget import RunFraction
+
+    with pytest.raises(ValueError, match=r"Expected RunFraction's value in \(0, 1\].*Received: 1.5"):
+        RunFraction(1.5)
+    with pytest.raises(TypeError, match=r"Expected a number in \(0, 1\] for RunFraction"):
+        RunFraction("0.5")
+    model = _run_fraction_model()
+    batches = ((torch.zeros(4, 1), torch.zeros(4, 1)) for _ in range(3))
+    with pytest.raises(ValueError, match=r"RunFraction\(0.5\) is a fraction of the run.*unknown.*Fix: pass `max_"):
+        model.fit(batches, validation_data=(torch.zeros(4, 1), torch.zeros(4, 1)),
+                  validation_interval=RunFraction(0.5), verbose=0)
+    assert model.global_step == 0

@@ -228,12 +228,14 @@ class Callback:
 
     # Internal: run after every callback's on_train_batch_end / on_epoch_end for the same
     # event, so a checkpoint written here holds every callback's updated state and the
-    # history of that epoch (ModelCheckpoint, BackupAndRestore); and at a SIGTERM / SIGINT,
-    # at the step boundary where fit stops (BackupAndRestore).
+    # history of that epoch (ModelCheckpoint, BackupAndRestore); at a SIGTERM / SIGINT, at the
+    # step boundary where fit stops (BackupAndRestore); when fit raises after a step
+    # (ModelCheckpoint(save_on_exception=...)).
     def _save_on_batch_end(self, batch, logs=None): ...
     def _save_on_epoch_end(self, epoch, logs=None): ...
     def _save_on_validation_end(self, logs=None): ...
     def _save_on_interrupt(self): ...
+    def _save_on_exception(self): ...
 
 
 class BatchLogs(MutableMapping):
@@ -388,7 +390,7 @@ def _overrides(cb: Callback, hook: str) -> bool:
 
 _SAVE_HOOKS = {"on_train_batch_end": "_save_on_batch_end", "on_epoch_end": "_save_on_epoch_end",
                "on_validation_end": "_save_on_validation_end"}  # fmt: skip
-_INTERNAL = ("_save_on_interrupt", "close")
+_INTERNAL = ("_save_on_interrupt", "_save_on_exception", "close")
 
 
 class CallbackList:
@@ -486,6 +488,10 @@ class CallbackList:
     def save_on_interrupt(self) -> None:
         """At a SIGTERM / SIGINT during fit: let backups write the state of this step boundary."""
         self._call("_save_on_interrupt")
+
+    def save_on_exception(self) -> None:
+        """``fit`` raised after a step: let the callbacks that ask write a checkpoint first."""
+        self._call("_save_on_exception")
 
     @property
     def backs_up(self) -> bool:

@@ -16,11 +16,13 @@ import glob
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from fitkit.callbacks import checkpoint_options as _options
 from fitkit.callbacks.checkpoint_paths import OPTIONAL_STATE as _OPTIONAL_STATE
 from fitkit.callbacks.checkpoint_paths import STATE as _STATE
 from fitkit.callbacks.checkpoint_paths import field_names as _field_names
@@ -37,7 +39,7 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.callbacks.scoring import scored_weights
-from fitkit.checks import check_bool, check_every, check_int, check_mode, check_number
+from fitkit.checks import FitkitWarning, check_bool, check_every, check_int, check_mode, check_number
 from fitkit.distributed import is_distributed, say
 from fitkit.distributed.group import is_rank_zero
 from fitkit.files import check_target, remove_stale_temps
@@ -72,6 +74,14 @@ class ModelCheckpoint(StatefulCallback):
             the end of a gradient accumulation group). With an int, the run's last batch is
             saved too when training ends between two saves (``max_steps=9`` with ``save_freq=5``:
             batches 5 and 9), as the Transformers Trainer and torchtitan save the final step.
+            A float ``f`` in ``(0, 1]``: a fraction of the run (Composer's ``"0.25dur"``):
+            after the first optimizer step at or past each multiple of ``f`` of
+            ``params["total_steps"]`` (``global_step >= ceil(i * f * total_steps)``), and at
+            the last one, so ``0.25`` over 10 planned steps saves after steps 3, 5, 8 and 10;
+            the steps count ``global_step`` as the plan does (:mod:`fitkit.training.budget`),
+            so a resumed run saves where the uninterrupted one would; a run that ends early
+            saves its last step too. ``ValueError`` at ``on_train_begin`` when the planned
+            steps are unknown (see :mod:`fitkit.callbacks.checkpoint_options`).
         verbose: 1 prints a line at each save.
         initial_value_threshold: with ``save_best_only`` or ``save_top_k``, the value to beat
             before anything is saved (Keras): it is the starting "best", so no file is written
@@ -91,6 +101,24 @@ class ModelCheckpoint(StatefulCallback):
             The list carries over in checkpoints, so a resumed run goes on rotating it. The
             peers' names: the Trainer's ``save_total_limit``, torchtitan's ``keep_latest_k``,
             Accelerate's ``total_limit``. Not with ``save_top_k`` (which keeps the best k).
+            ``0``: keep none after the run: the newest is kept while it runs (a crash leaves one
+            to resume from) and deleted when ``fit`` ends, so only the best file
+            (``save_best_only``) and ``save_last``'s remain (one of them is required).
+        save_overwrite: ``False``: never replace a file that was on disk when the fit began
+            (Composer's ``overwrite=False``): writing one raises ``FileExistsError`` and writes
+            nothing. Files this callback wrote, also before a resume, are its own to replace.
+        save_on_exception: ``True`` (``on_exception.pt`` beside the files) or a path: when
+            ``fit`` raises an ``Exception`` after at least one step, write a full checkpoint of
+            the last completed batch there before the error goes on (Lightning's
+            ``save_on_exception``), so ``load_checkpoint`` resumes the crashed run. Not on a
+            kill, ``KeyboardInterrupt`` or ``SystemExit`` (a signal is ``BackupAndRestore``'s).
+            Under gradient accumulation, a crash inside a window leaves that window's gradients
+            out of the file (its earlier micro-batches count as trained); under torchrun every
+            rank must raise, as a save is a collective.
+        save_first_step: also write a file of ``filepath`` after the first optimizer step of
+            each fit (the Trainer's ``logging_first_step``), so a broken path or a state that
+            does not save fails at once. Not with ``save_best_only`` / ``save_top_k``, nor with
+            fields other than ``{epoch}``, ``{batch}`` and ``{step}``.
         train_time_interval: a ``datetime.timedelta``: save at the first batch end (of a whole
             accumulation group) after that much training time since the fit began or since
             the last save, as Lightning's ``train_time_interval`` (the time restarts with each
@@ -137,6 +165,9 @@ class ModelCheckpoint(StatefulCallback):
         keep_last: int | None = None,
         train_time_interval: datetime.timedelta | None = None,
         clock: Callable[[], float] = time.monotonic,
+        save_overwrite: bool = True,
+        save_on_exception: bool | str | os.PathLike = False,
+        save_first_step: bool = False,
     ):
         super().__init__()
         _check_time_interval(train_time_interval, save_freq, every_n_epochs, clock)
@@ -148,7 +179,9 @@ class ModelCheckpoint(StatefulCallback):
         self.filepath = check_target(filepath, "filepath", "ModelCheckpoint")
         self._fields = _field_names(self.filepath)
         check_mode(mode)
-        check_every("save_freq", save_freq, "epoch", "batches")
+        self._fraction = _options.check_fraction(save_freq)
+        if self._fraction is None:
+            check_every("save_freq", save_freq, "epoch", "batches")
         if not isinstance(verbose, bool):
             check_int("verbose", verbose, 0)
         check_int("every_n_epochs", every_n_epochs, 0)
@@ -166,14 +199,15 @@ class ModelCheckpoint(StatefulCallback):
                 )
         self.last_path = _last_path(self.filepath, save_last)
         if keep_last is not None:
-            check_int("keep_last", keep_last, 1, fix="pass how many newest files to keep, e.g. keep_last=3.")
+            check_int("keep_last", keep_last, 0, fix="pass how many newest files to keep, e.g. keep_last=3.")
+            _options.check_retention(keep_last, save_best_only, self.last_path)
             if save_top_k is not None:
                 raise ValueError(
                     f"`keep_last={keep_last}` keeps the newest files and `save_top_k={save_top_k}` the best "
                     "ones; one callback keeps one list. Fix: pass one of them (or two ModelCheckpoint callbacks "
                     "with different filepaths)."
                 )
-            if not self._fields:
+            if not self._fields and keep_last:
                 raise ValueError(
                     f"`keep_last={keep_last}` keeps several files, so `filepath` must differ per save. Received: "
                     f"{self.filepath!r}. Fix: add '{{epoch:02d}}' (or '{{batch}}' / '{{step}}') to it."
@@ -196,6 +230,7 @@ class ModelCheckpoint(StatefulCallback):
         self.save_top_k, self.save_freq, self.verbose = save_top_k, save_freq, verbose
         self.initial_value_threshold, self.every_n_epochs = initial_value_threshold, every_n_epochs
         self._mode = mode if mode != "auto" else None
+        self._check_safety(save_overwrite, save_on_exception, save_first_step)
         self._owned = Owned(self.filepath, "ModelCheckpoint")
         self._locks: list[FileLock] = []
         self._reset()
@@ -203,6 +238,21 @@ class ModelCheckpoint(StatefulCallback):
     @property
     def _ranked(self) -> bool:
         return self.save_best_only or self.save_top_k is not None
+
+    def _check_safety(self, save_overwrite: Any, save_on_exception: Any, save_first_step: Any) -> None:
+        check_bool("save_overwrite", save_overwrite)
+        check_bool("save_first_step", save_first_step)
+        self.exception_path = _options.exception_path(self.filepath, save_on_exception)
+        if save_first_step and (self._ranked or self._fields - {"epoch", "batch", "step"}):
+            raise ValueError(
+                f"`save_first_step=True` writes a file after step 1, where no ranking or log value is known, but "
+                f"filepath={self.filepath!r}, save_best_only={self.save_best_only}, save_top_k={self.save_top_k}. "
+                "Fix: name the file with {epoch}, {batch} or {step} only, and drop the ranking (or use a second "
+                "ModelCheckpoint for the first step)."
+            )
+        self.save_overwrite, self.save_first_step = bool(save_overwrite), bool(save_first_step)
+        self._existing: set[str] = set()  # files on disk when the fit began (save_overwrite=False)
+        self._own: set[str] = set()  # files this callback wrote (also before a resume)
 
     def _reset(self) -> None:
         t = self.initial_value_threshold
@@ -214,6 +264,8 @@ class ModelCheckpoint(StatefulCallback):
         self._last_batch: int | None = None  # the last batch seen (the final save's {batch})
         self._pending: tuple[str, list[str], int] | None = None  # (path, evicted, epoch) to write
         self._pending_last: int | None = None  # the epoch whose event writes `last_path`
+        self._first_done = False  # save_first_step: written in this fit
+        self._save_steps: frozenset[int] = frozenset()  # a fractional save_freq: the global steps that save
 
     def _get_state(self) -> dict[str, Any]:
         # File names relative to the template's folder: a copied run folder resumes with its
@@ -233,6 +285,9 @@ class ModelCheckpoint(StatefulCallback):
         self._batches_seen = state["batches_seen"]
         recent = [restore_name(self._owned, p, "a recent file") for p in state.get("recent", [])]
         self.recent = [p for p in recent if p is not None]
+        # save_overwrite=False: the files the resumed run wrote are its own to replace
+        own = [*self.recent, *(p for _, p in self.kept), self.best_path]
+        self._own |= {os.path.abspath(p) for p in own if p is not None}
 
     def _state_problems(self, state: Any) -> list[str]:
         return typed_problems(state, _STATE, "its state", _OPTIONAL_STATE)
@@ -246,7 +301,8 @@ class ModelCheckpoint(StatefulCallback):
     def on_train_begin(self, logs=None):
         # Before step 1: every key the decisions read can hold a value when they are taken.
         batch_level = (1 if self.train_time_interval is not None else None) if self.save_freq == "epoch" \
-            else self.save_freq  # fmt: skip
+            else (1 if self._fraction is not None else self.save_freq)  # fmt: skip
+        self._plan_fraction()  # before step 1: an unknown plan is refused
         self._since, self._time_agreed = self.clock(), False  # train_time_interval counts from each fit's start
         if "batch" in self._fields and batch_level is None:
             raise ValueError(
@@ -267,10 +323,36 @@ class ModelCheckpoint(StatefulCallback):
             self._lock()
         super().on_train_begin(logs)
         self._pending = self._pending_last = None  # never a file decided by a fit that raised
+        self._plan_fraction()  # again: the state was reset (or kept) above
+        self._first_done = False
+        if not self.save_overwrite:  # what is on disk now is not this fit's to replace
+            paths = [*glob.glob(_glob_of(self.filepath)), self.last_path, self.exception_path]
+            self._existing = {os.path.abspath(p) for p in paths if p is not None and os.path.exists(p)}
         if is_rank_zero():  # temp files of a write a kill interrupted: never a checkpoint
             folders, name = os.path.split(_glob_of(self.filepath))
             for folder in glob.glob(folders or os.curdir):
                 remove_stale_temps(folder, name)
+
+    def _plan_fraction(self) -> None:
+        """A fractional ``save_freq``: the global steps that save, from the planned steps."""
+        if self._fraction is None:
+            return
+        total = self.params.get("total_steps")
+        if total is None:
+            raise ValueError(
+                f"ModelCheckpoint(save_freq={self.save_freq!r}) saves at fractions of the run's planned optimizer "
+                "steps, but this fit's step count is unknown (params['total_steps'] is None: training data "
+                "without a length and no max_steps). Fix: pass `max_steps=` or `steps_per_epoch=` to fit, or an "
+                "int save_freq."
+            )
+        self._save_steps = _options.fraction_steps(self._fraction, int(total))
+        if self.model.global_step >= total:  # a second fit on a trained model, its time not reset
+            warnings.warn(
+                f"ModelCheckpoint(save_freq={self.save_freq!r}) saves at fractions of the run's {total} planned "
+                f"steps, counted in `global_step`, and the model has taken {self.model.global_step} already, so it "
+                "saves only at the end. Fix: fit(..., reset_time=True) to start a fresh run, or an int save_freq.",
+                category=FitkitWarning, stacklevel=2,
+            )
 
     def _lock(self) -> None:
         """One lock per template (and one for ``last.pt``): a second run, or a second
@@ -346,6 +428,13 @@ class ModelCheckpoint(StatefulCallback):
             self._decide(self.model.epoch, batch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
+        # A full checkpoint inside an accumulation group would lose its gradients: wait.
+        full = not self.save_weights_only or self.last_path is not None
+        closes = not full or self.model.closes_accumulation_window
+        if self.save_first_step and not self._first_done and closes:
+            self._first_done = True
+            path = self._path(self.model.epoch, batch, logs or {})
+            self._pending = None if path is None else (path, [], self.model.epoch)
         if self.train_time_interval is not None:
             self._time_save(batch, logs or {})
             return
@@ -353,19 +442,30 @@ class ModelCheckpoint(StatefulCallback):
             return
         self._batches_seen += 1
         self._last_batch = batch
-        # A full checkpoint inside an accumulation group would lose its gradients: wait.
-        full = not self.save_weights_only or self.last_path is not None
-        if self._batches_seen >= self.save_freq and (not full or self.model.closes_accumulation_window):
+        due = self.model.global_step in self._save_steps if self._fraction is not None \
+            else self._batches_seen >= self.save_freq  # fmt: skip
+        if due and closes:
             self._batches_seen = 0
             self._decide(self.model.epoch, batch, logs or {})
 
     def on_train_end(self, logs=None):
         # The final step of a run that ends between two saves is saved too (Trainer, torchtitan).
-        if self.save_freq == "epoch" or not self._batches_seen or self._last_batch is None:
-            return
-        self._batches_seen = 0
-        self._decide(self.model.epoch, self._last_batch, logs or {})
-        self._write()
+        if self.save_freq != "epoch" and self._batches_seen and self._last_batch is not None:
+            self._batches_seen = 0
+            self._decide(self.model.epoch, self._last_batch, logs or {})
+            self._write()
+        if self.keep_last == 0:  # keep none after the run: the best and save_last's file remain
+            done, self.recent = self.recent, []
+            if is_rank_zero():
+                for p in done:
+                    if p != self.best_path and self._owned.owns(p):
+                        Path(p).unlink(missing_ok=True)
+
+    def _save_on_exception(self) -> None:
+        """``fit`` raised after a step: the state of the last completed batch, resumable."""
+        if self.exception_path is not None:
+            self.model.save_checkpoint(self.exception_path)
+            say(self.verbose, f"fit raised: saved {self.exception_path}.")
 
     def _save_on_epoch_end(self, epoch, logs=None):
         self._write()
@@ -448,6 +548,7 @@ class ModelCheckpoint(StatefulCallback):
         self._write_ranked()
         if self._pending_last is not None:
             epoch, self._pending_last = self._pending_last, None
+            self._refuse_overwrite(self.last_path)
             self.model.save_checkpoint(self.last_path)  # after the ranked file, as Lightning does
             say(self.verbose, f"Epoch {epoch + 1}: saved {self.last_path}.")
 
@@ -458,21 +559,47 @@ class ModelCheckpoint(StatefulCallback):
         self._pending = None
         # Every rank calls save (gathering FSDP shards is a collective); rank 0 writes. The
         # file first, then the eviction: a crash in between leaves k + 1 files, never k - 1.
-        with scored_weights(self.model, self.monitor) if self._ranked else nullcontext():
-            if self.save_weights_only:
-                self.model.save_weights(path)
-            else:
-                self.model.save_checkpoint(path)
-        if self.keep_last is not None:
-            self.recent = [p for p in self.recent if p != path] + [path]
-            old = self.recent[: max(0, len(self.recent) - self.keep_last)]
-            self.recent = self.recent[len(old):]
-            evicted = evicted + [p for p in old if p != self.best_path]  # never the best one it tracks
+        self._refuse_overwrite(path)
+        self._writing = True  # its own file: not adopted by save_checkpoint (run_files.adopt)
+        try:
+            with scored_weights(self.model, self.monitor) if self._ranked else nullcontext():
+                if self.save_weights_only:
+                    self.model.save_weights(path)
+                else:
+                    self.model.save_checkpoint(path)
+        finally:
+            self._writing = False
+        self._evict(evicted)
+        self.rotate(path)
+        say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
+
+    def rotate(self, path: str) -> None:
+        """``path`` (a file of ``filepath``'s pattern, just written) joins the ``keep_last``
+        rotation: the oldest files beyond ``keep_last`` are deleted (``keep_last=0``: beyond 1
+        until the run ends), never the best file. ``save_checkpoint(path)`` calls it for a file
+        of the pattern that the user writes (:mod:`fitkit.training.run_files`)."""
+        if self.keep_last is None or getattr(self, "_writing", False) or not self._owned.owns(path):
+            return
+        self.recent = [p for p in self.recent if p != path] + [path]
+        old = self.recent[: max(0, len(self.recent) - max(1, self.keep_last))]
+        self.recent = self.recent[len(old):]
+        self._evict([p for p in old if p != self.best_path])  # never the best one it tracks
+
+    def _evict(self, evicted: list[str]) -> None:
         if is_rank_zero():
             for p in evicted:
                 if self._owned.owns(p):  # only a file of this template, inside its folder
                     Path(p).unlink(missing_ok=True)
-        say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
+
+    @property
+    def glob_pattern(self) -> str:
+        """The glob of the files ``filepath`` formats to (each field is ``*``)."""
+        return _glob_of(self.filepath)
+
+    def _refuse_overwrite(self, path: str | None) -> None:
+        if not self.save_overwrite and path is not None:
+            _options.refuse_overwrite(path, self._existing, self._own)
+            self._own.add(os.path.abspath(path))
 
     def _worst(self, kept: list[tuple[float, str]]) -> tuple[float, str]:
         pick = max if self._mode == "min" else min

@@ -57,8 +57,8 @@ def check_writable(folder: str | os.PathLike, who: str, argument: str) -> None:
 
 
 def format_with_dummies(template: str, fields: Iterable[str], who: str, argument: str) -> str:
-    """``template`` formatted with values of the types fit gives: ``epoch`` and ``batch`` are
-    ints, every log key a float. A spec that cannot format them (``{epoch:s}``) raises now.
+    """``template`` formatted with values of the types fit gives: ``epoch``, ``batch`` and
+    ``step`` are ints, every log key a float. A spec that cannot format them (``{epoch:s}``) raises now.
 
     Raises:
         ValueError: the template cannot format those values.
@@ -72,7 +72,7 @@ def format_with_dummies(template: str, fields: Iterable[str], who: str, argument
         ValueError: ModelCheckpoint's `filepath` 'ep{epoch:s}.pt' cannot format the values it will get ...
     """
     values: dict[str, Any] = {name: 0.5 for name in fields}
-    values.update({k: 1 for k in ("epoch", "batch") if k in values or k in fields})
+    values.update({k: 1 for k in ("epoch", "batch", "step") if k in values or k in fields})
     try:
         return template.format(**values)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from fractions import Fraction
 from typing import Any
 
-from fitkit.checks import check_int
+from fitkit.checks import check_bool, check_int
 
-__all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps"]
+__all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps", "fresh_run",
+           "RunFraction", "fraction_steps"]
 
 #: The names under which a scheduler factory asks for the planned number of optimizer steps.
 STEP_KEYWORDS = ("total_steps", "num_training_steps")
@@ -48,6 +51,93 @@ def check_max_steps(max_steps: Any, epochs: Any) -> int | None:
         return 1 if max_steps is None else None
     check_int("epochs", epochs, 0)
     return int(epochs)
+
+
+def fraction_steps(fraction: Fraction, total: int) -> frozenset[int]:
+    """The values of ``global_step`` after which a run of ``total`` planned steps acts at each
+    ``fraction`` of it (Composer's ``"0.25dur"``): the first step at or past each multiple of
+    ``fraction * total``, and the last step.
+
+    Example:
+        >>> sorted(fraction_steps(Fraction(1, 4), 10))  # 2.5, 5, 7.5, 10 rounded up
+        [3, 5, 8, 10]
+        >>> sorted(fraction_steps(Fraction(3, 10), 7))  # 2.1, 4.2, 6.3, then the end
+        [3, 5, 7]
+    """
+    k = math.floor(1 / fraction)
+    return frozenset(max(1, math.ceil(i * fraction * total)) for i in range(1, k + 1)) | {total}
+
+
+class RunFraction:
+    """A fraction of the run's planned optimizer steps: ``fit(validation_interval=RunFraction(0.25))``
+    validates after steps ``ceil(0.25 * T)``, ``ceil(0.5 * T)``, ``ceil(0.75 * T)`` and ``T`` of a
+    run planned at ``T = params["total_steps"]`` steps (Composer's ``eval_interval="0.25dur"``),
+    counted in ``global_step`` as the plan is, so a resumed run validates where the
+    uninterrupted one does. (A plain float ``validation_interval`` is a fraction of each epoch,
+    as Lightning's ``val_check_interval``; ``ModelCheckpoint(save_freq=0.25)`` takes the
+    fraction of the run as a float, its ints being batches.)
+
+    Args:
+        value: the fraction, in ``(0, 1]``.
+
+    Raises:
+        TypeError: not a number. ValueError: outside ``(0, 1]``.
+
+    Example:
+        >>> sorted(RunFraction(0.25).steps(10)), RunFraction(0.5)
+        ([3, 5, 8, 10], RunFraction(0.5))
+    """
+
+    def __init__(self, value: float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"Expected a number in (0, 1] for RunFraction. Received: {value!r}. Fix: e.g. RunFraction(0.25)."
+            )
+        if not math.isfinite(value) or not 0 < value <= 1:
+            raise ValueError(
+                f"Expected RunFraction's value in (0, 1] (a fraction of the run). Received: {value!r}. "
+                "Fix: e.g. RunFraction(0.25) for four times over the run."
+            )
+        self.value = value
+        self.fraction = Fraction(str(value))  # 0.1 is one tenth, not the nearest binary float
+
+    def steps(self, total: int) -> frozenset[int]:
+        """The ``global_step`` values of a run of ``total`` planned steps that it picks."""
+        return fraction_steps(self.fraction, total)
+
+    def __repr__(self) -> str:
+        return f"RunFraction({self.value!r})"
+
+
+@contextmanager
+def fresh_run(stepper: Any, reset_time: Any) -> Iterator[None]:
+    """``fit(reset_time=True)`` (Composer's ``reset_time``): the fit starts a fresh run, its
+    time at 0. ``global_step`` restarts at 0, so ``max_steps``, the planned ``total_steps``, a
+    ``save_freq`` fraction, ``validation_interval`` and ``{step}`` names count from this fit's
+    first step, and a scheduler factory with a ``total_steps`` parameter is built again with
+    this fit's plan (a scheduler object keeps its own count). The weights and the optimizer's
+    state are kept: a fine-tune after pre-training. Without it (the default) ``epochs`` counts
+    from ``initial_epoch`` in each call, as in Keras, and ``max_steps`` and the other step
+    counts go on from the steps the model has taken, as in Lightning's ``max_steps``.
+
+    Entered around the planning of ``fit``: if planning raises, ``global_step`` and the
+    scheduler are put back as they were.
+
+    Raises:
+        TypeError: ``reset_time`` is not a bool.
+    """
+    check_bool("reset_time", reset_time)
+    if not reset_time:
+        yield
+        return
+    before = stepper.scheduling.rearm()
+    step = stepper.restart_count(0)
+    try:
+        yield
+    except BaseException:
+        stepper.restart_count(step)
+        stepper.scheduling.disarm(before)
+        raise
 
 
 def fractional_epochs(epochs: Any) -> tuple[Any, float | None]:

@@ -17,6 +17,7 @@ from fitkit.checks import check_bool
 from fitkit.losses.denominators import targets_count
 from fitkit.modes import modes
 from fitkit.training import planning
+from fitkit.training.budget import fresh_run
 from fitkit.training.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.training.optim import resolve_scheduler
 from fitkit.training.preflight import cast_to_module
@@ -34,10 +35,11 @@ def prepare_fit(model: Model, x: object, y: object, options: Mapping[str, Any]) 
     the sanity validation and a scheduler factory's planned steps; nothing else changes."""
     core = model._core
     stepper = core.require_compiled("fit")
-    plan = planning.plan_fit(model, x, y, options)
-    core.keep_example(plan.example)
-    sanity_check(model, plan.val, plan.sanity_steps)  # before step 1: a broken validation fails now
-    stepper.scheduling.build_planned(plan.total_steps, resolve_scheduler)
+    with fresh_run(stepper, options["reset_time"]):  # put back if planning raises
+        plan = planning.plan_fit(model, x, y, options)
+        core.keep_example(plan.example)
+        sanity_check(model, plan.val, plan.sanity_steps)  # before step 1: a broken validation fails now
+        stepper.scheduling.build_planned(plan.total_steps, resolve_scheduler)
     return plan
 
 

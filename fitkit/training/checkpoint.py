@@ -11,6 +11,7 @@ read, check every part (nothing changes on a problem), then load every part.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,8 @@ from fitkit.files import (
     state_dict_differences,
 )
 from fitkit.files.swap import readable_path, restore_interrupted
+from fitkit.training import partial as _partial
+from fitkit.training import run_files as _run_files
 from fitkit.training.state import ResumePoint, RunState, raise_differences, rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -48,16 +51,20 @@ def checkpoint_state(model: Model, tensors: bool = True) -> dict[str, Any]:
     return RunState(model, tensors).state_dict()
 
 
-def load_checkpoint(model: Model, path: str | os.PathLike) -> int:
+def load_checkpoint(model: Model, path: str | os.PathLike, taken: tuple[str, ...] = _partial.PART_NAMES) -> int:
     """Restore ``model``'s state from ``path`` and leave the position for the next ``fit``.
 
-    All or nothing: every part checks the file's state before any part changes.
+    All or nothing: every part taken checks the file's state before any part changes.
+    ``taken``: the parts to load (:func:`fitkit.training.partial.taken_parts`); the others are
+    neither checked nor loaded, and what was taken is logged.
 
     Returns:
-        The epoch to pass as ``initial_epoch``.
+        The epoch to pass as ``initial_epoch`` (0 without ``"position"``).
     """
     check_path(path)
     path = readable_path(path)  # a save killed between its renames kept the old checkpoint beside it
+    if taken != _partial.PART_NAMES:
+        return _load_partial(model, path, taken)
     if is_sharded(path):  # a folder of shards (strategy="fsdp"): each rank reads its own
         state, problems, differences = _dcp.inspect(model, path)
         run = RunState(model, tensors=False)
@@ -72,6 +79,29 @@ def load_checkpoint(model: Model, path: str | os.PathLike) -> int:
         run = RunState(model)
         run.check(state, path)
     model._core.await_resume(run.load_state_dict(state))
+    return int(state["epoch"])
+
+
+def _load_partial(model: Model, path: str | os.PathLike, taken: tuple[str, ...]) -> int:
+    """The parts ``taken`` of a one-file checkpoint, all or nothing among them."""
+    if is_sharded(path):
+        raise ValueError(
+            f"{str(path)!r} is a sharded checkpoint (a folder), which loads whole. Fix: load it whole, or "
+            "write a one-file checkpoint (save_checkpoint(path, sharded=False)) to load part of it."
+        )
+    state = safe_load(path, model.device)
+    if not isinstance(state, dict) or "fitkit_version" not in state:
+        raise CheckpointError(f"{str(path)!r} is not a fitkit checkpoint. Fix: use load_weights for a state dict.")
+    run = RunState(model, only=_partial.registry_names(taken))
+    run.check(state, path)
+    run.load_state_dict(state)
+    left = [n for n in _partial.PART_NAMES if n not in taken]
+    logging.getLogger("fitkit").info("Loaded %s from %r; left out: %s.", ", ".join(taken), str(path),
+                                     ", ".join(left) or "nothing")  # fmt: skip
+    following = _partial.for_next_fit(state, taken)
+    if following is None:
+        return 0  # no position: the next fit starts afresh
+    model._core.await_resume(ResumePoint(following))
     return int(state["epoch"])
 
 
@@ -125,6 +155,7 @@ def _write(model: Model, path: str | os.PathLike, sharded: bool, async_save: boo
             _dcp.swap_into_place(tmp, path)
         else:
             atomic_save(state, path)
+        _run_files.adopt(model, path)  # a file of a keep_last pattern joins its rotation
 
 
 def trainable_names(model: Model) -> set[str]:

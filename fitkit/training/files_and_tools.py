@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -15,6 +16,8 @@ from torch import nn  # noqa: F401  (the examples use it)
 
 from fitkit.tools.summary import summary_input, summary_table
 from fitkit.training import checkpoint as _checkpoint
+from fitkit.training import partial as _partial
+from fitkit.training import run_files as _run_files
 
 if TYPE_CHECKING:
     from fitkit.model import Model
@@ -109,7 +112,7 @@ class FilesAndTools:
         """
         return _checkpoint.checkpoint_state(self._model())
 
-    def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool | None = None,
+    def save_checkpoint(self, path: str | os.PathLike | None = None, *, sharded: bool | None = None,
                         async_save: bool = False) -> None:  # fmt: skip
         """Write the full training state (:meth:`checkpoint_state`) to ``path`` atomically.
 
@@ -121,7 +124,10 @@ class FilesAndTools:
 
         Args:
             path: the file (or folder) to write; missing parent folders are created, an
-                existing one is replaced once the new one is complete.
+                existing one is replaced once the new one is complete. ``None``: the run's
+                ``last.pt``, beside the files of the ``ModelCheckpoint`` of the running or last
+                fit (its ``save_last`` path if it has one; :mod:`fitkit.training.run_files`). A
+                file of a ``keep_last`` callback's pattern joins its rotation.
             sharded: write a folder of shards; ``None``: under ``strategy="fsdp"`` only.
             async_save: for a sharded checkpoint: return once the state is copied off the
                 training tensors and write it in a background thread (one save in flight;
@@ -130,10 +136,13 @@ class FilesAndTools:
         Raises:
             OSError: the file cannot be written (the old file, if any, is left as it was).
             ValueError: ``async_save=True`` for a one-file checkpoint.
+            RuntimeError: no path, and no fit of this model had a ``ModelCheckpoint``.
         """
-        _checkpoint.save_checkpoint(self._model(), path, sharded, async_save)
+        model = self._model()
+        _checkpoint.save_checkpoint(model, _run_files.save_path(model) if path is None else path, sharded, async_save)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> int:
+    def load_checkpoint(self, path: str | os.PathLike | None = None, *, weights_only: bool = False,
+                        ignore_keys: Sequence[str] | None = None) -> int:  # fmt: skip
         """Restore a checkpoint; the next ``fit(..., initial_epoch=k)`` continues from it.
 
         Tensors are mapped onto ``model.device``. RNG states, the position inside the epoch
@@ -141,20 +150,34 @@ class FilesAndTools:
         between does not change the result. A ``BackupAndRestore`` calls it for you.
 
         Args:
-            path: a file or a folder of shards written by :meth:`save_checkpoint`.
+            path: a file or a folder of shards written by :meth:`save_checkpoint`. ``None`` or
+                ``"last"``: the newest checkpoint of the run's folder (that of the
+                ``ModelCheckpoint`` of the running or last fit; :mod:`fitkit.training.run_files`).
+            weights_only: load the module's weights alone (Composer's ``load_weights_only``).
+            ignore_keys: the parts to leave out, of ``"module"``, ``"optimizer"``,
+                ``"global_step"``, ``"scheduler"``, ``"position"``, ``"callbacks"``,
+                ``"history"`` (Composer's ``load_ignore_keys``): e.g. fine-tune from a
+                pre-training checkpoint without its optimizer, scheduler and position. Parts
+                left out are not compared with the model; what was taken is logged (logger
+                ``"fitkit"``, INFO). See :mod:`fitkit.training.partial`.
 
         Returns:
-            ``k``: the epoch to pass as ``initial_epoch`` (0-based).
+            ``k``: the epoch to pass as ``initial_epoch`` (0-based; 0 without ``"position"``).
 
         Raises:
             FileNotFoundError: no file at ``path``.
             RuntimeError: the model is not compiled (the optimizer must exist), or the file is
                 unsafe.
             ValueError: the file is not a fitkit checkpoint, is damaged, or does not match the
-                model (nothing is loaded then).
+                model (nothing is loaded then); an unknown name in ``ignore_keys``.
+            TypeError: ``weights_only`` not a bool, ``ignore_keys`` not a list of names.
         """
         self._core.require_compiled("load_checkpoint")
-        return _checkpoint.load_checkpoint(self._model(), path)
+        taken = _partial.taken_parts(weights_only, ignore_keys)
+        model = self._model()
+        if path is None or (isinstance(path, str) and path == "last"):
+            path = _run_files.load_path(model)
+        return _checkpoint.load_checkpoint(model, path, taken)
 
     def summary(self, print_fn: object = None, *, input_shape: tuple[int, ...] | None = None,
                 example_input: object = None) -> Any:

@@ -31,6 +31,7 @@ from fitkit.distributed import progress as _progress
 from fitkit.losses.denominators import targets_count
 from fitkit.losses.outputs import note_row_weighted, takes_num_items
 from fitkit.modes import modes, warn_if_all_eval
+from fitkit.training import run_files
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.training.lr_logs import lr_keys, lr_logs
 from fitkit.training.position import Position
@@ -119,6 +120,7 @@ class FitLoop:
         pending = model._core.pop_resume()  # loaded before fit (BackupAndRestore loads in on_train_begin)
         finished, first_step = False, model.global_step
         self.running = True
+        run_files.remember(model, cbs.callbacks)  # save_checkpoint() / load_checkpoint() without a path
         try:
             agree = before_step is not None and cbs.host_agreement_after_backward()  # else no per-step agreement
             wants_stop = (lambda: model.stop_training) if agree else None
@@ -162,6 +164,11 @@ class FitLoop:
                 finished = True
             if self.interrupt.signum is not None:
                 self.interrupt.raise_now()
+        except Exception:
+            if finished or model.global_step == first_step:
+                raise  # before step 1 nothing trained (and nothing may change); after the end, nothing to save
+            cbs.save_on_exception()  # a crash, not a kill: the last completed batch, resumable
+            raise
         finally:
             self.running = False
             _distributed.dcp.wait()  # an async checkpoint still being written ends with fit

@@ -251,6 +251,8 @@ def _planned(model: Any, o: dict[str, Any], x: Any, train: Any, val: Any, exampl
                             callbacks=o["callbacks"])  # fmt: skip
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
+    if interval is not None:
+        interval.plan_run(total)  # a RunFraction: ValueError when the run's steps are unknown
     validates = val is not None
     by_epoch = validates and shown and interval is None
     # A source that makes its own batches (a DataLoader, an iterable of batches) records its own size.

@@ -57,7 +57,7 @@ def warn_unreachable(model: Any, *, max_steps: int | None, interval: Any, valida
               "(`max_steps` counts `model.global_step`, across fits), so this fit trains nothing. Fix: pass "
               f"max_steps > {step}, e.g. max_steps=model.global_step + 100, or drop it and pass `epochs=`.")
         return
-    if interval is not None and not interval.fraction and interval.seconds is None and steps is not None:
+    if interval is not None and interval.steps_between and not interval.fraction and steps is not None:
         k = interval.steps_between
         if (step + steps) // k == step // k:  # no step of this fit lands on a multiple of k
             _warn(f"fit(validation_interval={validation_interval!r}) is longer than this fit: it validates at every "

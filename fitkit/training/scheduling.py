@@ -90,6 +90,7 @@ class SchedulerDriver:
         self.optimizer, self.interval = optimizer, interval
         # a factory built at the first fit with the planned step count (see build_planned)
         self.planned = scheduler if isinstance(scheduler, PlannedScheduler) else None
+        self.factory = self.planned  # kept once built: fit(reset_time=True) builds it again
         self.scheduler: Any = None
         self.timm = False  # whether the scheduler follows timm's protocol
         self.per_step = False  # whether it steps after each optimizer step (read by the stepper)
@@ -119,6 +120,18 @@ class SchedulerDriver:
                 group.update(hyper)
         self.set_scheduler(sched)
         self.planned = None
+
+    def rearm(self) -> Any:
+        """``fit(reset_time=True)``: the factory is built again with the new fit's planned steps,
+        without a checkpoint's state. Returns what :meth:`disarm` puts back."""
+        before = self.planned
+        if self.factory is not None:
+            self.planned = PlannedScheduler(self.factory.factory, self.factory.keyword)
+        return before
+
+    def disarm(self, before: Any) -> None:
+        """Undo :meth:`rearm` (a fit that failed before step 1)."""
+        self.planned = before
 
     def keep_scheduler_state(self, state: dict[str, Any] | None) -> None:
         """A checkpoint's scheduler state, loaded before the planned scheduler is built."""

@@ -74,6 +74,8 @@ class RunState:
         model: the compiled :class:`~fitkit.Model`.
         tensors: with the module and optimizer states; ``False``: the part a sharded checkpoint
             keeps beside its shards (``None`` there).
+        only: the names of the parts to check and load (a partial load,
+            :mod:`fitkit.training.partial`); ``None``: every part.
 
     Example:
         >>> import torch, fitkit
@@ -88,7 +90,7 @@ class RunState:
         ["checkpoint['epoch'] is -3, expected an int >= 0"]
     """
 
-    def __init__(self, model: Model, tensors: bool = True):
+    def __init__(self, model: Model, tensors: bool = True, only: set[str] | None = None):
         self.model = model
         running = model._core.running_fit()
         self.parts: list[Part] = [
@@ -96,6 +98,8 @@ class RunState:
             SchedulerPart(model), PositionPart(model), RngPart(),
             CallbacksPart(running.callbacks if running is not None else None), HistoryPart(model),
         ]  # fmt: skip
+        if only is not None:
+            self.parts = [p for p in self.parts if p.name in only]
 
     def state_dict(self) -> dict[str, Any]:
         """Every part's keys in one ``weights_only``-loadable dict (a collective under torchrun

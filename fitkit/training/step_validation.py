@@ -6,6 +6,9 @@ inside them (``validation_interval``), and the record of every validation.
 with ``check_val_every_n_epoch=None``). A float ``f`` in ``(0, 1]`` validates every
 ``max(1, int(f * S))`` optimizer steps of each epoch of ``S`` steps, counted from the epoch's
 start (Lightning's float ``val_check_interval``: ``0.25`` is four validations per epoch).
+``RunFraction(f)`` (:class:`fitkit.training.budget.RunFraction`) validates after the first
+optimizer step at or past each fraction ``f`` of the run's planned steps (``params["total_steps"]``,
+counted in ``global_step``) and after the last one (Composer's ``eval_interval="0.25dur"``).
 A ``datetime.timedelta`` validates once that much training time has passed since the fit began
 or since the last validation (checked after each optimizer step on one process; under torchrun
 the ranks agree where they already agree on signals, after at most 8 steps and about every
@@ -35,6 +38,7 @@ from typing import Any
 from fitkit.callbacks.logkeys import per_validation
 from fitkit.checks import check_int, check_number
 from fitkit.training import checkpoint as _checkpoint
+from fitkit.training.budget import RunFraction
 from fitkit.training.validation_sets import run_validation
 
 __all__ = ["ValidationSchedule", "ValidationInterval", "StepValidation", "record_validation", "per_validation"]
@@ -80,7 +84,8 @@ class ValidationInterval:
 
     Args:
         value: an int >= 1 (every that many optimizer steps, counted by ``global_step``), a
-            float in ``(0, 1]`` (a fraction of each epoch's optimizer steps) or a
+            float in ``(0, 1]`` (a fraction of each epoch's optimizer steps), a
+            :class:`~fitkit.training.budget.RunFraction` (fractions of the run's planned steps) or a
             ``datetime.timedelta`` (that much training time; see the module).
 
     Raises:
@@ -103,6 +108,10 @@ class ValidationInterval:
                "or a datetime.timedelta (training time).")  # fmt: skip
         self.seconds: float | None = None
         self.value: Any
+        self.run_steps: frozenset[int] | None = None  # a RunFraction: the global steps it validates after
+        if isinstance(value, RunFraction):
+            self.value, self.fraction, self.steps_between = value, False, 0
+            return
         if isinstance(value, datetime.timedelta):
             if value.total_seconds() <= 0:
                 raise ValueError(f"Expected a timedelta `validation_interval` > 0. Received: {value!r}. Fix: {fix}")
@@ -137,10 +146,25 @@ class ValidationInterval:
         self.steps_between = max(1, int(self.value * windows))
         return None
 
+    def plan_run(self, total: int | None) -> None:
+        """A :class:`~fitkit.training.budget.RunFraction`'s steps from the run's planned steps
+        (``ValueError`` if unknown, before step 1)."""
+        if not isinstance(self.value, RunFraction):
+            return
+        if total is None:
+            raise ValueError(
+                f"validation_interval={self.value!r} is a fraction of the run, but this fit's planned step count is "
+                "unknown (training data without a length and no max_steps). Fix: pass `max_steps=` or "
+                "`steps_per_epoch=`, or an int validation_interval."
+            )
+        self.run_steps = self.value.steps(total)
+
     def due(self, global_step: int, step_in_epoch: int) -> bool:
         """Whether the optimizer step just done (``global_step``, the epoch's ``step_in_epoch``-th,
         1-based) is followed by a validation (a timedelta interval: see :class:`StepValidation`)."""
-        if self.seconds is not None:
+        if self.run_steps is not None:
+            return global_step in self.run_steps
+        if self.seconds is not None or not self.steps_between:
             return False
         counted = step_in_epoch if self.fraction else global_step
         return counted > 0 and counted % self.steps_between == 0

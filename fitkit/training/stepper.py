@@ -210,6 +210,12 @@ class Stepper:
     def global_step(self, value: int) -> None:
         self._steps, self._device_skips = int(value), None
 
+    def restart_count(self, value: int = 0) -> int:
+        """Set ``global_step`` to ``value`` (``fit(reset_time=True)``: 0); returns the count before."""
+        before = self.global_step
+        self.global_step = value
+        return before
+
     def _count_device_skip(self, flag: torch.Tensor) -> None:
         flag = flag.detach().reshape(()).to(torch.int64)
         self._device_skips = flag if self._device_skips is None else self._device_skips + flag
