@@ -252,8 +252,13 @@ def _record_uncaught() -> None:
                 "py_callstack": "".join(traceback.format_exception(kind, value, tb)) + (f"{where}\n" if where else ""),
                 "timestamp": str(int(time.time())),
             }}}  # fmt: skip
-            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            # whole or not at all: torchrun's agent SIGTERMs this process when another rank died
+            # first, and a half-written file makes the agent itself fail to parse it (seen on a
+            # loaded machine: the job then ends without its restart)
+            path = os.environ["TORCHELASTIC_ERROR_FILE"]
+            with open(f"{path}.{os.getpid()}.tmp", "w") as f:
                 json.dump(data, f)
+            os.replace(f"{path}.{os.getpid()}.tmp", path)
         except OSError:
             pass
         finally:

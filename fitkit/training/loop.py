@@ -248,6 +248,7 @@ class FitLoop:
         stepper = model._core.stepper
         phases = model._core.phases
         self.totals = totals = phases.new_totals()
+        self.phase, self.batch_index = 0, -1  # the epoch's begin hooks: "before its first batch" (progress)
         position.begin_epoch(epoch)
         self.resume.epoch_begin(epoch)
         self.validated = False  # until this epoch's validation has run
@@ -262,7 +263,6 @@ class FitLoop:
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self.resume.batches(epoch, totals)
         self.batch_index = start - 1  # none of this epoch begun yet (read by the progress thread)
-        self.phase = 0
         batches = _distributed.check_worker_copies(loader, batches)  # workers that yield the same samples
         batches = _distributed.agree_on_epoch_end(loader, batches, start)  # already_sharded: even steps
         guard, interrupt = self.guard, self.interrupt
