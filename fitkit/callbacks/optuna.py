@@ -8,6 +8,7 @@ from typing import Any
 from fitkit.callbacks.base import Callback
 from fitkit.callbacks.monitor import check_validation_monitor, monitor_value
 from fitkit.checks import check_int
+from fitkit.formatting import format_value
 
 __all__ = ["OptunaPruning"]
 
@@ -96,4 +97,5 @@ class OptunaPruning(Callback):
         if self.trial.should_prune():
             import optuna
 
-            raise optuna.TrialPruned(f"Trial pruned at epoch {epoch} ({self.monitor}={value:.6g}).")
+            shown = format_value(self.monitor, value)
+            raise optuna.TrialPruned(f"Trial pruned at epoch {epoch} ({self.monitor}={shown}).")
