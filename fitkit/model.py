@@ -630,8 +630,9 @@ class Model:
                 ``validation_freq`` and ``validation_interval`` say; no sanity check. The
                 callbacks that write files or tune (``skip_in_fast_dev_run``: ModelCheckpoint,
                 BackupAndRestore, CSVLogger, TensorBoard, MLflowLogger, Profiler,
-                OptunaPruning, LearningRateFinder, BatchSizeFinder) are left out, so no file is
-                written. The weights do train on those batches.
+                OptunaPruning, RayReport, LearningRateFinder) are left out, so no file is
+                written. The weights do train on those batches (the batch size search is no
+                callback: :meth:`find_batch_size` runs before ``fit``).
             overfit_batches: train on the same first ``n`` batches every epoch (an int, or a
                 float: ``int(f * batches)``), shuffling turned off; each validation runs the
                 validation data's first ``n`` batches (a float: that fraction of them), as in
