@@ -49,6 +49,7 @@ from fitkit.tools.summary import summary_table
 from fitkit.training import checkpoint as _checkpoint
 from fitkit.training import planning
 from fitkit.training.accumulation import AccumulationSchedule
+from fitkit.training.batch_results import batch_result
 from fitkit.training.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.training.modes import modes
 from fitkit.training.optim import check_plateau_mode, resolve_optimizer, resolve_scheduler
@@ -925,8 +926,9 @@ class Model:
 
     # -- single batches ----------------------------------------------------------------------
     def train_on_batch(
-        self, x: Any, y: Any = None, sample_weight: Any = None, class_weight: Mapping[int, float] | None = None
-    ) -> dict[str, float]:
+        self, x: Any, y: Any = None, sample_weight: Any = None, class_weight: Mapping[int, float] | None = None,
+        return_dict: bool = True,
+    ) -> Any:
         """One optimizer step on one batch; returns that batch's loss and metrics.
 
         Args:
@@ -934,12 +936,16 @@ class Model:
             y: its targets ``(B, ...)``.
             sample_weight: ``(B,)`` weights for the loss.
             class_weight: ``{class_index: weight}``, folded into the sample weights (Keras).
+            return_dict: ``True`` (fitkit's default, kept from its first release): the dict;
+                ``False``: Keras' forms, the loss alone (a float) without metrics, else the list
+                ``[loss, *metrics]`` (Keras 3's default is ``False``).
 
         Returns:
-            ``{"loss": float, <metric>: float, ...}`` for this batch alone.
+            ``{"loss": float, <metric>: float, ...}`` for this batch alone (see ``return_dict``).
 
         Raises:
             RuntimeError: ``compile`` was not called.
+            TypeError: ``return_dict`` is not a bool (before the step).
             ValueError: a label without a class weight.
 
         Example:
@@ -952,6 +958,7 @@ class Model:
             0.8
         """
         stepper = self._require_compiled("train_on_batch")
+        check_bool("return_dict", return_dict)
         batch = _data.device_batch(x, y, sample_weight, device=self.device, class_weight=class_weight)
         phases = self._phases
         totals = phases.new_totals()
@@ -960,21 +967,23 @@ class Model:
                 targets_count(self.loss, None):  # fmt: skip
             self.train_step(batch)
         phases.adopt(totals)
-        return totals.result()
+        return batch_result(totals.result(), return_dict)
 
-    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
+    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = True) -> Any:
         """Loss and metrics of one batch in eval mode, without training.
 
         Args:
             x: the batch's inputs ``(B, ...)``.
             y: its targets ``(B, ...)``.
             sample_weight: ``(B,)`` weights for the loss.
+            return_dict: as in :meth:`train_on_batch` (``False``: a float or ``[loss, *metrics]``).
 
         Returns:
             ``{"loss": float, <metric>: float, ...}`` for this batch.
 
         Raises:
             RuntimeError: ``compile`` was not called.
+            TypeError: ``return_dict`` is not a bool.
 
         Example:
             >>> model = Model(nn.Linear(1, 1, bias=False), device="cpu")
@@ -982,14 +991,17 @@ class Model:
             >>> model.compile(loss="mse")
             >>> model.test_on_batch(torch.ones(2, 1), torch.full((2, 1), 3.0))
             {'loss': 9.0}
+            >>> model.test_on_batch(torch.ones(2, 1), torch.full((2, 1), 3.0), return_dict=False)  # Keras' scalar
+            9.0
         """
         self._require_compiled("test_on_batch")
+        check_bool("return_dict", return_dict)
         batch = _data.device_batch(x, y, sample_weight, device=self.device)
         totals = self._phases.new_totals()
         with modes(self.module, training=False, grad=False), self._phases.running(totals), \
                 targets_count(self.loss, None):  # fmt: skip
             self.test_step(batch)
-        return totals.result()
+        return batch_result(totals.result(), return_dict)
 
     def predict_on_batch(self, x: Any) -> Any:
         """The module's output for one batch in eval mode under ``no_grad``, on the CPU.
