@@ -523,7 +523,7 @@ class Model:
         callbacks: list[Callback] | None = None,
         validation_split: float = 0.0,
         validation_data: Any = None,
-        shuffle: bool = True,
+        shuffle: bool | str = True,
         class_weight: Mapping[int, float] | None = None,
         sample_weight: Any = None,
         initial_epoch: int = 0,
@@ -579,6 +579,8 @@ class Model:
                 ``{"name": set, ...}``, validated in turn, each logged as ``val_<name>_<key>``
                 and the first also as ``val_<key>`` (:mod:`fitkit.training.validation_sets`).
             shuffle: reshuffle in-memory data and Datasets every epoch (one ``randperm``).
+                ``"batch"`` (Keras): in-memory data only, the order of chunks of ``batch_size``
+                consecutive rows is shuffled, each chunk kept whole (a short last one last).
             class_weight: ``{class_index: weight}``, folded into the sample weights.
             sample_weight: ``(N,)`` weights for in-memory ``x`` or a Dataset.
             initial_epoch: the epoch to start at (resume).

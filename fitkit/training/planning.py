@@ -21,7 +21,7 @@ from fitkit import distributed as _distributed
 from fitkit.callbacks.base import Callback, CallbackList
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.callbacks.swapping import check_weight_swaps
-from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
+from fitkit.checks import FitkitWarning, check_callbacks, check_int, check_number
 from fitkit.checks.preflight import first_batch_check, in_memory_check, leaves_no_trace
 from fitkit.training import budget as _budget
 from fitkit.training import reach as _reach
@@ -74,7 +74,7 @@ class FitPlan:
 
 
 def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int | float | None, verbose: Any,
-             callbacks: Any, validation_split: float, validation_data: Any, shuffle: bool, class_weight: Any,
+             callbacks: Any, validation_split: float, validation_data: Any, shuffle: bool | str, class_weight: Any,
              sample_weight: Any,
              initial_epoch: int, steps_per_epoch: int | None, validation_steps: int | None,
              validation_batch_size: int | None, validation_freq: Any,
@@ -98,7 +98,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     check_int("initial_epoch", initial_epoch, 0)
     check_int("validation_steps", validation_steps, 1, allow_none=True, fix=_WHOLE_BATCHES)
     check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
-    check_bool("shuffle", shuffle)
+    _check_shuffle(shuffle, x)
     check_number("validation_split", validation_split)
     if not 0 <= validation_split < 1:
         raise ValueError(
@@ -176,6 +176,23 @@ def _check_batches_itself(source: Any, size: int | None, name: str, size_name: s
         f"batches (batch_size={source.batch_size!r}), so {size_name}={size!r} would be ignored. Fix: drop "
         f"`{size_name}=` and set the batch size on the DataLoader, or pass its Dataset instead."
     )
+
+
+def _check_shuffle(shuffle: Any, x: Any) -> None:
+    """``shuffle``: a bool, or ``"batch"`` (Keras: chunks of ``batch_size`` rows) for in-memory ``x``."""
+    if shuffle == "batch" and isinstance(shuffle, str):
+        if not _data.is_in_memory(x):
+            raise ValueError(
+                "fit(shuffle='batch') shuffles chunks of batch_size rows of in-memory arrays (Keras' rule). "
+                f"Received: x of type {type(x).__name__}. Fix: pass tensors or arrays, or shuffle=True / False "
+                "(a DataLoader's own sampler decides its order)."
+            )
+        return
+    if not isinstance(shuffle, bool):
+        raise TypeError(
+            f"Expected `shuffle` to be a bool. Received: shuffle={shuffle!r}. Fix: pass True, False or 'batch' "
+            "(Keras: shuffle chunks of batch_size rows)."
+        )
 
 
 def _warn_shuffle_not_applied(x: Any, shuffle: Any) -> None:
