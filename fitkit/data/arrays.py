@@ -112,7 +112,7 @@ def draw_order(n: int, shuffle: Any, batch_size: int) -> torch.Tensor:
     Example:
         >>> _ = torch.manual_seed(0)
         >>> draw_order(7, "batch", 2).tolist()  # chunks [0, 1], [2, 3], [4, 5] shuffled; [6] stays last
-        [4, 5, 2, 3, 0, 1, 6]
+        [4, 5, 0, 1, 2, 3, 6]
     """
     if shuffle != "batch":
         return torch.randperm(n)
