@@ -412,6 +412,7 @@ class Model:
         ema_momentum: float = 0.99,
         ema_overwrite_frequency: int | None = None,
         label_names: str | Sequence[str] | None = None,
+        loss_scale: bool = True,
     ) -> None:
         """Set the optimizer, loss, metrics and step options. Checks everything first.
 
@@ -457,6 +458,11 @@ class Model:
                 as the Transformers Trainer's ``label_names``. ``None``: ``"labels"``, or for a
                 Transformers model the Trainer's default (``start_positions`` / ``end_positions``
                 for question answering); see :mod:`fitkit.losses.labels`.
+            loss_scale: under ``precision="16-mixed"``, scale the loss with a ``GradScaler``
+                (the default). ``False`` (Keras' ``auto_scale_loss=False``): fp16 autocast with a
+                plain backward and step, no scaler, no step skipped for an inf gradient (for a
+                model whose gradients fit fp16's range, or that scales its loss itself); no
+                effect under other precisions.
 
         Raises:
             ValueError: unknown names (the message lists valid ones), bad values.
@@ -477,6 +483,7 @@ class Model:
         else:
             check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1,
                       fix="pass an int >= 1, or a dict {first_epoch: micro-batches} such as {0: 8, 4: 4}.")
+        check_bool("loss_scale", loss_scale)
         check_number("clip_grad_norm", clip_grad_norm, positive=True, allow_none=True)
         check_number("clip_grad_value", clip_grad_value, positive=True, allow_none=True)
         jit = resolve_jit_compile(jit_compile, self.device)
@@ -498,7 +505,7 @@ class Model:
             opt, sched, scheduler_interval, precision, self.device,
             accumulation if accumulation is not None else int(gradient_accumulation_steps),  # type: ignore[arg-type]
             clip_grad_norm, clip_grad_value, self._parallel, weigh=self._batch_denominator,
-            sums=getattr(loss_fn, "reduction", "mean") == "sum",
+            sums=getattr(loss_fn, "reduction", "mean") == "sum", loss_scale=loss_scale,
         )  # fmt: skip
         self._forward = Forward(self.module, self._wrap_for_training(), jit)
 

@@ -83,6 +83,7 @@ CONFIGS = {
     "verbose 2": ({"metrics": ["accuracy"]}, {}, lambda d: [_bar(2)]),
     "bf16-mixed": ({"precision": "bf16-mixed"}, {}, lambda d: []),
     "16-mixed": ({"precision": "16-mixed"}, {}, lambda d: []),
+    "16-mixed without loss scaling": ({"precision": "16-mixed", "loss_scale": False}, {}, lambda d: []),
     "16-mixed fused adam": ({"precision": "16-mixed", "optimizer": lambda p: torch.optim.Adam(p, fused=True)}, {},
                             lambda d: []),  # fmt: skip
     "16-mixed fused sgd": ({"precision": "16-mixed", "optimizer": lambda p: torch.optim.SGD(p, 0.1, fused=True)}, {},

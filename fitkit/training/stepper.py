@@ -143,7 +143,7 @@ class Stepper:
         scheduler: the LR scheduler, or ``None``: see
             :class:`~fitkit.training.scheduling.SchedulerDriver`, which holds it.
         scheduler_interval: ``"epoch"`` or ``"step"`` (torch schedulers; timm ones get both).
-        precision: ``"16-mixed"`` adds a ``GradScaler``.
+        precision: ``"16-mixed"`` adds a ``GradScaler`` (unless ``loss_scale`` is ``False``).
         device: the model's device.
         accumulation: micro-batches per optimizer step, or an
             :class:`~fitkit.training.accumulation.AccumulationSchedule` (by epoch, applied at epoch begin).
@@ -155,6 +155,8 @@ class Stepper:
         sums: the loss is a sum (``reduction="sum"``): micro-batches are not scaled by their
             share, and under torchrun each rank's gradient counts whole (DDP's average undone),
             so a step's gradient is the sum over the window and the ranks.
+        loss_scale: under ``"16-mixed"``, scale the loss with a ``GradScaler`` (``False``: no
+            scaler; no step is skipped for an inf gradient).
     """
 
     def __init__(
@@ -170,11 +172,13 @@ class Stepper:
         parallel: Parallel | None = None,
         weigh: Callable[[Batch], Any] | None = None,
         sums: bool = False,
+        loss_scale: bool = True,
     ):
         self.optimizer = optimizer
         self.scheduling = SchedulerDriver(optimizer, scheduler, scheduler_interval)  # the LR scheduler and its steps
         self.precision = precision
-        self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
+        # loss_scale=False (Keras' auto_scale_loss=False): fp16 autocast with plain backward and steps
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" and loss_scale else None
         # micro-batches per step by epoch (an AccumulationSchedule), applied at epoch begin
         self.accumulation_schedule = accumulation if isinstance(accumulation, AccumulationSchedule) else None
         self.accumulation = accumulation(0) if isinstance(accumulation, AccumulationSchedule) else accumulation
@@ -192,7 +196,7 @@ class Stepper:
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
         # it ran, so a skipped step does not advance the scheduler (no extra host sync).
         # Only torch's GradScaler without found_inf skips step() on the host: the one case to watch.
-        watch = precision == "16-mixed" and not self.takes_found_inf
+        watch = self.scaler is not None and not self.takes_found_inf
         self._hook = optimizer.register_step_post_hook(self._mark_stepped) if watch else None
         #: one process and float32: train_step's no_sync and autocast contexts do nothing
         self.plain = parallel is None and precision == "32"
