@@ -413,6 +413,7 @@ class Model:
         ema_overwrite_frequency: int | None = None,
         label_names: str | Sequence[str] | None = None,
         loss_scale: bool = True,
+        micro_batch_size: int | None = None,
     ) -> None:
         """Set the optimizer, loss, metrics and step options. Checks everything first.
 
@@ -463,6 +464,11 @@ class Model:
                 plain backward and step, no scaler, no step skipped for an inf gradient (for a
                 model whose gradients fit fp16's range, or that scales its loss itself); no
                 effect under other precisions.
+            micro_batch_size: run each training batch's forward and backward in chunks of at
+                most this many rows (Composer's ``device_train_microbatch_size``), accumulated
+                so the step's gradient is the unsplit batch's (by rows, sample weights or
+                tokens); batches, steps and callbacks still count whole batches. ``None``: whole
+                batches (see :mod:`fitkit.training.micro_batches`).
 
         Raises:
             ValueError: unknown names (the message lists valid ones), bad values.
@@ -484,6 +490,7 @@ class Model:
             check_int("gradient_accumulation_steps", gradient_accumulation_steps, 1,
                       fix="pass an int >= 1, or a dict {first_epoch: micro-batches} such as {0: 8, 4: 4}.")
         check_bool("loss_scale", loss_scale)
+        check_int("micro_batch_size", micro_batch_size, 1, allow_none=True)
         check_number("clip_grad_norm", clip_grad_norm, positive=True, allow_none=True)
         check_number("clip_grad_value", clip_grad_value, positive=True, allow_none=True)
         jit = resolve_jit_compile(jit_compile, self.device)
@@ -506,6 +513,7 @@ class Model:
             accumulation if accumulation is not None else int(gradient_accumulation_steps),  # type: ignore[arg-type]
             clip_grad_norm, clip_grad_value, self._parallel, weigh=self._batch_denominator,
             sums=getattr(loss_fn, "reduction", "mean") == "sum", loss_scale=loss_scale,
+            micro_batch_size=micro_batch_size,
         )  # fmt: skip
         self._forward = Forward(self.module, self._wrap_for_training(), jit)
 

@@ -559,7 +559,7 @@ def as_loader(
                 )
             x = _WeightedDataset(x, w)
         check_not_empty(x)
-        x = DataLoader(x, batch_size=batch_size, shuffle=shuffle, collate_fn=NamingCollate())
+        x = DataLoader(x, batch_size=batch_size, shuffle=bool(shuffle), collate_fn=NamingCollate())
     elif isinstance(x, IterableDataset):
         x = DataLoader(x, batch_size=batch_size)
     elif sample_weight is not None:

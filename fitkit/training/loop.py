@@ -33,6 +33,7 @@ from fitkit.losses.denominators import targets_count
 from fitkit.losses.outputs import note_row_weighted, takes_num_items
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.training.lr_logs import lr_keys, lr_logs
+from fitkit.training.micro_batches import train_in_micro_batches
 from fitkit.training.modes import modes, warn_if_all_eval
 from fitkit.training.position import Position
 from fitkit.training.resume import Resume
@@ -261,7 +262,7 @@ class FitLoop:
         guard, interrupt = self.guard, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first
         local = model.parallel is None  # one process: stops and signals need no agreement
-        budget, step_val = self.max_steps, self.step_val
+        budget, step_val, micro = self.max_steps, self.step_val, stepper.micro_batch_size
         position.enter()
         ran, skipped, begins = False, 0, True
         # an overridden step or compute_loss may make targets of its own from y (-100 where masked)
@@ -279,7 +280,10 @@ class FitLoop:
                     cbs.on_train_batch_begin(step, {})
                 if not local and begins:  # DDP follows a trainable set a callback changed, from this step
                     model.refresh_parallel()
-                model.train_step(batch)
+                if micro is None:
+                    model.train_step(batch)
+                else:  # compile(micro_batch_size=...): the batch in chunks, one window place
+                    train_in_micro_batches(model, batch, micro)
                 ran, begins = True, stepper.window.micro_last  # the next micro-batch begins a window
                 position.done(step + 1)
                 if step_val is not None and stepper.window.micro_last:

@@ -26,6 +26,7 @@ from fitkit.checks.preflight import first_batch_check, in_memory_check, leaves_n
 from fitkit.training import budget as _budget
 from fitkit.training import reach as _reach
 from fitkit.training.lr_logs import lr_keys
+from fitkit.training.micro_batches import check_micro_batches
 from fitkit.training.optim import check_plateau_mode
 from fitkit.training.quick import QuickRun
 from fitkit.training.step_validation import ValidationInterval, ValidationSchedule
@@ -108,6 +109,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     schedule = ValidationSchedule(validation_freq)
     interval = _check_interval(validation_interval, validation_freq, validation_data, validation_split)
     check_schedules(model, callbacks)
+    check_micro_batches(model)
     # one averaged copy validated on, one swapped in at the end
     check_weight_swaps(model, callbacks, validates=validation_data is not None or bool(validation_split))
     check_process_resources(callbacks)

@@ -102,6 +102,13 @@ class Window:
         self.num_items: Any = None
         self.items_here: Any = None
 
+    def place(self, micro_scale: Any, micro_last: bool) -> tuple[Any, bool]:
+        """Set the running micro-batch's share and whether it closes the window (a batch run in
+        chunks, :mod:`fitkit.training.micro_batches`); returns the pair it replaced."""
+        old = self.micro_scale, self.micro_last
+        self.micro_scale, self.micro_last = micro_scale, micro_last
+        return old
+
 
 class FitHooks:
     """What one ``fit`` hands its stepper: made by :meth:`Stepper.fitting`, dropped at its end.
@@ -157,6 +164,8 @@ class Stepper:
             so a step's gradient is the sum over the window and the ranks.
         loss_scale: under ``"16-mixed"``, scale the loss with a ``GradScaler`` (``False``: no
             scaler; no step is skipped for an inf gradient).
+        micro_batch_size: split each training batch into chunks of at most this many rows,
+            accumulated into the batch's gradient (:mod:`fitkit.training.micro_batches`).
     """
 
     def __init__(
@@ -173,6 +182,7 @@ class Stepper:
         weigh: Callable[[Batch], Any] | None = None,
         sums: bool = False,
         loss_scale: bool = True,
+        micro_batch_size: int | None = None,
     ):
         self.optimizer = optimizer
         self.scheduling = SchedulerDriver(optimizer, scheduler, scheduler_interval)  # the LR scheduler and its steps
@@ -192,6 +202,8 @@ class Stepper:
         self.fit = FitHooks()  # the running fit's hooks (see fitting()); outside a fit, none
         self.weigh: Callable[[Batch], Any] = weigh or _batch_weight  # batch -> the denominator of its mean loss
         self.sums = sums  # a reduction="sum" loss: a window's gradient is the sum of its micro-batches'
+        #: rows per forward / backward inside a batch (fitkit.training.micro_batches), or None
+        self.micro_batch_size = micro_batch_size
         self._stepped = True
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
         # it ran, so a skipped step does not advance the scheduler (no extra host sync).
