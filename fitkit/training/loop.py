@@ -151,6 +151,7 @@ class FitLoop:
                     epoch_logs = self._named_epoch(epoch, first_step)
                     if epoch_logs is None:  # no batch, or a signal: no partial epoch for callbacks
                         break
+                    _order.dataset_epoch_hook(self.train, "on_epoch_end")  # its training batches are done
                     logs = epoch_logs
                     self._validate(epoch, logs)
                     # inside-epoch validations stepped a plateau scheduler already
@@ -249,6 +250,7 @@ class FitLoop:
         if loader.next_epoch_batches is not None:  # the batches this epoch will really run
             cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
+        _order.dataset_epoch_hook(loader, "on_epoch_begin")  # Keras' PyDataset hook, before the order is kept
         stepper.begin_epoch(epoch, _distributed.host_rows(loader, model.loss))  # host rows: fitkit's shards
         if self.step_val is not None:
             self.step_val.begin_epoch(loader.next_epoch_batches or loader.num_batches, stepper.accumulation)
