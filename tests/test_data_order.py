@@ -242,3 +242,25 @@ def test_a_datasets_epoch_hooks_run_and_its_state_resumes_inside_an_epoch(tmp_pa
     assert after == [("begin", 0), ("end", 1), ("begin", 2), ("end", 2)]
     for a, b in zip(reference.module.parameters(), resumed.module.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+class HookedRows(TensorDataset):
+    """A map-style dataset with Keras' PyDataset hooks."""
+
+    def __init__(self, *tensors):
+        super().__init__(*tensors)
+        self.calls: list[str] = []
+
+    def on_epoch_begin(self):
+        self.calls.append("begin")
+
+    def on_epoch_end(self):
+        self.calls.append("end")
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"sample_weight": torch.ones(N)}, {"validation_split": 0.25}])
+def test_a_wrapped_datasets_epoch_hooks_run_once_per_training_epoch(kwargs):
+    """Behind fitkit's sample-weight wrapper or validation_split's Subset, the user's dataset is found."""
+    ds = HookedRows(*_data())
+    _model([]).fit(ds, batch_size=BS, epochs=2, verbose=0, **kwargs)
+    assert ds.calls == ["begin", "end", "begin", "end"]
