@@ -386,6 +386,8 @@ class Model(FilesAndTools):
         ema_momentum: float = 0.99,
         ema_overwrite_frequency: int | None = None,
         label_names: str | Sequence[str] | None = None,
+        loss_scale: bool = True,
+        micro_batch_size: int | None = None,
     ) -> None:
         """Set the optimizer, loss, metrics and step options. Checks everything first.
 
@@ -431,6 +433,16 @@ class Model(FilesAndTools):
                 as the Transformers Trainer's ``label_names``. ``None``: ``"labels"``, or for a
                 Transformers model the Trainer's default (``start_positions`` / ``end_positions``
                 for question answering); see :mod:`fitkit.losses.labels`.
+            loss_scale: under ``precision="16-mixed"``, scale the loss with a ``GradScaler``
+                (the default). ``False`` (Keras' ``auto_scale_loss=False``): fp16 autocast with a
+                plain backward and step, no scaler, no step skipped for an inf gradient (for a
+                model whose gradients fit fp16's range, or that scales its loss itself); no
+                effect under other precisions.
+            micro_batch_size: run each training batch's forward and backward in chunks of at
+                most this many rows (Composer's ``device_train_microbatch_size``), accumulated
+                so the step's gradient is the unsplit batch's (by rows, sample weights or
+                tokens); batches, steps and callbacks still count whole batches. ``None``: whole
+                batches (see :mod:`fitkit.training.micro_batches`).
 
         Raises:
             ValueError: unknown names (the message lists valid ones), bad values.
@@ -453,7 +465,7 @@ class Model(FilesAndTools):
         callbacks: list[Callback] | None = None,
         validation_split: float = 0.0,
         validation_data: object = None,
-        shuffle: bool = True,
+        shuffle: bool | str = True,
         class_weight: Mapping[int, float] | None = None,
         sample_weight: object = None,
         initial_epoch: int = 0,
@@ -510,6 +522,8 @@ class Model(FilesAndTools):
                 ``{"name": set, ...}``, validated in turn, each logged as ``val_<name>_<key>``
                 and the first also as ``val_<key>`` (:mod:`fitkit.training.validation_sets`).
             shuffle: reshuffle in-memory data and Datasets every epoch (one ``randperm``).
+                ``"batch"`` (Keras): in-memory data only, the order of chunks of ``batch_size``
+                consecutive rows is shuffled, each chunk kept whole (a short last one last).
             class_weight: ``{class_index: weight}``, folded into the sample weights.
             sample_weight: ``(N,)`` weights for in-memory ``x`` or a Dataset.
             initial_epoch: the epoch to start at (resume).
@@ -565,8 +579,9 @@ class Model(FilesAndTools):
                 ``validation_freq`` and ``validation_interval`` say; no sanity check. The
                 callbacks that write files or tune (``skip_in_fast_dev_run``: ModelCheckpoint,
                 BackupAndRestore, CSVLogger, TensorBoard, MLflowLogger, Profiler,
-                OptunaPruning, LearningRateFinder, BatchSizeFinder) are left out, so no file is
-                written. The weights do train on those batches.
+                OptunaPruning, RayReport, LearningRateFinder) are left out, so no file is
+                written. The weights do train on those batches (the batch size search is no
+                callback: :meth:`find_batch_size` runs before ``fit``).
             overfit_batches: train on the same first ``n`` batches every epoch (an int, or a
                 float: ``int(f * batches)``), shuffling turned off; each validation runs the
                 validation data's first ``n`` batches (a float: that fraction of them), as in
@@ -731,8 +746,13 @@ class Model(FilesAndTools):
 
     # -- single batches ----------------------------------------------------------------------
     def train_on_batch(
-        self, x: object, y: object = None, sample_weight: object = None, class_weight: Mapping[int, float] | None = None
-    ) -> dict[str, float]:
+        self,
+        x: object,
+        y: object = None,
+        sample_weight: object = None,
+        class_weight: Mapping[int, float] | None = None,
+        return_dict: bool = True,
+    ) -> Any:
         """One optimizer step on one batch; returns that batch's loss and metrics.
 
         Args:
@@ -740,12 +760,16 @@ class Model(FilesAndTools):
             y: its targets ``(B, ...)``.
             sample_weight: ``(B,)`` weights for the loss.
             class_weight: ``{class_index: weight}``, folded into the sample weights (Keras).
+            return_dict: ``True`` (fitkit's default, kept from its first release): the dict;
+                ``False``: Keras' forms, the loss alone (a float) without metrics, else the list
+                ``[loss, *metrics]`` (Keras 3's default is ``False``).
 
         Returns:
-            ``{"loss": float, <metric>: float, ...}`` for this batch alone.
+            ``{"loss": float, <metric>: float, ...}`` for this batch alone (see ``return_dict``).
 
         Raises:
             RuntimeError: ``compile`` was not called.
+            TypeError: ``return_dict`` is not a bool (before the step).
             ValueError: a label without a class weight.
 
         Example:
@@ -757,21 +781,23 @@ class Model(FilesAndTools):
             >>> round(model.module.weight.item(), 6)  # w - lr * 2 * w * x^2
             0.8
         """
-        return _calls.train_on_batch(self, x, y, sample_weight, class_weight)
+        return _calls.train_on_batch(self, x, y, sample_weight, class_weight, return_dict)
 
-    def test_on_batch(self, x: object, y: object = None, sample_weight: object = None) -> dict[str, float]:
+    def test_on_batch(self, x: object, y: object = None, sample_weight: object = None, return_dict: bool = True) -> Any:
         """Loss and metrics of one batch in eval mode, without training.
 
         Args:
             x: the batch's inputs ``(B, ...)``.
             y: its targets ``(B, ...)``.
             sample_weight: ``(B,)`` weights for the loss.
+            return_dict: as in :meth:`train_on_batch` (``False``: a float or ``[loss, *metrics]``).
 
         Returns:
             ``{"loss": float, <metric>: float, ...}`` for this batch.
 
         Raises:
             RuntimeError: ``compile`` was not called.
+            TypeError: ``return_dict`` is not a bool.
 
         Example:
             >>> model = Model(nn.Linear(1, 1, bias=False), device="cpu")
@@ -779,8 +805,10 @@ class Model(FilesAndTools):
             >>> model.compile(loss="mse")
             >>> model.test_on_batch(torch.ones(2, 1), torch.full((2, 1), 3.0))
             {'loss': 9.0}
+            >>> model.test_on_batch(torch.ones(2, 1), torch.full((2, 1), 3.0), return_dict=False)  # Keras' scalar
+            9.0
         """
-        return _calls.test_on_batch(self, x, y, sample_weight)
+        return _calls.test_on_batch(self, x, y, sample_weight, return_dict)
 
     def predict_on_batch(self, x: object) -> Any:
         """The module's output for one batch in eval mode under ``no_grad``, on the CPU.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -182,6 +184,64 @@ def test_ema_state_loaded_before_fit_is_continued():
 def test_ema_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         EMA(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"half_life": 0}, ValueError, r"Expected `half_life` to be a positive number\. Received: half_life=0\."),
+        ({"half_life": "10ba"}, TypeError, r"Expected `half_life` to be a positive number\. Received: half_life=.10ba"),
+        ({"half_life": float("inf")}, ValueError, r"finite positive number\. Received: half_life=inf"),
+        ({"half_life": 4, "decay": 0.9}, ValueError, r"Pass `decay` or `half_life`, not both\. Received: decay=0\.9"),
+        ({"update_interval": "batch"}, ValueError,
+         r"Expected `update_interval` to be one of 'step', 'epoch'\. Received: update_interval='batch'"),
+        ({"update_interval": "epoch", "update_every_n_steps": 2}, ValueError,
+         r"`update_every_n_steps` counts optimizer steps.*Received: update_every_n_steps=2\. Fix:"),
+        ({"update_interval": "epoch", "overwrite_every_n_steps": 3}, ValueError,
+         r"Received: overwrite_every_n_steps=3\. Fix:"),
+    ],
+)
+def test_ema_half_life_and_interval_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        EMA(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "updates"),
+    [
+        # half_life in optimizer steps, every step / every 2nd step (Composer: exp(-log 2 * n / h))
+        ({"half_life": 3}, "steps"),
+        ({"half_life": 3, "update_every_n_steps": 2}, "steps"),
+        ({"half_life": 0.5, "update_starting_at_step": 2}, "steps"),
+        # half_life in epochs, updated at epoch ends
+        ({"half_life": 2, "update_interval": "epoch"}, "epochs"),
+        ({"half_life": 1, "update_interval": "epoch", "update_starting_at_epoch": 1}, "epochs"),
+        ({"decay": 0.75, "update_interval": "epoch"}, "epochs"),
+    ],
+)
+def test_ema_half_life_and_epoch_updates_follow_the_hand_loop(kwargs, updates):
+    """The average against a hand loop: w_k = 0.5**k (4 steps an epoch), decay from Composer's formula."""
+    model = _scalar_model()
+    ema = EMA(swap_at_end=False, **kwargs)
+    _fit_scalar(model, [ema], epochs=3, n=4)
+    every = kwargs.get("update_every_n_steps", 1)
+    decay = kwargs.get("decay", math.exp(-math.log(2) * every / kwargs.get("half_life", 1)))
+    assert ema.decay == decay
+    if updates == "steps":
+        start = kwargs.get("update_starting_at_step")
+        steps = [k + 1 for k in range(12) if k % every == 0 and (start is None or k >= start)]
+        ema_w = None if start is not None else 1.0  # a start given: the first update copies
+    else:
+        first = kwargs.get("update_starting_at_epoch")
+        steps = [4 * (e + 1) for e in range(3) if first is None or e >= first]
+        ema_w = None if first is not None else 1.0
+    for k in steps:
+        w = torch.tensor(0.5) ** k
+        ema_w = w if ema_w is None else torch.lerp(torch.as_tensor(ema_w), w, 1 - decay)
+    got = ema.averaged_model.module.weight.item()
+    assert got == pytest.approx(float(ema_w), rel=1e-6)
+    assert ema.num_averaged == len(steps) + (kwargs.get("update_starting_at_step") is None
+                                             and kwargs.get("update_starting_at_epoch") is None)
 
 
 # -- SWA -------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -170,3 +172,95 @@ def test_a_dataloader_built_otherwise_is_refused_before_the_first_resumed_step(t
         _model([]).fit(plain, epochs=1, verbose=0, callbacks=[BackupAndRestore(tmp_path, save_freq=1)])
 
 
+
+
+class EpochStream(IterableDataset):
+    """Keras' PyDataset hooks and a state of its own: each epoch streams the rows in the order of
+    randperm(seed 100 + epoch); on_epoch_end moves to the next epoch (as a PyDataset reshuffles there)."""
+
+    def __init__(self, calls: list):
+        self.epoch, self.calls = 0, calls
+
+    def __iter__(self):
+        x, y = _data()
+        order = torch.randperm(N, generator=torch.Generator().manual_seed(100 + self.epoch))
+        return iter([(x[i], y[i]) for i in order])
+
+    def __len__(self):
+        return N
+
+    def on_epoch_begin(self):
+        self.calls.append(("begin", self.epoch))
+
+    def on_epoch_end(self):
+        self.calls.append(("end", self.epoch))
+        self.epoch += 1
+
+    def state_dict(self):
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+
+
+def _stream_run(tmp_path, crash_at: int | None = None):
+    seen, calls = [], []
+    model = _model(seen)
+    batches = []
+
+    def crash(batch, logs):
+        batches.append(batch)
+        if crash_at is not None and len(batches) == crash_at:
+            raise Crash
+
+    cbs = [BackupAndRestore(tmp_path, save_freq=1), LambdaCallback(on_train_batch_begin=crash)]
+    if crash_at is None:
+        model.fit(DataLoader(EpochStream(calls), batch_size=BS), epochs=3, verbose=0, callbacks=cbs)
+        return model, seen, calls
+    with pytest.raises(Crash):
+        model.fit(DataLoader(EpochStream(calls), batch_size=BS), epochs=3, verbose=0, callbacks=cbs)
+    before, before_calls = list(seen), list(calls)
+    resumed_seen, resumed_calls = [], []
+    resumed = _model(resumed_seen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FitkitWarning)  # its order is restorable: no warning
+        resumed.fit(DataLoader(EpochStream(resumed_calls), batch_size=BS), epochs=3, verbose=0,
+                    callbacks=[BackupAndRestore(tmp_path, save_freq=1)])  # fmt: skip
+    return resumed, before + resumed_seen, (before_calls, resumed_calls)
+
+
+def test_a_datasets_epoch_hooks_run_and_its_state_resumes_inside_an_epoch(tmp_path):
+    reference, order, calls = _stream_run(tmp_path / "a")
+    assert calls == [("begin", 0), ("end", 0), ("begin", 1), ("end", 1), ("begin", 2), ("end", 2)]
+    expected = [int(i) for e in range(3) for i in torch.randperm(N, generator=torch.Generator().manual_seed(100 + e))]
+    assert order == expected
+    # crash at the 3rd batch of epoch 1; the backup of its 2nd batch holds the dataset's state of the epoch start
+    resumed, seen, (before, after) = _stream_run(tmp_path / "b", crash_at=N // BS + 3)
+    assert seen == order  # epoch 1 replayed from its saved state (epoch=1), its done batches skipped
+    assert before == [("begin", 0), ("end", 0), ("begin", 1)]
+    # the resumed epoch's hook runs on the fresh dataset (epoch 0), then the state saved after it loads (epoch 1)
+    assert after == [("begin", 0), ("end", 1), ("begin", 2), ("end", 2)]
+    for a, b in zip(reference.module.parameters(), resumed.module.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+class HookedRows(TensorDataset):
+    """A map-style dataset with Keras' PyDataset hooks."""
+
+    def __init__(self, *tensors):
+        super().__init__(*tensors)
+        self.calls: list[str] = []
+
+    def on_epoch_begin(self):
+        self.calls.append("begin")
+
+    def on_epoch_end(self):
+        self.calls.append("end")
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"sample_weight": torch.ones(N)}, {"validation_split": 0.25}])
+def test_a_wrapped_datasets_epoch_hooks_run_once_per_training_epoch(kwargs):
+    """Behind fitkit's sample-weight wrapper or validation_split's Subset, the user's dataset is found."""
+    ds = HookedRows(*_data())
+    _model([]).fit(ds, batch_size=BS, epochs=2, verbose=0, **kwargs)
+    assert ds.calls == ["begin", "end", "begin", "end"]

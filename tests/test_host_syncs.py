@@ -83,6 +83,7 @@ CONFIGS = {
     "verbose 2": ({"metrics": ["accuracy"]}, {}, lambda d: [_bar(2)]),
     "bf16-mixed": ({"precision": "bf16-mixed"}, {}, lambda d: []),
     "16-mixed": ({"precision": "16-mixed"}, {}, lambda d: []),
+    "16-mixed without loss scaling": ({"precision": "16-mixed", "loss_scale": False}, {}, lambda d: []),
     "16-mixed fused adam": ({"precision": "16-mixed", "optimizer": lambda p: torch.optim.Adam(p, fused=True)}, {},
                             lambda d: []),  # fmt: skip
     "16-mixed fused sgd": ({"precision": "16-mixed", "optimizer": lambda p: torch.optim.SGD(p, 0.1, fused=True)}, {},
@@ -116,6 +117,9 @@ CONFIGS = {
     "EMA 16-mixed": ({"precision": "16-mixed"}, {}, lambda d: [cb.EMA()]),
     "LambdaCallback": ({}, {}, lambda d: [cb.LambdaCallback(on_train_batch_end=lambda batch, logs: None)]),
     "SWA": ({}, {}, lambda d: [cb.SWA(swa_lrs=0.01, swa_epoch_start=1)]),
+    "OptimizerMonitor every step": ({}, {}, lambda d: [cb.OptimizerMonitor(log_every_n_steps=1)]),
+    "OptimizerMonitor every 3rd step": ({}, {}, lambda d: [cb.OptimizerMonitor(log_every_n_steps=3)]),
+    "LearningRateMonitor": ({"optimizer": "sgd"}, {}, lambda d: [cb.LearningRateMonitor(log_weight_decay=True)]),
     "OptunaPruning": ({}, {}, lambda d: [cb.OptunaPruning(_trial(), monitor="loss")]),
     "user MulticlassF1Score": ({"metrics": {"f1": torchmetrics.classification.MulticlassF1Score(CLASSES)}}, {},
                                lambda d: []),  # fmt: skip

@@ -127,3 +127,58 @@ def test_groups_with_one_learning_rate_log_one_key():
     x = torch.randint(0, 11, (4, 4))
     h = model.fit(x, x, epochs=1, verbose=0)
     assert [k for k in h.history if k.startswith("learning_rate")] == ["learning_rate"]
+
+
+# -- fit(shuffle="batch") (Keras) -------------------------------------------------------------
+@pytest.mark.parametrize(("n", "batch_size", "weighted"), [(12, 4, False), (11, 4, True), (9, 3, False), (5, 8, False)])
+def test_fit_shuffle_batch_trains_the_hand_loops_chunks(n, batch_size, weighted):
+    """Each epoch the chunks of batch_size consecutive rows come in a randperm order (a short last one last),
+    rows, targets and sample weights together; the weights equal a hand loop's, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g)
+    w = torch.rand(n, generator=g) + 0.5 if weighted else None
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1)
+    hand = nn.Linear(3, 1)
+    hand.load_state_dict(net.state_dict())
+    model = fitkit.Model(net, device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
+    torch.manual_seed(7)
+    model.fit(x, y, sample_weight=w, batch_size=batch_size, epochs=3, shuffle="batch", verbose=0)
+    opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    torch.manual_seed(7)
+    full = n // batch_size
+    for _ in range(3):
+        order = torch.randperm(full).tolist()
+        chunks = [range(c * batch_size, (c + 1) * batch_size) for c in order]
+        if n % batch_size:
+            chunks.append(range(full * batch_size, n))
+        for rows in chunks:
+            idx = torch.tensor(list(rows))
+            loss = (hand(x[idx]) - y[idx]).pow(2).mean(1)
+            loss = loss.mean() if w is None else (w[idx] * loss).sum() / w[idx].sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert torch.equal(net.weight, hand.weight) and torch.equal(net.bias, hand.bias)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"shuffle": "batches"}, TypeError, r"Expected `shuffle` to be a bool\. Received: shuffle='batches'\. Fix: "
+                                            r"pass True, False or 'batch'"),
+        ({"shuffle": "batch", "dataset": True}, ValueError,
+         r"fit\(shuffle='batch'\) shuffles chunks of batch_size rows of in-memory arrays.*Received: x of type "
+         r"TensorDataset\. Fix:"),
+    ],
+)
+def test_fit_shuffle_batch_errors_before_step_1(kwargs, error, match):
+    from torch.utils.data import TensorDataset
+
+    model = _model(optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    x, y = torch.zeros(4, 1), torch.ones(4, 1)
+    data = (TensorDataset(x, y),) if kwargs.pop("dataset", False) else (x, y)
+    with pytest.raises(error, match=match):
+        model.fit(*data, verbose=0, **kwargs)
+    assert model.module.b.item() == 0.0 and model.global_step == 0

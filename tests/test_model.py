@@ -242,6 +242,24 @@ def test_predict_needs_no_compile_and_on_batch_helpers():
     assert logs == {"loss": 2.0} and isinstance(logs["loss"], float)
 
 
+@pytest.mark.parametrize("method", ["train_on_batch", "test_on_batch"])
+def test_on_batch_return_dict_false_gives_keras_scalar_or_list(method):
+    """Keras' return_dict=False: the loss alone without metrics, else [loss, *metrics] in the logs' order."""
+    x, y = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[4.0], [6.0]])  # predictions 4, 8
+    model = cpu_model(fixed_linear(2, 1, weight=1.0, bias=1.0))
+    model.compile(functools.partial(torch.optim.SGD, lr=0.0), "mse")
+    out = getattr(model, method)(x, y, return_dict=False)
+    assert out == 2.0 and isinstance(out, float)  # (0 + 4) / 2
+    model.compile(functools.partial(torch.optim.SGD, lr=0.0), "mse", metrics=["mae", "rmse"])
+    rmse = torch.tensor(2.0).sqrt().item()  # sqrt((0 + 4) / 2) in float32
+    assert getattr(model, method)(x, y, return_dict=False) == [2.0, 1.0, rmse]
+    assert getattr(model, method)(x, y) == {"loss": 2.0, "mae": 1.0, "rmse": rmse}  # the default: the dict
+    before = model.module.weight.detach().clone()
+    with pytest.raises(TypeError, match=r"Expected `return_dict` to be a bool\. Received: return_dict='no'\."):
+        getattr(model, method)(x, y, return_dict="no")
+    assert torch.equal(model.module.weight, before)
+
+
 # -- History ----------------------------------------------------------------------------------
 
 

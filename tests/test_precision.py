@@ -1,6 +1,7 @@
 """Mixed precision: bf16 / fp16 autocast on the CPU, GradScaler skipped steps and checkpoints."""
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -175,3 +176,54 @@ def test_global_step_counts_device_skips_in_checkpoints(tmp_path):
     model.fit(torch.tensor([[99.0], [1.0]]), torch.zeros(2, 1), batch_size=1, epochs=1, shuffle=False, verbose=0)
     model.save_checkpoint(tmp_path / "ckpt.pt")
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["global_step"] == 1
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_fp16_without_loss_scaling_is_the_hand_autocast_loop(accumulation):
+    """compile(precision="16-mixed", loss_scale=False) (Keras' auto_scale_loss=False): fp16 autocast,
+    a plain backward and step, no GradScaler; the weights equal a hand loop's bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 4, generator=g), torch.randn(12, 2, generator=g)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    hand = copy.deepcopy(net)
+    model = fitkit.Model(net, device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse", precision="16-mixed",
+                  loss_scale=False, gradient_accumulation_steps=accumulation)
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert model.grad_scaler is None and model.precision == "16-mixed"
+    opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    rows = 4 * accumulation
+    for _ in range(2):
+        for start in range(0, 12, rows):
+            opt.zero_grad()
+            for lo in range(start, min(start + rows, 12), 4):  # micro-batches, each weighted by its share
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = hand(x[lo:lo + 4])
+                    assert out.dtype == torch.float16
+                    loss = nn.functional.mse_loss(out.float(), y[lo:lo + 4])
+                (loss * 4 / min(rows, 12 - start)).backward()
+            opt.step()
+    for a, b in zip(net.parameters(), hand.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert model.global_step == 2 * math.ceil(12 / rows)
+
+
+def test_fp16_without_loss_scaling_takes_every_step():
+    """No scaler, so nothing skips the step of an inf gradient (the scaled run skips it: 2 steps of 3)."""
+    x, y = torch.tensor([[99.0], [1.0], [2.0]]), torch.zeros(3, 1)
+    steps = {}
+    for loss_scale in (True, False):
+        model = fitkit.Model(InfOnFirstBatch(), device="cpu")
+        model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse", precision="16-mixed",
+                      loss_scale=loss_scale)
+        model.fit(x, y, batch_size=1, shuffle=False, verbose=0)
+        steps[loss_scale] = (model.global_step, model.grad_scaler is None)
+    assert steps == {True: (2, False), False: (3, True)}
+
+
+def test_loss_scale_must_be_a_bool():
+    model = fitkit.Model(nn.Linear(1, 1), device="cpu")
+    with pytest.raises(TypeError, match=r"Expected `loss_scale` to be a bool\. Received: loss_scale='no'\."):
+        model.compile(loss="mse", precision="16-mixed", loss_scale="no")
+    assert model.optimizer is None

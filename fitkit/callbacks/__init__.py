@@ -13,6 +13,8 @@
   which weights a value scored; :mod:`~fitkit.callbacks.swapping`: one swap of the weights at a
   time); :mod:`~fitkit.callbacks.swap_ema`: Keras' ``SwapEMAWeights`` and ``compile(use_ema=True)``.
 - :mod:`~fitkit.callbacks.throughput`: ``ThroughputMonitor`` (samples / tokens per second, FLOPs, MFU).
+- :mod:`~fitkit.callbacks.optim_monitor`: ``OptimizerMonitor`` (gradient and update norms),
+  ``LearningRateMonitor`` (momentum, betas and weight decay beside the learning rate).
 - :mod:`~fitkit.callbacks.profiler`: ``Profiler`` (``torch.profiler`` over a schedule of steps).
 - :mod:`~fitkit.callbacks.mlflow`: ``MLflowLogger`` (``pip install ".[mlflow]"`` from a checkout).
 - :mod:`~fitkit.callbacks.optuna`: ``OptunaPruning`` (``pip install ".[optuna]"`` from a checkout).
@@ -37,6 +39,7 @@ from fitkit.callbacks.misc import LambdaCallback, TerminateOnNaN
 from fitkit.callbacks.mlflow import MLflowLogger
 from fitkit.callbacks.monitor import EarlyStopping
 from fitkit.callbacks.neftune import NEFTune
+from fitkit.callbacks.optim_monitor import LearningRateMonitor, OptimizerMonitor
 from fitkit.callbacks.optuna import OptunaPruning
 from fitkit.callbacks.profiler import Profiler
 from fitkit.callbacks.progress import ProgressBar
@@ -78,4 +81,6 @@ __all__ = [
     "OptunaPruning",
     "ThroughputMonitor",
     "Profiler",
+    "OptimizerMonitor",
+    "LearningRateMonitor",
 ]

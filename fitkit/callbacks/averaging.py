@@ -9,6 +9,7 @@ forward keep pointing at the module's own parameters.
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ from torch import nn
 from torch.optim.swa_utils import SWALR, get_ema_multi_avg_fn, update_bn
 
 from fitkit.callbacks.weight_averaging import WeightAveraging
-from fitkit.checks import FitkitWarning, check_bool, check_int, check_number
+from fitkit.checks import FitkitWarning, check_bool, check_choice, check_int, check_number
 from fitkit.modes import modes
 
 __all__ = ["EMA", "SWA", "WeightAveraging"]
@@ -41,6 +42,14 @@ class EMA(WeightAveraging):
     copies the average into the module after every n-th optimizer step (1-based), and training
     continues from it.
 
+    ``half_life`` (Composer's ``EMA(half_life=...)``) sets the decay instead: the weight of the
+    old average halves every ``half_life`` updates' worth of time, so each update uses
+    ``decay = exp(-log(2) * n / half_life)`` with ``n = update_every_n_steps`` (Composer's
+    ``smoothing`` for ``update_interval`` ``n`` and a half-life in the same unit).
+    ``update_interval="epoch"`` (Composer's ``update_interval="1ep"``) updates at each epoch
+    end instead of after optimizer steps (from ``update_starting_at_epoch`` on, the first update
+    copying then if it is given); ``half_life`` is then in epochs.
+
     With ``evaluate_with_ema`` the validation inside ``fit`` runs on the averaged weights: they
     are copied into ``model.module`` at ``on_test_begin`` and the training weights are copied
     back, bit for bit, at ``on_test_end``; :meth:`scored_weights` gives those weights to
@@ -58,12 +67,17 @@ class EMA(WeightAveraging):
 
     Args:
         decay: the weight of the old average in ``[0, 1]``; ``1 - decay`` is the weight of the
-            new weights (0.999: an average over roughly the last 1000 steps).
+            new weights (``None``: 0.999, an average over roughly the last 1000 steps, unless
+            ``half_life`` is given).
         evaluate_with_ema: validate on the averaged weights during ``fit``.
         swap_at_end: put the averaged weights into ``model.module`` when ``fit`` ends.
         use_buffers: average the buffers too (BatchNorm statistics), as timm does; ``False``
             averages the parameters only and evaluates with the module's own buffers.
         verbose: 1 prints a line when the weights are swapped in at the end.
+        half_life: the half-life of the average, in optimizer steps (``update_interval="step"``)
+            or epochs (``"epoch"``), a positive finite number; not with ``decay``.
+        update_interval: ``"step"`` (after optimizer steps) or ``"epoch"`` (at epoch ends; no
+            step option then).
         update_every_n_steps: update at every n-th optimizer step.
         update_starting_at_step: the 0-based first step that updates (the first copies).
         update_starting_at_epoch: the 0-based first epoch whose steps update.
@@ -74,8 +88,11 @@ class EMA(WeightAveraging):
             the averaged weights (``None`` before the first ``fit``).
 
     Raises:
-        TypeError: ``decay`` is not a number, a flag not a bool, a step count not an int.
-        ValueError: ``decay`` outside ``[0, 1]``, a step count below its minimum; at
+        TypeError: ``decay`` or ``half_life`` is not a number, a flag not a bool, a step count
+            not an int.
+        ValueError: ``decay`` outside ``[0, 1]``, ``half_life`` not positive and finite, both
+            given, an unknown ``update_interval`` or a step option with ``"epoch"``, a step
+            count below its minimum; at
             ``on_train_begin``, a module sharded with ``strategy="fsdp"``; at ``fit``, before
             step 1, a second average to validate on or to swap in at the end.
 
@@ -88,35 +105,50 @@ class EMA(WeightAveraging):
         >>> _ = model.fit(torch.ones(1, 1), torch.zeros(1, 1), epochs=2, callbacks=[ema], verbose=0)
         >>> model.module.weight.item(), ema.averaged_model.module.weight.item()  # 1 -> 0.5 -> 0.25
         (0.25, 0.5)
+        >>> ema = EMA(half_life=1, update_interval="epoch")  # decay 0.5 per epoch end
+        >>> _ = model.fit(torch.ones(1, 1), torch.zeros(1, 1), epochs=2, callbacks=[ema], verbose=0)
+        >>> ema.decay, ema.averaged_model.module.weight.item()  # (0.25 + 0.125) / 2, then (. + 0.0625) / 2
+        (0.5, 0.125)
     """
 
     _copy_at_start = True
 
     def __init__(
         self,
-        decay: float = 0.999,
+        decay: float | None = None,
         evaluate_with_ema: bool = True,
         swap_at_end: bool = False,
         use_buffers: bool = True,
         verbose: int = 0,
         *,
+        half_life: float | None = None,
+        update_interval: str = "step",
         update_every_n_steps: int = 1,
         update_starting_at_step: int | None = None,
         update_starting_at_epoch: int | None = None,
         overwrite_every_n_steps: int | None = None,
     ):
-        check_number("decay", decay, minimum=0.0)
-        if decay > 1:
-            raise ValueError(f"Expected `decay` in [0, 1]. Received: decay={decay!r}.")
+        check_choice("update_interval", update_interval, ("step", "epoch"))
+        _check_epoch_interval(update_interval, update_every_n_steps, update_starting_at_step, overwrite_every_n_steps)
+        decay = _decay(decay, half_life, update_every_n_steps)
         check_bool("evaluate_with_ema", evaluate_with_ema)
         check_int("overwrite_every_n_steps", overwrite_every_n_steps, 1, allow_none=True)
         super().__init__(
-            multi_avg_fn=get_ema_multi_avg_fn(float(decay)), use_buffers=use_buffers,
+            multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=use_buffers,
             update_every_n_steps=update_every_n_steps, update_starting_at_step=update_starting_at_step,
             update_starting_at_epoch=update_starting_at_epoch, evaluate_with_average=evaluate_with_ema,
             swap_at_end=swap_at_end, verbose=verbose,
         )  # fmt: skip
-        self.decay, self.overwrite_every_n_steps = float(decay), overwrite_every_n_steps
+        self.decay, self.overwrite_every_n_steps = decay, overwrite_every_n_steps
+        self.half_life, self.update_interval = half_life, update_interval
+
+    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+        """Whether the weights join the average now: after optimizer steps (``update_interval="step"``,
+        the base's rule) or at epoch ends (``"epoch"``, from ``update_starting_at_epoch`` on)."""
+        if self.update_interval == "step":
+            return super().should_update(step_idx, epoch_idx)
+        start = self.update_starting_at_epoch
+        return epoch_idx is not None and (start is None or epoch_idx >= start)
 
     @property
     def evaluate_with_ema(self) -> bool:
@@ -130,6 +162,38 @@ class EMA(WeightAveraging):
             # wherever they are: set aside while another average is swapped in).
             for avg, cur in self._training_groups():
                 torch._foreach_copy_(cur, avg)
+
+
+def _decay(decay: Any, half_life: Any, every: int) -> float:
+    """The decay per update: ``decay`` as given, or from ``half_life`` (Composer's formula), or 0.999."""
+    if decay is not None and half_life is not None:
+        raise ValueError(
+            f"Pass `decay` or `half_life`, not both. Received: decay={decay!r}, half_life={half_life!r}. "
+            "Fix: drop one; half_life=h gives decay = exp(-log(2) / h) per update."
+        )
+    if half_life is not None:
+        check_number("half_life", half_life, positive=True)
+        if math.isinf(half_life):
+            raise ValueError(f"Expected `half_life` to be a finite positive number. Received: half_life={half_life!r}.")
+        return math.exp(-math.log(2) * every / half_life)
+    decay = 0.999 if decay is None else decay
+    check_number("decay", decay, minimum=0.0)
+    if decay > 1:
+        raise ValueError(f"Expected `decay` in [0, 1]. Received: decay={decay!r}.")
+    return float(decay)
+
+
+def _check_epoch_interval(interval: str, every: Any, start_step: Any, overwrite: Any) -> None:
+    """``update_interval="epoch"`` takes none of the step options."""
+    if interval != "epoch":
+        return
+    for name, value, default in (("update_every_n_steps", every, 1), ("update_starting_at_step", start_step, None),
+                                 ("overwrite_every_n_steps", overwrite, None)):  # fmt: skip
+        if value != default:
+            raise ValueError(
+                f"`{name}` counts optimizer steps, but update_interval='epoch' updates at epoch ends. "
+                f"Received: {name}={value!r}. Fix: drop it, or use update_starting_at_epoch / update_interval='step'."
+            )
 
 
 class SWA(WeightAveraging):

@@ -10,6 +10,7 @@ iterated as they are. :class:`DeviceLoader` is the only place where a batch chan
 - :mod:`~fitkit.data.loaders`: ``as_loader``, ``DeviceLoader``, ``device_batch``,
   ``unpack_batch`` and the wrappers for Datasets and iterables of batches.
 - :mod:`~fitkit.data.weights`: ``ClassWeights``.
+- :mod:`~fitkit.data.packing`: ``PackedDataset`` (documents packed into fixed-length sequences).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from fitkit.data.loaders import (  # noqa: F401
     unpack_batch,
     validation_loader,
 )
+from fitkit.data.packing import PackedDataset
 
 __all__ = [
     "as_loader",
@@ -53,6 +55,7 @@ __all__ = [
     "batch_size_of",
     "CharTokenizer",
     "NextTokenDataset",
+    "PackedDataset",
 ]
 
 

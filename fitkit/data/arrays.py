@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 from fitkit import nest
 from fitkit.devices import move_to_device
 
-__all__ = ["is_in_memory", "batch_size_of", "TensorBatches", "split_validation"]
+__all__ = ["is_in_memory", "batch_size_of", "TensorBatches", "split_validation", "draw_order"]
 
 Batch = tuple[Any, Any, Any]
 
@@ -104,6 +104,24 @@ def _check_lengths(named: dict[str, Any]) -> int:
     return next(iter(lengths.values()), 0)
 
 
+def draw_order(n: int, shuffle: Any, batch_size: int) -> torch.Tensor:
+    """An epoch's order of ``n`` rows from the global generator: ``torch.randperm(n)``, or with
+    ``shuffle="batch"`` (Keras) the chunks of ``batch_size`` consecutive rows in a random order,
+    each chunk's rows in place, a short last chunk still last.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> draw_order(7, "batch", 2).tolist()  # chunks [0, 1], [2, 3], [4, 5] shuffled; [6] stays last
+        [4, 5, 0, 1, 2, 3, 6]
+    """
+    if shuffle != "batch":
+        return torch.randperm(n)
+    full = n // batch_size
+    chunks = torch.randperm(full)
+    rows = (chunks[:, None] * batch_size + torch.arange(batch_size)).flatten()  # (full * batch_size,)
+    return torch.cat([rows, torch.arange(full * batch_size, n)])
+
+
 class TensorBatches:
     """Batches sliced from in-memory tensors: the fast path.
 
@@ -116,7 +134,8 @@ class TensorBatches:
         y: targets with ``N`` rows, or ``None``.
         sample_weight: ``(N,)`` weights, or ``None``.
         batch_size: samples per batch; the last batch may be smaller.
-        shuffle: reshuffle every epoch.
+        shuffle: reshuffle every epoch (``"batch"``: the order of batch-sized chunks, see
+            :func:`draw_order`).
 
     Example:
         >>> tb = TensorBatches(torch.arange(5.0), None, None, batch_size=2, shuffle=False)
@@ -124,7 +143,7 @@ class TensorBatches:
         [[0.0, 1.0], [2.0, 3.0], [4.0]]
     """
 
-    def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int, shuffle: bool):
+    def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int, shuffle: bool | str):
         self.x, self.y, self.w = x, y, sample_weight
         self.n = _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
         self.batch_size = batch_size
@@ -198,7 +217,7 @@ class TensorBatches:
         x, y, w = self.x, self.y, self.w
         start = skip * bs if skip_samples is None else skip_samples
         if self.shuffle:
-            perm = torch.randperm(self.n)
+            perm = draw_order(self.n, self.shuffle, bs)
             leaves = _leaves(x)
             if leaves and leaves[0].device != perm.device:
                 perm = perm.to(leaves[0].device)

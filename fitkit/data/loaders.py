@@ -484,7 +484,7 @@ def as_loader(
     sample_weight: Any = None,
     *,
     batch_size: int = 32,
-    shuffle: bool = False,
+    shuffle: bool | str = False,
     class_weight: Mapping | None = None,
     steps: int | None = None,
     device: torch.device | None = None,
@@ -501,7 +501,7 @@ def as_loader(
         y: targets, for in-memory ``x`` only (other inputs carry their targets in batches).
         sample_weight: ``(N,)`` per-sample weights for in-memory ``x`` or a map-style Dataset.
         batch_size: samples per batch for in-memory ``x`` and Datasets.
-        shuffle: reshuffle each epoch (in-memory ``x`` and Datasets).
+        shuffle: reshuffle each epoch (in-memory ``x`` and Datasets; ``"batch"``: chunks of in-memory rows).
         class_weight: ``{class_index: weight}``, folded into the sample weights.
         steps: batches per epoch (needed for infinite iterables).
         device: where batches go (default: the CPU).
@@ -564,7 +564,7 @@ def as_loader(
                 )
             x = _WeightedDataset(x, w)
         check_not_empty(x)
-        x = DataLoader(x, batch_size=batch_size, shuffle=shuffle, collate_fn=NamingCollate())
+        x = DataLoader(x, batch_size=batch_size, shuffle=bool(shuffle), collate_fn=NamingCollate())
     elif isinstance(x, IterableDataset):
         x = DataLoader(x, batch_size=batch_size)
     elif sample_weight is not None:

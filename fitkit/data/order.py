@@ -4,8 +4,13 @@ fitkit replays an epoch's order from the global torch RNG state it started with 
 data, a ``DataLoader`` shuffling from the global RNG). A ``DataLoader`` or sampler with its own
 ``generator`` (``DataLoader(shuffle=True, generator=torch.Generator().manual_seed(123))``),
 a sampler with ``state_dict`` / ``load_state_dict``, and torchdata's ``StatefulDataLoader``
-keep their state elsewhere: :func:`capture` saves it and :func:`restore` puts it back, so a
-resumed epoch draws the order the interrupted one drew.
+keep their state elsewhere, and so does a dataset with ``state_dict`` / ``load_state_dict`` (an
+``IterableDataset`` that streams from a position of its own): :func:`capture` saves it and
+:func:`restore` puts it back, so a resumed epoch draws the order the interrupted one drew (inside
+an epoch: the state of the epoch's start, then fitkit skips the batches done). A dataset's own
+``on_epoch_begin()`` / ``on_epoch_end()`` (Keras' ``PyDataset``) run at each training epoch's
+begin and end (:func:`dataset_epoch_hook`); the state kept for an epoch is the one after its
+``on_epoch_begin``, so a resume inside it runs the hook, then puts that state back.
 
 A ``StatefulDataLoader`` resumes from its own ``state_dict`` (its workers included): fitkit
 then skips no batch itself. Where fitkit cannot vouch for the order (an ``IterableDataset``,
@@ -26,7 +31,7 @@ from fitkit.data.resume_order import OrderShare
 
 __all__ = [
     "capture", "restore", "order_is_restorable", "is_stateful_loader", "at_checkpoint", "resume_inside_epoch",
-    "set_epoch",
+    "set_epoch", "dataset_epoch_hook",
 ]
 
 # Samplers whose order is a function of the generators fitkit saves (or of the epoch).
@@ -92,6 +97,48 @@ def _generators(source: tud.DataLoader) -> list[torch.Generator]:
     return out
 
 
+def _has_state(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _stateful_dataset(source: tud.DataLoader) -> Any:
+    """The loader's dataset when it keeps a state of its own (``state_dict`` / ``load_state_dict``)."""
+    return source.dataset if _has_state(source.dataset) else None
+
+
+def _datasets(loader: Any) -> list[Any]:
+    """The user's data objects behind a fit loader: a DataLoader's dataset and the datasets it
+    wraps (``Subset``, fitkit's sample-weight wrapper; ``.dataset`` links), or the iterable given."""
+    source = _source(loader)
+    out: list[Any] = []
+    obj = source.dataset if isinstance(source, tud.DataLoader) else source
+    while obj is not None and all(obj is not o for o in out):
+        out.append(obj)
+        obj = getattr(obj, "dataset", None)
+    return out
+
+
+def dataset_epoch_hook(loader: Any, name: str) -> None:
+    """Call the data's own ``on_epoch_begin()`` / ``on_epoch_end()`` (``name``), as Keras calls a
+    ``PyDataset``'s: the first object behind ``loader`` (see :func:`_datasets`) that has it.
+
+    Example:
+        >>> from fitkit.data import as_loader
+        >>> class Rows(tud.Dataset):
+        ...     calls = []
+        ...     def __len__(self): return 2
+        ...     def __getitem__(self, i): return torch.zeros(1)
+        ...     def on_epoch_end(self): self.calls.append("end")
+        >>> dataset_epoch_hook(as_loader(Rows()), "on_epoch_end"); Rows.calls
+        ['end']
+    """
+    for obj in _datasets(loader):
+        hook = getattr(obj, name, None)
+        if callable(hook):
+            hook()
+            return
+
+
 def _stateful_samplers(source: tud.DataLoader) -> list[Any]:
     return [
         s for s in _samplers(source)
@@ -122,10 +169,13 @@ def capture(loader: Any) -> dict[str, Any] | None:
             return {"stateful": source.state_dict()}  # type: ignore[attr-defined]
         finally:
             torch.set_rng_state(rng)
-    gens, samplers = _generators(source), _stateful_samplers(source)
-    if not gens and not samplers:
+    gens, samplers, dataset = _generators(source), _stateful_samplers(source), _stateful_dataset(source)
+    if not gens and not samplers and dataset is None:
         return None
-    return {"generators": [g.get_state() for g in gens], "samplers": [s.state_dict() for s in samplers]}
+    state = {"generators": [g.get_state() for g in gens], "samplers": [s.state_dict() for s in samplers]}
+    if dataset is not None:  # a dataset with a state of its own (Lightning saves it too)
+        state["dataset"] = dataset.state_dict()
+    return state
 
 
 def restore(loader: Any, state: dict[str, Any] | None) -> bool:
@@ -147,7 +197,13 @@ def restore(loader: Any, state: dict[str, Any] | None) -> bool:
         source.load_state_dict(state["stateful"])  # type: ignore[attr-defined]
         loader.batches.continue_own_position()  # it continues where it was: skip nothing
         return True
-    gens, samplers = _generators(source), _stateful_samplers(source)
+    gens, samplers, dataset = _generators(source), _stateful_samplers(source), _stateful_dataset(source)
+    if ("dataset" in state) != (dataset is not None):
+        raise ValueError(
+            f"The checkpoint {'holds' if 'dataset' in state else 'holds no'} state of the training dataset, but "
+            f"this fit's dataset ({type(source.dataset).__name__}) {'has no' if dataset is None else 'has a'} "
+            "state_dict / load_state_dict. Fix: resume with the dataset built as before."
+        )
     if len(gens) != len(state["generators"]) or len(samplers) != len(state["samplers"]):
         raise ValueError(
             f"The checkpoint holds the state of {len(state['generators'])} data generator(s) and "
@@ -158,6 +214,8 @@ def restore(loader: Any, state: dict[str, Any] | None) -> bool:
         g.set_state(s.cpu() if isinstance(s, torch.Tensor) else s)
     for sampler, s in zip(samplers, state["samplers"], strict=True):
         sampler.load_state_dict(s)
+    if "dataset" in state:
+        dataset.load_state_dict(state["dataset"])
     return False
 
 
@@ -173,7 +231,7 @@ def order_is_restorable(loader: Any) -> bool:
     if not isinstance(source, tud.DataLoader) or is_stateful_loader(source):
         return True
     if isinstance(source.dataset, tud.IterableDataset):
-        return False
+        return _stateful_dataset(source) is not None  # its state at the epoch start replays the epoch
     stateful = _stateful_samplers(source)
     return all(isinstance(s, _KNOWN_SAMPLERS) or s in stateful for s in _samplers(source))
 

@@ -25,6 +25,7 @@ from fitkit.data import (
     _leaves,
     batch_size_of,
 )
+from fitkit.data.arrays import draw_order
 from fitkit.data.order import set_epoch
 from fitkit.data.resume_order import OrderShare, loader_order, rebuilt
 from fitkit.distributed.group import (
@@ -85,6 +86,7 @@ class ShardedTensorBatches(TensorBatches):
     broadcasts it), cut into global batches of ``batch_size * world_size``; rank ``r`` takes
     the ``r``-th contiguous share of each global batch. Every rank runs
     ``ceil(N / (batch_size * world_size))`` batches; a share of a short last batch may be empty.
+    ``shuffle="batch"`` shuffles the order of the global batches' chunks of rows instead.
     """
 
     def __init__(self, src: TensorBatches):
@@ -117,7 +119,7 @@ class ShardedTensorBatches(TensorBatches):
         skip = skip if skip_samples is None else 0
         perm = None
         if self.shuffle:
-            perm = torch.randperm(self.n) if self.rank == 0 else torch.empty(self.n, dtype=torch.int64)
+            perm = draw_order(self.n, self.shuffle, g) if self.rank == 0 else torch.empty(self.n, dtype=torch.int64)
             perm = _broadcast_from_zero(perm)  # one broadcast of N indices per epoch
             leaves = _leaves(x)
             if leaves and leaves[0].device != perm.device:

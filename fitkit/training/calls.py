@@ -17,6 +17,7 @@ from fitkit.checks import check_bool
 from fitkit.losses.denominators import targets_count
 from fitkit.modes import modes
 from fitkit.training import planning
+from fitkit.training.batch_results import batch_result
 from fitkit.training.budget import fresh_run
 from fitkit.training.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.training.optim import resolve_scheduler
@@ -116,10 +117,11 @@ def predict(model: Model, x: object, o: Mapping[str, Any]) -> Any:
 
 
 def train_on_batch(model: Model, x: object, y: object, sample_weight: object,
-                   class_weight: Mapping[int, float] | None) -> dict[str, float]:  # fmt: skip
+                   class_weight: Mapping[int, float] | None, return_dict: bool = True) -> Any:  # fmt: skip
     """``Model.train_on_batch``: one optimizer step on one batch, its logs."""
     core = model._core
     stepper = core.require_compiled("train_on_batch")
+    check_bool("return_dict", return_dict)
     batch = _data.device_batch(x, y, sample_weight, device=model.device, class_weight=class_weight)
     phases = core.phases
     totals = phases.new_totals()
@@ -128,19 +130,20 @@ def train_on_batch(model: Model, x: object, y: object, sample_weight: object,
             targets_count(model.loss, None):  # fmt: skip
         model.train_step(batch)
     phases.adopt(totals)
-    return totals.result()
+    return batch_result(totals.result(), return_dict)
 
 
-def test_on_batch(model: Model, x: object, y: object, sample_weight: object) -> dict[str, float]:
+def test_on_batch(model: Model, x: object, y: object, sample_weight: object, return_dict: bool = True) -> Any:
     """``Model.test_on_batch``: the logs of one batch in eval mode."""
     core = model._core
     core.require_compiled("test_on_batch")
+    check_bool("return_dict", return_dict)
     batch = _data.device_batch(x, y, sample_weight, device=model.device)
     totals = core.phases.new_totals()
     with modes(model.module, training=False, grad=False), core.phases.running(totals), \
             targets_count(model.loss, None):  # fmt: skip
         model.test_step(batch)
-    return totals.result()
+    return batch_result(totals.result(), return_dict)
 
 
 def predict_on_batch(model: Model, x: object) -> Any:

@@ -10,7 +10,7 @@ import torch
 
 from fitkit.callbacks.accumulation import AccumulationSchedule
 from fitkit.callbacks.swap_ema import compiled_ema
-from fitkit.checks import check_int, check_number
+from fitkit.checks import check_bool, check_int, check_number
 from fitkit.compile import resolve_jit_compile
 from fitkit.devices import PRECISIONS
 from fitkit.losses import resolve_loss
@@ -64,6 +64,8 @@ def compile_model(model: Model, optimizer: object, loss: object, metrics: object
     core, device = model._core, model.device
     _check_precision(o["precision"], device)
     accumulation = _accumulation(o["gradient_accumulation_steps"])
+    check_bool("loss_scale", o["loss_scale"])
+    check_int("micro_batch_size", o["micro_batch_size"], 1, allow_none=True)
     check_number("clip_grad_norm", o["clip_grad_norm"], positive=True, allow_none=True)
     check_number("clip_grad_value", o["clip_grad_value"], positive=True, allow_none=True)
     jit = resolve_jit_compile(o["jit_compile"], device)
@@ -80,6 +82,7 @@ def compile_model(model: Model, optimizer: object, loss: object, metrics: object
     stepper = Stepper(
         opt, sched, o["scheduler_interval"], o["precision"], device, accumulation,
         o["clip_grad_norm"], o["clip_grad_value"], core.parallel, weigh=functools.partial(batch_denominator, model),
-        sums=getattr(loss_fn, "reduction", "mean") == "sum",
+        sums=getattr(loss_fn, "reduction", "mean") == "sum", loss_scale=o["loss_scale"],
+        micro_batch_size=o["micro_batch_size"],
     )  # fmt: skip
     return Compiled(loss_fn, ema, labels, stepper, metric_set.configure(loss_fn, device), jit)

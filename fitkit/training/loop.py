@@ -34,6 +34,7 @@ from fitkit.modes import modes, warn_if_all_eval
 from fitkit.training import run_files
 from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.training.lr_logs import lr_keys, lr_logs
+from fitkit.training.micro_batches import train_in_micro_batches
 from fitkit.training.position import Position
 from fitkit.training.preflight import BatchGuard
 from fitkit.training.resume import Resume
@@ -148,6 +149,7 @@ class FitLoop:
                     epoch_logs = self._named_epoch(epoch, first_step)
                     if epoch_logs is None:  # no batch, or a signal: no partial epoch for callbacks
                         break
+                    _order.dataset_epoch_hook(self.train, "on_epoch_end")  # its training batches are done
                     logs = epoch_logs
                     self.phase = _progress.VALIDATION
                     self._validate(epoch, logs)
@@ -255,6 +257,7 @@ class FitLoop:
         if loader.next_epoch_batches is not None:  # the batches this epoch will really run
             cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
+        _order.dataset_epoch_hook(loader, "on_epoch_begin")  # Keras' PyDataset hook, before the order is kept
         stepper.begin_epoch(epoch, _distributed.host_rows(loader, model.loss))  # host rows: fitkit's shards
         if self.step_val is not None:
             self.step_val.begin_epoch(loader.next_epoch_batches or loader.num_batches, stepper.accumulation)
@@ -268,7 +271,7 @@ class FitLoop:
         guard, interrupt = self.guard, self.interrupt
         skip_single, check_first = guard.skip_single, guard.check_first
         local = model._core.parallel is None  # one process: stops and signals need no agreement
-        budget, step_val = self.plan.max_steps, self.step_val
+        budget, step_val, micro = self.plan.max_steps, self.step_val, stepper.micro_batch_size
         position.enter()
         ran, skipped, begins = False, 0, True
         # an overridden step or compute_loss may make targets of its own from y (-100 where masked)
@@ -286,7 +289,10 @@ class FitLoop:
                     cbs.on_train_batch_begin(step, {})
                 if not local and begins:  # DDP follows a trainable set a callback changed, from this step
                     model._core.refresh_parallel()
-                model.train_step(batch)
+                if micro is None:
+                    model.train_step(batch)
+                else:  # compile(micro_batch_size=...): the batch in chunks, one window place
+                    train_in_micro_batches(model, batch, micro)
                 ran, begins = True, stepper.window.micro_last  # the next micro-batch begins a window
                 position.done(step + 1)
                 if step_val is not None and stepper.window.micro_last:

@@ -27,6 +27,7 @@ from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int,
 from fitkit.training import budget as _budget
 from fitkit.training import reach as _reach
 from fitkit.training.lr_logs import lr_keys
+from fitkit.training.micro_batches import check_micro_batches
 from fitkit.training.optim import check_plateau_mode
 from fitkit.training.preflight import first_batch_check, in_memory_check, leaves_no_trace
 from fitkit.training.quick import QuickRun, check_quick
@@ -130,7 +131,7 @@ def plan_fit(model: Any, x: Any, y: Any, options: Mapping[str, Any]) -> FitPlan:
     _apply_quick(o, quick)
     o["epochs"], fraction = _budget.fractional_epochs(o["epochs"])  # epochs=2.5: a step budget, below
     o["epochs"] = _budget.check_max_steps(o["max_steps"], o["epochs"])
-    _check_scalars(o)
+    _check_scalars(o, x)
     schedule = ValidationSchedule(o["validation_freq"])
     interval = _check_interval(o["validation_interval"], o["validation_freq"], o["validation_data"],
                                o["validation_split"])  # fmt: skip
@@ -188,11 +189,11 @@ def _apply_quick(o: dict[str, Any], quick: QuickRun) -> None:
         o["callbacks"] = [cb for cb in o["callbacks"] if not cb.skip_in_fast_dev_run]
 
 
-def _check_scalars(o: dict[str, Any]) -> None:
+def _check_scalars(o: dict[str, Any], x: Any) -> None:
     check_int("initial_epoch", o["initial_epoch"], 0)
     check_int("validation_steps", o["validation_steps"], 1, allow_none=True, fix=_WHOLE_BATCHES)
     check_int("validation_batch_size", o["validation_batch_size"], 1, allow_none=True)
-    check_bool("shuffle", o["shuffle"])
+    _check_shuffle(o["shuffle"], x)
     check_number("validation_split", o["validation_split"])
     if not 0 <= o["validation_split"] < 1:
         raise ValueError(
@@ -203,6 +204,7 @@ def _check_scalars(o: dict[str, Any]) -> None:
 
 def _check_callbacks(model: Any, callbacks: list[Callback], validates: bool) -> None:
     check_schedules(model, callbacks)
+    check_micro_batches(model)
     check_weight_swaps(model, callbacks, validates=validates)  # one averaged copy validated on, one swapped in
     check_process_resources(callbacks)
 
@@ -285,6 +287,23 @@ def _check_batches_itself(source: Any, size: int | None, name: str, size_name: s
         f"batches (batch_size={source.batch_size!r}), so {size_name}={size!r} would be ignored. Fix: drop "
         f"`{size_name}=` and set the batch size on the DataLoader, or pass its Dataset instead."
     )
+
+
+def _check_shuffle(shuffle: Any, x: Any) -> None:
+    """``shuffle``: a bool, or ``"batch"`` (Keras: chunks of ``batch_size`` rows) for in-memory ``x``."""
+    if shuffle == "batch" and isinstance(shuffle, str):
+        if not _data.is_in_memory(x):
+            raise ValueError(
+                "fit(shuffle='batch') shuffles chunks of batch_size rows of in-memory arrays (Keras' rule). "
+                f"Received: x of type {type(x).__name__}. Fix: pass tensors or arrays, or shuffle=True / False "
+                "(a DataLoader's own sampler decides its order)."
+            )
+        return
+    if not isinstance(shuffle, bool):
+        raise TypeError(
+            f"Expected `shuffle` to be a bool. Received: shuffle={shuffle!r}. Fix: pass True, False or 'batch' "
+            "(Keras: shuffle chunks of batch_size rows)."
+        )
 
 
 def _warn_shuffle_not_applied(x: Any, shuffle: Any) -> None:

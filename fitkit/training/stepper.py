@@ -102,6 +102,13 @@ class Window:
         self.num_items: Any = None
         self.items_here: Any = None
 
+    def place(self, micro_scale: Any, micro_last: bool) -> tuple[Any, bool]:
+        """Set the running micro-batch's share and whether it closes the window (a batch run in
+        chunks, :mod:`fitkit.training.micro_batches`); returns the pair it replaced."""
+        old = self.micro_scale, self.micro_last
+        self.micro_scale, self.micro_last = micro_scale, micro_last
+        return old
+
 
 class FitHooks:
     """What one ``fit`` hands its stepper: made by :meth:`Stepper.fitting`, dropped at its end.
@@ -143,7 +150,7 @@ class Stepper:
         scheduler: the LR scheduler, or ``None``: see
             :class:`~fitkit.training.scheduling.SchedulerDriver`, which holds it.
         scheduler_interval: ``"epoch"`` or ``"step"`` (torch schedulers; timm ones get both).
-        precision: ``"16-mixed"`` adds a ``GradScaler``.
+        precision: ``"16-mixed"`` adds a ``GradScaler`` (unless ``loss_scale`` is ``False``).
         device: the model's device.
         accumulation: micro-batches per optimizer step, or an
             :class:`~fitkit.callbacks.accumulation.AccumulationSchedule` (by epoch, applied at epoch begin).
@@ -155,6 +162,10 @@ class Stepper:
         sums: the loss is a sum (``reduction="sum"``): micro-batches are not scaled by their
             share, and under torchrun each rank's gradient counts whole (DDP's average undone),
             so a step's gradient is the sum over the window and the ranks.
+        loss_scale: under ``"16-mixed"``, scale the loss with a ``GradScaler`` (``False``: no
+            scaler; no step is skipped for an inf gradient).
+        micro_batch_size: split each training batch into chunks of at most this many rows,
+            accumulated into the batch's gradient (:mod:`fitkit.training.micro_batches`).
     """
 
     def __init__(
@@ -170,11 +181,14 @@ class Stepper:
         parallel: Parallel | None = None,
         weigh: Callable[[Batch], Any] | None = None,
         sums: bool = False,
+        loss_scale: bool = True,
+        micro_batch_size: int | None = None,
     ):
         self.optimizer = optimizer
         self.scheduling = SchedulerDriver(optimizer, scheduler, scheduler_interval)  # the LR scheduler and its steps
         self.precision = precision
-        self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
+        # loss_scale=False (Keras' auto_scale_loss=False): fp16 autocast with plain backward and steps
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" and loss_scale else None
         # micro-batches per step by epoch (an AccumulationSchedule), applied at epoch begin
         self.accumulation_schedule = accumulation if isinstance(accumulation, AccumulationSchedule) else None
         self.accumulation = accumulation(0) if isinstance(accumulation, AccumulationSchedule) else accumulation
@@ -188,11 +202,13 @@ class Stepper:
         self.fit = FitHooks()  # the running fit's hooks (see fitting()); outside a fit, none
         self.weigh: Callable[[Batch], Any] = weigh or _batch_weight  # batch -> the denominator of its mean loss
         self.sums = sums  # a reduction="sum" loss: a window's gradient is the sum of its micro-batches'
+        #: rows per forward / backward inside a batch (fitkit.training.micro_batches), or None
+        self.micro_batch_size = micro_batch_size
         self._stepped = True
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
         # it ran, so a skipped step does not advance the scheduler (no extra host sync).
         # Only torch's GradScaler without found_inf skips step() on the host: the one case to watch.
-        watch = precision == "16-mixed" and not self.takes_found_inf
+        watch = self.scaler is not None and not self.takes_found_inf
         self._hook = optimizer.register_step_post_hook(self._mark_stepped) if watch else None
         #: one process and float32: train_step's no_sync and autocast contexts do nothing
         self.plain = parallel is None and precision == "32"
