@@ -31,7 +31,7 @@ from fitkit.data.loaders import known_targets
 from fitkit.distributed import progress as _progress
 from fitkit.losses.denominators import targets_count
 from fitkit.losses.outputs import note_row_weighted, takes_num_items
-from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
+from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name, signal_held
 from fitkit.training.lr_logs import lr_keys, lr_logs
 from fitkit.training.modes import modes, warn_if_all_eval
 from fitkit.training.position import Position
@@ -151,7 +151,9 @@ class FitLoop:
                     if epoch_logs is None:  # no batch, or a signal: no partial epoch for callbacks
                         break
                     logs = epoch_logs
-                    self._validate(epoch, logs)
+                    if self._validate(epoch, logs):  # a signal cut the validation short
+                        self.position.enter()  # the backup: after the epoch's last step, validating again on resume
+                        break
                     # inside-epoch validations stepped a plateau scheduler already
                     stepper.scheduling.step_epoch(epoch, logs, self.validated and self.step_val is None,
                                                   stepper.fit.validates)
@@ -221,7 +223,9 @@ class FitLoop:
         """Whether training ends with ``epoch`` by plan: the last epoch, or the step budget spent."""
         return (self.epochs is not None and epoch == self.epochs - 1) or self.stop.budget_spent()
 
-    def _validate(self, epoch: int, logs: dict[str, float]) -> None:
+    def _validate(self, epoch: int, logs: dict[str, float]) -> bool:
+        """The epoch's validation into ``logs``; ``True`` when a signal cut it short (its values
+        are dropped: a resume from the backup then written runs it again)."""
         self.validated = False
         if self.step_val is not None:  # validated inside the epoch: its last validation's values
             if self.validate_at_end and self._last_epoch(epoch) and self.step_val.last_step != self.model.global_step:
@@ -229,12 +233,15 @@ class FitLoop:
             val_logs = self.step_val.epoch_logs(epoch)
             self.validated = val_logs is not None
             logs.update(val_logs or {})
-            return
+            return signal_held(self.model)
         if self.val is None or self.val_schedule is None or not self.val_schedule(epoch):
-            return
+            return False
         val_logs = run_validation(self.model, self.val, self.callbacks, self.val_steps)
+        if signal_held(self.model):
+            return True
         self.validated = True
         logs.update(record_validation(self.history, self.callbacks, self.model.global_step, epoch, val_logs))
+        return False
 
     def run_epoch(self, epoch: int) -> dict[str, float] | None:
         """One epoch of training batches; ``None`` if the source yielded no batch."""
@@ -286,12 +293,13 @@ class FitLoop:
                     step_val.after_step(step + 1, epoch)  # before the batch's hooks: a backup there holds it
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
+                if not stepper.window.micro_last:
+                    continue  # the loop's invariant 1: every stop waits for the open window's step
                 if (model.stop_training or not local) and self.stop.now():  # min_epochs / min_steps may hold it
                     break
-                if budget is not None and stepper.window.micro_last and stepper.global_step >= budget:
+                if budget is not None and stepper.global_step >= budget:
                     break  # the step budget (a host-side count): the epoch ends here
-                if (stepper.window.micro_last and (not local or interrupt.signum is not None)
-                        and self.stop.at_boundary()):
+                if (not local or interrupt.signum is not None) and self.stop.at_boundary():
                     break
         position.leave()
         return self._end_epoch(epoch, ran or bool(start), skipped, totals)
