@@ -82,7 +82,7 @@ class FitLoop:
         self.position = Position(initial_epoch, batch_size=getattr(train, "batch_size", None),
                                  world=getattr(batches, "world", 1),
                                  n_used=getattr(batches, "n_used", None))  # fmt: skip
-        self.resume = Resume(train, self.position)  # a loaded checkpoint's point, applied once
+        self.resume = Resume(train, self.position, model.stepper.scheduling)  # a loaded point, applied once
         self.stop = StopDecision(model, callbacks, max_steps, min_epochs, min_steps)
         self.epoch_order: dict[str, Any] | None = None  # the loader's own order state at the epoch start
         self.totals: RunningTotals | None = None
@@ -367,5 +367,8 @@ class FitLoop:
         if state["step_in_epoch"]:
             state["epoch_rng"] = position.epoch_rng
             state["trackers"] = self.totals.state_dict() if self.totals is not None else None
+            used = self.model.stepper.scheduling.lrs_used  # the epoch's log reads them (invariant 5)
+            if used is not None:
+                state["lrs_used"] = [float(lr) for lr in used]
         return state
 
