@@ -26,7 +26,13 @@ def signal_held(model: Any) -> bool:
     an eval phase inside the fit (validation, a callback's ``evaluate`` / ``predict``) ends after
     its batch, so the fit stops within one batch (the loop's invariant 2). On one process only:
     under torchrun the ranks validate on and agree at the epoch end (every rank runs the same
-    collectives). One attribute read per batch, no device sync."""
+    collectives). One attribute read per batch, no device sync.
+
+    Example:
+        >>> import torch, fitkit
+        >>> signal_held(fitkit.Model(torch.nn.Linear(1, 1), device="cpu"))  # no fit running
+        False
+    """
     fit = model.running_fit() if model.parallel is None else None
     interrupt = getattr(fit, "interrupt", None)
     return interrupt is not None and interrupt.signum is not None
