@@ -566,7 +566,10 @@ class Model(FilesAndTools):
                 flags): a stop requested earlier (``EarlyStopping``, ``model.stop_training``) is
                 dropped and training goes on, so the callback decides again later. A signal
                 (SIGTERM) and ``max_steps`` still stop. ``ValueError`` above ``epochs`` /
-                ``max_steps``.
+                ``max_steps``. Every stop, whatever its source (these holds, ``max_steps``,
+                ``max_time``, ``EarlyStopping``, ``model.stop_training`` set at any hook, a
+                signal), finishes the open accumulation window: its step applies the window's
+                gradient and the epoch loss holds its loss (Lightning's and the Trainer's rule).
             max_time: a training time budget (Lightning's ``Trainer(max_time=...)``): seconds,
                 a ``datetime.timedelta``, a dict of its keywords or ``"DD:HH:MM:SS"``. Adds a
                 :class:`~fitkit.callbacks.Timer` with that duration (checked after each
@@ -593,8 +596,11 @@ class Model(FilesAndTools):
                 fraction); ``0`` turns validation off. Not with ``validation_steps``.
             num_sanity_val_steps: validation batches run before step 1 (``-1``: all), so a
                 broken validation fails in seconds; no hook runs, nothing is logged, the RNG
-                states, modes and metrics are left as they were. Default 0 (Lightning's is 2;
-                Keras has none). See :mod:`fitkit.training.quick`.
+                states, the loaders' own generators, BatchNorm statistics, modes and metrics
+                are left as they were. A one-shot source (a generator) is teed: the batches
+                checked are validated again; ``-1`` with one that has no ``len()`` is a
+                ``ValueError``. Default 0 (Lightning's is 2; Keras has none). See
+                :mod:`fitkit.training.quick`.
             reset_time: start a fresh run on a trained model (Composer's ``reset_time``):
                 ``global_step`` restarts at 0, so ``max_steps``, ``params["total_steps"]`` and
                 every step count (a ``save_freq`` fraction, ``validation_interval``) count from

@@ -193,13 +193,15 @@ def test_a_signal_mid_epoch_backs_up_that_step_runs_on_train_end_and_the_rerun_i
 
 
 @pytest.mark.slow
-def test_sigterm_during_validation_backs_up_the_epoch_boundary(job, reference):
+def test_sigterm_during_validation_ends_it_and_backs_up_the_epochs_last_step(job, reference):
+    # The loop's invariant 2: the signal ends the validation after its batch; its partial values
+    # are dropped, and the backup holds epoch 1 after its last step, so the resume validates again.
     proc, folder = job("val", "SIGTERM", "val1")  # epoch 1 validates after step 8
     assert proc.returncode == 143, proc.stderr[-2000:]
-    assert _backup(folder) == {"global_step": 8, "epoch": 2, "step_in_epoch": 0, "samples_in_epoch": 0}
+    assert _backup(folder) == {"global_step": 8, "epoch": 1, "step_in_epoch": 4, "samples_in_epoch": 32}
     assert (folder / "train_end.txt").read_text() == "8\n"
     assert _exit(folder) == {**_clean_exit(), "step": 8}  # validation's eval mode is undone too
-    assert len(_csv_rows(folder)) == 3  # epochs 0 and 1 were complete
+    assert len(_csv_rows(folder)) == 2  # epoch 0 was complete; epoch 1's row comes with the resume
     _assert_resumes_bit_exact(job, "val", reference[1], train_end="8\n")
 
 

@@ -23,9 +23,22 @@ import os
 from fractions import Fraction
 from typing import Any
 
-from fitkit.training.budget import fraction_steps
-
 __all__ = ["check_fraction", "fraction_steps", "exception_path", "check_retention", "refuse_overwrite"]
+
+
+def fraction_steps(fraction: Fraction, total: int) -> frozenset[int]:
+    """The values of ``global_step`` after which a run of ``total`` planned steps acts at each
+    ``fraction`` of it (Composer's ``"0.25dur"``): the first step at or past each multiple of
+    ``fraction * total``, and the last step.
+
+    Example:
+        >>> sorted(fraction_steps(Fraction(1, 4), 10))  # 2.5, 5, 7.5, 10 rounded up
+        [3, 5, 8, 10]
+        >>> sorted(fraction_steps(Fraction(3, 10), 7))  # 2.1, 4.2, 6.3, then the end
+        [3, 5, 7]
+    """
+    k = math.floor(1 / fraction)
+    return frozenset(max(1, math.ceil(i * fraction * total)) for i in range(1, k + 1)) | {total}
 
 
 def check_fraction(save_freq: Any) -> Fraction | None:

@@ -8,6 +8,7 @@ device; :class:`ClassWeights` folds ``class_weight`` into the per-sample weights
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -115,7 +116,9 @@ class _IterableBatches:
 
     @property
     def one_shot(self) -> bool:
-        return iter(self.source) is self.source
+        # Only an iterator is asked: iter() of a DataLoader builds one, which draws a seed from the
+        # global RNG or the loader's own generator (a check would leave that trace).
+        return isinstance(self.source, Iterator) and iter(self.source) is self.source
 
     def is_empty_iterator(self) -> bool:
         """Whether a one-shot source (a generator) yields nothing; a batch it yields is put back
@@ -126,11 +129,42 @@ class _IterableBatches:
         first = next(it, _NOTHING)
         if first is _NOTHING:
             return True
-        self.source = itertools.chain([first], it)
+        self.source = _PutBack([first], it)
         return False
+
+    @contextlib.contextmanager
+    def teed(self, n: int) -> Iterator[int]:
+        """A one-shot source's first ``n`` batches for a check (the sanity validation): passes
+        inside the body see only them; afterwards the source yields them again, then the rest,
+        so the check consumes nothing. Yields how many there were (fewer at the source's end)."""
+        rest = iter(self.source)
+        head = list(itertools.islice(rest, n))
+        self.source = iter(head)
+        try:
+            yield len(head)
+        finally:
+            self.source = _PutBack(head, rest)
 
 
 _NOTHING = object()
+
+
+class _PutBack:
+    """A one-shot source whose first batches were looked at: those batches, then the rest.
+    ``len()`` stays the source's (an iterator with ``__len__`` that cycles, Keras' ``Sequence``
+    style, keeps its bound; a generator has none: ``TypeError``, as before)."""
+
+    def __init__(self, head: list[Any], source: Iterator[Any]):
+        self._it, self._source = itertools.chain(head, source), source
+
+    def __iter__(self) -> Iterator[Any]:
+        return self  # still one-shot
+
+    def __next__(self) -> Any:
+        return next(self._it)
+
+    def __len__(self) -> int:
+        return len(self._source)  # type: ignore[arg-type]
 
 
 def source_name(loader: Any) -> str:

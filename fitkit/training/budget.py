@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from fractions import Fraction
 from typing import Any
 
+from fitkit.callbacks.checkpoint_options import fraction_steps
 from fitkit.checks import check_bool, check_int
 
 __all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps", "fresh_run",
@@ -51,21 +52,6 @@ def check_max_steps(max_steps: Any, epochs: Any) -> int | None:
         return 1 if max_steps is None else None
     check_int("epochs", epochs, 0)
     return int(epochs)
-
-
-def fraction_steps(fraction: Fraction, total: int) -> frozenset[int]:
-    """The values of ``global_step`` after which a run of ``total`` planned steps acts at each
-    ``fraction`` of it (Composer's ``"0.25dur"``): the first step at or past each multiple of
-    ``fraction * total``, and the last step.
-
-    Example:
-        >>> sorted(fraction_steps(Fraction(1, 4), 10))  # 2.5, 5, 7.5, 10 rounded up
-        [3, 5, 8, 10]
-        >>> sorted(fraction_steps(Fraction(3, 10), 7))  # 2.1, 4.2, 6.3, then the end
-        [3, 5, 7]
-    """
-    k = math.floor(1 / fraction)
-    return frozenset(max(1, math.ceil(i * fraction * total)) for i in range(1, k + 1)) | {total}
 
 
 class RunFraction:

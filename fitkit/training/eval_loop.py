@@ -14,11 +14,28 @@ from fitkit.modes import modes
 from fitkit.training.host_outputs import HostOutputs
 from fitkit.training.preflight import wrap
 
-__all__ = ["EvalLoop", "PredictLoop"]
+__all__ = ["EvalLoop", "PredictLoop", "signal_held"]
 
 
 def _name(source: Any) -> str:
     return source_name(source)
+
+
+def signal_held(model: Any) -> bool:
+    """Whether the running fit holds a SIGTERM / SIGINT (:func:`fitkit.training.signals.deferred`):
+    an eval phase inside the fit (validation, a callback's ``evaluate`` / ``predict``) ends after
+    its batch, so the fit stops within one batch (the loop's invariant 2). On one process only:
+    under torchrun the ranks validate on and agree at the epoch end (every rank runs the same
+    collectives). One attribute read per batch, no device sync.
+
+    Example:
+        >>> import torch, fitkit
+        >>> signal_held(fitkit.Model(torch.nn.Linear(1, 1), device="cpu"))  # no fit running
+        False
+    """
+    fit = model._core.running_fit() if model._core.parallel is None else None
+    interrupt = getattr(fit, "interrupt", None)
+    return interrupt is not None and interrupt.signum is not None
 
 
 class EvalLoop:
@@ -59,7 +76,7 @@ class EvalLoop:
                 self.batches = step + 1
                 if want:
                     cbs.on_test_batch_end(step, BatchLogs(self.totals.running))
-                if model.stop_evaluating or self.steps is not None and step + 1 >= self.steps:
+                if model.stop_evaluating or self.steps is not None and step + 1 >= self.steps or signal_held(model):
                     break
             if not self.batches:
                 raise ValueError(
@@ -104,7 +121,7 @@ class PredictLoop:
                 cbs.on_predict_batch_end(step, {"outputs": out})
                 outputs.add(out)
                 del out  # the device holds this batch's output only until the next one
-                if model.stop_predicting or self.steps is not None and step + 1 >= self.steps:
+                if model.stop_predicting or self.steps is not None and step + 1 >= self.steps or signal_held(model):
                     break
             cbs.on_predict_end({})
         return _distributed.gather_predictions(outputs.result(), self.loader)  # torchrun: all rows

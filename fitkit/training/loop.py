@@ -32,7 +32,7 @@ from fitkit.losses.denominators import targets_count
 from fitkit.losses.outputs import note_row_weighted, takes_num_items
 from fitkit.modes import modes, warn_if_all_eval
 from fitkit.training import run_files
-from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
+from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name, signal_held
 from fitkit.training.lr_logs import lr_keys, lr_logs
 from fitkit.training.micro_batches import train_in_micro_batches
 from fitkit.training.position import Position
@@ -70,7 +70,7 @@ class FitLoop:
         self.position = Position(plan.initial_epoch, batch_size=getattr(train, "batch_size", None),
                                  world=getattr(batches, "world", 1),
                                  n_used=getattr(batches, "n_used", None))  # fmt: skip
-        self.resume = Resume(train, self.position)  # a loaded checkpoint's point, applied once
+        self.resume = Resume(train, self.position, model._core.stepper.scheduling)  # a loaded point, applied once
         self.stop = StopDecision(model, callbacks, plan.max_steps, plan.min_epochs, plan.min_steps)
         self.epoch_order: dict[str, Any] | None = None  # the loader's own order state at the epoch start
         self.totals: RunningTotals | None = None
@@ -152,7 +152,9 @@ class FitLoop:
                     _order.dataset_epoch_hook(self.train, "on_epoch_end")  # its training batches are done
                     logs = epoch_logs
                     self.phase = _progress.VALIDATION
-                    self._validate(epoch, logs)
+                    if self._validate(epoch, logs):  # a signal cut the validation short
+                        self.position.enter()  # the backup: after the epoch's last step, validating again on resume
+                        break
                     # inside-epoch validations stepped a plateau scheduler already
                     stepper.scheduling.step_epoch(epoch, logs, self.validated and self.step_val is None,
                                                   stepper.fit.validates)
@@ -228,7 +230,9 @@ class FitLoop:
         """Whether training ends with ``epoch`` by plan: the last epoch, or the step budget spent."""
         return (self.plan.epochs is not None and epoch == self.plan.epochs - 1) or self.stop.budget_spent()
 
-    def _validate(self, epoch: int, logs: dict[str, float]) -> None:
+    def _validate(self, epoch: int, logs: dict[str, float]) -> bool:
+        """The epoch's validation into ``logs``; ``True`` when a signal cut it short (its values
+        are dropped: a resume from the backup then written runs it again)."""
         self.validated = False
         if self.step_val is not None:  # validated inside the epoch: its last validation's values
             at_end = self.plan.validate_at_end and self._last_epoch(epoch)
@@ -237,12 +241,15 @@ class FitLoop:
             val_logs = self.step_val.epoch_logs(epoch)
             self.validated = val_logs is not None
             logs.update(val_logs or {})
-            return
+            return signal_held(self.model)
         if self.val is None or self.plan.schedule is None or not self.plan.schedule(epoch):
-            return
+            return False
         val_logs = run_validation(self.model, self.val, self.callbacks, self.plan.validation_steps)
+        if signal_held(self.model):
+            return True
         self.validated = True
         logs.update(record_validation(self.history, self.callbacks, self.model.global_step, epoch, val_logs))
+        return False
 
     def run_epoch(self, epoch: int) -> dict[str, float] | None:
         """One epoch of training batches; ``None`` if the source yielded no batch."""
@@ -299,12 +306,13 @@ class FitLoop:
                     step_val.after_step(step + 1, epoch)  # before the batch's hooks: a backup there holds it
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
+                if not stepper.window.micro_last:
+                    continue  # the loop's invariant 1: every stop waits for the open window's step
                 if (model.stop_training or not local) and self.stop.now():  # min_epochs / min_steps may hold it
                     break
-                if budget is not None and stepper.window.micro_last and stepper.global_step >= budget:
+                if budget is not None and stepper.global_step >= budget:
                     break  # the step budget (a host-side count): the epoch ends here
-                if (stepper.window.micro_last and (not local or interrupt.signum is not None)
-                        and self.stop.at_boundary()):
+                if (not local or interrupt.signum is not None) and self.stop.at_boundary():
                     break
         position.leave()
         self.phase = _progress.EPOCH_END
@@ -374,5 +382,8 @@ class FitLoop:
         if state["step_in_epoch"]:
             state["epoch_rng"] = position.epoch_rng
             state["trackers"] = self.totals.state_dict() if self.totals is not None else None
+            used = self.model._core.stepper.scheduling.lrs_used  # the epoch's log reads them (invariant 5)
+            if used is not None:
+                state["lrs_used"] = [float(lr) for lr in used]
         return state
 

@@ -64,6 +64,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
+def _rates(v: Any) -> bool:
+    """A list of learning rates, one per parameter group (a checkpoint's ``lrs_used``)."""
+    return isinstance(v, list) and all(isinstance(lr, float) for lr in v)
+
+
 def _tuples(obj: Any) -> Any:
     # random.setstate wants tuples; a round trip may hand back lists.
     if isinstance(obj, (list, tuple)):
@@ -260,9 +265,10 @@ class PositionPart(Part):
         "world_size": (optional_check(positive), "an int >= 1 or None"),
         "epoch_rng": (optional_check(torch_rng),
                       f"a torch RNG state (a uint8 tensor of {TORCH_RNG_SIZE} bytes) or None"),
+        "lrs_used": (optional_check(_rates), "a list of floats (each parameter group's rate) or None"),
     }
     optional = frozenset({"samples_in_epoch", "pass_offset", "batch_size", "world_size", "epoch_rng",
-                          "trackers", "data_order", "pass_start"})  # fmt: skip
+                          "trackers", "data_order", "pass_start", "lrs_used"})  # fmt: skip
 
     def __init__(self, model: Model):
         self.model = model

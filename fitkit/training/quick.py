@@ -10,15 +10,14 @@ state across epochs: a resumed fit is given the same arguments again.
 
 from __future__ import annotations
 
-import random
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-import torch
-
 from fitkit.callbacks.base import CallbackList
+from fitkit.data.loaders import source_name
 from fitkit.training.eval_loop import EvalLoop
+from fitkit.training.preflight import leaves_no_trace
 from fitkit.training.validation_sets import ValidationSets
 
 __all__ = ["QuickRun", "check_quick", "sanity_check", "batches_of"]
@@ -217,29 +216,51 @@ def _check_repeatable(x: Any, overfit: int | float) -> None:
 
 
 def sanity_check(model: Any, val: Any, steps: int) -> None:
-    """Run ``steps`` validation batches (-1: all) before training, as Lightning's sanity check.
+    """Run ``steps`` validation batches (-1: all) of every set before training, as Lightning's
+    sanity check; an error in validation (the forward, ``test_step``, a metric) is raised here,
+    before step 1.
 
-    No hook is called and nothing is logged; afterwards the RNG states (python, numpy, torch,
-    CUDA), every submodule's mode and the grad mode, and the metric template are as before.
-    A one-shot validation source (a generator) is not checked: it would lose those batches.
-    An error in validation (the forward, ``test_step``, a metric) is raised here, before step 1.
+    No hook is called, nothing is logged, and nothing of it stays (the loop's invariant 3, see
+    :func:`fitkit.training.preflight.leaves_no_trace`): the global RNGs (python, numpy, torch, the
+    accelerators'), each validation DataLoader's own generators and samplers, the module's
+    buffers (BatchNorm statistics), every submodule's mode, the grad mode and the metric template
+    are as before. A one-shot source (a generator, an iterator) is teed: its first ``steps``
+    batches are checked, and the first validation yields them again.
+
+    Raises:
+        ValueError: ``steps=-1`` with a one-shot source without ``len()`` (all of it would be
+            held in memory), before any set runs.
     """
     if val is None or not steps:
         return
     sets = [(f"validation_data[{n!r}]", v) for n, v in val.items()] if isinstance(val, ValidationSets) \
         else [("validation_data", val)]  # every named set, as Lightning checks each val loader
-    sets = [(what, v) for what, v in sets if not getattr(v.batches, "one_shot", False)]  # would lose batches
-    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-           torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)  # fmt: skip
-    try:
-        # EvalLoop restores the modes; an empty CallbackList: no hook, no log
-        for what, loader in sets:
-            with model._core.phases.template_kept():
-                EvalLoop(model, loader, CallbackList([], model, {}), None if steps < 0 else steps,
-                         what=what).run()  # fmt: skip
-    finally:
-        random.setstate(rng[0])
-        np.random.set_state(rng[1])
-        torch.set_rng_state(rng[2])
-        if rng[3] is not None:
-            torch.cuda.set_rng_state_all(rng[3])
+    counts = [_sanity_batches(what, loader, steps) for what, loader in sets]  # all refusals before any run
+    for (what, loader), n in zip(sets, counts, strict=True):
+        batches = loader.batches
+        with contextlib.ExitStack() as kept:
+            if getattr(batches, "one_shot", False):
+                if not hasattr(batches, "teed"):
+                    continue  # a rank's share of a one-shot source under torchrun: not checked
+                n = kept.enter_context(batches.teed(n))
+            kept.enter_context(leaves_no_trace(model.module, loader))
+            kept.enter_context(model._core.phases.template_kept())
+            # EvalLoop restores the modes; an empty CallbackList: no hook, no log
+            EvalLoop(model, loader, CallbackList([], model, {}), n, what=what).run()
+
+
+def _sanity_batches(what: str, loader: Any, steps: int) -> int | None:
+    """The batches the sanity check runs of ``loader`` (``None``: all of a re-iterable source)."""
+    n = loader.num_batches  # a source with len() stops there (an iterator that cycles too)
+    if steps > 0:
+        return steps if n is None else min(steps, n)
+    if not getattr(loader.batches, "one_shot", False):
+        return None
+    if n is None:
+        raise ValueError(
+            f"Expected `num_sanity_val_steps` >= 1 for `{what}` ({source_name(loader)}), a one-shot source "
+            "without len(): -1 checks all of it, which would then be held in memory so that validation still "
+            f"sees it. Received: num_sanity_val_steps={steps}. Fix: pass num_sanity_val_steps=N (its first N "
+            "batches are checked, then validated as usual), or a re-iterable such as a DataLoader or a list."
+        )
+    return n

@@ -12,12 +12,15 @@ classes and state-dict keys: only the units' ``forward`` is replaced, on the ins
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 __all__ = ["checkpoint_activations", "checkpointed_units", "check_recompute"]
 
@@ -95,14 +98,46 @@ def checkpoint_activations(module: nn.Module, spec: Any) -> list[nn.Module]:
 
 
 class _Checkpointed:
-    """A unit's forward under ``checkpoint`` when it trains with autograd on, else plain."""
+    """A unit's forward under ``checkpoint`` when it trains with autograd on, else plain.
+
+    Every training forward counts once (the loop's invariant 4): the recomputation in the
+    backward leaves the running statistics of the unit's norm layers (BatchNorm, InstanceNorm
+    with ``track_running_stats``: ``running_mean``, ``running_var``, ``num_batches_tracked``) as
+    the forward left them, so they move once per step, as in the plain run. The values do not
+    change: a norm layer in training mode normalizes by the batch's own statistics.
+    """
 
     def __init__(self, unit: nn.Module):
         self.unit = unit
         self.plain = unit.forward
+        self.norms = [m for m in unit.modules() if isinstance(m, _NormBase)]
         functools.update_wrapper(self, type(unit).forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.unit.training and torch.is_grad_enabled():
-            return checkpoint(self.plain, *args, use_reentrant=False, **kwargs)
+            context = self._contexts if self.norms else noop_context_fn
+            return checkpoint(self.plain, *args, use_reentrant=False, context_fn=context, **kwargs)
         return self.plain(*args, **kwargs)
+
+    def _contexts(self) -> tuple[Any, Any]:
+        """``checkpoint``'s (forward, recomputation) contexts: the statistics stay still in the second."""
+        return contextlib.nullcontext(), _stats_still(self.norms)
+
+
+@contextlib.contextmanager
+def _stats_still(norms: list[_NormBase]) -> Iterator[None]:
+    """The norm layers' running statistics as before the body (a recomputed forward): copied
+    (a few vectors per layer, once per step) and written back through ``.data``, so the graph the
+    recomputation saved sees no in-place change."""
+    saved = [[b.detach().clone() for b in _stats(m)] for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, values in zip(norms, saved, strict=True):
+                for b, v in zip(_stats(m), values, strict=True):
+                    b.data.copy_(v)
+
+
+def _stats(norm: _NormBase) -> list[torch.Tensor]:
+    return [b for b in (norm.running_mean, norm.running_var, norm.num_batches_tracked) if b is not None]

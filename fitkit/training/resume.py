@@ -37,6 +37,9 @@ class Resume:
     Args:
         train: the fit's training :class:`~fitkit.data.DeviceLoader`.
         position: the fit's :class:`~fitkit.training.position.Position` (moved to the resumed batch).
+        scheduling: the stepper's scheduler driver: a checkpoint inside an epoch gives it back
+            the learning rates the epoch's last step used (``lrs_used``), which the epoch logs
+            (the loop's invariant 5: a backup at an epoch's last batch logs that batch's rate).
 
     Example:
         >>> resume = Resume(train=None, position=None)
@@ -44,8 +47,8 @@ class Resume:
         (None, (0, None))
     """
 
-    def __init__(self, train: DeviceLoader | None, position: Position | None):
-        self.train, self.position = train, position
+    def __init__(self, train: DeviceLoader | None, position: Position | None, scheduling: Any = None):
+        self.train, self.position, self.scheduling = train, position, scheduling
         self.pending: ResumePoint | None = None  # taken, not yet applied to an epoch
         # steps_per_epoch: a boundary resume's carried-over pass (offset, what drew it), for its epoch
         self.epoch_pass: tuple[int, dict[str, Any] | None] = (0, None)
@@ -111,6 +114,8 @@ class Resume:
         set_rng_state(point.rng)
         totals.load_state_dict(point.trackers, owner=_distributed.is_rank_zero(), rank=_distributed.rank(),
                               ranks=_distributed.world_size())
+        if self.scheduling is not None:
+            self.scheduling.keep_lrs_used(point.state.get("lrs_used"))
         return (it if first is None else _chain(first, it)), done
 
 

@@ -39,6 +39,7 @@ from fitkit.callbacks.logkeys import per_validation
 from fitkit.checks import check_int, check_number
 from fitkit.training import checkpoint as _checkpoint
 from fitkit.training.budget import RunFraction
+from fitkit.training.eval_loop import signal_held
 from fitkit.training.validation_sets import run_validation
 
 __all__ = ["ValidationSchedule", "ValidationInterval", "StepValidation", "record_validation", "per_validation"]
@@ -246,6 +247,8 @@ class StepValidation:
             val_logs = run_validation(self.model, self.val, self.callbacks, self.steps)
         finally:
             _checkpoint.set_rng_state(rng)
+        if signal_held(self.model):  # a signal cut it short: its partial values count nowhere
+            return
         stepper.scheduling.step_on_validation(epoch, val_logs)  # a compiled ReduceLROnPlateau
         record_validation(self.history, self.callbacks, self.last_step, epoch, val_logs)
         self._since = self.interval.clock()

@@ -249,7 +249,8 @@ class Stepper:
                       stop: Callable[[], bool]) -> Iterator[tuple[int, Batch]]:  # fmt: skip
         """``(batch_index, batch)`` from ``start``, each micro-batch's window place set.
 
-        ``stop()`` is asked after each batch of a window; a stop ends the epoch there.
+        ``stop()`` is asked after the last batch of each window; a stop ends the epoch there (a
+        window is never cut: the loop's invariant 1, see :meth:`fitkit.training.loop.FitLoop.run_epoch`).
         """
         if self.accumulation == 1 and self.parallel is None and self.fit.items is None:  # every batch is a window
             window = self.window
@@ -304,7 +305,7 @@ class Stepper:
                 window.micro_last = i == len(group) - 1
                 yield step, batch
                 step += 1
-                if stop():
+                if window.micro_last and stop():
                     return
 
     @contextlib.contextmanager

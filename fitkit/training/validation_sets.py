@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fitkit.training.eval_loop import EvalLoop
+from fitkit.training.eval_loop import EvalLoop, signal_held
 
 __all__ = ["ValidationSets", "named_sets", "prefixed_keys", "run_validation"]
 
@@ -158,6 +158,8 @@ def run_validation(model: Any, validation: Any, callbacks: Any, steps: int | Non
     logs: dict[str, float] = {}
     for i, (name, loader) in enumerate(validation.items()):
         label = what if what == "evaluate" else f"{what}[{name!r}]"  # "evaluate": a loss of nothing is an error
+        if i and signal_held(model):
+            break  # a signal: the fit stops; the sets after this one do not run
         set_logs = EvalLoop(model, loader, callbacks, steps, what=label).run()
         if i == 0 and what != "evaluate":
             logs.update(set_logs)

@@ -1,0 +1,158 @@
+"""The loop's invariant 2: every phase honours its source's bound.
+
+Train, validation (a set, or each named set), the sanity validation, ``evaluate`` and
+``predict`` stop at ``len()`` of a source that has one, an iterator that cycles forever included
+(``__iter__`` returns itself and ``__len__`` bounds a pass, as a Keras ``Sequence`` adapter or
+Poutyne's), and at ``steps`` (``steps_per_epoch``, ``validation_steps``, ``steps``) for an endless
+source without a length. Property: every phase x every source kind gives the values of a hand
+computation over exactly the first pass (the model does not learn: ``lr=0``), and a source that
+is pulled past its bound fails instead of hanging. And a SIGTERM during any validation inside
+``fit`` ends it after that batch, with the backup at the last optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import fitkit
+from fitkit.callbacks import BackupAndRestore
+from tests.conftest import fixed_linear
+
+N, B = 3, 4  # batches of a pass, rows of a batch
+GEN = torch.Generator().manual_seed(0)
+X, Y = torch.randn(N * B, 2, generator=GEN), torch.randn(N * B, 1, generator=GEN)
+BATCHES = [(X[i * B:(i + 1) * B], Y[i * B:(i + 1) * B]) for i in range(N)]
+
+
+class Cycling:
+    """``__iter__`` returns itself; ``__len__`` (when given) bounds a pass; it never runs out.
+    Pulled past ``limit`` it raises, so a phase that ignores its bound fails instead of hanging."""
+
+    def __init__(self, length: int | None = N, limit: int = 40, on_pull=None):
+        self.length, self.limit, self.on_pull, self.pulls = length, limit, on_pull, 0
+
+    def __len__(self):
+        if self.length is None:
+            raise TypeError("no len()")
+        return self.length
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.pulls += 1
+        if self.pulls > self.limit:
+            raise RuntimeError(f"pulled {self.pulls} batches: the phase ignored its bound")
+        if self.on_pull is not None:
+            self.on_pull(self.pulls)
+        return BATCHES[(self.pulls - 1) % N]
+
+
+def _endless():
+    """An endless generator (no ``len()``): bounded only by ``steps``."""
+    i = 0
+    while True:
+        if i >= 40:
+            raise RuntimeError("an endless generator pulled past its steps")
+        yield BATCHES[i % N]
+        i += 1
+
+
+SOURCES = {
+    "list": lambda: list(BATCHES),
+    "DataLoader": lambda: DataLoader(TensorDataset(X, Y), batch_size=B),
+    "generator": lambda: (b for b in BATCHES),
+    "cycling iterator with len": lambda: Cycling(),
+    "endless generator + steps": _endless,
+}
+PHASES = ["train", "validation", "named validation", "sanity", "evaluate", "predict"]
+
+
+def _model() -> fitkit.Model:
+    model = fitkit.Model(fixed_linear(2, 1, weight=0.5, bias=0.25), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss="mse")
+    return model
+
+
+def _hand_loss() -> float:
+    """The mean loss of one pass, by rows (every batch has B rows)."""
+    with torch.no_grad():
+        net = fixed_linear(2, 1, weight=0.5, bias=0.25)
+        return sum(torch.nn.functional.mse_loss(net(x), y).item() * B for x, y in BATCHES) / (N * B)
+
+
+def _run(phase: str, kind: str):
+    """The phase's value over its source, and the value a hand computation gives."""
+    model, source = _model(), SOURCES[kind]()
+    endless = kind.startswith("endless")
+    if phase == "train":
+        history = model.fit(source, epochs=1, verbose=0, steps_per_epoch=N if endless else None)
+        assert model.global_step == N
+        return history.history["loss"], [_hand_loss()]
+    if phase in ("validation", "named validation", "sanity"):
+        val = {"a": source, "b": list(BATCHES)} if phase == "named validation" else source
+        history = model.fit(list(BATCHES), epochs=1, verbose=0, validation_data=val,
+                            validation_steps=N if endless else None, num_sanity_val_steps=2 if phase == "sanity" else 0)
+        key = "val_a_loss" if phase == "named validation" else "val_loss"
+        return history.history[key], [_hand_loss()]
+    if phase == "evaluate":
+        return model.evaluate(source, verbose=0, steps=N if endless else None, return_dict=True)["loss"], _hand_loss()
+    out = model.predict(source, verbose=0, steps=N if endless else None)
+    with torch.no_grad():
+        return out, model.module(X)
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+@pytest.mark.parametrize("phase", PHASES)
+def test_every_phase_stops_at_its_sources_bound(phase, kind):
+    got, expected = _run(phase, kind)
+    if isinstance(got, torch.Tensor):
+        assert got.shape == (N * B, 1) and torch.equal(got, expected)
+    else:
+        assert got == expected  # the batches' float32 losses, summed by rows in float64
+
+
+def test_validation_of_a_cycling_iterator_stops_at_its_len_every_epoch():
+    """The issue's example: ``fit(validation_data=it)`` validated forever (a regression)."""
+    source = Cycling()
+    history = _model().fit(list(BATCHES), epochs=3, verbose=0, validation_data=source)
+    assert source.pulls == 3 * N  # one pass per epoch, the first batch's check put back
+    assert history.history["val_loss"] == [_hand_loss()] * 3
+
+
+def _val_fit(tmp_path, where: str, source: Cycling):
+    model = fitkit.Model(fixed_linear(2, 1, weight=0.5), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.125), loss="mse")
+    kwargs: dict = {"validation_data": source}
+    if where == "named sets":
+        kwargs["validation_data"] = {"a": list(BATCHES), "b": source, "c": list(BATCHES)}
+    if where == "inside the epoch":
+        kwargs["validation_interval"] = 2
+    backup = BackupAndRestore(tmp_path / "backup")
+    with pytest.raises(SystemExit) as exit_info:
+        model.fit(list(BATCHES), epochs=2, verbose=0, callbacks=[backup], **kwargs)
+    return model, exit_info.value.code
+
+
+@pytest.mark.parametrize("where", ["epoch end", "named sets", "inside the epoch"])
+def test_a_sigterm_during_validation_ends_it_within_one_batch(tmp_path, where):
+    pulls_at_signal: list[int] = []
+
+    def signal_on_second(pull: int) -> None:
+        if pull == 2 and not pulls_at_signal:
+            pulls_at_signal.append(pull)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    source = Cycling(length=1000, limit=1000, on_pull=signal_on_second)  # validation that would take 1000 batches
+    model, code = _val_fit(tmp_path, where, source)
+    assert code == 128 + signal.SIGTERM
+    assert source.pulls == 2  # the batch the signal came in was the last one validated
+    steps = 2 if where == "inside the epoch" else N  # the validation after step 2, or at epoch 0's end
+    assert model.global_step == steps
+    saved = torch.load(tmp_path / "backup" / "backup.pt", weights_only=False)
+    assert saved["global_step"] == steps  # the backup holds the last optimizer step
