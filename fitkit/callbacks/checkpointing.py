@@ -102,7 +102,8 @@ class ModelCheckpoint(StatefulCallback):
             peers' names: the Trainer's ``save_total_limit``, torchtitan's ``keep_latest_k``,
             Accelerate's ``total_limit``. Not with ``save_top_k`` (which keeps the best k).
             ``0``: keep none after the run: the newest is kept while it runs (a crash leaves one
-            to resume from) and deleted when ``fit`` ends, so only the best file
+            to resume from) and deleted when ``fit`` ends (kept when a SIGTERM / SIGINT stops
+            it: the preempted run resumes from it), so only the best file
             (``save_best_only``) and ``save_last``'s remain (one of them is required).
         save_overwrite: ``False``: never replace a file that was on disk when the fit began
             (Composer's ``overwrite=False``): writing one raises ``FileExistsError`` and writes
@@ -454,7 +455,9 @@ class ModelCheckpoint(StatefulCallback):
             self._batches_seen = 0
             self._decide(self.model.epoch, self._last_batch, logs or {})
             self._write()
-        if self.keep_last == 0:  # keep none after the run: the best and save_last's file remain
+        loop = self.model.running_fit()
+        stopped_by_signal = loop is not None and getattr(loop.interrupt, "signum", None) is not None
+        if self.keep_last == 0 and not stopped_by_signal:  # keep none after the run (a preempted run keeps it)
             done, self.recent = self.recent, []
             if is_rank_zero():
                 for p in done:
