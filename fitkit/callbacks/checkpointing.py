@@ -115,7 +115,8 @@ class ModelCheckpoint(StatefulCallback):
             kill, ``KeyboardInterrupt`` or ``SystemExit`` (a signal is ``BackupAndRestore``'s).
             Under gradient accumulation, a crash inside a window leaves that window's gradients
             out of the file (its earlier micro-batches count as trained); under torchrun every
-            rank must raise, as a save is a collective.
+            rank must raise, as a save is a collective. With ``save_overwrite=False`` a file
+            there before the fit began is left as it was (the error goes on, nothing written).
         save_first_step: also write a file of ``filepath`` after the first optimizer step of
             each fit (the Trainer's ``logging_first_step``), so a broken path or a state that
             does not save fails at once. Not with ``save_best_only`` / ``save_top_k``, nor with
@@ -303,7 +304,6 @@ class ModelCheckpoint(StatefulCallback):
         # Before step 1: every key the decisions read can hold a value when they are taken.
         batch_level = (1 if self.train_time_interval is not None else None) if self.save_freq == "epoch" \
             else (1 if self._fraction is not None else self.save_freq)  # fmt: skip
-        self._plan_fraction()  # before step 1: an unknown plan is refused
         self._since, self._time_agreed = self.clock(), False  # train_time_interval counts from each fit's start
         if "batch" in self._fields and batch_level is None:
             raise ValueError(
@@ -324,7 +324,7 @@ class ModelCheckpoint(StatefulCallback):
             self._lock()
         super().on_train_begin(logs)
         self._pending = self._pending_last = None  # never a file decided by a fit that raised
-        self._plan_fraction()  # again: the state was reset (or kept) above
+        self._plan_fraction()  # before step 1 (an unknown plan is refused), after the state's reset above
         self._first_done = False
         if not self.save_overwrite:  # what is on disk now is not this fit's to replace
             paths = [*glob.glob(_glob_of(self.filepath)), self.last_path, self.exception_path]
@@ -466,8 +466,9 @@ class ModelCheckpoint(StatefulCallback):
 
     def _save_on_exception(self) -> None:
         """``fit`` raised after a step: the state of the last completed batch, resumable."""
-        if self.exception_path is not None:
-            self.model.save_checkpoint(self.exception_path)
+        path = self.exception_path
+        if path is not None and (self.save_overwrite or os.path.abspath(path) not in self._existing):
+            self.model.save_checkpoint(path)
             say(self.verbose, f"fit raised: saved {self.exception_path}.")
 
     def _save_on_epoch_end(self, epoch, logs=None):
