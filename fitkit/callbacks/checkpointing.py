@@ -255,6 +255,7 @@ class ModelCheckpoint(StatefulCallback):
         self.save_overwrite, self.save_first_step = bool(save_overwrite), bool(save_first_step)
         self._existing: set[str] = set()  # files on disk when the fit began (save_overwrite=False)
         self._own: set[str] = set()  # files this callback wrote (also before a resume)
+        self._signalled = False  # a SIGTERM / SIGINT stopped this fit
 
     def _reset(self) -> None:
         t = self.initial_value_threshold
@@ -325,7 +326,7 @@ class ModelCheckpoint(StatefulCallback):
         super().on_train_begin(logs)
         self._pending = self._pending_last = None  # never a file decided by a fit that raised
         self._plan_fraction()  # before step 1 (an unknown plan is refused), after the state's reset above
-        self._first_done = False
+        self._first_done = self._signalled = False
         if not self.save_overwrite:  # what is on disk now is not this fit's to replace
             paths = [*glob.glob(_glob_of(self.filepath)), self.last_path, self.exception_path]
             self._existing = {os.path.abspath(p) for p in paths if p is not None and os.path.exists(p)}
@@ -455,14 +456,16 @@ class ModelCheckpoint(StatefulCallback):
             self._batches_seen = 0
             self._decide(self.model.epoch, self._last_batch, logs or {})
             self._write()
-        loop = self.model.running_fit()
-        stopped_by_signal = loop is not None and getattr(loop.interrupt, "signum", None) is not None
-        if self.keep_last == 0 and not stopped_by_signal:  # keep none after the run (a preempted run keeps it)
+        if self.keep_last == 0 and not self._signalled:  # keep none after the run (a preempted run keeps it)
             done, self.recent = self.recent, []
             if is_rank_zero():
                 for p in done:
                     if p != self.best_path and self._owned.owns(p):
                         Path(p).unlink(missing_ok=True)
+
+    def _save_on_interrupt(self) -> None:
+        """A SIGTERM / SIGINT stops the fit: ``keep_last=0`` keeps its newest file for the resume."""
+        self._signalled = True
 
     def _save_on_exception(self) -> None:
         """``fit`` raised after a step: the state of the last completed batch, resumable."""
