@@ -211,3 +211,17 @@ def test_save_first_step_writes_a_file_after_step_1(tmp_path):
     assert _files(tmp_path) == ["s01.pt", "s05.pt", "s10.pt"]
     torch.testing.assert_close(torch.load(tmp_path / "s01.pt", weights_only=True), _hand_weights(1, 4),
                                rtol=1e-6, atol=1e-7)
+
+
+def test_keep_last_0_keeps_the_newest_file_of_a_run_stopped_by_sigterm(tmp_path):
+    import signal
+
+    def term(epoch, logs):
+        if epoch == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # held to the step boundary, then SystemExit(143)
+
+    with pytest.raises(SystemExit) as info:
+        _model().fit(X, Y, batch_size=10, epochs=4, verbose=0, callbacks=[LambdaCallback(on_epoch_end=term),
+                     ModelCheckpoint(tmp_path / "e{epoch}.pt", keep_last=0, save_last=True)])  # fmt: skip
+    assert info.value.code == 143
+    assert _files(tmp_path) == ["e2.pt", "last.pt"]  # the preempted run's newest file stays for its resume

@@ -102,7 +102,8 @@ class ModelCheckpoint(StatefulCallback):
             peers' names: the Trainer's ``save_total_limit``, torchtitan's ``keep_latest_k``,
             Accelerate's ``total_limit``. Not with ``save_top_k`` (which keeps the best k).
             ``0``: keep none after the run: the newest is kept while it runs (a crash leaves one
-            to resume from) and deleted when ``fit`` ends, so only the best file
+            to resume from) and deleted when ``fit`` ends (kept when a SIGTERM / SIGINT stops
+            it: the preempted run resumes from it), so only the best file
             (``save_best_only``) and ``save_last``'s remain (one of them is required).
         save_overwrite: ``False``: never replace a file that was on disk when the fit began
             (Composer's ``overwrite=False``): writing one raises ``FileExistsError`` and writes
@@ -114,7 +115,8 @@ class ModelCheckpoint(StatefulCallback):
             kill, ``KeyboardInterrupt`` or ``SystemExit`` (a signal is ``BackupAndRestore``'s).
             Under gradient accumulation, a crash inside a window leaves that window's gradients
             out of the file (its earlier micro-batches count as trained); under torchrun every
-            rank must raise, as a save is a collective.
+            rank must raise, as a save is a collective. With ``save_overwrite=False`` a file
+            there before the fit began is left as it was (the error goes on, nothing written).
         save_first_step: also write a file of ``filepath`` after the first optimizer step of
             each fit (the Trainer's ``logging_first_step``), so a broken path or a state that
             does not save fails at once. Not with ``save_best_only`` / ``save_top_k``, nor with
@@ -253,6 +255,7 @@ class ModelCheckpoint(StatefulCallback):
         self.save_overwrite, self.save_first_step = bool(save_overwrite), bool(save_first_step)
         self._existing: set[str] = set()  # files on disk when the fit began (save_overwrite=False)
         self._own: set[str] = set()  # files this callback wrote (also before a resume)
+        self._signalled = False  # a SIGTERM / SIGINT stopped this fit
 
     def _reset(self) -> None:
         t = self.initial_value_threshold
@@ -302,7 +305,6 @@ class ModelCheckpoint(StatefulCallback):
         # Before step 1: every key the decisions read can hold a value when they are taken.
         batch_level = (1 if self.train_time_interval is not None else None) if self.save_freq == "epoch" \
             else (1 if self._fraction is not None else self.save_freq)  # fmt: skip
-        self._plan_fraction()  # before step 1: an unknown plan is refused
         self._since, self._time_agreed = self.clock(), False  # train_time_interval counts from each fit's start
         if "batch" in self._fields and batch_level is None:
             raise ValueError(
@@ -323,8 +325,8 @@ class ModelCheckpoint(StatefulCallback):
             self._lock()
         super().on_train_begin(logs)
         self._pending = self._pending_last = None  # never a file decided by a fit that raised
-        self._plan_fraction()  # again: the state was reset (or kept) above
-        self._first_done = False
+        self._plan_fraction()  # before step 1 (an unknown plan is refused), after the state's reset above
+        self._first_done = self._signalled = False
         if not self.save_overwrite:  # what is on disk now is not this fit's to replace
             paths = [*glob.glob(_glob_of(self.filepath)), self.last_path, self.exception_path]
             self._existing = {os.path.abspath(p) for p in paths if p is not None and os.path.exists(p)}
@@ -454,17 +456,22 @@ class ModelCheckpoint(StatefulCallback):
             self._batches_seen = 0
             self._decide(self.model.epoch, self._last_batch, logs or {})
             self._write()
-        if self.keep_last == 0:  # keep none after the run: the best and save_last's file remain
+        if self.keep_last == 0 and not self._signalled:  # keep none after the run (a preempted run keeps it)
             done, self.recent = self.recent, []
             if is_rank_zero():
                 for p in done:
                     if p != self.best_path and self._owned.owns(p):
                         Path(p).unlink(missing_ok=True)
 
+    def _save_on_interrupt(self) -> None:
+        """A SIGTERM / SIGINT stops the fit: ``keep_last=0`` keeps its newest file for the resume."""
+        self._signalled = True
+
     def _save_on_exception(self) -> None:
         """``fit`` raised after a step: the state of the last completed batch, resumable."""
-        if self.exception_path is not None:
-            self.model.save_checkpoint(self.exception_path)
+        path = self.exception_path
+        if path is not None and (self.save_overwrite or os.path.abspath(path) not in self._existing):
+            self.model.save_checkpoint(path)
             say(self.verbose, f"fit raised: saved {self.exception_path}.")
 
     def _save_on_epoch_end(self, epoch, logs=None):
