@@ -43,12 +43,13 @@ from fitkit.files.differences import check_state_dict_fits
 from fitkit.losses import MultiLoss, resolve_loss
 from fitkit.losses.denominators import denominator, objective, targets_count
 from fitkit.losses.labels import LABELS, resolve_label_names
-from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
+from fitkit.losses.outputs import module_inputs, own_loss, own_objective, prediction_of, require_prediction, targets_of
 from fitkit.metrics import MetricSet
 from fitkit.tools.summary import summary_table
 from fitkit.training import checkpoint as _checkpoint
 from fitkit.training import planning
 from fitkit.training.accumulation import AccumulationSchedule
+from fitkit.training.budget import check_minimums
 from fitkit.training.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.training.modes import modes
 from fitkit.training.optim import check_plateau_mode, resolve_optimizer, resolve_scheduler
@@ -712,6 +713,8 @@ class Model:
             validation_batch_size=validation_batch_size, validation_freq=validation_freq, max_steps=max_steps,
             validation_interval=validation_interval, quick=quick,
         )  # fmt: skip
+        if not quick.active:  # a quick run replaces the budgets; fitkit.training.budget
+            check_minimums(min_epochs, min_steps, plan.shown_epochs, plan.total_steps, plan.steps_of)
         self._keep_example(plan.example)
         sanity_check(self, plan.val, quick.sanity_steps)  # before step 1: a broken validation fails now
         self._require_compiled("fit").scheduling.build_planned(plan.total_steps, resolve_scheduler)
@@ -1031,10 +1034,12 @@ class Model:
         ``w`` is 1 without sample weights (see :mod:`fitkit.losses.denominators`). Override it to add
         terms (e.g. a regularizer); ``x`` is there for losses that need it. With
         ``compile(loss=None)``, a module output that carries its own ``"loss"`` (Hugging Face
-        models called with ``labels``) is the objective. With a compiled loss and no ``y``, a dict
-        batch's ``"labels"`` are the targets (the Transformers Trainer's default ``label_names``), for
-        the metrics too; the default steps then leave ``labels`` out of the module's inputs, as the
-        Trainer does for a custom loss, so the model does not compute a loss of its own.
+        models called with ``labels``) is the objective: a 0-dim loss as it is (sample weights are
+        refused: they cannot reach it), a ``(B,)`` one (per sample) as ``sum(w * l) / sum(w)``.
+        With a compiled loss and no ``y``, a dict batch's ``"labels"`` are the targets (the
+        Transformers Trainer's default ``label_names``), for the metrics too; the default steps
+        then leave ``labels`` out of the module's inputs, as the Trainer does for a custom loss,
+        so the model does not compute a loss of its own.
 
         Args:
             x: the batch's inputs.
@@ -1051,8 +1056,8 @@ class Model:
         """
         if self.loss is None:
             own = own_loss(y_pred)
-            if own is not None:
-                return own
+            if own is not None:  # a (B,) own loss takes sample weights; a 0-dim one refuses them
+                return own_objective(own, sample_weight)
             raise RuntimeError(
                 "No loss to compute: none was compiled and the module's output carries no 'loss' (a "
                 "Hugging Face model computes one only when its inputs hold `labels`). Fix: put the "

@@ -114,7 +114,9 @@ assert third_history.history == history.history
 # ``model.save_weights(path, trainable_only=True)`` writes the trainable parameters alone (the
 # adapters: kilobytes, not the base model), and ``load_weights(path, trainable_only=True)`` puts
 # them back into a model built the same way from the same base weights, as the Trainer saves only
-# the adapters of a ``PeftModel``.
+# the adapters of a ``PeftModel``. ``trainable_only`` takes a bool (a string such as ``"no"`` is a
+# ``TypeError``), and with every parameter frozen ``save_weights(..., trainable_only=True)`` is a
+# ``ValueError``: the file would hold nothing.
 #
 # The Trainer's ``neftune_noise_alpha`` is the callback :class:`~fitkit.callbacks.NEFTune`:
 # ``fit(..., callbacks=[NEFTune(noise_alpha=5.0)])`` adds the paper's uniform noise to the

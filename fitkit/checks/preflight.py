@@ -36,6 +36,7 @@ from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
 from fitkit.data import order as _order
 from fitkit.devices import accelerator_rng_state, set_accelerator_rng_state
+from fitkit.losses.labels import check_label_keys
 from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
 from fitkit.training.modes import modes
 
@@ -325,6 +326,7 @@ def first_batch_check(
     """
     x, y, w = batch
     module = model.module
+    check_label_keys(model.label_names, module, x)  # compile(label_names=) that would be ignored
     if not model.default_test_step:
         _check_with_test_step(model, batch, label)
         return x
@@ -340,7 +342,7 @@ def first_batch_check(
             raise wrap("module's forward", batch, e, module, label=label) from e
         if model.loss is None and model.default_compute_loss:
             if own_loss(y_pred) is not None:
-                check_class_range(None, prediction_of(y_pred), y_all)
+                _check_own_loss(model, batch, y_pred, y_all)
             elif training:
                 model.compute_loss(x, y, y_pred, w)  # raises: nothing to train on, and the fix
             if grad:
@@ -369,6 +371,14 @@ def first_batch_check(
             except Exception as e:
                 raise wrap("metrics", batch, e, module, label=label) from e
     return x
+
+
+def _check_own_loss(model: Model, batch: tuple[Any, Any, Any], y_pred: Any, y_all: Any) -> None:
+    """A module's own loss: its labels in range, and sample weights only where they reach it."""
+    x, y, w = batch
+    check_class_range(None, prediction_of(y_pred), y_all)
+    if w is not None:  # raises where the weights cannot reach the module's own loss (a 0-dim mean)
+        model.compute_loss(x, y, y_pred, w)
 
 
 def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:

@@ -362,6 +362,7 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
     if isinstance(loss, nn.Module):
         module_kind = next((k for cls, k in _MODULE_KINDS.items() if type(loss) is cls), None)
         if module_kind is not None:
+            _check_reduction(loss)
             base = loss
 
             def call(y_pred, y, reduction="mean", _base=base):
@@ -386,6 +387,32 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
         "Expected `loss` to be a name, an nn.Module or a callable loss(y_pred, y). "
         f"Received: loss={loss!r} of type {type(loss).__name__}."
     )
+
+
+#: The reductions of torch's loss modules (``nn.MSELoss(reduction=...)``).
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_reduction(loss: nn.Module) -> None:
+    """A torch loss module's ``reduction`` is one torch knows: torch takes any string when the
+    module is built and fails (or not) only inside the kernel, and fitkit would train a mean.
+
+    Raises:
+        ValueError: another ``reduction``.
+
+    Example:
+        >>> _check_reduction(nn.MSELoss(reduction="bogus"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `reduction` of MSELoss to be one of 'mean', 'sum', 'none'. Received: reduction='bogus'. ...
+    """
+    reduction = getattr(loss, "reduction", "mean")
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"Expected `reduction` of {type(loss).__name__} to be one of 'mean', 'sum', 'none'. Received: "
+            f"reduction={reduction!r}. Fix: build the loss with reduction='mean' (fitkit's default), 'sum', or "
+            "'none' (trained as a mean)."
+        )
 
 
 def _weighted(loss: Any, loss_weights: Any) -> Loss | MultiLoss:

@@ -14,12 +14,12 @@ other module: ``("labels",)``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
-__all__ = ["LABELS", "default_label_names", "resolve_label_names"]
+__all__ = ["LABELS", "default_label_names", "resolve_label_names", "check_label_keys"]
 
 LABELS: tuple[str, ...] = ("labels",)
 _SPANS = ("start_positions", "end_positions")
@@ -79,3 +79,31 @@ def resolve_label_names(label_names: Any, module: nn.Module) -> tuple[str, ...]:
             "Fix: e.g. label_names=['labels'], or leave it None for the model's default."
         )
     return tuple(names)
+
+
+def check_label_keys(names: tuple[str, ...], module: nn.Module, x: Any) -> None:
+    """Refuse ``label_names`` set in ``compile`` that match no key of a (first) batch ``x``: they
+    would be ignored, and the targets would be missing or be ``y``. The default names are not
+    checked (a module computing its own loss from other keys needs none).
+
+    Raises:
+        ValueError: none of ``names`` is a key of ``x`` (or ``x`` is no dict).
+
+    Example:
+        >>> check_label_keys(("target",), nn.Linear(1, 1), {"input_ids": 0, "target": 1})
+        >>> check_label_keys(("target",), nn.Linear(1, 1), {"input_ids": 0, "label": 1})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: compile(label_names=['target']) names no key of the batch (keys: ['input_ids', 'label']), ...
+    """
+    default = default_label_names(module)
+    if names == default or (isinstance(x, Mapping) and any(n in x for n in names)):
+        return
+    keys = list(x) if isinstance(x, Mapping) else None
+    close = [k for k in keys or [] if "label" in str(k) or "target" in str(k)]
+    example = f"e.g. label_names={close[:1]}, " if close else ""
+    where = f"the batch (keys: {keys})" if keys is not None else f"the batch, whose x is a {type(x).__name__} (no dict)"
+    raise ValueError(
+        f"compile(label_names={list(names)}) names no key of {where}, so the targets would not be found there. "
+        f"Fix: pass the batch's target keys, {example}or leave label_names None for the default {default}."
+    )

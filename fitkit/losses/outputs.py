@@ -30,7 +30,7 @@ import torch
 
 from fitkit.losses.labels import LABELS
 
-__all__ = ["prediction_of", "require_prediction", "own_loss", "targets_of", "module_inputs"]
+__all__ = ["prediction_of", "require_prediction", "own_loss", "own_objective", "targets_of", "module_inputs"]
 
 
 def prediction_of(output: Any) -> Any:
@@ -107,6 +107,57 @@ def own_loss(output: Any) -> torch.Tensor | None:
     else:
         loss = getattr(output, "loss", None) if hasattr(output, "_fields") else None
     return loss if isinstance(loss, torch.Tensor) else None
+
+
+def own_objective(own: torch.Tensor, sample_weight: torch.Tensor | None) -> torch.Tensor:
+    """The objective of a module's own loss ``own`` with ``sample_weight``.
+
+    A 0-dim loss (a mean the module took itself, as Hugging Face models do) is the objective;
+    sample weights cannot reach it. A ``(B,)`` loss (one value per sample: the module computed
+    its loss with ``reduction="none"``) gives the mean, or with ``(B,)`` weights
+    ``sum(w * l) / sum(w)``, as a compiled loss does (0 where the weights sum to 0).
+
+    Args:
+        own: the output's ``"loss"``: 0-dim, or ``(B,)``.
+        sample_weight: ``(B,)`` weights (``sample_weight=`` and ``class_weight=`` folded), or ``None``.
+
+    Raises:
+        ValueError: weights with a 0-dim loss (the cause and the fix are named), weights of
+            another shape than ``(B,)``, or a loss of more than one dimension.
+
+    Example:
+        >>> own_objective(torch.tensor([1.0, 3.0]), torch.tensor([3.0, 1.0]))  # (3 + 3) / 4
+        tensor(1.5000)
+        >>> own_objective(torch.tensor(2.0), torch.ones(2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Sample weights (sample_weight= or class_weight=) cannot reach the module's own loss: ...
+    """
+    if own.dim() == 0 and sample_weight is None:
+        return own
+    if own.dim() == 0:
+        raise ValueError(
+            "Sample weights (sample_weight= or class_weight=) cannot reach the module's own loss: with "
+            "compile(loss=None) the loss is the module's, and it returned one number for the batch (a mean it "
+            "took itself), so fitkit cannot weigh its samples. Fix: compile a loss (e.g. loss='cross_entropy', "
+            "whose targets are then `y` or the batch's 'labels'), or return one loss per sample (shape (B,), "
+            "e.g. reduction='none'), which fitkit weighs as sum(w * l) / sum(w)."
+        )
+    if own.dim() != 1:
+        raise ValueError(
+            f"Expected the module's own loss to be 0-dim (a batch mean) or (B,) (one per sample). Received shape "
+            f"{tuple(own.shape)}. Fix: reduce it to one value per sample, or to the batch mean."
+        )
+    if sample_weight is None:
+        return own.mean()
+    if sample_weight.shape != own.shape:
+        raise ValueError(
+            f"Expected `sample_weight` of shape {tuple(own.shape)}, one weight per value of the module's own "
+            f"per-sample loss. Received shape {tuple(sample_weight.shape)}. Fix: pass one weight per sample."
+        )
+    w = sample_weight.to(own.dtype)
+    total = w.sum()
+    return (own * w).sum() / torch.where(total == 0, torch.ones_like(total), total)
 
 
 def module_inputs(x: Any, y: Any, compiled_loss: bool, names: tuple[str, ...] = LABELS) -> Any:

@@ -23,7 +23,8 @@ from typing import Any
 
 from fitkit.checks import check_int
 
-__all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps"]
+__all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps",
+           "check_minimums"]
 
 #: The names under which a scheduler factory asks for the planned number of optimizer steps.
 STEP_KEYWORDS = ("total_steps", "num_training_steps")
@@ -137,6 +138,43 @@ def budget_epochs(batches: int | None, accumulation: Callable[[int], int], max_s
         steps += math.ceil(batches / accumulation(epoch))
         epoch += 1
     return epoch
+
+
+def check_minimums(min_epochs: int | None, min_steps: int | None, epochs: int | None, total: int | None,
+                   steps_of: Callable[[int], int | None]) -> None:  # fmt: skip
+    """Refuse ``min_epochs`` / ``min_steps`` that the fit cannot reach before it ends.
+
+    Args:
+        min_epochs / min_steps: ``fit``'s minimums (counted from epoch 0 and step 0).
+        epochs: the epochs the fit runs to (the bound, or those its step budget takes; ``None``: unknown).
+        total: the optimizer steps it plans (``max_steps``, else the epochs' steps; ``None``: unknown).
+        steps_of: ``epochs -> optimizer steps`` of that many epochs from epoch 0 (``None``: unknown).
+
+    Raises:
+        ValueError: a minimum beyond the end of the fit (``epochs=None`` runs 1 epoch without ``max_steps``).
+
+    Example:
+        >>> check_minimums(2, None, epochs=1, total=4, steps_of=lambda e: 4 * e)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: min_epochs=2 asks for more epochs than this fit runs (1; epochs=None runs 1 without max_steps). ...
+        >>> check_minimums(None, 9, epochs=2, total=8, steps_of=lambda e: 4 * e)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: min_steps=9 asks for more optimizer steps than this fit plans (8). Fix: ...
+    """
+    fix = "Fix: lower {0}, or {1} epochs= (or max_steps=){2}."
+    needed = steps_of(min_epochs) if min_epochs is not None else None
+    if min_epochs is not None and (epochs is not None and min_epochs > epochs
+                                   or needed is not None and total is not None and needed > total):  # fmt: skip
+        runs = f"{epochs}; epochs=None runs 1 without max_steps" if epochs == 1 else f"{epochs}"
+        if epochs is not None and min_epochs <= epochs:
+            runs = f"its step budget, {total} steps, ends it before {min_epochs} epochs, which take {needed}"
+        raise ValueError(f"min_epochs={min_epochs} asks for more epochs than this fit runs ({runs}). "
+                         + fix.format("min_epochs", "pass", " to train that long"))
+    if min_steps is not None and total is not None and min_steps > total:
+        raise ValueError(f"min_steps={min_steps} asks for more optimizer steps than this fit plans ({total}). "
+                         + fix.format("min_steps", "raise", ""))
 
 
 class PlannedScheduler:

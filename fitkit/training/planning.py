@@ -10,6 +10,7 @@ model stores what outlives the call.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -71,6 +72,7 @@ class FitPlan:
         self.shown_epochs = epochs
         self.interval: Any = None  # a fitkit.training.step_validation.ValidationInterval, or None
         self.accumulation: Any = None  # a GradientAccumulationScheduler's AccumulationSchedule, or None
+        self.steps_of: Any = lambda epochs: None  # the optimizer steps of epochs 0 .. epochs - 1 (None: unknown)
 
 
 def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int | float | None, verbose: Any,
@@ -160,6 +162,8 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     plan.shown_epochs = shown  # params["epochs"]: the bound, or the epochs the budget takes
     plan.interval = interval
     plan.accumulation = fit_accumulation
+    plan.steps_of = functools.partial(_budget.planned_steps, train.num_batches,
+                                      _accumulation(model.stepper, fit_accumulation), max_steps=None)
     return plan
 
 
