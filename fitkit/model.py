@@ -412,6 +412,7 @@ class Model:
         ema_momentum: float = 0.99,
         ema_overwrite_frequency: int | None = None,
         label_names: str | Sequence[str] | None = None,
+        shift_labels: bool | None = None,
     ) -> None:
         """Set the optimizer, loss, metrics and step options. Checks everything first.
 
@@ -457,6 +458,11 @@ class Model:
                 as the Transformers Trainer's ``label_names``. ``None``: ``"labels"``, or for a
                 Transformers model the Trainer's default (``start_positions`` / ``end_positions``
                 for question answering); see :mod:`fitkit.losses.labels`.
+            shift_labels: a compiled loss on a dict batch's labels scores the output at position ``t``
+                against label ``t + 1`` (``True``, a causal LM, as its own loss shifts them; the last
+                position is ignored), or against label ``t`` (``False``). ``None``: as the model's own
+                loss does (a Transformers causal LM shifts), else ``False``, and a batch whose labels
+                repeat its ``input_ids`` on a module fitkit does not know is refused before step 1.
 
         Raises:
             ValueError: unknown names (the message lists valid ones), bad values.
@@ -483,7 +489,8 @@ class Model:
         loss_fn = resolve_loss(loss, loss_weights)
         metric_set = MetricSet(metrics)
         ema = compiled_ema(use_ema, ema_momentum, ema_overwrite_frequency)
-        labels = resolve_label_names(label_names, self.module)
+        labels = resolve_label_names(label_names, self.module, shift_labels, compiled=loss_fn is not None,
+                                     pad=getattr(loss_fn, "ignore_index", None))  # fmt: skip
         # Everything that can be checked is checked: only now does anything change.
         if self._parallel is not None:
             self._parallel.prepare(self.module, optimizer)  # FSDP shards before the optimizer exists

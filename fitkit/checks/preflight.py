@@ -36,7 +36,7 @@ from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
 from fitkit.data import order as _order
 from fitkit.devices import accelerator_rng_state, set_accelerator_rng_state
-from fitkit.losses.labels import check_label_keys
+from fitkit.losses.labels import check_label_keys, decide_shift
 from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
 from fitkit.training.modes import modes
 
@@ -340,6 +340,7 @@ def first_batch_check(
             if model.loss is None:
                 _check_own_labels(module, x, y_all)  # the module's own loss met a label out of range?
             raise wrap("module's forward", batch, e, module, label=label) from e
+        y = _aligned_targets(model, batch, y_pred, y)
         if model.loss is None and model.default_compute_loss:
             if own_loss(y_pred) is not None:
                 _check_own_loss(model, batch, y_pred, y_all)
@@ -371,6 +372,16 @@ def first_batch_check(
             except Exception as e:
                 raise wrap("metrics", batch, e, module, label=label) from e
     return x
+
+
+def _aligned_targets(model: Model, batch: tuple[Any, Any, Any], y_pred: Any, y: Any) -> Any:
+    """The loss's targets once ``compile(shift_labels=None)`` is decided for a module fitkit did not
+    know (:func:`fitkit.losses.labels.decide_shift`, from the first batch's output and labels)."""
+    names = model.label_names
+    if getattr(names, "shift", False) is not None or batch[1] is not None:
+        return y
+    decide_shift(names, y_pred, batch[0])  # type: ignore[arg-type]
+    return _inputs_and_targets(model, batch[0], batch[1])[1]
 
 
 def _check_own_loss(model: Model, batch: tuple[Any, Any, Any], y_pred: Any, y_all: Any) -> None:

@@ -18,7 +18,8 @@ that metrics and ``predict_step`` use:
 With ``compile(loss=None)``, an output that holds a ``"loss"`` entry supplies the loss, and
 targets for metrics come from ``y`` or, for dict inputs, from ``x["labels"]`` (Hugging Face's
 convention; a causal LM shifts its ``labels`` inside, so per-token metrics there need ``y=``
-targets that are already shifted).
+targets that are already shifted). With a compiled loss, a causal LM's ``labels`` are shifted
+for the loss and the metrics alike (``compile(shift_labels=)``, :class:`fitkit.losses.labels.LabelNames`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fitkit.losses.labels import LABELS
+from fitkit.losses.labels import LABELS, shifted
 
 __all__ = ["prediction_of", "require_prediction", "own_loss", "own_objective", "targets_of", "module_inputs"]
 
@@ -177,9 +178,24 @@ def module_inputs(x: Any, y: Any, compiled_loss: bool, names: tuple[str, ...] = 
     return x
 
 
+_last_shift: list[Any] = [None, None, None]  # (labels, their version, shifted): one shift per batch
+
+
+def _shifted_once(labels: torch.Tensor, pad: int) -> torch.Tensor:
+    """:func:`fitkit.losses.labels.shifted`, kept for the batch: the loss, its denominator and the
+    metrics read the same shifted labels (one new tensor per batch, no host read)."""
+    last = _last_shift
+    if last[0] is labels and last[1] == (labels._version, pad):
+        return last[2]
+    out = shifted(labels, pad)
+    last[:] = [labels, (labels._version, pad), out]
+    return out
+
+
 def targets_of(x: Any, y: Any, names: tuple[str, ...] = LABELS) -> Any:
     """``y``, or a dict input's label entries without ``y`` (Hugging Face batches): ``x[name]`` for
-    one name, a tuple in ``names``' order for several, ``None`` when ``x`` holds none of them.
+    one name (moved one position left when ``names.shift``: see :class:`fitkit.losses.labels.LabelNames`),
+    a tuple in ``names``' order for several, ``None`` when ``x`` holds none of them.
 
     Raises:
         ValueError: ``x`` holds some of several label names but not all.
@@ -192,7 +208,10 @@ def targets_of(x: Any, y: Any, names: tuple[str, ...] = LABELS) -> Any:
     """
     if y is None and isinstance(x, Mapping):
         if len(names) == 1:
-            return x.get(names[0])
+            labels = x.get(names[0])
+            if getattr(names, "shift", False) and isinstance(labels, torch.Tensor):  # a causal LM's labels
+                return _shifted_once(labels, names.pad)  # type: ignore[attr-defined]
+            return labels
         missing = [n for n in names if n not in x]
         if len(missing) == len(names):
             return None
