@@ -55,6 +55,7 @@ from fitkit.training.modes import modes
 from fitkit.training.optim import check_plateau_mode, resolve_optimizer, resolve_scheduler
 from fitkit.training.quick import check_quick, sanity_check
 from fitkit.training.recompute import check_recompute, checkpoint_activations
+from fitkit.training.resume import check_resume_mode
 from fitkit.training.state import ResumePoint
 from fitkit.training.stepper import Stepper
 from fitkit.training.tracking import Phases
@@ -544,6 +545,7 @@ class Model:
         min_epochs: int | None = None,
         min_steps: int | None = None,
         max_time: Any = None,
+        resume: str | None = None,
         # quick runs (Lightning's names; fitkit.training.quick)
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0,
@@ -632,6 +634,11 @@ class Model:
                 optimizer step; its elapsed time is in checkpoints, so a resumed run counts the
                 time already spent; under torchrun the ranks stop at one agreed step).
                 ``ValueError`` with a ``Timer`` in the callbacks already.
+            resume: ``None``: a loaded checkpoint (or ``BackupAndRestore``'s backup) continues where
+                it was taken; one taken inside an epoch needs the training set it was taken on (its
+                length, and a ``datasets.Dataset``'s fingerprint, are in the checkpoint): another
+                is a ``ValueError`` before step 1. ``"restart_epoch"``: such a checkpoint starts its
+                epoch over (see :mod:`fitkit.training.resume`).
             fast_dev_run: a smoke test before a long job (Lightning's flag): ``True`` (1) or an
                 int ``n`` runs ``n`` training batches and then one validation of ``n`` batches,
                 in one epoch (``initial_epoch``), whatever ``epochs``, ``max_steps``,
@@ -693,6 +700,7 @@ class Model:
         """
         self._require_compiled("fit")
         check_bool("validate_at_end", validate_at_end)
+        check_resume_mode(resume)
         for name, value, bound, bound_name in (("min_epochs", min_epochs, epochs, "epochs"),
                                                ("min_steps", min_steps, max_steps, "max_steps")):
             check_int(name, value, 0, allow_none=True)
@@ -731,7 +739,8 @@ class Model:
         loop = FitLoop(self, plan.train, cbs, initial_epoch=initial_epoch, epochs=plan.epochs, validation=plan.val,
                        schedule=plan.schedule, validation_steps=validation_steps, max_steps=plan.params["max_steps"],
                        validation_interval=plan.interval, accumulation=plan.accumulation,
-                       validate_at_end=validate_at_end, min_epochs=min_epochs, min_steps=min_steps)  # fmt: skip
+                       validate_at_end=validate_at_end, min_epochs=min_epochs, min_steps=min_steps,
+                       resume=resume)  # fmt: skip
         del plan, cbs  # the loop holds the call's data and callbacks; it lets go when it ends
         outer, self._fit = self._fit, loop
         try:

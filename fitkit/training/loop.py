@@ -35,7 +35,7 @@ from fitkit.training.eval_loop import EvalLoop, PredictLoop, _name
 from fitkit.training.lr_logs import lr_keys, lr_logs
 from fitkit.training.modes import modes, warn_if_all_eval
 from fitkit.training.position import Position
-from fitkit.training.resume import Resume
+from fitkit.training.resume import Resume, data_identity
 from fitkit.training.signals import deferred
 from fitkit.training.step_validation import StepValidation, ValidationInterval, ValidationSchedule, record_validation
 from fitkit.training.stopping import StopDecision
@@ -62,6 +62,7 @@ class FitLoop:
         validate_at_end: with an interval, validate at the last step of the run too.
         min_epochs, min_steps: no stop request is heard before them (:class:`StopDecision`).
         accumulation: this fit's accumulation schedule (:mod:`fitkit.training.accumulation`), or ``None``.
+        resume: ``fit(resume=...)`` (:mod:`fitkit.training.resume`).
     """
 
     def __init__(self, model: Any, train: Any, callbacks: CallbackList, *, initial_epoch: int, epochs: int | None,
@@ -69,7 +70,7 @@ class FitLoop:
                  validation_steps: int | None = None, max_steps: int | None = None,
                  validation_interval: ValidationInterval | None = None, accumulation: Any = None,
                  validate_at_end: bool = False, min_epochs: int | None = None,
-                 min_steps: int | None = None):  # fmt: skip
+                 min_steps: int | None = None, resume: str | None = None):  # fmt: skip
         self.model, self.train, self.callbacks = model, train, callbacks
         self.val, self.val_schedule, self.val_steps = validation, schedule, validation_steps
         self.history: Any = next(cb for cb in callbacks.callbacks if type(cb).__name__ == "History")
@@ -82,7 +83,7 @@ class FitLoop:
         self.position = Position(initial_epoch, batch_size=getattr(train, "batch_size", None),
                                  world=getattr(batches, "world", 1),
                                  n_used=getattr(batches, "n_used", None))  # fmt: skip
-        self.resume = Resume(train, self.position)  # a loaded checkpoint's point, applied once
+        self.resume = Resume(train, self.position, resume)  # a loaded checkpoint's point, applied once
         self.stop = StopDecision(model, callbacks, max_steps, min_epochs, min_steps)
         self.epoch_order: dict[str, Any] | None = None  # the loader's own order state at the epoch start
         self.totals: RunningTotals | None = None
@@ -353,6 +354,7 @@ class FitLoop:
             position.leave()
         state = position.state_dict(loader.pass_offset if inside else loader.carried_over, loader.pass_start)
         state["batch_size"] = getattr(loader, "batch_size", None)
+        state.update(data_identity(loader))  # what the position means: the training set's length
         order = _order.at_checkpoint(loader, self.epoch_order, inside)
         if order is not None:  # a loader's own generators / state (fitkit.data.order)
             state["data_order"] = order

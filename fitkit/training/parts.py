@@ -260,9 +260,11 @@ class PositionPart(Part):
         "world_size": (optional_check(positive), "an int >= 1 or None"),
         "epoch_rng": (optional_check(torch_rng),
                       f"a torch RNG state (a uint8 tensor of {TORCH_RNG_SIZE} bytes) or None"),
+        "train_length": (optional_check(is_count), "an int >= 0 or None"),
+        "train_fingerprint": (optional_check(lambda v: isinstance(v, str)), "a str or None"),
     }
     optional = frozenset({"samples_in_epoch", "pass_offset", "batch_size", "world_size", "epoch_rng",
-                          "trackers", "data_order", "pass_start"})  # fmt: skip
+                          "trackers", "data_order", "pass_start", "train_length", "train_fingerprint"})  # fmt: skip
 
     def __init__(self, model: Model):
         self.model = model
