@@ -546,6 +546,7 @@ class Model:
         min_steps: int | None = None,
         max_time: Any = None,
         resume: str | None = None,
+        max_samples: int | None = None,
         # quick runs (Lightning's names; fitkit.training.quick)
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0,
@@ -634,6 +635,13 @@ class Model:
                 optimizer step; its elapsed time is in checkpoints, so a resumed run counts the
                 time already spent; under torchrun the ranks stop at one agreed step).
                 ``ValueError`` with a ``Timer`` in the callbacks already.
+            max_samples: a budget in samples (over all ranks; Composer's ``max_duration="Nsp"``):
+                training ends with the optimizer step whose accumulation window brings the samples
+                trained on, counted from epoch 0, to ``max_samples`` or more (a window is never
+                cut). ``epochs=None`` then runs until it is spent. Turned into ``max_steps`` before
+                step 1 (the smaller budget wins), so it fills a scheduler's ``total_steps`` and
+                resumes exactly; needs batch sizes known before the fit (see
+                :func:`fitkit.training.budget.sample_budget`).
             resume: ``None``: a loaded checkpoint (or ``BackupAndRestore``'s backup) continues where
                 it was taken; one taken inside an epoch needs the training set it was taken on (its
                 length, and a ``datasets.Dataset``'s fingerprint, are in the checkpoint): another
@@ -726,7 +734,7 @@ class Model:
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq, max_steps=max_steps,
-            validation_interval=validation_interval, quick=quick,
+            validation_interval=validation_interval, quick=quick, max_samples=max_samples,
         )  # fmt: skip
         if not quick.active:  # a quick run replaces the budgets; fitkit.training.budget
             check_minimums(min_epochs, min_steps, plan.shown_epochs, plan.total_steps, plan.steps_of)

@@ -24,7 +24,7 @@ from typing import Any
 from fitkit.checks import check_int
 
 __all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps",
-           "check_minimums"]
+           "check_minimums", "sample_budget"]
 
 #: The names under which a scheduler factory asks for the planned number of optimizer steps.
 STEP_KEYWORDS = ("total_steps", "num_training_steps")
@@ -175,6 +175,72 @@ def check_minimums(min_epochs: int | None, min_steps: int | None, epochs: int | 
     if min_steps is not None and total is not None and min_steps > total:
         raise ValueError(f"min_steps={min_steps} asks for more optimizer steps than this fit plans ({total}). "
                          + fix.format("min_steps", "raise", ""))
+
+
+def epoch_sizes(loader: Any) -> list[int] | None:
+    """The samples of each global batch of an epoch of ``loader`` (over all ranks), ``None`` when
+    unknown: in-memory data (any world size), or on one process a DataLoader / Dataset with a
+    length, a batch size and every batch kept; no ``steps_per_epoch`` nor batch limit.
+
+    Example:
+        >>> from fitkit.data import as_loader
+        >>> import torch
+        >>> epoch_sizes(as_loader(torch.zeros(10, 2), batch_size=4))
+        [4, 4, 2]
+    """
+    from fitkit.data import TensorBatches
+    from fitkit.distributed.group import world_size
+
+    if loader.steps is not None or loader.limit is not None:
+        return None
+    src = loader.batches
+    if isinstance(src, TensorBatches):
+        n, size = src.n_used, src.batch_size * getattr(src, "world", 1)
+    else:
+        source = getattr(src, "source", None)
+        dataset = getattr(source, "dataset", None)
+        if world_size() > 1 or loader.batch_size is None or getattr(source, "drop_last", False) or dataset is None:
+            return None
+        try:
+            n, size = len(dataset), int(loader.batch_size)
+        except TypeError:
+            return None
+    return [min(size, n - start) for start in range(0, n, size)]
+
+
+def sample_budget(loader: Any, accumulation: Callable[[int], int], max_samples: int) -> int:
+    """The optimizer steps of ``fit(max_samples=N)``: from epoch 0, the step whose window brings
+    the samples trained on (over all ranks) to ``N`` or more. A window is never cut: the budget
+    ends at the end of the window in which it is reached (the last window of an epoch may be short).
+
+    Raises:
+        ValueError: the sizes of the batches are not known before the fit (see :func:`epoch_sizes`).
+
+    Example:
+        >>> from fitkit.data import as_loader
+        >>> import torch
+        >>> loader = as_loader(torch.zeros(10, 2), batch_size=4)  # batches of 4, 4, 2
+        >>> sample_budget(loader, lambda e: 1, 9), sample_budget(loader, lambda e: 2, 9)  # 4+4+2; 8+2
+        (3, 2)
+        >>> sample_budget(loader, lambda e: 2, 12)  # 10 in epoch 0 (2 steps), 8 more in the first step of epoch 1
+        3
+    """
+    sizes = epoch_sizes(loader)
+    if not sizes:
+        raise ValueError(
+            f"fit(max_samples={max_samples}) needs the size of every training batch before the fit: in-memory data, "
+            "or on one process a Dataset or DataLoader with a length (no drop_last), without steps_per_epoch or "
+            "batch limits. Fix: pass max_steps= (optimizer steps) instead, or such data."
+        )
+    seen, steps, epoch = 0, 0, 0
+    while True:
+        k = accumulation(epoch)
+        for start in range(0, len(sizes), k):
+            seen += sum(sizes[start:start + k])
+            steps += 1
+            if seen >= max_samples:
+                return steps
+        epoch += 1
 
 
 class PlannedScheduler:

@@ -81,7 +81,7 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
              initial_epoch: int, steps_per_epoch: int | None, validation_steps: int | None,
              validation_batch_size: int | None, validation_freq: Any,
              max_steps: int | None = None, validation_interval: Any = None,
-             quick: QuickRun | None = None) -> FitPlan:  # fmt: skip
+             quick: QuickRun | None = None, max_samples: int | None = None) -> FitPlan:  # fmt: skip
     """Check every argument of ``fit``, build its loaders and check its data (nothing changes)."""
     _check_batches_itself(x, batch_size, "x", "batch_size")
     _check_batches_itself(validation_data, validation_batch_size, "validation_data", "validation_batch_size")
@@ -96,7 +96,10 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
         if quick.fast_dev_run:  # no files, no tuning: the callbacks that write or tune stay out
             callbacks = [cb for cb in callbacks if not cb.skip_in_fast_dev_run]
     epochs, fraction = _budget.fractional_epochs(epochs)  # epochs=2.5: a step budget, below
-    epochs = _budget.check_max_steps(max_steps, epochs)
+    check_int("max_samples", max_samples, 1, allow_none=True,
+              fix="pass the samples to train on, e.g. max_samples=10_000.")  # fmt: skip
+    unbounded = max_samples is not None and epochs is None  # the sample budget ends the fit
+    epochs = None if unbounded else _budget.check_max_steps(max_steps, epochs)
     check_int("initial_epoch", initial_epoch, 0)
     check_int("validation_steps", validation_steps, 1, allow_none=True, fix=_WHOLE_BATCHES)
     check_int("validation_batch_size", validation_batch_size, 1, allow_none=True)
@@ -142,6 +145,9 @@ def plan_fit(model: Any, x: Any, y: Any, *, batch_size: int | None, epochs: int 
     fit_accumulation = _callback_schedule(model.stepper, callbacks)
     if fraction is not None:  # the fraction's steps, or max_steps if that comes first
         steps = _budget.fraction_budget(train.num_batches, _accumulation(model.stepper, fit_accumulation), fraction)
+        max_steps = steps if max_steps is None else min(max_steps, steps)
+    if max_samples is not None:  # a step budget: the window that reaches the samples ends the fit
+        steps = _budget.sample_budget(train, _accumulation(model.stepper, fit_accumulation), max_samples)
         max_steps = steps if max_steps is None else min(max_steps, steps)
     total, shown = _plan_steps(model, train, epochs, max_steps, fit_accumulation)
     fit_steps = _reach.fit_steps(model.global_step, train.num_batches, _accumulation(model.stepper, fit_accumulation),
