@@ -12,6 +12,14 @@ the optimizer steps per epoch (``ceil(batches / gradient_accumulation_steps)`` p
 epoch at its own accumulation), counted from epoch 0 as ``global_step`` is, so a resumed fit
 plans the same number. A scheduler factory that takes ``total_steps`` (or Transformers'
 ``num_training_steps``) is built with it at the start of the first fit (:class:`PlannedScheduler`).
+
+``max_samples=N`` (Composer's ``max_duration`` in samples) is a step budget too: before step 1,
+:func:`sample_budget` walks the epochs' windows from epoch 0 (batch sizes known: in-memory data,
+or a sized Dataset / DataLoader on one process) and takes the first step at whose window's end
+the samples trained on, over all ranks, reach ``N``. The rule is the step budget's: a window is
+never cut, so a budget that falls inside a window ends at that window's end (up to a window's
+samples more). As ``max_steps`` it fills ``total_steps`` and resumes exactly; with both, the
+smaller wins.
 """
 
 from __future__ import annotations
