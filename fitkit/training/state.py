@@ -13,8 +13,8 @@ stepper       ``scaler``, ``global_step``                                  at lo
 scheduler     ``scheduler``, ``scheduler_class``                           at load, or at birth
 position      ``epoch``, ``step_in_epoch``, ``samples_in_epoch``,          next fit
               ``pass_offset``, ``batch_size``, ``world_size``,
-              ``epoch_rng``, ``trackers``, ``data_order``, ``pass_start``,
-              ``train_length``, ``train_fingerprint``
+              ``epoch_rng``, ``trackers``, ``data_order``,
+              ``pass_start``, ``train_length``, ``train_fingerprint``
 rng           ``rng``                                                      next fit
 callbacks     ``callbacks``, ``callback_config``                           after on_train_begin
 history       ``history``                                                  after on_train_begin
