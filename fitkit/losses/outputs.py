@@ -24,6 +24,7 @@ for the loss and the metrics alike (``compile(shift_labels=)``, :class:`fitkit.l
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -178,17 +179,19 @@ def module_inputs(x: Any, y: Any, compiled_loss: bool, names: tuple[str, ...] = 
     return x
 
 
-_last_shift: list[Any] = [None, None, None]  # (labels, their version, shifted): one shift per batch
+# (a weak reference to the labels, their version and the pad, the shifted labels): one shift per
+# batch; weak, so that the batch (a view of in-memory data) is not kept alive after the fit
+_last_shift: list[Any] = [None, None, None]
 
 
 def _shifted_once(labels: torch.Tensor, pad: int) -> torch.Tensor:
     """:func:`fitkit.losses.labels.shifted`, kept for the batch: the loss, its denominator and the
     metrics read the same shifted labels (one new tensor per batch, no host read)."""
     last = _last_shift
-    if last[0] is labels and last[1] == (labels._version, pad):
+    if last[0] is not None and last[0]() is labels and last[1] == (labels._version, pad):
         return last[2]
     out = shifted(labels, pad)
-    last[:] = [labels, (labels._version, pad), out]
+    last[:] = [weakref.ref(labels), (labels._version, pad), out]
     return out
 
 
