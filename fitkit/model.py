@@ -388,6 +388,7 @@ class Model(FilesAndTools):
         label_names: str | Sequence[str] | None = None,
         loss_scale: bool = True,
         micro_batch_size: int | None = None,
+        shift_labels: bool | None = None,
     ) -> None:
         """Set the optimizer, loss, metrics and step options. Checks everything first.
 
@@ -443,6 +444,11 @@ class Model(FilesAndTools):
                 so the step's gradient is the unsplit batch's (by rows, sample weights or
                 tokens); batches, steps and callbacks still count whole batches. ``None``: whole
                 batches (see :mod:`fitkit.training.micro_batches`).
+            shift_labels: a compiled loss on a dict batch's labels scores the output at position ``t``
+                against label ``t + 1`` (``True``, a causal LM, as its own loss shifts them; the last
+                position is ignored), or against label ``t`` (``False``). ``None``: as the model's own
+                loss does (a Transformers causal LM shifts), else ``False``, and a batch whose labels
+                repeat its ``input_ids`` on a module fitkit does not know is refused before step 1.
 
         Raises:
             ValueError: unknown names (the message lists valid ones), bad values.
@@ -479,6 +485,8 @@ class Model(FilesAndTools):
         min_epochs: int | None = None,
         min_steps: int | None = None,
         max_time: object = None,
+        resume: str | None = None,
+        max_samples: int | None = None,
         # quick runs (Lightning's names; fitkit.training.quick)
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0,
@@ -576,6 +584,18 @@ class Model(FilesAndTools):
                 optimizer step; its elapsed time is in checkpoints, so a resumed run counts the
                 time already spent; under torchrun the ranks stop at one agreed step).
                 ``ValueError`` with a ``Timer`` in the callbacks already.
+            max_samples: a budget in samples (over all ranks; Composer's ``max_duration="Nsp"``):
+                training ends with the optimizer step whose accumulation window brings the samples
+                trained on, counted from epoch 0, to ``max_samples`` or more (a window is never
+                cut). ``epochs=None`` then runs until it is spent. Turned into ``max_steps`` before
+                step 1 (the smaller budget wins), so it fills a scheduler's ``total_steps`` and
+                resumes exactly; needs batch sizes known before the fit (see
+                :func:`fitkit.training.budget.sample_budget`).
+            resume: ``None``: a loaded checkpoint (or ``BackupAndRestore``'s backup) continues where
+                it was taken; one taken inside an epoch needs the training set it was taken on (its
+                length, and a ``datasets.Dataset``'s fingerprint, are in the checkpoint): another
+                is a ``ValueError`` before step 1. ``"restart_epoch"``: such a checkpoint starts its
+                epoch over (see :mod:`fitkit.training.resume`).
             fast_dev_run: a smoke test before a long job (Lightning's flag): ``True`` (1) or an
                 int ``n`` runs ``n`` training batches and then one validation of ``n`` batches,
                 in one epoch (``initial_epoch``), whatever ``epochs``, ``max_steps``,

@@ -604,11 +604,12 @@ def time_validation(folder) -> dict:
             "saved": [os.path.basename(p) for p in ck.recent]}
 
 
-def own_items() -> dict:
+def own_items(loss: Any = None) -> dict:
     """A tiny GPT-2 computing its own loss (it takes num_items_in_batch) on 4 sequences whose
     counted label tokens are 4, 1, 3, 2: batches of 2 over all ranks, SGD, one epoch. On 2 ranks
     each step's gradient is the mean over the step's counted tokens of both ranks, as one process
-    with batches of 2 computes it. Returns the parameters and the epoch loss."""
+    with batches of 2 computes it. ``loss``: a compiled loss instead (it shifts the labels as the
+    model's own loss does). Returns the parameters and the epoch loss."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -622,7 +623,7 @@ def own_items() -> dict:
                                   bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     net = transformers.GPT2LMHeadModel(cfg)
     model = fitkit.Model(net, device="cpu")
-    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.5), loss=None)
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.5), loss=loss)
     h = model.fit({"input_ids": ids, "labels": labels}, batch_size=GLOBAL_BATCH // 4 // world_size(), epochs=1,
                   shuffle=False, verbose=0)  # fmt: skip
     return {"params": full_params(model), "loss": h.history["loss"][0]}

@@ -70,8 +70,9 @@ def test_checkpoint_holds_the_documented_state_and_loads_weights_only(tmp_path):
         "fitkit_version", "module", "optimizer", "optimizer_class", "scheduler", "scheduler_class", "scaler", "epoch",
         "callback_config", "pass_offset",
         "step_in_epoch", "samples_in_epoch", "batch_size", "global_step", "rng", "callbacks", "history",
-        "fitkit_checksum",
+        "fitkit_checksum", "train_length",
     }  # fmt: skip
+    assert state["train_length"] == len(x)  # what a position inside an epoch would mean
     assert state["optimizer_class"] == "SGD" and state["fitkit_checksum"].startswith("sha256:")
     assert state["epoch"] == 2 and state["step_in_epoch"] == 0 and state["global_step"] == 2
     assert set(state["rng"]) == {"python", "numpy", "torch", "cuda"}

@@ -63,6 +63,7 @@ res["bn_validation"] = sc.bn_validation()
 res["time_budget"] = sc.time_budget()
 res["time_validation"] = sc.time_validation(OUT / "timed")
 res["own_items"] = sc.own_items()
+res["own_items_compiled"] = sc.own_items("cross_entropy")
 res["tokens_seen"] = sc.tokens_seen()
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
@@ -475,6 +476,10 @@ def test_a_models_own_token_loss_is_exact_across_ranks(job):
     one = sc.own_items()
     _assert_close(r0["own_items"]["params"], one["params"], atol=1e-6)
     assert r0["own_items"]["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    # a compiled cross-entropy on the same labels shifts them as the model's own loss: the same steps
+    _assert_identical(r0["own_items_compiled"]["params"], r1["own_items_compiled"]["params"])
+    _assert_close(r0["own_items_compiled"]["params"], one["params"], atol=1e-6)
+    assert r0["own_items_compiled"]["loss"] == pytest.approx(one["loss"], rel=1e-5)
 
 
 @pytest.mark.distributed

@@ -114,7 +114,9 @@ assert third_history.history == history.history
 # ``model.save_weights(path, trainable_only=True)`` writes the trainable parameters alone (the
 # adapters: kilobytes, not the base model), and ``load_weights(path, trainable_only=True)`` puts
 # them back into a model built the same way from the same base weights, as the Trainer saves only
-# the adapters of a ``PeftModel``.
+# the adapters of a ``PeftModel``. ``trainable_only`` takes a bool (a string such as ``"no"`` is a
+# ``TypeError``), and with every parameter frozen ``save_weights(..., trainable_only=True)`` is a
+# ``ValueError``: the file would hold nothing.
 #
 # The Trainer's ``neftune_noise_alpha`` is the callback :class:`~fitkit.callbacks.NEFTune`:
 # ``fit(..., callbacks=[NEFTune(noise_alpha=5.0)])`` adds the paper's uniform noise to the
@@ -307,9 +309,30 @@ logits = gpt2.predict({"input_ids": tokens[:64][None]}, verbose=0)
 print(logits.shape)                                   # (B, T, V)
 
 # %%
-# Per-token metrics need care with a causal model: ``x["labels"]`` are not shifted, so they do
-# not line up with the ``logits``. Pass targets that are, as ``y`` (a :class:`~fitkit.text.NextTokenDataset`
-# gives ``(x, y)`` already shifted), with ``loss="cross_entropy"``.
+# A compiled loss on a causal LM's ``labels`` shifts them as the model's own loss does: with
+# ``compile(loss="cross_entropy")`` (or ``nn.CrossEntropyLoss(label_smoothing=0.1)``, or any loss
+# on the logits) the output at position ``t`` is scored against label ``t + 1`` and the last
+# position counts for nothing, token-exact with ``-100`` labels, under accumulation and across
+# ranks; per-token metrics read the same shifted labels. That is ``compile(shift_labels=None)``:
+# it follows the model (a Transformers causal LM shifts; a masked LM or a token classifier does
+# not). ``shift_labels=True`` / ``False`` says it either way, the Transformers Trainer's choice
+# between its causal-LM loss and a loss on aligned labels. A module fitkit does not know (GPT-2
+# inside a module of yours, returning a tensor), fed labels that repeat its ``input_ids``, is
+# refused before the first step with a ``ValueError`` that names ``shift_labels=``. Scored with a
+# compiled loss, the trained GPT-2 gets the validation loss of its own loss:
+
+scored = fitkit.Model(gpt2.module)
+scored.compile(loss="cross_entropy", metrics=["accuracy"])
+own = gpt2.evaluate(val_set, batch_size=12, steps=5, verbose=0)["loss"]
+compiled = scored.evaluate(val_set, batch_size=12, steps=5, verbose=0)
+print(round(own, 4), round(compiled["loss"], 4), 0 < compiled["accuracy"] < 1)
+# sphinx_gallery_start_ignore
+assert abs(own - compiled["loss"]) < 1e-5
+# sphinx_gallery_end_ignore
+
+# %%
+# Targets already shifted may also come as ``y`` (a :class:`~fitkit.text.NextTokenDataset` gives
+# ``(x, y)`` so): ``y`` is never shifted.
 #
 # With the full recipe of :doc:`04_microgpt` (2,000 steps of batch 12 on the whole text, AdamW
 # with warm-up and cosine decay, no dropout), ``benchmarks/hf_gpt2.py`` trains this GPT-2 and

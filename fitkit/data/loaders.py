@@ -574,7 +574,13 @@ def as_loader(
         source = TensorBatches(x, y, w, batch_size, shuffle)
         if cw is not None:
             if y is None:
-                raise ValueError("`class_weight` needs targets. Received y=None. Fix: pass `y`.")
+                raise ValueError(
+                    "`class_weight` weighs each sample by the class in `y`, but y=None. A dict batch's 'labels' are "
+                    "not read for it, and with compile(loss=None) the loss is the module's: weights cannot reach "
+                    "a mean it takes itself. Fix: pass the class labels as `y=` with a compiled loss (e.g. "
+                    "loss='cross_entropy'), or have the module return one loss per sample (shape (B,)) and pass "
+                    "`y=` (or sample_weight=)."
+                )
             cw.check(y.cpu())
             source.w = combine(cw(y), w)
         if device.type == "cuda" and sum(t.numel() * t.element_size() for t in _leaves((x, y))) < 2**30:

@@ -411,6 +411,7 @@ def _named(loss: str, name: str | None = None, options: dict[str, Any] | None = 
 def _from_module(module: nn.Module, name: str, defaults: dict[str, Any]) -> Loss:
     """A loss module of torch's as its functional: its own ``weight``, ``ignore_index``,
     ``label_smoothing``, ``pos_weight``, ``delta``, ``beta``, ``log_target`` and ``reduction``."""
+    _check_reduction(module)
     options = {}
     for key, default in defaults.items():
         value = getattr(module, key, default)
@@ -420,6 +421,32 @@ def _from_module(module: nn.Module, name: str, defaults: dict[str, Any]) -> Loss
     reduction = getattr(module, "reduction", "mean")
     out.reduction = reduction if reduction in ("sum", "batchmean") else "mean"  # "none": fitkit's mean
     return out
+
+
+#: The reductions of torch's loss modules (``nn.MSELoss(reduction=...)``).
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_reduction(loss: nn.Module) -> None:
+    """A torch loss module's ``reduction`` is one torch knows: torch takes any string when the
+    module is built and fails (or not) only inside the kernel, and fitkit would train a mean.
+
+    Raises:
+        ValueError: another ``reduction``.
+
+    Example:
+        >>> _check_reduction(nn.MSELoss(reduction="bogus"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `reduction` of MSELoss to be one of 'mean', 'sum', 'none'. Received: reduction='bogus'. ...
+    """
+    reduction = getattr(loss, "reduction", "mean")
+    if reduction not in REDUCTIONS and not (isinstance(loss, nn.KLDivLoss) and reduction == "batchmean"):
+        raise ValueError(
+            f"Expected `reduction` of {type(loss).__name__} to be one of 'mean', 'sum', 'none'. Received: "
+            f"reduction={reduction!r}. Fix: build the loss with reduction='mean' (fitkit's default), 'sum', or "
+            "'none' (trained as a mean)."
+        )
 
 
 def _weighted(loss: Any, loss_weights: Any) -> Loss | MultiLoss:
@@ -449,10 +476,13 @@ class MultiLoss:
     """One loss per output of a module with several outputs, summed with weights (Keras).
 
     ``y_pred`` and ``y`` are tuples / lists (matched by position) or dicts (matched by key) with
-    one entry per loss; the objective is ``sum(weight_i * loss_i(y_pred_i, y_i))``.
+    one entry per loss; the objective is ``sum(weight_i * loss_i(y_pred_i, y_i))``. A ``None`` loss
+    (Keras' ``loss=["mse", None]``) is an output that trains no loss: its prediction is left out,
+    and ``y`` needs entries only for the outputs that have a loss (a list of those, in order, or
+    one tensor for one; a full list or dict works too, its ``None`` outputs' entries unused).
 
     Args:
-        losses: a list / tuple or dict of losses (names, modules or callables).
+        losses: a list / tuple or dict of losses (names, modules, callables, or ``None``).
         loss_weights: one weight per loss (same structure); default 1 each.
 
     Raises:
@@ -463,6 +493,8 @@ class MultiLoss:
         >>> loss = MultiLoss(["mse", "mae"], loss_weights=[1.0, 0.5])
         >>> loss((torch.zeros(2), torch.zeros(2)), (torch.ones(2), torch.full((2,), 4.0)))
         tensor(3.)
+        >>> MultiLoss(["mse", None])((torch.zeros(2), torch.zeros(2)), torch.full((2,), 2.0))  # labels for output 0
+        tensor(4.)
     """
 
     kind = "multi"
@@ -476,6 +508,12 @@ class MultiLoss:
             raise ValueError("Expected at least one loss. Received an empty list or dict.")
         items = losses if isinstance(losses, Mapping) else dict(enumerate(losses))
         self.losses: dict[Any, Any] = {k: resolve_loss(items[k]) for k in self.keys}
+        self.active = [k for k in self.keys if self.losses[k] is not None]  # the outputs with a loss
+        if not self.active:
+            raise ValueError(
+                f"Expected at least one loss among the outputs. Received only None: loss={list(items.values())!r}. "
+                "Fix: give an output a loss, or pass loss=None for a module that returns its own."
+            )
         if loss_weights is None:
             self.weights = {k: 1.0 for k in self.keys}
         else:
@@ -492,6 +530,16 @@ class MultiLoss:
                 )
             self.weights = {k: float(w[k]) for k in self.keys}
 
+    def _targets(self, y: Any) -> dict:
+        """``y`` by output: for outputs with a loss only (Keras), or for every output."""
+        if len(self.active) == len(self.keys) or isinstance(y, Mapping):
+            return self._parts(y, "y")
+        if isinstance(y, torch.Tensor) and len(self.active) == 1:
+            return {self.active[0]: y}
+        if isinstance(y, (list, tuple)) and len(y) == len(self.active):
+            return dict(zip(self.active, y, strict=True))
+        return self._parts(y, "y")
+
     def _parts(self, out: Any, what: str) -> dict:
         if isinstance(out, Mapping):
             parts = dict(out)
@@ -502,14 +550,14 @@ class MultiLoss:
                 f"Several losses need `{what}` with one entry per loss ({self.keys}). "
                 f"Received a {type(out).__name__}."
             )
-        missing = [k for k in self.keys if k not in parts]
+        missing = [k for k in self.active if k not in parts]
         if missing:
             raise ValueError(f"`{what}` has no entry for losses {missing}. Received keys: {list(parts)}.")
         return parts
 
     def __call__(self, y_pred: Any, y: Any, per_sample: bool = False) -> torch.Tensor:
-        preds, targets = self._parts(y_pred, "y_pred"), self._parts(y, "y")
-        terms = [self.losses[k](preds[k], targets[k], per_sample=per_sample) * self.weights[k] for k in self.keys]
+        preds, targets = self._parts(y_pred, "y_pred"), self._targets(y)
+        terms = [self.losses[k](preds[k], targets[k], per_sample=per_sample) * self.weights[k] for k in self.active]
         total = terms[0]
         for term in terms[1:]:
             total = total + term

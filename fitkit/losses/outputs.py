@@ -18,19 +18,21 @@ that metrics and ``predict_step`` use:
 With ``compile(loss=None)``, an output that holds a ``"loss"`` entry supplies the loss, and
 targets for metrics come from ``y`` or, for dict inputs, from ``x["labels"]`` (Hugging Face's
 convention; a causal LM shifts its ``labels`` inside, so per-token metrics there need ``y=``
-targets that are already shifted).
+targets that are already shifted). With a compiled loss, a causal LM's ``labels`` are shifted
+for the loss and the metrics alike (``compile(shift_labels=)``, :class:`fitkit.losses.labels.LabelNames`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from fitkit.losses.labels import LABELS
+from fitkit.losses.labels import LABELS, shifted
 
-__all__ = ["prediction_of", "require_prediction", "own_loss", "targets_of", "module_inputs"]
+__all__ = ["prediction_of", "require_prediction", "own_loss", "own_objective", "targets_of", "module_inputs"]
 
 
 def prediction_of(output: Any) -> Any:
@@ -109,6 +111,57 @@ def own_loss(output: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) else None
 
 
+def own_objective(own: torch.Tensor, sample_weight: torch.Tensor | None) -> torch.Tensor:
+    """The objective of a module's own loss ``own`` with ``sample_weight``.
+
+    A 0-dim loss (a mean the module took itself, as Hugging Face models do) is the objective;
+    sample weights cannot reach it. A ``(B,)`` loss (one value per sample: the module computed
+    its loss with ``reduction="none"``) gives the mean, or with ``(B,)`` weights
+    ``sum(w * l) / sum(w)``, as a compiled loss does (0 where the weights sum to 0).
+
+    Args:
+        own: the output's ``"loss"``: 0-dim, or ``(B,)``.
+        sample_weight: ``(B,)`` weights (``sample_weight=`` and ``class_weight=`` folded), or ``None``.
+
+    Raises:
+        ValueError: weights with a 0-dim loss (the cause and the fix are named), weights of
+            another shape than ``(B,)``, or a loss of more than one dimension.
+
+    Example:
+        >>> own_objective(torch.tensor([1.0, 3.0]), torch.tensor([3.0, 1.0]))  # (3 + 3) / 4
+        tensor(1.5000)
+        >>> own_objective(torch.tensor(2.0), torch.ones(2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Sample weights (sample_weight= or class_weight=) cannot reach the module's own loss: ...
+    """
+    if own.dim() == 0 and sample_weight is None:
+        return own
+    if own.dim() == 0:
+        raise ValueError(
+            "Sample weights (sample_weight= or class_weight=) cannot reach the module's own loss: with "
+            "compile(loss=None) the loss is the module's, and it returned one number for the batch (a mean it "
+            "took itself), so fitkit cannot weigh its samples. Fix: compile a loss (e.g. loss='cross_entropy', "
+            "whose targets are then `y` or the batch's 'labels'), or return one loss per sample (shape (B,), "
+            "e.g. reduction='none'), which fitkit weighs as sum(w * l) / sum(w)."
+        )
+    if own.dim() != 1:
+        raise ValueError(
+            f"Expected the module's own loss to be 0-dim (a batch mean) or (B,) (one per sample). Received shape "
+            f"{tuple(own.shape)}. Fix: reduce it to one value per sample, or to the batch mean."
+        )
+    if sample_weight is None:
+        return own.mean()
+    if sample_weight.shape != own.shape:
+        raise ValueError(
+            f"Expected `sample_weight` of shape {tuple(own.shape)}, one weight per value of the module's own "
+            f"per-sample loss. Received shape {tuple(sample_weight.shape)}. Fix: pass one weight per sample."
+        )
+    w = sample_weight.to(own.dtype)
+    total = w.sum()
+    return (own * w).sum() / torch.where(total == 0, torch.ones_like(total), total)
+
+
 def module_inputs(x: Any, y: Any, compiled_loss: bool, names: tuple[str, ...] = LABELS) -> Any:
     """The module's inputs for a batch ``(x, y)``: a dict ``x``'s label entries (``names``: the
     compiled ``label_names``, see :mod:`fitkit.losses.labels`) are left out when they are the target
@@ -126,9 +179,26 @@ def module_inputs(x: Any, y: Any, compiled_loss: bool, names: tuple[str, ...] = 
     return x
 
 
+# (a weak reference to the labels, their version and the pad, the shifted labels): one shift per
+# batch; weak, so that the batch (a view of in-memory data) is not kept alive after the fit
+_last_shift: list[Any] = [None, None, None]
+
+
+def _shifted_once(labels: torch.Tensor, pad: int) -> torch.Tensor:
+    """:func:`fitkit.losses.labels.shifted`, kept for the batch: the loss, its denominator and the
+    metrics read the same shifted labels (one new tensor per batch, no host read)."""
+    last = _last_shift
+    if last[0] is not None and last[0]() is labels and last[1] == (labels._version, pad):
+        return last[2]
+    out = shifted(labels, pad)
+    last[:] = [weakref.ref(labels), (labels._version, pad), out]
+    return out
+
+
 def targets_of(x: Any, y: Any, names: tuple[str, ...] = LABELS) -> Any:
     """``y``, or a dict input's label entries without ``y`` (Hugging Face batches): ``x[name]`` for
-    one name, a tuple in ``names``' order for several, ``None`` when ``x`` holds none of them.
+    one name (moved one position left when ``names.shift``: see :class:`fitkit.losses.labels.LabelNames`),
+    a tuple in ``names``' order for several, ``None`` when ``x`` holds none of them.
 
     Raises:
         ValueError: ``x`` holds some of several label names but not all.
@@ -141,7 +211,10 @@ def targets_of(x: Any, y: Any, names: tuple[str, ...] = LABELS) -> Any:
     """
     if y is None and isinstance(x, Mapping):
         if len(names) == 1:
-            return x.get(names[0])
+            labels = x.get(names[0])
+            if getattr(names, "shift", False) and isinstance(labels, torch.Tensor):  # a causal LM's labels
+                return _shifted_once(labels, names.pad)  # type: ignore[attr-defined]
+            return labels
         missing = [n for n in names if n not in x]
         if len(missing) == len(names):
             return None

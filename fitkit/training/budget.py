@@ -12,6 +12,14 @@ the optimizer steps per epoch (``ceil(batches / gradient_accumulation_steps)`` p
 epoch at its own accumulation), counted from epoch 0 as ``global_step`` is, so a resumed fit
 plans the same number. A scheduler factory that takes ``total_steps`` (or Transformers'
 ``num_training_steps``) is built with it at the start of the first fit (:class:`PlannedScheduler`).
+
+``max_samples=N`` (Composer's ``max_duration`` in samples) is a step budget too: before step 1,
+:func:`sample_budget` walks the epochs' windows from epoch 0 (batch sizes known: in-memory data,
+or a sized Dataset / DataLoader on one process) and takes the first step at whose window's end
+the samples trained on, over all ranks, reach ``N``. The rule is the step budget's: a window is
+never cut, so a budget that falls inside a window ends at that window's end (up to a window's
+samples more). As ``max_steps`` it fills ``total_steps`` and resumes exactly; with both, the
+smaller wins.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from fitkit.callbacks.checkpoint_options import fraction_steps
 from fitkit.checks import check_bool, check_int
 
 __all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps", "fresh_run",
-           "RunFraction", "fraction_steps"]
+           "RunFraction", "check_minimums", "sample_budget"]
 
 #: The names under which a scheduler factory asks for the planned number of optimizer steps.
 STEP_KEYWORDS = ("total_steps", "num_training_steps")
@@ -213,6 +221,109 @@ def budget_epochs(batches: int | None, accumulation: Callable[[int], int], max_s
         steps += math.ceil(batches / accumulation(epoch))
         epoch += 1
     return epoch
+
+
+def check_minimums(min_epochs: int | None, min_steps: int | None, epochs: int | None, total: int | None,
+                   steps_of: Callable[[int], int | None]) -> None:  # fmt: skip
+    """Refuse ``min_epochs`` / ``min_steps`` that the fit cannot reach before it ends.
+
+    Args:
+        min_epochs / min_steps: ``fit``'s minimums (counted from epoch 0 and step 0).
+        epochs: the epochs the fit runs to (the bound, or those its step budget takes; ``None``: unknown).
+        total: the optimizer steps it plans (``max_steps``, else the epochs' steps; ``None``: unknown).
+        steps_of: ``epochs -> optimizer steps`` of that many epochs from epoch 0 (``None``: unknown).
+
+    Raises:
+        ValueError: a minimum beyond the end of the fit (``epochs=None`` runs 1 epoch without ``max_steps``).
+
+    Example:
+        >>> check_minimums(2, None, epochs=1, total=4, steps_of=lambda e: 4 * e)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: min_epochs=2 asks for more epochs than this fit runs (1; epochs=None runs 1 without max_steps). ...
+        >>> check_minimums(None, 9, epochs=2, total=8, steps_of=lambda e: 4 * e)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: min_steps=9 asks for more optimizer steps than this fit plans (8). Fix: ...
+    """
+    fix = "Fix: lower {0}, or {1} epochs= (or max_steps=){2}."
+    needed = steps_of(min_epochs) if min_epochs is not None else None
+    if min_epochs is not None and (epochs is not None and min_epochs > epochs
+                                   or needed is not None and total is not None and needed > total):  # fmt: skip
+        runs = f"{epochs}; epochs=None runs 1 without max_steps" if epochs == 1 else f"{epochs}"
+        if epochs is not None and min_epochs <= epochs:
+            runs = f"its step budget, {total} steps, ends it before {min_epochs} epochs, which take {needed}"
+        raise ValueError(f"min_epochs={min_epochs} asks for more epochs than this fit runs ({runs}). "
+                         + fix.format("min_epochs", "pass", " to train that long"))
+    if min_steps is not None and total is not None and min_steps > total:
+        raise ValueError(f"min_steps={min_steps} asks for more optimizer steps than this fit plans ({total}). "
+                         + fix.format("min_steps", "raise", ""))
+
+
+def epoch_sizes(loader: Any) -> list[int] | None:
+    """The samples of each global batch of an epoch of ``loader`` (over all ranks), ``None`` when
+    unknown: in-memory data (any world size), or on one process a DataLoader / Dataset with a
+    length, a batch size and every batch kept; no ``steps_per_epoch`` nor batch limit.
+
+    Example:
+        >>> from fitkit.data import as_loader
+        >>> import torch
+        >>> epoch_sizes(as_loader(torch.zeros(10, 2), batch_size=4))
+        [4, 4, 2]
+    """
+    from fitkit.data import TensorBatches
+    from fitkit.distributed.group import world_size
+
+    if loader.steps is not None or loader.limit is not None:
+        return None
+    src = loader.batches
+    if isinstance(src, TensorBatches):
+        n, size = src.n_used, src.batch_size * getattr(src, "world", 1)
+    else:
+        source = getattr(src, "source", None)
+        dataset = getattr(source, "dataset", None)
+        if world_size() > 1 or loader.batch_size is None or getattr(source, "drop_last", False) or dataset is None:
+            return None
+        try:
+            n, size = len(dataset), int(loader.batch_size)
+        except TypeError:
+            return None
+    return [min(size, n - start) for start in range(0, n, size)]
+
+
+def sample_budget(loader: Any, accumulation: Callable[[int], int], max_samples: int) -> int:
+    """The optimizer steps of ``fit(max_samples=N)``: from epoch 0, the step whose window brings
+    the samples trained on (over all ranks) to ``N`` or more. A window is never cut: the budget
+    ends at the end of the window in which it is reached (the last window of an epoch may be short).
+
+    Raises:
+        ValueError: the sizes of the batches are not known before the fit (see :func:`epoch_sizes`).
+
+    Example:
+        >>> from fitkit.data import as_loader
+        >>> import torch
+        >>> loader = as_loader(torch.zeros(10, 2), batch_size=4)  # batches of 4, 4, 2
+        >>> sample_budget(loader, lambda e: 1, 9), sample_budget(loader, lambda e: 2, 9)  # 4+4+2; 8+2
+        (3, 2)
+        >>> sample_budget(loader, lambda e: 2, 12)  # 10 in epoch 0 (2 steps), 8 more in the first step of epoch 1
+        3
+    """
+    sizes = epoch_sizes(loader)
+    if not sizes:
+        raise ValueError(
+            f"fit(max_samples={max_samples}) needs the size of every training batch before the fit: in-memory data, "
+            "or on one process a Dataset or DataLoader with a length (no drop_last), without steps_per_epoch or "
+            "batch limits. Fix: pass max_steps= (optimizer steps) instead, or such data."
+        )
+    seen, steps, epoch = 0, 0, 0
+    while True:
+        k = accumulation(epoch)
+        for start in range(0, len(sizes), k):
+            seen += sum(sizes[start:start + k])
+            steps += 1
+            if seen >= max_samples:
+                return steps
+        epoch += 1
 
 
 class PlannedScheduler:

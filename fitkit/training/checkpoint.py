@@ -163,16 +163,37 @@ def trainable_names(model: Model) -> set[str]:
     return {name for name, p in model.module.named_parameters() if p.requires_grad}
 
 
+def check_trainable_only(value: Any) -> None:
+    """Require a bool for ``trainable_only`` (a string such as ``"no"`` would read as true).
+
+    Example:
+        >>> check_trainable_only("no")
+        Traceback (most recent call last):
+        ...
+        TypeError: Expected `trainable_only` to be a bool. Received: trainable_only='no'. Fix: pass True or False.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"Expected `trainable_only` to be a bool. Received: trainable_only={value!r}. "
+                        "Fix: pass True or False.")
+
+
 def save_weights(model: Model, path: str | os.PathLike, trainable_only: bool = False) -> None:
     """The module's state dict to ``path`` (rank 0 writes; gathering is collective under FSDP).
 
     A path ending in ``.safetensors`` writes safetensors (tied weights stored once);
     ``trainable_only`` keeps the trainable parameters alone.
     """
+    check_trainable_only(trainable_only)
     check_path(path)
+    keep = trainable_names(model) if trainable_only else set()
+    if trainable_only and not keep:
+        raise ValueError(
+            "save_weights(trainable_only=True) writes the parameters with requires_grad, but every parameter of "
+            f"{type(model.module).__name__} is frozen, so the file would hold nothing. Fix: unfreeze the parameters "
+            "to train (e.g. the adapters), or pass trainable_only=False to write every weight."
+        )
     state = model.state_dict()  # unwrapped: no `module.` prefixes, full tensors under FSDP
     if trainable_only:
-        keep = trainable_names(model)
         state = {k: v for k, v in state.items() if k in keep}
     if is_rank_zero():
         if os.fspath(path).endswith(".safetensors"):
@@ -185,6 +206,7 @@ def load_weights(model: Model, path: str | os.PathLike, strict: bool = True, tra
     """A state dict (or a checkpoint's module part) from ``path`` into ``model``, all or nothing;
     ``trainable_only``: the file holds the trainable parameters alone (compared with those)."""
     state: Any
+    check_trainable_only(trainable_only)
     check_path(path)
     if os.fspath(path).endswith(".safetensors"):
         state = load_safetensors(path, model.device)

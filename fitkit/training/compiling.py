@@ -72,7 +72,8 @@ def compile_model(model: Model, optimizer: object, loss: object, metrics: object
     loss_fn = resolve_loss(loss, o["loss_weights"])
     metric_set = MetricSet(metrics)
     ema = compiled_ema(o["use_ema"], o["ema_momentum"], o["ema_overwrite_frequency"])
-    labels = resolve_label_names(o["label_names"], model.module)
+    labels = resolve_label_names(o["label_names"], model.module, o["shift_labels"], compiled=loss_fn is not None,
+                                 pad=getattr(loss_fn, "ignore_index", None))  # fmt: skip
     # Everything that can be checked is checked: only now does anything change.
     if core.parallel is not None:
         core.parallel.prepare(model.module, optimizer)  # FSDP shards before the optimizer exists

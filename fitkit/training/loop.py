@@ -37,7 +37,7 @@ from fitkit.training.lr_logs import lr_keys, lr_logs
 from fitkit.training.micro_batches import train_in_micro_batches
 from fitkit.training.position import Position
 from fitkit.training.preflight import BatchGuard
-from fitkit.training.resume import Resume
+from fitkit.training.resume import Resume, data_identity
 from fitkit.training.signals import deferred
 from fitkit.training.step_validation import StepValidation, ValidationSchedule, record_validation
 from fitkit.training.stopping import StopDecision
@@ -70,7 +70,8 @@ class FitLoop:
         self.position = Position(plan.initial_epoch, batch_size=getattr(train, "batch_size", None),
                                  world=getattr(batches, "world", 1),
                                  n_used=getattr(batches, "n_used", None))  # fmt: skip
-        self.resume = Resume(train, self.position, model._core.stepper.scheduling)  # a loaded point, applied once
+        # a loaded point, applied once
+        self.resume = Resume(train, self.position, model._core.stepper.scheduling, plan.resume)
         self.stop = StopDecision(model, callbacks, plan.max_steps, plan.min_epochs, plan.min_steps)
         self.epoch_order: dict[str, Any] | None = None  # the loader's own order state at the epoch start
         self.totals: RunningTotals | None = None
@@ -376,6 +377,7 @@ class FitLoop:
             position.leave()
         state = position.state_dict(loader.pass_offset if inside else loader.carried_over, loader.pass_start)
         state["batch_size"] = getattr(loader, "batch_size", None)
+        state.update(data_identity(loader))  # what the position means: the training set's length
         order = _order.at_checkpoint(loader, self.epoch_order, inside)
         if order is not None:  # a loader's own generators / state (fitkit.data.order)
             state["data_order"] = order

@@ -266,9 +266,12 @@ class PositionPart(Part):
         "epoch_rng": (optional_check(torch_rng),
                       f"a torch RNG state (a uint8 tensor of {TORCH_RNG_SIZE} bytes) or None"),
         "lrs_used": (optional_check(_rates), "a list of floats (each parameter group's rate) or None"),
+        "train_length": (optional_check(is_count), "an int >= 0 or None"),
+        "train_fingerprint": (optional_check(lambda v: isinstance(v, str)), "a str or None"),
     }
     optional = frozenset({"samples_in_epoch", "pass_offset", "batch_size", "world_size", "epoch_rng",
-                          "trackers", "data_order", "pass_start", "lrs_used"})  # fmt: skip
+                          "trackers", "data_order", "pass_start", "lrs_used", "train_length",
+                          "train_fingerprint"})  # fmt: skip
 
     def __init__(self, model: Model):
         self.model = model

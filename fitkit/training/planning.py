@@ -10,6 +10,7 @@ model stores what outlives the call.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from fitkit.training.micro_batches import check_micro_batches
 from fitkit.training.optim import check_plateau_mode
 from fitkit.training.preflight import first_batch_check, in_memory_check, leaves_no_trace
 from fitkit.training.quick import QuickRun, check_quick
+from fitkit.training.resume import check_resume_mode
 from fitkit.training.step_validation import ValidationInterval, ValidationSchedule
 from fitkit.training.validation_sets import ValidationSets, named_sets, prefixed_keys
 
@@ -86,6 +88,7 @@ class FitPlan:
         validate_at_end: validate at the run's last step too (with ``interval``).
         min_epochs, min_steps: no stop request is heard before them.
         sanity_steps: validation batches run before step 1 (``num_sanity_val_steps``).
+        resume: ``fit(resume=...)``: how a loaded checkpoint's position is taken.
     """
 
     train: Any
@@ -107,6 +110,7 @@ class FitPlan:
     min_epochs: int | None
     min_steps: int | None
     sanity_steps: int
+    resume: str | None
 
 
 def plan_fit(model: Any, x: Any, y: Any, options: Mapping[str, Any]) -> FitPlan:
@@ -130,7 +134,10 @@ def plan_fit(model: Any, x: Any, y: Any, options: Mapping[str, Any]) -> FitPlan:
                                                               callbacks, "steps_per_epoch")  # fmt: skip
     _apply_quick(o, quick)
     o["epochs"], fraction = _budget.fractional_epochs(o["epochs"])  # epochs=2.5: a step budget, below
-    o["epochs"] = _budget.check_max_steps(o["max_steps"], o["epochs"])
+    check_int("max_samples", o["max_samples"], 1, allow_none=True,
+              fix="pass the samples to train on, e.g. max_samples=10_000.")  # fmt: skip
+    unbounded = o["max_samples"] is not None and o["epochs"] is None  # the sample budget ends the fit
+    o["epochs"] = None if unbounded else _budget.check_max_steps(o["max_steps"], o["epochs"])
     _check_scalars(o, x)
     schedule = ValidationSchedule(o["validation_freq"])
     interval = _check_interval(o["validation_interval"], o["validation_freq"], o["validation_data"],
@@ -141,12 +148,13 @@ def plan_fit(model: Any, x: Any, y: Any, options: Mapping[str, Any]) -> FitPlan:
         val = quick.limit(train, val)  # the loaders capped; limit_val_batches=0: no validation
         interval = interval if val is not None else None
     _warn_nothing_to_train(model, o["initial_epoch"], o["epochs"])
-    return _planned(model, o, x, train, val, example, schedule, interval, fraction, quick.sanity_steps)
+    return _planned(model, o, x, train, val, example, schedule, interval, fraction, quick)
 
 
 def _check_stop_options(o: dict[str, Any]) -> None:
     """``validate_at_end``, ``min_epochs`` and ``min_steps`` against the bounds they cannot pass."""
     check_bool("validate_at_end", o["validate_at_end"])
+    check_resume_mode(o["resume"])
     for name, bound_name in (("min_epochs", "epochs"), ("min_steps", "max_steps")):
         value, bound = o[name], o[bound_name]
         check_int(name, value, 0, allow_none=True)
@@ -238,13 +246,16 @@ def _loaders(model: Any, x: Any, y: Any, o: dict[str, Any]) -> tuple[Any, Any, A
 
 def _planned(model: Any, o: dict[str, Any], x: Any, train: Any, val: Any, example: Any,
              schedule: ValidationSchedule, interval: ValidationInterval | None, fraction: float | None,
-             sanity_steps: int) -> FitPlan:  # fmt: skip
+             quick: QuickRun) -> FitPlan:  # fmt: skip
     """The budgets and the callbacks' params of a checked fit: the :class:`FitPlan`."""
     stepper, epochs, max_steps, initial_epoch = model._core.stepper, o["epochs"], o["max_steps"], o["initial_epoch"]
     fit_accumulation = _callback_schedule(stepper, o["callbacks"])
     accumulation = _accumulation(stepper, fit_accumulation)
     if fraction is not None:  # the fraction's steps, or max_steps if that comes first
         steps = _budget.fraction_budget(train.num_batches, accumulation, fraction)
+        max_steps = steps if max_steps is None else min(max_steps, steps)
+    if o["max_samples"] is not None:  # a step budget: the window that reaches the samples ends the fit
+        steps = _budget.sample_budget(train, accumulation, o["max_samples"])
         max_steps = steps if max_steps is None else min(max_steps, steps)
     total, shown = _plan_steps(model, train, epochs, max_steps, accumulation)
     fit_steps = _reach.fit_steps(model.global_step, train.num_batches, accumulation, initial_epoch, epochs, max_steps)
@@ -253,6 +264,9 @@ def _planned(model: Any, o: dict[str, Any], x: Any, train: Any, val: Any, exampl
                             callbacks=o["callbacks"])  # fmt: skip
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
+    if not quick.active:  # a quick run replaces the budgets; fitkit.training.budget
+        steps_of = functools.partial(_budget.planned_steps, train.num_batches, accumulation, max_steps=None)
+        _budget.check_minimums(o["min_epochs"], o["min_steps"], shown, total, steps_of)
     if interval is not None:
         interval.plan_run(total)  # a RunFraction: ValueError when the run's steps are unknown
     validates = val is not None
@@ -270,7 +284,7 @@ def _planned(model: Any, o: dict[str, Any], x: Any, train: Any, val: Any, exampl
         epochs=epochs, shown_epochs=shown, total_steps=total, max_steps=max_steps,
         accumulation=fit_accumulation, validation_steps=o["validation_steps"],
         validate_at_end=o["validate_at_end"], min_epochs=o["min_epochs"], min_steps=o["min_steps"],
-        sanity_steps=sanity_steps,
+        sanity_steps=quick.sanity_steps, resume=o["resume"],
     )  # fmt: skip
 
 

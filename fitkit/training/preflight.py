@@ -35,6 +35,7 @@ from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
 from fitkit.data import order as _order
 from fitkit.devices import accelerator_rng_state, set_accelerator_rng_state
+from fitkit.losses.labels import check_label_keys, decide_shift
 from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
 from fitkit.modes import modes
 from fitkit.training.finite import check_batch_loss, check_in_memory
@@ -336,6 +337,7 @@ def first_batch_check(
     """
     x, y, w = batch
     module = model.module
+    check_label_keys(model.label_names, module, x)  # compile(label_names=) that would be ignored
     if not model.default_test_step:
         _check_with_test_step(model, batch, label)
         return x
@@ -349,9 +351,10 @@ def first_batch_check(
             if model.loss is None:
                 _check_own_labels(module, x, y_all)  # the module's own loss met a label out of range?
             raise wrap("module's forward", batch, e, module, label=label) from e
+        y = _aligned_targets(model, batch, y_pred, y)
         if model.loss is None and model.default_compute_loss:
             if own_loss(y_pred) is not None:
-                check_class_range(None, prediction_of(y_pred), y_all)
+                _check_own_loss(model, batch, y_pred, y_all)
             elif training:
                 model.compute_loss(x, y, y_pred, w)  # raises: nothing to train on, and the fix
             if grad:
@@ -380,6 +383,24 @@ def first_batch_check(
             except Exception as e:
                 raise wrap("metrics", batch, e, module, label=label) from e
     return x
+
+
+def _aligned_targets(model: Model, batch: tuple[Any, Any, Any], y_pred: Any, y: Any) -> Any:
+    """The loss's targets once ``compile(shift_labels=None)`` is decided for a module fitkit did not
+    know (:func:`fitkit.losses.labels.decide_shift`, from the first batch's output and labels)."""
+    names = model.label_names
+    if getattr(names, "shift", False) is not None or batch[1] is not None:
+        return y
+    decide_shift(names, y_pred, batch[0])  # type: ignore[arg-type]
+    return _inputs_and_targets(model, batch[0], batch[1])[1]
+
+
+def _check_own_loss(model: Model, batch: tuple[Any, Any, Any], y_pred: Any, y_all: Any) -> None:
+    """A module's own loss: its labels in range, and sample weights only where they reach it."""
+    x, y, w = batch
+    check_class_range(None, prediction_of(y_pred), y_all)
+    if w is not None:  # raises where the weights cannot reach the module's own loss (a 0-dim mean)
+        model.compute_loss(x, y, y_pred, w)
 
 
 def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:

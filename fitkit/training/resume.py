@@ -28,7 +28,56 @@ if TYPE_CHECKING:
     from fitkit.training.position import Position
     from fitkit.training.tracking import RunningTotals
 
-__all__ = ["Resume"]
+__all__ = ["Resume", "RESUME_MODES", "check_resume_mode", "data_identity"]
+
+#: ``fit(resume=...)``: ``None`` (continue where the checkpoint was taken), ``"restart_epoch"``
+#: (a checkpoint taken inside an epoch starts that epoch over).
+RESUME_MODES = (None, "restart_epoch")
+
+
+def check_resume_mode(value: Any) -> None:
+    """``fit(resume=...)`` checked.
+
+    Example:
+        >>> check_resume_mode("restart")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `resume` to be None or 'restart_epoch'. Received: resume='restart'. Fix: ...
+    """
+    if value not in RESUME_MODES:
+        raise ValueError(
+            f"Expected `resume` to be None or 'restart_epoch'. Received: resume={value!r}. Fix: leave it None "
+            "to continue where a checkpoint was taken, or pass 'restart_epoch' to start its epoch over."
+        )
+
+
+def data_identity(loader: Any) -> dict[str, Any]:
+    """What a checkpoint records of the training set, so that its position keeps its meaning:
+    ``train_length`` (samples, over all ranks) where the source has a length, and
+    ``train_fingerprint`` for a Hugging Face ``datasets.Dataset`` (its own ``_fingerprint``). Cheap:
+    no data is read.
+
+    Example:
+        >>> from fitkit.data import as_loader
+        >>> data_identity(as_loader(torch.zeros(12, 2), torch.zeros(12), batch_size=4))
+        {'train_length': 12}
+    """
+    from fitkit.data import TensorBatches
+
+    batches = getattr(loader, "batches", None)
+    if isinstance(batches, TensorBatches):
+        return {"train_length": int(batches.n)}
+    source = getattr(batches, "source", None)
+    dataset = getattr(source, "dataset", source)  # a DataLoader's Dataset, or the Dataset itself
+    out: dict[str, Any] = {}
+    try:
+        out["train_length"] = int(len(dataset))  # type: ignore[arg-type]
+    except TypeError:  # an iterable without a length: nothing to compare
+        return out
+    fingerprint = getattr(dataset, "_fingerprint", None)
+    if isinstance(fingerprint, str):
+        out["train_fingerprint"] = fingerprint
+    return out
 
 
 class Resume:
@@ -47,8 +96,9 @@ class Resume:
         (None, (0, None))
     """
 
-    def __init__(self, train: DeviceLoader | None, position: Position | None, scheduling: Any = None):
-        self.train, self.position, self.scheduling = train, position, scheduling
+    def __init__(self, train: DeviceLoader | None, position: Position | None, scheduling: Any = None,
+                 mode: str | None = None):  # fmt: skip
+        self.train, self.position, self.scheduling, self.mode = train, position, scheduling, mode
         self.pending: ResumePoint | None = None  # taken, not yet applied to an epoch
         # steps_per_epoch: a boundary resume's carried-over pass (offset, what drew it), for its epoch
         self.epoch_pass: tuple[int, dict[str, Any] | None] = (0, None)
@@ -75,8 +125,32 @@ class Resume:
                 category=FitkitWarning, stacklevel=5,
             )
             return start_epoch
-        self.pending = point
+        self.pending = self._same_data(point)
         return start_epoch
+
+    def _same_data(self, point: ResumePoint) -> ResumePoint:
+        """A point inside an epoch continues on the training set it was taken on (its length and
+        fingerprint, where recorded), else ``ValueError``; ``resume="restart_epoch"`` starts its
+        epoch over instead."""
+        saved = point.position
+        if not saved.batches:
+            return point
+        if self.mode == "restart_epoch":
+            return point.at_epoch_start()
+        now = data_identity(self.train)
+        before = {k: point.state[k] for k in ("train_length", "train_fingerprint") if point.state.get(k) is not None}
+        changed = [k for k in before if k in now and now[k] != before[k]]
+        if not changed:
+            return point
+        what = (f"{before['train_length']} samples, and this fit's has {now['train_length']}"
+                if "train_length" in changed else
+                f"the fingerprint {before['train_fingerprint']!r}, and this fit's is {now['train_fingerprint']!r}")
+        raise ValueError(
+            f"The checkpoint was taken inside epoch {point.epoch + 1} ({saved.batches} batch(es) done) of a training "
+            f"set of {what}: the saved position and order mean other rows of this data, so some rows would train "
+            f"twice and some never. Fix: resume on the training set the checkpoint was taken on, or start that "
+            "epoch over on this data with fit(..., resume='restart_epoch')."
+        )
 
     def epoch_begin(self, epoch: int) -> None:
         """The start of ``epoch``: an epoch-boundary checkpoint's RNG states and loader order."""

@@ -14,7 +14,8 @@ scheduler     ``scheduler``, ``scheduler_class``                           at lo
 position      ``epoch``, ``step_in_epoch``, ``samples_in_epoch``,          next fit
               ``pass_offset``, ``batch_size``, ``world_size``,
               ``epoch_rng``, ``trackers``, ``data_order``,
-              ``pass_start``, ``lrs_used``
+              ``pass_start``, ``lrs_used``, ``train_length``,
+              ``train_fingerprint``
 rng           ``rng``                                                      next fit
 callbacks     ``callbacks``, ``callback_config``                           after on_train_begin
 history       ``history``                                                  after on_train_begin
@@ -155,6 +156,15 @@ class ResumePoint:
     def epoch(self) -> int:
         """The epoch to run next (0-based)."""
         return self.position.epoch
+
+    def at_epoch_start(self) -> ResumePoint:
+        """This point moved to the start of its epoch (``fit(resume="restart_epoch")``): the
+        weights, optimizer, step count, RNG states and history as saved; the epoch's batches done,
+        its running totals and its loader's order dropped, so the epoch starts over."""
+        state = {k: v for k, v in self.state.items()
+                 if k not in ("trackers", "data_order", "epoch_rng", "pass_start")}  # fmt: skip
+        state.update(step_in_epoch=0, samples_in_epoch=0, pass_offset=0)
+        return ResumePoint(state)
 
     def apply_callbacks(self, callbacks: CallbackList) -> None:
         """Callback states and the history (after ``on_train_begin``, so they are this fit's)."""

@@ -16,7 +16,14 @@ import torch
 from fitkit import nest
 from fitkit.losses import MultiLoss
 from fitkit.losses.denominators import denominator, objective
-from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
+from fitkit.losses.outputs import (
+    module_inputs,
+    own_loss,
+    own_objective,
+    prediction_of,
+    require_prediction,
+    targets_of,
+)
 
 if TYPE_CHECKING:
     from fitkit.model import Model
@@ -33,10 +40,12 @@ def compute_loss(model: Model, x: object, y: object, y_pred: object,
     ``w`` is 1 without sample weights (see :mod:`fitkit.losses.denominators`). Override it to add
     terms (e.g. a regularizer); ``x`` is there for losses that need it. With
     ``compile(loss=None)``, a module output that carries its own ``"loss"`` (Hugging Face
-    models called with ``labels``) is the objective. With a compiled loss and no ``y``, a dict
-    batch's ``"labels"`` are the targets (the Transformers Trainer's default ``label_names``), for
-    the metrics too; the default steps then leave ``labels`` out of the module's inputs, as the
-    Trainer does for a custom loss, so the model does not compute a loss of its own.
+    models called with ``labels``) is the objective: a 0-dim loss as it is (sample weights are
+    refused: they cannot reach it), a ``(B,)`` one (per sample) as ``sum(w * l) / sum(w)``.
+    With a compiled loss and no ``y``, a dict batch's ``"labels"`` are the targets (the
+    Transformers Trainer's default ``label_names``), for the metrics too; the default steps
+    then leave ``labels`` out of the module's inputs, as the Trainer does for a custom loss,
+    so the model does not compute a loss of its own.
 
     Args:
         x: the batch's inputs.
@@ -54,8 +63,8 @@ def compute_loss(model: Model, x: object, y: object, y_pred: object,
     loss = model.loss
     if loss is None:
         own = own_loss(y_pred)
-        if own is not None:
-            return own
+        if own is not None:  # a (B,) own loss takes sample weights; a 0-dim one refuses them
+            return own_objective(own, sample_weight)
         raise RuntimeError(
             "No loss to compute: none was compiled and the module's output carries no 'loss' (a "
             "Hugging Face model computes one only when its inputs hold `labels`). Fix: put the "
