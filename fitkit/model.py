@@ -35,6 +35,7 @@ from fitkit import nest
 from fitkit.callbacks.base import Callback, History
 from fitkit.callbacks.swap_ema import compiled_ema, with_compiled_ema
 from fitkit.checks import check_bool, check_int, check_number, known_keywords
+from fitkit.checks.declared import declared
 from fitkit.checks.preflight import cast_to_module
 from fitkit.compile import Forward, resolve_jit_compile
 from fitkit.devices import NO_CONTEXT, PRECISIONS, autocast, optimizer_to, resolve_device
@@ -47,6 +48,7 @@ from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, requir
 from fitkit.metrics import MetricSet
 from fitkit.tools.summary import summary_table
 from fitkit.training import checkpoint as _checkpoint
+from fitkit.training import options as _options
 from fitkit.training import planning
 from fitkit.training.accumulation import AccumulationSchedule
 from fitkit.training.loop import EvalLoop, FitLoop, PredictLoop
@@ -108,6 +110,7 @@ class Model:
         [3.0, 2.0]
     """
 
+    @declared(_options.MODEL)
     def __init__(self, module: nn.Module, *, device: str | torch.device = "auto",
                  strategy: str | _distributed.FSDP = "auto", timeout: float | None = None,
                  activation_checkpointing: Any = False):  # fmt: skip
@@ -393,6 +396,7 @@ class Model:
 
     # -- compile ---------------------------------------------------------------------------
     @known_keywords
+    @declared(_options.COMPILE)
     def compile(
         self,
         optimizer: Any = "adam",
@@ -455,7 +459,8 @@ class Model:
                 metrics (taken out of the batch before ``forward``; several give a tuple ``y_true``),
                 as the Transformers Trainer's ``label_names``. ``None``: ``"labels"``, or for a
                 Transformers model the Trainer's default (``start_positions`` / ``end_positions``
-                for question answering); see :mod:`fitkit.losses.labels`.
+                for question answering); see :mod:`fitkit.losses.labels`. Keys given here that a
+                dict batch does not hold are refused before step 1 (they would be ignored).
 
         Raises:
             ValueError: unknown names (the message lists valid ones), bad values.
@@ -511,6 +516,7 @@ class Model:
 
     # -- fit -------------------------------------------------------------------------------
     @known_keywords
+    @declared(_options.FIT)
     def fit(
         self,
         x: Any = None,
@@ -782,6 +788,7 @@ class Model:
 
     # -- evaluate / predict ------------------------------------------------------------------
     @known_keywords
+    @declared(_options.EVALUATE)
     def evaluate(
         self,
         x: Any = None,
@@ -867,6 +874,7 @@ class Model:
         return [v[0] if len(v) == 1 else v for v in per_set]
 
     @known_keywords
+    @declared(_options.PREDICT)
     def predict(
         self,
         x: Any,
@@ -1229,6 +1237,7 @@ class Model:
 
         Raises:
             OSError: the file cannot be written (the old file, if any, is left as it was).
+            ValueError: ``trainable_only=True`` with every parameter frozen (nothing to save).
 
         Example:
             >>> import os, tempfile

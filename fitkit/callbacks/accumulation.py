@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from fitkit.callbacks.base import Callback
+from fitkit.checks.declared import Option, declare, declared
 from fitkit.training.accumulation import AccumulationSchedule
 
 __all__ = ["GradientAccumulationScheduler"]
+
+
+_GRADIENT_ACCUMULATION_SCHEDULER_OPTIONS = declare(
+    "GradientAccumulationScheduler",
+    Option("scheduling", "custom", checked_in="fitkit.training.accumulation.AccumulationSchedule",
+           bad=({}, {0: 0}, {-1: 2}, "4", 4, None)),
+)
 
 
 class GradientAccumulationScheduler(Callback):
@@ -38,6 +46,7 @@ class GradientAccumulationScheduler(Callback):
         14
     """
 
+    @declared(_GRADIENT_ACCUMULATION_SCHEDULER_OPTIONS)
     def __init__(self, scheduling: dict[int, int]):
         super().__init__()
         self.scheduling = AccumulationSchedule(scheduling, name="scheduling").scheduling
