@@ -304,6 +304,18 @@ class Loss:
         return per.sum(1) / counts.clamp(min=1).to(per.dtype)
 
 
+def _check_reduction(loss: nn.Module) -> None:
+    """A torch loss module's ``reduction`` is one torch knows (fitkit reads it: "sum" stays a sum)."""
+    reduction = getattr(loss, "reduction", None)
+    valid = ("mean", "sum", "none", "batchmean") if isinstance(loss, nn.KLDivLoss) else ("mean", "sum", "none")
+    if isinstance(loss, nn.modules.loss._Loss) and reduction not in valid:
+        raise ValueError(
+            f"Expected the loss's `reduction` to be one of {', '.join(repr(v) for v in valid)}. Received: "
+            f"{type(loss).__name__}(reduction={reduction!r}). Fix: pass reduction='mean' (fitkit's per-sample "
+            "mean) or 'sum'."
+        )
+
+
 def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None:
     """Build a :class:`Loss` from a name, an ``nn.Module`` loss or a callable.
 
@@ -360,6 +372,7 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
     if isinstance(loss, type):
         raise TypeError(class_not_instance("loss", loss))
     if isinstance(loss, nn.Module):
+        _check_reduction(loss)
         module_kind = next((k for cls, k in _MODULE_KINDS.items() if type(loss) is cls), None)
         if module_kind is not None:
             base = loss
