@@ -65,7 +65,7 @@ class Option:
     allow_none: bool = False
     excludes: tuple[str, ...] = ()
     fix: str | None = None
-    check: Callable[[Any], None] | None = None
+    check: Callable[[Any], object] | None = None
     checked_in: str | None = None
     also: tuple[type, ...] = ()
     bad: tuple[Any, ...] = ()
