@@ -31,9 +31,10 @@ _TENSORBOARD_OPTIONS = declare(
     "TensorBoard",
     Option("log_dir", "path"),
     every_option("update_freq"),
-    Option("histogram_freq", "int", minimum=0),
+    Option("histogram_freq", "int", minimum=0,
+           fix="pass every how many epochs to write weight histograms, e.g. histogram_freq=1, or 0 for none."),
     Option("write_steps_per_second", "bool"),
-    Option("clock", "callable"),  # read only with write_steps_per_second
+    Option("clock", "custom", checked_in="TensorBoard.__init__", bad=(3.0, "now")),  # read with write_steps_per_second
 )
 
 

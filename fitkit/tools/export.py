@@ -146,7 +146,7 @@ _EXPORT_OPTIONS = declare(
     Option("module", "custom", checked_in="export", bad=("net", 5)),
     Option("path", "path"),
     Option("example_input", "custom", check=_check_example_input, bad=("x", None, [1, 2])),
-    Option("format", "choice", choices=("torch", "onnx")),
+    Option("format", "custom", checked_in="export", bad=("tflite", 5, None)),
     Option("dynamic_batch", "bool"),
 )
 
