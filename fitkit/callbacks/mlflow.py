@@ -44,7 +44,7 @@ _MLFLOW_LOGGER_OPTIONS = declare(
     Option("experiment_name", "text", allow_none=True,
            fix="pass the experiment's name, e.g. experiment_name='digits'."),
     Option("run_name", "text", allow_none=True, fix="pass the run's display name, e.g. run_name='baseline'."),
-    Option("log_every_n_steps", "int", minimum=1, allow_none=True),
+    Option("log_every_n_steps", "custom", checked_in="__init__", bad=(0, -1, 1.5, "10", True)),
     Option("checkpoint", "custom", checked_in="MLflowLogger.__init__", bad=(5,)),
     Option("log_plot", "bool"),
     Option("tags", "custom", check=lambda v: check_tags("tags", v, "tags={'team': 'vision'}"), bad=(["a"], {1: "x"})),

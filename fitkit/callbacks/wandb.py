@@ -44,7 +44,7 @@ _WANDB_LOGGER_OPTIONS = declare(
     Option("project", "text", allow_none=True, fix="pass the W&B project's name, e.g. project='digits'."),
     Option("name", "text", allow_none=True, fix="pass the run's display name, e.g. name='baseline'."),
     Option("config", "custom", check=lambda v: check_tags("config", v, "config={'lr': 0.001}"), bad=(["a"], {1: 2})),
-    Option("log_every_n_steps", "int", minimum=1, allow_none=True),
+    Option("log_every_n_steps", "custom", checked_in="__init__", bad=(0, -1, 1.5, "10", True)),
     Option("log_checkpoints", "bool"),
     Option("checkpoint", "custom", checked_in="WandbLogger.__init__", bad=(5,)),
 )
