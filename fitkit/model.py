@@ -30,12 +30,14 @@ from torch import nn
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import Callback, History
 from fitkit.checks import known_keywords
+from fitkit.checks.declared import declared
 from fitkit.devices import NO_CONTEXT, autocast, optimizer_to, resolve_device
 from fitkit.distributed import meta as _meta
 from fitkit.files.differences import check_state_dict_fits
 from fitkit.losses.labels import LABELS
 from fitkit.metrics import MetricSet
 from fitkit.training import calls as _calls
+from fitkit.training import options as _options
 from fitkit.training import steps as _steps
 from fitkit.training.calls import prepare_fit, run_fit
 from fitkit.training.compiling import compile_model
@@ -92,6 +94,7 @@ class Model(FilesAndTools):
         [3.0, 2.0]
     """
 
+    @declared(_options.MODEL)
     def __init__(self, module: nn.Module, *, device: str | torch.device = "auto",
                  strategy: str | _distributed.FSDP = "auto", timeout: float | None = None,
                  activation_checkpointing: object = False):  # fmt: skip
@@ -368,6 +371,7 @@ class Model(FilesAndTools):
 
     # -- compile ---------------------------------------------------------------------------
     @known_keywords
+    @declared(_options.COMPILE)
     def compile(
         self,
         optimizer: object = "adam",
@@ -433,7 +437,8 @@ class Model(FilesAndTools):
                 metrics (taken out of the batch before ``forward``; several give a tuple ``y_true``),
                 as the Transformers Trainer's ``label_names``. ``None``: ``"labels"``, or for a
                 Transformers model the Trainer's default (``start_positions`` / ``end_positions``
-                for question answering); see :mod:`fitkit.losses.labels`.
+                for question answering); see :mod:`fitkit.losses.labels`. Keys given here that a
+                dict batch does not hold are refused before step 1 (they would be ignored).
             loss_scale: under ``precision="16-mixed"``, scale the loss with a ``GradScaler``
                 (the default). ``False`` (Keras' ``auto_scale_loss=False``): fp16 autocast with a
                 plain backward and step, no scaler, no step skipped for an inf gradient (for a
@@ -460,6 +465,7 @@ class Model(FilesAndTools):
 
     # -- fit -------------------------------------------------------------------------------
     @known_keywords
+    @declared(_options.FIT)
     def fit(
         self,
         x: object = None,
@@ -672,6 +678,7 @@ class Model(FilesAndTools):
 
     # -- evaluate / predict ------------------------------------------------------------------
     @known_keywords
+    @declared(_options.EVALUATE)
     def evaluate(
         self,
         x: object = None,
@@ -730,6 +737,7 @@ class Model(FilesAndTools):
         return _calls.evaluate(self, x, y, _keywords(locals(), "x", "y"))
 
     @known_keywords
+    @declared(_options.PREDICT)
     def predict(
         self,
         x: object,

@@ -29,14 +29,18 @@ from fitkit.callbacks import (
     LambdaCallback,
     LearningRateScheduler,
     ModelCheckpoint,
+    ProgressBar,
     ReduceLROnPlateau,
     TensorBoard,
     TerminateOnNaN,
+    ThroughputMonitor,
+    Timer,
     WeightAveraging,
 )
 from fitkit.files import atomic_save
 from fitkit.layers import GPT
 from fitkit.tools.batch_size_finder import find_batch_size
+from fitkit.tools.export import export
 from fitkit.tools.lr_finder import find_lr
 
 N, FEATURES, CLASSES = 20, 4, 3
@@ -239,7 +243,7 @@ CASES = [
          "Class labels.*Fix"),
     Case("fit validation 4-tuple", fit(validation_data=(_x(6), _y(6), torch.ones(6), torch.ones(6))), ValueError,
          "validation_data"),
-    Case("fit validation str", fit(validation_data="val.csv"), TypeError, "Expected `x`"),
+    Case("fit validation str", fit(validation_data="val.csv"), TypeError, "Expected `validation_data`"),
     Case("fit validation (x,) with a loss", fit(validation_data=(_x(6),)), ValueError, "Fix"),
     # -- fit: weights ----------------------------------------------------------------------------
     Case("fit sample_weight negative", fit(sample_weight=_with(torch.ones(N), (3,), -0.5)), ValueError,
@@ -480,6 +484,52 @@ CASES = [
                                                                        y=None),
          ValueError, r"training DataLoader could not be made after 0 optimizer step\(s\).*default_collate.*equal "
          r"shapes.*Fix: pass DataLoader\(\.\.\., collate_fn=\.\.\.\)"),
+    # -- issue 43's examples, and what the option fuzz (tests/test_declared_options.py) found ---------
+    Case("fit min_steps above max_steps", fit(max_steps=20, min_steps=50), ValueError,
+         r"min_steps=50 asks for more than max_steps=20, which ends training first\. Fix"),
+    Case("compile loss reduction avg", compile_(loss=nn.CrossEntropyLoss(reduction="avg")), ValueError,
+         r"Expected the loss's `reduction` to be one of 'mean', 'sum', 'none'\. Received: "
+         r"CrossEntropyLoss\(reduction='avg'\)\. Fix"),
+    Case("ModelCheckpoint save_last is its own filepath",
+         fit_cb(lambda tmp: ModelCheckpoint(tmp / "ck.pt", save_last=tmp / "ck.pt")), ValueError,
+         r"Expected `save_last` to be a file of its own, but .*ck\.pt' is a file of `filepath`.*Fix"),
+    Case("ModelCheckpoint save_last matches the filepath pattern",
+         fit_cb(lambda tmp: ModelCheckpoint(tmp / "ep{epoch}.pt", save_last=tmp / "ep3.pt")), ValueError,
+         r"Expected `save_last` to be a file of its own, but .*ep3\.pt' is a file of `filepath`.*Fix"),
+    Case("CSVLogger separator newline", fit_cb(lambda tmp: CSVLogger(tmp / "log.csv", separator="\n")), ValueError,
+         r"Expected `separator` to be one character that is not a line break.*Received: separator='\\n'\. Fix"),
+    Case("CSVLogger separator quote", fit_cb(lambda tmp: CSVLogger(tmp / "log.csv", separator='"')), ValueError,
+         r"Received: separator='\"'\. Fix"),
+    Case("ProgressBar refresh_interval -1", fit_cb(lambda tmp: ProgressBar(refresh_interval=-1)), ValueError,
+         r"Expected `refresh_interval` >= 0\.0\. Received: refresh_interval=-1\. Fix"),
+    Case("WeightAveraging start at a step and an epoch",
+         fit_cb(lambda tmp: WeightAveraging(update_starting_at_step=2, update_starting_at_epoch=1)), ValueError,
+         r"Expected at most one of `update_starting_at_step` and `update_starting_at_epoch`\. Received: "
+         r"update_starting_at_step=2, update_starting_at_epoch=1\. Fix"),
+    Case("ThroughputMonitor clock returns a str", fit_cb(lambda tmp: ThroughputMonitor(clock=lambda: "now")),
+         TypeError,
+         r"Expected `clock` to return seconds as a number\. Received: clock\(\) returned 'now' \(str\)\. Fix"),
+    Case("Timer clock returns None", fit_cb(lambda tmp: Timer(3600, clock=lambda: None)), TypeError,
+         r"Expected `clock` to return seconds as a number\. Received: clock\(\) returned None \(NoneType\)\. Fix"),
+    Case("find_lr lr_max", lambda m, tmp: find_lr(m, _x(), _y(), lr_max=1), TypeError,
+         r"find_lr\(\) got an unexpected keyword argument 'lr_max'\. Fix.*Valid keywords: .*end_lr"),
+    Case("find_lr path in a missing folder",
+         lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=tmp / "missing" / "dir" / "lr.png"), ValueError,
+         r"find_lr writes its plot at `path`, but the folder .*missing/dir' does not exist\. .*Fix"),
+    Case("fit numpy object array in a dict x",
+         fit(x={"input": _x().numpy(), "note": np.array([object()] * N, dtype=object)}), TypeError,
+         r"Expected `x\['note'\]` to be a numeric array \(bool, int, float or complex\)\. Received an array of "
+         r"dtype object, shape \(20,\)\. Fix"),
+    Case("fit sample_weight str", fit(sample_weight="w"), TypeError,
+         r"Expected `sample_weight` to be an array of real numbers.*Received: sample_weight='w' \(str\)\. Fix"),
+    Case("fit max_time negative", fit(max_time=-1), ValueError,
+         r"Expected `max_time` to be a positive number\. Received: max_time=-1\. Fix"),
+    Case("save_weights trainable_only with every parameter frozen",
+         lambda m, tmp: (m.module.requires_grad_(False), m.save_weights(tmp / "w.pt", trainable_only=True)),
+         ValueError, r"save_weights\(trainable_only=True\) would write an empty file to .*w\.pt': no parameter of "
+                     r"the module requires grad \(all are frozen\)\. Received: trainable_only=True\. Fix"),
+    Case("export example_input str", lambda m, tmp: export(m.module, tmp / "m.pt2", "x"), TypeError,
+         r"Expected `example_input` to be one input batch.*Received: example_input='x' \(str\)\. Fix"),
 ]
 
 
@@ -921,3 +971,49 @@ def test_an_output_that_widens_during_training_is_refused_at_the_batch_it_widens
     model.compile(optimizer="adam", loss="cross_entropy")  # a new head on purpose: compile again
     history = model.fit(_x(), _y(), batch_size=5, epochs=1, verbose=0)
     assert history.epoch == [0] and len(history.history["loss"]) == 1
+
+
+class _Keyed(nn.Module):
+    """A module fed dict batches: ``forward(features)``; with ``logits_only`` it returns ``{"logits": ...}``
+    and takes (and ignores) ``labels``, as a Hugging Face model called without a loss would."""
+
+    def __init__(self, logits_only: bool = False):
+        super().__init__()
+        self.lin, self.logits_only = nn.Linear(FEATURES, CLASSES), logits_only
+
+    def forward(self, features, labels=None):
+        out = self.lin(features)
+        return {"logits": out} if self.logits_only else out
+
+
+def test_label_names_that_the_batches_do_not_hold_are_refused_before_step_1(tmp_path):
+    model = fitkit.Model(_Keyed(), device="cpu")
+    model.compile(optimizer="adam", loss="cross_entropy", label_names=["target"])
+    err = _fit_fails(model, tmp_path, {"features": _x(), "labels": _y()}, batch_size=5)
+    assert re.search(r"Expected the dict batches to hold the keys of compile\(label_names=\['target'\]\)\. "
+                     r"Received a batch with keys \['features', 'labels'\]: \['target'\] missing.*Fix", str(err))
+    # y passed apart: label_names would be ignored, so it is refused too
+    err = _fit_fails(model, tmp_path, {"features": _x()}, _y(), batch_size=5)
+    assert "['target'] missing" in str(err)
+    # the key the batches do hold: its tensor is the target (taken out of forward's inputs)
+    x, y = _x(), _y()
+    got = model.evaluate({"features": x, "target": y}, verbose=0)["loss"]
+    assert got == pytest.approx(nn.functional.cross_entropy(model.module.lin(x), y).item(), rel=1e-6)
+
+
+def test_evaluate_of_dict_batches_whose_module_returns_no_loss_and_no_metric_is_an_error():
+    model = fitkit.Model(_Keyed(logits_only=True), device="cpu")
+    model.compile(optimizer="adam")  # loss=None: the module's own loss, which it does not return
+    x, y = _x(), _y()
+    with pytest.raises(ValueError, match=r"Expected something to evaluate: compile\(loss=None\) and the module's "
+                       r"output holds no 'loss' \(output: \['logits'\]\), and no metrics are compiled.*Fix"):
+        model.evaluate({"features": x, "labels": y}, verbose=0)
+    # batches from an iterable are not checked before the loop: the loop names it at its end
+    with pytest.raises(ValueError, match=r"Expected `evaluate` to compute a loss or a metric\..*Fix"):
+        model.evaluate([{"features": x[:5], "labels": y[:5]}], verbose=0)
+    model.compile(optimizer="adam", metrics=["accuracy"])
+    with pytest.raises(ValueError, match=r"and the batch has no targets for the metrics.*Fix"):
+        model.evaluate({"features": x}, verbose=0)
+    # with a metric and targets there is a value: the fraction of correct predictions, by hand
+    correct = (model.module.lin(x).argmax(1) == y).float().mean().item()
+    assert model.evaluate({"features": x, "labels": y}, verbose=0) == {"accuracy": pytest.approx(correct)}

@@ -1,12 +1,15 @@
 """WandbLogger in W&B's offline mode: the run's own file (``run-<id>.wandb``) is read back."""
 
+import contextlib
 import importlib.util
 import json
+import shutil
 import struct
 import time
 
 import pytest
 import torch
+from _tmpfs import tmpfs
 
 import fitkit
 from fitkit.callbacks import ModelCheckpoint, WandbLogger
@@ -164,3 +167,38 @@ def test_a_run_the_user_opened_is_logged_into_and_left_open(tmp_path):
         run.finish()
     steps, _, _ = _run(tmp_path)
     assert steps[4]["epoch/epoch"] == 0 and steps[5] == {"after_fit": 1.0}
+
+
+def _fill(folder) -> None:
+    """Write zeros into ``folder`` until its disk is full."""
+    with open(folder / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+
+
+def test_a_full_disk_under_the_run_warns_once_naming_the_folder(tmp_path, monkeypatch):
+    # Runs everywhere: the run's disk reads as full from the second epoch on (statvfs), as a
+    # real full disk does (the test below, root only).
+    x, y = _data()
+    model, logger = _model(), WandbLogger(project="fitkit-test", dir=str(tmp_path), mode="offline")
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=0) if model.epoch >= 1 else real(p))  # fmt: skip
+    with pytest.warns(FitkitWarning, match=r"WandbLogger: the disk holding the run's folder '.*offline-run-.*' is "
+                      r"full \(0 bytes free\).*training goes on\. Fix") as caught:
+        history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[logger])
+    assert len([w for w in caught if "is full" in str(w.message)]) == 1  # once, at the end of epoch 2
+    assert len(history.history["loss"]) == 3 and model.global_step == 12
+    history, _, _ = _run(tmp_path)
+    assert [h["epoch/epoch"] for h in history.values() if "epoch/epoch" in h] == [0, 1]  # none after the warning
+
+
+def test_a_real_full_disk_under_the_run_warns_and_training_goes_on(tmp_path, monkeypatch):
+    with tmpfs(tmp_path / "small", "8m") as folder:
+        monkeypatch.setenv("WANDB_DIR", str(folder))
+        x, y = _data()
+        model, logger = _model(), WandbLogger(project="fitkit-test", dir=str(folder), mode="offline")
+        fill = fitkit.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: epoch == 1 and _fill(folder))
+        with pytest.warns(FitkitWarning, match=r"WandbLogger: the disk holding the run's folder .* is full"):
+            history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[fill, logger])
+        assert len(history.history["loss"]) == 3 and model.global_step == 12

@@ -203,6 +203,24 @@ def test_a_huge_pid_and_a_folder_in_the_locks_place(tmp_path):
         FileLock(tmp_path / ".y.lock", "y", "CSVLogger").acquire()
 
 
+def test_a_dangling_link_where_the_lock_goes_is_named_and_taken_over(tmp_path):
+    # Once: O_EXCL saw the link, reading it found no file, and every run ended in "Fix: try again".
+    csv, lock = tmp_path / "log.csv", tmp_path / ".log.csv.lock"
+    lock.symlink_to(tmp_path / "gone")
+    with pytest.warns(FitkitWarning, match=r"CSVLogger: a dangling symbolic link was where the lock of .* goes "
+                      r"\('.*\.log\.csv\.lock' -> '.*gone'\); the link is removed and the lock taken\."):
+        _model().fit(X, Y, epochs=2, callbacks=[CSVLogger(csv)], verbose=0)
+    assert csv.read_text().count("\n") == 3 and not lock.exists() and not lock.is_symlink()  # header, 2 epochs
+    # a link to an existing file is not fitkit's lock: refused, naming both, and the file stays
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    lock.symlink_to(target)
+    with pytest.raises(LockError, match=r"a symbolic link is where its lock file goes \('.*\.lock' -> '.*notes\.txt'"
+                       r"\).*Fix: remove the link"):
+        FileLock(lock, "x", "CSVLogger").acquire()
+    assert target.read_text() == "mine" and lock.is_symlink()
+
+
 # -- locks from other hosts: a requeued SLURM job, and the user's word ---------------------
 def _foreign_lock(path, **extra):
     import json

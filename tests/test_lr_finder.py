@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -186,6 +187,49 @@ def test_plot(tmp_path):
     fig = result.plot()
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and list(ax.lines[0].get_xdata()) == result.lrs
+
+
+def _png_bytes(path) -> bytes:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"  # a whole PNG: its signature ...
+    assert data[-12:-4] == b"\x00\x00\x00\x00IEND"  # ... and its end chunk
+    return data
+
+
+def test_a_plot_that_cannot_be_written_leaves_the_older_plot_whole(tmp_path, monkeypatch):
+    # Runs everywhere: savefig writes half a file, then the disk is full (the test below, root only).
+    import errno
+
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    model, path = _scalar_model(), tmp_path / "lr.png"
+    find_lr(model, torch.ones(4, 1), torch.zeros(4, 1), start_lr=1e-3, end_lr=0.4, num_steps=20, path=path)
+    older = _png_bytes(path)
+
+    def full(self, fname, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(older[:100])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    with pytest.raises(OSError, match=r"No space left on device while writing '.*lr\.png'; the older file, if any, "
+                       r"is unchanged\. Fix"):
+        find_lr(model, torch.ones(4, 1), torch.zeros(4, 1), start_lr=1e-3, end_lr=0.4, num_steps=20, path=path)
+    assert _png_bytes(path) == older and sorted(p.name for p in tmp_path.iterdir()) == ["lr.png"]  # no temp left
+
+
+def test_a_plot_on_a_full_disk_leaves_no_empty_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from _tmpfs import tmpfs
+
+    with tmpfs(tmp_path / "small", "64k") as folder:
+        with open(folder / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        with pytest.raises(OSError, match=r"while writing '.*lr\.png'; the older file, if any, is unchanged"):
+            find_lr(_scalar_model(), torch.ones(4, 1), torch.zeros(4, 1), num_steps=20, path=folder / "lr.png")
+        assert sorted(p.name for p in folder.iterdir()) == ["filler"]  # no 0-byte PNG, no temp file
 
 
 def test_plot_without_matplotlib(monkeypatch):

@@ -64,8 +64,8 @@ CASES = {
     "label_names with a tensor x": (lambda: _model(label_names="target"), lambda m, d: _fit(m), ValueError,
                                     r"label_names=\['target'\]\) names no key .* a Tensor \(no dict\).*Fix"),
     "a loss module's bogus reduction": (lambda: _model(loss=nn.MSELoss(reduction="bogus")), lambda m, d: _fit(m),
-                                        ValueError, r"Expected `reduction` of MSELoss .* Received: "
-                                                    r"reduction='bogus'\. Fix"),
+                                        ValueError, r"Expected the loss's `reduction` to be one of .* Received: "
+                                                    r"MSELoss\(reduction='bogus'\)\. Fix"),
     "trainable_only a string": (_model, lambda m, d: m.save_weights(os.path.join(d, "w.pt"), trainable_only="no"),
                                 TypeError, r"Expected `trainable_only` to be a bool\. Received: "
                                            r"trainable_only='no'\. Fix"),
@@ -73,8 +73,8 @@ CASES = {
                                                                           trainable_only="no"),
                                       TypeError, r"Received: trainable_only='no'"),
     "every parameter frozen": (_frozen, lambda m, d: m.save_weights(os.path.join(d, "w.pt"), trainable_only=True),
-                               ValueError, r"every parameter of Linear is frozen, so the file would hold "
-                                           r"nothing\. Fix"),
+                               ValueError, r"would write an empty file to .*w\.pt': no parameter of the module "
+                                           r"requires grad \(all are frozen\)\. Received: trainable_only=True\. Fix"),
 }
 
 

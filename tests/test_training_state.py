@@ -365,6 +365,29 @@ def test_each_crafted_field_is_refused_before_any_part_changes(tmp_path, sharded
     assert model.load_checkpoint(path) == 2  # the file as written loads
 
 
+def test_every_field_of_the_state_crafted_is_refused_before_any_part_changes(tmp_path):
+    # Each top-level field of a one-file checkpoint in turn holds a complex number, a type no
+    # field has (the checksum recomputed, as by whoever can write the file): 0 accepted, 0 raw.
+    from fitkit.files.payload import CHECKSUM_KEY
+
+    path = _saved(tmp_path, sharded=False)
+    good = safe_load(path, "cpu")
+    model = _compiled(seed=1)
+    model.fit(*_regression_data(), batch_size=8, epochs=1, verbose=0)  # an optimizer state to keep
+    before, accepted, fields = _everything(model), [], sorted(set(good) - {CHECKSUM_KEY})
+    for key in fields:
+        atomic_save({**good, key: 1j}, path)
+        try:
+            model.load_checkpoint(path)
+        except CheckpointError as e:
+            assert repr(key) in str(e), (key, str(e))  # named
+        else:
+            accepted.append(key)
+        assert _same(_everything(model), before), key
+        assert model._core.pop_resume() is None, key
+    assert accepted == [] and len(fields) >= 15, (accepted, fields)
+
+
 @pytest.mark.parametrize("name", sorted(_CRAFTED_OPTIMIZER))
 def test_a_crafted_optimizer_state_is_refused_before_any_part_changes(tmp_path, name):
     path = _saved(tmp_path, sharded=False)
@@ -557,3 +580,62 @@ def test_a_crafted_newest_backup_resumes_from_the_previous_one(tmp_path, damage)
                     callbacks=[fitkit.callbacks.EarlyStopping(monitor="loss", patience=5),
                                fitkit.callbacks.BackupAndRestore(folder)])  # fmt: skip
     assert resumed.history.epoch == [0, 1, 2] and resumed.global_step == 9
+
+
+# -- every field of every callback state, crafted ----------------------------------------------------
+def _every_stateful_callback(tmp_path) -> list:
+    from fitkit.callbacks import (
+        SWA,
+        BackupAndRestore,
+        CSVLogger,
+        EarlyStopping,
+        LearningRateScheduler,
+        ReduceLROnPlateau,
+        Timer,
+    )
+
+    return [EarlyStopping(monitor="loss", patience=5), ReduceLROnPlateau(monitor="loss", patience=5),
+            fitkit.callbacks.EMA(), SWA(swa_lrs=0.01, swa_epoch_start=1), ModelCheckpoint(tmp_path / "ck" / "m.pt"),
+            BackupAndRestore(tmp_path / "backup", delete_checkpoint=False), CSVLogger(tmp_path / "log.csv"),
+            LearningRateScheduler(lambda epoch, lr: lr), Timer(3600)]  # fmt: skip
+
+
+def test_every_field_of_every_callback_state_crafted_is_named(tmp_path):
+    from fitkit.files.content import callback_state_problems
+    from fitkit.training.parts import stateful
+
+    x, y = _regression_data()
+    model, callbacks = _plain(), _every_stateful_callback(tmp_path)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=callbacks)
+    mine = stateful(callbacks)
+    saved = {key: cb.state_dict() for key, cb in mine.items()}
+    accepted, cases = [], 0
+    for key, state in saved.items():
+        assert isinstance(state, dict) and state, key  # each of them holds a state after two epochs
+        # a complex number is no field's type (no count, number, str, None, tensor, list or dict)
+        for field, value in [(None, "x"), *((f, 1j) for f in state)]:
+            crafted = value if field is None else {**state, field: value}
+            cases += 1
+            if not callback_state_problems({key: crafted}, {key: mine[key]}):
+                accepted.append((key, field))
+    assert accepted == [] and cases == len(saved) + sum(map(len, saved.values())) >= 30, (accepted, cases)
+
+
+def test_a_crafted_timer_state_is_refused_before_any_callback_changes(tmp_path):
+    # Once float('x') raised a raw ValueError inside the resumed fit, after the weights had been restored.
+    x, y = _regression_data()
+    model, path = _plain(), tmp_path / "c.pt"
+    save = LambdaCallback(on_epoch_end=lambda e, logs: model.save_checkpoint(path))
+    timer = fitkit.callbacks.Timer(3600, clock=lambda: 0.0)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[timer, save])
+    good = safe_load(path, "cpu")
+    assert good["callbacks"]["Timer"] == {"elapsed": 0.0}
+    for elapsed, shown in (("x", "'x'"), (-1.0, "-1.0"), (float("inf"), "inf"), (None, "None")):
+        atomic_save({**good, "callbacks": {**good["callbacks"], "Timer": {"elapsed": elapsed}}}, path)
+        fresh = _plain(seed=1)
+        fresh.load_checkpoint(path)
+        mine = fitkit.callbacks.Timer(3600, clock=lambda: 5.0)
+        with pytest.raises(CheckpointError, match=rf"callbacks\['Timer'\]: its state\['elapsed'\] is {shown}, "
+                           r"expected seconds: a finite number >= 0"):
+            fresh.fit(x, y, batch_size=8, epochs=3, initial_epoch=2, verbose=0, callbacks=[mine])
+        assert mine.elapsed == 0.0 and not mine.stopped and fresh.global_step == 6

@@ -18,6 +18,7 @@ from typing import Any
 
 from fitkit.callbacks.base import Callback
 from fitkit.checks import check_int
+from fitkit.checks.declared import Option, declare, declared
 
 __all__ = ["AccumulationSchedule", "GradientAccumulationScheduler"]
 
@@ -69,6 +70,13 @@ class AccumulationSchedule:
         return f"AccumulationSchedule({self.scheduling!r}, default={self.default})"
 
 
+_GRADIENT_ACCUMULATION_SCHEDULER_OPTIONS = declare(
+    "GradientAccumulationScheduler",
+    Option("scheduling", "custom", checked_in="fitkit.callbacks.accumulation.AccumulationSchedule",
+           bad=({}, {0: 0}, {-1: 2}, "4", 4, None)),
+)
+
+
 class GradientAccumulationScheduler(Callback):
     """Change ``gradient_accumulation_steps`` at epoch starts: ``{first_epoch: micro-batches}``.
 
@@ -99,6 +107,7 @@ class GradientAccumulationScheduler(Callback):
         14
     """
 
+    @declared(_GRADIENT_ACCUMULATION_SCHEDULER_OPTIONS)
     def __init__(self, scheduling: dict[int, int]):
         super().__init__()
         self.scheduling = AccumulationSchedule(scheduling, name="scheduling").scheduling

@@ -20,9 +20,29 @@ from torch.optim.swa_utils import SWALR, get_ema_multi_avg_fn, update_bn
 
 from fitkit.callbacks.weight_averaging import WeightAveraging
 from fitkit.checks import FitkitWarning, check_bool, check_choice, check_int, check_number
+from fitkit.checks.declared import Option, declare, declared, verbose_option
 from fitkit.modes import modes
 
 __all__ = ["EMA", "SWA", "WeightAveraging"]
+
+
+_EMA_OPTIONS = declare(
+    "EMA",
+    Option("decay", "number", minimum=0.0, maximum=1.0, allow_none=True,
+           pointless=(1.0, "the average keeps the weights it starts from and never moves. Fix: pass decay < 1, "
+                           "e.g. decay=0.999.")),
+    Option("half_life", "custom", checked_in="EMA.__init__", bad=(0, -1.0, float("inf"), "10")),
+    Option("update_interval", "choice", choices=("step", "epoch")),
+    Option("evaluate_with_ema", "bool"),
+    Option("swap_at_end", "bool"),
+    Option("use_buffers", "bool"),
+    verbose_option(),
+    Option("update_every_n_steps", "int", minimum=1),
+    Option("update_starting_at_step", "int", minimum=0, allow_none=True, excludes=("update_starting_at_epoch",),
+           example=2),
+    Option("update_starting_at_epoch", "int", minimum=0, allow_none=True, example=1),
+    Option("overwrite_every_n_steps", "int", minimum=1, allow_none=True),
+)
 
 
 class EMA(WeightAveraging):
@@ -113,6 +133,7 @@ class EMA(WeightAveraging):
 
     _copy_at_start = True
 
+    @declared(_EMA_OPTIONS)
     def __init__(
         self,
         decay: float | None = None,
@@ -196,6 +217,17 @@ def _check_epoch_interval(interval: str, every: Any, start_step: Any, overwrite:
             )
 
 
+_SWA_OPTIONS = declare(
+    "SWA",
+    Option("swa_lrs", "custom", checked_in="SWA.__init__", bad=(0, -0.1, "0.01", [0.01, -1])),
+    Option("swa_epoch_start", "custom", checked_in="SWA.__init__", bad=(0, 1.5, "1", True)),
+    Option("annealing_epochs", "int", minimum=0),
+    Option("annealing_strategy", "choice", choices=("cos", "linear")),
+    Option("avg_fn", "callable", allow_none=True),
+    Option("multi_avg_fn", "callable", allow_none=True),
+)
+
+
 class SWA(WeightAveraging):
     """Stochastic weight averaging (Izmailov et al. 2018; Lightning's ``StochasticWeightAveraging``).
 
@@ -251,6 +283,7 @@ class SWA(WeightAveraging):
         0.1875
     """
 
+    @declared(_SWA_OPTIONS)
     def __init__(
         self,
         swa_lrs: float | list[float],
@@ -307,6 +340,17 @@ class SWA(WeightAveraging):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._swa_pending = state or None  # SWALR exists from the start epoch on
+
+    def _state_problems(self, state: Any) -> list[str]:
+        """The average's state (:class:`WeightAveraging`), and SWALR's and the set-aside scheduler's."""
+        from fitkit.files.content import typed_problems
+
+        out = super()._state_problems(state)
+        if out or not state:
+            return out
+        dict_or_none = (lambda v: v is None or isinstance(v, dict), "a scheduler's state dict or None")
+        spec = {"swa_scheduler": dict_or_none, "set_aside": dict_or_none}
+        return typed_problems(state, spec, "its state")
 
     # -- hooks -----------------------------------------------------------------------------
     def on_train_begin(self, logs=None):

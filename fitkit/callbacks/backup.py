@@ -20,6 +20,7 @@ from fitkit.callbacks.locking import take_lock
 from fitkit.callbacks.mixins import SavesEveryNBatches
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import FitkitWarning, check_bool, check_every
+from fitkit.checks.declared import Option, declare, declared, every_option
 from fitkit.distributed import dcp
 from fitkit.distributed.group import is_distributed, is_rank_zero
 from fitkit.files import CheckpointError, check_target, remove_path, remove_stale_temps
@@ -29,6 +30,15 @@ from fitkit.files.preflight import check_writable
 from fitkit.files.swap import readable_path, restore_interrupted
 
 __all__ = ["BackupAndRestore"]
+
+
+_BACKUP_AND_RESTORE_OPTIONS = declare(
+    "BackupAndRestore",
+    Option("backup_dir", "path"),
+    every_option("save_freq"),
+    Option("delete_checkpoint", "bool"),
+    Option("async_save", "bool"),
+)
 
 
 class BackupAndRestore(SavesEveryNBatches, StatefulCallback):
@@ -77,6 +87,7 @@ class BackupAndRestore(SavesEveryNBatches, StatefulCallback):
 
     skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
 
+    @declared(_BACKUP_AND_RESTORE_OPTIONS)
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch", delete_checkpoint: bool = True,
                  async_save: bool = False):  # fmt: skip
         super().__init__()

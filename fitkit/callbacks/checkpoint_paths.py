@@ -3,6 +3,7 @@ path of ``last.pt``, and the types its saved state must have."""
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import string
@@ -36,6 +37,7 @@ def glob_of(template: str) -> str:
 
 
 def last_path(filepath: str, save_last: Any) -> str | None:
+    """The path ``save_last`` writes, or ``None``; refused where it is one of ``filepath``'s own files."""
     if save_last is False or save_last is None:
         return None
     if save_last is True:
@@ -45,10 +47,19 @@ def last_path(filepath: str, save_last: Any) -> str | None:
                 f"`save_last=True` writes 'last.pt' next to the checkpoints, but the folder of "
                 f"{filepath!r} changes per save. Fix: pass `save_last` as a path."
             )
-        return os.path.join(folder, "last.pt")
-    if isinstance(save_last, (str, os.PathLike)):
-        return os.fspath(save_last)
-    raise TypeError(f"Expected `save_last` to be a bool or a path. Received: save_last={save_last!r}.")
+        last = os.path.join(folder, "last.pt")
+    elif isinstance(save_last, (str, os.PathLike)):
+        last = os.fspath(save_last)
+    else:
+        raise TypeError(f"Expected `save_last` to be a bool or a path. Received: save_last={save_last!r}.")
+    if fnmatch.fnmatchcase(os.path.abspath(last), os.path.abspath(glob_of(filepath))):
+        raise ValueError(
+            f"Expected `save_last` to be a file of its own, but {last!r} is a file of `filepath` "
+            f"({filepath!r}): the two writes would overwrite each other, and save_top_k could delete the last "
+            f"state. Received: save_last={save_last!r}. Fix: pass a path that `filepath` never formats to, e.g. "
+            "filepath='ep{epoch}.pt' with save_last='last.pt'."
+        )
+    return last
 
 
 def _pairs(kept: Any) -> bool:

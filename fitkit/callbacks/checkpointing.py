@@ -39,7 +39,8 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.callbacks.scoring import scored_weights
-from fitkit.checks import FitkitWarning, check_bool, check_every, check_int, check_mode, check_number
+from fitkit.checks import FitkitWarning, check_bool, check_every, check_int, check_mode, check_number, read_clock
+from fitkit.checks.declared import Option, declare, declared, every_option, mode_option, verbose_option
 from fitkit.distributed import is_distributed, say
 from fitkit.distributed.group import is_rank_zero
 from fitkit.files import check_target, remove_stale_temps
@@ -49,6 +50,25 @@ from fitkit.files.owned import Owned
 from fitkit.files.preflight import check_writable_template
 
 __all__ = ["ModelCheckpoint"]
+
+
+_MODEL_CHECKPOINT_OPTIONS = declare(
+    "ModelCheckpoint",
+    Option("filepath", "path"),
+    Option("monitor", "text"),
+    mode_option(),
+    Option("save_best_only", "bool"),
+    Option("save_weights_only", "bool"),
+    Option("save_top_k", "int", minimum=1, allow_none=True),
+    every_option("save_freq"),
+    verbose_option(),
+    Option("initial_value_threshold", "custom", checked_in="ModelCheckpoint.__init__", bad=("0.5", float("nan"))),
+    Option("every_n_epochs", "int", minimum=0),
+    Option("save_last", "custom", checked_in="ModelCheckpoint.__init__", bad=(5, 1.5)),
+    Option("keep_last", "int", minimum=1, allow_none=True),
+    Option("train_time_interval", "custom", checked_in="ModelCheckpoint.__init__", bad=(60, "1h")),
+    Option("clock", "callable", bad=(lambda: "now",)),
+)
 
 
 class ModelCheckpoint(StatefulCallback):
@@ -94,7 +114,8 @@ class ModelCheckpoint(StatefulCallback):
             string): the full training state (resumable, whatever ``save_weights_only`` says),
             replaced at every save event, i.e. every epoch (or ``save_freq`` batches) that
             ``every_n_epochs`` lets through, whether or not the ranked file was written there
-            (Lightning's ``save_last``). Never evicted by ``save_top_k``.
+            (Lightning's ``save_last``). Never evicted by ``save_top_k``. A path that ``filepath``
+            formats to (its own file) is refused: the two writes would overwrite each other.
         keep_last: keep only the ``n`` newest files of ``filepath`` this callback wrote,
             deleting older ones, oldest first, after each new file is written; the best file
             it tracks (``save_best_only``) is never deleted, nor any file it did not write.
@@ -151,6 +172,7 @@ class ModelCheckpoint(StatefulCallback):
 
     skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
 
+    @declared(_MODEL_CHECKPOINT_OPTIONS)
     def __init__(
         self,
         filepath: str | os.PathLike,
@@ -305,7 +327,7 @@ class ModelCheckpoint(StatefulCallback):
         # Before step 1: every key the decisions read can hold a value when they are taken.
         batch_level = (1 if self.train_time_interval is not None else None) if self.save_freq == "epoch" \
             else (1 if self._fraction is not None else self.save_freq)  # fmt: skip
-        self._since, self._time_agreed = self.clock(), False  # train_time_interval counts from each fit's start
+        self._since, self._time_agreed = read_clock(self.clock), False  # the interval counts from each fit's start
         if "batch" in self._fields and batch_level is None:
             raise ValueError(
                 f"ModelCheckpoint's filepath {self.filepath!r} uses {{batch}}, but save_freq='epoch' "
@@ -413,7 +435,7 @@ class ModelCheckpoint(StatefulCallback):
     def time_due(self) -> bool:
         """This rank's clock says ``train_time_interval`` has passed since the last save."""
         interval = self.train_time_interval
-        return interval is not None and self.clock() - self._since >= interval.total_seconds()
+        return interval is not None and read_clock(self.clock) - self._since >= interval.total_seconds()
 
     def time_agreed(self) -> None:
         """Under torchrun: the ranks agreed that the interval has passed; save at the next step."""
@@ -426,7 +448,7 @@ class ModelCheckpoint(StatefulCallback):
             due = self._time_agreed
         full = not self.save_weights_only or self.last_path is not None
         if due and (not full or self.model.closes_accumulation_window):  # a window's gradients: wait
-            self._time_agreed, self._since = False, self.clock()
+            self._time_agreed, self._since = False, read_clock(self.clock)
             self._decide(self.model.epoch, batch, logs)
 
     def on_train_batch_end(self, batch, logs=None):

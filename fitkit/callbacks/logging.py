@@ -22,6 +22,7 @@ from fitkit.callbacks.mixins import StopsWriting
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.callbacks.tensorboard import TensorBoard
 from fitkit.checks import FitkitWarning, check_bool
+from fitkit.checks.declared import Option, declare, declared
 from fitkit.distributed.group import is_rank_zero
 from fitkit.files import check_target, cut_to_last_line, to_python
 from fitkit.files.content import typed_problems
@@ -73,6 +74,26 @@ def _cell(value: Any) -> str:
     return str(to_python(value))
 
 
+def _check_separator(separator: Any) -> None:
+    """One character that can separate fields: not a line break, a quote, a letter or a digit."""
+    if not isinstance(separator, str) or len(separator) != 1:
+        raise ValueError(f"Expected `separator` to be one character. Received: separator={separator!r}.")
+    if separator in '\r\n"' or separator.isalnum():
+        raise ValueError(
+            f"Expected `separator` to be one character that is not a line break, a quote, a letter or a digit "
+            f"(the CSV reader would split rows or fields there). Received: separator={separator!r}. "
+            "Fix: pass separator=',' or separator='\\t'."
+        )
+
+
+_CSV_LOGGER_OPTIONS = declare(
+    "CSVLogger",
+    Option("filename", "path"),
+    Option("separator", "custom", check=_check_separator, bad=("\n", "\r", '"', ",,", "", 5)),
+    Option("append", "bool"),
+)
+
+
 class CSVLogger(StopsWriting, StatefulCallback):
     """Write one row per epoch to a CSV file: ``epoch``, then one column per log key.
 
@@ -97,12 +118,13 @@ class CSVLogger(StopsWriting, StatefulCallback):
 
     Args:
         filename: the CSV file.
-        separator: the field separator.
+        separator: the field separator: one character, not a line break, a quote, a letter or a
+            digit (the CSV reader would split rows or fields there).
         append: continue an existing file instead of overwriting it.
 
     Raises:
         TypeError: ``filename`` is not a str or a path.
-        ValueError: ``separator`` is not one character; ``filename`` is empty or a folder.
+        ValueError: ``separator`` is not such a character; ``filename`` is empty or a folder.
 
     Example:
         >>> import os, tempfile, torch, fitkit
@@ -121,6 +143,7 @@ class CSVLogger(StopsWriting, StatefulCallback):
 
     skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
 
+    @declared(_CSV_LOGGER_OPTIONS)
     def __init__(self, filename: str | os.PathLike, separator: str = ",", append: bool = False):
         super().__init__()
         check_bool("append", append)

@@ -24,6 +24,7 @@ from fitkit.callbacks.monitor import (
     resolve_mode,
 )
 from fitkit.checks import check_int, check_mode, check_number
+from fitkit.checks.declared import Option, declare, declared, mode_option, verbose_option
 from fitkit.distributed import say
 from fitkit.formatting import format_lr
 from fitkit.tools.lr_finder import LRFinderResult, apply_lr, check_sweep, sweep
@@ -36,6 +37,19 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
         group["lr"].fill_(lr)
     else:
         group["lr"] = lr
+
+
+_REDUCE_LR_ON_PLATEAU_OPTIONS = declare(
+    "ReduceLROnPlateau",
+    Option("monitor", "text"),
+    Option("factor", "custom", checked_in="ReduceLROnPlateau.__init__", bad=(1, 1.5, -0.1, "0.1")),
+    Option("patience", "int", minimum=0),
+    mode_option(),
+    Option("min_delta", "number"),
+    Option("cooldown", "int", minimum=0),
+    Option("min_lr", "number", minimum=0.0),
+    verbose_option(),
+)
 
 
 class ReduceLROnPlateau(StatefulCallback):
@@ -85,6 +99,7 @@ class ReduceLROnPlateau(StatefulCallback):
         [1.0, 1.0, 0.5, 0.25]
     """
 
+    @declared(_REDUCE_LR_ON_PLATEAU_OPTIONS)
     def __init__(
         self,
         monitor: str = "val_loss",
@@ -178,6 +193,13 @@ class ReduceLROnPlateau(StatefulCallback):
             self.cooldown_counter, self.wait = self.cooldown, 0
 
 
+_LEARNING_RATE_SCHEDULER_OPTIONS = declare(
+    "LearningRateScheduler",
+    Option("schedule", "callable"),
+    verbose_option(),
+)
+
+
 class LearningRateScheduler(StatefulCallback):
     """Set the learning rate at the start of each epoch: ``lr = schedule(epoch, lr)`` (Keras).
 
@@ -205,6 +227,7 @@ class LearningRateScheduler(StatefulCallback):
         [1.0, 0.5, 0.25]
     """
 
+    @declared(_LEARNING_RATE_SCHEDULER_OPTIONS)
     def __init__(self, schedule: Callable[..., float], verbose: int = 0):
         super().__init__()
         self._reset()
@@ -256,6 +279,18 @@ class LearningRateScheduler(StatefulCallback):
         say(self.verbose, f"Epoch {epoch + 1}: LearningRateScheduler set the learning rate to {format_lr(lr)}.")
 
 
+_LEARNING_RATE_FINDER_OPTIONS = declare(
+    "LearningRateFinder",
+    Option("start_lr", "number", positive=True),
+    Option("end_lr", "number", positive=True),
+    Option("num_steps", "int", minimum=2),
+    Option("smooth", "number", minimum=0.0, bad=(1.0,)),
+    Option("diverge_threshold", "custom", checked_in="fitkit.tools.lr_finder.check_sweep", bad=(1, 0.5, "4")),
+    Option("mode", "choice", choices=("exponential", "linear")),
+    verbose_option(),
+)
+
+
 class LearningRateFinder(Callback):
     """Run the LR range test when ``fit`` starts and train with its suggestion (Lightning's).
 
@@ -294,6 +329,7 @@ class LearningRateFinder(Callback):
 
     skip_in_fast_dev_run = True  # it tunes before training: fit(fast_dev_run=...) leaves it out
 
+    @declared(_LEARNING_RATE_FINDER_OPTIONS)
     def __init__(self, start_lr: float = 1e-7, end_lr: float = 10.0, num_steps: int = 100, smooth: float = 0.98,
                  diverge_threshold: float | None = 4.0, mode: str = "exponential", verbose: int = 0):  # fmt: skip
         super().__init__()

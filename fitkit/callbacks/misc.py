@@ -10,9 +10,17 @@ import torch
 from fitkit.callbacks.base import HOOKS, Callback
 from fitkit.callbacks.signatures import check_hook_arity
 from fitkit.checks import check_bool, check_int
+from fitkit.checks.declared import Option, declare, declared
 from fitkit.distributed import say
 
 __all__ = ["TerminateOnNaN", "LambdaCallback"]
+
+
+_TERMINATE_ON_NAN_OPTIONS = declare(
+    "TerminateOnNaN",
+    Option("raise_error", "bool"),
+    Option("check_every", "int", minimum=1),
+)
 
 
 class TerminateOnNaN(Callback):
@@ -62,6 +70,7 @@ class TerminateOnNaN(Callback):
 
     device_veto_only = True  # vetoes with skip_optimizer_step(when=...): no per-step agreement
 
+    @declared(_TERMINATE_ON_NAN_OPTIONS)
     def __init__(self, raise_error: bool = False, check_every: int = 100):
         super().__init__()
         check_bool("raise_error", raise_error)

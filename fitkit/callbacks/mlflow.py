@@ -15,7 +15,8 @@ import torch
 from fitkit.callbacks.mlflow_store import local_sqlite_dir, store_lock
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.checks import FitkitWarning, check_bool
-from fitkit.checks.options import check_tags, check_text
+from fitkit.checks.declared import Option, declare, declared
+from fitkit.checks.options import check_tags
 from fitkit.distributed.group import is_rank_zero
 from fitkit.files.preflight import check_writable
 
@@ -33,6 +34,21 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
+
+
+_MLFLOW_LOGGER_OPTIONS = declare(
+    "MLflowLogger",
+    Option("tracking_uri", "text", allow_none=True,
+           fix="pass a URI such as 'sqlite:///mlflow.db' or 'http://host:5000', or None for MLFLOW_TRACKING_URI or "
+               "./mlflow.db."),
+    Option("experiment_name", "text", allow_none=True,
+           fix="pass the experiment's name, e.g. experiment_name='digits'."),
+    Option("run_name", "text", allow_none=True, fix="pass the run's display name, e.g. run_name='baseline'."),
+    Option("log_every_n_steps", "custom", checked_in="__init__", bad=(0, -1, 1.5, "10", True)),
+    Option("checkpoint", "custom", checked_in="MLflowLogger.__init__", bad=(5,)),
+    Option("log_plot", "bool"),
+    Option("tags", "custom", check=lambda v: check_tags("tags", v, "tags={'team': 'vision'}"), bad=(["a"], {1: "x"})),
+)
 
 
 class MLflowLogger(StatefulCallback):
@@ -99,6 +115,7 @@ class MLflowLogger(StatefulCallback):
 
     skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
 
+    @declared(_MLFLOW_LOGGER_OPTIONS)
     def __init__(
         self,
         tracking_uri: str | None = None,
@@ -129,11 +146,6 @@ class MLflowLogger(StatefulCallback):
                 "Expected `checkpoint` to be a path or a ModelCheckpoint. "
                 f"Received: {type(checkpoint).__name__}."
             )
-        check_text("tracking_uri", tracking_uri, "pass a URI such as 'sqlite:///mlflow.db' or 'http://host:5000', "
-                   "or None for MLFLOW_TRACKING_URI or ./mlflow.db.")
-        check_text("experiment_name", experiment_name, "pass the experiment's name, e.g. experiment_name='digits'.")
-        check_text("run_name", run_name, "pass the run's display name, e.g. run_name='baseline'.")
-        check_tags("tags", tags, "tags={'team': 'vision'}")
         if tracking_uri is None:
             tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
         self.tracking_uri, self.experiment_name, self.run_name = tracking_uri, experiment_name, run_name

@@ -23,6 +23,7 @@ from fitkit.callbacks.logkeys import (
 )
 from fitkit.callbacks.scoring import scored_weights
 from fitkit.checks import check_bool, check_int, check_mode, check_number
+from fitkit.checks.declared import Option, declare, declared, mode_option, verbose_option
 from fitkit.distributed import say
 from fitkit.formatting import format_value
 
@@ -142,6 +143,23 @@ class StatefulCallback(Callback):
             self._reset()
 
 
+_EARLY_STOPPING_OPTIONS = declare(
+    "EarlyStopping",
+    Option("monitor", "text"),
+    Option("min_delta", "number"),
+    Option("patience", "int", minimum=0),
+    mode_option(),
+    Option("baseline", "number", allow_none=True),
+    Option("restore_best_weights", "bool"),
+    Option("start_from_epoch", "int", minimum=0),
+    verbose_option(),
+    Option("stopping_threshold", "number", allow_none=True),
+    Option("divergence_threshold", "number", allow_none=True),
+    Option("check_finite", "bool"),
+    Option("threshold_mode", "choice", choices=("abs", "rel")),
+)
+
+
 class EarlyStopping(StatefulCallback):
     """Stop training when ``monitor`` has stopped improving (Keras semantics).
 
@@ -216,6 +234,7 @@ class EarlyStopping(StatefulCallback):
         'patience: loss did not improve for 1 epoch(s); best 0.0000 at epoch 1.'
     """
 
+    @declared(_EARLY_STOPPING_OPTIONS)
     def __init__(
         self,
         monitor: str = "val_loss",

@@ -16,8 +16,16 @@ from torch import nn
 
 from fitkit.callbacks.base import Callback
 from fitkit.checks import check_number
+from fitkit.checks.declared import Option, declare, declared
 
 __all__ = ["NEFTune"]
+
+
+_NEFTUNE_OPTIONS = declare(
+    "NEFTune",
+    Option("noise_alpha", "number", positive=True),
+    Option("embedding", "custom", checked_in="NEFTune.on_train_begin", bad=(5,)),
+)
 
 
 class NEFTune(Callback):
@@ -52,6 +60,7 @@ class NEFTune(Callback):
         (2, 1.7677669529663687)
     """
 
+    @declared(_NEFTUNE_OPTIONS)
     def __init__(self, noise_alpha: float = 5.0, embedding: nn.Module | str | None = None):
         super().__init__()
         check_number("noise_alpha", noise_alpha, positive=True,

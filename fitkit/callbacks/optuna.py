@@ -8,9 +8,18 @@ from typing import Any
 from fitkit.callbacks.base import Callback
 from fitkit.callbacks.monitor import check_validation_monitor, monitor_value
 from fitkit.checks import check_int
+from fitkit.checks.declared import Option, declare, declared
 from fitkit.formatting import format_value
 
 __all__ = ["OptunaPruning"]
+
+
+_OPTUNA_PRUNING_OPTIONS = declare(
+    "OptunaPruning",
+    Option("trial", "custom", checked_in="OptunaPruning.__init__", bad=()),
+    Option("monitor", "text"),
+    Option("interval", "int", minimum=1),
+)
 
 
 class OptunaPruning(Callback):
@@ -69,6 +78,7 @@ class OptunaPruning(Callback):
 
     skip_in_fast_dev_run = True  # it reports to a study: fit(fast_dev_run=...) leaves it out
 
+    @declared(_OPTUNA_PRUNING_OPTIONS)
     def __init__(self, trial: Any, monitor: str = "val_loss", interval: int = 1):
         super().__init__()
         if importlib.util.find_spec("optuna") is None:

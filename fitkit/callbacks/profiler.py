@@ -11,9 +11,26 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 
 from fitkit.callbacks.base import Callback
 from fitkit.checks import check_bool, check_int
+from fitkit.checks.declared import Option, declare, declared, verbose_option
 from fitkit.distributed.group import is_rank_zero
 
 __all__ = ["Profiler"]
+
+
+_PROFILER_OPTIONS = declare(
+    "Profiler",
+    Option("dirpath", "path", allow_none=True),
+    Option("wait", "int", minimum=0),
+    Option("warmup", "int", minimum=0),
+    Option("active", "int", minimum=1),
+    Option("repeat", "int", minimum=0),
+    Option("trace", "choice", choices=("tensorboard", "chrome")),
+    Option("record_shapes", "bool"),
+    Option("profile_memory", "bool"),
+    Option("with_stack", "bool"),
+    Option("row_limit", "int", minimum=1),
+    verbose_option(),
+)
 
 
 class Profiler(Callback):
@@ -59,6 +76,7 @@ class Profiler(Callback):
     skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
     process_resource = "torch.profiler (one profiler per process: two crash it)"
 
+    @declared(_PROFILER_OPTIONS)
     def __init__(self, dirpath: str | os.PathLike | None = None, *, wait: int = 1, warmup: int = 1, active: int = 3,
                  repeat: int = 1, trace: str = "tensorboard", record_shapes: bool = False,
                  profile_memory: bool = False, with_stack: bool = False, row_limit: int = 15,

@@ -18,6 +18,7 @@ from rich.progress import (
 )
 
 from fitkit.callbacks.base import Callback
+from fitkit.checks.declared import Option, declare, declared
 from fitkit.distributed.group import is_rank_zero
 from fitkit.formatting import format_value
 
@@ -67,6 +68,14 @@ def format_logs(logs: Mapping[str, Any]) -> str:
     return " - ".join(parts)
 
 
+_PROGRESS_BAR_OPTIONS = declare(
+    "ProgressBar",
+    Option("verbose", "int", minimum=0, maximum=2),
+    Option("refresh_interval", "number", minimum=0.0, fix="pass seconds between redraws, e.g. refresh_interval=0.1."),
+    Option("console", "custom", checked_in="rich.console.Console", bad=()),
+)
+
+
 class ProgressBar(Callback):
     """Progress for fit / evaluate / predict with rich.
 
@@ -88,6 +97,7 @@ class ProgressBar(Callback):
         'Epoch 1/3'
     """
 
+    @declared(_PROGRESS_BAR_OPTIONS)
     def __init__(self, verbose: int = 1, refresh_interval: float = 0.1, console: Console | None = None):
         super().__init__()
         self.verbose = verbose

@@ -19,6 +19,7 @@ import torch
 from fitkit.callbacks.base import Callback
 from fitkit.callbacks.mixins import SavesEveryNBatches
 from fitkit.checks import check_bool, check_every
+from fitkit.checks.declared import Option, declare, declared, every_option
 from fitkit.distributed.group import is_rank_zero
 
 __all__ = ["RayReport"]
@@ -28,6 +29,13 @@ def _ray_train() -> Any:
     import ray.train
 
     return ray.train
+
+
+_RAY_REPORT_OPTIONS = declare(
+    "RayReport",
+    every_option("save_freq"),
+    Option("checkpoint", "bool"),
+)
 
 
 class RayReport(SavesEveryNBatches, Callback):
@@ -87,6 +95,7 @@ class RayReport(SavesEveryNBatches, Callback):
 
     skip_in_fast_dev_run = True  # it reports to Ray: fit(fast_dev_run=...) leaves it out
 
+    @declared(_RAY_REPORT_OPTIONS)
     def __init__(self, save_freq: str | int = "epoch", checkpoint: bool = True):
         super().__init__()
         if importlib.util.find_spec("ray") is None:

@@ -10,8 +10,15 @@ from fitkit.callbacks.averaging import EMA
 from fitkit.callbacks.base import Callback
 from fitkit.callbacks.swapping import no_swap
 from fitkit.checks import check_bool, check_int, check_number
+from fitkit.checks.declared import Option, declare, declared
 
 __all__ = ["SwapEMAWeights", "compiled_ema", "with_compiled_ema"]
+
+
+_SWAP_EMA_WEIGHTS_OPTIONS = declare(
+    "SwapEMAWeights",
+    Option("swap_on_epoch", "bool"),
+)
 
 
 class SwapEMAWeights(Callback):
@@ -53,6 +60,7 @@ class SwapEMAWeights(Callback):
         0.25
     """
 
+    @declared(_SWAP_EMA_WEIGHTS_OPTIONS)
     def __init__(self, swap_on_epoch: bool = False):
         super().__init__()
         check_bool("swap_on_epoch", swap_on_epoch)

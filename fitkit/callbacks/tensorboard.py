@@ -18,12 +18,24 @@ import torch
 
 from fitkit.callbacks.mixins import StopsWriting
 from fitkit.callbacks.monitor import StatefulCallback
-from fitkit.checks import check_bool, check_int
+from fitkit.checks import check_bool, check_int, read_clock
+from fitkit.checks.declared import Option, declare, declared, every_option
 from fitkit.distributed.group import is_rank_zero
 from fitkit.files import check_target, to_python
 from fitkit.files.preflight import check_writable_template
 
 __all__ = ["TensorBoard"]
+
+
+_TENSORBOARD_OPTIONS = declare(
+    "TensorBoard",
+    Option("log_dir", "path"),
+    every_option("update_freq"),
+    Option("histogram_freq", "int", minimum=0,
+           fix="pass every how many epochs to write weight histograms, e.g. histogram_freq=1, or 0 for none."),
+    Option("write_steps_per_second", "bool"),
+    Option("clock", "custom", checked_in="TensorBoard.__init__", bad=(3.0, "now")),  # read with write_steps_per_second
+)
 
 
 class TensorBoard(StopsWriting, StatefulCallback):
@@ -73,6 +85,7 @@ class TensorBoard(StopsWriting, StatefulCallback):
 
     skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
 
+    @declared(_TENSORBOARD_OPTIONS)
     def __init__(self, log_dir: str | os.PathLike, update_freq: str | int = "epoch", histogram_freq: int = 0,
                  write_steps_per_second: bool = False, clock: Callable[[], float] = time.perf_counter):  # fmt: skip
         super().__init__()
@@ -109,6 +122,11 @@ class TensorBoard(StopsWriting, StatefulCallback):
 
     def _set_state(self, state: dict[str, Any]) -> None:
         self._batches_seen = state["batches_seen"]
+
+    def _state_problems(self, state: Any) -> list[str]:
+        from fitkit.files.content import is_count, typed_problems
+
+        return typed_problems(state, {"batches_seen": (is_count, "an int >= 0")}, "its state")
 
     def _safely(self, write: Callable[[], None]) -> None:
         """Run ``write`` (rank 0's writes); a write that fails stops this fit's writing with one
@@ -165,12 +183,12 @@ class TensorBoard(StopsWriting, StatefulCallback):
         if not self.write_steps_per_second or self._epoch_start is None:
             return {}
         start, first_step = self._epoch_start
-        seconds = self.clock() - start
+        seconds = read_clock(self.clock) - start
         return {"steps_per_second": (self.model.global_step - first_step) / seconds} if seconds > 0 else {}
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.write_steps_per_second:
-            self._epoch_start = (self.clock(), self.model.global_step)
+            self._epoch_start = (read_clock(self.clock), self.model.global_step)
 
     def on_train_batch_end(self, batch, logs=None):
         if self.update_freq == "epoch":

@@ -17,7 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fitkit import nest
 from fitkit.callbacks.base import Callback
-from fitkit.checks import check_bool, check_int, check_number
+from fitkit.checks import check_bool, check_int, check_number, read_clock
+from fitkit.checks.declared import Option, declare, declared
 
 __all__ = ["ThroughputMonitor", "peak_flops_of", "token_count"]
 
@@ -85,7 +86,7 @@ class _Timer:
 
     def _mark(self) -> Any:
         if not self.cuda:
-            return self.clock()
+            return read_clock(self.clock)
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -115,6 +116,15 @@ class _Timer:
         if running:
             self.start()
         return seconds
+
+
+_THROUGHPUT_MONITOR_OPTIONS = declare(
+    "ThroughputMonitor",
+    Option("log_every_n_steps", "int", minimum=1, allow_none=True),
+    Option("peak_flops", "number", positive=True, allow_none=True),
+    Option("count_flops", "bool"),
+    Option("clock", "callable", bad=(lambda: "now", lambda: None)),
+)
 
 
 class ThroughputMonitor(Callback):
@@ -159,6 +169,7 @@ class ThroughputMonitor(Callback):
 'throughput/mfu', 'throughput/samples_per_sec']
     """
 
+    @declared(_THROUGHPUT_MONITOR_OPTIONS)
     def __init__(self, log_every_n_steps: int | None = None, peak_flops: float | None = None,
                  count_flops: bool = True, clock: Callable[[], float] = time.perf_counter):  # fmt: skip
         super().__init__()

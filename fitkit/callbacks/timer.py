@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fitkit.callbacks.monitor import StatefulCallback
-from fitkit.checks import check_number
+from fitkit.checks import check_number, read_clock
+from fitkit.checks.declared import Option, declare, declared
 
 __all__ = ["Timer", "parse_duration"]
 
@@ -57,6 +58,14 @@ def parse_duration(duration: Any) -> float:
     return float(seconds)
 
 
+_TIMER_OPTIONS = declare(
+    "Timer",
+    Option("duration", "custom", check=parse_duration, bad=(-1, 0, "soon", None, float("nan"))),
+    Option("interval", "choice", choices=("step", "epoch")),
+    Option("clock", "callable", bad=(lambda: "now",)),
+)
+
+
 class Timer(StatefulCallback):
     """Stop ``fit`` once ``duration`` of training time is spent (Lightning's ``Timer``).
 
@@ -84,6 +93,7 @@ class Timer(StatefulCallback):
         ([0], 3, True)
     """
 
+    @declared(_TIMER_OPTIONS)
     def __init__(self, duration: Any, interval: str = "step", clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self.duration = parse_duration(duration)
@@ -102,22 +112,29 @@ class Timer(StatefulCallback):
     @property
     def elapsed(self) -> float:
         """Training seconds spent so far."""
-        return self._before + (0.0 if self._start is None else self.clock() - self._start)
+        return self._before + (0.0 if self._start is None else read_clock(self.clock) - self._start)
 
     def _get_state(self) -> dict[str, Any]:
         return {"elapsed": self.elapsed}
+
+    def _state_problems(self, state: Any) -> list[str]:
+        """A saved state's ``elapsed``: finite seconds >= 0 (checked before any part loads)."""
+        from fitkit.files.content import is_number, typed_problems
+
+        seconds = (lambda v: is_number(v) and math.isfinite(v) and v >= 0, "seconds: a finite number >= 0")
+        return typed_problems(state, {"elapsed": seconds}, "its state")
 
     def _set_state(self, state: dict[str, Any]) -> None:
         # Restored inside a running fit (BackupAndRestore loads at its on_train_begin, which may
         # come after this callback's): the clock of this fit restarts from the restore.
         self._before = float(state["elapsed"])
-        self._start = None if self._start is None else self.clock()
+        self._start = None if self._start is None else read_clock(self.clock)
 
     def on_train_begin(self, logs=None):
         before = self._before if self._restored else 0.0
         super().on_train_begin(logs)
         self._before, self.stopped = before, False
-        self._start = self.clock()
+        self._start = read_clock(self.clock)
 
     def _check(self) -> None:
         if self.elapsed >= self.duration:

@@ -14,9 +14,16 @@ import torch
 from fitkit.callbacks.base import Callback
 from fitkit.callbacks.throughput import token_count
 from fitkit.checks import check_bool
+from fitkit.checks.declared import Option, declare, declared
 from fitkit.distributed import all_reduce_sum, is_distributed
 
 __all__ = ["TokensSeen"]
+
+
+_TOKENS_SEEN_OPTIONS = declare(
+    "TokensSeen",
+    Option("non_padding", "bool"),
+)
 
 
 class TokensSeen(Callback):
@@ -51,6 +58,7 @@ class TokensSeen(Callback):
         [30, 60]
     """
 
+    @declared(_TOKENS_SEEN_OPTIONS)
     def __init__(self, non_padding: bool = False):
         super().__init__()
         check_bool("non_padding", non_padding)
@@ -107,3 +115,8 @@ class TokensSeen(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._base, self._seen = int(state["num_input_tokens_seen"]), 0
+
+    def _state_problems(self, state: Any) -> list[str]:
+        from fitkit.files.content import is_count, typed_problems
+
+        return typed_problems(state, {"num_input_tokens_seen": (is_count, "an int >= 0")}, "its state")

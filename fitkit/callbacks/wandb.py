@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,8 @@ import torch
 
 from fitkit.callbacks.base import Callback
 from fitkit.checks import FitkitWarning, check_bool
-from fitkit.checks.options import check_tags, check_text
+from fitkit.checks.declared import Option, declare, declared
+from fitkit.checks.options import check_tags
 from fitkit.distributed.group import is_rank_zero
 
 __all__ = ["WandbLogger"]
@@ -35,6 +37,17 @@ def _numbers(logs: Any, prefix: str) -> dict[str, float]:
         if value is not None:
             out[prefix + key] = value
     return out
+
+
+_WANDB_LOGGER_OPTIONS = declare(
+    "WandbLogger",
+    Option("project", "text", allow_none=True, fix="pass the W&B project's name, e.g. project='digits'."),
+    Option("name", "text", allow_none=True, fix="pass the run's display name, e.g. name='baseline'."),
+    Option("config", "custom", check=lambda v: check_tags("config", v, "config={'lr': 0.001}"), bad=(["a"], {1: 2})),
+    Option("log_every_n_steps", "custom", checked_in="__init__", bad=(0, -1, 1.5, "10", True)),
+    Option("log_checkpoints", "bool"),
+    Option("checkpoint", "custom", checked_in="WandbLogger.__init__", bad=(5,)),
+)
 
 
 class WandbLogger(Callback):
@@ -81,6 +94,7 @@ class WandbLogger(Callback):
         True
     """
 
+    @declared(_WANDB_LOGGER_OPTIONS)
     def __init__(self, project: str | None = None, name: str | None = None, *, config: dict[str, Any] | None = None,
                  log_every_n_steps: int | None = None, log_checkpoints: bool = False, checkpoint: Any = None,
                  **init_kwargs: Any):  # fmt: skip
@@ -103,9 +117,6 @@ class WandbLogger(Callback):
                 "Expected `checkpoint` to be a path or a ModelCheckpoint. "
                 f"Received: {type(checkpoint).__name__}. Fix: pass the file's path or the callback."
             )
-        check_text("project", project, "pass the W&B project's name, e.g. project='digits'.")
-        check_text("name", name, "pass the run's display name, e.g. name='baseline'.")
-        check_tags("config", config, "config={'lr': 0.001}")
         self.project, self.name, self.config = project, name, dict(config or {})
         self.log_every_n_steps, self.checkpoint = log_every_n_steps, checkpoint
         self.log_checkpoints = bool(log_checkpoints)
@@ -188,6 +199,27 @@ class WandbLogger(Callback):
         if self.run is None:
             return
         self._log({**_numbers(logs, "epoch/"), "epoch/epoch": epoch}, self.model.global_step)
+        self._check_disk()
+
+    def _check_disk(self) -> None:
+        """W&B writes the run's file from its own service process, so a full disk raises nothing
+        here: the free space of the run's folder is read once per epoch (one ``statvfs``), and a
+        full disk warns once, as the other loggers do, naming the folder."""
+        files = getattr(self.run, "dir", None)
+        if self._quiet or not isinstance(files, str):
+            return
+        folder = os.path.dirname(files)  # the run's folder, holding its .wandb file
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            return
+        if free == 0:
+            self._quiet = True
+            warnings.warn(
+                f"WandbLogger: the disk holding the run's folder {folder!r} is full (0 bytes free), so W&B "
+                "cannot write the run's file; W&B logging stops for this fit, training goes on. Fix: free "
+                "space, or pass dir= on another disk.", category=FitkitWarning, stacklevel=3,
+            )  # fmt: skip
 
     def on_train_end(self, logs=None):
         if self.run is None:

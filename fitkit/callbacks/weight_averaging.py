@@ -22,6 +22,7 @@ from fitkit.callbacks.average_fns import try_average_fn
 from fitkit.callbacks.base import Callback
 from fitkit.callbacks.swapping import WeightSwap, copy_tensors, no_swap, restorer, weight_swap
 from fitkit.checks import check_bool, check_int
+from fitkit.checks.declared import Option, declare, declared, verbose_option
 from fitkit.distributed import say
 
 if TYPE_CHECKING:
@@ -43,6 +44,21 @@ def _refuse_fsdp(model: Model, who: str) -> None:
 def _check_fn(name: str, fn: Any) -> None:
     if fn is not None and not callable(fn):
         raise TypeError(f"Expected `{name}` to be a function or None. Received: {name}={fn!r}.")
+
+
+_WEIGHT_AVERAGING_OPTIONS = declare(
+    "WeightAveraging",
+    Option("avg_fn", "callable", allow_none=True, example=lambda a, c, n: a),
+    Option("multi_avg_fn", "callable", allow_none=True, example=lambda a, c, n: None),
+    Option("use_buffers", "bool"),
+    Option("update_every_n_steps", "int", minimum=1),
+    Option("update_starting_at_step", "int", minimum=0, allow_none=True, excludes=("update_starting_at_epoch",),
+           example=2),
+    Option("update_starting_at_epoch", "int", minimum=0, allow_none=True, example=1),
+    Option("evaluate_with_average", "bool"),
+    Option("swap_at_end", "bool"),
+    verbose_option(),
+)
 
 
 class WeightAveraging(Callback):
@@ -122,6 +138,7 @@ class WeightAveraging(Callback):
     #: The average carries over into the next ``fit`` (``compile(use_ema=True)``'s, as Keras' optimizer).
     _continues = False
 
+    @declared(_WEIGHT_AVERAGING_OPTIONS)
     def __init__(
         self,
         avg_fn: Callable[..., torch.Tensor] | None = None,

@@ -18,6 +18,7 @@ import numpy as np
 __all__ = [
     "check_int", "check_bool", "check_number", "check_choice", "check_callbacks", "check_mode", "check_probability",
     "check_every", "check_that", "class_not_instance", "unknown_keywords", "known_keywords", "FitkitWarning",
+    "read_clock",
 ]
 
 
@@ -158,6 +159,30 @@ def check_that(name: str, value: Any, ok: Any, expected: str) -> None:
     check_number(name, value)
     if not ok(value):
         raise ValueError(f"Expected `{name}` {expected}. Received: {name}={value!r}.")
+
+
+def read_clock(clock: Callable[[], Any], name: str = "clock") -> float:
+    """Read a callback's ``clock`` and require seconds: a real number, not NaN.
+
+    A clock that returns something else would fail later inside arithmetic (``'str' - 'str'``),
+    mid-run; read through this, the first reading (at the fit's start) names it.
+
+    Example:
+        >>> read_clock(lambda: 2.5)
+        2.5
+        >>> read_clock(lambda: "now")
+        Traceback (most recent call last):
+        ...
+        TypeError: Expected `clock` to return seconds as a number. Received: clock() returned 'now' (str). Fix: pass a function that returns float seconds, e.g. clock=time.perf_counter.
+    """  # noqa: E501
+    value = clock()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or math.isnan(value):
+        raise TypeError(
+            f"Expected `{name}` to return seconds as a number. Received: {name}() returned {value!r} "
+            f"({type(value).__name__}). Fix: pass a function that returns float seconds, e.g. {name}=time.perf_counter."
+        )
+    return cast(float, value)  # the clock's own value, unchanged (an int clock stays exact)
 
 
 def check_callbacks(callbacks: Any, base: type) -> list[Any]:

@@ -49,6 +49,30 @@ def is_in_memory(x: Any) -> bool:
     return False
 
 
+def check_numeric_arrays(a: Any, name: str) -> None:
+    """Refuse NumPy arrays torch cannot hold (object, str, datetime dtypes), named by their place in ``a``.
+
+    Example:
+        >>> check_numeric_arrays({"ids": np.zeros(2), "text": np.array(["a", "b"], dtype=object)}, "x")
+        Traceback (most recent call last):
+        ...
+        TypeError: Expected `x['text']` to be a numeric array (bool, int, float or complex). Received an array of dtype object, shape (2,). Fix: convert it, e.g. np.asarray(..., dtype=np.float32), or tokenize text into ids first.
+    """  # noqa: E501
+    if isinstance(a, np.ndarray):
+        if a.dtype.kind not in "biufc":
+            raise TypeError(
+                f"Expected `{name}` to be a numeric array (bool, int, float or complex). Received an array of "
+                f"dtype {a.dtype}, shape {a.shape}. Fix: convert it, e.g. np.asarray(..., dtype=np.float32), "
+                "or tokenize text into ids first."
+            )
+    elif isinstance(a, Mapping):
+        for k, v in a.items():
+            check_numeric_arrays(v, f"{name}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        for i, v in enumerate(a):
+            check_numeric_arrays(v, f"{name}[{i}]")
+
+
 def _numpy_to_torch(a: np.ndarray) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(a))
     return t.to(torch.get_default_dtype()) if t.dtype == torch.float64 else t
@@ -259,6 +283,8 @@ def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float
             f"Received x of type {type(x).__name__}. Fix: pass `validation_data=` instead."
         )
     check_sample_weight_kind(sample_weight)
+    check_numeric_arrays(x, "x")
+    check_numeric_arrays(y, "y")
     if not _is_map_dataset(x):  # numpy -> torch first: lengths and slices are the tensors'
         x, y, sample_weight = (_to_tensor(a) if is_in_memory(a) else a for a in (x, y, sample_weight))
     n = len(x) if _is_map_dataset(x) else _check_lengths({"x": x, "y": y, "sample_weight": sample_weight})
@@ -302,6 +328,11 @@ def check_sample_weight_kind(sample_weight: Any) -> None:
         ...
         TypeError: Expected `sample_weight` to hold real numbers. Received an array of dtype <U1...
     """
+    if isinstance(sample_weight, (str, bytes)):
+        raise TypeError(
+            f"Expected `sample_weight` to be an array of real numbers, one per sample (N,). Received: "
+            f"sample_weight={sample_weight!r} ({type(sample_weight).__name__}). Fix: pass e.g. torch.ones(N)."
+        )
     dtype = getattr(sample_weight, "dtype", None)
     if dtype is None:
         return

@@ -25,6 +25,7 @@ from fitkit.data.arrays import (
     _leaves,
     _sample_weight_tensor,
     _to_tensor,
+    check_numeric_arrays,
     is_in_memory,
 )
 from fitkit.data.collate import NamingCollate, check_not_empty
@@ -562,6 +563,8 @@ def as_loader(
                 f"with one row per sample. Received: y of type {type(y).__name__}. "
                 "Fix: pass `torch.as_tensor(y)`."
             )
+        check_numeric_arrays(x, "x")
+        check_numeric_arrays(y, "y")
         x, y, w = _to_tensor(x), _to_tensor(y) if y is not None else None, None
         if sample_weight is not None:
             w = _sample_weight_tensor(sample_weight)

@@ -146,6 +146,7 @@ class FileLock:
                 f"{self.who} cannot use {self.what}: a folder is where its lock file goes "
                 f"({str(self.path)!r}). Fix: remove or rename that folder."
             )
+        self._check_link()
         my_job, my_attempt = _slurm_attempt()
         record = json.dumps({"pid": os.getpid(), "host": _HOST, "token": _TOKEN, "start": _start_time(os.getpid()),
                              "job": my_job, "attempt": my_attempt}).encode()  # fmt: skip
@@ -175,6 +176,22 @@ class FileLock:
             self.held = True
             return self
         raise LockError(f"{self.who} could not take the lock {str(self.path)!r} of {self.what}. Fix: try again.")
+
+    def _check_link(self) -> None:
+        """A symbolic link where the lock file goes is no lock fitkit wrote: a dangling one is
+        removed (the link only) and the lock taken, saying so; one to an existing file is refused."""
+        if not self.path.is_symlink():
+            return
+        target = os.readlink(self.path)
+        if self.path.exists():
+            raise LockError(
+                f"{self.who} cannot use {self.what}: a symbolic link is where its lock file goes "
+                f"({str(self.path)!r} -> {target!r}), and fitkit does not write a lock through a link. "
+                "Fix: remove the link (the file it points to stays)."
+            )
+        self.path.unlink()
+        self.took_over = (f"{self.who}: a dangling symbolic link was where the lock of {self.what} goes "
+                          f"({str(self.path)!r} -> {target!r}); the link is removed and the lock taken.")
 
     @classmethod
     def _ended(cls, pid: int, host: str, token: str | None, start: int | None, job: str | None,

@@ -316,6 +316,18 @@ class Loss:
         return per.sum(1) / counts.clamp(min=1).to(per.dtype)
 
 
+def _check_reduction(loss: nn.Module) -> None:
+    """A torch loss module's ``reduction`` is one torch knows (fitkit reads it: "sum" stays a sum)."""
+    reduction = getattr(loss, "reduction", None)
+    valid = ("mean", "sum", "none", "batchmean") if isinstance(loss, nn.KLDivLoss) else ("mean", "sum", "none")
+    if isinstance(loss, nn.modules.loss._Loss) and reduction not in valid:
+        raise ValueError(
+            f"Expected the loss's `reduction` to be one of {', '.join(repr(v) for v in valid)}. Received: "
+            f"{type(loss).__name__}(reduction={reduction!r}). Fix: pass reduction='mean' (fitkit's per-sample "
+            "mean) or 'sum'."
+        )
+
+
 def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None:
     """Build a :class:`Loss` from a name, an ``nn.Module`` loss or a callable.
 
@@ -373,6 +385,7 @@ def resolve_loss(loss: Any, loss_weights: Any = None) -> Loss | MultiLoss | None
     if isinstance(loss, type):
         raise TypeError(class_not_instance("loss", loss))
     if isinstance(loss, nn.Module):
+        _check_reduction(loss)
         known = _MODULES.get(type(loss))  # exact types only: a subclass may redefine forward
         return _from_module(loss, *known) if known is not None else Loss(loss, "custom", type(loss).__name__)
     if callable(loss):
@@ -411,7 +424,6 @@ def _named(loss: str, name: str | None = None, options: dict[str, Any] | None = 
 def _from_module(module: nn.Module, name: str, defaults: dict[str, Any]) -> Loss:
     """A loss module of torch's as its functional: its own ``weight``, ``ignore_index``,
     ``label_smoothing``, ``pos_weight``, ``delta``, ``beta``, ``log_target`` and ``reduction``."""
-    _check_reduction(module)
     options = {}
     for key, default in defaults.items():
         value = getattr(module, key, default)
@@ -421,32 +433,6 @@ def _from_module(module: nn.Module, name: str, defaults: dict[str, Any]) -> Loss
     reduction = getattr(module, "reduction", "mean")
     out.reduction = reduction if reduction in ("sum", "batchmean") else "mean"  # "none": fitkit's mean
     return out
-
-
-#: The reductions of torch's loss modules (``nn.MSELoss(reduction=...)``).
-REDUCTIONS = ("mean", "sum", "none")
-
-
-def _check_reduction(loss: nn.Module) -> None:
-    """A torch loss module's ``reduction`` is one torch knows: torch takes any string when the
-    module is built and fails (or not) only inside the kernel, and fitkit would train a mean.
-
-    Raises:
-        ValueError: another ``reduction``.
-
-    Example:
-        >>> _check_reduction(nn.MSELoss(reduction="bogus"))  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: Expected `reduction` of MSELoss to be one of 'mean', 'sum', 'none'. Received: reduction='bogus'. ...
-    """
-    reduction = getattr(loss, "reduction", "mean")
-    if reduction not in REDUCTIONS and not (isinstance(loss, nn.KLDivLoss) and reduction == "batchmean"):
-        raise ValueError(
-            f"Expected `reduction` of {type(loss).__name__} to be one of 'mean', 'sum', 'none'. Received: "
-            f"reduction={reduction!r}. Fix: build the loss with reduction='mean' (fitkit's default), 'sum', or "
-            "'none' (trained as a mean)."
-        )
 
 
 def _weighted(loss: Any, loss_weights: Any) -> Loss | MultiLoss:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from fitkit import data as _data
-from fitkit.checks import check_int
+from fitkit.checks import check_int, known_keywords
+from fitkit.checks.declared import Option, declare, declared
 from fitkit.tools.lr_finder import restore, snapshot
 
 __all__ = ["find_batch_size", "BatchSizeResult", "is_out_of_memory"]
@@ -59,6 +60,19 @@ class BatchSizeResult:
     trials: list[tuple[int, bool]] = field(default_factory=list)
 
 
+_FIND_BATCH_SIZE_OPTIONS = declare(
+    "find_batch_size",
+    Option("x", "custom", checked_in="fitkit.data.as_loader", bad=("data", 5)),
+    Option("y", "custom", checked_in="fitkit.data.as_loader", bad=("labels",)),
+    Option("init_val", "int", minimum=1),
+    Option("max_trials", "int", minimum=1),
+    Option("steps_per_trial", "int", minimum=1),
+    Option("max_val", "int", minimum=1, allow_none=True),
+)
+
+
+@known_keywords
+@declared(_FIND_BATCH_SIZE_OPTIONS)
 def find_batch_size(model: Any, x: Any, y: Any = None, *, init_val: int = 2, max_trials: int = 25,
                     steps_per_trial: int = 3, max_val: int | None = None) -> BatchSizeResult:  # fmt: skip
     """Double the batch size from ``init_val`` until a trial runs out of memory; keep the last that fit.

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fitkit import nest
+from fitkit.checks.declared import Option, declare, declared
 from fitkit.modes import modes
 
 __all__ = ["export", "FORMATS"]
@@ -130,6 +131,27 @@ def _write_onnx(program: Any, module: nn.Module, path: Path) -> None:
     onnx_program.save(str(path), external_data=size > _ONNX_INLINE_LIMIT)
 
 
+def _check_example_input(example_input: Any) -> None:
+    """An example batch holds at least one tensor (else the trace fails inside ``forward``)."""
+    if not nest.leaves(example_input):
+        raise TypeError(
+            "Expected `example_input` to be one input batch: a tensor, or a tuple / dict holding tensors. "
+            f"Received: example_input={example_input!r} ({type(example_input).__name__}). "
+            "Fix: pass e.g. example_input=x[:2]."
+        )
+
+
+_EXPORT_OPTIONS = declare(
+    "export",
+    Option("module", "custom", checked_in="export", bad=("net", 5)),
+    Option("path", "path"),
+    Option("example_input", "custom", check=_check_example_input, bad=("x", None, [1, 2])),
+    Option("format", "custom", checked_in="export", bad=("tflite", 5, None)),
+    Option("dynamic_batch", "bool"),
+)
+
+
+@declared(_EXPORT_OPTIONS)
 def export(
     module: nn.Module,
     path: str | os.PathLike,

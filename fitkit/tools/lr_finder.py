@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 
 from fitkit import data as _data
-from fitkit.checks import FitkitWarning, check_bool, check_int, check_that
+from fitkit.checks import FitkitWarning, check_bool, check_int, check_that, known_keywords
+from fitkit.checks.declared import Option, declare, declared
 from fitkit.formatting import format_lr
 
 __all__ = ["find_lr", "LRFinderResult", "apply_lr"]
@@ -125,11 +127,32 @@ class LRFinderResult:
         ax.set_ylabel("loss")
         ax.legend()
         fig.tight_layout()
-        if path is not None:
-            fig.savefig(path)
+        if path is not None:  # whole or not at all: a full disk leaves no 0-byte PNG, an older plot stays
+            from fitkit.files.writing import _atomic_write
+
+            _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
         return fig
 
 
+_FIND_LR_OPTIONS = declare(
+    "find_lr",
+    Option("x", "custom", checked_in="fitkit.data.as_loader", bad=("data", 5)),
+    Option("y", "custom", checked_in="fitkit.data.as_loader", bad=("labels",)),
+    Option("batch_size", "int", minimum=1, fix="pass the samples per sweep step, e.g. batch_size=32."),
+    Option("start_lr", "custom", checked_in="check_sweep", bad=(0, -1e-3, "1e-7", float("nan"))),
+    Option("end_lr", "custom", checked_in="check_sweep", bad=(1e-8, "10", float("nan"))),
+    Option("num_steps", "int", minimum=2),
+    Option("smooth", "custom", checked_in="check_sweep", bad=(1.0, -0.1, "0.9")),
+    Option("diverge_threshold", "custom", checked_in="check_sweep", bad=(1, 0.5, "4")),
+    Option("plot", "bool"),
+    Option("path", "custom", checked_in="_check_output", bad=(5, "missing/folder/lr.png")),
+    Option("mode", "choice", choices=("exponential", "linear")),
+    Option("apply", "bool"),
+)
+
+
+@known_keywords
+@declared(_FIND_LR_OPTIONS)
 def find_lr(
     model: Any,
     x: Any,
@@ -173,7 +196,8 @@ def find_lr(
         diverge_threshold: stop when the smoothed loss passes this multiple of the best one
             (> 1); ``None`` runs every step.
         plot: draw the curve (:meth:`LRFinderResult.plot`).
-        path: save the plot there as a PNG (implies ``plot``).
+        path: save the plot there as a PNG (implies ``plot``), written whole or not at all (a
+            temp file renamed over it); its folder must exist (checked before the sweep).
         mode: ``"exponential"`` or ``"linear"`` (Lightning's ``mode``).
         apply: set the suggested rate on the optimizer (and scheduler) after the sweep; no
             suggestion: a ``FitkitWarning`` and nothing changes.
@@ -183,8 +207,9 @@ def find_lr(
 
     Raises:
         RuntimeError: the model is not compiled.
-        TypeError: an argument of the wrong type.
-        ValueError: a bad value, or data that yields no batch.
+        TypeError: an argument of the wrong type, or a keyword it does not take.
+        ValueError: a bad value, a ``path`` in a missing folder, or data that yields no batch.
+        OSError: the plot cannot be written (a full disk); an older file at ``path`` is unchanged.
 
     Example:
         >>> import torch, fitkit
@@ -219,7 +244,14 @@ def _check_output(batch_size: Any, plot: Any, path: Any) -> None:
     check_int("batch_size", batch_size, 1, fix="pass the samples per sweep step, e.g. batch_size=32.")
     check_bool("plot", plot)
     if path is not None:
-        check_writable_template(check_target(path, "path", "find_lr"), None, "find_lr", "path")
+        target = check_target(path, "path", "find_lr")
+        folder = os.path.dirname(os.path.abspath(target))
+        if not os.path.isdir(folder):
+            raise ValueError(
+                f"find_lr writes its plot at `path`, but the folder {folder!r} does not exist. Received: "
+                f"path={str(path)!r}. Fix: create the folder first (os.makedirs), or pass a path in an existing one."
+            )
+        check_writable_template(target, None, "find_lr", "path")
 
 
 def check_sweep(model: Any, start_lr: float, end_lr: float, num_steps: int, smooth: float,

@@ -185,15 +185,15 @@ def save_weights(model: Model, path: str | os.PathLike, trainable_only: bool = F
     """
     check_trainable_only(trainable_only)
     check_path(path)
-    keep = trainable_names(model) if trainable_only else set()
-    if trainable_only and not keep:
+    keep = trainable_names(model) if trainable_only else None
+    if keep is not None and not keep:  # the same on every rank: all refuse before the collective
         raise ValueError(
-            "save_weights(trainable_only=True) writes the parameters with requires_grad, but every parameter of "
-            f"{type(model.module).__name__} is frozen, so the file would hold nothing. Fix: unfreeze the parameters "
-            "to train (e.g. the adapters), or pass trainable_only=False to write every weight."
+            f"save_weights(trainable_only=True) would write an empty file to {os.fspath(path)!r}: no parameter of "
+            "the module requires grad (all are frozen). Received: trainable_only=True. Fix: unfreeze the "
+            "parameters to save (p.requires_grad_(True)), or pass trainable_only=False to save every weight."
         )
     state = model.state_dict()  # unwrapped: no `module.` prefixes, full tensors under FSDP
-    if trainable_only:
+    if keep is not None:
         state = {k: v for k, v in state.items() if k in keep}
     if is_rank_zero():
         if os.fspath(path).endswith(".safetensors"):

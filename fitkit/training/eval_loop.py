@@ -85,6 +85,13 @@ class EvalLoop:
                     "such as a DataLoader or a list for validation in every epoch."
                 )
             logs = self.totals.result(self.what if self.what == "evaluate" else None)
+            if not logs and model.loss is None and model.default_test_step:
+                raise ValueError(
+                    f"Expected `{self.what}` to compute a loss or a metric. Received batches whose module output "
+                    "holds no 'loss', with compile(loss=None) and no metric that had targets, so there is no "
+                    "value to return. Fix: compile a loss (compile(loss=...)), return {'loss': ...} from forward "
+                    "(pass the labels in the batch), or compile metrics and give the batches targets."
+                )
             cbs.on_test_end(logs)
         model._core.phases.adopt(self.totals)
         return logs

@@ -57,6 +57,7 @@ class FilesAndTools:
 
         Raises:
             OSError: the file cannot be written (the old file, if any, is left as it was).
+            ValueError: ``trainable_only=True`` with every parameter frozen (nothing to save).
 
         Example:
             >>> from fitkit import Model

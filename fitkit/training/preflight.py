@@ -35,7 +35,7 @@ from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
 from fitkit.data import order as _order
 from fitkit.devices import accelerator_rng_state, set_accelerator_rng_state
-from fitkit.losses.labels import check_label_keys, decide_shift
+from fitkit.losses.labels import check_label_keys, decide_shift, default_label_names
 from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
 from fitkit.modes import modes
 from fitkit.training.finite import check_batch_loss, check_in_memory
@@ -341,6 +341,7 @@ def first_batch_check(
     if not model.default_test_step:
         _check_with_test_step(model, batch, label)
         return x
+    check_label_names(model, x)
     # Training batches build the graph once, to see that the loss has a gradient to follow.
     grad = wants_grad_check(model, training)
     inputs, y = _inputs_and_targets(model, x, y)
@@ -357,6 +358,8 @@ def first_batch_check(
                 _check_own_loss(model, batch, y_pred, y_all)
             elif training:
                 model.compute_loss(x, y, y_pred, w)  # raises: nothing to train on, and the fix
+            else:
+                _check_something_to_evaluate(model, x, y, y_pred)
             if grad:
                 check_loss_has_grad(own_loss(y_pred), label)
         if y is None and model.loss is not None and model.default_compute_loss:
@@ -401,6 +404,36 @@ def _check_own_loss(model: Model, batch: tuple[Any, Any, Any], y_pred: Any, y_al
     check_class_range(None, prediction_of(y_pred), y_all)
     if w is not None:  # raises where the weights cannot reach the module's own loss (a 0-dim mean)
         model.compute_loss(x, y, y_pred, w)
+
+
+def _check_something_to_evaluate(model: Model, x: Any, y: Any, y_pred: Any) -> None:
+    """Without a compiled loss and without the output's own loss, only metrics can be logged: refuse
+    an evaluation that would log nothing (no metrics, or no targets for them)."""
+    if model.metrics.specs and targets_of(x, y, model.label_names) is not None:
+        return
+    keys = sorted(map(str, y_pred)) if isinstance(y_pred, Mapping) else type(y_pred).__name__
+    why = "no metrics are compiled" if not model.metrics.specs else "the batch has no targets for the metrics"
+    raise ValueError(
+        f"Expected something to evaluate: compile(loss=None) and the module's output holds no 'loss' (output: "
+        f"{keys}), and {why}, so evaluation would return no value. Fix: compile a loss "
+        "(compile(loss=...)), return {'loss': ...} from forward (pass the labels in the batch), or compile "
+        "metrics and give the batches targets."
+    )
+
+
+def check_label_names(model: Model, x: Any) -> None:
+    """``compile(label_names=...)`` given explicitly names keys of the dict batch: else it would be ignored."""
+    names = model.label_names
+    if not isinstance(x, Mapping) or names == default_label_names(model.module):
+        return
+    missing = [n for n in names if n not in x]
+    if missing:
+        raise ValueError(
+            f"Expected the dict batches to hold the keys of compile(label_names={list(names)!r}). Received a "
+            f"batch with keys {sorted(map(str, x))}: {missing} missing, so the targets would not come from "
+            "label_names. Fix: put the targets in the batch under that key, name the batch's own target key "
+            "in label_names, or leave label_names=None (and pass `y`)."
+        )
 
 
 def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:
