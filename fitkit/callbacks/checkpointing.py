@@ -40,7 +40,7 @@ from fitkit.callbacks.monitor import (
 )
 from fitkit.callbacks.scoring import scored_weights
 from fitkit.checks import FitkitWarning, check_bool, check_every, check_int, check_mode, check_number, read_clock
-from fitkit.checks.declared import Option, declare, declared, every_option, mode_option, verbose_option
+from fitkit.checks.declared import Option, declare, declared, mode_option, verbose_option
 from fitkit.distributed import is_distributed, say
 from fitkit.distributed.group import is_rank_zero
 from fitkit.files import check_target, remove_stale_temps
@@ -60,12 +60,16 @@ _MODEL_CHECKPOINT_OPTIONS = declare(
     Option("save_best_only", "bool"),
     Option("save_weights_only", "bool"),
     Option("save_top_k", "int", minimum=1, allow_none=True),
-    every_option("save_freq"),
+    Option("save_freq", "custom", checked_in="ModelCheckpoint.__init__", bad=(0, -1, "step", 1.5)),
     verbose_option(),
     Option("initial_value_threshold", "custom", checked_in="ModelCheckpoint.__init__", bad=("0.5", float("nan"))),
     Option("every_n_epochs", "int", minimum=0),
     Option("save_last", "custom", checked_in="ModelCheckpoint.__init__", bad=(5, 1.5)),
-    Option("keep_last", "int", minimum=1, allow_none=True),
+    Option("keep_last", "int", minimum=0, allow_none=True),
+    Option("save_first_step", "bool"),
+    Option("save_on_exception", "custom", checked_in="fitkit.callbacks.checkpoint_options.exception_path",
+           bad=(5, 1.5)),
+    Option("save_overwrite", "bool"),
     Option("train_time_interval", "custom", checked_in="ModelCheckpoint.__init__", bad=(60, "1h")),
     Option("clock", "callable", bad=(lambda: "now",)),
 )

@@ -16,8 +16,18 @@ import torch
 
 from fitkit.callbacks.base import Callback
 from fitkit.checks import FitkitWarning, check_bool, check_int, check_number
+from fitkit.checks.declared import Option, declare, declared
 
 __all__ = ["OptimizerMonitor", "LearningRateMonitor"]
+
+
+_OPTIMIZER_MONITOR_OPTIONS = declare(
+    "OptimizerMonitor",
+    Option("log_every_n_steps", "int", minimum=1),
+    Option("norm_type", "custom", checked_in="OptimizerMonitor.__init__", bad=(0, -1.0, "2")),
+    Option("per_parameter", "bool"),
+    Option("log_update_norm", "bool"),
+)
 
 
 class OptimizerMonitor(Callback):
@@ -66,6 +76,7 @@ class OptimizerMonitor(Callback):
         ([2, 4], [1.0, 0.25], [0.25, 0.0625])
     """
 
+    @declared(_OPTIMIZER_MONITOR_OPTIONS)
     def __init__(self, log_every_n_steps: int = 50, norm_type: float = 2.0, *, per_parameter: bool = True,
                  log_update_norm: bool = True):  # fmt: skip
         super().__init__()
@@ -143,6 +154,13 @@ def _number(value: Any) -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)  # a tensor beta: once per epoch
 
 
+_LEARNING_RATE_MONITOR_OPTIONS = declare(
+    "LearningRateMonitor",
+    Option("log_momentum", "bool"),
+    Option("log_weight_decay", "bool"),
+)
+
+
 class LearningRateMonitor(Callback):
     """Log momentum (or Adam's betas) and weight decay beside ``learning_rate`` in the epoch logs.
 
@@ -174,6 +192,7 @@ class LearningRateMonitor(Callback):
         {'learning_rate': [0.001], 'momentum': [0.8], 'beta2': [0.95], 'weight_decay': [0.01]}
     """
 
+    @declared(_LEARNING_RATE_MONITOR_OPTIONS)
     def __init__(self, log_momentum: bool = True, log_weight_decay: bool = False):
         super().__init__()
         check_bool("log_momentum", log_momentum)

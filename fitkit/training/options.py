@@ -69,6 +69,9 @@ COMPILE = declare(
     Option("ema_momentum", "custom", checked_in="fitkit.callbacks.swap_ema.compiled_ema", bad=(1.5, -0.1, "0.9")),
     Option("ema_overwrite_frequency", "int", minimum=1, allow_none=True),
     Option("label_names", "custom", checked_in="fitkit.losses.labels.resolve_label_names", bad=(5, [5])),
+    Option("loss_scale", "bool"),
+    Option("micro_batch_size", "int", minimum=1, allow_none=True),
+    Option("shift_labels", "bool", allow_none=True),
 )
 
 FIT = declare(
@@ -82,7 +85,7 @@ FIT = declare(
     Option("validation_split", "custom", checked_in="fitkit.training.planning.plan_fit",
            bad=(-0.1, 1.0, 1.5, "0.2", _NAN)),
     Option("validation_data", "custom", check=_check_validation_data, bad=("val", 5)),
-    Option("shuffle", "bool"),
+    Option("shuffle", "custom", checked_in="fitkit.training.planning._check_shuffle", bad=("yes", 1, None)),
     Option("class_weight", "custom", checked_in="fitkit.data.weights", bad=("balanced", [1.0, 2.0])),
     Option("sample_weight", "custom", checked_in="fitkit.data.weights", bad=("w",)),
     Option("initial_epoch", "int", minimum=0),
@@ -102,6 +105,9 @@ FIT = declare(
     Option("limit_train_batches", "custom", checked_in="fitkit.training.quick.check_quick", bad=(0, -1, 1.5, "2")),
     Option("limit_val_batches", "custom", checked_in="fitkit.training.quick.check_quick", bad=(-1, 1.5, "2")),
     Option("num_sanity_val_steps", "custom", checked_in="fitkit.training.quick.check_quick", bad=(-2, "1", 1.5)),
+    Option("resume", "choice", choices=("restart_epoch",), allow_none=True),
+    Option("max_samples", "int", minimum=1, allow_none=True),
+    Option("reset_time", "bool"),
 )
 
 EVALUATE = declare(
