@@ -11,6 +11,7 @@ weight, gradient and loss is a dyadic rational that float32 holds exactly.
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 
@@ -113,7 +114,8 @@ def _source(name: str, at: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, 
         return {"callbacks": [ticks, Timer(at + 1, clock=ticks)]}, window_end
     if name == "max_time":
         ticks = Ticks()
-        monkeypatch.setattr(Timer.__init__, "__defaults__", ("step", ticks))
+        # the Timer that max_time adds reads this clock (its __init__ is wrapped by its declared options)
+        monkeypatch.setattr(inspect.unwrap(Timer.__init__), "__defaults__", ("step", ticks))
         return {"callbacks": [ticks], "max_time": at + 1}, window_end
     if name == "EarlyStopping":  # inside the epoch: validations every `window_end` steps
         stop = EarlyStopping(monitor="val_loss", stopping_threshold=1e9, verbose=0)

@@ -113,7 +113,7 @@ def test_every_parameter_group_learning_rate_is_logged_when_they_differ(tmp_path
     h = model.fit(torch.zeros(4, 2), torch.zeros(4, 1), epochs=2, verbose=2, callbacks=[CSVLogger(csv)])
     assert h.history["learning_rate"] == [0.01, 0.005]  # the first group
     assert h.history["learning_rate/pg1"] == [0.1, 0.05]
-    assert "learning_rate/pg1: 0.1000" in capsys.readouterr().out
+    assert "learning_rate/pg1: 0.1" in capsys.readouterr().out
     assert "learning_rate/pg1" in csv.read_text().splitlines()[0].split(",")
 
 

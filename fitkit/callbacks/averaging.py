@@ -32,7 +32,7 @@ _EMA_OPTIONS = declare(
            pointless=(1.0, "the average keeps the weights it starts from and never moves. Fix: pass decay < 1, "
                            "e.g. decay=0.999.")),
     Option("half_life", "custom", checked_in="EMA.__init__", bad=(0, -1.0, float("inf"), "10")),
-    Option("update_interval", "choice", choices=("step", "epoch")),
+    Option("update_interval", "custom", checked_in="EMA.__init__", bad=("batch", 1)),
     Option("evaluate_with_ema", "bool"),
     Option("swap_at_end", "bool"),
     Option("use_buffers", "bool"),

@@ -11,6 +11,7 @@ from fitkit.callbacks.base import BatchLogs, CallbackList
 from fitkit.data.loaders import known_targets, source_name
 from fitkit.losses.denominators import targets_count
 from fitkit.modes import modes
+from fitkit.training import steps as _steps
 from fitkit.training.host_outputs import HostOutputs
 from fitkit.training.preflight import wrap
 
@@ -123,7 +124,7 @@ class PredictLoop:
                     try:
                         out = model.predict_step(batch)
                     except Exception as e:
-                        custom = type(model).predict_step.__qualname__ != "Model.predict_step"
+                        custom = type(model).predict_step is not _steps.predict_step
                         raise wrap("predict_step" if custom else "module's forward", batch, e, model.module) from e
                 cbs.on_predict_batch_end(step, {"outputs": out})
                 outputs.add(out)

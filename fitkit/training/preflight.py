@@ -35,7 +35,7 @@ from fitkit.compile import call
 from fitkit.data import TensorBatches, device_batch
 from fitkit.data import order as _order
 from fitkit.devices import accelerator_rng_state, set_accelerator_rng_state
-from fitkit.losses.labels import check_label_keys, decide_shift, default_label_names
+from fitkit.losses.labels import check_label_keys, decide_shift
 from fitkit.losses.outputs import module_inputs, own_loss, prediction_of, require_prediction, targets_of
 from fitkit.modes import modes
 from fitkit.training.finite import check_batch_loss, check_in_memory
@@ -341,7 +341,6 @@ def first_batch_check(
     if not model.default_test_step:
         _check_with_test_step(model, batch, label)
         return x
-    check_label_names(model, x)
     # Training batches build the graph once, to see that the loss has a gradient to follow.
     grad = wants_grad_check(model, training)
     inputs, y = _inputs_and_targets(model, x, y)
@@ -419,21 +418,6 @@ def _check_something_to_evaluate(model: Model, x: Any, y: Any, y_pred: Any) -> N
         "(compile(loss=...)), return {'loss': ...} from forward (pass the labels in the batch), or compile "
         "metrics and give the batches targets."
     )
-
-
-def check_label_names(model: Model, x: Any) -> None:
-    """``compile(label_names=...)`` given explicitly names keys of the dict batch: else it would be ignored."""
-    names = model.label_names
-    if not isinstance(x, Mapping) or names == default_label_names(model.module):
-        return
-    missing = [n for n in names if n not in x]
-    if missing:
-        raise ValueError(
-            f"Expected the dict batches to hold the keys of compile(label_names={list(names)!r}). Received a "
-            f"batch with keys {sorted(map(str, x))}: {missing} missing, so the targets would not come from "
-            "label_names. Fix: put the targets in the batch under that key, name the batch's own target key "
-            "in label_names, or leave label_names=None (and pass `y`)."
-        )
 
 
 def _check_own_labels(module: nn.Module, x: Any, y_all: Any) -> None:
