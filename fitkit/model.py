@@ -1,21 +1,10 @@
 """The ``Model``: compile, fit, evaluate, predict around any ``nn.Module``.
 
-The model is a facade. It holds what outlives a call (the module, the compiled loss, the
-metric template and phase stack, the :class:`~fitkit.training.stepper.Stepper`, the history, a pending
-resume point) and hands each call to an object that owns that call's state; once a call
-returns or raises, nothing of it stays reachable from the model. The data flow of ``fit``, in
-the order a batch meets it::
-
-    Model.fit                     the verb (model.py)
-    -> planning.plan_fit          checks every argument, builds the loaders (planning.py)
-    -> distributed.sharded        as_loader, then each rank's share (data/, distributed/)
-    -> preflight.in_memory_check  in-memory data and its first batch (preflight.py)
-    -> FitLoop.run / run_epoch    epochs, Position, resume, totals (loop.py, position.py)
-    -> DeviceLoader.epoch_batches the only place a batch changes device (data/loaders.py)
-    -> Stepper.micro_batches      the accumulation window (stepper.py)
-    -> Model.train_step           forward, compute_loss, backward, update_metrics,
-                                  optimizer_step -> Stepper.step (model.py, stepper.py)
-    -> CallbackList.on_train_batch_end -> EvalLoop.run (validation, eval_loop.py) -> on_epoch_end -> History
+The model is a facade: each verb's signature and docstring live here, and each hands its
+arguments by name to the training core (``fitkit.training``), whose shared state hangs under
+one internal name, ``model._core``. ``fit`` goes ``Model.fit`` -> ``calls.prepare_fit`` ->
+``planning.plan_fit`` (one frozen ``FitPlan``) -> ``calls.run_fit`` -> ``FitLoop.run``; the
+architecture guide follows a batch from there.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ import os
 import weakref
 from typing import Any
 
+from fitkit.callbacks.backup import BackupAndRestore
+from fitkit.callbacks.checkpointing import ModelCheckpoint
+
 __all__ = ["remember", "save_path", "load_path", "adopt"]
 
 # model -> the checkpoint callbacks of its running (or last) fit; no reference keeps a model alive
@@ -30,13 +33,13 @@ _RUN: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 def remember(model: Any, callbacks: list[Any]) -> None:
     """The fit's ``ModelCheckpoint`` and ``BackupAndRestore`` callbacks, kept for path-less calls."""
-    writers = [cb for cb in callbacks if hasattr(cb, "last_path") or hasattr(cb, "prev_path")]
+    writers = [cb for cb in callbacks if isinstance(cb, (ModelCheckpoint, BackupAndRestore))]
     if writers:
         _RUN[model] = writers
 
 
 def _checkpoint_callback(model: Any, verb: str) -> Any:
-    found = [cb for cb in _RUN.get(model, []) if hasattr(cb, "last_path")]
+    found = [cb for cb in _RUN.get(model, []) if isinstance(cb, ModelCheckpoint)]
     if not found:
         raise RuntimeError(
             f"`{verb}()` without a path uses the run's checkpoint folder, the folder of the ModelCheckpoint of "
@@ -68,7 +71,7 @@ def load_path(model: Any) -> str:
     candidates = [save_path(model), cb.exception_path]
     if not cb.save_weights_only:
         candidates += glob.glob(cb.glob_pattern)
-    candidates += [str(b.path) for b in _RUN.get(model, []) if hasattr(b, "prev_path")]  # BackupAndRestore
+    candidates += [str(b.path) for b in _RUN.get(model, []) if isinstance(b, BackupAndRestore)]
     existing = [p for p in candidates if p is not None and os.path.isfile(p)]
     if not existing:
         raise FileNotFoundError(
@@ -81,5 +84,5 @@ def load_path(model: Any) -> str:
 def adopt(model: Any, path: Any) -> None:
     """An explicit ``save_checkpoint(path)`` into a ``keep_last`` callback's pattern joins its rotation."""
     for cb in _RUN.get(model, []):
-        if getattr(cb, "keep_last", None) is not None and cb.owns(path):
+        if isinstance(cb, ModelCheckpoint) and cb.keep_last is not None and cb.owns(path):
             cb.rotate(os.fspath(path))
