@@ -497,7 +497,7 @@ class CallbackList:
     def backs_up(self) -> bool:
         """Whether a callback writes a backup at a SIGTERM / SIGINT (a ``BackupAndRestore``)."""
         owners = (getattr(fn, "__self__", None) for fn in self._hooks["_save_on_interrupt"])
-        return any(getattr(cb, "_is_backup", False) for cb in owners)  # not a ModelCheckpoint noting the stop
+        return any(cb is not None and cb.is_backup for cb in owners)  # not a ModelCheckpoint noting the stop
 
     def close(self, finished: bool = True) -> None:
         """Call every callback's :meth:`Callback.close`, each even if another one raises.

@@ -16,7 +16,9 @@ from fitkit.checks.declared import Option, declare
 __all__ = ["MODEL", "COMPILE", "FIT", "EVALUATE", "PREDICT"]
 
 _NAN = float("nan")
-_WHOLE = "pass a whole number of batches, or None."
+#: The fix for a float step count (as fit's own check says it: Keras documents them as ints).
+_WHOLE = ("steps count whole batches (as in Keras); for a fraction of the data pass "
+          "limit_train_batches= / limit_val_batches= a float, or epochs= a float.")
 
 def _check_max_time(value: Any) -> None:
     """``fit(max_time=)`` is a :class:`~fitkit.callbacks.Timer`'s ``duration``, named as ``max_time``."""
