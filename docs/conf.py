@@ -99,6 +99,7 @@ nitpicky = True
 nitpick_ignore_regex = [
     ("py:.*", r"(transformers|rich|torchmetrics)\..*"),
     ("py:.*", r"torch\._C\..*|torch\.jit\.Future|torch\.utils\.flop_counter\..*|torch\.optim\.swa_utils\..*"),
+    ("py:class", r"fitkit\.checks\.declared\._F"),  # the decorator's TypeVar
 ]
 
 # -- intersphinx, offline ---------------------------------------------------------------------
@@ -119,6 +120,10 @@ _TYPE_ALIASES = {
     "torch.amp.grad_scaler.GradScaler": "torch.amp.GradScaler",
     "nn.Module": "torch.nn.Module",
     "torch._C.Generator": "torch.Generator",
+    # the training core's own annotations name these classes as their modules import them
+    "FitLoop": "fitkit.training.loop.FitLoop",
+    "Stepper": "fitkit.training.stepper.Stepper",
+    "_distributed.Parallel": "fitkit.distributed.Parallel",
 }
 
 

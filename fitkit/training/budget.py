@@ -228,7 +228,7 @@ def check_minimums(min_epochs: int | None, min_steps: int | None, epochs: int | 
     """Refuse ``min_epochs`` / ``min_steps`` that the fit cannot reach before it ends.
 
     Args:
-        min_epochs / min_steps: ``fit``'s minimums (counted from epoch 0 and step 0).
+        min_epochs, min_steps: ``fit``'s minimums (counted from epoch 0 and step 0).
         epochs: the epochs the fit runs to (the bound, or those its step budget takes; ``None``: unknown).
         total: the optimizer steps it plans (``max_steps``, else the epochs' steps; ``None``: unknown).
         steps_of: ``epochs -> optimizer steps`` of that many epochs from epoch 0 (``None``: unknown).
