@@ -73,7 +73,7 @@ COMPILE = declare(
     Option("label_names", "custom", checked_in="fitkit.losses.labels.resolve_label_names", bad=(5, [5])),
     Option("loss_scale", "bool"),
     Option("micro_batch_size", "int", minimum=1, allow_none=True),
-    Option("shift_labels", "bool", allow_none=True),
+    Option("shift_labels", "custom", checked_in="fitkit.losses.labels.resolve_label_names", bad=("yes", 1)),
 )
 
 FIT = declare(
@@ -108,7 +108,7 @@ FIT = declare(
     Option("limit_train_batches", "custom", checked_in="fitkit.training.quick.check_quick", bad=(0, -1, 1.5, "2")),
     Option("limit_val_batches", "custom", checked_in="fitkit.training.quick.check_quick", bad=(-1, 1.5, "2")),
     Option("num_sanity_val_steps", "custom", checked_in="fitkit.training.quick.check_quick", bad=(-2, "1", 1.5)),
-    Option("resume", "choice", choices=("restart_epoch",), allow_none=True),
+    Option("resume", "custom", checked_in="fitkit.training.resume.check_resume_mode", bad=("restart", 1)),
     Option("max_samples", "int", minimum=1, allow_none=True),
     Option("reset_time", "bool"),
 )
