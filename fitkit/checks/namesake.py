@@ -16,6 +16,7 @@ takes seconds on a loaded machine: too slow for every ``import fitkit``.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as metadata
 import re
 import sys
@@ -56,6 +57,8 @@ def namesakes(path: Iterable[str] | None = None) -> list[str]:
         []
     """
     found = []
+    if path is not None:  # folders written since this process last listed them: no stale listing
+        importlib.invalidate_caches()
     for dist in metadata.distributions(name=NAMESAKE, path=list(sys.path if path is None else path)):
         name = dist.metadata["Name"] or NAMESAKE
         if _normalized(name) != OWN and _provides_fitkit(dist):
