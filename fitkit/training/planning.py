@@ -14,7 +14,7 @@ import functools
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, RandomSampler
 
@@ -35,6 +35,9 @@ from fitkit.training.quick import QuickRun, check_quick
 from fitkit.training.resume import check_resume_mode
 from fitkit.training.step_validation import ValidationInterval, ValidationSchedule
 from fitkit.training.validation_sets import ValidationSets, named_sets, prefixed_keys
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
 
@@ -113,7 +116,7 @@ class FitPlan:
     resume: str | None
 
 
-def plan_fit(model: Any, x: Any, y: Any, options: Mapping[str, Any]) -> FitPlan:
+def plan_fit(model: Model, x: Any, y: Any, options: Mapping[str, Any]) -> FitPlan:
     """Read, check and resolve every argument of ``fit`` (``options``: its keywords by name), build
     its loaders and check its data; nothing changes before this returns.
 
@@ -210,14 +213,14 @@ def _check_scalars(o: dict[str, Any], x: Any) -> None:
         )
 
 
-def _check_callbacks(model: Any, callbacks: list[Callback], validates: bool) -> None:
+def _check_callbacks(model: Model, callbacks: list[Callback], validates: bool) -> None:
     check_schedules(model, callbacks)
     check_micro_batches(model)
     check_weight_swaps(model, callbacks, validates=validates)  # one averaged copy validated on, one swapped in
     check_process_resources(callbacks)
 
 
-def _loaders(model: Any, x: Any, y: Any, o: dict[str, Any]) -> tuple[Any, Any, Any]:
+def _loaders(model: Model, x: Any, y: Any, o: dict[str, Any]) -> tuple[Any, Any, Any]:
     """``(train, val, example)``: the loaders of the training and validation data, their data
     checked before step 1 (the last first batch checked is ``summary``'s example)."""
     if x is None:
@@ -244,7 +247,7 @@ def _loaders(model: Any, x: Any, y: Any, o: dict[str, Any]) -> tuple[Any, Any, A
     return train, val, example
 
 
-def _planned(model: Any, o: dict[str, Any], x: Any, train: Any, val: Any, example: Any,
+def _planned(model: Model, o: dict[str, Any], x: Any, train: Any, val: Any, example: Any,
              schedule: ValidationSchedule, interval: ValidationInterval | None, fraction: float | None,
              quick: QuickRun) -> FitPlan:  # fmt: skip
     """The budgets and the callbacks' params of a checked fit: the :class:`FitPlan`."""
@@ -358,7 +361,7 @@ def _accumulation(stepper: Any, fit_accumulation: Any) -> Any:
     return fit_accumulation or stepper.accumulation_schedule or (lambda epoch: k)
 
 
-def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | None,
+def _plan_steps(model: Model, train: Any, epochs: int | None, max_steps: int | None,
                 accumulation: Any) -> tuple[int | None, int | None]:  # fmt: skip
     """``(total_steps, epochs shown to callbacks)``; ``ValueError`` when a scheduler factory
     asks for the step count and it cannot be known."""
@@ -387,7 +390,7 @@ def _callback_schedule(stepper: Any, callbacks: list[Callback]) -> Any:
     return by_callback[0].accumulation_for(stepper.accumulation) if by_callback else None
 
 
-def _warn_nothing_to_train(model: Any, initial_epoch: int, epochs: int | None) -> None:
+def _warn_nothing_to_train(model: Model, initial_epoch: int, epochs: int | None) -> None:
     if epochs is not None and initial_epoch >= epochs:
         warnings.warn(
             f"initial_epoch={initial_epoch} >= epochs={epochs}: nothing will train (`epochs` is the index "
@@ -402,7 +405,7 @@ def _warn_nothing_to_train(model: Any, initial_epoch: int, epochs: int | None) -
         )
 
 
-def check_schedules(model: Any, callbacks: list[Callback]) -> None:
+def check_schedules(model: Model, callbacks: list[Callback]) -> None:
     """``ValueError`` when a compiled scheduler and an LR callback would both set the LR."""
     from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
 
@@ -416,7 +419,7 @@ def check_schedules(model: Any, callbacks: list[Callback]) -> None:
         )
 
 
-def check_data(model: Any, loader: _data.DeviceLoader, name: str, training: bool, validation: bool = False) -> Any:
+def check_data(model: Model, loader: _data.DeviceLoader, name: str, training: bool, validation: bool = False) -> Any:
     """The data checks before step 1 (:mod:`fitkit.training.preflight`); returns the first batch's ``x``
     when one was run (``summary``'s example), else ``None``."""
     src = loader.batches
@@ -436,7 +439,7 @@ def check_data(model: Any, loader: _data.DeviceLoader, name: str, training: bool
     return in_memory_check(model, src, training=training and type(src) is _data.TensorBatches)
 
 
-def _check_first_validation_batch(model: Any, loader: _data.DeviceLoader) -> Any:
+def _check_first_validation_batch(model: Model, loader: _data.DeviceLoader) -> Any:
     """A re-iterable validation source (a DataLoader, a list) gets its first batch checked
     before step 1, as training data does; the RNGs, the loader's own generators and the
     module's buffers are put back, so shuffling and training are unchanged."""
@@ -457,7 +460,7 @@ def _check_first_validation_batch(model: Any, loader: _data.DeviceLoader) -> Any
         return first_batch_check(model, batch, label="first validation batch", training=False)
 
 
-def validation_loaders(model: Any, data: Any, batch_size: int | None, argument: str = "validation_data") -> Any:
+def validation_loaders(model: Model, data: Any, batch_size: int | None, argument: str = "validation_data") -> Any:
     """The loader of one validation source, or :class:`ValidationSets` of a dict of named sets."""
     sets = named_sets(data, argument)
 
@@ -479,7 +482,7 @@ def _named(val: Any, argument: str) -> list[tuple[str, Any]]:
     return [(argument, val)]
 
 
-def planned_keys(model: Any, validates: bool, val: Any = None) -> list[str]:
+def planned_keys(model: Model, validates: bool, val: Any = None) -> list[str]:
     """Epoch-log keys fit will write, in order (``params["metrics"]``, as Keras has it)."""
     keys = ["loss", *model.metrics.keys]
     per_group = lr_keys(model.optimizer, model.scheduler) if model.optimizer is not None else []
@@ -489,7 +492,7 @@ def planned_keys(model: Any, validates: bool, val: Any = None) -> list[str]:
     return keys + lr_names + val_keys
 
 
-def callback_list(model: Any, callbacks: list[Callback], verbose: int, epochs: int | None, steps: int | None,
+def callback_list(model: Model, callbacks: list[Callback], verbose: int, epochs: int | None, steps: int | None,
                   history: Any = None, **params: Any) -> CallbackList:  # fmt: skip
     """The call's :class:`CallbackList`: the user's callbacks, then ``history`` and the bar."""
     verbose = verbose if _distributed.is_rank_zero() else 0  # torchrun: rank 0 prints

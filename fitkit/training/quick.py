@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fitkit.callbacks.base import CallbackList
 from fitkit.data.loaders import source_name
 from fitkit.training.eval_loop import EvalLoop
 from fitkit.training.preflight import leaves_no_trace
 from fitkit.training.validation_sets import ValidationSets
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 __all__ = ["QuickRun", "check_quick", "sanity_check", "batches_of"]
 
@@ -215,7 +218,7 @@ def _check_repeatable(x: Any, overfit: int | float) -> None:
         )
 
 
-def sanity_check(model: Any, val: Any, steps: int) -> None:
+def sanity_check(model: Model, val: Any, steps: int) -> None:
     """Run ``steps`` validation batches (-1: all) of every set before training, as Lightning's
     sanity check; an error in validation (the forward, ``test_step``, a metric) is raised here,
     before step 1.

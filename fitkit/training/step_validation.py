@@ -33,7 +33,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fitkit.callbacks.logkeys import per_validation
 from fitkit.checks import check_int, check_number
@@ -41,6 +41,9 @@ from fitkit.training import checkpoint as _checkpoint
 from fitkit.training.budget import RunFraction
 from fitkit.training.eval_loop import signal_held
 from fitkit.training.validation_sets import run_validation
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 __all__ = ["ValidationSchedule", "ValidationInterval", "StepValidation", "record_validation", "per_validation"]
 
@@ -194,7 +197,7 @@ class StepValidation:
         interval: the :class:`ValidationInterval`.
     """
 
-    def __init__(self, model: Any, validation: Any, callbacks: Any, history: Any, steps: int | None,
+    def __init__(self, model: Model, validation: Any, callbacks: Any, history: Any, steps: int | None,
                  interval: ValidationInterval):  # fmt: skip
         self.model, self.val, self.callbacks, self.history, self.steps = model, validation, callbacks, history, steps
         self.interval = interval

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from fitkit.training.eval_loop import EvalLoop, signal_held
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 __all__ = ["ValidationSets", "named_sets", "prefixed_keys", "run_validation"]
 
@@ -145,7 +148,7 @@ class ValidationSets:
         return ValidationSets({name: fn(loader) for name, loader in self.loaders.items()})
 
 
-def run_validation(model: Any, validation: Any, callbacks: Any, steps: int | None,
+def run_validation(model: Model, validation: Any, callbacks: Any, steps: int | None,
                    what: str = "validation_data") -> dict[str, float]:  # fmt: skip
     """Loss and metrics of one validation or evaluation: one :class:`EvalLoop` per set.
 
