@@ -15,12 +15,13 @@ from fitkit.training.host_outputs import HostOutputs
 from fitkit.training.preflight import wrap
 
 if TYPE_CHECKING:
+    from fitkit.data import DeviceLoader
     from fitkit.model import Model
 
 __all__ = ["EvalLoop", "PredictLoop", "signal_held"]
 
 
-def _name(source: Any) -> str:
+def _name(source: DeviceLoader) -> str:
     return source_name(source)
 
 
@@ -52,7 +53,8 @@ class EvalLoop:
         what: how errors name the source (``"evaluate"`` or ``"validation_data"``).
     """
 
-    def __init__(self, model: Model, loader: Any, callbacks: CallbackList, steps: int | None, what: str = "evaluate"):
+    def __init__(self, model: Model, loader: DeviceLoader, callbacks: CallbackList, steps: int | None,
+                 what: str = "evaluate"):
         self.model, self.loader, self.callbacks, self.steps, self.what = model, loader, callbacks, steps, what
         self.totals = model._core.phases.new_totals()
         self.batches = 0
@@ -103,7 +105,7 @@ class EvalLoop:
 class PredictLoop:
     """One ``predict`` call: outputs of every batch, concatenated in input order."""
 
-    def __init__(self, model: Model, loader: Any, callbacks: CallbackList, steps: int | None):
+    def __init__(self, model: Model, loader: DeviceLoader, callbacks: CallbackList, steps: int | None):
         self.model, self.loader, self.callbacks, self.steps = model, loader, callbacks, steps
 
     def run(self) -> Any:
@@ -137,7 +139,7 @@ class PredictLoop:
         return _distributed.gather_predictions(outputs.result(), self.loader)  # torchrun: all rows
 
 
-def _known_rows(loader: Any) -> int | None:
+def _known_rows(loader: DeviceLoader) -> int | None:
     """The rows in-memory data will yield on this process (``None`` for other sources)."""
     from fitkit.data import TensorBatches
 

@@ -31,7 +31,7 @@ __all__ = ["split_rows", "train_in_micro_batches", "check_micro_batches"]
 Batch = tuple[Any, Any, Any]
 
 
-def _rows_of(part: Any, lo: int, hi: int, n: int) -> Any:
+def _rows_of(part: object, lo: int, hi: int, n: int) -> Any:
     """Rows ``lo:hi`` of every tensor of ``part`` with ``n`` rows (others, such as a scalar, as they are)."""
     if part is None:
         return None
@@ -54,7 +54,7 @@ def split_rows(batch: Batch, size: int) -> list[Batch]:
             for lo in range(0, n, size)]  # fmt: skip
 
 
-def _nonzero(total: Any) -> Any:
+def _nonzero(total: torch.Tensor | float) -> Any:
     if isinstance(total, torch.Tensor):
         return torch.where(total == 0, torch.ones_like(total), total)
     return total or 1

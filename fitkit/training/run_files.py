@@ -81,7 +81,7 @@ def load_path(model: Model) -> str:
     return max(existing, key=lambda p: os.stat(p).st_mtime_ns)
 
 
-def adopt(model: Model, path: Any) -> None:
+def adopt(model: Model, path: str | os.PathLike[str]) -> None:
     """An explicit ``save_checkpoint(path)`` into a ``keep_last`` callback's pattern joins its rotation."""
     for cb in _RUN.get(model, []):
         if getattr(cb, "keep_last", None) is not None and cb.owns(path):
