@@ -9,7 +9,6 @@ excluded partners. ``Model``'s methods run them before their bodies; a fit plan 
 from __future__ import annotations
 
 import datetime
-from typing import Any
 
 from fitkit.checks.declared import Option, declare
 
@@ -18,7 +17,7 @@ __all__ = ["MODEL", "COMPILE", "FIT", "EVALUATE", "PREDICT"]
 _NAN = float("nan")
 _WHOLE = "pass a whole number of batches, or None."
 
-def _check_max_time(value: Any) -> None:
+def _check_max_time(value: object) -> None:
     """``fit(max_time=)`` is a :class:`~fitkit.callbacks.Timer`'s ``duration``, named as ``max_time``."""
     from fitkit.callbacks.timer import parse_duration
 
@@ -30,7 +29,7 @@ def _check_max_time(value: Any) -> None:
         raise type(e)(str(e).replace("`duration`", "`max_time`").replace("duration=", "max_time=")) from None
 
 
-def _check_validation_data(value: Any) -> None:
+def _check_validation_data(value: object) -> None:
     """A str or a number is no validation set (the loaders would name it ``x``)."""
     if isinstance(value, (str, bytes, int, float)):
         raise TypeError(

@@ -26,7 +26,7 @@ from fitkit.training.budget import PlannedScheduler
 __all__ = ["SchedulerDriver", "is_timm_scheduler", "plateau_of"]
 
 
-def is_timm_scheduler(scheduler: Any) -> bool:
+def is_timm_scheduler(scheduler: object) -> bool:
     """Whether ``scheduler`` follows timm's protocol (``step(epoch, metric)``, ``step_update``).
 
     A class is not a scheduler but a factory (``scheduler=CosineLRScheduler`` would be called on
@@ -46,7 +46,7 @@ def is_timm_scheduler(scheduler: Any) -> bool:
     )
 
 
-def plateau_of(scheduler: Any) -> ReduceLROnPlateau | None:
+def plateau_of(scheduler: object) -> ReduceLROnPlateau | None:
     """torch's ``ReduceLROnPlateau`` that decides ``scheduler``'s LR from a metric: the scheduler
     itself, or the one a timm scheduler wraps (timm's ``PlateauLRScheduler.lr_scheduler``).
 
