@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from fitkit.callbacks.base import CallbackList
     from fitkit.data import DeviceLoader
     from fitkit.training.position import Position
+    from fitkit.training.scheduling import SchedulerDriver
     from fitkit.training.tracking import RunningTotals
 
 __all__ = ["Resume", "RESUME_MODES", "check_resume_mode", "data_identity"]
@@ -96,7 +97,7 @@ class Resume:
         (None, (0, None))
     """
 
-    def __init__(self, train: DeviceLoader | None, position: Position | None, scheduling: Any = None,
+    def __init__(self, train: DeviceLoader | None, position: Position | None, scheduling: SchedulerDriver | None = None,
                  mode: str | None = None):  # fmt: skip
         self.train, self.position, self.scheduling, self.mode = train, position, scheduling, mode
         self.pending: ResumePoint | None = None  # taken, not yet applied to an epoch

@@ -86,7 +86,7 @@ class SchedulerDriver:
         ([0.5], 0.25)
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, interval: str):
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: object, interval: str):
         self.optimizer, self.interval = optimizer, interval
         # a factory built at the first fit with the planned step count (see build_planned)
         self.planned = scheduler if isinstance(scheduler, PlannedScheduler) else None
@@ -97,7 +97,7 @@ class SchedulerDriver:
         self.lrs_used: list[Any] | None = None  # the LRs of the last step, before a scheduler moved them
         self.set_scheduler(None if self.planned is not None else scheduler)
 
-    def set_scheduler(self, scheduler: Any) -> None:
+    def set_scheduler(self, scheduler: object) -> None:
         """Replace the scheduler (``None``: the LR moves only by callbacks)."""
         self.scheduler, self.timm = scheduler, is_timm_scheduler(scheduler)
         self.per_step = scheduler is not None and (self.timm or self.interval == "step")
@@ -129,7 +129,7 @@ class SchedulerDriver:
             self.planned = PlannedScheduler(self.factory.factory, self.factory.keyword)
         return before
 
-    def disarm(self, before: Any) -> None:
+    def disarm(self, before: PlannedScheduler | None) -> None:
         """Undo :meth:`rearm` (a fit that failed before step 1)."""
         self.planned = before
 

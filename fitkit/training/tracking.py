@@ -80,7 +80,7 @@ class RunningTotals:
         return self.loss_count + w
 
     def update(
-        self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None,
+        self, loss: torch.Tensor | None, y_pred: object, y: object, sample_weight: torch.Tensor | None = None,
         denominator: int | torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """Add one batch: its mean loss times its denominator, and its metrics.
