@@ -37,8 +37,8 @@ from fitkit.checks import check_bool, check_int
 if TYPE_CHECKING:
     import torch
 
+    import fitkit.training.stepper  # named in full: the reference resolves it
     from fitkit.data import DeviceLoader
-    from fitkit.training.stepper import Stepper
 
 __all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps", "fresh_run",
            "RunFraction", "check_minimums", "sample_budget"]
@@ -110,7 +110,7 @@ class RunFraction:
 
 
 @contextmanager
-def fresh_run(stepper: Stepper, reset_time: object) -> Iterator[None]:
+def fresh_run(stepper: fitkit.training.stepper.Stepper, reset_time: object) -> Iterator[None]:
     """``fit(reset_time=True)`` (Composer's ``reset_time``): the fit starts a fresh run, its
     time at 0. ``global_step`` restarts at 0, so ``max_steps``, the planned ``total_steps``, a
     ``save_freq`` fraction, ``validation_interval`` and ``{step}`` names count from this fit's
