@@ -29,10 +29,16 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fitkit.callbacks.checkpoint_options import fraction_steps
 from fitkit.checks import check_bool, check_int
+
+if TYPE_CHECKING:
+    import torch
+
+    import fitkit.training.stepper  # named in full: the reference resolves it
+    from fitkit.data import DeviceLoader
 
 __all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps", "fresh_run",
            "RunFraction", "check_minimums", "sample_budget"]
@@ -41,7 +47,7 @@ __all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epo
 STEP_KEYWORDS = ("total_steps", "num_training_steps")
 
 
-def check_max_steps(max_steps: Any, epochs: Any) -> int | None:
+def check_max_steps(max_steps: object, epochs: int | None) -> int | None:
     """Check ``fit``'s ``max_steps`` and ``epochs``; returns the last-epoch bound.
 
     ``epochs=None`` is 1 without ``max_steps`` (Keras' default), and unbounded with it (the
@@ -104,7 +110,7 @@ class RunFraction:
 
 
 @contextmanager
-def fresh_run(stepper: Any, reset_time: Any) -> Iterator[None]:
+def fresh_run(stepper: fitkit.training.stepper.Stepper, reset_time: object) -> Iterator[None]:
     """``fit(reset_time=True)`` (Composer's ``reset_time``): the fit starts a fresh run, its
     time at 0. ``global_step`` restarts at 0, so ``max_steps``, the planned ``total_steps``, a
     ``save_freq`` fraction, ``validation_interval`` and ``{step}`` names count from this fit's
@@ -134,7 +140,7 @@ def fresh_run(stepper: Any, reset_time: Any) -> Iterator[None]:
         raise
 
 
-def fractional_epochs(epochs: Any) -> tuple[Any, float | None]:
+def fractional_epochs(epochs: object) -> tuple[Any, float | None]:
     """``(epochs bound, fraction)`` of ``fit``'s ``epochs``: a float with a fractional part (the
     Trainer's ``num_train_epochs=2.5``) trains up to the next whole epoch under a step budget
     (:func:`fraction_budget`); a whole float is that int; anything else passes unchanged.
@@ -260,7 +266,7 @@ def check_minimums(min_epochs: int | None, min_steps: int | None, epochs: int | 
                          + fix.format("min_steps", "raise", ""))
 
 
-def epoch_sizes(loader: Any) -> list[int] | None:
+def epoch_sizes(loader: DeviceLoader) -> list[int] | None:
     """The samples of each global batch of an epoch of ``loader`` (over all ranks), ``None`` when
     unknown: in-memory data (any world size), or on one process a DataLoader / Dataset with a
     length, a batch size and every batch kept; no ``steps_per_epoch`` nor batch limit.
@@ -291,7 +297,7 @@ def epoch_sizes(loader: Any) -> list[int] | None:
     return [min(size, n - start) for start in range(0, n, size)]
 
 
-def sample_budget(loader: Any, accumulation: Callable[[int], int], max_samples: int) -> int:
+def sample_budget(loader: DeviceLoader, accumulation: Callable[[int], int], max_samples: int) -> int:
     """The optimizer steps of ``fit(max_samples=N)``: from epoch 0, the step whose window brings
     the samples trained on (over all ranks) to ``N`` or more. A window is never cut: the budget
     ends at the end of the window in which it is reached (the last window of an epoch may be short).
@@ -345,12 +351,12 @@ class PlannedScheduler:
         """Keep a checkpoint's scheduler state until the scheduler is built."""
         self.state = state
 
-    def build(self, optimizer: Any, total: int) -> Any:
+    def build(self, optimizer: torch.optim.Optimizer, total: int) -> Any:
         """Call the factory with ``total`` optimizer steps."""
         return self.factory(optimizer, **{self.keyword: total})
 
 
-def planned_scheduler(scheduler: Any) -> PlannedScheduler | None:
+def planned_scheduler(scheduler: object) -> PlannedScheduler | None:
     """A :class:`PlannedScheduler` when ``scheduler`` is a factory (a function or a
     ``functools.partial``, not a class) with a ``total_steps`` or ``num_training_steps``
     parameter left to fill, else ``None``.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fitkit.distributed import dcp as _dcp
@@ -105,7 +106,7 @@ def _load_partial(model: Model, path: str | os.PathLike, taken: tuple[str, ...])
     return int(state["epoch"])
 
 
-def check_path(path: Any) -> None:
+def check_path(path: object) -> None:
     """``TypeError`` unless ``path`` is a str or a path (before anything is read or gathered).
 
     Example:
@@ -163,7 +164,7 @@ def trainable_names(model: Model) -> set[str]:
     return {name for name, p in model.module.named_parameters() if p.requires_grad}
 
 
-def check_trainable_only(value: Any) -> None:
+def check_trainable_only(value: object) -> None:
     """Require a bool for ``trainable_only`` (a string such as ``"no"`` would read as true).
 
     Example:
@@ -224,7 +225,8 @@ def load_weights(model: Model, path: str | os.PathLike, strict: bool = True, tra
     model.load_state_dict(state, strict=strict and not trainable_only)
 
 
-def _refuse_a_trainable_only_file(path: Any, state: Any, trainable: set[str], expected: dict[str, Any]) -> None:
+def _refuse_a_trainable_only_file(path: str | os.PathLike[str], state: Mapping[str, object], trainable: set[str],
+                                  expected: dict[str, Any]) -> None:
     """A file of the trainable parameters alone (``save_weights(..., trainable_only=True)``, e.g.
     LoRA adapters) loaded as a whole model: one line that names ``trainable_only``, instead of one
     line per frozen weight missing from the file."""

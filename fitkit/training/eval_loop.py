@@ -4,7 +4,7 @@ and ``PredictLoop`` (``predict``). Each owns its call's totals or outputs and it
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fitkit import distributed as _distributed
 from fitkit.callbacks.base import BatchLogs, CallbackList
@@ -15,14 +15,18 @@ from fitkit.training import steps as _steps
 from fitkit.training.host_outputs import HostOutputs
 from fitkit.training.preflight import wrap
 
+if TYPE_CHECKING:
+    from fitkit.data import DeviceLoader
+    from fitkit.model import Model
+
 __all__ = ["EvalLoop", "PredictLoop", "signal_held"]
 
 
-def _name(source: Any) -> str:
+def _name(source: DeviceLoader) -> str:
     return source_name(source)
 
 
-def signal_held(model: Any) -> bool:
+def signal_held(model: Model) -> bool:
     """Whether the running fit holds a SIGTERM / SIGINT (:func:`fitkit.training.signals.deferred`):
     an eval phase inside the fit (validation, a callback's ``evaluate`` / ``predict``) ends after
     its batch, so the fit stops within one batch (the loop's invariant 2). On one process only:
@@ -50,7 +54,8 @@ class EvalLoop:
         what: how errors name the source (``"evaluate"`` or ``"validation_data"``).
     """
 
-    def __init__(self, model: Any, loader: Any, callbacks: CallbackList, steps: int | None, what: str = "evaluate"):
+    def __init__(self, model: Model, loader: DeviceLoader, callbacks: CallbackList, steps: int | None,
+                 what: str = "evaluate"):
         self.model, self.loader, self.callbacks, self.steps, self.what = model, loader, callbacks, steps, what
         self.totals = model._core.phases.new_totals()
         self.batches = 0
@@ -65,7 +70,7 @@ class EvalLoop:
         finally:
             model.stop_evaluating = outer
 
-    def _run(self, model: Any, cbs: CallbackList, want: bool) -> dict[str, float]:
+    def _run(self, model: Model, cbs: CallbackList, want: bool) -> dict[str, float]:
         # an overridden step or compute_loss may make targets of its own from y (-100 where masked)
         known = known_targets(self.loader) if model.default_compute_loss and model.default_test_step else None
         with modes(model.module, training=False, grad=False), model._core.phases.running(self.totals), \
@@ -101,7 +106,7 @@ class EvalLoop:
 class PredictLoop:
     """One ``predict`` call: outputs of every batch, concatenated in input order."""
 
-    def __init__(self, model: Any, loader: Any, callbacks: CallbackList, steps: int | None):
+    def __init__(self, model: Model, loader: DeviceLoader, callbacks: CallbackList, steps: int | None):
         self.model, self.loader, self.callbacks, self.steps = model, loader, callbacks, steps
 
     def run(self) -> Any:
@@ -113,7 +118,7 @@ class PredictLoop:
         finally:
             model.stop_predicting = outer
 
-    def _run(self, model: Any, cbs: CallbackList, outputs: HostOutputs) -> Any:
+    def _run(self, model: Model, cbs: CallbackList, outputs: HostOutputs) -> Any:
         with modes(model.module, training=False, grad=False):
             cbs.on_predict_begin({})
             for step, batch in enumerate(self.loader):
@@ -135,7 +140,7 @@ class PredictLoop:
         return _distributed.gather_predictions(outputs.result(), self.loader)  # torchrun: all rows
 
 
-def _known_rows(loader: Any) -> int | None:
+def _known_rows(loader: DeviceLoader) -> int | None:
     """The rows in-memory data will yield on this process (``None`` for other sources)."""
     from fitkit.data import TensorBatches
 

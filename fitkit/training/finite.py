@@ -35,6 +35,7 @@ from fitkit.data import device_batch
 from fitkit.modes import modes
 
 if TYPE_CHECKING:
+    from fitkit.data import TensorBatches
     from fitkit.model import Model
 
 __all__ = ["scan", "check_in_memory", "check_batch_loss"]
@@ -122,11 +123,11 @@ def _scan_parts(parts: dict[str, Any], keep: int) -> dict[str, tuple[int, list[i
     return found
 
 
-def _scan_part(part: Any, keep: int) -> tuple[int, list[int]]:
+def _scan_part(part: object, keep: int) -> tuple[int, list[int]]:
     return _scan_parts({"part": part}, keep).get("part", (0, []))
 
 
-def check_in_memory(model: Model | None, source: Any, training: bool) -> None:
+def check_in_memory(model: Model | None, source: TensorBatches, training: bool) -> None:
     """Refuse non-finite in-memory values that would reach the loss or the weights (``ValueError``).
 
     Args:
@@ -168,7 +169,7 @@ def _builtin(model: Model | None) -> bool:
         and model.default_compute_loss
 
 
-def _trial(model: Model, source: Any, rows: list[int], training: bool) -> str | None:
+def _trial(model: Model, source: TensorBatches, rows: list[int], training: bool) -> str | None:
     """Run the rows holding non-finite values through the module and the loss; ``None`` if all is finite."""
     index = torch.tensor(rows, device=nest.leaves(source.x)[0].device)
     x = nest.map_structure(lambda t: t.index_select(0, index), source.x)
@@ -194,7 +195,7 @@ def _trial(model: Model, source: Any, rows: list[int], training: bool) -> str | 
     return None
 
 
-def check_batch_loss(batch: tuple[Any, Any, Any], loss: Any, label: str = "first batch") -> None:
+def check_batch_loss(batch: tuple[Any, Any, Any], loss: torch.Tensor, label: str = "first batch") -> None:
     """Refuse a batch holding NaN / inf whose loss is not finite (``ValueError``; one sync).
 
     A batch without non-finite values passes whatever its loss (a diverging model is

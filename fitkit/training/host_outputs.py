@@ -27,7 +27,7 @@ from fitkit import nest
 __all__ = ["HostOutputs", "to_host"]
 
 
-def to_host(out: Any, pinned: bool) -> Any:
+def to_host(out: object, pinned: bool) -> Any:
     """``out`` with every tensor on the CPU: pinned and non-blocking when ``pinned`` (CUDA).
 
     The values of a non-blocking copy are there once the device's stream has reached it
@@ -73,7 +73,7 @@ class HostOutputs:
         self.buffers: Any = None  # the preallocated structure, while every batch fits it
         self.parts: list[Any] = []  # host outputs of each batch, when there are no buffers
 
-    def add(self, out: Any) -> None:
+    def add(self, out: object) -> None:
         """Take one batch's output (``(B, ...)`` tensors) off the device."""
         ts = nest.leaves(out)
         n = int(ts[0].shape[0]) if ts and ts[0].dim() else 0
@@ -109,7 +109,7 @@ class HostOutputs:
         return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=self.pinned)
 
     @staticmethod
-    def _all_tensors(out: Any) -> bool:
+    def _all_tensors(out: object) -> bool:
         """A structure whose every leaf is a tensor (other leaves keep per-batch lists)."""
         if isinstance(out, torch.Tensor):
             return True

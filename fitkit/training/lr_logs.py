@@ -23,7 +23,7 @@ def lr_logs(groups: list[Any], keys: list[tuple[int, str]]) -> dict[str, float]:
     return logs
 
 
-def lr_keys(optimizer: torch.optim.Optimizer, scheduler: Any) -> list[tuple[int, str]]:
+def lr_keys(optimizer: torch.optim.Optimizer, scheduler: object) -> list[tuple[int, str]]:
     """``(group index, log key)`` of the per-group learning rates, besides ``learning_rate``.
 
     A group with a ``"name"`` is logged as ``learning_rate/<name>`` (Lightning's convention);
@@ -50,7 +50,7 @@ def lr_keys(optimizer: torch.optim.Optimizer, scheduler: Any) -> list[tuple[int,
             for i, n in enumerate(names) if n is not None or (per_group and i)]  # fmt: skip
 
 
-def groups_differ(optimizer: torch.optim.Optimizer, scheduler: Any) -> bool:
+def groups_differ(optimizer: torch.optim.Optimizer, scheduler: object) -> bool:
     """Whether the parameter groups' learning rates differ, now or by their schedule.
 
     Then every group's rate is logged (``learning_rate/pg1``, ...), decided once per fit so the

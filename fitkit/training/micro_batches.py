@@ -17,18 +17,21 @@ Only ``fit`` splits; ``train_on_batch`` runs its batch whole.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fitkit import nest
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 __all__ = ["split_rows", "train_in_micro_batches", "check_micro_batches"]
 
 Batch = tuple[Any, Any, Any]
 
 
-def _rows_of(part: Any, lo: int, hi: int, n: int) -> Any:
+def _rows_of(part: object, lo: int, hi: int, n: int) -> Any:
     """Rows ``lo:hi`` of every tensor of ``part`` with ``n`` rows (others, such as a scalar, as they are)."""
     if part is None:
         return None
@@ -51,13 +54,13 @@ def split_rows(batch: Batch, size: int) -> list[Batch]:
             for lo in range(0, n, size)]  # fmt: skip
 
 
-def _nonzero(total: Any) -> Any:
+def _nonzero(total: torch.Tensor | float) -> Any:
     if isinstance(total, torch.Tensor):
         return torch.where(total == 0, torch.ones_like(total), total)
     return total or 1
 
 
-def train_in_micro_batches(model: Any, batch: Batch, size: int) -> None:
+def train_in_micro_batches(model: Model, batch: Batch, size: int) -> None:
     """``model.train_step`` on each chunk of ``batch``, weighted by its share of the batch.
 
     The running window's place (its share of an accumulation window, whether it closes it) is
@@ -86,7 +89,7 @@ def train_in_micro_batches(model: Any, batch: Batch, size: int) -> None:
         window.place(base, last)
 
 
-def check_micro_batches(model: Any) -> None:
+def check_micro_batches(model: Model) -> None:
     """Before step 1: ``micro_batch_size`` with a module's own loss that takes ``num_items_in_batch``
     is refused (its divisor is the batch's label tokens, which a chunk does not know).
 

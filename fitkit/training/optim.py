@@ -67,7 +67,7 @@ def _params(module: nn.Module, device: torch.device) -> list[torch.Tensor]:
     return list(module.parameters()) or [nn.Parameter(torch.zeros(0, device=device))]
 
 
-def resolve_optimizer(optimizer: Any, module: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+def resolve_optimizer(optimizer: object, module: nn.Module, device: torch.device) -> torch.optim.Optimizer:
     """Build the optimizer of ``compile`` from a name, an instance or a factory.
 
     Args:
@@ -128,7 +128,7 @@ def resolve_optimizer(optimizer: Any, module: nn.Module, device: torch.device) -
     return opt
 
 
-def resolve_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, interval: str):
+def resolve_scheduler(scheduler: object, optimizer: torch.optim.Optimizer, interval: str):
     """Build the LR scheduler of ``compile`` from an instance or a factory.
 
     Args:
@@ -193,7 +193,7 @@ def current_lr(optimizer: torch.optim.Optimizer) -> float | torch.Tensor:
 
 
 
-def check_plateau_mode(scheduler: Any) -> None:
+def check_plateau_mode(scheduler: object) -> None:
     """A plateau scheduler of ``compile`` must watch the way fitkit's loss goes: ``mode="min"``.
 
     fitkit steps torch's ``ReduceLROnPlateau`` (and timm's ``PlateauLRScheduler``, which wraps

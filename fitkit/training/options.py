@@ -9,7 +9,6 @@ excluded partners. ``Model``'s methods run them before their bodies; a fit plan 
 from __future__ import annotations
 
 import datetime
-from typing import Any
 
 from fitkit.checks.declared import Option, declare
 
@@ -20,7 +19,7 @@ _NAN = float("nan")
 _WHOLE = ("steps count whole batches (as in Keras); for a fraction of the data pass "
           "limit_train_batches= / limit_val_batches= a float, or epochs= a float.")
 
-def _check_max_time(value: Any) -> None:
+def _check_max_time(value: object) -> None:
     """``fit(max_time=)`` is a :class:`~fitkit.callbacks.Timer`'s ``duration``, named as ``max_time``."""
     from fitkit.callbacks.timer import parse_duration
 
@@ -32,7 +31,7 @@ def _check_max_time(value: Any) -> None:
         raise type(e)(str(e).replace("`duration`", "`max_time`").replace("duration=", "max_time=")) from None
 
 
-def _check_validation_data(value: Any) -> None:
+def _check_validation_data(value: object) -> None:
     """A str or a number is no validation set (the loaders would name it ``x``)."""
     if isinstance(value, (str, bytes, int, float)):
         raise TypeError(

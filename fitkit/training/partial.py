@@ -36,7 +36,7 @@ PART_NAMES = ("module", "optimizer", "global_step", "scheduler", "position", "ca
 _REGISTRY = {"global_step": ("stepper",), "position": ("position", "rng")}  # a name -> the registry's parts
 
 
-def taken_parts(weights_only: Any, ignore_keys: Any) -> tuple[str, ...]:
+def taken_parts(weights_only: object, ignore_keys: object) -> tuple[str, ...]:
     """The parts of a checkpoint to load, checked before anything is read.
 
     Raises:

@@ -64,12 +64,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def _rates(v: Any) -> bool:
+def _rates(v: object) -> bool:
     """A list of learning rates, one per parameter group (a checkpoint's ``lrs_used``)."""
     return isinstance(v, list) and all(isinstance(lr, float) for lr in v)
 
 
-def _tuples(obj: Any) -> Any:
+def _tuples(obj: object) -> Any:
     # random.setstate wants tuples; a round trip may hand back lists.
     if isinstance(obj, (list, tuple)):
         return tuple(_tuples(o) for o in obj)

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, RandomSampler
 
 from fitkit import data as _data
 from fitkit import distributed as _distributed
-from fitkit.callbacks.base import Callback, CallbackList
+from fitkit.callbacks.base import Callback, CallbackList, History
 from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.callbacks.swap_ema import with_compiled_ema
 from fitkit.callbacks.swapping import check_weight_swaps
@@ -36,10 +36,15 @@ from fitkit.training.resume import check_resume_mode
 from fitkit.training.step_validation import ValidationInterval, ValidationSchedule
 from fitkit.training.validation_sets import ValidationSets, named_sets, prefixed_keys
 
+if TYPE_CHECKING:
+    from fitkit.data import DeviceLoader
+    from fitkit.model import Model
+    from fitkit.training.stepper import Stepper
+
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
 
 
-def call_args(batch_size: int | None, steps: int | None, verbose: Any, callbacks: Any,
+def call_args(batch_size: int | None, steps: int | None, verbose: object, callbacks: object,
               steps_name: str = "steps") -> tuple[int, int, list[Callback]]:  # fmt: skip
     """The arguments ``fit``, ``evaluate`` and ``predict`` share, checked.
 
@@ -113,7 +118,7 @@ class FitPlan:
     resume: str | None
 
 
-def plan_fit(model: Any, x: Any, y: Any, options: Mapping[str, Any]) -> FitPlan:
+def plan_fit(model: Model, x: object, y: object, options: Mapping[str, Any]) -> FitPlan:
     """Read, check and resolve every argument of ``fit`` (``options``: its keywords by name), build
     its loaders and check its data; nothing changes before this returns.
 
@@ -171,7 +176,7 @@ def _check_stop_options(o: dict[str, Any]) -> None:
         )
 
 
-def _with_time_budget(max_time: Any, callbacks: Any) -> Any:
+def _with_time_budget(max_time: object, callbacks: Iterable[Callback] | None) -> Any:
     """``callbacks`` with a :class:`~fitkit.callbacks.Timer` for ``fit(max_time=...)``."""
     if max_time is None:
         return callbacks
@@ -197,7 +202,7 @@ def _apply_quick(o: dict[str, Any], quick: QuickRun) -> None:
         o["callbacks"] = [cb for cb in o["callbacks"] if not cb.skip_in_fast_dev_run]
 
 
-def _check_scalars(o: dict[str, Any], x: Any) -> None:
+def _check_scalars(o: dict[str, Any], x: object) -> None:
     check_int("initial_epoch", o["initial_epoch"], 0)
     check_int("validation_steps", o["validation_steps"], 1, allow_none=True, fix=_WHOLE_BATCHES)
     check_int("validation_batch_size", o["validation_batch_size"], 1, allow_none=True)
@@ -210,14 +215,14 @@ def _check_scalars(o: dict[str, Any], x: Any) -> None:
         )
 
 
-def _check_callbacks(model: Any, callbacks: list[Callback], validates: bool) -> None:
+def _check_callbacks(model: Model, callbacks: list[Callback], validates: bool) -> None:
     check_schedules(model, callbacks)
     check_micro_batches(model)
     check_weight_swaps(model, callbacks, validates=validates)  # one averaged copy validated on, one swapped in
     check_process_resources(callbacks)
 
 
-def _loaders(model: Any, x: Any, y: Any, o: dict[str, Any]) -> tuple[Any, Any, Any]:
+def _loaders(model: Model, x: object, y: object, o: dict[str, Any]) -> tuple[Any, Any, Any]:
     """``(train, val, example)``: the loaders of the training and validation data, their data
     checked before step 1 (the last first batch checked is ``summary``'s example)."""
     if x is None:
@@ -244,7 +249,8 @@ def _loaders(model: Any, x: Any, y: Any, o: dict[str, Any]) -> tuple[Any, Any, A
     return train, val, example
 
 
-def _planned(model: Any, o: dict[str, Any], x: Any, train: Any, val: Any, example: Any,
+def _planned(model: Model, o: dict[str, Any], x: object, train: DeviceLoader,
+             val: DeviceLoader | ValidationSets | None, example: object,
              schedule: ValidationSchedule, interval: ValidationInterval | None, fraction: float | None,
              quick: QuickRun) -> FitPlan:  # fmt: skip
     """The budgets and the callbacks' params of a checked fit: the :class:`FitPlan`."""
@@ -288,7 +294,7 @@ def _planned(model: Any, o: dict[str, Any], x: Any, train: Any, val: Any, exampl
     )  # fmt: skip
 
 
-def _check_batches_itself(source: Any, size: int | None, name: str, size_name: str) -> None:
+def _check_batches_itself(source: object, size: int | None, name: str, size_name: str) -> None:
     """``ValueError`` when a batch size is passed that a DataLoader would ignore (another size than its own).
 
     An iterable of batches other than a DataLoader has no size to compare with: the size passed is
@@ -303,7 +309,7 @@ def _check_batches_itself(source: Any, size: int | None, name: str, size_name: s
     )
 
 
-def _check_shuffle(shuffle: Any, x: Any) -> None:
+def _check_shuffle(shuffle: object, x: object) -> None:
     """``shuffle``: a bool, or ``"batch"`` (Keras: chunks of ``batch_size`` rows) for in-memory ``x``."""
     if shuffle == "batch" and isinstance(shuffle, str):
         if not _data.is_in_memory(x):
@@ -320,7 +326,7 @@ def _check_shuffle(shuffle: Any, x: Any) -> None:
         )
 
 
-def _warn_shuffle_not_applied(x: Any, shuffle: Any) -> None:
+def _warn_shuffle_not_applied(x: object, shuffle: object) -> None:
     """A ``FitkitWarning`` for ``shuffle=False`` beside a DataLoader that shuffles: its sampler decides."""
     if shuffle is not False or not isinstance(x, DataLoader):
         return
@@ -334,7 +340,7 @@ def _warn_shuffle_not_applied(x: Any, shuffle: Any) -> None:
         )
 
 
-def _check_interval(value: Any, validation_freq: Any, validation_data: Any, validation_split: float) -> Any:
+def _check_interval(value: object, validation_freq: object, validation_data: object, validation_split: float) -> Any:
     """``fit``'s ``validation_interval`` checked (a :class:`ValidationInterval`, or ``None``)."""
     if value is None:
         return None
@@ -352,14 +358,14 @@ def _check_interval(value: Any, validation_freq: Any, validation_data: Any, vali
     return interval
 
 
-def _accumulation(stepper: Any, fit_accumulation: Any) -> Any:
+def _accumulation(stepper: Stepper, fit_accumulation: Callable[[int], int] | None) -> Any:
     """``epoch -> gradient_accumulation_steps`` of this fit."""
     k = stepper.accumulation
     return fit_accumulation or stepper.accumulation_schedule or (lambda epoch: k)
 
 
-def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | None,
-                accumulation: Any) -> tuple[int | None, int | None]:  # fmt: skip
+def _plan_steps(model: Model, train: DeviceLoader, epochs: int | None, max_steps: int | None,
+                accumulation: Callable[[int], int]) -> tuple[int | None, int | None]:  # fmt: skip
     """``(total_steps, epochs shown to callbacks)``; ``ValueError`` when a scheduler factory
     asks for the step count and it cannot be known."""
     stepper = model._core.stepper
@@ -376,7 +382,7 @@ def _plan_steps(model: Any, train: Any, epochs: int | None, max_steps: int | Non
     return total, shown
 
 
-def _callback_schedule(stepper: Any, callbacks: list[Callback]) -> Any:
+def _callback_schedule(stepper: Stepper, callbacks: list[Callback]) -> Any:
     """A GradientAccumulationScheduler's schedule for this fit (``None``: none in the list)."""
     by_callback = [cb for cb in callbacks if cb.accumulation_for(stepper.accumulation) is not None]
     if by_callback and (len(by_callback) > 1 or stepper.accumulation_schedule is not None):
@@ -387,7 +393,7 @@ def _callback_schedule(stepper: Any, callbacks: list[Callback]) -> Any:
     return by_callback[0].accumulation_for(stepper.accumulation) if by_callback else None
 
 
-def _warn_nothing_to_train(model: Any, initial_epoch: int, epochs: int | None) -> None:
+def _warn_nothing_to_train(model: Model, initial_epoch: int, epochs: int | None) -> None:
     if epochs is not None and initial_epoch >= epochs:
         warnings.warn(
             f"initial_epoch={initial_epoch} >= epochs={epochs}: nothing will train (`epochs` is the index "
@@ -402,7 +408,7 @@ def _warn_nothing_to_train(model: Any, initial_epoch: int, epochs: int | None) -
         )
 
 
-def check_schedules(model: Any, callbacks: list[Callback]) -> None:
+def check_schedules(model: Model, callbacks: list[Callback]) -> None:
     """``ValueError`` when a compiled scheduler and an LR callback would both set the LR."""
     from fitkit.callbacks.lr import LearningRateScheduler, ReduceLROnPlateau
 
@@ -416,7 +422,7 @@ def check_schedules(model: Any, callbacks: list[Callback]) -> None:
         )
 
 
-def check_data(model: Any, loader: _data.DeviceLoader, name: str, training: bool, validation: bool = False) -> Any:
+def check_data(model: Model, loader: _data.DeviceLoader, name: str, training: bool, validation: bool = False) -> Any:
     """The data checks before step 1 (:mod:`fitkit.training.preflight`); returns the first batch's ``x``
     when one was run (``summary``'s example), else ``None``."""
     src = loader.batches
@@ -436,7 +442,7 @@ def check_data(model: Any, loader: _data.DeviceLoader, name: str, training: bool
     return in_memory_check(model, src, training=training and type(src) is _data.TensorBatches)
 
 
-def _check_first_validation_batch(model: Any, loader: _data.DeviceLoader) -> Any:
+def _check_first_validation_batch(model: Model, loader: _data.DeviceLoader) -> Any:
     """A re-iterable validation source (a DataLoader, a list) gets its first batch checked
     before step 1, as training data does; the RNGs, the loader's own generators and the
     module's buffers are put back, so shuffling and training are unchanged."""
@@ -457,11 +463,11 @@ def _check_first_validation_batch(model: Any, loader: _data.DeviceLoader) -> Any
         return first_batch_check(model, batch, label="first validation batch", training=False)
 
 
-def validation_loaders(model: Any, data: Any, batch_size: int | None, argument: str = "validation_data") -> Any:
+def validation_loaders(model: Model, data: object, batch_size: int | None, argument: str = "validation_data") -> Any:
     """The loader of one validation source, or :class:`ValidationSets` of a dict of named sets."""
     sets = named_sets(data, argument)
 
-    def build(source: Any) -> Any:
+    def build(source: object) -> Any:
         return _distributed.sharded(_data.validation_loader, source, batch_size=batch_size, device=model.device)
 
     if sets is None:
@@ -470,7 +476,7 @@ def validation_loaders(model: Any, data: Any, batch_size: int | None, argument: 
     return ValidationSets({name: build(source) for name, source in sets.items()})
 
 
-def _named(val: Any, argument: str) -> list[tuple[str, Any]]:
+def _named(val: DeviceLoader | ValidationSets | None, argument: str) -> list[tuple[str, Any]]:
     """``(how errors name it, loader)`` of each validation set (none for ``None``)."""
     if val is None:
         return []
@@ -479,7 +485,7 @@ def _named(val: Any, argument: str) -> list[tuple[str, Any]]:
     return [(argument, val)]
 
 
-def planned_keys(model: Any, validates: bool, val: Any = None) -> list[str]:
+def planned_keys(model: Model, validates: bool, val: DeviceLoader | ValidationSets | None = None) -> list[str]:
     """Epoch-log keys fit will write, in order (``params["metrics"]``, as Keras has it)."""
     keys = ["loss", *model.metrics.keys]
     per_group = lr_keys(model.optimizer, model.scheduler) if model.optimizer is not None else []
@@ -489,8 +495,8 @@ def planned_keys(model: Any, validates: bool, val: Any = None) -> list[str]:
     return keys + lr_names + val_keys
 
 
-def callback_list(model: Any, callbacks: list[Callback], verbose: int, epochs: int | None, steps: int | None,
-                  history: Any = None, **params: Any) -> CallbackList:  # fmt: skip
+def callback_list(model: Model, callbacks: list[Callback], verbose: int, epochs: int | None, steps: int | None,
+                  history: History | None = None, **params: object) -> CallbackList:  # fmt: skip
     """The call's :class:`CallbackList`: the user's callbacks, then ``history`` and the bar."""
     verbose = verbose if _distributed.is_rank_zero() else 0  # torchrun: rank 0 prints
     cbs = list(callbacks)
@@ -502,7 +508,7 @@ def callback_list(model: Any, callbacks: list[Callback], verbose: int, epochs: i
     return CallbackList(cbs, model, all_params)
 
 
-def check_process_resources(callbacks: Any) -> None:
+def check_process_resources(callbacks: Sequence[Callback]) -> None:
     """Refuse two callbacks that hold the same process-wide resource (``Callback.process_resource``).
 
     Raises:

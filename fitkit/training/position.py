@@ -20,9 +20,12 @@ taken with.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fitkit.data import DeviceLoader
 
 __all__ = ["Position"]
 
@@ -55,7 +58,7 @@ class Position:
 
     def __init__(self, epoch: int = 0, batches: int = 0, samples: int = 0, pass_offset: int = 0,
                  batch_size: int | None = None, world: int = 1, n_used: int | None = None,
-                 epoch_rng: Any = None, pass_start: dict[str, Any] | None = None):  # fmt: skip
+                 epoch_rng: torch.Tensor | None = None, pass_start: dict[str, Any] | None = None):  # fmt: skip
         self.epoch = epoch
         self.batches = batches
         self._samples = samples
@@ -115,7 +118,7 @@ class Position:
         return done if self.n_used is None else min(done, self.n_used)
 
     # -- resume --------------------------------------------------------------------------------
-    def skip_for(self, loader: Any) -> tuple[int, int | None]:
+    def skip_for(self, loader: DeviceLoader) -> tuple[int, int | None]:
         """``(batches, samples)`` to skip in this position's epoch of ``loader``.
 
         Sources whose epoch order fitkit knows as one list of samples (in-memory data, a
@@ -194,7 +197,7 @@ class Position:
             batch_size=state.get("batch_size"), epoch_rng=state.get("epoch_rng"), pass_start=state.get("pass_start"),
         )._saved_on(state.get("world_size"))  # fmt: skip
 
-    def _saved_on(self, world: Any) -> Position:
+    def _saved_on(self, world: int | None) -> Position:
         self.saved_world = None if world is None else int(world)  # None: a file of an older fitkit
         return self
 
@@ -205,7 +208,7 @@ def _processes() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _by_sample(loader: Any, user: bool) -> bool:
+def _by_sample(loader: DeviceLoader, user: bool) -> bool:
     """Whether ``loader``'s source resumes by sample (see :meth:`Position.skip_for`)."""
     from fitkit.data import TensorBatches
     from fitkit.data.resume_order import splittable

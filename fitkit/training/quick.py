@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fitkit.callbacks.base import CallbackList
 from fitkit.data.loaders import source_name
@@ -20,14 +20,18 @@ from fitkit.training.eval_loop import EvalLoop
 from fitkit.training.preflight import leaves_no_trace
 from fitkit.training.validation_sets import ValidationSets
 
+if TYPE_CHECKING:
+    from fitkit.data import DeviceLoader
+    from fitkit.model import Model
+
 __all__ = ["QuickRun", "check_quick", "sanity_check", "batches_of"]
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_count(name: str, value: Any, allow_zero: bool = True) -> None:
+def _check_count(name: str, value: int | float | None, allow_zero: bool = True) -> None:
     """An int ``>= 0`` (a batch count) or a float in ``[0, 1]`` (a fraction of an epoch)."""
     if value is None:
         return
@@ -107,7 +111,7 @@ class QuickRun:
             return {"shuffle": False}
         return {}
 
-    def limit(self, train: Any, val: Any) -> Any:
+    def limit(self, train: DeviceLoader, val: DeviceLoader | ValidationSets | None) -> Any:
         """Cap the loaders (:attr:`~fitkit.data.DeviceLoader.limit`); returns the validation
         loader, ``None`` when ``limit_val_batches=0`` turns validation off."""
         n = self.fast_dev_run or self.overfit_batches or None
@@ -120,15 +124,16 @@ class QuickRun:
         if val_limit == 0:
             return None  # Lightning's limit_val_batches=0: no validation
 
-        def cap(loader: Any) -> Any:
+        def cap(loader: DeviceLoader) -> Any:
             loader.limit_to(batches_of(name or "limit_val_batches", val_limit, loader.num_batches))
             return loader
 
         return val.map(cap) if isinstance(val, ValidationSets) else cap(val)  # each named set capped alike
 
 
-def check_quick(fast_dev_run: Any = False, overfit_batches: Any = 0, limit_train_batches: Any = None,
-                limit_val_batches: Any = None, num_sanity_val_steps: Any = 0, *, x: Any = None,
+def check_quick(fast_dev_run: bool | int = False, overfit_batches: int | float = 0,
+                limit_train_batches: int | float | None = None, limit_val_batches: int | float | None = None,
+                num_sanity_val_steps: int = 0, *, x: object = None,
                 steps_per_epoch: int | None = None, validation_steps: int | None = None) -> QuickRun:  # fmt: skip
     """Check ``fit``'s quick-run arguments before anything runs.
 
@@ -199,7 +204,7 @@ def check_quick(fast_dev_run: Any = False, overfit_batches: Any = 0, limit_train
     return QuickRun(n, overfit, limit_train_batches, limit_val_batches, 0 if n else num_sanity_val_steps)
 
 
-def _check_repeatable(x: Any, overfit: int | float) -> None:
+def _check_repeatable(x: object, overfit: int | float) -> None:
     """``overfit_batches`` needs the same first batches every epoch."""
     from torch.utils.data import DataLoader, RandomSampler
 
@@ -215,7 +220,7 @@ def _check_repeatable(x: Any, overfit: int | float) -> None:
         )
 
 
-def sanity_check(model: Any, val: Any, steps: int) -> None:
+def sanity_check(model: Model, val: DeviceLoader | ValidationSets | None, steps: int) -> None:
     """Run ``steps`` validation batches (-1: all) of every set before training, as Lightning's
     sanity check; an error in validation (the forward, ``test_step``, a metric) is raised here,
     before step 1.
@@ -249,7 +254,7 @@ def sanity_check(model: Any, val: Any, steps: int) -> None:
             EvalLoop(model, loader, CallbackList([], model, {}), n, what=what).run()
 
 
-def _sanity_batches(what: str, loader: Any, steps: int) -> int | None:
+def _sanity_batches(what: str, loader: DeviceLoader, steps: int) -> int | None:
     """The batches the sanity check runs of ``loader`` (``None``: all of a re-iterable source)."""
     n = loader.num_batches  # a source with len() stops there (an iterator that cycles too)
     if steps > 0:

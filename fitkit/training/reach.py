@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from fitkit.checks import FitkitWarning
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
+    from fitkit.training.step_validation import ValidationInterval
 
 __all__ = ["fit_steps", "warn_unreachable"]
 
@@ -47,7 +51,8 @@ def fit_steps(global_step: int, batches: int | None, accumulation: Callable[[int
     return left if by_epochs is None else min(left, by_epochs)
 
 
-def warn_unreachable(model: Any, *, max_steps: int | None, interval: Any, validation_interval: Any,
+def warn_unreachable(model: Model, *, max_steps: int | None, interval: ValidationInterval | None,
+                     validation_interval: object,
                      steps: int | None, initial_epoch: int, epochs: int | None,
                      callbacks: list[Any]) -> None:  # fmt: skip
     """A ``FitkitWarning`` for each budget already spent and each interval longer than the fit."""

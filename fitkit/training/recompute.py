@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 __all__ = ["checkpoint_activations", "checkpointed_units", "check_recompute"]
 
 
-def check_recompute(spec: Any, strategy: Any) -> None:
+def check_recompute(spec: object, strategy: object) -> None:
     """``Model``'s ``activation_checkpointing`` checked against its strategy.
 
     Raises:
@@ -43,7 +43,7 @@ def check_recompute(spec: Any, strategy: Any) -> None:
         )
 
 
-def checkpointed_units(module: nn.Module, spec: Any) -> list[nn.Module]:
+def checkpointed_units(module: nn.Module, spec: object) -> list[nn.Module]:
     """The outermost submodules ``spec`` picks (one inside another is checkpointed with it).
 
     Raises:
@@ -84,7 +84,7 @@ def checkpointed_units(module: nn.Module, spec: Any) -> list[nn.Module]:
     return outer
 
 
-def checkpoint_activations(module: nn.Module, spec: Any) -> list[nn.Module]:
+def checkpoint_activations(module: nn.Module, spec: object) -> list[nn.Module]:
     """Make the units ``spec`` picks recompute their activations in the backward.
 
     Returns:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from fitkit.callbacks.base import CallbackList
     from fitkit.data import DeviceLoader
     from fitkit.training.position import Position
+    from fitkit.training.scheduling import SchedulerDriver
     from fitkit.training.tracking import RunningTotals
 
 __all__ = ["Resume", "RESUME_MODES", "check_resume_mode", "data_identity"]
@@ -35,7 +36,7 @@ __all__ = ["Resume", "RESUME_MODES", "check_resume_mode", "data_identity"]
 RESUME_MODES = (None, "restart_epoch")
 
 
-def check_resume_mode(value: Any) -> None:
+def check_resume_mode(value: object) -> None:
     """``fit(resume=...)`` checked.
 
     Example:
@@ -51,7 +52,7 @@ def check_resume_mode(value: Any) -> None:
         )
 
 
-def data_identity(loader: Any) -> dict[str, Any]:
+def data_identity(loader: DeviceLoader | None) -> dict[str, Any]:
     """What a checkpoint records of the training set, so that its position keeps its meaning:
     ``train_length`` (samples, over all ranks) where the source has a length, and
     ``train_fingerprint`` for a Hugging Face ``datasets.Dataset`` (its own ``_fingerprint``). Cheap:
@@ -96,7 +97,7 @@ class Resume:
         (None, (0, None))
     """
 
-    def __init__(self, train: DeviceLoader | None, position: Position | None, scheduling: Any = None,
+    def __init__(self, train: DeviceLoader | None, position: Position | None, scheduling: SchedulerDriver | None = None,
                  mode: str | None = None):  # fmt: skip
         self.train, self.position, self.scheduling, self.mode = train, position, scheduling, mode
         self.pending: ResumePoint | None = None  # taken, not yet applied to an epoch
@@ -193,6 +194,6 @@ class Resume:
         return (it if first is None else _chain(first, it)), done
 
 
-def _chain(first: Any, it: Iterator[Any]) -> Iterator[Any]:
+def _chain(first: object, it: Iterator[Any]) -> Iterator[Any]:
     yield first
     yield from it

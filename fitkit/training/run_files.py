@@ -20,7 +20,10 @@ from __future__ import annotations
 import glob
 import os
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fitkit.model import Model
 
 from fitkit.callbacks.backup import BackupAndRestore
 from fitkit.callbacks.checkpointing import ModelCheckpoint
@@ -31,14 +34,14 @@ __all__ = ["remember", "save_path", "load_path", "adopt"]
 _RUN: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
-def remember(model: Any, callbacks: list[Any]) -> None:
+def remember(model: Model, callbacks: list[Any]) -> None:
     """The fit's ``ModelCheckpoint`` and ``BackupAndRestore`` callbacks, kept for path-less calls."""
     writers = [cb for cb in callbacks if isinstance(cb, (ModelCheckpoint, BackupAndRestore))]
     if writers:
         _RUN[model] = writers
 
 
-def _checkpoint_callback(model: Any, verb: str) -> Any:
+def _checkpoint_callback(model: Model, verb: str) -> Any:
     found = [cb for cb in _RUN.get(model, []) if isinstance(cb, ModelCheckpoint)]
     if not found:
         raise RuntimeError(
@@ -48,7 +51,7 @@ def _checkpoint_callback(model: Any, verb: str) -> Any:
     return found[-1]
 
 
-def save_path(model: Any) -> str:
+def save_path(model: Model) -> str:
     """Where ``save_checkpoint()`` writes: the run's ``last.pt``.
 
     Raises:
@@ -60,7 +63,7 @@ def save_path(model: Any) -> str:
     return os.path.join(os.path.dirname(cb.filepath), "last.pt")
 
 
-def load_path(model: Any) -> str:
+def load_path(model: Model) -> str:
     """The newest full checkpoint of the run's folder (see the module's docstring).
 
     Raises:
@@ -81,7 +84,7 @@ def load_path(model: Any) -> str:
     return max(existing, key=lambda p: os.stat(p).st_mtime_ns)
 
 
-def adopt(model: Any, path: Any) -> None:
+def adopt(model: Model, path: str | os.PathLike[str]) -> None:
     """An explicit ``save_checkpoint(path)`` into a ``keep_last`` callback's pattern joins its rotation."""
     for cb in _RUN.get(model, []):
         if isinstance(cb, ModelCheckpoint) and cb.keep_last is not None and cb.owns(path):

@@ -26,7 +26,7 @@ from fitkit.training.budget import PlannedScheduler
 __all__ = ["SchedulerDriver", "is_timm_scheduler", "plateau_of"]
 
 
-def is_timm_scheduler(scheduler: Any) -> bool:
+def is_timm_scheduler(scheduler: object) -> bool:
     """Whether ``scheduler`` follows timm's protocol (``step(epoch, metric)``, ``step_update``).
 
     A class is not a scheduler but a factory (``scheduler=CosineLRScheduler`` would be called on
@@ -46,7 +46,7 @@ def is_timm_scheduler(scheduler: Any) -> bool:
     )
 
 
-def plateau_of(scheduler: Any) -> ReduceLROnPlateau | None:
+def plateau_of(scheduler: object) -> ReduceLROnPlateau | None:
     """torch's ``ReduceLROnPlateau`` that decides ``scheduler``'s LR from a metric: the scheduler
     itself, or the one a timm scheduler wraps (timm's ``PlateauLRScheduler.lr_scheduler``).
 
@@ -86,7 +86,7 @@ class SchedulerDriver:
         ([0.5], 0.25)
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, interval: str):
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: object, interval: str):
         self.optimizer, self.interval = optimizer, interval
         # a factory built at the first fit with the planned step count (see build_planned)
         self.planned = scheduler if isinstance(scheduler, PlannedScheduler) else None
@@ -97,7 +97,7 @@ class SchedulerDriver:
         self.lrs_used: list[Any] | None = None  # the LRs of the last step, before a scheduler moved them
         self.set_scheduler(None if self.planned is not None else scheduler)
 
-    def set_scheduler(self, scheduler: Any) -> None:
+    def set_scheduler(self, scheduler: object) -> None:
         """Replace the scheduler (``None``: the LR moves only by callbacks)."""
         self.scheduler, self.timm = scheduler, is_timm_scheduler(scheduler)
         self.per_step = scheduler is not None and (self.timm or self.interval == "step")
@@ -129,7 +129,7 @@ class SchedulerDriver:
             self.planned = PlannedScheduler(self.factory.factory, self.factory.keyword)
         return before
 
-    def disarm(self, before: Any) -> None:
+    def disarm(self, before: PlannedScheduler | None) -> None:
         """Undo :meth:`rearm` (a fit that failed before step 1)."""
         self.planned = before
 

@@ -26,7 +26,8 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 from fitkit.distributed.agreement import SignalAgreement
@@ -58,7 +59,7 @@ class Interrupt:
 
 
 @contextlib.contextmanager
-def deferred(enabled: bool = True, clock: Any = time.monotonic) -> Iterator[Interrupt]:
+def deferred(enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> Iterator[Interrupt]:
     """Hold SIGTERM / SIGINT in an :class:`Interrupt` while the body runs (main thread only).
 
     A second signal acts at once (the previous handler, or the exit it stands for), but for a
@@ -75,7 +76,7 @@ def deferred(enabled: bool = True, clock: Any = time.monotonic) -> Iterator[Inte
         return
     previous: dict[Any, Any] = {}
 
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         now = clock()
         if state.signum == signal.SIGTERM == signum and state.at is not None and now - state.at < REPEAT_GRACE:
             return  # the same request again (signalled directly and forwarded by torchrun)

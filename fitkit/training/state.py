@@ -37,6 +37,7 @@ Restoring is all or nothing, with one defined moment per part:
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -111,7 +112,7 @@ class RunState:
             state.update(part.state_dict())
         return state
 
-    def problems(self, state: Any) -> list[str]:
+    def problems(self, state: Mapping[str, object]) -> list[str]:
         """Every value in ``state`` that fitkit does not write, over all parts (nothing changes)."""
         if not isinstance(state, Mapping):
             return [f"checkpoint is a {type(state).__name__}, expected a dict"]
@@ -121,7 +122,8 @@ class RunState:
         """What in a well-formed state does not fit this model, over all parts."""
         return [d for part in self.parts for d in part.differences(state)]
 
-    def check(self, state: Any, path: Any, problems: Sequence[str] = (), differences: Sequence[str] = ()) -> None:
+    def check(self, state: Mapping[str, object], path: str | os.PathLike[str], problems: Sequence[str] = (),
+              differences: Sequence[str] = ()) -> None:
         """Raise before any part changes: :class:`~fitkit.files.CheckpointError` for content
         fitkit does not write, ``ValueError`` for a state that does not fit this model
         (``problems`` / ``differences``: found elsewhere, e.g. in a sharded checkpoint's index)."""
@@ -203,7 +205,7 @@ def raise_problems(what: str, problems: list[str], error: type[Exception],
         )
 
 
-def raise_differences(path: Any, differences: Sequence[str]) -> None:
+def raise_differences(path: str | os.PathLike[str], differences: Sequence[str]) -> None:
     """One ``ValueError`` listing what in a checkpoint does not fit the model (nothing loaded)."""
     if differences:
         lines = "\n".join(f"  - {d}" for d in differences)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fitkit.callbacks.logkeys import per_validation
 from fitkit.checks import check_int, check_number
@@ -41,6 +41,12 @@ from fitkit.training import checkpoint as _checkpoint
 from fitkit.training.budget import RunFraction
 from fitkit.training.eval_loop import signal_held
 from fitkit.training.validation_sets import run_validation
+
+if TYPE_CHECKING:
+    from fitkit.callbacks.base import Callback, CallbackList, History
+    from fitkit.data import DeviceLoader
+    from fitkit.model import Model
+    from fitkit.training.validation_sets import ValidationSets
 
 __all__ = ["ValidationSchedule", "ValidationInterval", "StepValidation", "record_validation", "per_validation"]
 
@@ -60,7 +66,7 @@ class ValidationSchedule:
         ([1, 3, 5], [0, 4])
     """
 
-    def __init__(self, validation_freq: Any):
+    def __init__(self, validation_freq: int | list[int] | tuple[int, ...] | set[int]):
         self.every: int | None = None
         self.listed: set[int] = set()
         if isinstance(validation_freq, (list, tuple, set)):
@@ -104,7 +110,7 @@ class ValidationInterval:
     #: Seconds (``time.monotonic``) for a timedelta interval; a test may set a fake clock.
     clock = staticmethod(time.monotonic)
 
-    def __init__(self, value: Any):
+    def __init__(self, value: object):
         fix = ("pass an int (every N optimizer steps), a float in (0, 1] (a fraction of the epoch), e.g. 0.25, "
                "or a datetime.timedelta (training time).")  # fmt: skip
         self.seconds: float | None = None
@@ -171,7 +177,7 @@ class ValidationInterval:
         return counted > 0 and counted % self.steps_between == 0
 
 
-def record_validation(history: Any, callbacks: Any, step: int, epoch: int,
+def record_validation(history: History, callbacks: CallbackList, step: int, epoch: int,
                       val_logs: dict[str, float]) -> dict[str, Any]:  # fmt: skip
     """Record a validation at ``global_step`` ``step`` in ``history.validations`` and fire
     ``on_validation_end`` with the record; returns the ``val_`` logs."""
@@ -194,9 +200,11 @@ class StepValidation:
         interval: the :class:`ValidationInterval`.
     """
 
-    def __init__(self, model: Any, validation: Any, callbacks: Any, history: Any, steps: int | None,
+    def __init__(self, model: Model, validation: DeviceLoader | ValidationSets, callbacks: CallbackList,
+                 history: Callback, steps: int | None,
                  interval: ValidationInterval):  # fmt: skip
-        self.model, self.val, self.callbacks, self.history, self.steps = model, validation, callbacks, history, steps
+        self.model, self.val, self.callbacks, self.steps = model, validation, callbacks, steps
+        self.history = cast("History", history)  # the fit's History, found in the callback list by the loop
         self.interval = interval
         self.last_step = -1  # the global_step of the last validation (a vetoed step does not move it)
         self._since = interval.clock()  # a timedelta interval counts from here, and from each validation

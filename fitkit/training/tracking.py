@@ -80,7 +80,7 @@ class RunningTotals:
         return self.loss_count + w
 
     def update(
-        self, loss: torch.Tensor | None, y_pred: Any, y: Any, sample_weight: torch.Tensor | None = None,
+        self, loss: torch.Tensor | None, y_pred: object, y: object, sample_weight: torch.Tensor | None = None,
         denominator: int | torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """Add one batch: its mean loss times its denominator, and its metrics.
@@ -205,7 +205,7 @@ class RunningTotals:
 
 def _cpu(states: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Metric states on the CPU (a gather pickles them; a CUDA tensor would land on rank 0's device)."""
-    def move(v: Any) -> Any:
+    def move(v: object) -> Any:
         if isinstance(v, torch.Tensor):
             return v.detach().cpu()
         return [t.detach().cpu() for t in v] if isinstance(v, list) else v

@@ -18,26 +18,31 @@ whose inputs are a dict (``module(**x)``). A dict that mixes the two kinds is re
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from fitkit.training.eval_loop import EvalLoop, signal_held
 
+if TYPE_CHECKING:
+    from fitkit.callbacks.base import CallbackList
+    from fitkit.data import DeviceLoader
+    from fitkit.model import Model
+
 __all__ = ["ValidationSets", "named_sets", "prefixed_keys", "run_validation"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-def _is_array(v: Any) -> bool:
+def _is_array(v: object) -> bool:
     return isinstance(v, (torch.Tensor, np.ndarray)) or (
         isinstance(v, Mapping) and len(v) > 0 and all(_is_array(u) for u in v.values())
     )
 
 
-def _is_source(v: Any) -> bool:
+def _is_source(v: object) -> bool:
     """Whether ``v`` is a validation source of its own (not one input tensor of a dict batch)."""
     if v is None or isinstance(v, (str, bytes, int, float, bool)) or _is_array(v):
         return False
@@ -46,7 +51,7 @@ def _is_source(v: Any) -> bool:
     return hasattr(v, "__iter__") or hasattr(v, "__getitem__")  # Dataset, DataLoader, list of batches
 
 
-def named_sets(data: Any, argument: str = "validation_data") -> dict[str, Any] | None:
+def named_sets(data: object, argument: str = "validation_data") -> dict[str, Any] | None:
     """The named sets of a dict of validation sources, or ``None`` for any other ``data``.
 
     Args:
@@ -140,12 +145,12 @@ class ValidationSets:
     def items(self) -> list[tuple[str, Any]]:
         return list(self.loaders.items())
 
-    def map(self, fn: Any) -> ValidationSets:
+    def map(self, fn: Callable[[DeviceLoader], DeviceLoader]) -> ValidationSets:
         """A ``ValidationSets`` of ``fn(loader)`` for each set (for example a cap on its batches)."""
         return ValidationSets({name: fn(loader) for name, loader in self.loaders.items()})
 
 
-def run_validation(model: Any, validation: Any, callbacks: Any, steps: int | None,
+def run_validation(model: Model, validation: DeviceLoader | ValidationSets, callbacks: CallbackList, steps: int | None,
                    what: str = "validation_data") -> dict[str, float]:  # fmt: skip
     """Loss and metrics of one validation or evaluation: one :class:`EvalLoop` per set.
 
