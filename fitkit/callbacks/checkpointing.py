@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -207,8 +208,31 @@ class ModelCheckpoint(StatefulCallback):
         self.filepath = check_target(filepath, "filepath", "ModelCheckpoint")
         self._fields = _field_names(self.filepath)
         check_mode(mode)
-        self._fraction = _options.check_fraction(save_freq)
-        if self._fraction is None:
+        self._fraction = self._check_freq(save_freq, verbose, every_n_epochs)
+        if initial_value_threshold is not None:
+            check_number("initial_value_threshold", initial_value_threshold, minimum=-math.inf)
+            if not save_best_only and save_top_k is None:
+                raise ValueError(
+                    "`initial_value_threshold` is the value a checkpoint must beat, so it needs "
+                    "`save_best_only=True` or `save_top_k=k`. Received neither."
+                )
+        self.last_path = _last_path(self.filepath, save_last)
+        self._check_retention(keep_last, save_top_k, save_best_only)
+        self.monitor, self.mode = monitor, mode
+        self.save_best_only, self.save_weights_only = bool(save_best_only), bool(save_weights_only)
+        self.save_top_k, self.save_freq, self.verbose = save_top_k, save_freq, verbose
+        self.initial_value_threshold, self.every_n_epochs = initial_value_threshold, every_n_epochs
+        self._mode = mode if mode != "auto" else None
+        self._check_safety(save_overwrite, save_on_exception, save_first_step)
+        self._owned = Owned(self.filepath, "ModelCheckpoint")
+        self._locks: list[FileLock] = []
+        self._reset()
+
+    @staticmethod
+    def _check_freq(save_freq: Any, verbose: Any, every_n_epochs: Any) -> Fraction | None:
+        """``save_freq``, ``verbose`` and ``every_n_epochs``; returns ``save_freq``'s fraction of an epoch, if one."""
+        fraction = _options.check_fraction(save_freq)
+        if fraction is None:
             check_every("save_freq", save_freq, "epoch", "batches")
         if not isinstance(verbose, bool):
             check_int("verbose", verbose, 0)
@@ -218,14 +242,10 @@ class ModelCheckpoint(StatefulCallback):
                 f"`every_n_epochs` counts epochs, but save_freq={save_freq!r} saves every that many "
                 "batches. Fix: pass one of them."
             )
-        if initial_value_threshold is not None:
-            check_number("initial_value_threshold", initial_value_threshold, minimum=-math.inf)
-            if not save_best_only and save_top_k is None:
-                raise ValueError(
-                    "`initial_value_threshold` is the value a checkpoint must beat, so it needs "
-                    "`save_best_only=True` or `save_top_k=k`. Received neither."
-                )
-        self.last_path = _last_path(self.filepath, save_last)
+        return fraction
+
+    def _check_retention(self, keep_last: Any, save_top_k: Any, save_best_only: Any) -> None:
+        """``keep_last`` (the newest files) and ``save_top_k`` (the best): one list, of files that differ per save."""
         if keep_last is not None:
             check_int("keep_last", keep_last, 0, fix="pass how many newest files to keep, e.g. keep_last=3.")
             _options.check_retention(keep_last, save_best_only, self.last_path)
@@ -240,7 +260,6 @@ class ModelCheckpoint(StatefulCallback):
                     f"`keep_last={keep_last}` keeps several files, so `filepath` must differ per save. Received: "
                     f"{self.filepath!r}. Fix: add '{{epoch:02d}}' (or '{{batch}}' / '{{step}}') to it."
                 )
-        self.keep_last = keep_last
         if save_top_k is not None:
             check_int("save_top_k", save_top_k, 1)
             if save_best_only:
@@ -253,15 +272,7 @@ class ModelCheckpoint(StatefulCallback):
                     f"`save_top_k={save_top_k}` keeps several files, so `filepath` must differ per "
                     f"save. Received: {self.filepath!r}. Fix: add '{{epoch:02d}}' to it."
                 )
-        self.monitor, self.mode = monitor, mode
-        self.save_best_only, self.save_weights_only = bool(save_best_only), bool(save_weights_only)
-        self.save_top_k, self.save_freq, self.verbose = save_top_k, save_freq, verbose
-        self.initial_value_threshold, self.every_n_epochs = initial_value_threshold, every_n_epochs
-        self._mode = mode if mode != "auto" else None
-        self._check_safety(save_overwrite, save_on_exception, save_first_step)
-        self._owned = Owned(self.filepath, "ModelCheckpoint")
-        self._locks: list[FileLock] = []
-        self._reset()
+        self.keep_last = keep_last
 
     @property
     def _ranked(self) -> bool:
@@ -539,13 +550,9 @@ class ModelCheckpoint(StatefulCallback):
             self._pending_last = epoch  # every save event, ranked file written or not
         current = None
         if self._ranked:
-            # Batch logs never skip: a val_ monitor at batch level was refused at on_train_begin.
-            params = self.params if batch is None else None
-            current = monitor_value(logs, self.monitor, "ModelCheckpoint", params, self.model)
+            current = self._monitored(batch, logs)
             if current is None:  # validation_freq left this epoch out
                 return
-            if self._mode is None:  # hooks called directly, without on_train_begin
-                self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
         path = self._path(epoch, batch, logs)
         if path is None:
             return
@@ -554,21 +561,10 @@ class ModelCheckpoint(StatefulCallback):
         cur: float = float("nan") if current is None else current
         mode: str = self._mode or "min"
         if self.save_top_k is not None:
-            if math.isnan(cur):
+            ranked_out = self._rank_top_k(cur, path, mode, self.save_top_k)
+            if ranked_out is None:
                 return
-            t = self.initial_value_threshold
-            if t is not None and not is_improvement(cur, t, mode):
-                return  # the top k are taken among the values that beat the threshold
-            same = [v for v, p in self.kept if p == path]
-            if same and not is_improvement(cur, same[0], mode):
-                return  # never overwrite a better file of the same name
-            others = [(v, p) for v, p in self.kept if p != path]
-            if len(others) >= self.save_top_k and not is_improvement(cur, self._worst(others)[0], mode):
-                return
-            ranked = sorted(others + [(cur, path)], key=lambda vp: vp[0], reverse=mode == "max")
-            self.kept, evicted = ranked[: self.save_top_k], [p for _, p in ranked[self.save_top_k :]]
-            if self.best is None or is_improvement(cur, self.best, mode):
-                self.best, self.best_path = cur, path
+            evicted = ranked_out
         elif self.save_best_only:
             if self.best is not None and not is_improvement(cur, self.best, mode):
                 return
@@ -576,6 +572,36 @@ class ModelCheckpoint(StatefulCallback):
                 return
             self.best, self.best_path = cur, path
         self._pending = (path, evicted, epoch)
+
+    def _monitored(self, batch: int | None, logs: Any) -> float | None:
+        """The monitored value of this save event (``None``: not logged this epoch); resolves ``mode``."""
+        # Batch logs never skip: a val_ monitor at batch level was refused at on_train_begin.
+        params = self.params if batch is None else None
+        current = monitor_value(logs, self.monitor, "ModelCheckpoint", params, self.model)
+        if current is None:  # validation_freq left this epoch out
+            return None
+        if self._mode is None:  # hooks called directly, without on_train_begin
+            self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
+        return current
+
+    def _rank_top_k(self, cur: float, path: str, mode: str, k: int) -> list[str] | None:
+        """``save_top_k=k``: rank ``path`` among the kept files; the files it evicts, ``None`` when not kept."""
+        if math.isnan(cur):
+            return None
+        t = self.initial_value_threshold
+        if t is not None and not is_improvement(cur, t, mode):
+            return None  # the top k are taken among the values that beat the threshold
+        same = [v for v, p in self.kept if p == path]
+        if same and not is_improvement(cur, same[0], mode):
+            return None  # never overwrite a better file of the same name
+        others = [(v, p) for v, p in self.kept if p != path]
+        if len(others) >= k and not is_improvement(cur, self._worst(others)[0], mode):
+            return None
+        ranked = sorted(others + [(cur, path)], key=lambda vp: vp[0], reverse=mode == "max")
+        self.kept, evicted = ranked[: k], [p for _, p in ranked[k :]]
+        if self.best is None or is_improvement(cur, self.best, mode):
+            self.best, self.best_path = cur, path
+        return evicted
 
     def _write(self) -> None:
         self._write_ranked()

@@ -366,26 +366,11 @@ class DeviceLoader:
                        start: dict[str, Any] | None = None) -> Iterator[Batch]:  # fmt: skip
         self.ran_out = False
         if self.steps is None:
-            if skip_samples is not None:  # a resume by sample (Position.skip_for)
-                src = self.batches
-                it = src.iterate(self.epoch, 0, skip_samples) if isinstance(src, TensorBatches) else \
-                    src.iterate_samples(self.epoch, skip_samples)  # fmt: skip
-                yield from self._prepare(it)
-                return
-            it = self._prepare(self.batches.iterate(self.epoch, skip))
-            n = self.batches.num_batches
-            # A source with len() gives len() batches per epoch (Keras), whatever it yields.
-            yield from it if n is None else itertools.islice(it, max(n - skip, 0))
+            yield from self._epoch_pass(skip, skip_samples)
             return
         # Keras 3's steps_per_epoch: the iterator carries over across epochs; when it runs out
         # inside an epoch, that epoch ends early and the next one starts a fresh pass.
-        if skip_samples:  # in-memory data resumed by samples: whole batches of this size
-            size = (self.batch_size or 1) * getattr(self.batches, "world", 1)
-            skip = -(-skip_samples // size)  # the pass's short last batch counts as one
-        if start is not None or offset or skip:  # a resume: the pass as it was, fast-forwarded
-            self._persistent = self._prepare(self.batches.iterate(self.epoch, offset + skip)) if start is None \
-                else self._redrawn(offset + skip, start)  # fmt: skip
-            self._pass_done, self.pass_start = offset + skip, start
+        skip = self._resumed_pass(skip, skip_samples, offset, start)
         self.pass_offset = self._pass_done - skip if self._persistent is not None else 0
         # The skipped batches count as done: a resumed epoch whose pass has run out ends early.
         remaining, fresh, done = self.steps - skip, False, skip
@@ -407,6 +392,29 @@ class DeviceLoader:
             if done:
                 self.ran_out = True
                 return
+
+    def _epoch_pass(self, skip: int, skip_samples: int | None) -> Iterator[Batch]:
+        """The batches of one epoch without ``steps``: one pass of the source (its rest, on a resume)."""
+        if skip_samples is not None:  # a resume by sample (Position.skip_for)
+            src = self.batches
+            it = src.iterate(self.epoch, 0, skip_samples) if isinstance(src, TensorBatches) else \
+                src.iterate_samples(self.epoch, skip_samples)  # fmt: skip
+            return self._prepare(it)
+        it = self._prepare(self.batches.iterate(self.epoch, skip))
+        n = self.batches.num_batches
+        # A source with len() gives len() batches per epoch (Keras), whatever it yields.
+        return it if n is None else itertools.islice(it, max(n - skip, 0))
+
+    def _resumed_pass(self, skip: int, skip_samples: int | None, offset: int, start: dict[str, Any] | None) -> int:
+        """With ``steps``: on a resume, the pass as it was, fast-forwarded. Returns the batches skipped."""
+        if skip_samples:  # in-memory data resumed by samples: whole batches of this size
+            size = (self.batch_size or 1) * getattr(self.batches, "world", 1)
+            skip = -(-skip_samples // size)  # the pass's short last batch counts as one
+        if start is not None or offset or skip:  # a resume: the pass as it was, fast-forwarded
+            self._persistent = self._prepare(self.batches.iterate(self.epoch, offset + skip)) if start is None \
+                else self._redrawn(offset + skip, start)  # fmt: skip
+            self._pass_done, self.pass_start = offset + skip, start
+        return skip
 
     def _prepare(self, it: Iterator[Any]) -> Iterator[Batch]:
         src = self.batches
@@ -557,40 +565,68 @@ def as_loader(
     device = torch.device("cpu") if device is None else device
     x, y = _from_frame(x, "x"), _from_frame(y, "y")
     if is_in_memory(x):
-        if y is not None and not is_in_memory(y):
-            raise TypeError(
-                "Expected `y` to be a tensor or numpy array (or a tuple / list / dict of them) "
-                f"with one row per sample. Received: y of type {type(y).__name__}. "
-                "Fix: pass `torch.as_tensor(y)`."
-            )
-        check_numeric_arrays(x, "x")
-        check_numeric_arrays(y, "y")
-        x, y, w = _to_tensor(x), _to_tensor(y) if y is not None else None, None
-        if sample_weight is not None:
-            w = _sample_weight_tensor(sample_weight)
-            if w.dim() > 1 and not (isinstance(y, torch.Tensor) and w.shape == y.shape):
-                raise ValueError(
-                    "Expected `sample_weight` to be a 1-D array with one weight per sample, or shaped like y "
-                    f"({tuple(y.shape) if isinstance(y, torch.Tensor) else 'a tensor'}) for one weight per target "
-                    f"position. Received shape {tuple(w.shape)}. Fix: pass shape (N,)."
-                )
-        source = TensorBatches(x, y, w, batch_size, shuffle)
-        if cw is not None:
-            if y is None:
-                raise ValueError(
-                    "`class_weight` weighs each sample by the class in `y`, but y=None. A dict batch's 'labels' are "
-                    "not read for it, and with compile(loss=None) the loss is the module's: weights cannot reach "
-                    "a mean it takes itself. Fix: pass the class labels as `y=` with a compiled loss (e.g. "
-                    "loss='cross_entropy'), or have the module return one loss per sample (shape (B,)) and pass "
-                    "`y=` (or sample_weight=)."
-                )
-            cw.check(y.cpu())
-            source.w = combine(cw(y), w)
-        if device.type == "cuda" and sum(t.numel() * t.element_size() for t in _leaves((x, y))) < 2**30:
-            source.to(device)  # one copy up front beats one per batch for data that fits
-        return DeviceLoader(source, device, None, steps)
+        return _in_memory_loader(x, y, sample_weight, cw, batch_size, shuffle, steps, device)
     if y is not None:
         _refuse_separate_y(x)
+    x = _batches_of(x, sample_weight, batch_size, shuffle)
+    loader = DeviceLoader(x, device, cw, steps)
+    loader.batch_size = getattr(x, "batch_size", None)  # a DataLoader's (None for other iterables)
+    return loader
+
+
+def _in_memory_loader(
+    x: Any, y: Any, sample_weight: Any, cw: ClassWeights | None, batch_size: int, shuffle: bool | str,
+    steps: int | None, device: torch.device,
+) -> DeviceLoader:
+    """:func:`as_loader` for in-memory ``x``: tensors (on the device when they fit) sliced into batches."""
+    if y is not None and not is_in_memory(y):
+        raise TypeError(
+            "Expected `y` to be a tensor or numpy array (or a tuple / list / dict of them) "
+            f"with one row per sample. Received: y of type {type(y).__name__}. "
+            "Fix: pass `torch.as_tensor(y)`."
+        )
+    check_numeric_arrays(x, "x")
+    check_numeric_arrays(y, "y")
+    x, y = _to_tensor(x), _to_tensor(y) if y is not None else None
+    w = _in_memory_weights(y, sample_weight)
+    source = TensorBatches(x, y, w, batch_size, shuffle)
+    if cw is not None:
+        source.w = _class_weighted(cw, y, w)
+    if device.type == "cuda" and sum(t.numel() * t.element_size() for t in _leaves((x, y))) < 2**30:
+        source.to(device)  # one copy up front beats one per batch for data that fits
+    return DeviceLoader(source, device, None, steps)
+
+
+def _in_memory_weights(y: Any, sample_weight: Any) -> torch.Tensor | None:
+    """``sample_weight`` for in-memory data: one weight per sample, or one per target position."""
+    w = None
+    if sample_weight is not None:
+        w = _sample_weight_tensor(sample_weight)
+        if w.dim() > 1 and not (isinstance(y, torch.Tensor) and w.shape == y.shape):
+            raise ValueError(
+                "Expected `sample_weight` to be a 1-D array with one weight per sample, or shaped like y "
+                f"({tuple(y.shape) if isinstance(y, torch.Tensor) else 'a tensor'}) for one weight per target "
+                f"position. Received shape {tuple(w.shape)}. Fix: pass shape (N,)."
+            )
+    return w
+
+
+def _class_weighted(cw: ClassWeights, y: Any, w: torch.Tensor | None) -> torch.Tensor:
+    """``class_weight`` folded into the sample weights ``w`` (``y``: the class labels)."""
+    if y is None:
+        raise ValueError(
+            "`class_weight` weighs each sample by the class in `y`, but y=None. A dict batch's 'labels' are "
+            "not read for it, and with compile(loss=None) the loss is the module's: weights cannot reach "
+            "a mean it takes itself. Fix: pass the class labels as `y=` with a compiled loss (e.g. "
+            "loss='cross_entropy'), or have the module return one loss per sample (shape (B,)) and pass "
+            "`y=` (or sample_weight=)."
+        )
+    cw.check(y.cpu())
+    return combine(cw(y), w)
+
+
+def _batches_of(x: Any, sample_weight: Any, batch_size: int, shuffle: bool | str) -> Any:
+    """:func:`as_loader` for any other ``x``: a Dataset as a ``DataLoader``, a loader or iterable as it is."""
     map_style = _map_style(x)
     if isinstance(x, (str, bytes)) or not isinstance(x, Iterable) and not map_style:
         raise TypeError(
@@ -615,9 +651,7 @@ def as_loader(
             f"`sample_weight` cannot be combined with x of type {type(x).__name__}. "
             "Fix: yield `(x, y, sample_weight)` batches instead."
         )
-    loader = DeviceLoader(x, device, cw, steps)
-    loader.batch_size = getattr(x, "batch_size", None)  # a DataLoader's (None for other iterables)
-    return loader
+    return x
 
 
 def _same_rows(parts: Any) -> bool:

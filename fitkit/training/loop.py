@@ -143,27 +143,7 @@ class FitLoop:
                 if late is not None:
                     self.start_epoch = start
                     self.position.starts_at(start)
-                for epoch in itertools.count(self.start_epoch) if self.plan.epochs is None else \
-                        range(self.start_epoch, self.plan.epochs):  # fmt: skip
-                    if self.stop.budget_spent():
-                        break
-                    epoch_logs = self._named_epoch(epoch, first_step)
-                    if epoch_logs is None:  # no batch, or a signal: no partial epoch for callbacks
-                        break
-                    _order.dataset_epoch_hook(self.train, "on_epoch_end")  # its training batches are done
-                    logs = epoch_logs
-                    self.phase = _progress.VALIDATION
-                    if self._validate(epoch, logs):  # a signal cut the validation short
-                        self.position.enter()  # the backup: after the epoch's last step, validating again on resume
-                        break
-                    # inside-epoch validations stepped a plateau scheduler already
-                    stepper.scheduling.step_epoch(epoch, logs, self.validated and self.step_val is None,
-                                                  stepper.fit.validates)
-                    self.position.end_epoch(epoch)
-                    self.phase = _progress.EPOCH_CALLBACKS  # and the stop agreement after them
-                    cbs.on_epoch_end(epoch, logs)
-                    if self.stop.now(epoch_end=True) or self.interrupt.signum is not None or self.stop.budget_spent():
-                        break
+                logs = self._epochs(first_step)
                 self.stop.save_on_signal()  # at an epoch boundary
                 cbs.on_train_end(logs)
                 finished = True
@@ -180,6 +160,33 @@ class FitLoop:
             cbs.params.pop("train_data", None)  # History keeps params: not the data
             cbs.close(finished)
             model._core.pop_resume()  # a loaded resume point serves one fit only
+
+    def _epochs(self, first_step: int) -> dict[str, float]:
+        """The fit's epochs, each with its validation and end hooks, until one ends the fit; the last logs."""
+        cbs, stepper = self.callbacks, self.model._core.stepper
+        logs: dict[str, float] = {}
+        for epoch in itertools.count(self.start_epoch) if self.plan.epochs is None else \
+                range(self.start_epoch, self.plan.epochs):  # fmt: skip
+            if self.stop.budget_spent():
+                break
+            epoch_logs = self._named_epoch(epoch, first_step)
+            if epoch_logs is None:  # no batch, or a signal: no partial epoch for callbacks
+                break
+            _order.dataset_epoch_hook(self.train, "on_epoch_end")  # its training batches are done
+            logs = epoch_logs
+            self.phase = _progress.VALIDATION
+            if self._validate(epoch, logs):  # a signal cut the validation short
+                self.position.enter()  # the backup: after the epoch's last step, validating again on resume
+                break
+            # inside-epoch validations stepped a plateau scheduler already
+            stepper.scheduling.step_epoch(epoch, logs, self.validated and self.step_val is None,
+                                          stepper.fit.validates)
+            self.position.end_epoch(epoch)
+            self.phase = _progress.EPOCH_CALLBACKS  # and the stop agreement after them
+            cbs.on_epoch_end(epoch, logs)
+            if self.stop.now(epoch_end=True) or self.interrupt.signum is not None or self.stop.budget_spent():
+                break
+        return logs
 
     def _own_items(self) -> bool | None:
         """A module that computes its own loss and takes ``num_items_in_batch``: whether its labels
@@ -252,12 +259,10 @@ class FitLoop:
         logs.update(record_validation(self.history, self.callbacks, self.model.global_step, epoch, val_logs))
         return False
 
-    def run_epoch(self, epoch: int) -> dict[str, float] | None:
-        """One epoch of training batches; ``None`` if the source yielded no batch."""
+    def _begin_epoch(self, epoch: int) -> None:
+        """The epoch's begin: its hooks, the stepper's and validation's counts, the data order kept for a resume."""
         model, cbs, loader, position = self.model, self.callbacks, self.train, self.position
         stepper = model._core.stepper
-        phases = model._core.phases
-        self.totals = totals = phases.new_totals()
         self.phase, self.batch_index = 0, -1  # the epoch's begin hooks: "before its first batch" (progress)
         position.begin_epoch(epoch)
         self.resume.epoch_begin(epoch)
@@ -271,6 +276,14 @@ class FitLoop:
             self.step_val.begin_epoch(loader.next_epoch_batches or loader.num_batches, stepper.accumulation)
         position.set_rng(torch.get_rng_state())  # replays this epoch's data order on resume
         self.epoch_order = _order.capture(loader)  # and the loader's own generators / state
+
+    def run_epoch(self, epoch: int) -> dict[str, float] | None:
+        """One epoch of training batches; ``None`` if the source yielded no batch."""
+        model, cbs, loader, position = self.model, self.callbacks, self.train, self.position
+        stepper = model._core.stepper
+        phases = model._core.phases
+        self.totals = totals = phases.new_totals()
+        self._begin_epoch(epoch)
         want_begin, want_end = cbs.wants("on_train_batch_begin"), cbs.wants("on_train_batch_end")
         batches, start = self.resume.batches(epoch, totals)
         self.batch_index = start - 1  # none of this epoch begun yet (read by the progress thread)
@@ -307,13 +320,13 @@ class FitLoop:
                     step_val.after_step(step + 1, epoch)  # before the batch's hooks: a backup there holds it
                 if want_end:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
-                if not stepper.window.micro_last:
-                    continue  # the loop's invariant 1: every stop waits for the open window's step
-                if (model.stop_training or not local) and self.stop.now():  # min_epochs / min_steps may hold it
-                    break
-                if budget is not None and stepper.global_step >= budget:
-                    break  # the step budget (a host-side count): the epoch ends here
-                if (not local or interrupt.signum is not None) and self.stop.at_boundary():
+                # the loop's invariant 1: every stop waits for the open window's step
+                if stepper.window.micro_last and (
+                    (model.stop_training or not local) and self.stop.now()  # min_epochs / min_steps may hold it
+                    # the step budget (a host-side count): the epoch ends here
+                    or budget is not None and stepper.global_step >= budget
+                    or (not local or interrupt.signum is not None) and self.stop.at_boundary()
+                ):
                     break
         position.leave()
         self.phase = _progress.EPOCH_END

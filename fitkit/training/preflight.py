@@ -353,38 +353,61 @@ def first_batch_check(
             raise wrap("module's forward", batch, e, module, label=label) from e
         y = _aligned_targets(model, batch, y_pred, y)
         if model.loss is None and model.default_compute_loss:
-            if own_loss(y_pred) is not None:
-                _check_own_loss(model, batch, y_pred, y_all)
-            elif training:
-                model.compute_loss(x, y, y_pred, w)  # raises: nothing to train on, and the fix
-            else:
-                _check_something_to_evaluate(model, x, y, y_pred)
-            if grad:
-                check_loss_has_grad(own_loss(y_pred), label)
+            _check_without_loss(model, batch, y, y_pred, y_all, label, training, grad)
         if y is None and model.loss is not None and model.default_compute_loss:
             model.compute_loss(x, y, y_pred, w)  # raises: a compiled loss needs targets
         if y is not None and model.loss is not None:
-            try:
-                prepare: Any = getattr(model.loss, "prepare", None)
-                pred = prediction_of(y_pred)  # a structured output's prediction (fitkit.losses.outputs)
-                if getattr(model.loss, "kind", None) == "class_index" and isinstance(pred, torch.Tensor) and prepare:
-                    # Before the loss: torch's own out-of-range error names no fix.
-                    prepare(pred, y)  # dtype / shape errors; sets the class layout
-                    check_class_range(model.loss, pred, y_all)
-                loss = model.compute_loss(x, y, y_pred, w)
-            except Exception as e:
-                raise wrap("loss", batch, e, module, y_pred, label=label) from e
-            check_batch_loss(batch, loss, label)  # NaN in the batch that the loss does not handle
-            if grad:
-                check_loss_has_grad(loss, label)
-        target = targets_of(x, y, model.label_names)
-        if model.metrics.entries is None and target is not None:
-            pred = require_prediction(y_pred, "the compiled metrics")  # the rule's error names the fix
-            try:
-                model.metrics.build(pred, target)
-            except Exception as e:
-                raise wrap("metrics", batch, e, module, label=label) from e
+            _check_compiled_loss(model, batch, y, y_pred, y_all, label, grad)
+        _check_metrics(model, batch, y, y_pred, label)
     return x
+
+
+def _check_without_loss(
+    model: Model, batch: tuple[Any, Any, Any], y: Any, y_pred: Any, y_all: Any, label: str, training: bool,
+    grad: bool,
+) -> None:
+    """``loss=None``: the output's own loss, or (training) the fix, or (evaluation) something to log."""
+    x, _, w = batch
+    if own_loss(y_pred) is not None:
+        _check_own_loss(model, batch, y_pred, y_all)
+    elif training:
+        model.compute_loss(x, y, y_pred, w)  # raises: nothing to train on, and the fix
+    else:
+        _check_something_to_evaluate(model, x, y, y_pred)
+    if grad:
+        check_loss_has_grad(own_loss(y_pred), label)
+
+
+def _check_compiled_loss(
+    model: Model, batch: tuple[Any, Any, Any], y: Any, y_pred: Any, y_all: Any, label: str, grad: bool
+) -> None:
+    """The compiled loss on the batch: its dtype / shape / class range, a finite value, a gradient."""
+    x, _, w = batch
+    module = model.module
+    try:
+        prepare: Any = getattr(model.loss, "prepare", None)
+        pred = prediction_of(y_pred)  # a structured output's prediction (fitkit.losses.outputs)
+        if getattr(model.loss, "kind", None) == "class_index" and isinstance(pred, torch.Tensor) and prepare:
+            # Before the loss: torch's own out-of-range error names no fix.
+            prepare(pred, y)  # dtype / shape errors; sets the class layout
+            check_class_range(model.loss, pred, y_all)
+        loss = model.compute_loss(x, y, y_pred, w)
+    except Exception as e:
+        raise wrap("loss", batch, e, module, y_pred, label=label) from e
+    check_batch_loss(batch, loss, label)  # NaN in the batch that the loss does not handle
+    if grad:
+        check_loss_has_grad(loss, label)
+
+
+def _check_metrics(model: Model, batch: tuple[Any, Any, Any], y: Any, y_pred: Any, label: str) -> None:
+    """The compiled metrics built on the batch (once: later batches find them built)."""
+    target = targets_of(batch[0], y, model.label_names)
+    if model.metrics.entries is None and target is not None:
+        pred = require_prediction(y_pred, "the compiled metrics")  # the rule's error names the fix
+        try:
+            model.metrics.build(pred, target)
+        except Exception as e:
+            raise wrap("metrics", batch, e, model.module, label=label) from e
 
 
 def _aligned_targets(model: Model, batch: tuple[Any, Any, Any], y_pred: Any, y: Any) -> Any:

@@ -212,15 +212,26 @@ def param_state_layout_problems(saved: Mapping[str, Any], optimizer: torch.optim
             continue
         for key, v in pstate.items():
             at = f"checkpoint['optimizer']['state'][{pid}][{key!r}]"
-            if not isinstance(v, torch.Tensor):
-                continue
-            if key in SCALAR_STATES:
-                if v.numel() != 1:
-                    out.append(f"{at} is {shown(v)}, expected a scalar ({name} keeps {key!r} as one number)")
-            elif v.dim() != param.dim() or v.is_floating_point() != param.is_floating_point():
-                kind = "floating-point" if param.is_floating_point() else str(param.dtype)
-                out.append(f"{at} is {shown(v)}, expected a {kind} tensor of its parameter's shape "
-                           f"{tuple(param.shape)}")  # fmt: skip
+            if isinstance(v, torch.Tensor):
+                out += _state_tensor_problems(at, key, v, param, name)
+    return out + _group_state_key_problems(saved, name)
+
+
+def _state_tensor_problems(at: str, key: str, v: torch.Tensor, param: torch.Tensor, name: str) -> list[str]:
+    """One saved state tensor against its parameter: a scalar state one number, any other its dimensions."""
+    if key in SCALAR_STATES:
+        if v.numel() != 1:
+            return [f"{at} is {shown(v)}, expected a scalar ({name} keeps {key!r} as one number)"]
+    elif v.dim() != param.dim() or v.is_floating_point() != param.is_floating_point():
+        kind = "floating-point" if param.is_floating_point() else str(param.dtype)
+        return [f"{at} is {shown(v)}, expected a {kind} tensor of its parameter's shape "
+                f"{tuple(param.shape)}"]  # fmt: skip
+    return []
+
+
+def _group_state_key_problems(saved: Mapping[str, Any], name: str) -> list[str]:
+    """Each parameter stepped in a group keeps the same states."""
+    out = []
     for group in saved["param_groups"]:  # each parameter stepped keeps the same states
         keys = {pid: set(saved["state"][pid]) for pid in group["params"] if saved["state"].get(pid)}
         union = set().union(*keys.values())

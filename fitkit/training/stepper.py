@@ -269,8 +269,8 @@ class Stepper:
             # over all ranks (/ W: DDP averages), as the Transformers Trainer passes it; no share.
             items = None if self.fit.items is None else [label_items(b[0], self.fit.items) for b in group]
             num_items = count = None
-            if items is not None and not all(n is not None for n in items):
-                items = None  # a batch without labels: the window weighs rows
+            # a batch without labels: the window weighs rows
+            items = items if items is None or all(n is not None for n in items) else None
             if items is not None:
                 if self.parallel is not None:
                     num_items = _distributed.global_share(items)
@@ -287,16 +287,10 @@ class Stepper:
                 # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
                 # each rank's share makes DDP's gradient average the exact global mean.
                 # A window whose denominator is 0 (all weights 0, every token ignored) adds nothing.
-                known = None if self.parallel is None else _distributed.known_rows(self.fit.host_rows, sizes, step)
                 if self.parallel is None:
                     total = _nonzero(sum(sizes))
-                elif known is None and self.parallel.carries_count():
-                    # each rank's window mean; the sum of the denominators over the ranks rides in
-                    # DDP's all-reduce / FSDP's reduce-scatters (fitkit.distributed.counted): no collective of ours
-                    count = sum(sizes)
-                    total = _nonzero(count)
-                else:  # no collective when the sizes are rows that every rank's host knows
-                    total = _distributed.global_share(sizes, known)
+                else:
+                    total, count = self._global_total(self.parallel, sizes, step)
                 shares = [size / total for size in sizes]
             for i, batch in enumerate(group):
                 window = self.window
@@ -307,6 +301,17 @@ class Stepper:
                 step += 1
                 if window.micro_last and stop():
                     return
+
+    def _global_total(self, parallel: Parallel, sizes: list[Any], step: int) -> tuple[Any, Any]:
+        """Under torchrun: the window's global denominator / W, and the count DDP carries (or ``None``)."""
+        known = _distributed.known_rows(self.fit.host_rows, sizes, step)
+        if known is None and parallel.carries_count():
+            # each rank's window mean; the sum of the denominators over the ranks rides in
+            # DDP's all-reduce / FSDP's reduce-scatters (fitkit.distributed.counted): no collective of ours
+            count = sum(sizes)
+            return _nonzero(count), count
+        # no collective when the sizes are rows that every rank's host knows
+        return _distributed.global_share(sizes, known), None
 
     @contextlib.contextmanager
     def fitting(self, before_step: Callable[[], None] | None, stop_training: Callable[[], bool] | None,
@@ -423,24 +428,14 @@ class Stepper:
         before_step = fit.before_step
         if before_step is not None:
             before_step()
-            if self.parallel is not None and fit.stop_training is not None:
-                # A veto or a stop on one rank holds for all: the ranks step and stop together.
-                agreed: Any = _distributed.any_rank(window.skip_requested, bool(fit.stop_training()))
-                window.skip_requested, fit.stop_agreed = agreed
-            elif self.parallel is not None and window.skip_requested:
-                _host_veto_unagreed()
+            if self.parallel is not None:
+                self._agree_on_step(window, fit)
         window.loss = None
         veto = None if window.veto is None else self._take_veto()
         if window.skip_requested:  # a callback (e.g. TerminateOnNaN) vetoed this step
-            window.skip_requested = False
-            opt.zero_grad(set_to_none=True)
-            if self.scaler is not None:
-                self.scaler.update()
-            return False
-        if self.clip_grad_norm is not None:
-            self.grad_norm = nn.utils.clip_grad_norm_(module.parameters(), self.clip_grad_norm)
-        if self.clip_grad_value is not None:
-            nn.utils.clip_grad_value_(module.parameters(), self.clip_grad_value)
+            return self._skip_step(window, opt)
+        if self.clip_grad_norm is not None or self.clip_grad_value is not None:
+            self._clip(module)
         if self.scaler is None and veto is None:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -452,6 +447,30 @@ class Stepper:
         skipped = self._optimizer_step(opt, veto)  # a device flag, or None: the host knows
         opt.zero_grad(set_to_none=True)
         return self._count_step(opt, skipped)
+
+    def _agree_on_step(self, window: Window, fit: FitHooks) -> None:
+        """Under torchrun, after the before-step hook: the ranks agree on its veto and on the stop query."""
+        if fit.stop_training is not None:
+            # A veto or a stop on one rank holds for all: the ranks step and stop together.
+            agreed: Any = _distributed.any_rank(window.skip_requested, bool(fit.stop_training()))
+            window.skip_requested, fit.stop_agreed = agreed
+        elif window.skip_requested:
+            _host_veto_unagreed()
+
+    def _skip_step(self, window: Window, opt: torch.optim.Optimizer) -> bool:
+        """A vetoed step: its gradients dropped, the GradScaler's scale updated; no step counted."""
+        window.skip_requested = False
+        opt.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.update()
+        return False
+
+    def _clip(self, module: nn.Module) -> None:
+        """``clip_grad_norm`` / ``clip_grad_value`` on the unscaled gradients, before the step."""
+        if self.clip_grad_norm is not None:
+            self.grad_norm = nn.utils.clip_grad_norm_(module.parameters(), self.clip_grad_norm)
+        if self.clip_grad_value is not None:
+            nn.utils.clip_grad_value_(module.parameters(), self.clip_grad_value)
 
     def _take_veto(self) -> torch.Tensor | None:
         """The device veto of the coming step (agreed over ranks), or ``None``."""
