@@ -39,7 +39,7 @@ def trace() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     def recorder(events):
         def profile(frame, event, arg):
             if event == "call" and frame.f_code.co_filename.startswith(root):
-                events.append((frame.f_code.co_filename[len(root):], frame.f_code.co_name))
+                events.append((frame.f_code.co_filename[len(root) :], frame.f_code.co_name))
 
         return profile
 

@@ -67,8 +67,9 @@ class PeakRSS:
 
 def build(args: argparse.Namespace) -> fitkit.Model:
     torch.manual_seed(0)
-    net = GPT(vocab_size=args.vocab, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,
-              n_embd=args.n_embd)  # fmt: skip
+    net = GPT(
+        vocab_size=args.vocab, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+    )
     model = fitkit.Model(net, device="cpu", strategy="fsdp")
     model.compile(optimizer="adamw", loss="cross_entropy")
     return model
@@ -114,8 +115,10 @@ def main() -> None:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, rows)
     if rank() == 0:
-        print(f"GPT {params / 1e6:.1f}M parameters + AdamW, {dist.get_world_size()} ranks (gloo, CPU); "
-              f"full file {sizes['full.pt'] / 2**20:.0f} MB, dcp folder {sizes['dcp'] / 2**20:.0f} MB")  # fmt: skip
+        print(
+            f"GPT {params / 1e6:.1f}M parameters + AdamW, {dist.get_world_size()} ranks (gloo, CPU); "
+            f"full file {sizes['full.pt'] / 2**20:.0f} MB, dcp folder {sizes['dcp'] / 2**20:.0f} MB"
+        )
         head = "".join(f"  rank {r}: s  +MB" for r in range(len(every)))
         print(f"{'':32}{head}")
         for name in rows:

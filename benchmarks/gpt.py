@@ -71,8 +71,10 @@ class PlainRun:
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> float:
         self.module.eval()
-        losses = [F.cross_entropy(self.module(xb).flatten(0, 1), yb.flatten())
-                  for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True)]
+        losses = [
+            F.cross_entropy(self.module(xb).flatten(0, 1), yb.flatten())
+            for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True)
+        ]
         self.module.train()
         return float(torch.stack(losses).mean())
 
@@ -91,12 +93,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     recipe = Recipe(steps=args.steps, eval_batches=args.eval_batches)
     tokenizer, train_tokens, val_tokens = load_text(args.path)
-    x_val, y_val = fixed_windows(val_tokens, recipe.block_size,
-                                 recipe.eval_batches * recipe.batch_size)
+    x_val, y_val = fixed_windows(val_tokens, recipe.block_size, recipe.eval_batches * recipe.batch_size)
 
     def batches() -> RandomWindows:
-        return RandomWindows(train_tokens, recipe.block_size, recipe.batch_size,
-                             torch.Generator().manual_seed(args.seed))
+        return RandomWindows(
+            train_tokens, recipe.block_size, recipe.batch_size, torch.Generator().manual_seed(args.seed)
+        )
 
     torch.manual_seed(args.seed)
     initial = build_gpt(tokenizer.vocab_size, recipe)
@@ -106,15 +108,18 @@ def main(argv: list[str] | None = None) -> dict:
     PlainRun(copy.deepcopy(initial), recipe, batches()).train(args.warmup)
 
     model = fitkit.Model(copy.deepcopy(initial), device="cpu")
-    model.compile(optimizer=build_optimizer(model.module, recipe), loss="cross_entropy",
-                  scheduler=lambda opt: build_scheduler(opt, recipe), scheduler_interval="step",
-                  clip_grad_norm=recipe.clip_grad_norm)
+    model.compile(
+        optimizer=build_optimizer(model.module, recipe),
+        loss="cross_entropy",
+        scheduler=lambda opt: build_scheduler(opt, recipe),
+        scheduler_interval="step",
+        clip_grad_norm=recipe.clip_grad_norm,
+    )
     fitkit_batches = batches()
     plain = PlainRun(copy.deepcopy(initial), recipe, batches())
 
     def run_fitkit(chunk: int) -> None:
-        model.fit(fitkit_batches, initial_epoch=chunk, epochs=chunk + 1,
-                  steps_per_epoch=args.chunk, verbose=0)
+        model.fit(fitkit_batches, initial_epoch=chunk, epochs=chunk + 1, steps_per_epoch=args.chunk, verbose=0)
 
     times: dict[str, list[float]] = {"fitkit": [], "plain": []}
     contenders = {"fitkit": run_fitkit, "plain": lambda chunk: plain.train(args.chunk)}
@@ -126,33 +131,47 @@ def main(argv: list[str] | None = None) -> dict:
             start = time.perf_counter()
             contenders[name](chunk)
             times[name].append(time.perf_counter() - start)
-        print(f"chunk {chunk + 1}/{chunks}: fitkit {times['fitkit'][-1]:.1f}s, plain "
-              f"{times['plain'][-1]:.1f}s", file=sys.stderr, flush=True)  # for long runs
+        print(
+            f"chunk {chunk + 1}/{chunks}: fitkit {times['fitkit'][-1]:.1f}s, plain {times['plain'][-1]:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )  # for long runs
     load_after = os.getloadavg()[0]
 
     val_fitkit = model.evaluate(x_val, y_val, batch_size=recipe.batch_size, verbose=0)["loss"]
     val_plain = plain.evaluate(x_val, y_val, recipe.batch_size)
-    weight_diff = max((a - b).abs().max().item() for a, b in
-                      zip(model.module.state_dict().values(), plain.module.state_dict().values(), strict=True))
+    weight_diff = max(
+        (a - b).abs().max().item()
+        for a, b in zip(model.module.state_dict().values(), plain.module.state_dict().values(), strict=True)
+    )
     t_fitkit, t_plain = sum(times["fitkit"]), sum(times["plain"])
     chunk_ratios = [f / p for f, p in zip(times["fitkit"], times["plain"], strict=True)]
 
-    print(f"nanoGPT Shakespeare-char CPU recipe: {args.steps} steps, batch {recipe.batch_size}, "
-          f"block {recipe.block_size}, {recipe.n_layer} layers, {recipe.n_embd} dims, "
-          f"{model.module.num_parameters():,} parameters, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, load average {load_before:.1f} -> "
-          f"{load_after:.1f}")
-    print(f"val loss ({recipe.eval_batches} batches of fixed windows): fitkit {val_fitkit:.4f}"
-          f" - plain {val_plain:.4f} - max |weight difference| {weight_diff:.2e}")
-    print(f"train time: fitkit {t_fitkit:.1f}s ({1e3 * t_fitkit / args.steps:.1f} ms/step) - "
-          f"plain {t_plain:.1f}s ({1e3 * t_plain / args.steps:.1f} ms/step)")
-    print(f"time ratio fitkit/plain: {t_fitkit / t_plain:.3f} (per chunk of {args.chunk}: min "
-          f"{min(chunk_ratios):.3f}, median {statistics.median(chunk_ratios):.3f}, max "
-          f"{max(chunk_ratios):.3f})")
-    print(f"targets: val loss <= 1.92: {'met' if val_fitkit <= 1.92 else 'MISSED'} - "
-          f"ratio <= 1.05: {'met' if t_fitkit / t_plain <= 1.05 else 'MISSED'}")
-    return {"val_fitkit": val_fitkit, "val_plain": val_plain, "ratio": t_fitkit / t_plain,
-            "weight_diff": weight_diff}
+    print(
+        f"nanoGPT Shakespeare-char CPU recipe: {args.steps} steps, batch {recipe.batch_size}, "
+        f"block {recipe.block_size}, {recipe.n_layer} layers, {recipe.n_embd} dims, "
+        f"{model.module.num_parameters():,} parameters, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, load average {load_before:.1f} -> "
+        f"{load_after:.1f}"
+    )
+    print(
+        f"val loss ({recipe.eval_batches} batches of fixed windows): fitkit {val_fitkit:.4f}"
+        f" - plain {val_plain:.4f} - max |weight difference| {weight_diff:.2e}"
+    )
+    print(
+        f"train time: fitkit {t_fitkit:.1f}s ({1e3 * t_fitkit / args.steps:.1f} ms/step) - "
+        f"plain {t_plain:.1f}s ({1e3 * t_plain / args.steps:.1f} ms/step)"
+    )
+    print(
+        f"time ratio fitkit/plain: {t_fitkit / t_plain:.3f} (per chunk of {args.chunk}: min "
+        f"{min(chunk_ratios):.3f}, median {statistics.median(chunk_ratios):.3f}, max "
+        f"{max(chunk_ratios):.3f})"
+    )
+    print(
+        f"targets: val loss <= 1.92: {'met' if val_fitkit <= 1.92 else 'MISSED'} - "
+        f"ratio <= 1.05: {'met' if t_fitkit / t_plain <= 1.05 else 'MISSED'}"
+    )
+    return {"val_fitkit": val_fitkit, "val_plain": val_plain, "ratio": t_fitkit / t_plain, "weight_diff": weight_diff}
 
 
 if __name__ == "__main__":

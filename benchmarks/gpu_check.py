@@ -107,8 +107,14 @@ def _sync_configs(tmp: str) -> dict[str, tuple[dict[str, Any], dict[str, Any], l
         "accumulation 2": ({"gradient_accumulation_steps": 2}, {}, []),
         "clip_grad_norm": ({"clip_grad_norm": 1.0}, {}, []),
         "clip_grad_value": ({"clip_grad_value": 0.1}, {}, []),
-        "step scheduler": ({"scheduler": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 0.01, total_steps=1000),
-                            "scheduler_interval": "step"}, {}, []),  # fmt: skip
+        "step scheduler": (
+            {
+                "scheduler": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 0.01, total_steps=1000),
+                "scheduler_interval": "step",
+            },
+            {},
+            [],
+        ),
         "epoch scheduler": ({"scheduler": lambda o: torch.optim.lr_scheduler.StepLR(o, 1)}, {}, []),
         "validation": ({"metrics": ["accuracy"]}, {"validation_split": 0.2}, []),
         "sample weights": ({}, {"sample_weight": torch.rand(4096, generator=g)}, []),
@@ -153,11 +159,20 @@ def check_syncs(device: torch.device) -> list[tuple[str, str, int]]:
             model = _classifier(device, **compile_kwargs)
             on = SyncOn()
             verbose = fit_kwargs.pop("verbose", 0)
-            data = (DataLoader(TensorDataset(x, y), batch_size=128, shuffle=True),) if fit_kwargs.pop("loader", False) \
-                else (x, y)  # fmt: skip
+            data = (
+                (DataLoader(TensorDataset(x, y), batch_size=128, shuffle=True),)
+                if fit_kwargs.pop("loader", False)
+                else (x, y)
+            )
             try:
-                model.fit(*data, batch_size=128, epochs=2, verbose=verbose, callbacks=[on, *callbacks, SyncOff()],
-                          **fit_kwargs)  # fmt: skip
+                model.fit(
+                    *data,
+                    batch_size=128,
+                    epochs=2,
+                    verbose=verbose,
+                    callbacks=[on, *callbacks, SyncOff()],
+                    **fit_kwargs,
+                )
                 rows.append((name, "0 syncs", on.checked))
             except RuntimeError as e:
                 rows.append((name, f"SYNC: {str(e).splitlines()[0][:70]}", on.checked))
@@ -201,9 +216,14 @@ def check_predict(device: torch.device, rows: int = 20_000, vocab: int = 32_000,
         plain = torch.cat([net(x[i : i + batch].to(device)).cpu() for i in range(0, rows, batch)])
     plain_s = time.perf_counter() - start
     exact = torch.equal(out, plain)
-    return {"outputs_mb": out.numel() * 4 / 2**20, "device_peak_mb": peak / 2**20,
-            "batch_outputs_mb": batch * vocab * 4 / 2**20, "fitkit_s": seconds, "plain_s": plain_s,
-            "same_values": float(exact)}  # fmt: skip
+    return {
+        "outputs_mb": out.numel() * 4 / 2**20,
+        "device_peak_mb": peak / 2**20,
+        "batch_outputs_mb": batch * vocab * 4 / 2**20,
+        "fitkit_s": seconds,
+        "plain_s": plain_s,
+        "same_values": float(exact),
+    }
 
 
 # -- 4. the small classifier: fit vs a hand loop ---------------------------------------------------
@@ -259,11 +279,17 @@ def mlp_hand(net, x, y, batch: int, epochs: int, accuracy: bool, precision: str,
     return time.perf_counter() - start
 
 
-def mlp_fitkit(net, x, y, batch: int, epochs: int, accuracy: bool, precision: str,
-               loss: Any = "cross_entropy") -> float:  # fmt: skip
+def mlp_fitkit(
+    net, x, y, batch: int, epochs: int, accuracy: bool, precision: str, loss: Any = "cross_entropy"
+) -> float:
     model = fitkit.Model(net, device=x.device)
-    model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), loss=loss, precision=precision,
-                  metrics=["accuracy"] if accuracy else None, jit_compile=False)  # fmt: skip
+    model.compile(
+        optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
+        loss=loss,
+        precision=precision,
+        metrics=["accuracy"] if accuracy else None,
+        jit_compile=False,
+    )
     _sync(x.device)
     start = time.perf_counter()
     model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
@@ -272,12 +298,14 @@ def mlp_fitkit(net, x, y, batch: int, epochs: int, accuracy: bool, precision: st
 
 
 #: (label, accuracy, precision, the loss as written)
-MLP_CASES = (("cross_entropy", False, "32", "cross_entropy"), ("cross_entropy + accuracy", True, "32", "cross_entropy"),
-             ("cross_entropy + accuracy, bf16-mixed", True, "bf16-mixed", "cross_entropy"),
-             ("nn.CrossEntropyLoss()", False, "32", nn.CrossEntropyLoss()),
-             ("nn.CrossEntropyLoss() + accuracy", True, "32", nn.CrossEntropyLoss()),
-             ("nn.CrossEntropyLoss(label_smoothing=0.1)", False, "32",
-              nn.CrossEntropyLoss(label_smoothing=0.1)))  # fmt: skip
+MLP_CASES = (
+    ("cross_entropy", False, "32", "cross_entropy"),
+    ("cross_entropy + accuracy", True, "32", "cross_entropy"),
+    ("cross_entropy + accuracy, bf16-mixed", True, "bf16-mixed", "cross_entropy"),
+    ("nn.CrossEntropyLoss()", False, "32", nn.CrossEntropyLoss()),
+    ("nn.CrossEntropyLoss() + accuracy", True, "32", nn.CrossEntropyLoss()),
+    ("nn.CrossEntropyLoss(label_smoothing=0.1)", False, "32", nn.CrossEntropyLoss(label_smoothing=0.1)),
+)
 
 
 def time_mlp(device: torch.device, rows: int, epochs: int, repeats: int, batch: int = 128):
@@ -346,8 +374,12 @@ def plain_loop(net, data, precision: str, compiled: bool) -> float:
 def fitkit_loop(net, data, precision: str, compiled: bool) -> float:
     device = data[0][0].device
     model = fitkit.Model(net, device=device)
-    model.compile(optimizer=lambda p: torch.optim.AdamW(p, lr=3e-4, fused=True), loss="cross_entropy",
-                  precision=precision, jit_compile=compiled)  # fmt: skip
+    model.compile(
+        optimizer=lambda p: torch.optim.AdamW(p, lr=3e-4, fused=True),
+        loss="cross_entropy",
+        precision=precision,
+        jit_compile=compiled,
+    )
     _sync(device)
     start = time.perf_counter()
     model.fit(data, epochs=1, verbose=0)
@@ -358,8 +390,9 @@ def fitkit_loop(net, data, precision: str, compiled: bool) -> float:
 GPT_CASES = (("32", False), ("bf16-mixed", False), ("16-mixed", False), ("bf16-mixed", True))
 
 
-def time_steps(device: torch.device, steps: int, repeats: int, tiny: bool = False,
-               cases=GPT_CASES) -> list[tuple[str, float, float]]:  # fmt: skip
+def time_steps(
+    device: torch.device, steps: int, repeats: int, tiny: bool = False, cases=GPT_CASES
+) -> list[tuple[str, float, float]]:
     data = batches(steps, device, bs=2, T=16) if tiny else batches(steps, device)
     rows = []
     for precision, compiled in cases:
@@ -409,8 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="GPT steps per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per contender (medians)")
     parser.add_argument("--mlp-rows", type=int, default=32768, help="rows of the mlp part (batch 128)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="no GPU needed: run the mlp and timing code on the CPU at tiny sizes")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="no GPU needed: run the mlp and timing code on the CPU at tiny sizes"
+    )
     parser.add_argument("--compile", action="store_true", help="with --dry-run: the compiled case too (slow)")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -439,21 +473,29 @@ def _run_part(part: str, dev: torch.device, args: argparse.Namespace) -> bool:
         return rc not in (0, 5)  # 5: no test collected
     if part == "syncs":
         rows = check_syncs(dev)
-        _table(f"Host syncs in steady-state steps (set_sync_debug_mode('error'), >= {STEADY} each)",
-               ("configuration", "result", "steps checked"), rows)  # fmt: skip
+        _table(
+            f"Host syncs in steady-state steps (set_sync_debug_mode('error'), >= {STEADY} each)",
+            ("configuration", "result", "steps checked"),
+            rows,
+        )
         return any(r[1] != "0 syncs" or r[2] < STEADY for r in rows)
     if part == "predict":
         r = check_predict(dev)
         _table("predict: (20000, 32000) float32 logits, batch 256", tuple(r), [tuple(r.values())])
     elif part == "mlp":
         rows = time_mlp(dev, args.mlp_rows, epochs=2, repeats=max(args.repeats, 5))
-        _table(f"MLP 64-256-10, batch 128, {args.mlp_rows} rows x 2 epochs, data on the device",
-               ("case", "hand ms/step", "fitkit ms/step", "ratio (median of pairs)"), rows)  # fmt: skip
+        _table(
+            f"MLP 64-256-10, batch 128, {args.mlp_rows} rows x 2 epochs, data on the device",
+            ("case", "hand ms/step", "fitkit ms/step", "ratio (median of pairs)"),
+            rows,
+        )
     elif part == "timing":
         rows = time_steps(dev, args.steps, args.repeats)
-        _table(f"GPT 6x384, batch 32x256, {args.steps} steps, median of {args.repeats}",
-               ("precision", "plain ms/step", "fitkit ms/step", "ratio"),
-               [(label, p, f, f / p) for label, p, f in rows])  # fmt: skip
+        _table(
+            f"GPT 6x384, batch 32x256, {args.steps} steps, median of {args.repeats}",
+            ("precision", "plain ms/step", "fitkit ms/step", "ratio"),
+            [(label, p, f, f / p) for label, p, f in rows],
+        )
     return False
 
 

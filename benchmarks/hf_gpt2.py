@@ -56,9 +56,13 @@ class DictWindows:
 def train(module: torch.nn.Module, batches, recipe: Recipe, steps: int, chunk: int, loss) -> tuple[fitkit.Model, float]:
     """``fit`` for ``steps`` optimizer steps, in epochs of ``chunk`` steps; returns the seconds."""
     model = fitkit.Model(module, device="cpu")
-    model.compile(optimizer=build_optimizer(model.module, recipe), loss=loss,
-                  scheduler=lambda opt: build_scheduler(opt, recipe), scheduler_interval="step",
-                  clip_grad_norm=recipe.clip_grad_norm)
+    model.compile(
+        optimizer=build_optimizer(model.module, recipe),
+        loss=loss,
+        scheduler=lambda opt: build_scheduler(opt, recipe),
+        scheduler_interval="step",
+        clip_grad_norm=recipe.clip_grad_norm,
+    )
     start = time.perf_counter()
     for epoch in range(steps // chunk):
         logs = model.fit(batches, initial_epoch=epoch, epochs=epoch + 1, steps_per_epoch=chunk, verbose=0)
@@ -92,13 +96,22 @@ def main(argv: list[str] | None = None) -> dict:
     x_val, y_val = fixed_windows(val_tokens, recipe.block_size, recipe.eval_batches * recipe.batch_size)
 
     def windows() -> RandomWindows:
-        return RandomWindows(train_tokens, recipe.block_size, recipe.batch_size,
-                             torch.Generator().manual_seed(args.seed))
+        return RandomWindows(
+            train_tokens, recipe.block_size, recipe.batch_size, torch.Generator().manual_seed(args.seed)
+        )
 
     p = args.gpt2_dropout
-    config = transformers.GPT2Config(n_layer=recipe.n_layer, n_head=recipe.n_head, n_embd=recipe.n_embd,
-                                     vocab_size=tokenizer.vocab_size, n_positions=recipe.block_size,
-                                     resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False)
+    config = transformers.GPT2Config(
+        n_layer=recipe.n_layer,
+        n_head=recipe.n_head,
+        n_embd=recipe.n_embd,
+        vocab_size=tokenizer.vocab_size,
+        n_positions=recipe.block_size,
+        resid_pdrop=p,
+        embd_pdrop=p,
+        attn_pdrop=p,
+        use_cache=False,
+    )
     torch.manual_seed(args.seed)
     gpt2 = transformers.GPT2LMHeadModel(config)
     torch.manual_seed(args.seed)
@@ -110,19 +123,24 @@ def main(argv: list[str] | None = None) -> dict:
     fk_model, fk_time = train(gpt, windows(), recipe, args.steps, args.chunk, loss="cross_entropy")
 
     hf_val = val_loss(hf_model.module, x_val, y_val, recipe.batch_size, dict_input=True)
-    hf_own = hf_model.evaluate({"input_ids": x_val, "labels": x_val}, batch_size=recipe.batch_size,
-                               verbose=0)["loss"]
+    hf_own = hf_model.evaluate({"input_ids": x_val, "labels": x_val}, batch_size=recipe.batch_size, verbose=0)["loss"]
     fk_val = val_loss(fk_model.module, x_val, y_val, recipe.batch_size, dict_input=False)
     n_hf = sum(p.numel() for p in gpt2.parameters())
     n_fk = gpt.num_parameters()
-    print(f"Shakespeare-char recipe: {args.steps} steps, batch {recipe.batch_size}, block {recipe.block_size}, "
-          f"{recipe.n_layer} layers, {recipe.n_embd} dims, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"Shakespeare-char recipe: {args.steps} steps, batch {recipe.batch_size}, block {recipe.block_size}, "
+        f"{recipe.n_layer} layers, {recipe.n_embd} dims, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, {torch.get_num_threads()} threads"
+    )
     print(f"val loss ({recipe.eval_batches} batches of fixed windows, 64 positions each):")
-    print(f"  GPT-2 (transformers)  {hf_val:.4f}  ({n_hf:,} parameters, {hf_time:.0f}s, "
-          f"{1e3 * hf_time / args.steps:.1f} ms/step; its own loss over 63 positions: {hf_own:.4f})")
-    print(f"  fitkit GPT            {fk_val:.4f}  ({n_fk:,} parameters, {fk_time:.0f}s, "
-          f"{1e3 * fk_time / args.steps:.1f} ms/step)")
+    print(
+        f"  GPT-2 (transformers)  {hf_val:.4f}  ({n_hf:,} parameters, {hf_time:.0f}s, "
+        f"{1e3 * hf_time / args.steps:.1f} ms/step; its own loss over 63 positions: {hf_own:.4f})"
+    )
+    print(
+        f"  fitkit GPT            {fk_val:.4f}  ({n_fk:,} parameters, {fk_time:.0f}s, "
+        f"{1e3 * fk_time / args.steps:.1f} ms/step)"
+    )
     return {"gpt2": hf_val, "gpt2_own": hf_own, "gpt": fk_val, "gpt2_s": hf_time, "gpt_s": fk_time}
 
 

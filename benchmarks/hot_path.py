@@ -41,8 +41,19 @@ MEASURED = range(5, 9)  # the steps counted: from the loss of batch 5 to that of
 #: NLL kernel, a hand loop calls F.cross_entropy).
 #: Each case's losses call exactly one of these once per step, in fit and in its hand loop (NLL
 #: and KL take a ``log_softmax`` head, BCE a sigmoid head, so that the functional is the boundary).
-_BOUNDARIES = {f.__code__ for f in (F.mse_loss, F.cross_entropy, F.log_softmax, F.l1_loss, F.smooth_l1_loss,
-                                    F.huber_loss, F.binary_cross_entropy_with_logits, F.binary_cross_entropy)}
+_BOUNDARIES = {
+    f.__code__
+    for f in (
+        F.mse_loss,
+        F.cross_entropy,
+        F.log_softmax,
+        F.l1_loss,
+        F.smooth_l1_loss,
+        F.huber_loss,
+        F.binary_cross_entropy_with_logits,
+        F.binary_cross_entropy,
+    )
+}
 _WEIGHTS = torch.tensor([1.0, 2.0, 0.5, 1.5])  # class weights of the weighted cross-entropy cases
 _POS_WEIGHT = torch.tensor([3.0])
 
@@ -52,8 +63,11 @@ _POS_WEIGHT = torch.tensor([3.0])
 CASES: dict[str, dict[str, Any]] = {
     "mse": {"compile": {"loss": "mse"}, "classes": 1},
     "cross_entropy": {"compile": {"loss": "cross_entropy"}, "classes": 4},
-    "cross_entropy+accuracy": {"compile": {"loss": "cross_entropy", "metrics": ["accuracy"]}, "classes": 4,
-                               "accuracy": True},
+    "cross_entropy+accuracy": {
+        "compile": {"loss": "cross_entropy", "metrics": ["accuracy"]},
+        "classes": 4,
+        "accuracy": True,
+    },
     "cross_entropy+f1": {"compile": {"loss": "cross_entropy", "metrics": ["f1"]}, "classes": 4, "stat_scores": True},
     "bf16": {"compile": {"loss": "mse"}, "classes": 1, "precision": "bf16-mixed"},
 }
@@ -61,41 +75,82 @@ _CE = {"classes": 4, "hand": F.cross_entropy}
 #: Every spelling of the losses fitkit knows, each against the hand loop that calls its functional
 #: with the same options: ``hand(out, yb)`` is the hand loop's loss, ``head`` a last layer of the
 #: net, ``targets`` what ``y`` holds (default: class indices for ``classes`` > 1, else regression).
-CASES.update({
-    "F.cross_entropy": {**_CE, "compile": {"loss": F.cross_entropy}},
-    "CrossEntropyLoss()": {**_CE, "compile": {"loss": nn.CrossEntropyLoss()}},
-    "CrossEntropyLoss()+accuracy": {**_CE, "compile": {"loss": nn.CrossEntropyLoss(), "metrics": ["accuracy"]},
-                                    "accuracy": True},
-    "CrossEntropyLoss(label_smoothing)": {**_CE, "compile": {"loss": nn.CrossEntropyLoss(label_smoothing=0.1)},
-                                          "hand": partial(F.cross_entropy, label_smoothing=0.1)},
-    "CrossEntropyLoss(weight)": {**_CE, "compile": {"loss": nn.CrossEntropyLoss(weight=_WEIGHTS)},
-                                 "hand": partial(F.cross_entropy, weight=_WEIGHTS)},
-    "CrossEntropyLoss(ignore_index)": {**_CE, "compile": {"loss": nn.CrossEntropyLoss(ignore_index=0)},
-                                       "hand": partial(F.cross_entropy, ignore_index=0)},
-    "CrossEntropyLoss(), Pairs DataLoader": {**_CE, "compile": {"loss": nn.CrossEntropyLoss()}, "source": "pairs"},
-    "nll": {"compile": {"loss": "nll"}, "classes": 4, "head": nn.LogSoftmax(1), "hand": F.nll_loss},
-    "NLLLoss()": {"compile": {"loss": nn.NLLLoss()}, "classes": 4, "head": nn.LogSoftmax(1), "hand": F.nll_loss},
-    "bce_with_logits": {"compile": {"loss": "bce_with_logits"}, "classes": 1, "targets": "binary",
-                        "hand": F.binary_cross_entropy_with_logits},
-    "BCEWithLogitsLoss(pos_weight)": {"compile": {"loss": nn.BCEWithLogitsLoss(pos_weight=_POS_WEIGHT)},
-                                      "classes": 1, "targets": "binary",
-                                      "hand": partial(F.binary_cross_entropy_with_logits, pos_weight=_POS_WEIGHT)},
-    "bce": {"compile": {"loss": "bce"}, "classes": 1, "targets": "binary", "head": nn.Sigmoid(),
-            "hand": F.binary_cross_entropy},
-    "BCELoss()": {"compile": {"loss": nn.BCELoss()}, "classes": 1, "targets": "binary", "head": nn.Sigmoid(),
-                  "hand": F.binary_cross_entropy},
-    "F.mse_loss": {"compile": {"loss": F.mse_loss}, "classes": 1},
-    "MSELoss()": {"compile": {"loss": nn.MSELoss()}, "classes": 1},
-    "l1": {"compile": {"loss": "l1"}, "classes": 1, "hand": F.l1_loss},
-    "L1Loss()": {"compile": {"loss": nn.L1Loss()}, "classes": 1, "hand": F.l1_loss},
-    "SmoothL1Loss(beta)": {"compile": {"loss": nn.SmoothL1Loss(beta=0.5)}, "classes": 1,
-                           "hand": partial(F.smooth_l1_loss, beta=0.5)},
-    "HuberLoss(delta)": {"compile": {"loss": nn.HuberLoss(delta=0.5)}, "classes": 1,
-                         "hand": partial(F.huber_loss, delta=0.5)},
-    "KLDivLoss(batchmean)": {"compile": {"loss": nn.KLDivLoss(reduction="batchmean")}, "classes": 4,
-                             "targets": "probs", "head": nn.LogSoftmax(1),
-                             "hand": partial(F.kl_div, reduction="batchmean")},
-})  # fmt: skip
+CASES.update(
+    {
+        "F.cross_entropy": {**_CE, "compile": {"loss": F.cross_entropy}},
+        "CrossEntropyLoss()": {**_CE, "compile": {"loss": nn.CrossEntropyLoss()}},
+        "CrossEntropyLoss()+accuracy": {
+            **_CE,
+            "compile": {"loss": nn.CrossEntropyLoss(), "metrics": ["accuracy"]},
+            "accuracy": True,
+        },
+        "CrossEntropyLoss(label_smoothing)": {
+            **_CE,
+            "compile": {"loss": nn.CrossEntropyLoss(label_smoothing=0.1)},
+            "hand": partial(F.cross_entropy, label_smoothing=0.1),
+        },
+        "CrossEntropyLoss(weight)": {
+            **_CE,
+            "compile": {"loss": nn.CrossEntropyLoss(weight=_WEIGHTS)},
+            "hand": partial(F.cross_entropy, weight=_WEIGHTS),
+        },
+        "CrossEntropyLoss(ignore_index)": {
+            **_CE,
+            "compile": {"loss": nn.CrossEntropyLoss(ignore_index=0)},
+            "hand": partial(F.cross_entropy, ignore_index=0),
+        },
+        "CrossEntropyLoss(), Pairs DataLoader": {**_CE, "compile": {"loss": nn.CrossEntropyLoss()}, "source": "pairs"},
+        "nll": {"compile": {"loss": "nll"}, "classes": 4, "head": nn.LogSoftmax(1), "hand": F.nll_loss},
+        "NLLLoss()": {"compile": {"loss": nn.NLLLoss()}, "classes": 4, "head": nn.LogSoftmax(1), "hand": F.nll_loss},
+        "bce_with_logits": {
+            "compile": {"loss": "bce_with_logits"},
+            "classes": 1,
+            "targets": "binary",
+            "hand": F.binary_cross_entropy_with_logits,
+        },
+        "BCEWithLogitsLoss(pos_weight)": {
+            "compile": {"loss": nn.BCEWithLogitsLoss(pos_weight=_POS_WEIGHT)},
+            "classes": 1,
+            "targets": "binary",
+            "hand": partial(F.binary_cross_entropy_with_logits, pos_weight=_POS_WEIGHT),
+        },
+        "bce": {
+            "compile": {"loss": "bce"},
+            "classes": 1,
+            "targets": "binary",
+            "head": nn.Sigmoid(),
+            "hand": F.binary_cross_entropy,
+        },
+        "BCELoss()": {
+            "compile": {"loss": nn.BCELoss()},
+            "classes": 1,
+            "targets": "binary",
+            "head": nn.Sigmoid(),
+            "hand": F.binary_cross_entropy,
+        },
+        "F.mse_loss": {"compile": {"loss": F.mse_loss}, "classes": 1},
+        "MSELoss()": {"compile": {"loss": nn.MSELoss()}, "classes": 1},
+        "l1": {"compile": {"loss": "l1"}, "classes": 1, "hand": F.l1_loss},
+        "L1Loss()": {"compile": {"loss": nn.L1Loss()}, "classes": 1, "hand": F.l1_loss},
+        "SmoothL1Loss(beta)": {
+            "compile": {"loss": nn.SmoothL1Loss(beta=0.5)},
+            "classes": 1,
+            "hand": partial(F.smooth_l1_loss, beta=0.5),
+        },
+        "HuberLoss(delta)": {
+            "compile": {"loss": nn.HuberLoss(delta=0.5)},
+            "classes": 1,
+            "hand": partial(F.huber_loss, delta=0.5),
+        },
+        "KLDivLoss(batchmean)": {
+            "compile": {"loss": nn.KLDivLoss(reduction="batchmean")},
+            "classes": 4,
+            "targets": "probs",
+            "head": nn.LogSoftmax(1),
+            "hand": partial(F.kl_div, reduction="batchmean"),
+        },
+    }
+)
 
 
 def _data(classes: int = 1, targets: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,9 +240,16 @@ def _fit(case: str) -> Any:
     config = CASES[case]
 
     def run(counter: _Counter) -> None:
-        model = fitkit.Model(_net(config["classes"], config.get("head")), device="cpu", )
-        model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), jit_compile=False,
-                      precision=config.get("precision", "32"), **config["compile"])  # fmt: skip
+        model = fitkit.Model(
+            _net(config["classes"], config.get("head")),
+            device="cpu",
+        )
+        model.compile(
+            optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
+            jit_compile=False,
+            precision=config.get("precision", "32"),
+            **config["compile"],
+        )
         x, y = _data(config["classes"], config.get("targets"))
         if config.get("source") == "pairs":
             model.fit(torch.utils.data.DataLoader(Pairs(x, y), batch_size=BATCH), epochs=1, verbose=0)

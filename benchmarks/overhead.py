@@ -133,12 +133,16 @@ def plain_loader(net, loader, epochs, kind="mse") -> float:
 
 
 #: fitkit's compile options for each kind of hand loop.
-COMPILE = {"mse": {"loss": "mse"}, "cross_entropy": {"loss": "cross_entropy"},
-           "accuracy": {"loss": "cross_entropy", "metrics": ["accuracy"]},
-           "bf16": {"loss": "mse", "precision": "bf16-mixed"},
-           "module": {"loss": nn.CrossEntropyLoss()}, "module+accuracy": {"loss": nn.CrossEntropyLoss(),
-           "metrics": ["accuracy"]}, "smoothing": {"loss": nn.CrossEntropyLoss(label_smoothing=0.1)},
-           "mse module": {"loss": nn.MSELoss()}}  # fmt: skip
+COMPILE = {
+    "mse": {"loss": "mse"},
+    "cross_entropy": {"loss": "cross_entropy"},
+    "accuracy": {"loss": "cross_entropy", "metrics": ["accuracy"]},
+    "bf16": {"loss": "mse", "precision": "bf16-mixed"},
+    "module": {"loss": nn.CrossEntropyLoss()},
+    "module+accuracy": {"loss": nn.CrossEntropyLoss(), "metrics": ["accuracy"]},
+    "smoothing": {"loss": nn.CrossEntropyLoss(label_smoothing=0.1)},
+    "mse module": {"loss": nn.MSELoss()},
+}
 #: The hand loop each module spelling is compared with.
 HAND = {"module": "cross_entropy", "module+accuracy": "accuracy", "smoothing": "smoothing", "mse module": "mse"}
 
@@ -170,8 +174,14 @@ def lightning_run(net, x, y, epochs, bs):
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
     loader = DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True)
-    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Module(), loader)
 
 
@@ -229,15 +239,19 @@ def timed(fn, clock=time.perf_counter) -> float:
     return clock() - start
 
 
-def main() -> None:
+def main() -> None:  # noqa: C901  (one flat script: its options, its rows, its table)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=8192)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--features", type=int, default=16)
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="wall time, or this process's CPU time (less sensitive to other jobs)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or this process's CPU time (less sensitive to other jobs)",
+    )
     parser.add_argument("--only", default="", help="run only the rows whose name contains this")
     args = parser.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -311,15 +325,20 @@ def main() -> None:
     steps = ep * -(-args.samples // bs)
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    table = Table(title=f"Tiny MLP, {args.samples} samples, batch {bs}, {ep} epochs ({steps} steps), "
-                        f"median of {args.repeats}, {args.clock} time, load {load:.2f}")  # fmt: skip
+    table = Table(
+        title=f"Tiny MLP, {args.samples} samples, batch {bs}, {ep} epochs ({steps} steps), "
+        f"median of {args.repeats}, {args.clock} time, load {load:.2f}"
+    )
     for col in ("run", "median s", "us/step", "ratio", "paired ratio", "against"):
         table.add_column(col)
     for name, t in med.items():
         ref = pairs.get(name)
         ratio = f"{t / med[ref]:.3f}" if ref in med else ""
-        paired = f"{statistics.median(a / b for a, b in zip(times[name], times[ref], strict=True)):.3f}" \
-            if ref in med else ""  # fmt: skip
+        paired = (
+            f"{statistics.median(a / b for a, b in zip(times[name], times[ref], strict=True)):.3f}"
+            if ref in med
+            else ""
+        )
         table.add_row(name, f"{t:.3f}", f"{t / steps * 1e6:.1f}", ratio, paired, ref or "")
     Console().print(table)
 

@@ -32,11 +32,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     args = parser.parse_args()
-    result = subprocess.run([sys.executable, "-c", CHILD.format(rows=args.rows)], capture_output=True, text=True,
-                            check=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD.format(rows=args.rows)], capture_output=True, text=True, check=True
+    )
     r = json.loads(result.stdout.strip().splitlines()[-1])
-    print(f"predict on {args.rows} rows: outputs {r['outputs_mb']:.1f} MB, peak RSS added {r['peak_added_mb']:.1f} MB "
-          f"({r['peak_added_mb'] / r['outputs_mb']:.2f}x the outputs)")  # fmt: skip
+    print(
+        f"predict on {args.rows} rows: outputs {r['outputs_mb']:.1f} MB, peak RSS added {r['peak_added_mb']:.1f} MB "
+        f"({r['peak_added_mb'] / r['outputs_mb']:.2f}x the outputs)"
+    )
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ def warn_fallback(e: BaseException) -> None:
     warnings.warn(
         f"torch.compile failed ({type(e).__name__}: {first_line}); fitkit runs this model eagerly. "
         "Fix: set `jit_compile=False` to silence this, or pass torch.compile kwargs as a dict.",
-        category=FitkitWarning, stacklevel=4,
+        category=FitkitWarning,
+        stacklevel=4,
     )
 
 

@@ -16,7 +16,12 @@ import torch
 from fitkit import nest
 
 __all__ = [
-    "resolve_device", "move_to_device", "optimizer_to", "autocast", "PRECISIONS", "accelerator_rng_state",
+    "resolve_device",
+    "move_to_device",
+    "optimizer_to",
+    "autocast",
+    "PRECISIONS",
+    "accelerator_rng_state",
     "set_accelerator_rng_state",
 ]
 
@@ -77,8 +82,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     elif dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(
-            f"Received: device={str(device)!r}, but MPS is not available on this machine. "
-            "Use device='auto' or 'cpu'."
+            f"Received: device={str(device)!r}, but MPS is not available on this machine. Use device='auto' or 'cpu'."
         )
     return dev
 

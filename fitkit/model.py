@@ -22,7 +22,6 @@ from fitkit.checks import known_keywords
 from fitkit.checks.declared import declared
 from fitkit.devices import NO_CONTEXT, autocast, optimizer_to, resolve_device
 from fitkit.distributed import meta as _meta
-from fitkit.files.differences import check_state_dict_fits
 from fitkit.losses.labels import LABELS
 from fitkit.metrics import MetricSet
 from fitkit.training import calls as _calls
@@ -84,9 +83,15 @@ class Model(FilesAndTools):
     """
 
     @declared(_options.MODEL)
-    def __init__(self, module: nn.Module, *, device: str | torch.device = "auto",
-                 strategy: str | _distributed.FSDP = "auto", timeout: float | None = None,
-                 activation_checkpointing: object = False):  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        device: str | torch.device = "auto",
+        strategy: str | _distributed.FSDP = "auto",
+        timeout: float | None = None,
+        activation_checkpointing: object = False,
+    ):
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"Expected `module` to be a torch.nn.Module. Received: {type(module).__name__}. "
@@ -312,51 +317,6 @@ class Model(FilesAndTools):
         self._core.phases.to(self.device)
         self._core.new_forward(self.module, self._core.training_forward.jit)
         return self
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's state dict (never with ``_orig_mod.`` or ``module.`` prefixes).
-
-        With ``strategy="fsdp"`` under torchrun it is the full, unsharded state: a collective
-        that every rank calls; rank 0 gets the tensors on the CPU, other ranks an empty dict.
-
-        Returns:
-            ``{name: tensor}``, as ``nn.Module.state_dict`` returns it. Without FSDP the tensors
-            share storage with the module's: clone them to keep a snapshot.
-
-        Example:
-            >>> sorted(Model(nn.Linear(2, 1), device="cpu").state_dict())
-            ['bias', 'weight']
-        """
-        if self._core.parallel is not None:
-            return self._core.parallel.state_dict(self.module)
-        return self.module.state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
-        """Load a module state dict (as ``nn.Module.load_state_dict``; a full one under FSDP).
-
-        Args:
-            state_dict: ``{name: tensor}``, e.g. from :meth:`state_dict`, without ``module.``
-                or ``_orig_mod.`` prefixes; tensors are copied onto the module's device.
-            strict: require the keys to match the module's exactly.
-
-        Returns:
-            ``nn.Module.load_state_dict``'s named tuple of ``missing_keys`` and
-            ``unexpected_keys``.
-
-        Raises:
-            RuntimeError: keys that do not match (with ``strict=True``), or tensors of another
-                shape or dtype; every difference is listed and nothing is loaded (with
-                ``strict=False`` the keys both hold must still fit).
-
-        Example:
-            >>> a, b = Model(nn.Linear(2, 1), device="cpu"), Model(nn.Linear(2, 1), device="cpu")
-            >>> b.load_state_dict(a.state_dict())
-            <All keys matched successfully>
-        """
-        if self._core.parallel is not None:
-            return self._core.parallel.load_state_dict(self.module, state_dict, strict=strict)
-        check_state_dict_fits(self.module, state_dict, strict)  # all or nothing, as load_weights
-        return self.module.load_state_dict(state_dict, strict=strict)
 
     # -- compile ---------------------------------------------------------------------------
     @known_keywords
@@ -898,7 +858,6 @@ class Model(FilesAndTools):
         return stepper.step(self.module)
 
     update_metrics = _steps.update_metrics
-
 
 
 def _keywords(arguments: dict[str, Any], *positional: str) -> dict[str, Any]:

@@ -49,5 +49,6 @@ def warn_if_all_eval(module: nn.Module) -> None:
         warnings.warn(
             "Every submodule is in eval mode, so fit trains with dropout off and BatchNorm "
             "statistics frozen. If that is not intended, call `model.module.train()` first.",
-            category=FitkitWarning, stacklevel=4,
+            category=FitkitWarning,
+            stacklevel=4,
         )

@@ -36,8 +36,9 @@ def rebuild(like: Any, items: list[Any]) -> Any:
 _KEEP: Any = object()
 
 
-def map_structure(fn: Callable[[Any], Any], obj: Any, leaf: type | tuple[type, ...] = torch.Tensor,
-                  other: Any = _KEEP) -> Any:  # fmt: skip
+def map_structure(
+    fn: Callable[[Any], Any], obj: Any, leaf: type | tuple[type, ...] = torch.Tensor, other: Any = _KEEP
+) -> Any:
     """Apply ``fn`` to every leaf (a tensor, or ``leaf`` types) of a nested structure.
 
     Leaves of other types are kept as they are, or replaced by ``other`` when it is given.

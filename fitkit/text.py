@@ -45,11 +45,12 @@ class CharTokenizer:
 
     def __init__(self, text: str) -> None:
         if not isinstance(text, str):
-            raise TypeError(f"Expected `text` to be a str. Received: {type(text).__name__}. "
-                            "Read the file first, e.g. Path(path).read_text().")
+            raise TypeError(
+                f"Expected `text` to be a str. Received: {type(text).__name__}. "
+                "Read the file first, e.g. Path(path).read_text()."
+            )
         if not text:
-            raise ValueError("Expected a non-empty `text` to build the vocabulary from. "
-                             "Received: ''.")
+            raise ValueError("Expected a non-empty `text` to build the vocabulary from. Received: ''.")
         self.chars: list[str] = sorted(set(text))
         self.stoi: dict[str, int] = {c: i for i, c in enumerate(self.chars)}
 
@@ -104,7 +105,8 @@ class CharTokenizer:
             raise ValueError(
                 f"Unknown character {char!r} (U+{ord(char):04X}) at position {pos} of `text`; "
                 f"the vocabulary has {self.vocab_size} characters. Build the tokenizer from a "
-                "text that contains it, or remove it from the input.") from None
+                "text that contains it, or remove it from the input."
+            ) from None
         return torch.tensor(ids, dtype=torch.long)
 
     def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
@@ -128,23 +130,29 @@ class CharTokenizer:
             try:
                 ids = torch.as_tensor(ids)
             except (TypeError, ValueError, RuntimeError):
-                raise TypeError("Expected `ids` to be an integer tensor or a sequence of ints. "
-                                f"Received: {ids!r:.60}.") from None
+                raise TypeError(
+                    f"Expected `ids` to be an integer tensor or a sequence of ints. Received: {ids!r:.60}."
+                ) from None
         if ids.numel() == 0:
             return ""
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"Expected integer token ids in `ids`. Received dtype {ids.dtype}. "
-                            "Convert them, e.g. ids.long().")
+            raise TypeError(
+                f"Expected integer token ids in `ids`. Received dtype {ids.dtype}. Convert them, e.g. ids.long()."
+            )
         if ids.dim() != 1:
-            raise ValueError(f"Expected `ids` of shape (T,). Received: shape {tuple(ids.shape)}."
-                             " Decode one sequence at a time, e.g. decode(ids[0]).")
+            raise ValueError(
+                f"Expected `ids` of shape (T,). Received: shape {tuple(ids.shape)}."
+                " Decode one sequence at a time, e.g. decode(ids[0])."
+            )
         # One min/max pass instead of a Python check per id; also catches negative ids, which
         # list indexing would silently wrap around.
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.vocab_size:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"Expected token ids in [0, {self.vocab_size}). Received id {bad}. "
-                             "Were the ids made by a tokenizer with another vocabulary?")
+            raise ValueError(
+                f"Expected token ids in [0, {self.vocab_size}). Received id {bad}. "
+                "Were the ids made by a tokenizer with another vocabulary?"
+            )
         return "".join(map(self.chars.__getitem__, ids.tolist()))
 
 
@@ -176,23 +184,30 @@ class NextTokenDataset(Dataset):
 
     def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
         if not isinstance(tokens, torch.Tensor):
-            raise TypeError(f"Expected `tokens` to be a torch.Tensor. Received: "
-                            f"{type(tokens).__name__}. Wrap it, e.g. torch.tensor(tokens).")
+            raise TypeError(
+                f"Expected `tokens` to be a torch.Tensor. Received: "
+                f"{type(tokens).__name__}. Wrap it, e.g. torch.tensor(tokens)."
+            )
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-            raise TypeError(f"Expected integer token ids in `tokens`. Received dtype "
-                            f"{tokens.dtype}. Convert them, e.g. tokens.long().")
+            raise TypeError(
+                f"Expected integer token ids in `tokens`. Received dtype "
+                f"{tokens.dtype}. Convert them, e.g. tokens.long()."
+            )
         if tokens.dim() != 1:
-            raise ValueError(f"Expected `tokens` of shape (N,). Received: shape "
-                             f"{tuple(tokens.shape)}. Flatten it, e.g. tokens.flatten().")
+            raise ValueError(
+                f"Expected `tokens` of shape (N,). Received: shape "
+                f"{tuple(tokens.shape)}. Flatten it, e.g. tokens.flatten()."
+            )
         if not isinstance(block_size, int) or isinstance(block_size, bool):
-            raise TypeError(f"Expected `block_size` to be an int. Received: "
-                            f"block_size={block_size!r}.")
+            raise TypeError(f"Expected `block_size` to be an int. Received: block_size={block_size!r}.")
         if block_size < 1:
             raise ValueError(f"Expected `block_size` >= 1. Received: block_size={block_size}.")
         if len(tokens) < block_size + 1:
-            raise ValueError(f"Expected at least block_size + 1 = {block_size + 1} tokens. "
-                             f"Received: {len(tokens)} tokens. Use a smaller block_size or a "
-                             "longer text.")
+            raise ValueError(
+                f"Expected at least block_size + 1 = {block_size + 1} tokens. "
+                f"Received: {len(tokens)} tokens. Use a smaller block_size or a "
+                "longer text."
+            )
         self.tokens = tokens.long()
         self.block_size = block_size
 
@@ -214,8 +229,6 @@ class NextTokenDataset(Dataset):
         """
         index, n = operator.index(index), len(self)
         if not -n <= index < n:
-            raise IndexError(f"Index {index} is out of range for a NextTokenDataset of "
-                             f"length {n}.")
+            raise IndexError(f"Index {index} is out of range for a NextTokenDataset of length {n}.")
         index %= n
-        return (self.tokens[index:index + self.block_size],
-                self.tokens[index + 1:index + 1 + self.block_size])
+        return (self.tokens[index : index + self.block_size], self.tokens[index + 1 : index + 1 + self.block_size])

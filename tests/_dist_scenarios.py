@@ -56,19 +56,35 @@ def full_params(model: fitkit.Model) -> dict[str, torch.Tensor]:
     return out
 
 
-def trained(optimizer: str, n: int, *, weighted: bool = False, strategy: str = "auto",
-            accumulation: int = 1, epochs: int = 3, callbacks=None):  # fmt: skip
+def trained(
+    optimizer: str,
+    n: int,
+    *,
+    weighted: bool = False,
+    strategy: str = "auto",
+    accumulation: int = 1,
+    epochs: int = 3,
+    callbacks=None,
+):
     """Fit with shuffling and validation; return the model and its History."""
     torch.manual_seed(0)
     x, y, w = data(n)
     xv, yv, _ = data(11, seed=1)
     model = fitkit.Model(net(), device="cpu", strategy=strategy)
-    model.compile(optimizer=OPTIMIZERS[optimizer], loss="mse", metrics=["mae"],
-                  gradient_accumulation_steps=accumulation)  # fmt: skip
+    model.compile(
+        optimizer=OPTIMIZERS[optimizer], loss="mse", metrics=["mae"], gradient_accumulation_steps=accumulation
+    )
     history = model.fit(
-        x, y, sample_weight=w if weighted else None, batch_size=GLOBAL_BATCH // world_size(),
-        epochs=epochs, shuffle=True, validation_data=(xv, yv), verbose=0, callbacks=callbacks,
-    )  # fmt: skip
+        x,
+        y,
+        sample_weight=w if weighted else None,
+        batch_size=GLOBAL_BATCH // world_size(),
+        epochs=epochs,
+        shuffle=True,
+        validation_data=(xv, yv),
+        verbose=0,
+        callbacks=callbacks,
+    )
     return model, history
 
 
@@ -96,9 +112,7 @@ def exact_evaluate(strategy: str = "auto") -> dict:
         "tensors": model.evaluate(x, y, batch_size=2, verbose=0),
         "dataloader": model.evaluate(DataLoader(TensorDataset(x, y), batch_size=2), verbose=0),
         "dataset": model.evaluate(TensorDataset(x, y), batch_size=2, verbose=0),
-        "shuffled_dataloader": model.evaluate(
-            DataLoader(TensorDataset(x, y), batch_size=2, shuffle=True), verbose=0
-        ),
+        "shuffled_dataloader": model.evaluate(DataLoader(TensorDataset(x, y), batch_size=2, shuffle=True), verbose=0),
         "already_sharded": model.evaluate(already_sharded(x[r::w]), y[r::w], batch_size=2, verbose=0),
     }
 
@@ -180,8 +194,16 @@ def resume(path, epochs: int = 3, strategy: str = "auto") -> dict:
     model.compile(optimizer=OPTIMIZERS["adam"], loss="mse", metrics=["mae"])
     start = model.load_checkpoint(path)
     loaded = full_params(model)
-    history = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), initial_epoch=start, epochs=epochs,
-                        shuffle=True, validation_data=(xv, yv), verbose=0)  # fmt: skip
+    history = model.fit(
+        x,
+        y,
+        batch_size=GLOBAL_BATCH // world_size(),
+        initial_epoch=start,
+        epochs=epochs,
+        shuffle=True,
+        validation_data=(xv, yv),
+        verbose=0,
+    )
     return {"start": start, "loaded": loaded, "params": full_params(model), "history": history.history}
 
 
@@ -196,8 +218,12 @@ def parity_loader(n: int = 37) -> dict:
     bs = GLOBAL_BATCH // world_size()
     model = fitkit.Model(net(), device="cpu")
     model.compile(optimizer=OPTIMIZERS["adam"], loss="mse", metrics=["mae"])
-    history = model.fit(DataLoader(TensorDataset(x, y), batch_size=bs), epochs=3, verbose=0,
-                        validation_data=DataLoader(TensorDataset(xv, yv), batch_size=bs))  # fmt: skip
+    history = model.fit(
+        DataLoader(TensorDataset(x, y), batch_size=bs),
+        epochs=3,
+        verbose=0,
+        validation_data=DataLoader(TensorDataset(xv, yv), batch_size=bs),
+    )
     out = {"params": full_params(model), "history": history.history}
     model.fit(DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True), epochs=2, verbose=0)
     out["shuffled_params"] = full_params(model)
@@ -414,8 +440,11 @@ def sum_reduction(accumulation: int = 2) -> dict:
     ranks (16 rows, global batch 8, 2 windows of 2 micro-batches: one step per 16 rows)."""
     x, y, _ = data(32)
     model = fitkit.Model(net(), device="cpu")
-    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.001), loss=nn.MSELoss(reduction="sum"),
-                  gradient_accumulation_steps=accumulation)
+    model.compile(
+        optimizer=functools.partial(torch.optim.SGD, lr=0.001),
+        loss=nn.MSELoss(reduction="sum"),
+        gradient_accumulation_steps=accumulation,
+    )
     history = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), shuffle=False, epochs=1, verbose=0)
     return {"params": full_params(model), "loss": history.history["loss"], "steps": model.global_step}
 
@@ -453,8 +482,11 @@ def ddp_options(case: str, fsdp: bool = False) -> dict:
     elif case == "unfreeze_mid_epoch":  # after step 2 of epoch 1's 4: followed from step 3
         module = net()
         module[0].requires_grad_(False)
-        callbacks.append(LambdaCallback(on_train_batch_end=lambda b, logs: module[0].requires_grad_(True)
-                                        if model.global_step == 2 else None))
+        callbacks.append(
+            LambdaCallback(
+                on_train_batch_end=lambda b, logs: module[0].requires_grad_(True) if model.global_step == 2 else None
+            )
+        )
         strategy = "auto"
     elif case == "bucket_view":
         module, strategy = net(), DDP(gradient_as_bucket_view=True)
@@ -483,8 +515,9 @@ def ce_case(kind: str, callbacks=(), metrics=None) -> dict:
             p.copy_(torch.randn(p.shape, generator=g))
     model = fitkit.Model(module, device="cpu")
     model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss="cross_entropy", metrics=metrics)
-    h = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=1, shuffle=False, verbose=0,
-                  callbacks=list(callbacks))
+    h = model.fit(
+        x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=1, shuffle=False, verbose=0, callbacks=list(callbacks)
+    )
     return {"params": full_params(model), "loss": h.history["loss"][0], "logs": dict(h.history)}
 
 
@@ -523,12 +556,22 @@ def bn_validation() -> dict:
     xv, yv, _ = data(20, seed=5)
     x = x + torch.arange(48).unsqueeze(1) / 12.0  # rank 1's batches differ from rank 0's in scale
     states: list[dict[str, torch.Tensor]] = []
-    capture = LambdaCallback(on_test_begin=lambda logs: states.append(
-        {k: v.clone() for k, v in model.module.state_dict().items()}))
+    capture = LambdaCallback(
+        on_test_begin=lambda logs: states.append({k: v.clone() for k, v in model.module.state_dict().items()})
+    )
     model = fitkit.Model(_bn_net(), device="cpu")
     model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.05), loss="mse", metrics=["mae"])
-    h = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, validation_data=(xv, yv),
-                  validation_interval=2, callbacks=[capture])
+    h = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        validation_data=(xv, yv),
+        validation_interval=2,
+        callbacks=[capture],
+    )
     return {"validations": [dict(v) for v in h.validations], "states": states}
 
 
@@ -590,18 +633,35 @@ def time_validation(folder) -> dict:
     model = fitkit.Model(net(), device="cpu")
     model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.01), loss="mse")
     try:
-        ck = ModelCheckpoint(folder / "m-{step}.pt", monitor="loss", keep_last=10, clock=lambda: now[0],
-                             train_time_interval=datetime.timedelta(seconds=2.5))  # fmt: skip
-        h = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[tick, ck],
-                      validation_data=(x[:16], y[:16]), validation_interval=datetime.timedelta(seconds=2.5))
+        ck = ModelCheckpoint(
+            folder / "m-{step}.pt",
+            monitor="loss",
+            keep_last=10,
+            clock=lambda: now[0],
+            train_time_interval=datetime.timedelta(seconds=2.5),
+        )
+        h = model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[tick, ck],
+            validation_data=(x[:16], y[:16]),
+            validation_interval=datetime.timedelta(seconds=2.5),
+        )
     finally:
         ValidationInterval.clock = real
         if old is None:
             os.environ.pop("FITKIT_SIGNAL_SECONDS")
         else:
             os.environ["FITKIT_SIGNAL_SECONDS"] = old
-    return {"validations": [(v["step"], v["val_loss"]) for v in h.validations], "steps": model.global_step,
-            "saved": [os.path.basename(p) for p in ck.recent]}
+    return {
+        "validations": [(v["step"], v["val_loss"]) for v in h.validations],
+        "steps": model.global_step,
+        "saved": [os.path.basename(p) for p in ck.recent],
+    }
 
 
 def own_items(loss: Any = None) -> dict:
@@ -617,15 +677,30 @@ def own_items(loss: Any = None) -> dict:
     ids = torch.randint(1, 32, (4, 6), generator=g)
     labels = ids.clone()
     for row, counted in enumerate((4, 1, 3, 2)):
-        labels[row, 1 + counted:] = -100  # the causal shift: positions 1..counted count
+        labels[row, 1 + counted :] = -100  # the causal shift: positions 1..counted count
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2,
-                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=32,
+        n_positions=8,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     net = transformers.GPT2LMHeadModel(cfg)
     model = fitkit.Model(net, device="cpu")
     model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.5), loss=loss)
-    h = model.fit({"input_ids": ids, "labels": labels}, batch_size=GLOBAL_BATCH // 4 // world_size(), epochs=1,
-                  shuffle=False, verbose=0)  # fmt: skip
+    h = model.fit(
+        {"input_ids": ids, "labels": labels},
+        batch_size=GLOBAL_BATCH // 4 // world_size(),
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+    )
     return {"params": full_params(model), "loss": h.history["loss"][0]}
 
 
@@ -639,8 +714,9 @@ def tokens_seen() -> dict:
     model = fitkit.Model(module, device="cpu")
     model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.01), loss="mse")
     x = torch.arange(99).remainder(10).reshape(33, 3)
-    h = model.fit(x, torch.zeros(33, 1), batch_size=GLOBAL_BATCH // world_size(), epochs=2, verbose=0,
-                  callbacks=[TokensSeen()])  # fmt: skip
+    h = model.fit(
+        x, torch.zeros(33, 1), batch_size=GLOBAL_BATCH // world_size(), epochs=2, verbose=0, callbacks=[TokensSeen()]
+    )
     return {"seen": h.history["num_input_tokens_seen"]}
 
 
@@ -717,9 +793,12 @@ def bf16_root(mixed_precision: Any = torch.bfloat16, wrap: Any = None) -> dict:
     h = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=2, shuffle=False, verbose=0)
     params = full_params(model)  # before the forward below: FSDP's root stays gathered after it
     seen: dict[str, Any] = {}
-    hooks = [module[0].register_forward_hook(lambda m, i, o: seen.__setitem__("unit_out", o.dtype)),
-             module[2].register_forward_hook(lambda m, i, o: seen.__setitem__("head", (m.weight.dtype, i[0].dtype,
-                                                                                     o.dtype)))]  # fmt: skip
+    hooks = [
+        module[0].register_forward_hook(lambda m, i, o: seen.__setitem__("unit_out", o.dtype)),
+        module[2].register_forward_hook(
+            lambda m, i, o: seen.__setitem__("head", (m.weight.dtype, i[0].dtype, o.dtype))
+        ),
+    ]
     with torch.no_grad():
         seen["out"] = module(x[:4]).dtype
     for hook in hooks:

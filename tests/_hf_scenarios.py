@@ -20,17 +20,33 @@ datasets.disable_progress_bars()
 transformers.logging.set_verbosity_error()
 
 WORDS = ["[PAD]", "[UNK]", "[MASK]", "good", "bad", "movie", "plot", "very", "not", "the", "a", "fun", "dull", "is"]
-TEXTS = ["good movie", "bad plot", "very good fun movie", "the plot is dull", "not good", "a fun plot",
-         "very bad", "good", "dull movie", "the movie is fun", "a bad plot", "very very good",
-         "not fun", "good plot", "the dull plot", "fun"]  # fmt: skip
+TEXTS = [
+    "good movie",
+    "bad plot",
+    "very good fun movie",
+    "the plot is dull",
+    "not good",
+    "a fun plot",
+    "very bad",
+    "good",
+    "dull movie",
+    "the movie is fun",
+    "a bad plot",
+    "very very good",
+    "not fun",
+    "good plot",
+    "the dull plot",
+    "fun",
+]
 LABELS = [1, 0, 1, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1]
 
 
 def tokenizer() -> transformers.PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
-                                                mask_token="[MASK]")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]"
+    )
 
 
 def dataset(max_length: int | None = 5) -> datasets.Dataset:
@@ -77,16 +93,26 @@ def params(m: fitkit.Model) -> dict[str, torch.Tensor]:
 
 def collated_loader(batch_size: int, shuffle: bool = False) -> DataLoader:
     """Rows of their own lengths, padded per batch by ``DataCollatorWithPadding``."""
-    return DataLoader(dataset(None), batch_size=batch_size, shuffle=shuffle,
-                      collate_fn=transformers.DataCollatorWithPadding(tokenizer()))
+    return DataLoader(
+        dataset(None),
+        batch_size=batch_size,
+        shuffle=shuffle,
+        collate_fn=transformers.DataCollatorWithPadding(tokenizer()),
+    )
 
 
 def distributed_checks(batch_size: int) -> dict:
     """What the torchrun test compares with one process: fit on the dataset itself (unshuffled,
     then shuffled), a collator's DataLoader as validation data, evaluate and predict."""
     m = model(metrics=[])
-    history = m.fit(dataset(), batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
-                    validation_data=collated_loader(batch_size))
+    history = m.fit(
+        dataset(),
+        batch_size=batch_size,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        validation_data=collated_loader(batch_size),
+    )
     out = {"params": params(m), "history": history.history}
     out["evaluate"] = m.evaluate(dataset(), batch_size=batch_size, verbose=0)
     out["predict"] = m.predict(collated_loader(batch_size), verbose=0)

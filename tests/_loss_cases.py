@@ -124,8 +124,9 @@ def _collectives(prof) -> collections.Counter:
 
 def _full(module: nn.Module) -> dict:
     """Every parameter's full value (FSDP's shards gathered: a collective per parameter)."""
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in module.named_parameters()}  # fmt: skip
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in module.named_parameters()
+    }
 
 
 def run_case(loss: str, kind: str, source: str, count: bool = False, fsdp: dict | None = None) -> dict:
@@ -141,25 +142,39 @@ def run_case(loss: str, kind: str, source: str, count: bool = False, fsdp: dict 
     strategy, accumulate = "auto", 1
     if fsdp is not None:
         bf16 = fsdp.get("bf16", False)
-        strategy = fitkit.distributed.FSDP(wrap=nn.Linear if bf16 else first_layer,
-                                           mixed_precision=torch.bfloat16 if bf16 else None)
+        strategy = fitkit.distributed.FSDP(
+            wrap=nn.Linear if bf16 else first_layer, mixed_precision=torch.bfloat16 if bf16 else None
+        )
         accumulate = fsdp.get("accumulate", 1)
     model = fitkit.Model(module, device="cpu", strategy=strategy)
     loss_fn = nn.CrossEntropyLoss(weight=CLASS_WEIGHTS) if loss == "class_weights" else loss
-    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss=loss_fn,
-                  gradient_accumulation_steps=accumulate)
+    model.compile(
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss=loss_fn, gradient_accumulation_steps=accumulate
+    )
     batch_size = GLOBAL_BATCH // world_size()
     counter = CollectivesPerStep()
     callbacks = [counter] if count else []
     if source == "loader":
-        h = model.fit(DataLoader(TensorDataset(*data), batch_size=batch_size), epochs=1, verbose=0,
-                      callbacks=callbacks)
+        h = model.fit(DataLoader(TensorDataset(*data), batch_size=batch_size), epochs=1, verbose=0, callbacks=callbacks)
     else:
         x, y, *w = data
-        h = model.fit(x, y, sample_weight=w[0] if w else None, batch_size=batch_size, epochs=1, shuffle=False,
-                      verbose=0, callbacks=callbacks)
-    return {"params": _full(module), "init": init, "loss": h.history["loss"][0], "per_step": counter.per_step,
-            "names": counter.names}
+        h = model.fit(
+            x,
+            y,
+            sample_weight=w[0] if w else None,
+            batch_size=batch_size,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+    return {
+        "params": _full(module),
+        "init": init,
+        "loss": h.history["loss"][0],
+        "per_step": counter.per_step,
+        "names": counter.names,
+    }
 
 
 def hand_ddp_per_step(steps: int = 5) -> list[int]:
@@ -173,7 +188,7 @@ def hand_ddp_per_step(steps: int = 5) -> list[int]:
     for i in range(steps):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             opt.zero_grad()
-            nn.functional.mse_loss(ddp(x[4 * i:4 * i + 4]), y[4 * i:4 * i + 4]).backward()
+            nn.functional.mse_loss(ddp(x[4 * i : 4 * i + 4]), y[4 * i : 4 * i + 4]).backward()
             opt.step()
         out.append(sum(e.name.startswith("c10d::") for e in prof.events()))
     return out
@@ -186,8 +201,11 @@ def hand_fsdp_per_step(steps: int = 5, accumulate: int = 1, bf16: bool = False) 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     net = _module("cross_entropy", "index", deep=True)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                  output_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()  # fmt: skip
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
     for unit in (net[0], net[2], net) if bf16 else (net[0], net):
         fully_shard(unit, mp_policy=policy)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -197,7 +215,7 @@ def hand_fsdp_per_step(steps: int = 5, accumulate: int = 1, bf16: bool = False) 
         last = (i + 1) % accumulate == 0
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             net.set_requires_gradient_sync(last)
-            nn.functional.cross_entropy(net(x[4 * i:4 * i + 4]), y[4 * i:4 * i + 4]).backward()
+            nn.functional.cross_entropy(net(x[4 * i : 4 * i + 4]), y[4 * i : 4 * i + 4]).backward()
             if last:
                 opt.step()
                 opt.zero_grad()

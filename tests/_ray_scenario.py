@@ -79,11 +79,26 @@ def train_loop(config):
 
     epochs_run: list[int] = []
     seen = fitkit.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: epochs_run.append(epoch))
-    h = model.fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=EPOCHS, shuffle=True, verbose=0,
-                  callbacks=[fitkit.callbacks.RayReport(), Crash(), seen])
-    torch.save({"params": [p.detach() for p in net.parameters()], "loss": h.history["loss"], "epochs_run": epochs_run,
-                "world": world_size(), "refused": refused, "given": None if given is None else given.path},
-               os.path.join(out, f"rank{rank()}.pt"))
+    h = model.fit(
+        x,
+        y,
+        batch_size=GLOBAL_BATCH // world_size(),
+        epochs=EPOCHS,
+        shuffle=True,
+        verbose=0,
+        callbacks=[fitkit.callbacks.RayReport(), Crash(), seen],
+    )
+    torch.save(
+        {
+            "params": [p.detach() for p in net.parameters()],
+            "loss": h.history["loss"],
+            "epochs_run": epochs_run,
+            "world": world_size(),
+            "refused": refused,
+            "given": None if given is None else given.path,
+        },
+        os.path.join(out, f"rank{rank()}.pt"),
+    )
 
 
 def partial_reports(out: str) -> None:
@@ -105,8 +120,15 @@ def partial_reports(out: str) -> None:
     torch.manual_seed(0)
     ray.train.report = recording
     try:
-        _model(net).fit(x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=3, shuffle=True, verbose=0,
-                        callbacks=[fitkit.callbacks.RayReport(save_freq=4, checkpoint=False)])
+        _model(net).fit(
+            x,
+            y,
+            batch_size=GLOBAL_BATCH // world_size(),
+            epochs=3,
+            shuffle=True,
+            verbose=0,
+            callbacks=[fitkit.callbacks.RayReport(save_freq=4, checkpoint=False)],
+        )
     finally:
         ray.train.report = plain
     torch.save(reported, os.path.join(out, f"partial{rank()}.pt"))
@@ -121,17 +143,24 @@ def main(out: str) -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         trainer = TorchTrainer(
-            train_loop, train_loop_config={"out": out},
+            train_loop,
+            train_loop_config={"out": out},
             scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-            run_config=RunConfig(storage_path=os.path.join(out, "storage"), name="fitkit",
-                                 failure_config=FailureConfig(max_failures=1)),
-        )  # fmt: skip
+            run_config=RunConfig(
+                storage_path=os.path.join(out, "storage"), name="fitkit", failure_config=FailureConfig(max_failures=1)
+            ),
+        )
         result = trainer.fit()
         with result.checkpoint.as_directory() as folder:
             files = sorted(os.listdir(folder))
-        torch.save({"metrics": dict(result.metrics), "files": files,
-                    "reports": [(c.path, dict(m)) for c, m in result.best_checkpoints]},
-                   os.path.join(out, "result.pt"))  # fmt: skip
+        torch.save(
+            {
+                "metrics": dict(result.metrics),
+                "files": files,
+                "reports": [(c.path, dict(m)) for c, m in result.best_checkpoints],
+            },
+            os.path.join(out, "result.pt"),
+        )
     finally:
         ray.shutdown()
 

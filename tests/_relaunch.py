@@ -85,9 +85,17 @@ def fit(strategy: str, callbacks: list[Any]) -> tuple[fitkit.Model, list[int], d
     seen = fitkit.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: begun.append(model.global_step))
     history: dict = {}
     try:
-        history = model.fit(x, y, sample_weight=w, batch_size=GLOBAL_BATCH // world_size(), epochs=EPOCHS,
-                            shuffle=True, validation_data=(xv, yv), verbose=0,
-                            callbacks=[*callbacks, seen]).history  # fmt: skip
+        history = model.fit(
+            x,
+            y,
+            sample_weight=w,
+            batch_size=GLOBAL_BATCH // world_size(),
+            epochs=EPOCHS,
+            shuffle=True,
+            validation_data=(xv, yv),
+            verbose=0,
+            callbacks=[*callbacks, seen],
+        ).history
     except (Crash, SystemExit):
         pass
     return model, begun, history
@@ -105,15 +113,15 @@ def run_all(out) -> dict:
         res[f"reference_{strategy}"] = result(*fit(strategy, []))
     for name, (strategy, freq, how, where) in CASES.items():
         folder = out / name
-        stopped, _, _ = fit(strategy, [BackupAndRestore(folder, save_freq=freq, delete_checkpoint=False),
-                                       Stop(how, where)])  # fmt: skip
+        stopped, _, _ = fit(
+            strategy, [BackupAndRestore(folder, save_freq=freq, delete_checkpoint=False), Stop(how, where)]
+        )
         if name == CROSS_SIZE and rank() == 0:
             shutil.copytree(folder, out / "cross_size")
         torch.distributed.barrier()  # the stop (and its copy) is on disk for every rank
         t0 = time.perf_counter()
         relaunched = fit(strategy, [BackupAndRestore(folder)])
-        res[name] = {**result(*relaunched), "stopped_at": stopped.global_step,
-                     "relaunch_s": time.perf_counter() - t0}  # fmt: skip
+        res[name] = {**result(*relaunched), "stopped_at": stopped.global_step, "relaunch_s": time.perf_counter() - t0}
     return res
 
 
@@ -123,7 +131,8 @@ def tied_gpt(strategy: str = "auto") -> fitkit.Model:
     from fitkit.layers import GPT
 
     torch.manual_seed(5)
-    model = fitkit.Model(GPT(vocab_size=16, block_size=4, n_layer=1, n_head=2, n_embd=8), device="cpu",
-                         strategy=strategy)  # fmt: skip
+    model = fitkit.Model(
+        GPT(vocab_size=16, block_size=4, n_layer=1, n_head=2, n_embd=8), device="cpu", strategy=strategy
+    )
     model.compile(optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss="cross_entropy")
     return model

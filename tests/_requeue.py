@@ -62,12 +62,20 @@ def write_train(folder: Path) -> None:
 def job_env(**extra: str) -> dict[str, str]:
     """This process's environment for a job on the CPU, without any launcher's variables, plus
     ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith(("PET_", "TORCHELASTIC_"))}  # fmt: skip
-    return {**env, "OMP_NUM_THREADS": "1", "FITKIT_DEVICE": "cpu", "FITKIT_SIGNAL_SECONDS": "1e-9",
-            "PYTHONPATH": os.pathsep.join([str(TESTS_DIR.parent), os.environ.get("PYTHONPATH", "")]),
-            **extra}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        and not k.startswith(("PET_", "TORCHELASTIC_"))
+    }
+    return {
+        **env,
+        "OMP_NUM_THREADS": "1",
+        "FITKIT_DEVICE": "cpu",
+        "FITKIT_SIGNAL_SECONDS": "1e-9",
+        "PYTHONPATH": os.pathsep.join([str(TESTS_DIR.parent), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }
 
 
 def wait_at_step_3(folder: Path, running, output, timeout: float = 150) -> None:

@@ -24,7 +24,11 @@ def free_port() -> int:
 
 
 def run_torchrun(
-    body: str, workdir: Path, nproc: int = 2, timeout: float = 120, check: bool = True,
+    body: str,
+    workdir: Path,
+    nproc: int = 2,
+    timeout: float = 120,
+    check: bool = True,
     args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     """Write ``body`` to ``workdir/job.py`` and run it on ``nproc`` CPU processes.
@@ -44,17 +48,22 @@ def run_torchrun(
     """
     script = workdir / "job.py"
     header = (
-        f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r})\n"
-        f"from pathlib import Path\nOUT = Path({str(workdir)!r})\n"
+        f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r})\nfrom pathlib import Path\nOUT = Path({str(workdir)!r})\n"
     )
     script.write_text(header + textwrap.dedent(body))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FITKIT_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", *args, str(script),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *args,
+        str(script),
+    ]
     try:
         proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:

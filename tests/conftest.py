@@ -42,9 +42,7 @@ def fixed_linear(in_features: int, out_features: int, weight: float = 0.0, bias:
 def fixed_mlp(in_features: int = 3, hidden: int = 8, out_features: int = 1, dropout: float = 0.0) -> nn.Sequential:
     """Linear-ReLU-Dropout-Linear with weights drawn from a private generator (seed 1234)."""
     g = torch.Generator().manual_seed(1234)
-    net = nn.Sequential(
-        nn.Linear(in_features, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, out_features)
-    )  # fmt: skip
+    net = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, out_features))
     with torch.no_grad():
         for p in net.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)

@@ -37,7 +37,8 @@ def _fit(**model_kwargs) -> tuple[fitkit.Model, dict, list[torch.Tensor], int]:
     model.compile(optimizer="adam", loss="mse")
     grads: list[torch.Tensor] = []
     keep = fitkit.callbacks.LambdaCallback(
-        on_backward_end=lambda b: grads.extend(p.grad.clone() for p in model.module.parameters()))
+        on_backward_end=lambda b: grads.extend(p.grad.clone() for p in model.module.parameters())
+    )
     Counted.calls = 0
     torch.manual_seed(5)  # the dropout masks and the shuffle
     history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[keep])

@@ -188,7 +188,6 @@ def _four_tuples():
     yield _x(5), _y(5), torch.ones(5), torch.ones(5)
 
 
-
 CASES = [
     # -- fit: types ----------------------------------------------------------------------------
     Case("fit x None", fit(x=None), ValueError, "needs data.*Fix"),
@@ -215,14 +214,22 @@ CASES = [
     Case("fit callbacks object", fit(callbacks=[object()]), TypeError, "Callback.*Fix"),
     Case("fit callbacks not a list", fit(callbacks=LambdaCallback()), TypeError, "callbacks.*Fix"),
     # -- fit: values, shapes, dtypes, labels, lengths, NaN ------------------------------------------
-    Case("fit wrong feature count", fit(x=_x(features=5)), ValueError,
-         r"forward: RuntimeError: mat1 and mat2.*fed x: float32 \(5, 5\).*Fix"),
+    Case(
+        "fit wrong feature count",
+        fit(x=_x(features=5)),
+        ValueError,
+        r"forward: RuntimeError: mat1 and mat2.*fed x: float32 \(5, 5\).*Fix",
+    ),
     Case("fit integer x", fit(x=_x().long()), ValueError, r"forward.*x: int64 \(5, 4\).*Fix"),
     Case("fit x 3-D", fit(x=_x().reshape(N, 2, 2)), ValueError, "forward.*Fix"),
     Case("fit label above range", fit(y=_with(_y(), (7,), 5)), ValueError, r"Class labels must lie in \[0, 2\].*Fix"),
     Case("fit negative label", fit(y=_with(_y(), (3,), -1)), ValueError, r"labels from -1 to 2.*Fix"),
-    Case("fit y one-hot of 2 for 3 classes", fit(y=torch.zeros(N, 2)), ValueError,
-         r"Loss 'cross_entropy' expects integer class indices.*shape \(5, 2\).*Fix"),
+    Case(
+        "fit y one-hot of 2 for 3 classes",
+        fit(y=torch.zeros(N, 2)),
+        ValueError,
+        r"Loss 'cross_entropy' expects integer class indices.*shape \(5, 2\).*Fix",
+    ),
     Case("fit y (N, 1) labels", fit(y=_y().unsqueeze(1)), ValueError, "Fix"),
     Case("fit x y lengths", fit(y=_y(N - 1)), ValueError, "same number of samples.*Fix"),
     Case("fit x 0-dim", fit(x=torch.tensor(1.0), y=None), ValueError, "batch dimension.*Fix"),
@@ -230,53 +237,116 @@ CASES = [
     Case("fit x tuple lengths", fit(x=(_x(), _x(N - 2))), ValueError, "same length"),
     Case("fit x dict wrong key", fit(x={"inputs": _x()}), ValueError, "forward.*Fix"),
     Case("fit x NaN", fit(x=_with(_x(), (4, 1), float("nan"))), ValueError, r"1 NaN.*first at row 4.*Fix"),
-    Case("fit x inf", fit(x=_with(_with(_x(), (9, 0), float("inf")), (12, 2), -float("inf"))), ValueError,
-         r"`x` holds 2 NaN or infinite values \(first at row 9\)"),
-    Case("fit x NaN numpy", fit(x=_with(_x(), (2, 0), float("nan")).numpy().astype(np.float64)), ValueError,
-         "first at row 2"),
-    Case("fit y float NaN", fit(y=_with(torch.eye(CLASSES)[_y()], (6, 0), float("nan"))), ValueError,
-         r"`y` holds 1 NaN.*first at row 6"),
-    Case("fit validation NaN", fit(validation_data=(_with(_x(6), (5, 3), float("nan")), _y(6))), ValueError,
-         "first at row 5"),
+    Case(
+        "fit x inf",
+        fit(x=_with(_with(_x(), (9, 0), float("inf")), (12, 2), -float("inf"))),
+        ValueError,
+        r"`x` holds 2 NaN or infinite values \(first at row 9\)",
+    ),
+    Case(
+        "fit x NaN numpy",
+        fit(x=_with(_x(), (2, 0), float("nan")).numpy().astype(np.float64)),
+        ValueError,
+        "first at row 2",
+    ),
+    Case(
+        "fit y float NaN",
+        fit(y=_with(torch.eye(CLASSES)[_y()], (6, 0), float("nan"))),
+        ValueError,
+        r"`y` holds 1 NaN.*first at row 6",
+    ),
+    Case(
+        "fit validation NaN",
+        fit(validation_data=(_with(_x(6), (5, 3), float("nan")), _y(6))),
+        ValueError,
+        "first at row 5",
+    ),
     Case("fit validation wrong features", fit(validation_data=(_x(6, 5), _y(6))), ValueError, "forward.*Fix"),
-    Case("fit validation label range", fit(validation_data=(_x(6), _with(_y(6), (0,), 9))), ValueError,
-         "Class labels.*Fix"),
-    Case("fit validation 4-tuple", fit(validation_data=(_x(6), _y(6), torch.ones(6), torch.ones(6))), ValueError,
-         "validation_data"),
+    Case(
+        "fit validation label range",
+        fit(validation_data=(_x(6), _with(_y(6), (0,), 9))),
+        ValueError,
+        "Class labels.*Fix",
+    ),
+    Case(
+        "fit validation 4-tuple",
+        fit(validation_data=(_x(6), _y(6), torch.ones(6), torch.ones(6))),
+        ValueError,
+        "validation_data",
+    ),
     Case("fit validation str", fit(validation_data="val.csv"), TypeError, "Expected `validation_data`"),
     Case("fit validation (x,) with a loss", fit(validation_data=(_x(6),)), ValueError, "Fix"),
     # -- fit: weights ----------------------------------------------------------------------------
-    Case("fit sample_weight negative", fit(sample_weight=_with(torch.ones(N), (3,), -0.5)), ValueError,
-         r"`sample_weight` must be >= 0.*index 3.*Fix"),
-    Case("fit sample_weight NaN", fit(sample_weight=_with(torch.ones(N), (8,), float("nan"))), ValueError,
-         r"`sample_weight` holds 1 NaN.*first at row 8"),
+    Case(
+        "fit sample_weight negative",
+        fit(sample_weight=_with(torch.ones(N), (3,), -0.5)),
+        ValueError,
+        r"`sample_weight` must be >= 0.*index 3.*Fix",
+    ),
+    Case(
+        "fit sample_weight NaN",
+        fit(sample_weight=_with(torch.ones(N), (8,), float("nan"))),
+        ValueError,
+        r"`sample_weight` holds 1 NaN.*first at row 8",
+    ),
     Case("fit sample_weight 2-D", fit(sample_weight=torch.ones(N, 2)), ValueError, "sample_weight.*Fix"),
     Case("fit sample_weight length", fit(sample_weight=torch.ones(N - 3)), ValueError, "same number of samples"),
     Case("fit class_weight list", fit(class_weight=[1.0, 2.0]), TypeError, "class_weight"),
     Case("fit class_weight negative key", fit(class_weight={-1: 1.0}), ValueError, "class_weight"),
     Case("fit class_weight str value", fit(class_weight={0: "a"}), TypeError, "class_weight"),
-    Case("fit class_weight missing class", fit(class_weight={0: 1.0, 1: 2.0}), ValueError,
-         "no entry for class 2.*Fix"),
-    Case("fit class_weight continuous", fit(y=torch.randn(N, CLASSES), class_weight={0: 1.0}), ValueError,
-         "continuous.*Fix"),
-    Case("fit class_weight negative weight", fit(class_weight={0: 1.0, 1: -1.0, 2: 1.0}), ValueError,
-         r"`class_weight\[1\]` to be a finite number >= 0.*Fix"),
-    Case("fit class_weight NaN weight", fit(class_weight={0: 1.0, 1: float("nan"), 2: 1.0}), ValueError,
-         r"`class_weight\[1\]`"),
+    Case("fit class_weight missing class", fit(class_weight={0: 1.0, 1: 2.0}), ValueError, "no entry for class 2.*Fix"),
+    Case(
+        "fit class_weight continuous",
+        fit(y=torch.randn(N, CLASSES), class_weight={0: 1.0}),
+        ValueError,
+        "continuous.*Fix",
+    ),
+    Case(
+        "fit class_weight negative weight",
+        fit(class_weight={0: 1.0, 1: -1.0, 2: 1.0}),
+        ValueError,
+        r"`class_weight\[1\]` to be a finite number >= 0.*Fix",
+    ),
+    Case(
+        "fit class_weight NaN weight",
+        fit(class_weight={0: 1.0, 1: float("nan"), 2: 1.0}),
+        ValueError,
+        r"`class_weight\[1\]`",
+    ),
     # -- fit: other sources -----------------------------------------------------------------------
     Case("fit y with a DataLoader", fit(x=_loader(_x(), _y()), y=_y()), ValueError, "`y` must be None.*Fix"),
-    Case("fit sample_weight with a DataLoader", fit(x=_loader(_x(), _y()), y=None, sample_weight=torch.ones(N)),
-         ValueError, "sample_weight.*Fix"),
-    Case("fit validation_split with a DataLoader", fit(x=_loader(_x(), _y()), y=None, validation_split=0.2),
-         ValueError, "validation_split.*Fix"),
+    Case(
+        "fit sample_weight with a DataLoader",
+        fit(x=_loader(_x(), _y()), y=None, sample_weight=torch.ones(N)),
+        ValueError,
+        "sample_weight.*Fix",
+    ),
+    Case(
+        "fit validation_split with a DataLoader",
+        fit(x=_loader(_x(), _y()), y=None, validation_split=0.2),
+        ValueError,
+        "validation_split.*Fix",
+    ),
     Case("fit empty DataLoader", fit(x=_empty_source(), y=None), ValueError, "(yielded no batch|has 0 batches).*Fix"),
     Case("fit batches of 4 elements", fit(x=_four_tuples(), y=None), ValueError, "4 elements"),
-    Case("fit DataLoader wrong features", fit(x=_loader(_x(features=5), _y()), y=None), ValueError,
-         r"first training batch failed in the module's forward: RuntimeError: mat1 and mat2.*x: float32 \(5, 5\).*Fix"),
-    Case("fit DataLoader label range", fit(x=_loader(_x(), _with(_y(), (1,), 7)), y=None), ValueError,
-         r"class label outside \[0, 2\].*Target 7.*Fix"),
-    Case("fit list of float64 batches", fit(x=[(_x(dtype=torch.float64), _y())], y=None), ValueError,
-         "first training batch.*Fix: the module's parameters are float32 and x is float64"),
+    Case(
+        "fit DataLoader wrong features",
+        fit(x=_loader(_x(features=5), _y()), y=None),
+        ValueError,
+        r"first training batch failed in the module's forward: RuntimeError: mat1 and mat2.*x: float32 \(5, 5\).*Fix",
+    ),
+    Case(
+        "fit DataLoader label range",
+        fit(x=_loader(_x(), _with(_y(), (1,), 7)), y=None),
+        ValueError,
+        r"class label outside \[0, 2\].*Target 7.*Fix",
+    ),
+    Case(
+        "fit list of float64 batches",
+        fit(x=[(_x(dtype=torch.float64), _y())], y=None),
+        ValueError,
+        "first training batch.*Fix: the module's parameters are float32 and x is float64",
+    ),
     # -- evaluate / predict -------------------------------------------------------------------------
     Case("evaluate batch_size 0", evaluate(_x(), _y(), batch_size=0), ValueError, "batch_size"),
     Case("evaluate steps 0", evaluate(_x(), _y(), steps=0), ValueError, "steps"),
@@ -284,8 +354,12 @@ CASES = [
     Case("evaluate label range", evaluate(_x(), _with(_y(), (0,), 3)), ValueError, "Class labels.*Fix"),
     Case("evaluate NaN", evaluate(_with(_x(), (1, 1), float("nan")), _y()), ValueError, "first at row 1"),
     Case("evaluate no y", evaluate(_x()), ValueError, "Fix"),
-    Case("evaluate sample_weight length", evaluate(_x(), _y(), sample_weight=torch.ones(3)), ValueError,
-         "same number of samples"),
+    Case(
+        "evaluate sample_weight length",
+        evaluate(_x(), _y(), sample_weight=torch.ones(3)),
+        ValueError,
+        "same number of samples",
+    ),
     Case("predict batch_size -1", predict(_x(), batch_size=-1), ValueError, "batch_size"),
     Case("predict steps 0", predict(_x(), steps=0), ValueError, "steps"),
     Case("predict x str", predict("x.npy"), TypeError, "Expected `x`"),
@@ -300,236 +374,618 @@ CASES = [
     Case("compile metric name", compile_(metrics=["acuracy"]), ValueError, "metric"),
     Case("compile scheduler_interval", compile_(scheduler_interval="minute"), ValueError, "scheduler_interval"),
     Case("compile precision", compile_(precision="8"), ValueError, "precision"),
-    Case("compile accumulation 0", compile_(gradient_accumulation_steps=0), ValueError,
-         "gradient_accumulation_steps"),
+    Case("compile accumulation 0", compile_(gradient_accumulation_steps=0), ValueError, "gradient_accumulation_steps"),
     Case("compile jit_compile", compile_(jit_compile="maybe"), TypeError, "jit_compile"),
     Case("compile scheduler int", compile_(scheduler=5), TypeError, "scheduler"),
-    Case("compile optimizer of other params", compile_(optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)),
-         ValueError, "optimizer.*Fix"),
+    Case(
+        "compile optimizer of other params",
+        compile_(optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)),
+        ValueError,
+        "optimizer.*Fix",
+    ),
     # -- callbacks: paths, monitors, schedules ------------------------------------------------------
-    Case("ModelCheckpoint path is a folder", build(lambda tmp: ModelCheckpoint(tmp / "ckpt.pt")), ValueError,
-         "existing folder.*Fix", setup=_mkdir("ckpt.pt")),
+    Case(
+        "ModelCheckpoint path is a folder",
+        build(lambda tmp: ModelCheckpoint(tmp / "ckpt.pt")),
+        ValueError,
+        "existing folder.*Fix",
+        setup=_mkdir("ckpt.pt"),
+    ),
     Case("ModelCheckpoint filepath int", build(lambda tmp: ModelCheckpoint(5)), TypeError, "filepath"),
     Case("ModelCheckpoint mode", build(lambda tmp: ModelCheckpoint(tmp / "m.pt", mode="up")), ValueError, "mode"),
-    Case("ModelCheckpoint save_freq 0", build(lambda tmp: ModelCheckpoint(tmp / "m.pt", save_freq=0)), ValueError,
-         "save_freq"),
-    Case("ModelCheckpoint {val_acc} placeholder", fit_cb(lambda tmp: ModelCheckpoint(tmp / "m{val_acc:.2f}.pt")),
-         ValueError, "val_acc"),
+    Case(
+        "ModelCheckpoint save_freq 0",
+        build(lambda tmp: ModelCheckpoint(tmp / "m.pt", save_freq=0)),
+        ValueError,
+        "save_freq",
+    ),
+    Case(
+        "ModelCheckpoint {val_acc} placeholder",
+        fit_cb(lambda tmp: ModelCheckpoint(tmp / "m{val_acc:.2f}.pt")),
+        ValueError,
+        "val_acc",
+    ),
     # The monitor is read only when it ranks files (save_best_only / save_top_k), as in Keras.
-    Case("ModelCheckpoint monitor never logged",
-         fit_cb(lambda tmp: ModelCheckpoint(tmp / "m.pt", monitor="val_acc", save_best_only=True)),
-         ValueError, "val_acc"),
-    Case("ModelCheckpoint under a file", fit_cb(lambda tmp: ModelCheckpoint(tmp / "afile" / "m.pt")), ValueError,
-         "afile", setup=_file("afile")),
-    Case("CSVLogger file is a folder", build(lambda tmp: CSVLogger(tmp / "log.csv")), ValueError,
-         "existing folder.*Fix", setup=_mkdir("log.csv")),
-    Case("BackupAndRestore dir is a file", build(lambda tmp: BackupAndRestore(tmp / "bk")), ValueError,
-         "existing file.*Fix", setup=_file("bk")),
-    Case("BackupAndRestore save_freq", build(lambda tmp: BackupAndRestore(tmp / "b", save_freq="batch")), ValueError,
-         "save_freq"),
-    Case("BackupAndRestore dir under a file", fit_cb(lambda tmp: BackupAndRestore(tmp / "afile" / "bk")), ValueError,
-         "afile", setup=_file("afile")),
-    Case("TensorBoard log_dir is a file", build(lambda tmp: TensorBoard(tmp / "tb")), ValueError, "log_dir",
-         setup=_file("tb")),
-    Case("TensorBoard update_freq 0", build(lambda tmp: TensorBoard(tmp / "tb", update_freq=0)), ValueError,
-         "update_freq"),
+    Case(
+        "ModelCheckpoint monitor never logged",
+        fit_cb(lambda tmp: ModelCheckpoint(tmp / "m.pt", monitor="val_acc", save_best_only=True)),
+        ValueError,
+        "val_acc",
+    ),
+    Case(
+        "ModelCheckpoint under a file",
+        fit_cb(lambda tmp: ModelCheckpoint(tmp / "afile" / "m.pt")),
+        ValueError,
+        "afile",
+        setup=_file("afile"),
+    ),
+    Case(
+        "CSVLogger file is a folder",
+        build(lambda tmp: CSVLogger(tmp / "log.csv")),
+        ValueError,
+        "existing folder.*Fix",
+        setup=_mkdir("log.csv"),
+    ),
+    Case(
+        "BackupAndRestore dir is a file",
+        build(lambda tmp: BackupAndRestore(tmp / "bk")),
+        ValueError,
+        "existing file.*Fix",
+        setup=_file("bk"),
+    ),
+    Case(
+        "BackupAndRestore save_freq",
+        build(lambda tmp: BackupAndRestore(tmp / "b", save_freq="batch")),
+        ValueError,
+        "save_freq",
+    ),
+    Case(
+        "BackupAndRestore dir under a file",
+        fit_cb(lambda tmp: BackupAndRestore(tmp / "afile" / "bk")),
+        ValueError,
+        "afile",
+        setup=_file("afile"),
+    ),
+    Case(
+        "TensorBoard log_dir is a file",
+        build(lambda tmp: TensorBoard(tmp / "tb")),
+        ValueError,
+        "log_dir",
+        setup=_file("tb"),
+    ),
+    Case(
+        "TensorBoard update_freq 0",
+        build(lambda tmp: TensorBoard(tmp / "tb", update_freq=0)),
+        ValueError,
+        "update_freq",
+    ),
     Case("EarlyStopping patience -1", build(lambda tmp: EarlyStopping(patience=-1)), ValueError, "patience"),
-    Case("EarlyStopping monitor never logged", fit_cb(lambda tmp: EarlyStopping(monitor="val_accuracy")),
-         ValueError, "val_accuracy"),
+    Case(
+        "EarlyStopping monitor never logged",
+        fit_cb(lambda tmp: EarlyStopping(monitor="val_accuracy")),
+        ValueError,
+        "val_accuracy",
+    ),
     Case("ReduceLROnPlateau factor 1.5", build(lambda tmp: ReduceLROnPlateau(factor=1.5)), ValueError, "factor"),
     Case("LearningRateScheduler int", build(lambda tmp: LearningRateScheduler(5)), TypeError, "schedule"),
-    Case("LearningRateScheduler and a compiled scheduler", fit_cb(lambda tmp: LearningRateScheduler(lambda e, lr: lr)),
-         ValueError, "would both set the learning rate.*Fix"),
-    Case("LearningRateScheduler returns str", fit_cb(lambda tmp: LearningRateScheduler(lambda epoch, lr: "fast")),
-         TypeError, "schedule", scheduler=False),
-    Case("LearningRateScheduler returns -1", fit_cb(lambda tmp: LearningRateScheduler(lambda epoch, lr: -1.0)),
-         ValueError, "schedule", scheduler=False),
-    Case("ReduceLROnPlateau and a compiled scheduler", fit_cb(lambda tmp: ReduceLROnPlateau()), ValueError,
-         "would both set the learning rate"),
-    Case("LambdaCallback unknown hook", build(lambda tmp: LambdaCallback(on_epoch_ends=print)), TypeError,
-         "on_epoch_ends"),
+    Case(
+        "LearningRateScheduler and a compiled scheduler",
+        fit_cb(lambda tmp: LearningRateScheduler(lambda e, lr: lr)),
+        ValueError,
+        "would both set the learning rate.*Fix",
+    ),
+    Case(
+        "LearningRateScheduler returns str",
+        fit_cb(lambda tmp: LearningRateScheduler(lambda epoch, lr: "fast")),
+        TypeError,
+        "schedule",
+        scheduler=False,
+    ),
+    Case(
+        "LearningRateScheduler returns -1",
+        fit_cb(lambda tmp: LearningRateScheduler(lambda epoch, lr: -1.0)),
+        ValueError,
+        "schedule",
+        scheduler=False,
+    ),
+    Case(
+        "ReduceLROnPlateau and a compiled scheduler",
+        fit_cb(lambda tmp: ReduceLROnPlateau()),
+        ValueError,
+        "would both set the learning rate",
+    ),
+    Case(
+        "LambdaCallback unknown hook",
+        build(lambda tmp: LambdaCallback(on_epoch_ends=print)),
+        TypeError,
+        "on_epoch_ends",
+    ),
     # -- load -------------------------------------------------------------------------------------
     Case("load_weights missing file", lambda m, tmp: m.load_weights(tmp / "nope.pt"), FileNotFoundError, "nope.pt"),
     Case("load_weights path int", lambda m, tmp: m.load_weights(5), TypeError, "path"),
-    Case("load_weights folder", lambda m, tmp: m.load_weights(tmp / "d"), IsADirectoryError, "is a folder.*Fix",
-         setup=_mkdir("d")),
-    Case("load_weights empty file", lambda m, tmp: m.load_weights(tmp / "e.pt"), ValueError, "empty.*Fix",
-         setup=_file("e.pt")),
-    Case("load_weights text file", lambda m, tmp: m.load_weights(tmp / "t.pt"), ValueError, "t.pt.*Fix",
-         setup=_file("t.pt", b"epoch,loss\n0,1.0\n")),
-    Case("load_weights random bytes", lambda m, tmp: m.load_weights(tmp / "r.pt"), ValueError, "r.pt.*Fix",
-         setup=_file("r.pt", bytes(range(256)) * 8)),
-    Case("load_weights 5-class head", lambda m, tmp: m.load_weights(tmp / "h.pt"), ValueError,
-         "does not fit this model.*Fix",
-         setup=_other_weights("h.pt", nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, 5)))),
-    Case("load_weights extra key", lambda m, tmp: m.load_weights(tmp / "x.pt"), ValueError, "does not fit",
-         setup=_other_weights("x.pt", nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, CLASSES),
-                                                    nn.Linear(CLASSES, 1)))),
-    Case("load_weights code pickle", lambda m, tmp: m.load_weights(tmp / "evil.pt"), RuntimeError, "Refused.*Fix",
-         setup=_evil_pickle("evil.pt")),
-    Case("load_checkpoint of weights", lambda m, tmp: m.load_checkpoint(tmp / "w.pt"), ValueError,
-         "not a fitkit checkpoint.*Fix", setup=lambda m, tmp: m.save_weights(tmp / "w.pt")),
+    Case(
+        "load_weights folder",
+        lambda m, tmp: m.load_weights(tmp / "d"),
+        IsADirectoryError,
+        "is a folder.*Fix",
+        setup=_mkdir("d"),
+    ),
+    Case(
+        "load_weights empty file",
+        lambda m, tmp: m.load_weights(tmp / "e.pt"),
+        ValueError,
+        "empty.*Fix",
+        setup=_file("e.pt"),
+    ),
+    Case(
+        "load_weights text file",
+        lambda m, tmp: m.load_weights(tmp / "t.pt"),
+        ValueError,
+        "t.pt.*Fix",
+        setup=_file("t.pt", b"epoch,loss\n0,1.0\n"),
+    ),
+    Case(
+        "load_weights random bytes",
+        lambda m, tmp: m.load_weights(tmp / "r.pt"),
+        ValueError,
+        "r.pt.*Fix",
+        setup=_file("r.pt", bytes(range(256)) * 8),
+    ),
+    Case(
+        "load_weights 5-class head",
+        lambda m, tmp: m.load_weights(tmp / "h.pt"),
+        ValueError,
+        "does not fit this model.*Fix",
+        setup=_other_weights("h.pt", nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, 5))),
+    ),
+    Case(
+        "load_weights extra key",
+        lambda m, tmp: m.load_weights(tmp / "x.pt"),
+        ValueError,
+        "does not fit",
+        setup=_other_weights(
+            "x.pt", nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, CLASSES), nn.Linear(CLASSES, 1))
+        ),
+    ),
+    Case(
+        "load_weights code pickle",
+        lambda m, tmp: m.load_weights(tmp / "evil.pt"),
+        RuntimeError,
+        "Refused.*Fix",
+        setup=_evil_pickle("evil.pt"),
+    ),
+    Case(
+        "load_checkpoint of weights",
+        lambda m, tmp: m.load_checkpoint(tmp / "w.pt"),
+        ValueError,
+        "not a fitkit checkpoint.*Fix",
+        setup=lambda m, tmp: m.save_weights(tmp / "w.pt"),
+    ),
     # -- files: templates, names, links, locks (before step 1) -------------------------------------
-    Case("ModelCheckpoint {epoch:s}", fit_cb(lambda tmp: ModelCheckpoint(tmp / "ep{epoch:s}.pt")), ValueError,
-         r"cannot format the values it will get.*\{epoch\} and \{batch\} are ints.*Fix"),
-    Case("ModelCheckpoint {loss:d}", fit_cb(lambda tmp: ModelCheckpoint(tmp / "m{loss:d}.pt")), ValueError,
-         "cannot format.*Fix"),
-    Case("ModelCheckpoint name past NAME_MAX", fit_cb(lambda tmp: ModelCheckpoint(tmp / ("a" * 240 + "{epoch}.pt"))),
-         ValueError, r"bytes \(with the temp file's 22 extra characters\), past this file system's limit of 255.*Fix"),
-    Case("CSVLogger name past NAME_MAX", fit_cb(lambda tmp: CSVLogger(tmp / ("b" * 250 + ".csv"))), ValueError,
-         "past this file system's limit.*Fix"),
-    Case("CSVLogger append through a symlink", fit_cb(lambda tmp: CSVLogger(tmp / "log.csv", append=True)),
-         ValueError, "append through the symlink.*target.txt.*Fix", setup=_link("log.csv", "target.txt")),
-    Case("two CSVLoggers on one file", lambda m, tmp: m.fit(_x(), _y(), epochs=1, verbose=0,
-         callbacks=[CSVLogger(tmp / "log.csv"), CSVLogger(tmp / "log.csv")]), RuntimeError,
-         "CSVLogger cannot use the file.*in use by another callback of this fit.*Fix"),
-    Case("two BackupAndRestore on one folder", lambda m, tmp: m.fit(_x(), _y(), epochs=1, verbose=0,
-         callbacks=[BackupAndRestore(tmp / "bk"), BackupAndRestore(tmp / "bk")]), RuntimeError,
-         "BackupAndRestore cannot use the backup folder.*another callback of this fit.*Fix"),
-    Case("ModelCheckpoint verbose str", build(lambda tmp: ModelCheckpoint(tmp / "m.pt", verbose="yes")), TypeError,
-         "`verbose`"),
-    Case("TerminateOnNaN raise_error str", build(lambda tmp: TerminateOnNaN(raise_error="yes")), TypeError,
-         "`raise_error`"),
-    Case("LambdaCallback wrong arity", build(lambda tmp: LambdaCallback(on_epoch_end=lambda: None)), TypeError,
-         r"`on_epoch_end` is called as on_epoch_end\(epoch, logs\).*Fix"),
-    Case("LambdaCallback batch hook of 1 argument", build(lambda tmp: LambdaCallback(on_batch_end=lambda b: 0)),
-         TypeError, r"on_train_batch_end\(batch, logs\).*Fix"),
+    Case(
+        "ModelCheckpoint {epoch:s}",
+        fit_cb(lambda tmp: ModelCheckpoint(tmp / "ep{epoch:s}.pt")),
+        ValueError,
+        r"cannot format the values it will get.*\{epoch\} and \{batch\} are ints.*Fix",
+    ),
+    Case(
+        "ModelCheckpoint {loss:d}",
+        fit_cb(lambda tmp: ModelCheckpoint(tmp / "m{loss:d}.pt")),
+        ValueError,
+        "cannot format.*Fix",
+    ),
+    Case(
+        "ModelCheckpoint name past NAME_MAX",
+        fit_cb(lambda tmp: ModelCheckpoint(tmp / ("a" * 240 + "{epoch}.pt"))),
+        ValueError,
+        r"bytes \(with the temp file's 22 extra characters\), past this file system's limit of 255.*Fix",
+    ),
+    Case(
+        "CSVLogger name past NAME_MAX",
+        fit_cb(lambda tmp: CSVLogger(tmp / ("b" * 250 + ".csv"))),
+        ValueError,
+        "past this file system's limit.*Fix",
+    ),
+    Case(
+        "CSVLogger append through a symlink",
+        fit_cb(lambda tmp: CSVLogger(tmp / "log.csv", append=True)),
+        ValueError,
+        "append through the symlink.*target.txt.*Fix",
+        setup=_link("log.csv", "target.txt"),
+    ),
+    Case(
+        "two CSVLoggers on one file",
+        lambda m, tmp: m.fit(
+            _x(), _y(), epochs=1, verbose=0, callbacks=[CSVLogger(tmp / "log.csv"), CSVLogger(tmp / "log.csv")]
+        ),
+        RuntimeError,
+        "CSVLogger cannot use the file.*in use by another callback of this fit.*Fix",
+    ),
+    Case(
+        "two BackupAndRestore on one folder",
+        lambda m, tmp: m.fit(
+            _x(), _y(), epochs=1, verbose=0, callbacks=[BackupAndRestore(tmp / "bk"), BackupAndRestore(tmp / "bk")]
+        ),
+        RuntimeError,
+        "BackupAndRestore cannot use the backup folder.*another callback of this fit.*Fix",
+    ),
+    Case(
+        "ModelCheckpoint verbose str",
+        build(lambda tmp: ModelCheckpoint(tmp / "m.pt", verbose="yes")),
+        TypeError,
+        "`verbose`",
+    ),
+    Case(
+        "TerminateOnNaN raise_error str",
+        build(lambda tmp: TerminateOnNaN(raise_error="yes")),
+        TypeError,
+        "`raise_error`",
+    ),
+    Case(
+        "LambdaCallback wrong arity",
+        build(lambda tmp: LambdaCallback(on_epoch_end=lambda: None)),
+        TypeError,
+        r"`on_epoch_end` is called as on_epoch_end\(epoch, logs\).*Fix",
+    ),
+    Case(
+        "LambdaCallback batch hook of 1 argument",
+        build(lambda tmp: LambdaCallback(on_batch_end=lambda b: 0)),
+        TypeError,
+        r"on_train_batch_end\(batch, logs\).*Fix",
+    ),
     # -- training that would do nothing, or log the wrong thing -----------------------------------
-    Case("fit loss detached", fit(), ValueError, r"loss of the first batch has no gradient.*Fix.*without \.detach\(\)",
-         setup=_recompile(loss=lambda p, t: nn.functional.cross_entropy(p, t).detach())),
-    Case("fit loss int tensor", fit(), ValueError, r"no gradient \(a int64 tensor",
-         setup=_recompile(loss=lambda p, t: torch.tensor(3))),
-    Case("fit loss constant", fit(), ValueError, "no gradient.*trainable parameters",
-         setup=_recompile(loss=lambda p, t: torch.tensor(1.0))),
-    Case("fit loss detached, DataLoader", fit(x=_loader(_x(), _y()), y=None), ValueError, "no gradient",
-         setup=_recompile(loss=lambda p, t: nn.functional.cross_entropy(p, t).detach())),
-    Case("compile metric named loss", compile_(metrics={"loss": "accuracy"}), ValueError,
-         "metric name 'loss' is a key fit writes itself.*Fix"),
-    Case("compile metric named val_acc", compile_(metrics={"val_acc": "accuracy"}), ValueError,
-         "'val_acc'.*`val_` prefix.*Fix"),
-    Case("compile metric named learning_rate", compile_(metrics={"learning_rate": "accuracy"}), ValueError,
-         "learning rate's key"),
-    Case("compile metric named learning_rate/pg1", compile_(metrics={"learning_rate/pg1": "mae"}), ValueError,
-         "learning rate's key"),
-    Case("compile optimizer with a parameter outside the module",
-         lambda m, tmp: m.compile(optimizer=torch.optim.SGD([*m.module.parameters(), nn.Parameter(torch.zeros(2))],
-                                                           lr=0.1), loss="cross_entropy"),
-         ValueError, r"also holds 1 parameter\(s\) that are not the module's.*shape \(2,\).*Fix"),
-    Case("fit sample_weight complex", fit(sample_weight=torch.ones(N, dtype=torch.complex64)), TypeError,
-         "`sample_weight` to hold real numbers.*complex64.*Fix"),
-    Case("fit sample_weight numpy str", fit(sample_weight=np.array(["1"] * N)), TypeError,
-         "`sample_weight` to hold real numbers.*<U1.*Fix"),
-    Case("fit zero-length Dataset shuffle", fit(x=_Samples(0), y=None, shuffle=True), ValueError,
-         "_Samples has 0 samples.*Fix"),
-    Case("fit mae on a 3-class classifier", fit(), ValueError,
-         r"metric 'mae' compares.*\(5, 3\) and \(5,\).*Fix", setup=_recompile(metrics=["mae"])),
-    Case("fit r2 on a 3-class classifier", fit(), ValueError, "metric 'r2' compares.*Fix",
-         setup=_recompile(metrics=["r2"])),
-    Case("fit ragged Dataset samples", fit(x=_Samples(ragged_at=2), y=None, shuffle=False), ValueError,
-         r"batch of the Dataset \(number 1.*different shapes.*\(4,\).*\(5,\).*Fix"),
+    Case(
+        "fit loss detached",
+        fit(),
+        ValueError,
+        r"loss of the first batch has no gradient.*Fix.*without \.detach\(\)",
+        setup=_recompile(loss=lambda p, t: nn.functional.cross_entropy(p, t).detach()),
+    ),
+    Case(
+        "fit loss int tensor",
+        fit(),
+        ValueError,
+        r"no gradient \(a int64 tensor",
+        setup=_recompile(loss=lambda p, t: torch.tensor(3)),
+    ),
+    Case(
+        "fit loss constant",
+        fit(),
+        ValueError,
+        "no gradient.*trainable parameters",
+        setup=_recompile(loss=lambda p, t: torch.tensor(1.0)),
+    ),
+    Case(
+        "fit loss detached, DataLoader",
+        fit(x=_loader(_x(), _y()), y=None),
+        ValueError,
+        "no gradient",
+        setup=_recompile(loss=lambda p, t: nn.functional.cross_entropy(p, t).detach()),
+    ),
+    Case(
+        "compile metric named loss",
+        compile_(metrics={"loss": "accuracy"}),
+        ValueError,
+        "metric name 'loss' is a key fit writes itself.*Fix",
+    ),
+    Case(
+        "compile metric named val_acc",
+        compile_(metrics={"val_acc": "accuracy"}),
+        ValueError,
+        "'val_acc'.*`val_` prefix.*Fix",
+    ),
+    Case(
+        "compile metric named learning_rate",
+        compile_(metrics={"learning_rate": "accuracy"}),
+        ValueError,
+        "learning rate's key",
+    ),
+    Case(
+        "compile metric named learning_rate/pg1",
+        compile_(metrics={"learning_rate/pg1": "mae"}),
+        ValueError,
+        "learning rate's key",
+    ),
+    Case(
+        "compile optimizer with a parameter outside the module",
+        lambda m, tmp: m.compile(
+            optimizer=torch.optim.SGD([*m.module.parameters(), nn.Parameter(torch.zeros(2))], lr=0.1),
+            loss="cross_entropy",
+        ),
+        ValueError,
+        r"also holds 1 parameter\(s\) that are not the module's.*shape \(2,\).*Fix",
+    ),
+    Case(
+        "fit sample_weight complex",
+        fit(sample_weight=torch.ones(N, dtype=torch.complex64)),
+        TypeError,
+        "`sample_weight` to hold real numbers.*complex64.*Fix",
+    ),
+    Case(
+        "fit sample_weight numpy str",
+        fit(sample_weight=np.array(["1"] * N)),
+        TypeError,
+        "`sample_weight` to hold real numbers.*<U1.*Fix",
+    ),
+    Case(
+        "fit zero-length Dataset shuffle",
+        fit(x=_Samples(0), y=None, shuffle=True),
+        ValueError,
+        "_Samples has 0 samples.*Fix",
+    ),
+    Case(
+        "fit mae on a 3-class classifier",
+        fit(),
+        ValueError,
+        r"metric 'mae' compares.*\(5, 3\) and \(5,\).*Fix",
+        setup=_recompile(metrics=["mae"]),
+    ),
+    Case(
+        "fit r2 on a 3-class classifier",
+        fit(),
+        ValueError,
+        "metric 'r2' compares.*Fix",
+        setup=_recompile(metrics=["r2"]),
+    ),
+    Case(
+        "fit ragged Dataset samples",
+        fit(x=_Samples(ragged_at=2), y=None, shuffle=False),
+        ValueError,
+        r"batch of the Dataset \(number 1.*different shapes.*\(4,\).*\(5,\).*Fix",
+    ),
     # -- damaged and crafted files ---------------------------------------------------------------
-    Case("load_checkpoint epoch str", lambda m, tmp: m.load_checkpoint(tmp / "c.pt"), ValueError,
-         r"content fitkit does not write.*checkpoint\['epoch'\] is 'x'.*Fix",
-         setup=_crafted_checkpoint("c.pt", epoch="x")),
-    Case("load_checkpoint global_step negative", lambda m, tmp: m.load_checkpoint(tmp / "c.pt"), ValueError,
-         r"checkpoint\['global_step'\] is -1", setup=_crafted_checkpoint("c.pt", global_step=-1)),
-    Case("load_checkpoint callbacks str", lambda m, tmp: m.load_checkpoint(tmp / "c.pt"), ValueError,
-         r"checkpoint\['callbacks'\] is 'x'", setup=_crafted_checkpoint("c.pt", callbacks="x")),
-    Case("load_state_dict extra key", lambda m, tmp: m.load_state_dict({**m.module.state_dict(), "x": torch.ones(1)}),
-         RuntimeError, "nothing was loaded.*'x': in the file, not in the module.*Fix"),
-    Case("load_state_dict dtype", lambda m, tmp: m.load_state_dict({k: v.double() for k, v in
-                                                                    m.module.state_dict().items()}),
-         RuntimeError, "nothing was loaded.*dtype torch.float64 in the file"),
-    Case("load_weights safetensors aliases not JSON", lambda m, tmp: m.load_weights(tmp / "w.safetensors"),
-         ValueError, "metadata 'fitkit_aliases' is not the JSON.*Fix",
-         setup=_weights_with_bad_aliases("w.safetensors")),
-    Case("load_checkpoint SGD into Adam", lambda m, tmp: m.load_checkpoint(tmp / "sgd.pt"), ValueError,
-         "SGD.*Fix", setup=_sgd_checkpoint("sgd.pt")),
+    Case(
+        "load_checkpoint epoch str",
+        lambda m, tmp: m.load_checkpoint(tmp / "c.pt"),
+        ValueError,
+        r"content fitkit does not write.*checkpoint\['epoch'\] is 'x'.*Fix",
+        setup=_crafted_checkpoint("c.pt", epoch="x"),
+    ),
+    Case(
+        "load_checkpoint global_step negative",
+        lambda m, tmp: m.load_checkpoint(tmp / "c.pt"),
+        ValueError,
+        r"checkpoint\['global_step'\] is -1",
+        setup=_crafted_checkpoint("c.pt", global_step=-1),
+    ),
+    Case(
+        "load_checkpoint callbacks str",
+        lambda m, tmp: m.load_checkpoint(tmp / "c.pt"),
+        ValueError,
+        r"checkpoint\['callbacks'\] is 'x'",
+        setup=_crafted_checkpoint("c.pt", callbacks="x"),
+    ),
+    Case(
+        "load_state_dict extra key",
+        lambda m, tmp: m.load_state_dict({**m.module.state_dict(), "x": torch.ones(1)}),
+        RuntimeError,
+        "nothing was loaded.*'x': in the file, not in the module.*Fix",
+    ),
+    Case(
+        "load_state_dict dtype",
+        lambda m, tmp: m.load_state_dict({k: v.double() for k, v in m.module.state_dict().items()}),
+        RuntimeError,
+        "nothing was loaded.*dtype torch.float64 in the file",
+    ),
+    Case(
+        "load_weights safetensors aliases not JSON",
+        lambda m, tmp: m.load_weights(tmp / "w.safetensors"),
+        ValueError,
+        "metadata 'fitkit_aliases' is not the JSON.*Fix",
+        setup=_weights_with_bad_aliases("w.safetensors"),
+    ),
+    Case(
+        "load_checkpoint SGD into Adam",
+        lambda m, tmp: m.load_checkpoint(tmp / "sgd.pt"),
+        ValueError,
+        "SGD.*Fix",
+        setup=_sgd_checkpoint("sgd.pt"),
+    ),
     # -- helpers, options and user functions (issue 28) ---------------------------------------------
-    Case("find_lr batch_size 0", lambda m, tmp: find_lr(m, _x(), _y(), batch_size=0, num_steps=5), ValueError,
-         r"Expected `batch_size` >= 1\. Received: batch_size=0\. Fix"),
-    Case("find_lr batch_size str", lambda m, tmp: find_lr(m, _x(), _y(), batch_size="8", num_steps=5), TypeError,
-         r"Expected `batch_size` to be an int\. Received: batch_size='8'\. Fix"),
-    Case("find_lr plot str", lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, plot="no"), TypeError,
-         r"Expected `plot` to be a bool\. Received: plot='no'"),
-    Case("find_lr path is a folder", lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=tmp / "plots"),
-         ValueError, r"find_lr writes a file at `path`, but it is an existing folder\. Received: path=.*Fix",
-         setup=_mkdir("plots")),
-    Case("find_lr path under a file", lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=tmp / "afile" / "lr.png"),
-         ValueError, r"find_lr writes a file at `path`, but .*afile' above it is an existing file.*Fix",
-         setup=_file("afile")),
-    Case("find_lr path int", lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=5), TypeError,
-         r"Expected `path` to be a str or a path\. Received: path=5"),
-    Case("find_batch_size init_val 0", lambda m, tmp: find_batch_size(m, _x(), _y(), init_val=0), ValueError,
-         r"Expected `init_val` >= 1\. Received: init_val=0"),
-    Case("Model timeout inf", lambda m, tmp: fitkit.Model(nn.Linear(4, 3), device="cpu", timeout=float("inf")),
-         ValueError, r"Expected `timeout` to be a finite number of seconds.*Received: timeout=inf\. Fix"),
-    Case("WeightAveraging avg_fn raises", fit_cb(lambda tmp: WeightAveraging(avg_fn=lambda a, c, n: a / "n")),
-         ValueError, r"WeightAveraging's `avg_fn` failed when tried before training on a copy of one weight "
-         r"\(shape \(8, 4\)\): TypeError: .*Expected `avg_fn\(averaged, current, num_averaged\).*Fix"),
-    Case("WeightAveraging avg_fn of 2 arguments", fit_cb(lambda tmp: WeightAveraging(avg_fn=lambda a, c: a)),
-         ValueError, r"`avg_fn` failed .*takes 2 positional arguments but 3.*Fix"),
-    Case("WeightAveraging avg_fn returns a scalar", fit_cb(lambda tmp: WeightAveraging(avg_fn=lambda a, c, n: a.sum())),
-         ValueError, r"`avg_fn` returned a tensor of shape \(\) when tried before training on a weight of shape "
-         r"\(8, 4\)\. Expected .*Fix"),
-    Case("WeightAveraging multi_avg_fn raises",
-         fit_cb(lambda tmp: WeightAveraging(multi_avg_fn=lambda a, c, n: a.missing)), ValueError,
-         r"`multi_avg_fn` failed .*AttributeError.*Expected `multi_avg_fn\(averaged_list, current_list, .*Fix"),
-    Case("SWA avg_fn raises", fit_cb(lambda tmp: SWA(swa_lrs=0.01, swa_epoch_start=1, avg_fn=lambda a, c, n: 1 / 0)),
-         ValueError, r"SWA's `avg_fn` failed when tried before training.*ZeroDivisionError.*Fix", scheduler=False),
-    Case("fit empty validation generator", fit(validation_data=(b for b in [])), ValueError,
-         r"`validation_data` \(generator\) yields no batch, so the first validation, after the first epoch's "
-         r"training, would fail\. Fix"),
-    Case("fit ragged samples in the first batch of a DataLoader", fit(x=DataLoader(_Samples(ragged_at=2), batch_size=5),
-                                                                       y=None),
-         ValueError, r"training DataLoader could not be made after 0 optimizer step\(s\).*default_collate.*equal "
-         r"shapes.*Fix: pass DataLoader\(\.\.\., collate_fn=\.\.\.\)"),
+    Case(
+        "find_lr batch_size 0",
+        lambda m, tmp: find_lr(m, _x(), _y(), batch_size=0, num_steps=5),
+        ValueError,
+        r"Expected `batch_size` >= 1\. Received: batch_size=0\. Fix",
+    ),
+    Case(
+        "find_lr batch_size str",
+        lambda m, tmp: find_lr(m, _x(), _y(), batch_size="8", num_steps=5),
+        TypeError,
+        r"Expected `batch_size` to be an int\. Received: batch_size='8'\. Fix",
+    ),
+    Case(
+        "find_lr plot str",
+        lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, plot="no"),
+        TypeError,
+        r"Expected `plot` to be a bool\. Received: plot='no'",
+    ),
+    Case(
+        "find_lr path is a folder",
+        lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=tmp / "plots"),
+        ValueError,
+        r"find_lr writes a file at `path`, but it is an existing folder\. Received: path=.*Fix",
+        setup=_mkdir("plots"),
+    ),
+    Case(
+        "find_lr path under a file",
+        lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=tmp / "afile" / "lr.png"),
+        ValueError,
+        r"find_lr writes a file at `path`, but .*afile' above it is an existing file.*Fix",
+        setup=_file("afile"),
+    ),
+    Case(
+        "find_lr path int",
+        lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=5),
+        TypeError,
+        r"Expected `path` to be a str or a path\. Received: path=5",
+    ),
+    Case(
+        "find_batch_size init_val 0",
+        lambda m, tmp: find_batch_size(m, _x(), _y(), init_val=0),
+        ValueError,
+        r"Expected `init_val` >= 1\. Received: init_val=0",
+    ),
+    Case(
+        "Model timeout inf",
+        lambda m, tmp: fitkit.Model(nn.Linear(4, 3), device="cpu", timeout=float("inf")),
+        ValueError,
+        r"Expected `timeout` to be a finite number of seconds.*Received: timeout=inf\. Fix",
+    ),
+    Case(
+        "WeightAveraging avg_fn raises",
+        fit_cb(lambda tmp: WeightAveraging(avg_fn=lambda a, c, n: a / "n")),
+        ValueError,
+        r"WeightAveraging's `avg_fn` failed when tried before training on a copy of one weight "
+        r"\(shape \(8, 4\)\): TypeError: .*Expected `avg_fn\(averaged, current, num_averaged\).*Fix",
+    ),
+    Case(
+        "WeightAveraging avg_fn of 2 arguments",
+        fit_cb(lambda tmp: WeightAveraging(avg_fn=lambda a, c: a)),
+        ValueError,
+        r"`avg_fn` failed .*takes 2 positional arguments but 3.*Fix",
+    ),
+    Case(
+        "WeightAveraging avg_fn returns a scalar",
+        fit_cb(lambda tmp: WeightAveraging(avg_fn=lambda a, c, n: a.sum())),
+        ValueError,
+        r"`avg_fn` returned a tensor of shape \(\) when tried before training on a weight of shape "
+        r"\(8, 4\)\. Expected .*Fix",
+    ),
+    Case(
+        "WeightAveraging multi_avg_fn raises",
+        fit_cb(lambda tmp: WeightAveraging(multi_avg_fn=lambda a, c, n: a.missing)),
+        ValueError,
+        r"`multi_avg_fn` failed .*AttributeError.*Expected `multi_avg_fn\(averaged_list, current_list, .*Fix",
+    ),
+    Case(
+        "SWA avg_fn raises",
+        fit_cb(lambda tmp: SWA(swa_lrs=0.01, swa_epoch_start=1, avg_fn=lambda a, c, n: 1 / 0)),
+        ValueError,
+        r"SWA's `avg_fn` failed when tried before training.*ZeroDivisionError.*Fix",
+        scheduler=False,
+    ),
+    Case(
+        "fit empty validation generator",
+        fit(validation_data=(b for b in [])),
+        ValueError,
+        r"`validation_data` \(generator\) yields no batch, so the first validation, after the first epoch's "
+        r"training, would fail\. Fix",
+    ),
+    Case(
+        "fit ragged samples in the first batch of a DataLoader",
+        fit(x=DataLoader(_Samples(ragged_at=2), batch_size=5), y=None),
+        ValueError,
+        r"training DataLoader could not be made after 0 optimizer step\(s\).*default_collate.*equal "
+        r"shapes.*Fix: pass DataLoader\(\.\.\., collate_fn=\.\.\.\)",
+    ),
     # -- issue 43's examples, and what the option fuzz (tests/test_declared_options.py) found ---------
-    Case("fit min_steps above max_steps", fit(max_steps=20, min_steps=50), ValueError,
-         r"min_steps=50 asks for more than max_steps=20, which ends training first\. Fix"),
-    Case("compile loss reduction avg", compile_(loss=nn.CrossEntropyLoss(reduction="avg")), ValueError,
-         r"Expected the loss's `reduction` to be one of 'mean', 'sum', 'none'\. Received: "
-         r"CrossEntropyLoss\(reduction='avg'\)\. Fix"),
-    Case("ModelCheckpoint save_last is its own filepath",
-         fit_cb(lambda tmp: ModelCheckpoint(tmp / "ck.pt", save_last=tmp / "ck.pt")), ValueError,
-         r"Expected `save_last` to be a file of its own, but .*ck\.pt' is a file of `filepath`.*Fix"),
-    Case("ModelCheckpoint save_last matches the filepath pattern",
-         fit_cb(lambda tmp: ModelCheckpoint(tmp / "ep{epoch}.pt", save_last=tmp / "ep3.pt")), ValueError,
-         r"Expected `save_last` to be a file of its own, but .*ep3\.pt' is a file of `filepath`.*Fix"),
-    Case("CSVLogger separator newline", fit_cb(lambda tmp: CSVLogger(tmp / "log.csv", separator="\n")), ValueError,
-         r"Expected `separator` to be one character that is not a line break.*Received: separator='\\n'\. Fix"),
-    Case("CSVLogger separator quote", fit_cb(lambda tmp: CSVLogger(tmp / "log.csv", separator='"')), ValueError,
-         r"Received: separator='\"'\. Fix"),
-    Case("ProgressBar refresh_interval -1", fit_cb(lambda tmp: ProgressBar(refresh_interval=-1)), ValueError,
-         r"Expected `refresh_interval` >= 0\.0\. Received: refresh_interval=-1\. Fix"),
-    Case("WeightAveraging start at a step and an epoch",
-         fit_cb(lambda tmp: WeightAveraging(update_starting_at_step=2, update_starting_at_epoch=1)), ValueError,
-         r"Expected at most one of `update_starting_at_step` and `update_starting_at_epoch`\. Received: "
-         r"update_starting_at_step=2, update_starting_at_epoch=1\. Fix"),
-    Case("ThroughputMonitor clock returns a str", fit_cb(lambda tmp: ThroughputMonitor(clock=lambda: "now")),
-         TypeError,
-         r"Expected `clock` to return seconds as a number\. Received: clock\(\) returned 'now' \(str\)\. Fix"),
-    Case("Timer clock returns None", fit_cb(lambda tmp: Timer(3600, clock=lambda: None)), TypeError,
-         r"Expected `clock` to return seconds as a number\. Received: clock\(\) returned None \(NoneType\)\. Fix"),
-    Case("find_lr lr_max", lambda m, tmp: find_lr(m, _x(), _y(), lr_max=1), TypeError,
-         r"find_lr\(\) got an unexpected keyword argument 'lr_max'\. Fix.*Valid keywords: .*end_lr"),
-    Case("find_lr path in a missing folder",
-         lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=tmp / "missing" / "dir" / "lr.png"), ValueError,
-         r"find_lr writes its plot at `path`, but the folder .*missing/dir' does not exist\. .*Fix"),
-    Case("fit numpy object array in a dict x",
-         fit(x={"input": _x().numpy(), "note": np.array([object()] * N, dtype=object)}), TypeError,
-         r"Expected `x\['note'\]` to be a numeric array \(bool, int, float or complex\)\. Received an array of "
-         r"dtype object, shape \(20,\)\. Fix"),
-    Case("fit sample_weight str", fit(sample_weight="w"), TypeError,
-         r"Expected `sample_weight` to be an array of real numbers.*Received: sample_weight='w' \(str\)\. Fix"),
-    Case("fit max_time negative", fit(max_time=-1), ValueError,
-         r"Expected `max_time` to be a positive number\. Received: max_time=-1\. Fix"),
-    Case("save_weights trainable_only with every parameter frozen",
-         lambda m, tmp: (m.module.requires_grad_(False), m.save_weights(tmp / "w.pt", trainable_only=True)),
-         ValueError, r"save_weights\(trainable_only=True\) would write an empty file to .*w\.pt': no parameter of "
-                     r"the module requires grad \(all are frozen\)\. Received: trainable_only=True\. Fix"),
-    Case("export example_input str", lambda m, tmp: export(m.module, tmp / "m.pt2", "x"), TypeError,
-         r"Expected `example_input` to be one input batch.*Received: example_input='x' \(str\)\. Fix"),
+    Case(
+        "fit min_steps above max_steps",
+        fit(max_steps=20, min_steps=50),
+        ValueError,
+        r"min_steps=50 asks for more than max_steps=20, which ends training first\. Fix",
+    ),
+    Case(
+        "compile loss reduction avg",
+        compile_(loss=nn.CrossEntropyLoss(reduction="avg")),
+        ValueError,
+        r"Expected the loss's `reduction` to be one of 'mean', 'sum', 'none'\. Received: "
+        r"CrossEntropyLoss\(reduction='avg'\)\. Fix",
+    ),
+    Case(
+        "ModelCheckpoint save_last is its own filepath",
+        fit_cb(lambda tmp: ModelCheckpoint(tmp / "ck.pt", save_last=tmp / "ck.pt")),
+        ValueError,
+        r"Expected `save_last` to be a file of its own, but .*ck\.pt' is a file of `filepath`.*Fix",
+    ),
+    Case(
+        "ModelCheckpoint save_last matches the filepath pattern",
+        fit_cb(lambda tmp: ModelCheckpoint(tmp / "ep{epoch}.pt", save_last=tmp / "ep3.pt")),
+        ValueError,
+        r"Expected `save_last` to be a file of its own, but .*ep3\.pt' is a file of `filepath`.*Fix",
+    ),
+    Case(
+        "CSVLogger separator newline",
+        fit_cb(lambda tmp: CSVLogger(tmp / "log.csv", separator="\n")),
+        ValueError,
+        r"Expected `separator` to be one character that is not a line break.*Received: separator='\\n'\. Fix",
+    ),
+    Case(
+        "CSVLogger separator quote",
+        fit_cb(lambda tmp: CSVLogger(tmp / "log.csv", separator='"')),
+        ValueError,
+        r"Received: separator='\"'\. Fix",
+    ),
+    Case(
+        "ProgressBar refresh_interval -1",
+        fit_cb(lambda tmp: ProgressBar(refresh_interval=-1)),
+        ValueError,
+        r"Expected `refresh_interval` >= 0\.0\. Received: refresh_interval=-1\. Fix",
+    ),
+    Case(
+        "WeightAveraging start at a step and an epoch",
+        fit_cb(lambda tmp: WeightAveraging(update_starting_at_step=2, update_starting_at_epoch=1)),
+        ValueError,
+        r"Expected at most one of `update_starting_at_step` and `update_starting_at_epoch`\. Received: "
+        r"update_starting_at_step=2, update_starting_at_epoch=1\. Fix",
+    ),
+    Case(
+        "ThroughputMonitor clock returns a str",
+        fit_cb(lambda tmp: ThroughputMonitor(clock=lambda: "now")),
+        TypeError,
+        r"Expected `clock` to return seconds as a number\. Received: clock\(\) returned 'now' \(str\)\. Fix",
+    ),
+    Case(
+        "Timer clock returns None",
+        fit_cb(lambda tmp: Timer(3600, clock=lambda: None)),
+        TypeError,
+        r"Expected `clock` to return seconds as a number\. Received: clock\(\) returned None \(NoneType\)\. Fix",
+    ),
+    Case(
+        "find_lr lr_max",
+        lambda m, tmp: find_lr(m, _x(), _y(), lr_max=1),
+        TypeError,
+        r"find_lr\(\) got an unexpected keyword argument 'lr_max'\. Fix.*Valid keywords: .*end_lr",
+    ),
+    Case(
+        "find_lr path in a missing folder",
+        lambda m, tmp: find_lr(m, _x(), _y(), num_steps=5, path=tmp / "missing" / "dir" / "lr.png"),
+        ValueError,
+        r"find_lr writes its plot at `path`, but the folder .*missing/dir' does not exist\. .*Fix",
+    ),
+    Case(
+        "fit numpy object array in a dict x",
+        fit(x={"input": _x().numpy(), "note": np.array([object()] * N, dtype=object)}),
+        TypeError,
+        r"Expected `x\['note'\]` to be a numeric array \(bool, int, float or complex\)\. Received an array of "
+        r"dtype object, shape \(20,\)\. Fix",
+    ),
+    Case(
+        "fit sample_weight str",
+        fit(sample_weight="w"),
+        TypeError,
+        r"Expected `sample_weight` to be an array of real numbers.*Received: sample_weight='w' \(str\)\. Fix",
+    ),
+    Case(
+        "fit max_time negative",
+        fit(max_time=-1),
+        ValueError,
+        r"Expected `max_time` to be a positive number\. Received: max_time=-1\. Fix",
+    ),
+    Case(
+        "save_weights trainable_only with every parameter frozen",
+        lambda m, tmp: (m.module.requires_grad_(False), m.save_weights(tmp / "w.pt", trainable_only=True)),
+        ValueError,
+        r"save_weights\(trainable_only=True\) would write an empty file to .*w\.pt': no parameter of "
+        r"the module requires grad \(all are frozen\)\. Received: trainable_only=True\. Fix",
+    ),
+    Case(
+        "export example_input str",
+        lambda m, tmp: export(m.module, tmp / "m.pt2", "x"),
+        TypeError,
+        r"Expected `example_input` to be one input batch.*Received: example_input='x' \(str\)\. Fix",
+    ),
 ]
 
 
@@ -543,14 +999,16 @@ def _classifier(scheduler: bool = True) -> fitkit.Model:
 
 
 def _snapshot(model: fitkit.Model) -> dict[str, Any]:
-    return copy.deepcopy({
-        "module": model.module.state_dict(),
-        "optimizer": model.optimizer.state_dict(),
-        "optimizer_class": type(model.optimizer),
-        "scheduler": model.scheduler.state_dict() if model.scheduler is not None else None,
-        "step": model.global_step,
-        "lr": [g["lr"] for g in model.optimizer.param_groups],
-    })
+    return copy.deepcopy(
+        {
+            "module": model.module.state_dict(),
+            "optimizer": model.optimizer.state_dict(),
+            "optimizer_class": type(model.optimizer),
+            "scheduler": model.scheduler.state_dict() if model.scheduler is not None else None,
+            "step": model.global_step,
+            "lr": [g["lr"] for g in model.optimizer.param_groups],
+        }
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -567,8 +1025,9 @@ def _files(tmp) -> set[str]:
     return {str(p.relative_to(tmp)) for p in tmp.rglob("*")}
 
 
-PARAMS = [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.gap)] if c.gap else [])
-          for c in CASES]  # fmt: skip
+PARAMS = [
+    pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.gap)] if c.gap else []) for c in CASES
+]
 
 
 @pytest.mark.parametrize("case", PARAMS)
@@ -662,8 +1121,11 @@ def test_a_dataloader_gets_the_same_check_on_its_first_training_batch(tmp_path):
     model = _model()
     data = DataLoader(TensorDataset(torch.randn(10, 5), torch.arange(10) % 3), batch_size=4)
     before = _state(model)
-    with pytest.raises(ValueError, match=r"^The first training batch failed in the module's forward: RuntimeError: "
-                       r"mat1 and mat2 shapes cannot be multiplied \(4x5 and 4x3\)\. It was fed x: float32 \(4, 5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^The first training batch failed in the module's forward: RuntimeError: "
+        r"mat1 and mat2 shapes cannot be multiplied \(4x5 and 4x3\)\. It was fed x: float32 \(4, 5\)",
+    ):
         model.fit(data, epochs=2, verbose=0, callbacks=[ModelCheckpoint(tmp_path / "ckpt.pt", save_freq=1)])
     assert _unchanged(model, before) and model.global_step == 0
     assert list(tmp_path.iterdir()) == []
@@ -700,8 +1162,10 @@ def test_nan_and_inf_in_x_and_y_name_the_count_and_the_first_row(tmp_path):
     x = torch.randn(12, 4)
     x[5, 1], x[9, 0], x[9, 2] = float("nan"), float("inf"), -float("inf")
     e = _fit_fails(_model(), tmp_path, x, torch.arange(12) % 3)
-    assert str(e) == ("`x` holds 3 NaN or infinite values (first at row 5). Fix: clean or impute `x` before fit; "
-                      "a NaN input turns every weight NaN.")  # fmt: skip
+    assert str(e) == (
+        "`x` holds 3 NaN or infinite values (first at row 5). Fix: clean or impute `x` before fit; "
+        "a NaN input turns every weight NaN."
+    )
     y = torch.randn(12, 3)
     y[7, 2] = float("nan")
     e = _fit_fails(_model(nn.Linear(4, 3), loss="mse"), tmp_path, torch.randn(12, 4), y)
@@ -712,8 +1176,10 @@ def test_a_negative_sample_weight_is_an_error(tmp_path):
     w = torch.ones(12)
     w[4] = -2.0
     e = _fit_fails(_model(), tmp_path, torch.randn(12, 4), torch.arange(12) % 3, sample_weight=w)
-    assert str(e) == ("`sample_weight` must be >= 0. Received a negative weight at index 4 (-2.0). Fix: weights "
-                      "scale each sample's loss; use 0 to ignore one.")  # fmt: skip
+    assert str(e) == (
+        "`sample_weight` must be >= 0. Received a negative weight at index 4 (-2.0). Fix: weights "
+        "scale each sample's loss; use 0 to ignore one."
+    )
 
 
 @pytest.mark.parametrize("shape", [(12,), (12, 1), (12, 3)])
@@ -721,8 +1187,9 @@ def test_class_weight_with_continuous_targets_is_an_error(tmp_path, shape):
     model = _model(nn.Linear(4, shape[-1] if len(shape) > 1 else 1), loss="mse")
     y = torch.randn(*shape) + 0.25
     e = _fit_fails(model, tmp_path, torch.randn(12, 4), y, class_weight={0: 1.0, 1: 2.0})
-    assert str(e).startswith("`class_weight` needs class labels (or one-hot / probability rows), but the targets "
-                             "are continuous (e.g. ")  # fmt: skip
+    assert str(e).startswith(
+        "`class_weight` needs class labels (or one-hot / probability rows), but the targets are continuous (e.g. "
+    )
     assert str(e).endswith("Fix: pass `sample_weight` for regression targets.")
 
 
@@ -777,16 +1244,28 @@ def _val():
 
 
 WARNS = [
-    ("max_steps at the step count", {"max_steps": 1},
-     r"fit\(max_steps=1\) is already spent: the model has taken 1 optimizer steps .*Fix: pass max_steps > 1"),
-    ("max_steps below the step count, epochs=None", {"max_steps": 1, "epochs": None},
-     r"fit\(max_steps=1\) is already spent.*Fix"),
-    ("validation_interval longer than the fit", {"validation_data": _val(), "validation_interval": 100},
-     r"fit\(validation_interval=100\) is longer than this fit: .*from step 1 to 9, so it never validates.*"
-     r"Fix: pass validation_interval <= 8"),
-    ("EarlyStopping start_from_epoch past the fit", {"callbacks": [EarlyStopping(monitor="loss", start_from_epoch=5)]},
-     r"EarlyStopping\(start_from_epoch=5\) never acts: this fit ends after epoch index 1 \(epochs=2\).*"
-     r"Fix: pass start_from_epoch < 2"),
+    (
+        "max_steps at the step count",
+        {"max_steps": 1},
+        r"fit\(max_steps=1\) is already spent: the model has taken 1 optimizer steps .*Fix: pass max_steps > 1",
+    ),
+    (
+        "max_steps below the step count, epochs=None",
+        {"max_steps": 1, "epochs": None},
+        r"fit\(max_steps=1\) is already spent.*Fix",
+    ),
+    (
+        "validation_interval longer than the fit",
+        {"validation_data": _val(), "validation_interval": 100},
+        r"fit\(validation_interval=100\) is longer than this fit: .*from step 1 to 9, so it never validates.*"
+        r"Fix: pass validation_interval <= 8",
+    ),
+    (
+        "EarlyStopping start_from_epoch past the fit",
+        {"callbacks": [EarlyStopping(monitor="loss", start_from_epoch=5)]},
+        r"EarlyStopping\(start_from_epoch=5\) never acts: this fit ends after epoch index 1 \(epochs=2\).*"
+        r"Fix: pass start_from_epoch < 2",
+    ),
 ]
 
 
@@ -802,8 +1281,9 @@ def test_an_early_stopping_patience_longer_than_the_fit_is_not_warned():
     # nothing either): only a start_from_epoch past the fit, which never looks, is warned.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _model().fit(_x(), _y(), epochs=2, batch_size=5, verbose=0,
-                     callbacks=[EarlyStopping(monitor="loss", patience=5)])
+        _model().fit(
+            _x(), _y(), epochs=2, batch_size=5, verbose=0, callbacks=[EarlyStopping(monitor="loss", patience=5)]
+        )
 
 
 def test_a_spent_max_steps_changes_nothing():
@@ -815,10 +1295,19 @@ def test_a_spent_max_steps_changes_nothing():
 
 
 def test_a_checkpoint_every_n_epochs_past_the_fit_warns_and_writes_nothing(tmp_path):
-    with pytest.warns(fitkit.FitkitWarning, match=r"ModelCheckpoint\(every_n_epochs=5\) writes nothing in this fit.*"
-                      r"the fit runs epochs 1 to 2\. Fix: pass every_n_epochs <= 2"):
-        _model().fit(_x(), _y(), epochs=2, batch_size=5, verbose=0,
-                     callbacks=[ModelCheckpoint(tmp_path / "m{epoch}.pt", every_n_epochs=5)])
+    with pytest.warns(
+        fitkit.FitkitWarning,
+        match=r"ModelCheckpoint\(every_n_epochs=5\) writes nothing in this fit.*"
+        r"the fit runs epochs 1 to 2\. Fix: pass every_n_epochs <= 2",
+    ):
+        _model().fit(
+            _x(),
+            _y(),
+            epochs=2,
+            batch_size=5,
+            verbose=0,
+            callbacks=[ModelCheckpoint(tmp_path / "m{epoch}.pt", every_n_epochs=5)],
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -826,10 +1315,20 @@ def test_intervals_and_patience_the_fit_reaches_do_not_warn(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model = _model()
-        model.fit(_x(), _y(), epochs=2, batch_size=5, verbose=0, validation_data=_val(), validation_interval=8,
-                  callbacks=[EarlyStopping(monitor="loss", patience=1),
-                             EarlyStopping(monitor="loss", patience=9, restore_best_weights=True),  # acts at the end
-                             ModelCheckpoint(tmp_path / "m.pt", every_n_epochs=2)])
+        model.fit(
+            _x(),
+            _y(),
+            epochs=2,
+            batch_size=5,
+            verbose=0,
+            validation_data=_val(),
+            validation_interval=8,
+            callbacks=[
+                EarlyStopping(monitor="loss", patience=1),
+                EarlyStopping(monitor="loss", patience=9, restore_best_weights=True),  # acts at the end
+                ModelCheckpoint(tmp_path / "m.pt", every_n_epochs=2),
+            ],
+        )
         assert model.global_step == 8 and len(model.history.history["val_loss"]) == 1
         model.fit(_x(), _y(), batch_size=5, max_steps=9, verbose=0)  # one step left
         assert model.global_step == 9
@@ -837,12 +1336,19 @@ def test_intervals_and_patience_the_fit_reaches_do_not_warn(tmp_path):
 
 # -- logger options: TypeErrors at construction (issue 28) -----------------------------------------------
 LOGGERS = [
-    ("MLflowLogger", {"tags": ["a", "b"]},
-     r"Expected `tags` to be a dict of \{name: value\} with str names, or None\. "
-     r"Received: tags=\['a', 'b'\] \(list\)\. Fix: pass e\.g\. tags="),
+    (
+        "MLflowLogger",
+        {"tags": ["a", "b"]},
+        r"Expected `tags` to be a dict of \{name: value\} with str names, or None\. "
+        r"Received: tags=\['a', 'b'\] \(list\)\. Fix: pass e\.g\. tags=",
+    ),
     ("MLflowLogger", {"tags": {1: "a"}}, r"Received: tags=\{1: 'a'\} \(a key of type int\)\. Fix"),
-    ("MLflowLogger", {"tracking_uri": 5}, r"Expected `tracking_uri` to be a str or None\. Received: tracking_uri=5 "
-     r"\(int\)\. Fix: pass a URI such as"),
+    (
+        "MLflowLogger",
+        {"tracking_uri": 5},
+        r"Expected `tracking_uri` to be a str or None\. Received: tracking_uri=5 "
+        r"\(int\)\. Fix: pass a URI such as",
+    ),
     ("MLflowLogger", {"experiment_name": 5}, r"Expected `experiment_name` to be a str or None\. Received: .*Fix"),
     ("MLflowLogger", {"run_name": ["a"]}, r"Expected `run_name` to be a str or None\. Received: run_name=\['a'\].*Fix"),
     ("WandbLogger", {"project": 5}, r"Expected `project` to be a str or None\. Received: project=5 \(int\)\. Fix"),
@@ -883,8 +1389,11 @@ def test_a_loss_that_requires_grad_but_reaches_no_parameter_is_refused_before_st
 # -- ragged samples after the first batch of a user's DataLoader: named, not torch's stack error -------------
 def test_ragged_samples_in_a_later_batch_of_a_users_dataloader_name_the_collate_fix():
     model = _model()
-    with pytest.raises(ValueError, match=r"A batch of the training DataLoader could not be made after 1 optimizer "
-                       r"step\(s\) of this fit: its collate_fn \(torch's default_collate\).*Fix: pass DataLoader") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"A batch of the training DataLoader could not be made after 1 optimizer "
+        r"step\(s\) of this fit: its collate_fn \(torch's default_collate\).*Fix: pass DataLoader",
+    ) as e:
         model.fit(DataLoader(_Samples(ragged_at=7), batch_size=5), epochs=1, verbose=0)
     assert isinstance(e.value.__cause__, RuntimeError) and model.global_step == 1
 
@@ -894,7 +1403,8 @@ def test_describe_names_none_and_strings_in_a_batch():
     from fitkit.training.preflight import describe
 
     assert describe(({"x": torch.zeros(2, 4), "mask": None}, torch.tensor([0, 1]), None)) == (
-        "x: 'x' float32 (2, 4), 'mask' None; y: int64 (2,) values 0..1")
+        "x: 'x' float32 (2, 4), 'mask' None; y: int64 (2,) values 0..1"
+    )
     assert describe(({"text": ["a", "b"]}, None, None)) == "x: 'text' list of 2 str"
     assert describe((None, None, None)) == "x: None"
 
@@ -916,11 +1426,17 @@ def test_a_dict_batch_holding_none_says_so(tmp_path):
 def test_samples_of_equal_shapes_holding_a_value_torch_cannot_stack_are_named_as_such():
     from fitkit.data.collate import NamingCollate
 
-    with pytest.raises(ValueError, match=r"its samples' tensors have equal shapes, but a value torch cannot stack is "
-                       r"among them .*The first sample holds \(\(2,\), object\)\. Fix"):
+    with pytest.raises(
+        ValueError,
+        match=r"its samples' tensors have equal shapes, but a value torch cannot stack is "
+        r"among them .*The first sample holds \(\(2,\), object\)\. Fix",
+    ):
         NamingCollate()([(torch.zeros(2), object()), (torch.zeros(2), object())])
-    with pytest.raises(ValueError, match=r"its samples have different kinds of values \(each sample's tensors: "
-                       r"\(\(2,\), None\), \(\(2,\), \(1,\)\)\).*a column is None in some samples and not in others"):
+    with pytest.raises(
+        ValueError,
+        match=r"its samples have different kinds of values \(each sample's tensors: "
+        r"\(\(2,\), None\), \(\(2,\), \(1,\)\)\).*a column is None in some samples and not in others",
+    ):
         NamingCollate()([(torch.zeros(2), None), (torch.zeros(2), torch.ones(1))])
     assert NamingCollate()([(torch.zeros(2), None), (torch.ones(2), None)])[1] is None  # a None column stays None
 
@@ -963,9 +1479,12 @@ class _Widening(nn.Module):
 @pytest.mark.parametrize("sample_weight", [None, torch.ones(N)], ids=["plain", "weighted"])
 def test_an_output_that_widens_during_training_is_refused_at_the_batch_it_widens(sample_weight):
     model = _model(_Widening())
-    with pytest.raises(ValueError, match=r"^Loss 'cross_entropy' got logits for 6 classes \(5, 6\), but earlier "
-                       r"batches had 3: the module's output changed width during training.*Fix: make the module's "
-                       r"output size fixed"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Loss 'cross_entropy' got logits for 6 classes \(5, 6\), but earlier "
+        r"batches had 3: the module's output changed width during training.*Fix: make the module's "
+        r"output size fixed",
+    ):
         model.fit(_x(), _y(), batch_size=5, epochs=1, verbose=0, shuffle=False, sample_weight=sample_weight)
     assert model.global_step == 1  # step 1 ran on 3 logits; the step with 6 was not applied
     model.compile(optimizer="adam", loss="cross_entropy")  # a new head on purpose: compile again
@@ -990,8 +1509,11 @@ def test_label_names_that_the_batches_do_not_hold_are_refused_before_step_1(tmp_
     model = fitkit.Model(_Keyed(), device="cpu")
     model.compile(optimizer="adam", loss="cross_entropy", label_names=["target"])
     err = _fit_fails(model, tmp_path, {"features": _x(), "labels": _y()}, batch_size=5)
-    assert re.search(r"compile\(label_names=\['target'\]\) names no key of the batch "
-                     r"\(keys: \['features', 'labels'\]\).*Fix", str(err))
+    assert re.search(
+        r"compile\(label_names=\['target'\]\) names no key of the batch "
+        r"\(keys: \['features', 'labels'\]\).*Fix",
+        str(err),
+    )
     # y passed apart: label_names would be ignored, so it is refused too
     err = _fit_fails(model, tmp_path, {"features": _x()}, _y(), batch_size=5)
     assert "names no key of the batch (keys: ['features'])" in str(err)
@@ -1005,8 +1527,11 @@ def test_evaluate_of_dict_batches_whose_module_returns_no_loss_and_no_metric_is_
     model = fitkit.Model(_Keyed(logits_only=True), device="cpu")
     model.compile(optimizer="adam")  # loss=None: the module's own loss, which it does not return
     x, y = _x(), _y()
-    with pytest.raises(ValueError, match=r"Expected something to evaluate: compile\(loss=None\) and the module's "
-                       r"output holds no 'loss' \(output: \['logits'\]\), and no metrics are compiled.*Fix"):
+    with pytest.raises(
+        ValueError,
+        match=r"Expected something to evaluate: compile\(loss=None\) and the module's "
+        r"output holds no 'loss' \(output: \['logits'\]\), and no metrics are compiled.*Fix",
+    ):
         model.evaluate({"features": x, "labels": y}, verbose=0)
     # batches from an iterable are not checked before the loop: the loop names it at its end
     with pytest.raises(ValueError, match=r"Expected `evaluate` to compute a loss or a metric\..*Fix"):

@@ -35,8 +35,9 @@ def _model(limit: int, **kwargs) -> tuple[fitkit.Model, Limited]:
     torch.manual_seed(0)
     net = Limited(limit, **kwargs)
     model = fitkit.Model(net, device="cpu")
-    model.compile(optimizer="adam", loss="mse",
-                  scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))  # fmt: skip
+    model.compile(
+        optimizer="adam", loss="mse", scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    )
     return model, net
 
 
@@ -61,9 +62,11 @@ def _same(a: dict, b: dict) -> bool:
         all(torch.equal(a["module"][k], b["module"][k]) for k in a["module"])
         and a["optimizer"] == b["optimizer"]
         and all(torch.equal(s, t) for s, t in zip(a["opt_tensors"], b["opt_tensors"], strict=True))
-        and a["scheduler"] == b["scheduler"] and a["step"] == b["step"]
-        and a["rng"][:2] == b["rng"][:2] and torch.equal(a["rng"][2], b["rng"][2])
-    )  # fmt: skip
+        and a["scheduler"] == b["scheduler"]
+        and a["step"] == b["step"]
+        and a["rng"][:2] == b["rng"][:2]
+        and torch.equal(a["rng"][2], b["rng"][2])
+    )
 
 
 def test_doubles_until_out_of_memory_and_restores_everything_bitwise():

@@ -16,8 +16,13 @@ from fitkit.checks import FitkitWarning
 def _model(accumulation: int = 1, scheduler=None, interval: str = "step", lr: float = 0.1) -> fitkit.Model:
     torch.manual_seed(0)
     model = fitkit.Model(nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.2), nn.Linear(4, 1)), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=lr), loss="mse", scheduler=scheduler,
-                  scheduler_interval=interval, gradient_accumulation_steps=accumulation)  # fmt: skip
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=lr),
+        loss="mse",
+        scheduler=scheduler,
+        scheduler_interval=interval,
+        gradient_accumulation_steps=accumulation,
+    )
     return model
 
 
@@ -44,8 +49,9 @@ def test_max_steps_stops_after_n_optimizer_steps_across_epochs_and_ends_the_cut_
     # 10 samples, batch 2: 5 batches per epoch; accumulation 2: 3 steps per epoch (2 + 2 + 1 batches).
     x, y = _data()
     model, seen = _model(accumulation=2), {}
-    history = model.fit(x, y, batch_size=2, max_steps=7, validation_data=(x, y), verbose=0,
-                        callbacks=[_recorder(model, seen)])  # fmt: skip
+    history = model.fit(
+        x, y, batch_size=2, max_steps=7, validation_data=(x, y), verbose=0, callbacks=[_recorder(model, seen)]
+    )
     assert model.global_step == 7
     assert history.epoch == [0, 1, 2]  # epochs unbounded: the budget ends the fit
     # the third epoch stops after its first window (2 micro-batches), never inside one
@@ -88,8 +94,11 @@ def _warmup_decay(optimizer, total_steps, warmup=2):
 
 @pytest.mark.parametrize("form", ["total_steps", "num_training_steps"])
 def test_a_scheduler_factory_built_from_the_planned_steps_gives_the_hand_lrs(form):
-    factory = _warmup_decay if form == "total_steps" else (
-        lambda opt, num_training_steps: _warmup_decay(opt, num_training_steps))  # fmt: skip
+    factory = (
+        _warmup_decay
+        if form == "total_steps"
+        else (lambda opt, num_training_steps: _warmup_decay(opt, num_training_steps))
+    )
     x, y = _data()
     model, seen = _model(scheduler=factory), {}
     assert model.scheduler is None  # built at the start of fit
@@ -123,8 +132,11 @@ def _budget_run(tmp_path, crash_at=None, save_freq=2):
         if model.global_step == crash_at:
             raise _Crash
 
-    callbacks = [LambdaCallback(on_train_batch_end=crash), _recorder(model, seen),
-                 BackupAndRestore(tmp_path, save_freq=save_freq)]  # fmt: skip
+    callbacks = [
+        LambdaCallback(on_train_batch_end=crash),
+        _recorder(model, seen),
+        BackupAndRestore(tmp_path, save_freq=save_freq),
+    ]
     model.fit(x, y, batch_size=2, max_steps=8, validation_data=(x, y), verbose=0, callbacks=callbacks)
     return model, seen
 
@@ -141,7 +153,7 @@ def test_a_resumed_budget_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path,
     for k, v in ref.state_dict().items():
         assert torch.equal(resumed.state_dict()[k], v), k
     assert resumed.history.history == ref.history.history
-    assert seen["lrs"] == ref_seen["lrs"][-len(seen["lrs"]):]  # the same schedule continues
+    assert seen["lrs"] == ref_seen["lrs"][-len(seen["lrs"]) :]  # the same schedule continues
 
 
 def test_a_checkpoint_loaded_before_the_first_fit_restores_a_planned_scheduler(tmp_path):
@@ -213,8 +225,9 @@ def test_a_float_epochs_trains_the_fraction_of_the_next_epochs_steps():
     epoch cut after its second window, validated and in History; a planned scheduler sees 8."""
     x, y = _data()
     model, seen = _model(accumulation=2, scheduler=functools.partial(_warmup_decay, warmup=1)), {}
-    history = model.fit(x, y, batch_size=2, epochs=2.5, validation_data=(x, y), verbose=0,
-                        callbacks=[_recorder(model, seen)])
+    history = model.fit(
+        x, y, batch_size=2, epochs=2.5, validation_data=(x, y), verbose=0, callbacks=[_recorder(model, seen)]
+    )
     assert model.global_step == 8 and history.epoch == [0, 1, 2]
     assert [(e, b) for e, b, _ in seen["batches"] if e == 2] == [(2, 0), (2, 1), (2, 2), (2, 3)]
     assert len(history.history["val_loss"]) == 3
@@ -250,5 +263,5 @@ def test_a_float_epochs_over_data_without_a_length_is_an_error_before_step_1():
     x, y = _data()
     model = _model()
     with pytest.raises(ValueError, match=r"epochs=1\.5 trains a fraction.*Fix: pass `steps_per_epoch=`"):
-        model.fit(((x[i:i + 2], y[i:i + 2]) for i in range(0, 10, 2)), epochs=1.5, verbose=0)
+        model.fit(((x[i : i + 2], y[i : i + 2]) for i in range(0, 10, 2)), epochs=1.5, verbose=0)
     assert model.global_step == 0

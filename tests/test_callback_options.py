@@ -38,8 +38,14 @@ def _files(folder):
 
 # -- ModelCheckpoint -------------------------------------------------------------------------
 def test_initial_value_threshold_save_best_only(tmp_path):
-    ckpt = ModelCheckpoint(tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_best_only=True,
-                           save_weights_only=True, initial_value_threshold=0.5)
+    ckpt = ModelCheckpoint(
+        tmp_path / "ep{epoch}.pt",
+        monitor="score",
+        mode="min",
+        save_best_only=True,
+        save_weights_only=True,
+        initial_value_threshold=0.5,
+    )
     _fit([Feed([0.9, 0.6, 0.4, 0.45, 0.3]), ckpt], epochs=5)
     # 0.9 and 0.6 do not beat 0.5; 0.4 does (epoch 3); 0.45 does not beat 0.4; 0.3 does.
     assert _files(tmp_path) == ["ep3.pt", "ep5.pt"]
@@ -47,15 +53,22 @@ def test_initial_value_threshold_save_best_only(tmp_path):
 
 
 def test_initial_value_threshold_never_beaten_writes_nothing(tmp_path):
-    ckpt = ModelCheckpoint(tmp_path / "ep{epoch}.pt", monitor="score", mode="max", save_best_only=True,
-                           initial_value_threshold=0.9)
+    ckpt = ModelCheckpoint(
+        tmp_path / "ep{epoch}.pt", monitor="score", mode="max", save_best_only=True, initial_value_threshold=0.9
+    )
     _fit([Feed([0.5, 0.9, 0.8]), ckpt], epochs=3)
     assert _files(tmp_path) == [] and ckpt.best == 0.9 and ckpt.best_path is None
 
 
 def test_initial_value_threshold_with_top_k(tmp_path):
-    ckpt = ModelCheckpoint(tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_top_k=2,
-                           save_weights_only=True, initial_value_threshold=1.0)
+    ckpt = ModelCheckpoint(
+        tmp_path / "ep{epoch}.pt",
+        monitor="score",
+        mode="min",
+        save_top_k=2,
+        save_weights_only=True,
+        initial_value_threshold=1.0,
+    )
     _fit([Feed([3.0, 0.8, 2.0, 0.9, 0.7, 1.0]), ckpt], epochs=6)
     # Beat 1.0: 0.8 (ep2), 0.9 (ep4), 0.7 (ep5); the two best are ep2 and ep5.
     assert _files(tmp_path) == ["ep2.pt", "ep5.pt"]
@@ -69,8 +82,9 @@ def test_every_n_epochs(tmp_path):
 
 
 def test_every_n_epochs_0_writes_no_ranked_file_only_last(tmp_path):
-    ckpt = ModelCheckpoint(tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_top_k=2, every_n_epochs=0,
-                           save_last=True)  # fmt: skip
+    ckpt = ModelCheckpoint(
+        tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_top_k=2, every_n_epochs=0, save_last=True
+    )
     model, _ = _fit([Feed([3.0, 2.0, 1.0]), ckpt], epochs=3)
     assert _files(tmp_path) == ["last.pt"] and ckpt.kept == [] and ckpt.best is None
     assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 3  # written at every epoch end
@@ -80,8 +94,14 @@ def test_every_n_epochs_0_writes_no_ranked_file_only_last(tmp_path):
 
 
 def test_every_n_epochs_with_save_best_only_decides_on_those_epochs_only(tmp_path):
-    ckpt = ModelCheckpoint(tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_best_only=True,
-                           save_weights_only=True, every_n_epochs=2)
+    ckpt = ModelCheckpoint(
+        tmp_path / "ep{epoch}.pt",
+        monitor="score",
+        mode="min",
+        save_best_only=True,
+        save_weights_only=True,
+        every_n_epochs=2,
+    )
     # Epoch 1's 0.1 is never looked at; epoch 2's 0.5 is the first best, epoch 4's 0.6 is worse,
     # epoch 6's 0.4 is better.
     _fit([Feed([0.1, 0.5, 0.0, 0.6, 0.0, 0.4]), ckpt], epochs=6)
@@ -95,8 +115,15 @@ def test_save_last_is_the_latest_full_state_at_every_event(tmp_path):
         def on_epoch_end(self, epoch, logs=None):
             seen.append(_files(tmp_path))
 
-    ckpt = ModelCheckpoint(tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_best_only=True,
-                           save_weights_only=True, save_last=True, every_n_epochs=2)
+    ckpt = ModelCheckpoint(
+        tmp_path / "ep{epoch}.pt",
+        monitor="score",
+        mode="min",
+        save_best_only=True,
+        save_weights_only=True,
+        save_last=True,
+        every_n_epochs=2,
+    )
     # Spy runs before the write of this epoch (writes happen after every callback's epoch end).
     model, _ = _fit([Feed([0.5, 0.5, 0.9, 0.9, 0.1]), ckpt, Spy()], epochs=5)
     assert seen == [[], [], ["ep2.pt", "last.pt"], ["ep2.pt", "last.pt"], ["ep2.pt", "last.pt"]]
@@ -120,8 +147,9 @@ def test_save_last_as_path_and_with_save_freq(tmp_path):
 
 
 def test_save_top_k_never_evicts_last(tmp_path):
-    ckpt = ModelCheckpoint(tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_top_k=1,
-                           save_weights_only=True, save_last=True)
+    ckpt = ModelCheckpoint(
+        tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_top_k=1, save_weights_only=True, save_last=True
+    )
     _fit([Feed([3.0, 2.0, 1.0]), ckpt], epochs=3)
     assert _files(tmp_path) == ["ep3.pt", "last.pt"]
 
@@ -148,8 +176,9 @@ def test_save_last_with_a_changing_folder_is_refused(tmp_path):
 
 
 def test_threshold_and_last_resume_with_the_checkpoint(tmp_path):
-    ckpt = ModelCheckpoint(tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_best_only=True,
-                           initial_value_threshold=0.5)
+    ckpt = ModelCheckpoint(
+        tmp_path / "ep{epoch}.pt", monitor="score", mode="min", save_best_only=True, initial_value_threshold=0.5
+    )
     state = {"best": 0.5, "best_path": None, "kept": [], "batches_seen": 0}
     assert ckpt.state_dict() == state
     ckpt.load_state_dict({**state, "best": 0.2})
@@ -212,8 +241,9 @@ def test_patience_reason_and_verbose_message(capsys):
 
 
 def test_not_stopped_has_no_reason():
-    stop, ran = _stop([0.5, 0.4, 0.3], mode="min", patience=1, stopping_threshold=0.0, divergence_threshold=9.0,
-                      check_finite=True)
+    stop, ran = _stop(
+        [0.5, 0.4, 0.3], mode="min", patience=1, stopping_threshold=0.0, divergence_threshold=9.0, check_finite=True
+    )
     assert (stop.stop_reason, stop.stopped_epoch, ran) == (None, 0, 3)
 
 

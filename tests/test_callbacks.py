@@ -106,8 +106,13 @@ def test_early_stopping_restores_the_epoch_index_2_snapshot_of_a_scripted_monito
     x, y = _regression()
     model, snaps = _model(), []
     stop = EarlyStopping(monitor="scripted_loss", patience=10, restore_best_weights=True)
-    model.fit(x, y, epochs=5, verbose=0,
-              callbacks=[_script("scripted_loss", [3, 2, 1, 1.5, 1.6]), stop, _snapshotter(model, snaps)])  # fmt: skip
+    model.fit(
+        x,
+        y,
+        epochs=5,
+        verbose=0,
+        callbacks=[_script("scripted_loss", [3, 2, 1, 1.5, 1.6]), stop, _snapshotter(model, snaps)],
+    )
     final = _weights(model)
     assert len(snaps) == 5 and stop.best_epoch == 2 and stop.best == 1 and stop.stopped_epoch == 0
     assert all(torch.equal(final[k], snaps[2][k]) for k in final)
@@ -119,8 +124,13 @@ def test_early_stopping_restores_when_another_callback_stops_training():
     model, snaps = _model(), []
     stopper = LambdaCallback(on_epoch_end=lambda e, logs: setattr(model, "stop_training", e == 3))
     stop = EarlyStopping(monitor="s_loss", patience=10, restore_best_weights=True)
-    h = model.fit(x, y, epochs=8, verbose=0,
-                  callbacks=[_script("s_loss", [3, 1, 2, 2.5]), stop, _snapshotter(model, snaps), stopper])  # fmt: skip
+    h = model.fit(
+        x,
+        y,
+        epochs=8,
+        verbose=0,
+        callbacks=[_script("s_loss", [3, 1, 2, 2.5]), stop, _snapshotter(model, snaps), stopper],
+    )
     assert h.epoch == [0, 1, 2, 3]
     assert torch.equal(model.module.weight, snaps[1]["weight"])
 
@@ -175,8 +185,9 @@ def test_mode_auto_directions():
     assert resolve_mode("val_auroc", "auto", model) == "max"
     assert resolve_mode("accuracy", "auto", model) == "max"
     assert resolve_mode("val_mae", "auto", model) == "min"  # by name
-    with pytest.raises(ValueError, match="cannot tell whether a larger or smaller 'val_score'.*mode='min' or "
-                       "mode='max'"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="cannot tell whether a larger or smaller 'val_score'.*mode='min' or mode='max'"
+    ):
         resolve_mode("val_score", "auto", model)
     with pytest.raises(ValueError, match="Expected `mode` to be 'auto', 'min' or 'max'"):
         EarlyStopping(mode="down")
@@ -260,8 +271,11 @@ class _SumModule(nn.Module):
 
 def test_step_lr_history_and_weight_moves_are_exact():
     model = fitkit.Model(_SumModule(), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss=lambda y_pred, y: y_pred.mean(),
-                  scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.1))  # fmt: skip
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        loss=lambda y_pred, y: y_pred.mean(),
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.1),
+    )
     h = model.fit(torch.zeros(1, 1), torch.zeros(1), batch_size=1, epochs=3, verbose=0)
     lrs = h.history["learning_rate"]
     # 0.1 * 0.1 is 0.010000000000000002 in binary floating point: the LR torch used, exactly.
@@ -319,7 +333,8 @@ def test_terminate_on_nan_skips_the_step_and_every_later_one_and_stops_at_the_ch
     model = _model(optimizer=lambda p, lr: torch.optim.Adam(p, lr=lr, fused=fused))
     steps = []
     after = LambdaCallback(
-        on_train_batch_end=lambda b, logs: steps.append((b, _weights(model), _optimizer_state(model))))
+        on_train_batch_end=lambda b, logs: steps.append((b, _weights(model), _optimizer_state(model)))
+    )
     h = model.fit(x, y, epochs=3, verbose=0, callbacks=[TerminateOnNaN(), after])
     # The verdict is read at the epoch end: batch 3 runs, and its step is vetoed too.
     assert [b for b, _, _ in steps] == [0, 1, 2, 3] and h.epoch == [0]

@@ -36,8 +36,10 @@ def _hand(windows_by_epoch: list[list[int]]) -> list[float]:
 
 
 def _grads(model: fitkit.Model, out: list) -> LambdaCallback:
-    return LambdaCallback(on_backward_end=lambda batch: out.append(model.module.weight.grad.item()),
-                          on_train_begin=lambda logs: out.append(model.callbacks[0].params["total_steps"]))  # fmt: skip
+    return LambdaCallback(
+        on_backward_end=lambda batch: out.append(model.module.weight.grad.item()),
+        on_train_begin=lambda logs: out.append(model.callbacks[0].params["total_steps"]),
+    )
 
 
 @pytest.mark.parametrize("form", ["callback", "compile"])
@@ -58,8 +60,15 @@ def test_each_windows_gradient_equals_the_hand_computation(form):
 def test_epochs_before_the_first_key_keep_the_compiled_value_or_1_in_compile():
     seen: list = []
     model = _model(2)
-    model.fit(X, Y, batch_size=1, epochs=2, shuffle=False, verbose=0,
-              callbacks=[_grads(model, seen), GradientAccumulationScheduler({1: 5})])  # fmt: skip
+    model.fit(
+        X,
+        Y,
+        batch_size=1,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[_grads(model, seen), GradientAccumulationScheduler({1: 5})],
+    )
     assert seen[0] == 3 + 1 and len(seen) - 1 == 4  # epoch 0 at the compiled 2: [2, 2, 1]; epoch 1: [5]
     assert model.gradient_accumulation_steps == 2
     model, seen = _model({1: 5}), []
@@ -82,9 +91,18 @@ def _run(folder, crash_at=None):
         if model.global_step == crash_at:
             raise _Crash
 
-    model.fit(x, y, batch_size=2, epochs=3, verbose=0, callbacks=[
-        GradientAccumulationScheduler({0: 3, 1: 2}), LambdaCallback(on_train_batch_end=crash),
-        BackupAndRestore(folder, save_freq=2)])  # fmt: skip
+    model.fit(
+        x,
+        y,
+        batch_size=2,
+        epochs=3,
+        verbose=0,
+        callbacks=[
+            GradientAccumulationScheduler({0: 3, 1: 2}),
+            LambdaCallback(on_train_batch_end=crash),
+            BackupAndRestore(folder, save_freq=2),
+        ],
+    )
     return model
 
 

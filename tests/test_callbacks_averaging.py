@@ -101,8 +101,9 @@ def test_ema_evaluate_with_ema_off_validates_the_training_weights():
     plain = _model()
     plain.fit(x, y, batch_size=4, epochs=2, validation_data=(x, y), verbose=0)
     model = _model()
-    model.fit(x, y, batch_size=4, epochs=2, validation_data=(x, y), callbacks=[EMA(0.8, evaluate_with_ema=False)],
-              verbose=0)
+    model.fit(
+        x, y, batch_size=4, epochs=2, validation_data=(x, y), callbacks=[EMA(0.8, evaluate_with_ema=False)], verbose=0
+    )
     assert model.history.history["val_loss"] == plain.history.history["val_loss"]
 
 
@@ -193,12 +194,21 @@ def test_ema_errors(kwargs, error, match):
         ({"half_life": "10ba"}, TypeError, r"Expected `half_life` to be a positive number\. Received: half_life=.10ba"),
         ({"half_life": float("inf")}, ValueError, r"finite positive number\. Received: half_life=inf"),
         ({"half_life": 4, "decay": 0.9}, ValueError, r"Pass `decay` or `half_life`, not both\. Received: decay=0\.9"),
-        ({"update_interval": "batch"}, ValueError,
-         r"Expected `update_interval` to be one of 'step', 'epoch'\. Received: update_interval='batch'"),
-        ({"update_interval": "epoch", "update_every_n_steps": 2}, ValueError,
-         r"`update_every_n_steps` counts optimizer steps.*Received: update_every_n_steps=2\. Fix:"),
-        ({"update_interval": "epoch", "overwrite_every_n_steps": 3}, ValueError,
-         r"Received: overwrite_every_n_steps=3\. Fix:"),
+        (
+            {"update_interval": "batch"},
+            ValueError,
+            r"Expected `update_interval` to be one of 'step', 'epoch'\. Received: update_interval='batch'",
+        ),
+        (
+            {"update_interval": "epoch", "update_every_n_steps": 2},
+            ValueError,
+            r"`update_every_n_steps` counts optimizer steps.*Received: update_every_n_steps=2\. Fix:",
+        ),
+        (
+            {"update_interval": "epoch", "overwrite_every_n_steps": 3},
+            ValueError,
+            r"Received: overwrite_every_n_steps=3\. Fix:",
+        ),
     ],
 )
 def test_ema_half_life_and_interval_errors(kwargs, error, match):
@@ -240,8 +250,9 @@ def test_ema_half_life_and_epoch_updates_follow_the_hand_loop(kwargs, updates):
         ema_w = w if ema_w is None else torch.lerp(torch.as_tensor(ema_w), w, 1 - decay)
     got = ema.averaged_model.module.weight.item()
     assert got == pytest.approx(float(ema_w), rel=1e-6)
-    assert ema.num_averaged == len(steps) + (kwargs.get("update_starting_at_step") is None
-                                             and kwargs.get("update_starting_at_epoch") is None)
+    assert ema.num_averaged == len(steps) + (
+        kwargs.get("update_starting_at_step") is None and kwargs.get("update_starting_at_epoch") is None
+    )
 
 
 # -- SWA -------------------------------------------------------------------------------------
@@ -339,8 +350,9 @@ def test_swa_tuple_inputs_reach_the_module_as_arguments():
 
     x, y = _data(8)
     model = _model(module=Two())
-    model.fit((x, x), y, batch_size=4, epochs=2, shuffle=False,
-              callbacks=[SWA(swa_lrs=0.1, swa_epoch_start=1)], verbose=0)
+    model.fit(
+        (x, x), y, batch_size=4, epochs=2, shuffle=False, callbacks=[SWA(swa_lrs=0.1, swa_epoch_start=1)], verbose=0
+    )
     assert int(model.module.bn.num_batches_tracked) == 2  # reset by update_bn, then 2 batches
     torch.testing.assert_close(model.module.bn.running_mean, (x + x).mean(0))
 
@@ -369,7 +381,6 @@ def test_swa_lrs_per_group_must_match_the_groups():
     with pytest.raises(ValueError, match="`swa_lrs` has 2 values, but the optimizer has 1 parameter groups"):
         model.fit(x, y, epochs=1, callbacks=[SWA(swa_lrs=[0.1, 0.2])], verbose=0)
     assert all(torch.equal(a, b) for a, b in zip(_weights(model.module), before, strict=True))
-
 
 
 def _swa_run(folder, crash_step=None):
@@ -415,8 +426,9 @@ def _scalar_model(lr: float = 0.25) -> fitkit.Model:
 
 def _fit_scalar(model, callbacks, epochs=1, n=4, **kw):
     x = torch.ones(n, 1)
-    return model.fit(x, torch.zeros(n, 1), batch_size=1, epochs=epochs, callbacks=callbacks, verbose=0,
-                     shuffle=False, **kw)
+    return model.fit(
+        x, torch.zeros(n, 1), batch_size=1, epochs=epochs, callbacks=callbacks, verbose=0, shuffle=False, **kw
+    )
 
 
 class Steps(Callback):
@@ -521,8 +533,13 @@ def test_compile_use_ema_carries_the_average_into_the_next_fit():
 
 def test_compile_ema_overwrite_frequency():
     model = _scalar_model()
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse", use_ema=True, ema_momentum=0.5,
-                  ema_overwrite_frequency=2)  # fmt: skip
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.25),
+        loss="mse",
+        use_ema=True,
+        ema_momentum=0.5,
+        ema_overwrite_frequency=2,
+    )
     w = []
     _fit_scalar(model, [LambdaCallback(on_train_batch_end=lambda b, logs: w.append(model.module.weight.item()))], n=3)
     # steps: w .5 (ema .5), .25 (ema .375 -> w .375), .1875 (ema .28125); the end: w = ema
@@ -536,8 +553,9 @@ def test_swap_ema_weights_validates_on_the_ema_and_swap_on_epoch():
     x, y = torch.ones(1, 1), torch.zeros(1, 1)
     seen = []
     probe = LambdaCallback(on_epoch_end=lambda e, logs: seen.append(model.module.weight.item()))
-    h = model.fit(x, y, epochs=2, validation_data=(x, y), verbose=0,
-                  callbacks=[SwapEMAWeights(swap_on_epoch=True), probe])
+    h = model.fit(
+        x, y, epochs=2, validation_data=(x, y), verbose=0, callbacks=[SwapEMAWeights(swap_on_epoch=True), probe]
+    )
     # ema: 0.5, then 0.5 * 0.5 + 0.5 * 0.25 = 0.375; the weights after step 2: 0.25
     assert h.history["val_loss"] == [0.25, 0.375**2]
     assert seen == [0.5, 0.375]  # callbacks after it see the EMA at the epoch end
@@ -545,9 +563,17 @@ def test_swap_ema_weights_validates_on_the_ema_and_swap_on_epoch():
     plain = _scalar_model()
     plain.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse", use_ema=True, ema_momentum=0.5)
     seen.clear()
-    h = plain.fit(x, y, epochs=2, validation_data=(x, y), verbose=0,
-                  callbacks=[SwapEMAWeights(), LambdaCallback(on_epoch_end=lambda e, logs: seen.append(
-                      plain.module.weight.item()))])  # fmt: skip
+    h = plain.fit(
+        x,
+        y,
+        epochs=2,
+        validation_data=(x, y),
+        verbose=0,
+        callbacks=[
+            SwapEMAWeights(),
+            LambdaCallback(on_epoch_end=lambda e, logs: seen.append(plain.module.weight.item())),
+        ],
+    )
     assert h.history["val_loss"] == [0.25, 0.375**2] and seen == [0.5, 0.25]
 
 
@@ -624,8 +650,17 @@ def test_the_sync_counter_sees_a_sync():
     model = _model()
     x, y = _data(40)
     counter = CountSteps(2, 9)
-    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[counter, LambdaCallback(
-        on_train_batch_end=lambda b, logs: float(model.module[0].weight.detach().sum()))])  # fmt: skip
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            counter,
+            LambdaCallback(on_train_batch_end=lambda b, logs: float(model.module[0].weight.detach().sum())),
+        ],
+    )
     assert counter.count == 7
 
 
@@ -634,8 +669,9 @@ def _noisy_run(callbacks, epochs=6, ema_first=True, **compile_kwargs):
     x, y = _data(24)
     vx, vy = _data(10, 3)
     model = _model(lr=0.3, **compile_kwargs)
-    h = model.fit(x, y, batch_size=4, epochs=epochs, validation_data=(vx + 0.5, vy), callbacks=callbacks,
-                  verbose=0, shuffle=False)
+    h = model.fit(
+        x, y, batch_size=4, epochs=epochs, validation_data=(vx + 0.5, vy), callbacks=callbacks, verbose=0, shuffle=False
+    )
     return model, h, (vx + 0.5, vy)
 
 
@@ -672,10 +708,17 @@ def test_a_best_full_checkpoint_resumes_the_training_weights_exactly(tmp_path):
     again, ema2 = _model(lr=0.3), EMA(decay=0.9)
     again.load_checkpoint(tmp_path / "best.pt")
     resumed = []
-    again.fit(*_data(24), batch_size=4, epochs=best_epoch + 2, initial_epoch=best_epoch + 1, verbose=0,
-              callbacks=[ema2, LambdaCallback(on_epoch_begin=lambda e, logs: resumed.append(_weights(again.module)))])
-    assert not all(torch.equal(a, b) for a, b in zip(_weights(ema2.averaged_model.module), raw[best_epoch],
-                                                      strict=True))  # fmt: skip
+    again.fit(
+        *_data(24),
+        batch_size=4,
+        epochs=best_epoch + 2,
+        initial_epoch=best_epoch + 1,
+        verbose=0,
+        callbacks=[ema2, LambdaCallback(on_epoch_begin=lambda e, logs: resumed.append(_weights(again.module)))],
+    )
+    assert not all(
+        torch.equal(a, b) for a, b in zip(_weights(ema2.averaged_model.module), raw[best_epoch], strict=True)
+    )
     assert all(torch.equal(a, b) for a, b in zip(resumed[0], raw[best_epoch], strict=True))
 
 
@@ -694,8 +737,7 @@ def _swap_run(folder, crash_step=None):
         if model.global_step == crash_step:
             raise _Crash
 
-    callbacks = [LambdaCallback(on_train_batch_end=crash), SwapEMAWeights(swap_on_epoch=True),
-                 BackupAndRestore(folder)]  # fmt: skip
+    callbacks = [LambdaCallback(on_train_batch_end=crash), SwapEMAWeights(swap_on_epoch=True), BackupAndRestore(folder)]
     model.fit(x, y, batch_size=4, epochs=3, validation_data=(x[:6], y[:6]), callbacks=callbacks, verbose=0)
     return model
 
@@ -729,8 +771,11 @@ def test_swa_passes_avg_fn_and_multi_avg_fn_to_the_base(which):
 
     swa = SWA(swa_lrs=0.25, swa_epoch_start=2, **{which: avg_fn if which == "avg_fn" else multi_avg_fn})
     model.fit(torch.ones(1, 1), torch.zeros(1, 1), epochs=3, callbacks=[swa], verbose=0)
-    expected = torch.tensor(0.25) * 0.9 + torch.tensor(0.125) * 0.1 if which == "avg_fn" else \
-        torch.tensor(0.25).lerp(torch.tensor(0.125), 0.1)  # fmt: skip
+    expected = (
+        torch.tensor(0.25) * 0.9 + torch.tensor(0.125) * 0.1
+        if which == "avg_fn"
+        else torch.tensor(0.25).lerp(torch.tensor(0.125), 0.1)
+    )
     assert model.module.weight.item() == expected.item()
     # one trial on copies before step 1 (a broken function is refused then); the first average copies;
     # the second calls the function with n = 1

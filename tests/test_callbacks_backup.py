@@ -51,8 +51,11 @@ def test_a_damaged_backup_resumes_from_the_previous_one_with_a_warning(tmp_path)
     assert torch.load(folder / "backup.prev.pt", weights_only=True)["epoch"] == 2
     data = (folder / "backup.pt").read_bytes()
     (folder / "backup.pt").write_bytes(data[: len(data) - 100])
-    with pytest.warns(UserWarning, match=r"backup .*backup.pt' is damaged, so training resumes from the previous "
-                      r"backup .*backup.prev.pt'"):  # fmt: skip
+    with pytest.warns(
+        UserWarning,
+        match=r"backup .*backup.pt' is damaged, so training resumes from the previous "
+        r"backup .*backup.prev.pt'",
+    ):
         model, history = _fit([BackupAndRestore(folder)])
     assert history.epoch == [0, 1, 2, 3, 4] and history.history["loss"] == pytest.approx(ref_history.history["loss"])
     assert torch.equal(model.module.weight, reference.module.weight)
@@ -266,8 +269,11 @@ def test_a_full_disk_backup_says_where_the_last_good_backup_is(tmp_path, monkeyp
 
     monkeypatch.setattr(model, "save_checkpoint", full_on_the_second)
     folder = tmp_path / "bk"
-    with pytest.raises(OSError, match=r"while writing the backup .*backup.pt'. The last good backup was moved to "
-                                      r"'.*backup.prev.pt' before the write and is intact.*Fix") as caught:  # fmt: skip
+    with pytest.raises(
+        OSError,
+        match=r"while writing the backup .*backup.pt'. The last good backup was moved to "
+        r"'.*backup.prev.pt' before the write and is intact.*Fix",
+    ) as caught:
         model.fit(torch.zeros(4, 2), torch.zeros(4, 1), epochs=3, callbacks=[BackupAndRestore(folder)], verbose=0)
     assert caught.value.errno == errno.ENOSPC
     assert sorted(p.name for p in folder.iterdir()) == ["backup.prev.pt"]

@@ -100,8 +100,9 @@ def test_tensorboard_scalars_read_back_equal_history(tmp_path):
             events = acc.Scalars(tag)
             if tag.startswith("evaluation_"):  # Keras: each validation at optimizer.iterations
                 assert run == "validation" and [e.step for e in events] == [1, 2, 3], tag  # one step per epoch
-                evaluations["val_" + tag.removeprefix("evaluation_").removesuffix("_vs_iterations")] = \
-                    [e.value for e in events]  # fmt: skip
+                evaluations["val_" + tag.removeprefix("evaluation_").removesuffix("_vs_iterations")] = [
+                    e.value for e in events
+                ]
                 continue
             assert [e.step for e in events] == [0, 1, 2]
             found[prefix + tag.removeprefix("epoch_")] = [e.value for e in events]
@@ -126,8 +127,10 @@ def test_tensorboard_batch_scalars_every_n_batches(tmp_path):
 
 def test_tensorboard_missing_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    expected = (r"Install the `tensorboard` extra: "
-                r"`pip install '\.\[tensorboard\]'` from a checkout \(`pip install 'torch-fitkit\[tensorboard\]'`")
+    expected = (
+        r"Install the `tensorboard` extra: "
+        r"`pip install '\.\[tensorboard\]'` from a checkout \(`pip install 'torch-fitkit\[tensorboard\]'`"
+    )
     with pytest.raises(ImportError, match=expected):
         TensorBoard("unused")
 
@@ -202,8 +205,9 @@ def test_a_full_disk_leaves_whole_csv_rows_and_names_the_file(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "write", full_disk_write)
     model = line_model()
-    with pytest.warns(FitkitWarning, match=r"CSVLogger stopped writing .* which goes on: .*log.csv.*No space left") \
-            as caught:  # fmt: skip
+    with pytest.warns(
+        FitkitWarning, match=r"CSVLogger stopped writing .* which goes on: .*log.csv.*No space left"
+    ) as caught:
         history = model.fit(x, y, epochs=3, verbose=0, callbacks=[CSVLogger(path, append=True)])
     monkeypatch.undo()
     assert len([w for w in caught if "stopped writing" in str(w.message)]) == 1  # once, not per epoch

@@ -69,8 +69,14 @@ def test_a_resumed_fit_keeps_the_rate_found_and_does_not_sweep(tmp_path):
     model = _model()
     finder = LearningRateFinder(start_lr=1e-4, end_lr=1.0, num_steps=20)
     with pytest.raises(Crash):
-        model.fit(x, y, batch_size=8, epochs=3, verbose=0,
-                  callbacks=[finder, BackupAndRestore(tmp_path), LambdaCallback(on_train_batch_end=crash)])
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=3,
+            verbose=0,
+            callbacks=[finder, BackupAndRestore(tmp_path), LambdaCallback(on_train_batch_end=crash)],
+        )
     found = finder.result.suggestion
     model, again = _model(), LearningRateFinder(start_lr=1e-4, end_lr=1.0, num_steps=20)
     model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[again, BackupAndRestore(tmp_path)])

@@ -30,8 +30,12 @@ def _data():
 def _model(accumulate=1):
     torch.manual_seed(0)
     model = fitkit.Model(nn.Linear(3, 1), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.05), loss="mse", metrics=["mae"],
-                  gradient_accumulation_steps=accumulate)
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+        loss="mse",
+        metrics=["mae"],
+        gradient_accumulation_steps=accumulate,
+    )
     return model
 
 
@@ -51,8 +55,7 @@ def test_params_metrics_and_artifacts_of_a_fit(tmp_path, monkeypatch):
     model = _model(accumulate=2)
     best = ModelCheckpoint(tmp_path / "ckpt" / "best.pt", monitor="val_loss", save_best_only=True)
     logger = MLflowLogger(uri, experiment_name="unit", run_name="linear", log_every_n_steps=2, tags={"k": 1})
-    history = model.fit(x, y, epochs=3, batch_size=2, validation_split=0.25, verbose=0,
-                        callbacks=[logger, best])
+    history = model.fit(x, y, epochs=3, batch_size=2, validation_split=0.25, verbose=0, callbacks=[logger, best])
     client = MlflowClient(uri)
     run = client.get_run(logger.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "linear" and run.data.tags["k"] == "1"
@@ -97,8 +100,7 @@ def test_a_resumed_fit_logs_into_the_same_run(tmp_path):
     model = _model()
     first = MLflowLogger(uri, experiment_name="resume", log_every_n_steps=4, log_plot=False)
     with pytest.raises(KeyboardInterrupt):
-        model.fit(x, y, epochs=4, batch_size=4, verbose=0,
-                  callbacks=[first, BackupAndRestore(backup), KillAfter(1)])
+        model.fit(x, y, epochs=4, batch_size=4, verbose=0, callbacks=[first, BackupAndRestore(backup), KillAfter(1)])
     first.close()  # what fit does with its callbacks when it raises
     first.close()  # idempotent
     client = MlflowClient(uri)
@@ -170,15 +172,20 @@ def test_a_given_checkpoint_path_is_logged(tmp_path):
 
 
 def test_bad_arguments(monkeypatch):
-    with pytest.raises(ValueError, match=r"Expected `log_every_n_steps` to be a positive int or None\. "
-                                         r"Received: log_every_n_steps=0\."):
+    with pytest.raises(
+        ValueError,
+        match=r"Expected `log_every_n_steps` to be a positive int or None\. "
+        r"Received: log_every_n_steps=0\.",
+    ):
         MLflowLogger("sqlite:///x.db", log_every_n_steps=0)
     with pytest.raises(TypeError, match="Expected `checkpoint` to be a path or a ModelCheckpoint. Received: int."):
         MLflowLogger("sqlite:///x.db", checkpoint=3)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "mlflow" else real(n, *a))
-    expected = (r"needs mlflow\. Install the `mlflow` extra: "
-                r"`pip install '\.\[mlflow\]'` from a checkout \(`pip install 'torch-fitkit\[mlflow\]'`")
+    expected = (
+        r"needs mlflow\. Install the `mlflow` extra: "
+        r"`pip install '\.\[mlflow\]'` from a checkout \(`pip install 'torch-fitkit\[mlflow\]'`"
+    )
     with pytest.raises(ImportError, match=expected):
         MLflowLogger("sqlite:///x.db")
 
@@ -188,8 +195,9 @@ def test_each_validation_inside_an_epoch_is_logged_at_its_step(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     x, y = _data()
     logger = MLflowLogger(uri, experiment_name="steps", log_plot=False)
-    history = _model().fit(x, y, epochs=2, batch_size=4, validation_data=(x, y), validation_interval=3, verbose=0,
-                           callbacks=[logger])  # fmt: skip
+    history = _model().fit(
+        x, y, epochs=2, batch_size=4, validation_data=(x, y), validation_interval=3, verbose=0, callbacks=[logger]
+    )
     client = MlflowClient(uri)
     metrics = client.get_metric_history(logger.run_id, "step_val_loss")
     # 4 steps per epoch: validations at global steps 3 and 6
@@ -201,8 +209,9 @@ def test_each_validation_inside_an_epoch_is_logged_at_its_step(tmp_path):
 # -- a store that cannot be written, and two runs creating one store ------------------------
 def test_a_store_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     x, y = _data()
-    logger = MLflowLogger(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", log_every_n_steps=1,
-                          experiment_name="e")  # its artifacts next to the store, not in the working directory
+    logger = MLflowLogger(
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", log_every_n_steps=1, experiment_name="e"
+    )  # its artifacts next to the store, not in the working directory
     model = _model()
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[logger])  # the store exists, a run in it
 
@@ -213,8 +222,11 @@ def test_a_store_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path
         raise mlflow.exceptions.MlflowException("(sqlite3.OperationalError) database or disk is full")
 
     monkeypatch.setattr(logger._client, "log_batch", full)
-    with pytest.warns(fitkit.FitkitWarning, match=r"MLflowLogger stopped writing to sqlite:///.*mlflow.db for the rest "
-                                                  r"of this fit, which goes on: .*disk is full.*Fix") as caught:
+    with pytest.warns(
+        fitkit.FitkitWarning,
+        match=r"MLflowLogger stopped writing to sqlite:///.*mlflow.db for the rest "
+        r"of this fit, which goes on: .*disk is full.*Fix",
+    ) as caught:
         history = model.fit(x, y, batch_size=4, epochs=3, initial_epoch=1, verbose=0, callbacks=[logger])
     assert len([w for w in caught if "stopped writing" in str(w.message)]) == 1 and len(calls) == 1
     assert len(history.history["loss"]) == 2 and model.global_step == 12  # the two epochs trained
@@ -231,8 +243,9 @@ def test_a_store_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path
 def test_a_full_disk_under_a_real_store_warns_and_training_goes_on(tmp_path):
     with tmpfs(tmp_path / "small", "1200k") as folder:  # root only: the test above runs everywhere
         x, y = _data()
-        logger = MLflowLogger(tracking_uri=f"sqlite:///{folder}/mlflow.db", experiment_name="e", log_every_n_steps=1,
-                              log_plot=False)
+        logger = MLflowLogger(
+            tracking_uri=f"sqlite:///{folder}/mlflow.db", experiment_name="e", log_every_n_steps=1, log_plot=False
+        )
         model = _model()
         model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[logger])
         with open(folder / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
@@ -264,8 +277,16 @@ print(logger.run_id)
 def test_two_runs_creating_a_new_sqlite_store_at_once_both_log(tmp_path):
     (tmp_path / "store").mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path), me], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for me in "ab"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(tmp_path), me],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for me in "ab"
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     client = MlflowClient(f"sqlite:///{tmp_path}/store/mlflow.db")

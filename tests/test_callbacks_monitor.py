@@ -18,8 +18,9 @@ def _scripted(values):
 def _run(stop, values):
     model = fitkit.Model(torch.nn.Linear(1, 1), device="cpu")
     model.compile(optimizer="sgd", loss="mse")
-    return model.fit(torch.zeros(2, 1), torch.zeros(2, 1), epochs=len(values), verbose=0,
-                     callbacks=[_scripted(values), stop])  # fmt: skip
+    return model.fit(
+        torch.zeros(2, 1), torch.zeros(2, 1), epochs=len(values), verbose=0, callbacks=[_scripted(values), stop]
+    )
 
 
 def test_rel_counts_min_delta_as_a_fraction_of_the_best():

@@ -90,8 +90,9 @@ def test_validation_evaluate_and_predict_see_the_plain_embeddings():
     x, y = _data()
     model = _model(lr=0.0)  # weights fixed: every loss is the loss of the same weights
     plain = model.evaluate(x, y, batch_size=4, verbose=0)["loss"]
-    history = model.fit(x, y, batch_size=4, epochs=1, verbose=0, validation_data=(x, y),
-                        callbacks=[NEFTune(noise_alpha=10.0)])
+    history = model.fit(
+        x, y, batch_size=4, epochs=1, verbose=0, validation_data=(x, y), callbacks=[NEFTune(noise_alpha=10.0)]
+    )
     assert history.history["val_loss"] == [plain]
     assert history.history["loss"] != [plain]  # the training forwards had noise
     assert model.evaluate(x, y, batch_size=4, verbose=0)["loss"] == plain
@@ -147,11 +148,14 @@ class TwoEmbeddings(nn.Module):
         return self.head((self.a(ids) + self.b(ids)).mean(1))
 
 
-@pytest.mark.parametrize("net, kwargs, match", [
-    (TwoEmbeddings, {}, r"2 nn.Embedding modules \(\['a', 'b'\]\).*Fix: pass NEFTune\(embedding='name'\)"),
-    (Tagger, {"embedding": "embedd"}, r"embedding='embedd' is not a submodule's name.*\['embed'\]"),
-    (Tagger, {"embedding": nn.Embedding(2, 2)}, r"not a submodule of the model"),
-])
+@pytest.mark.parametrize(
+    "net, kwargs, match",
+    [
+        (TwoEmbeddings, {}, r"2 nn.Embedding modules \(\['a', 'b'\]\).*Fix: pass NEFTune\(embedding='name'\)"),
+        (Tagger, {"embedding": "embedd"}, r"embedding='embedd' is not a submodule's name.*\['embed'\]"),
+        (Tagger, {"embedding": nn.Embedding(2, 2)}, r"not a submodule of the model"),
+    ],
+)
 def test_no_embedding_found_is_an_error_before_step_1(net, kwargs, match):
     x, y = _data()
     model = _model(net())
@@ -162,8 +166,9 @@ def test_no_embedding_found_is_an_error_before_step_1(net, kwargs, match):
     assert all(torch.equal(p, q) for p, q in zip(model.module.parameters(), before, strict=True))
 
 
-@pytest.mark.parametrize("alpha, error", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
-                                          ("5", TypeError)])
+@pytest.mark.parametrize(
+    "alpha, error", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError), ("5", TypeError)]
+)
 def test_a_bad_alpha_is_refused(alpha, error):
     with pytest.raises(error, match="noise_alpha"):
         NEFTune(noise_alpha=alpha)

@@ -44,7 +44,7 @@ def _hand_norms(every: int, accumulation: int, p: float, epochs: int = 2):
     for _ in range(epochs):
         for start in range(0, N, rows):  # one optimizer step over an accumulation group's rows
             opt.zero_grad()
-            loss = nn.functional.mse_loss(module(x[start:start + rows]), y[start:start + rows])
+            loss = nn.functional.mse_loss(module(x[start : start + rows]), y[start : start + rows])
             loss.backward()
             before = [q.detach().clone() for q in module.parameters()]
             grads = [q.grad.clone() for q in module.parameters()]
@@ -69,17 +69,20 @@ def test_optimizer_monitor_norms_match_the_hand_loop(every, accumulation, p):
     hand = _hand_norms(every, accumulation, p)
     assert monitor.steps == sorted(hand)
     names = [n for n, _ in model.module.named_parameters()]
-    assert sorted(monitor.history) == sorted(["grad_norm", "update_norm", *(f"grad_norm/{n}" for n in names),
-                                              *(f"update_norm/{n}" for n in names)])  # fmt: skip
+    assert sorted(monitor.history) == sorted(
+        ["grad_norm", "update_norm", *(f"grad_norm/{n}" for n in names), *(f"update_norm/{n}" for n in names)]
+    )
     for i, step in enumerate(monitor.steps):
         grads, changes = hand[step]
         assert monitor.history["grad_norm"][i] == pytest.approx(_norm(list(grads.values()), p), rel=1e-5)
         assert monitor.history["update_norm"][i] == pytest.approx(_norm(list(changes.values()), p), rel=1e-5)
         for n in names:
             assert monitor.history[f"grad_norm/{n}"][i] == pytest.approx(
-                torch.linalg.vector_norm(grads[n], p).item(), rel=1e-5)
+                torch.linalg.vector_norm(grads[n], p).item(), rel=1e-5
+            )
             assert monitor.history[f"update_norm/{n}"][i] == pytest.approx(
-                torch.linalg.vector_norm(changes[n], p).item(), rel=1e-5)
+                torch.linalg.vector_norm(changes[n], p).item(), rel=1e-5
+            )
 
 
 def test_optimizer_monitor_totals_only_and_grad_norm_before_clipping():
@@ -118,25 +121,41 @@ def _groups(module):
 @pytest.mark.parametrize(
     ("make", "expected"),
     [
-        (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
-         {"momentum": 0.9, "weight_decay": 0.01}),
+        (
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+            {"momentum": 0.9, "weight_decay": 0.01},
+        ),
         (lambda m: torch.optim.RMSprop(m.parameters(), momentum=0.5), {"momentum": 0.5, "weight_decay": 0.0}),
-        (lambda m: torch.optim.Adam(m.parameters(), betas=(0.8, 0.9)),
-         {"momentum": 0.8, "beta2": 0.9, "weight_decay": 0.0}),
-        (lambda m: torch.optim.AdamW(_groups(m), betas=(0.85, 0.95)),  # named group 0, lr differs in group 1
-         {"momentum": 0.85, "momentum/body": 0.85, "beta2": 0.95, "beta2/body": 0.95, "weight_decay": 0.01,
-          "weight_decay/body": 0.01}),
-        (lambda m: torch.optim.SGD([{"params": m[0].parameters(), "momentum": 0.5},
-                                    {"params": m[2].parameters()}], lr=0.1, momentum=0.9),  # fmt: skip
-         {"momentum": 0.5, "momentum/pg1": 0.9, "weight_decay": 0.0}),
+        (
+            lambda m: torch.optim.Adam(m.parameters(), betas=(0.8, 0.9)),
+            {"momentum": 0.8, "beta2": 0.9, "weight_decay": 0.0},
+        ),
+        (
+            lambda m: torch.optim.AdamW(_groups(m), betas=(0.85, 0.95)),  # named group 0, lr differs in group 1
+            {
+                "momentum": 0.85,
+                "momentum/body": 0.85,
+                "beta2": 0.95,
+                "beta2/body": 0.95,
+                "weight_decay": 0.01,
+                "weight_decay/body": 0.01,
+            },
+        ),
+        (
+            lambda m: torch.optim.SGD(
+                [{"params": m[0].parameters(), "momentum": 0.5}, {"params": m[2].parameters()}], lr=0.1, momentum=0.9
+            ),
+            {"momentum": 0.5, "momentum/pg1": 0.9, "weight_decay": 0.0},
+        ),
     ],
 )
 def test_learning_rate_monitor_logs_the_groups_hyper_parameters(make, expected):
     model = fitkit.Model(_module(), device="cpu")
     model.compile(optimizer=lambda _: make(model.module), loss="mse")
     x, y = _data()
-    history = model.fit(x, y, batch_size=BATCH, epochs=2, callbacks=[LearningRateMonitor(log_weight_decay=True)],
-                        verbose=0)  # fmt: skip
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=2, callbacks=[LearningRateMonitor(log_weight_decay=True)], verbose=0
+    )
     logged = {k: v for k, v in history.history.items() if k.split("/")[0] in ("momentum", "beta2", "weight_decay")}
     assert logged == {k: [v, v] for k, v in expected.items()}
 

@@ -37,14 +37,24 @@ def test_a_study_prunes_the_trial_with_a_bad_learning_rate(tmp_path):
         model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=lr), loss="mse")
         log = tmp_path / f"trial{trial.number}.csv"
         seen[trial.number] = (net, log)
-        history = model.fit(x, y, epochs=4, batch_size=16, validation_split=0.25, verbose=0,
-                            callbacks=[CSVLogger(log), OptunaPruning(trial, monitor="val_loss")])
+        history = model.fit(
+            x,
+            y,
+            epochs=4,
+            batch_size=16,
+            validation_split=0.25,
+            verbose=0,
+            callbacks=[CSVLogger(log), OptunaPruning(trial, monitor="val_loss")],
+        )
         return history.history["val_loss"][-1]
 
     # The median pruner compares each epoch's value with the median of the earlier trials at
     # that epoch: two good learning rates first, then one so small that the loss barely moves.
-    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/study.db", study_name="lr",
-                                pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0))
+    study = optuna.create_study(
+        storage=f"sqlite:///{tmp_path}/study.db",
+        study_name="lr",
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0),
+    )
     for lr in (0.05, 0.03, 1e-5):
         study.enqueue_trial({"lr": lr})
     study.optimize(objective, n_trials=3)
@@ -84,8 +94,16 @@ def test_reports_only_epochs_that_validate_and_the_exact_values():
     model = fitkit.Model(_net(), device="cpu")
     model.compile(optimizer="sgd", loss="mse")
     trial = FakeTrial()
-    history = model.fit(x, y, epochs=4, batch_size=16, validation_split=0.25, validation_freq=2,
-                        verbose=0, callbacks=[OptunaPruning(trial)])
+    history = model.fit(
+        x,
+        y,
+        epochs=4,
+        batch_size=16,
+        validation_split=0.25,
+        validation_freq=2,
+        verbose=0,
+        callbacks=[OptunaPruning(trial)],
+    )
     assert trial.reports == [(1, history.history["val_loss"][0]), (3, history.history["val_loss"][1])]
 
 
@@ -111,8 +129,10 @@ def test_bad_arguments(monkeypatch):
         OptunaPruning(object())
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "optuna" else real(n, *a))
-    expected = (r"needs optuna\. Install the `optuna` extra: "
-                r"`pip install '\.\[optuna\]'` from a checkout \(`pip install 'torch-fitkit\[optuna\]'`")
+    expected = (
+        r"needs optuna\. Install the `optuna` extra: "
+        r"`pip install '\.\[optuna\]'` from a checkout \(`pip install 'torch-fitkit\[optuna\]'`"
+    )
     with pytest.raises(ImportError, match=expected):
         OptunaPruning(FakeTrial())
 
@@ -124,8 +144,9 @@ def test_interval_reports_and_prunes_every_n_th_epoch_only():
     trial, losses = FakeTrial(prune_at=5), []
     record = LambdaCallback(on_epoch_end=lambda epoch, logs: losses.append(logs["loss"]))
     with pytest.raises(optuna.TrialPruned, match="epoch 5"):
-        model.fit(x, y, epochs=9, batch_size=16, verbose=0,
-                  callbacks=[record, OptunaPruning(trial, "loss", interval=3)])  # fmt: skip
+        model.fit(
+            x, y, epochs=9, batch_size=16, verbose=0, callbacks=[record, OptunaPruning(trial, "loss", interval=3)]
+        )
     assert len(losses) == 6 and trial.reports == [(2, losses[2]), (5, losses[5])]  # epochs 3 and 6 (1-based)
 
 

@@ -40,8 +40,17 @@ def _scalar(**compile_kwargs) -> fitkit.Model:
 
 def _fit(model, callbacks, epochs=3, validate=True, **kw):
     x, y = torch.ones(2, 1), torch.zeros(2, 1)
-    return model.fit(x, y, batch_size=1, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks,
-                     validation_data=(x, y) if validate else None, **kw)  # fmt: skip
+    return model.fit(
+        x,
+        y,
+        batch_size=1,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+        validation_data=(x, y) if validate else None,
+        **kw,
+    )
 
 
 class EpochMean(WeightAveraging):
@@ -80,10 +89,22 @@ def test_the_raw_weights_after_fit_are_a_hand_written_loops():
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
     model = fitkit.Model(ours, device="cpu")
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss="mse")
-    callbacks = [WeightAveraging(evaluate_with_average=False, swap_at_end=False), EMA(0.5),
-                 EMA(0.9, evaluate_with_ema=False)]  # fmt: skip
-    h = model.fit(x, y, batch_size=4, epochs=3, shuffle=False, validation_data=(x[:5], y[:5]), validation_interval=2,
-                  callbacks=callbacks, verbose=0)  # fmt: skip
+    callbacks = [
+        WeightAveraging(evaluate_with_average=False, swap_at_end=False),
+        EMA(0.5),
+        EMA(0.9, evaluate_with_ema=False),
+    ]
+    h = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=3,
+        shuffle=False,
+        validation_data=(x[:5], y[:5]),
+        validation_interval=2,
+        callbacks=callbacks,
+        verbose=0,
+    )
     opt = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for _ in range(3):
@@ -142,24 +163,48 @@ AT_END = r"Expected at most one averaged copy of the weights to put into the mod
 @pytest.mark.parametrize(
     ("use_ema", "make", "match"),
     [
-        (False, lambda: [EMA(0.5), EMA(0.9)],
-         VALIDATED + r"EMA \(callbacks\[0\]\) and EMA \(callbacks\[1\]\) would each swap their averaged weights "
-         r"into the module for validation\. .*Fix: keep one averaging callback, or let one validate on its average"),
-        (False, lambda: [WeightAveraging(swap_at_end=False), EMA()],
-         VALIDATED + r"WeightAveraging \(callbacks\[0\]\) and EMA \(callbacks\[1\]\)"),
-        (True, lambda: [SwapEMAWeights(), EMA()],
-         VALIDATED + r"SwapEMAWeights \(callbacks\[0\]\) with compile\(use_ema=True\)'s EMA and "
-         r"EMA \(callbacks\[1\]\)"),
-        (True, lambda: [SWA(swa_lrs=0.05, swa_epoch_start=1)],
-         AT_END + r"compile\(use_ema=True\)'s EMA and SWA \(callbacks\[0\]\) would each put their averaged weights "
-         r"into the module when fit ends.*Fix: keep one averaging callback, or pass swap_at_end=False"),
-        (False, lambda: [EMA(swap_at_end=True), WeightAveraging(evaluate_with_average=False)],
-         AT_END + r"EMA \(callbacks\[0\]\) and WeightAveraging \(callbacks\[1\]\)"),
-        (False, lambda: [EMA(), SwapEMAWeights(swap_on_epoch=True), SWA(swa_lrs=0.05)],
-         AT_END + r"SwapEMAWeights \(callbacks\[1\]\) with EMA \(callbacks\[0\]\) and SWA \(callbacks\[2\]\)"),
+        (
+            False,
+            lambda: [EMA(0.5), EMA(0.9)],
+            VALIDATED + r"EMA \(callbacks\[0\]\) and EMA \(callbacks\[1\]\) would each swap their averaged weights "
+            r"into the module for validation\. .*Fix: keep one averaging callback, or let one validate on its average",
+        ),
+        (
+            False,
+            lambda: [WeightAveraging(swap_at_end=False), EMA()],
+            VALIDATED + r"WeightAveraging \(callbacks\[0\]\) and EMA \(callbacks\[1\]\)",
+        ),
+        (
+            True,
+            lambda: [SwapEMAWeights(), EMA()],
+            VALIDATED + r"SwapEMAWeights \(callbacks\[0\]\) with compile\(use_ema=True\)'s EMA and "
+            r"EMA \(callbacks\[1\]\)",
+        ),
+        (
+            True,
+            lambda: [SWA(swa_lrs=0.05, swa_epoch_start=1)],
+            AT_END + r"compile\(use_ema=True\)'s EMA and SWA \(callbacks\[0\]\) would each put their averaged weights "
+            r"into the module when fit ends.*Fix: keep one averaging callback, or pass swap_at_end=False",
+        ),
+        (
+            False,
+            lambda: [EMA(swap_at_end=True), WeightAveraging(evaluate_with_average=False)],
+            AT_END + r"EMA \(callbacks\[0\]\) and WeightAveraging \(callbacks\[1\]\)",
+        ),
+        (
+            False,
+            lambda: [EMA(), SwapEMAWeights(swap_on_epoch=True), SWA(swa_lrs=0.05)],
+            AT_END + r"SwapEMAWeights \(callbacks\[1\]\) with EMA \(callbacks\[0\]\) and SWA \(callbacks\[2\]\)",
+        ),
     ],
-    ids=["two EMAs", "WeightAveraging and EMA", "SwapEMAWeights and an EMA", "use_ema and SWA",
-         "two swaps at the end", "swap_on_epoch and SWA"],
+    ids=[
+        "two EMAs",
+        "WeightAveraging and EMA",
+        "SwapEMAWeights and an EMA",
+        "use_ema and SWA",
+        "two swaps at the end",
+        "swap_on_epoch and SWA",
+    ],
 )
 @pytest.mark.parametrize("interval", [None, 2])
 def test_two_averages_for_one_purpose_are_refused_before_step_1(use_ema, make, match, interval):
@@ -169,8 +214,16 @@ def test_two_averages_for_one_purpose_are_refused_before_step_1(use_ema, make, m
     before, step = _state(model), model.global_step
     callbacks = make()
     with pytest.raises(ValueError, match=match):
-        model.fit(x, y, batch_size=4, epochs=2, validation_data=(x, y), callbacks=callbacks, verbose=0,
-                  validation_interval=interval)  # fmt: skip
+        model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=2,
+            validation_data=(x, y),
+            callbacks=callbacks,
+            verbose=0,
+            validation_interval=interval,
+        )
     after = _state(model)
     assert len(after) == len(before) == 8 and all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     assert model.global_step == step == 3
@@ -188,8 +241,11 @@ def test_the_check_names_what_each_callback_swaps():
     model = _scalar()
     ema = EMA()
     check_weight_swaps(model, [ema, SwapEMAWeights(swap_on_epoch=True), EMA(evaluate_with_ema=False)])  # one EMA
-    with pytest.raises(ValueError, match=r"Received 3: EMA \(callbacks\[0\]\), EMA \(callbacks\[1\]\) and "
-                                         r"WeightAveraging \(callbacks\[2\]\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"Received 3: EMA \(callbacks\[0\]\), EMA \(callbacks\[1\]\) and "
+        r"WeightAveraging \(callbacks\[2\]\)",
+    ):
         check_weight_swaps(model, [EMA(), EMA(), WeightAveraging()])
 
 
@@ -203,16 +259,20 @@ def _noisy(callbacks, **compile_kwargs):
     torch.manual_seed(0)
     model = fitkit.Model(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)), device="cpu")
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9), loss="mse", **compile_kwargs)
-    h = model.fit(x, y, batch_size=4, epochs=6, validation_data=(vx, vy), callbacks=callbacks, verbose=0,
-                  shuffle=False)  # fmt: skip
+    h = model.fit(x, y, batch_size=4, epochs=6, validation_data=(vx, vy), callbacks=callbacks, verbose=0, shuffle=False)
     return model, h
 
 
 @pytest.mark.parametrize("order", ["averager first", "restore first"])
 @pytest.mark.parametrize(
-    "make", [lambda: EMA(decay=0.9, swap_at_end=True), lambda: SWA(swa_lrs=0.05, swa_epoch_start=3),
-             lambda: WeightAveraging(evaluate_with_average=False)], ids=["EMA", "SWA", "WeightAveraging"],
-)  # fmt: skip
+    "make",
+    [
+        lambda: EMA(decay=0.9, swap_at_end=True),
+        lambda: SWA(swa_lrs=0.05, swa_epoch_start=3),
+        lambda: WeightAveraging(evaluate_with_average=False),
+    ],
+    ids=["EMA", "SWA", "WeightAveraging"],
+)
 def test_restore_best_weights_wins_over_a_swap_at_the_end_in_either_order(make, order):
     averager = make()
     stop = EarlyStopping(monitor="val_loss", patience=10, restore_best_weights=True)
@@ -284,8 +344,13 @@ def _resumed_run(folder, crash_step=None):
         if model.global_step == crash_step:
             raise _Crash
 
-    callbacks = [LambdaCallback(on_train_batch_end=crash), ema, SwapEMAWeights(swap_on_epoch=True), mean,
-                 BackupAndRestore(folder)]  # fmt: skip
+    callbacks = [
+        LambdaCallback(on_train_batch_end=crash),
+        ema,
+        SwapEMAWeights(swap_on_epoch=True),
+        mean,
+        BackupAndRestore(folder),
+    ]
     _fit(model, callbacks)
     return model, ema, mean
 

@@ -51,11 +51,16 @@ def test_every_validation_is_written_at_its_optimizer_step(tmp_path):
     model = _model()
     seen = []  # the validation values and the step at each
     watch = fitkit.callbacks.LambdaCallback(
-        on_epoch_end=lambda epoch, logs: seen.append((model.global_step, logs["val_loss"], logs["val_mae"])))
+        on_epoch_end=lambda epoch, logs: seen.append((model.global_step, logs["val_loss"], logs["val_mae"]))
+    )
     model.fit(x, y, batch_size=4, epochs=3, validation_data=(x, y), verbose=0, callbacks=[watch, TensorBoard(tmp_path)])
     acc = _read(tmp_path / "validation")
-    assert sorted(acc.Tags()["scalars"]) == ["epoch_loss", "epoch_mae", "evaluation_loss_vs_iterations",
-                                             "evaluation_mae_vs_iterations"]  # fmt: skip
+    assert sorted(acc.Tags()["scalars"]) == [
+        "epoch_loss",
+        "epoch_mae",
+        "evaluation_loss_vs_iterations",
+        "evaluation_mae_vs_iterations",
+    ]
     f32 = lambda v: float(np.float32(v))  # noqa: E731  (event files store float32)
     assert _scalars(acc, "evaluation_loss_vs_iterations") == [(s, f32(v)) for s, v, _ in seen]
     assert _scalars(acc, "evaluation_mae_vs_iterations") == [(s, f32(m)) for s, _, m in seen]
@@ -77,8 +82,16 @@ def test_evaluate_with_the_callback_writes_at_the_models_step(tmp_path):
 def test_in_epoch_validations_each_get_their_step(tmp_path):
     x, y = _data()
     model = _model()
-    model.fit(x, y, batch_size=2, epochs=2, validation_data=(x, y), validation_interval=2, verbose=0,
-              callbacks=[TensorBoard(tmp_path)])  # fmt: skip
+    model.fit(
+        x,
+        y,
+        batch_size=2,
+        epochs=2,
+        validation_data=(x, y),
+        validation_interval=2,
+        verbose=0,
+        callbacks=[TensorBoard(tmp_path)],
+    )
     acc = _read(tmp_path / "validation")
     assert [s for s, _ in _scalars(acc, "evaluation_loss_vs_iterations")] == [2, 4, 6, 8]
     assert _scalars(acc, "evaluation_loss_vs_iterations") == _scalars(acc, "step_loss")
@@ -118,8 +131,9 @@ def test_steps_per_second_counts_the_epochs_steps_since_it_began(tmp_path):
 
 def test_no_time_passed_writes_no_rate(tmp_path):
     x, y = _data()
-    _model().fit(x, y, epochs=1, verbose=0, callbacks=[TensorBoard(tmp_path, write_steps_per_second=True,
-                                                                   clock=FakeClock())])  # fmt: skip
+    _model().fit(
+        x, y, epochs=1, verbose=0, callbacks=[TensorBoard(tmp_path, write_steps_per_second=True, clock=FakeClock())]
+    )
     assert "epoch_steps_per_second" not in _read(tmp_path / "train").Tags()["scalars"]
 
 
@@ -129,8 +143,11 @@ def test_histograms_every_n_epochs(tmp_path):
     model = fitkit.Model(net, device="cpu")
     model.compile(optimizer="sgd", loss="mse")
     weights = {}
-    snap = fitkit.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: weights.__setitem__(
-        epoch, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    snap = fitkit.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: weights.__setitem__(
+            epoch, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        )
+    )
     model.fit(x, y, batch_size=4, epochs=5, verbose=0, callbacks=[snap, TensorBoard(tmp_path, histogram_freq=2)])
     acc = _read(tmp_path / "train")
     floating = [k for k, v in model.state_dict().items() if v.is_floating_point()]
@@ -158,8 +175,11 @@ def test_no_histograms_by_default(tmp_path):
     [
         ({"histogram_freq": -1}, ValueError, r"Expected `histogram_freq` >= 0\. Received: histogram_freq=-1\. Fix:"),
         ({"histogram_freq": 1.5}, TypeError, r"Expected `histogram_freq` to be an int\. Received: histogram_freq=1\.5"),
-        ({"write_steps_per_second": 1}, TypeError,
-         r"Expected `write_steps_per_second` to be a bool\. Received: write_steps_per_second=1\."),
+        (
+            {"write_steps_per_second": 1},
+            TypeError,
+            r"Expected `write_steps_per_second` to be a bool\. Received: write_steps_per_second=1\.",
+        ),
         ({"clock": 3.0}, TypeError, r"Expected `clock` to be a callable returning seconds\. Received: clock=3\.0\."),
     ],
 )

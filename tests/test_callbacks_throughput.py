@@ -43,8 +43,15 @@ def test_samples_and_batches_per_second_are_rows_over_fake_training_seconds(tmp_
     clock = FakeClock()
     monitor = ThroughputMonitor(count_flops=False, clock=clock)
     x, y = torch.randn(10, 3), torch.randn(10, 1)
-    history = _model().fit(x, y, batch_size=4, epochs=2, validation_data=(x, y), verbose=0,
-                           callbacks=[_ticks(clock), monitor, CSVLogger(tmp_path / "log.csv")])  # fmt: skip
+    history = _model().fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        validation_data=(x, y),
+        verbose=0,
+        callbacks=[_ticks(clock), monitor, CSVLogger(tmp_path / "log.csv")],
+    )
     # 3 batches (4 + 4 + 2 rows) of 0.5 s: 10 / 1.5 samples/s, 3 / 1.5 batches/s; the 10 s
     # a validation batch takes are not training time
     assert history.history["throughput/samples_per_sec"] == [10 / 1.5, 10 / 1.5]
@@ -57,13 +64,11 @@ def test_samples_and_batches_per_second_are_rows_over_fake_training_seconds(tmp_
 def test_batch_logs_every_n_batches_and_under_accumulation():
     clock, seen = FakeClock(), []
     monitor = ThroughputMonitor(log_every_n_steps=2, clock=clock)
-    record = LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(
-        (b, logs.get("throughput/samples_per_sec"))))  # fmt: skip
+    record = LambdaCallback(on_train_batch_end=lambda b, logs: seen.append((b, logs.get("throughput/samples_per_sec"))))
     model = _model(gradient_accumulation_steps=2)
     x, y = torch.randn(12, 3), torch.randn(12, 1)
     clock.now = 0.0
-    history = model.fit(x, y, batch_size=2, epochs=1, verbose=0,
-                        callbacks=[_ticks(clock, train=0.25), monitor, record])  # fmt: skip
+    history = model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[_ticks(clock, train=0.25), monitor, record])
     assert seen == [(0, None), (1, 8.0), (2, None), (3, 8.0), (4, None), (5, 8.0)]  # 4 rows / 0.5 s
     assert history.history["throughput/samples_per_sec"] == [8.0]  # 12 rows / 1.5 s
     flops = history.history["throughput/flops_per_step"][0]

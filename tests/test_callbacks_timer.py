@@ -71,9 +71,19 @@ def test_a_resumed_run_counts_the_time_spent_before(tmp_path):
             if epoch == crash_at:
                 raise _Crash
 
-        model.fit(X, Y, batch_size=2, epochs=10, verbose=0, callbacks=[
-            _tick(clock, 1.0), Timer(duration=23, clock=clock), BackupAndRestore(tmp_path),
-            LambdaCallback(on_epoch_end=crash)])
+        model.fit(
+            X,
+            Y,
+            batch_size=2,
+            epochs=10,
+            verbose=0,
+            callbacks=[
+                _tick(clock, 1.0),
+                Timer(duration=23, clock=clock),
+                BackupAndRestore(tmp_path),
+                LambdaCallback(on_epoch_end=crash),
+            ],
+        )
         return model
 
     with pytest.raises(_Crash):
@@ -83,13 +93,16 @@ def test_a_resumed_run_counts_the_time_spent_before(tmp_path):
     assert model.global_step == 23  # 10 s before + 13 steps of 1 s
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"duration": 0}, ValueError, "duration"),
-    ({"duration": "12:00"}, ValueError, "DD:HH:MM:SS"),
-    ({"duration": {"hourz": 1}}, TypeError, "timedelta keywords"),
-    ({"duration": 5, "interval": "batch"}, ValueError, "interval"),
-    ({"duration": 5, "clock": 3}, TypeError, "clock"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"duration": 0}, ValueError, "duration"),
+        ({"duration": "12:00"}, ValueError, "DD:HH:MM:SS"),
+        ({"duration": {"hourz": 1}}, TypeError, "timedelta keywords"),
+        ({"duration": 5, "interval": "batch"}, ValueError, "interval"),
+        ({"duration": 5, "clock": 3}, TypeError, "clock"),
+    ],
+)
 def test_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         Timer(**kwargs)
@@ -115,5 +128,6 @@ def test_fit_max_time_adds_a_timer():
         model.fit(x, y, batch_size=4, verbose=0, max_time=60, callbacks=[Timer(duration=60)])
     with pytest.raises(ValueError, match="'DD:HH:MM:SS'"):
         model.fit(x, y, batch_size=4, verbose=0, max_time="1 hour")
-    assert model.global_step == 13 and all(torch.equal(a, b) for a, b in zip(before, model.module.parameters(),
-                                                                           strict=True))  # fmt: skip
+    assert model.global_step == 13 and all(
+        torch.equal(a, b) for a, b in zip(before, model.module.parameters(), strict=True)
+    )

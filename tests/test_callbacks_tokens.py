@@ -41,8 +41,15 @@ def _ids(n: int = 10, length: int = 6):
 def test_every_training_batch_counts_micro_batches_included(tmp_path):
     x, y = _ids()
     model = _model(accumulation=2)  # 10 rows, batch 4: 3 micro-batches, 2 optimizer steps per epoch
-    history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, validation_data=(x, y),
-                        callbacks=[TokensSeen(), CSVLogger(tmp_path / "log.csv")])
+    history = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=3,
+        verbose=0,
+        validation_data=(x, y),
+        callbacks=[TokensSeen(), CSVLogger(tmp_path / "log.csv")],
+    )
     assert history.history["num_input_tokens_seen"] == [60, 120, 180]  # validation tokens do not count
     assert "num_input_tokens_seen" in (tmp_path / "log.csv").read_text().splitlines()[0]
 
@@ -54,8 +61,9 @@ def test_non_padding_counts_the_attention_mask_ones():
     mask[0, 1:] = 0  # row 0: 1 real token
     model = _model()
     counter = TokensSeen(non_padding=True)
-    history = model.fit({"input_ids": x, "attention_mask": mask}, y, batch_size=3, epochs=2, verbose=0,
-                        callbacks=[counter])
+    history = model.fit(
+        {"input_ids": x, "attention_mask": mask}, y, batch_size=3, epochs=2, verbose=0, callbacks=[counter]
+    )
     assert history.history["num_input_tokens_seen"] == [37, 74]  # 9 rows x 4 + 1
     assert isinstance(history.history["num_input_tokens_seen"][0], int)
 
@@ -84,8 +92,14 @@ def _run(folder, crash_at: int | None = None):
         if model.global_step == crash_at:
             raise _Crash
 
-    model.fit(x, y, batch_size=2, epochs=3, verbose=0,
-              callbacks=[LambdaCallback(on_train_batch_end=crash), counter, BackupAndRestore(folder, save_freq=2)])
+    model.fit(
+        x,
+        y,
+        batch_size=2,
+        epochs=3,
+        verbose=0,
+        callbacks=[LambdaCallback(on_train_batch_end=crash), counter, BackupAndRestore(folder, save_freq=2)],
+    )
     return model, counter
 
 

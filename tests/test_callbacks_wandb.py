@@ -38,10 +38,10 @@ def _records(path):
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:
             break
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         parts = chunk if kind in (1, 2) else parts + chunk
         if kind in (1, 4):  # FULL, LAST
             record = pb.Record()
@@ -93,8 +93,14 @@ def test_an_offline_run_holds_config_step_and_epoch_logs_and_the_best_checkpoint
     x, y = _data()
     model = _model()
     best = ModelCheckpoint(tmp_path / "best.pt", monitor="loss", save_best_only=True, save_weights_only=True)
-    logger = WandbLogger(project="fitkit-test", config={"note": "digits"}, log_every_n_steps=2,
-                         log_checkpoints=True, dir=str(tmp_path), mode="offline")
+    logger = WandbLogger(
+        project="fitkit-test",
+        config={"note": "digits"},
+        log_every_n_steps=2,
+        log_checkpoints=True,
+        dir=str(tmp_path),
+        mode="offline",
+    )
     history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[logger, best])
     assert logger.run is None  # finished at the end of the fit
     steps, config, artifacts = _run(tmp_path)
@@ -108,19 +114,36 @@ def test_an_offline_run_holds_config_step_and_epoch_logs_and_the_best_checkpoint
         assert steps[step]["epoch/learning_rate"] == history.history["learning_rate"][epoch]
     # the batch log of the epoch's last step: its running mean, the epoch's loss
     assert steps[8]["batch/loss"] == pytest.approx(history.history["loss"][1], rel=1e-6)
-    assert {k: config[k] for k in ("optimizer", "lr", "batch_size", "epochs", "steps_per_epoch",
-                                            "loss", "num_params", "note")} == {
-        "optimizer": "SGD", "lr": 0.05, "batch_size": 4, "epochs": 2, "steps_per_epoch": 4, "loss": "mse",
-        "num_params": 3, "note": "digits"}  # fmt: skip
+    assert {
+        k: config[k]
+        for k in ("optimizer", "lr", "batch_size", "epochs", "steps_per_epoch", "loss", "num_params", "note")
+    } == {
+        "optimizer": "SGD",
+        "lr": 0.05,
+        "batch_size": 4,
+        "epochs": 2,
+        "steps_per_epoch": 4,
+        "loss": "mse",
+        "num_params": 3,
+        "note": "digits",
+    }
     assert len(artifacts) == 1 and artifacts[0][1:] == ("model", ["best.pt"])
 
 
 def test_validations_inside_epochs_are_logged_at_their_step(tmp_path):
     x, y = _data()
     model = _model()
-    history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, validation_data=(x[:8], y[:8]),
-                        validation_interval=2,
-                        callbacks=[WandbLogger(project="fitkit-test", dir=str(tmp_path), mode="offline")])
+    history = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x[:8], y[:8]),
+        validation_interval=2,
+        callbacks=[WandbLogger(project="fitkit-test", dir=str(tmp_path), mode="offline")],
+    )
     steps, _, _ = _run(tmp_path)
     assert sorted(steps) == [2, 4]
     assert set(steps[2]) == {"step/val_loss"}
@@ -148,8 +171,10 @@ def test_missing_wandb_and_bad_arguments_are_named(monkeypatch):
         WandbLogger(checkpoint=3)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    expected = (r"Install the `wandb` extra: "
-                r"`pip install '\.\[wandb\]'` from a checkout \(`pip install 'torch-fitkit\[wandb\]'`")
+    expected = (
+        r"Install the `wandb` extra: "
+        r"`pip install '\.\[wandb\]'` from a checkout \(`pip install 'torch-fitkit\[wandb\]'`"
+    )
     with pytest.raises(ImportError, match=expected):
         WandbLogger()
 
@@ -182,10 +207,12 @@ def test_a_full_disk_under_the_run_warns_once_naming_the_folder(tmp_path, monkey
     x, y = _data()
     model, logger = _model(), WandbLogger(project="fitkit-test", dir=str(tmp_path), mode="offline")
     real = shutil.disk_usage
-    monkeypatch.setattr(shutil, "disk_usage",
-                        lambda p: real(p)._replace(free=0) if model.epoch >= 1 else real(p))  # fmt: skip
-    with pytest.warns(FitkitWarning, match=r"WandbLogger: the disk holding the run's folder '.*offline-run-.*' is "
-                      r"full \(0 bytes free\).*training goes on\. Fix") as caught:
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=0) if model.epoch >= 1 else real(p))
+    with pytest.warns(
+        FitkitWarning,
+        match=r"WandbLogger: the disk holding the run's folder '.*offline-run-.*' is "
+        r"full \(0 bytes free\).*training goes on\. Fix",
+    ) as caught:
         history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[logger])
     assert len([w for w in caught if "is full" in str(w.message)]) == 1  # once, at the end of epoch 2
     assert len(history.history["loss"]) == 3 and model.global_step == 12

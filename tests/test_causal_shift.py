@@ -23,8 +23,18 @@ LR = 0.5
 
 def _gpt2() -> nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=V, n_positions=8, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
-                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=V,
+        n_positions=8,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -53,8 +63,12 @@ def _hand(loss_of, shift: bool = True) -> tuple[nn.Module, float]:
 def _fit(loss, accumulation: int = 2, module: nn.Module | None = None, **compile_kwargs):
     net = module if module is not None else _gpt2()
     model = fitkit.Model(net, device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=LR), loss=loss,
-                  gradient_accumulation_steps=accumulation, **compile_kwargs)
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+        loss=loss,
+        gradient_accumulation_steps=accumulation,
+        **compile_kwargs,
+    )
     history = model.fit(_batch(), batch_size=2 // accumulation, epochs=1, shuffle=False, verbose=0)
     return net, model, history.history["loss"][0]
 
@@ -69,12 +83,15 @@ def _smoothed(logits, labels):
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-@pytest.mark.parametrize("loss, by_hand, shift_labels", [
-    ("cross_entropy", F.cross_entropy, None),  # decided from the model: it shifts
-    (nn.CrossEntropyLoss(label_smoothing=0.1), _smoothed, None),
-    ("cross_entropy", F.cross_entropy, True),
-    ("cross_entropy", F.cross_entropy, False),  # set off: position t against label t
-])
+@pytest.mark.parametrize(
+    "loss, by_hand, shift_labels",
+    [
+        ("cross_entropy", F.cross_entropy, None),  # decided from the model: it shifts
+        (nn.CrossEntropyLoss(label_smoothing=0.1), _smoothed, None),
+        ("cross_entropy", F.cross_entropy, True),
+        ("cross_entropy", F.cross_entropy, False),  # set off: position t against label t
+    ],
+)
 def test_a_compiled_loss_on_a_causal_lm_shifts_as_its_own_loss(loss, by_hand, shift_labels, accumulation):
     net, model, epoch_loss = _fit(loss, accumulation, shift_labels=shift_labels)
     hand, hand_loss = _hand(by_hand, shift=shift_labels is not False)
@@ -126,8 +143,11 @@ def test_an_unknown_module_whose_labels_repeat_its_inputs_is_refused_before_step
     before = {k: v.clone() for k, v in module.state_dict().items()}
     model = fitkit.Model(module, device="cpu")
     model.compile(optimizer="sgd", loss="cross_entropy")
-    with pytest.raises(ValueError, match=r"repeat its 'input_ids'.*cannot tell.*Fix: pass "
-                                         r"compile\(shift_labels=True\) for a causal LM, or shift_labels=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"repeat its 'input_ids'.*cannot tell.*Fix: pass "
+        r"compile\(shift_labels=True\) for a causal LM, or shift_labels=False",
+    ):
         model.fit(_batch(), batch_size=1, verbose=0)
     assert model.global_step == 0
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
@@ -141,13 +161,17 @@ def test_an_unknown_module_whose_labels_repeat_its_inputs_is_refused_before_step
 
 def test_what_fitkit_knows_of_a_module_and_the_switch_checked():
     assert causal_shift(_gpt2()) is True
-    bert = transformers.BertConfig(vocab_size=V, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                                   intermediate_size=8)
+    bert = transformers.BertConfig(
+        vocab_size=V, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8
+    )
     assert causal_shift(transformers.BertForMaskedLM(bert)) is False
     assert causal_shift(transformers.BertForTokenClassification(bert)) is False
     assert causal_shift(nn.Linear(2, 2)) is None
     assert shifted(torch.tensor([[1, 2, 3]]), pad=-1).tolist() == [[2, 3, -1]]
     model = fitkit.Model(_gpt2(), device="cpu")
-    with pytest.raises(TypeError, match=r"Expected `shift_labels` to be True, False or None\. Received: "
-                                        r"shift_labels='yes'\. Fix"):
+    with pytest.raises(
+        TypeError,
+        match=r"Expected `shift_labels` to be True, False or None\. Received: "
+        r"shift_labels='yes'\. Fix",
+    ):
         model.compile(loss="cross_entropy", shift_labels="yes")

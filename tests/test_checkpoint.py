@@ -67,11 +67,26 @@ def test_checkpoint_holds_the_documented_state_and_loads_weights_only(tmp_path):
     model.save_checkpoint(tmp_path / "c.pt")
     state = torch.load(tmp_path / "c.pt", weights_only=True)
     assert set(state) == {
-        "fitkit_version", "module", "optimizer", "optimizer_class", "scheduler", "scheduler_class", "scaler", "epoch",
-        "callback_config", "pass_offset",
-        "step_in_epoch", "samples_in_epoch", "batch_size", "global_step", "rng", "callbacks", "history",
-        "fitkit_checksum", "train_length",
-    }  # fmt: skip
+        "fitkit_version",
+        "module",
+        "optimizer",
+        "optimizer_class",
+        "scheduler",
+        "scheduler_class",
+        "scaler",
+        "epoch",
+        "callback_config",
+        "pass_offset",
+        "step_in_epoch",
+        "samples_in_epoch",
+        "batch_size",
+        "global_step",
+        "rng",
+        "callbacks",
+        "history",
+        "fitkit_checksum",
+        "train_length",
+    }
     assert state["train_length"] == len(x)  # what a position inside an epoch would mean
     assert state["optimizer_class"] == "SGD" and state["fitkit_checksum"].startswith("sha256:")
     assert state["epoch"] == 2 and state["step_in_epoch"] == 0 and state["global_step"] == 2
@@ -127,9 +142,14 @@ def test_save_top_k_keeps_exactly_the_k_best_files(tmp_path):
     _model().fit(x, y, epochs=6, verbose=0, callbacks=[watch, _script("s_loss", values), ckpt])
     seen.append(_files(tmp_path))
     assert seen == [
-        [], ["ep1.pt"], ["ep1.pt", "ep2.pt"], ["ep2.pt", "ep3.pt"], ["ep2.pt", "ep4.pt"],
-        ["ep4.pt", "ep5.pt"], ["ep4.pt", "ep5.pt"],
-    ]  # fmt: skip
+        [],
+        ["ep1.pt"],
+        ["ep1.pt", "ep2.pt"],
+        ["ep2.pt", "ep3.pt"],
+        ["ep2.pt", "ep4.pt"],
+        ["ep4.pt", "ep5.pt"],
+        ["ep4.pt", "ep5.pt"],
+    ]
     assert ckpt.kept == [(1.0, str(tmp_path / "ep4.pt")), (2.0, str(tmp_path / "ep5.pt"))]
     assert ckpt.best == 1.0 and ckpt.best_path == str(tmp_path / "ep4.pt")
 
@@ -172,10 +192,11 @@ def test_numbering_continues_and_a_better_best_survives_a_resume(tmp_path):
 
     def callbacks():
         return [
-            _script("s_loss", values), snap,
+            _script("s_loss", values),
+            snap,
             ModelCheckpoint(tmp_path / "ep{epoch:02d}.pt"),
             ModelCheckpoint(tmp_path / "best.pt", monitor="s_loss", save_best_only=True, save_weights_only=True),
-        ]  # fmt: skip
+        ]
 
     model.fit(x, y, epochs=3, verbose=0, callbacks=callbacks())
     first = {n: (tmp_path / n).read_bytes() for n in ("ep01.pt", "ep02.pt", "ep03.pt")}
@@ -204,16 +225,19 @@ def test_every_builtin_callback_state_is_saved_and_loads_weights_only(tmp_path):
         ReduceLROnPlateau,
         TensorBoard,
         TerminateOnNaN,
-    )  # fmt: skip
+    )
 
     x, y = _data()
     callbacks = [
         EarlyStopping(monitor="loss", patience=5, restore_best_weights=True),
-        ReduceLROnPlateau(monitor="loss"), LearningRateScheduler(lambda e, lr: lr),
-        CSVLogger(tmp_path / "log.csv"), TensorBoard(tmp_path / "tb"), TerminateOnNaN(),
+        ReduceLROnPlateau(monitor="loss"),
+        LearningRateScheduler(lambda e, lr: lr),
+        CSVLogger(tmp_path / "log.csv"),
+        TensorBoard(tmp_path / "tb"),
+        TerminateOnNaN(),
         BackupAndRestore(tmp_path / "backup", delete_checkpoint=False),
         ModelCheckpoint(tmp_path / "full.pt"),
-    ]  # fmt: skip
+    ]
     _model().fit(x, y, epochs=2, verbose=0, callbacks=callbacks)
     for name in ("full.pt", "backup/backup.pt"):
         state = torch.load(tmp_path / name, weights_only=True)
@@ -288,9 +312,11 @@ def test_an_adapter_file_loaded_as_a_whole_model_names_trainable_only(tmp_path, 
     build(0).save_weights(path, trainable_only=True)
     model = build(1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    expected = (r"holds only trainable parameters \(2 of the module's 4 state-dict entries\).*Expected "
-                r"`trainable_only=True` to load such a file\. Received: trainable_only=False\. "
-                r"Fix: model\.load_weights\(.*, trainable_only=True\)\.")
+    expected = (
+        r"holds only trainable parameters \(2 of the module's 4 state-dict entries\).*Expected "
+        r"`trainable_only=True` to load such a file\. Received: trainable_only=False\. "
+        r"Fix: model\.load_weights\(.*, trainable_only=True\)\."
+    )
     with pytest.raises(ValueError, match=expected) as info:
         model.load_weights(path)
     assert "missing from the file" not in str(info.value)

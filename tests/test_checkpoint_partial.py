@@ -22,8 +22,9 @@ Y = 3 * X + 1
 def _model(optimizer: str = "sgd") -> fitkit.Model:
     torch.manual_seed(0)
     model = fitkit.Model(nn.Linear(1, 1), device="cpu")
-    opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-           "adam": lambda p: torch.optim.Adam(p, lr=0.01)}[optimizer]  # fmt: skip
+    opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "adam": lambda p: torch.optim.Adam(p, lr=0.01)}[
+        optimizer
+    ]
     model.compile(optimizer=opt, loss="mse", scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
     return model
 
@@ -34,8 +35,15 @@ def source(tmp_path):
     the file holds the EarlyStopping state too."""
     model = _model()
     path = tmp_path / "src.pt"
-    model.fit(X, Y, batch_size=4, shuffle=False, epochs=2, verbose=0,
-              callbacks=[EarlyStopping(monitor="loss", patience=5), ModelCheckpoint(path)])
+    model.fit(
+        X,
+        Y,
+        batch_size=4,
+        shuffle=False,
+        epochs=2,
+        verbose=0,
+        callbacks=[EarlyStopping(monitor="loss", patience=5), ModelCheckpoint(path)],
+    )
     return model, path
 
 
@@ -60,8 +68,9 @@ def test_each_part_is_taken_or_left_as_it_was(source, kwargs, taken):
     if "module" not in taken:
         assert torch.equal(model.module.weight, fresh_w)
     momentum = model.optimizer.state.get(model.module.weight, {}).get("momentum_buffer")
-    assert (momentum is not None and torch.equal(momentum, src.optimizer.state[src.module.weight]["momentum_buffer"])) \
-        == ("optimizer" in taken)  # fmt: skip
+    assert (
+        momentum is not None and torch.equal(momentum, src.optimizer.state[src.module.weight]["momentum_buffer"])
+    ) == ("optimizer" in taken)
     assert model.global_step == (10 if "global_step" in taken else 0)
     assert model.scheduler.last_epoch == (2 if "scheduler" in taken else 0)
     assert epoch == (2 if "position" in taken else 0)
@@ -84,7 +93,7 @@ def test_fine_tuning_from_weights_only_matches_a_hand_loop(source):
     opt = torch.optim.Adam(layer.parameters(), lr=0.01)
     for i in range(0, 20, 4):
         opt.zero_grad()
-        nn.functional.mse_loss(layer(X[i:i + 4]), Y[i:i + 4]).backward()
+        nn.functional.mse_loss(layer(X[i : i + 4]), Y[i : i + 4]).backward()
         opt.step()
     torch.testing.assert_close(model.module.state_dict(), layer.state_dict(), rtol=0, atol=0)
     assert model.global_step == 5
@@ -100,17 +109,22 @@ def test_what_was_taken_is_logged(source, caplog):
     _, path = source
     with caplog.at_level(logging.INFO, logger="fitkit"):
         _model().load_checkpoint(path, ignore_keys=["optimizer", "position"])
-    assert f"Loaded module, global_step, scheduler from {str(path)!r}; left out: optimizer, position, callbacks, " \
-           "history." in caplog.messages  # fmt: skip
+    assert (
+        f"Loaded module, global_step, scheduler from {str(path)!r}; left out: optimizer, position, callbacks, "
+        "history." in caplog.messages
+    )
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"ignore_keys": "optimizer"}, TypeError, r"Expected `ignore_keys` to be a list of part names.*Received"),
-    ({"ignore_keys": ["optimiser"]}, ValueError, r"Unknown part 'optimiser' in `ignore_keys`. Valid names: module"),
-    ({"weights_only": "yes"}, TypeError, r"Expected `weights_only` to be a bool"),
-    ({"weights_only": True, "ignore_keys": ["optimizer"]}, ValueError, r"weights_only=True.*Fix: pass one of them"),
-    ({"ignore_keys": list(PART_NAMES)}, ValueError, r"leaves out every part"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"ignore_keys": "optimizer"}, TypeError, r"Expected `ignore_keys` to be a list of part names.*Received"),
+        ({"ignore_keys": ["optimiser"]}, ValueError, r"Unknown part 'optimiser' in `ignore_keys`. Valid names: module"),
+        ({"weights_only": "yes"}, TypeError, r"Expected `weights_only` to be a bool"),
+        ({"weights_only": True, "ignore_keys": ["optimizer"]}, ValueError, r"weights_only=True.*Fix: pass one of them"),
+        ({"ignore_keys": list(PART_NAMES)}, ValueError, r"leaves out every part"),
+    ],
+)
 def test_bad_values_are_refused_and_nothing_changes(source, kwargs, error, match):
     _, path = source
     model = _model()

@@ -30,31 +30,58 @@ X, Y = torch.zeros(20, 1), torch.zeros(20, 1)
 
 def test_the_final_step_between_two_saves_is_saved(tmp_path):
     model = _model()
-    model.fit(X, Y, batch_size=1, max_steps=9, verbose=0, callbacks=[
-        ModelCheckpoint(tmp_path / "s{step}.pt", save_freq=5, save_weights_only=True)])
+    model.fit(
+        X,
+        Y,
+        batch_size=1,
+        max_steps=9,
+        verbose=0,
+        callbacks=[ModelCheckpoint(tmp_path / "s{step}.pt", save_freq=5, save_weights_only=True)],
+    )
     assert _files(tmp_path) == ["s5.pt", "s9.pt"]
     saved = torch.load(tmp_path / "s9.pt", weights_only=True)
     assert all(torch.equal(saved[k], v) for k, v in model.module.state_dict().items())  # the final weights
 
 
 def test_a_run_ending_on_a_multiple_writes_no_second_file(tmp_path):
-    _model().fit(X, Y, batch_size=1, max_steps=10, verbose=0, callbacks=[
-        ModelCheckpoint(tmp_path / "s{step}.pt", save_freq=5, save_weights_only=True, save_last=True)])
+    _model().fit(
+        X,
+        Y,
+        batch_size=1,
+        max_steps=10,
+        verbose=0,
+        callbacks=[ModelCheckpoint(tmp_path / "s{step}.pt", save_freq=5, save_weights_only=True, save_last=True)],
+    )
     assert _files(tmp_path) == ["last.pt", "s10.pt", "s5.pt"]
 
 
 def test_keep_last_keeps_the_newest_files_oldest_deleted_first(tmp_path):
     (tmp_path / "e9.pt").write_bytes(b"not ours")  # a file of the pattern it did not write: kept
-    _model().fit(X, Y, batch_size=10, epochs=5, verbose=0, callbacks=[
-        ModelCheckpoint(tmp_path / "e{epoch}.pt", save_weights_only=True, keep_last=2)])
+    _model().fit(
+        X,
+        Y,
+        batch_size=10,
+        epochs=5,
+        verbose=0,
+        callbacks=[ModelCheckpoint(tmp_path / "e{epoch}.pt", save_weights_only=True, keep_last=2)],
+    )
     assert _files(tmp_path) == ["e4.pt", "e5.pt", "e9.pt"]
 
 
 def test_keep_last_never_deletes_the_best_file(tmp_path):
     scores = iter([1.0, 0.5, 0.9, 0.8, 0.7])  # the best at epoch 2
     score = LambdaCallback(on_epoch_end=lambda e, logs: logs.__setitem__("score", next(scores)))
-    _model().fit(X, Y, batch_size=10, epochs=5, verbose=0, callbacks=[score, ModelCheckpoint(
-        tmp_path / "e{epoch}.pt", monitor="score", mode="min", save_best_only=True, keep_last=1)])
+    _model().fit(
+        X,
+        Y,
+        batch_size=10,
+        epochs=5,
+        verbose=0,
+        callbacks=[
+            score,
+            ModelCheckpoint(tmp_path / "e{epoch}.pt", monitor="score", mode="min", save_best_only=True, keep_last=1),
+        ],
+    )
     assert _files(tmp_path) == ["e2.pt"]  # epochs 1 and 2 improved; the best stays
 
 
@@ -69,9 +96,18 @@ def _rotating_run(folder, backup, crash_at: int | None = None):
         if epoch == crash_at:
             raise _Crash
 
-    model.fit(X, Y, batch_size=10, epochs=6, verbose=0, callbacks=[
-        ModelCheckpoint(folder / "e{epoch}.pt", save_weights_only=True, keep_last=2),
-        BackupAndRestore(backup), LambdaCallback(on_epoch_end=crash)])
+    model.fit(
+        X,
+        Y,
+        batch_size=10,
+        epochs=6,
+        verbose=0,
+        callbacks=[
+            ModelCheckpoint(folder / "e{epoch}.pt", save_weights_only=True, keep_last=2),
+            BackupAndRestore(backup),
+            LambdaCallback(on_epoch_end=crash),
+        ],
+    )
 
 
 def test_a_resumed_run_goes_on_rotating(tmp_path):
@@ -83,11 +119,14 @@ def test_a_resumed_run_goes_on_rotating(tmp_path):
     assert _files(tmp_path / "ckpt") == ["e5.pt", "e6.pt"]
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"keep_last": 0}, ValueError, "keep_last"),
-    ({"keep_last": "2"}, TypeError, "keep_last"),
-    ({"keep_last": 2, "save_top_k": 2}, ValueError, "one callback keeps one list"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"keep_last": 0}, ValueError, "keep_last"),
+        ({"keep_last": "2"}, TypeError, "keep_last"),
+        ({"keep_last": 2, "save_top_k": 2}, ValueError, "one callback keeps one list"),
+    ],
+)
 def test_bad_keep_last_is_refused(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):
         ModelCheckpoint(tmp_path / "e{epoch}.pt", **kwargs)
@@ -112,8 +151,12 @@ def test_train_time_interval_saves_after_that_much_training_time(tmp_path):
 
     now = [0.0]
     tick = LambdaCallback(on_train_batch_begin=lambda b, logs: now.__setitem__(0, now[0] + 1.0))
-    ck = ModelCheckpoint(tmp_path / "m-{step}.pt", monitor="loss", train_time_interval=datetime.timedelta(seconds=2.5),
-                         clock=lambda: now[0])  # fmt: skip
+    ck = ModelCheckpoint(
+        tmp_path / "m-{step}.pt",
+        monitor="loss",
+        train_time_interval=datetime.timedelta(seconds=2.5),
+        clock=lambda: now[0],
+    )
     torch.manual_seed(0)
     model = fitkit.Model(nn.Linear(2, 1), device="cpu")
     model.compile(optimizer="sgd", loss="mse")
@@ -127,8 +170,12 @@ def test_train_time_interval_saves_after_that_much_training_time(tmp_path):
     now[0] = 0.0
     acc = fitkit.Model(nn.Linear(2, 1), device="cpu")
     acc.compile(optimizer="sgd", loss="mse", gradient_accumulation_steps=2)
-    ck2 = ModelCheckpoint(tmp_path / "acc" / "m-{step}.pt", monitor="loss",
-                          train_time_interval=datetime.timedelta(seconds=2.5), clock=lambda: now[0])  # fmt: skip
+    ck2 = ModelCheckpoint(
+        tmp_path / "acc" / "m-{step}.pt",
+        monitor="loss",
+        train_time_interval=datetime.timedelta(seconds=2.5),
+        clock=lambda: now[0],
+    )
     acc.fit(x[:12], y[:12], batch_size=2, epochs=1, verbose=0, callbacks=[tick, ck2])
     assert sorted(p.name for p in (tmp_path / "acc").iterdir() if p.suffix == ".pt") == ["m-2.pt"]  # then 2 s: none
 

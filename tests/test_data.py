@@ -286,8 +286,13 @@ def test_validation_freq_fires_the_test_hooks_on_those_epochs_only():
     model = compiled(Recorder())
     model.fit(X10, Y10, validation_split=0.2, validation_freq=2, epochs=4, callbacks=[Hooks()], verbose=0)
     assert calls == [
-        ("epoch", 0, False), ("test", 1), ("epoch", 1, True), ("epoch", 2, False), ("test", 3), ("epoch", 3, True),
-    ]  # fmt: skip
+        ("epoch", 0, False),
+        ("test", 1),
+        ("epoch", 1, True),
+        ("epoch", 2, False),
+        ("test", 3),
+        ("epoch", 3, True),
+    ]
 
 
 # -- samplers ---------------------------------------------------------------------------------
@@ -381,8 +386,7 @@ def _fit_buckets(buckets: EpochBuckets, rec: Recorder, folder, crash_in_epoch: i
 
 def test_a_resumed_fit_tells_the_batch_sampler_its_own_epoch(tmp_path):
     buckets, rec = EpochBuckets(10, 4), Recorder()
-    compiled(rec).fit(DataLoader(TensorDataset(X10, Y10), batch_sampler=buckets), initial_epoch=2, epochs=3,
-                      verbose=0)  # fmt: skip
+    compiled(rec).fit(DataLoader(TensorDataset(X10, Y10), batch_sampler=buckets), initial_epoch=2, epochs=3, verbose=0)
     assert buckets.epochs == [2]
     assert rec.train_rows == BUCKETS_BY_EPOCH[2]
 

@@ -28,8 +28,14 @@ def test_a_ragged_sample_at_a_later_batch_names_the_batch_and_keeps_the_backup(t
     folder = tmp_path / "bk"
     shapes = r"\(2,\), \(1,\)\), \(\(3,\), \(1,\)\)"  # the third batch: samples 8 to 11, 9 ragged
     with pytest.raises(ValueError, match=f"number 3 since the loader was built.*{shapes}.*Fix"):
-        model.fit(Samples(ragged_at=9), batch_size=4, shuffle=False, epochs=1, verbose=0,
-                  callbacks=[BackupAndRestore(folder, save_freq=1)])  # fmt: skip
+        model.fit(
+            Samples(ragged_at=9),
+            batch_size=4,
+            shuffle=False,
+            epochs=1,
+            verbose=0,
+            callbacks=[BackupAndRestore(folder, save_freq=1)],
+        )
     assert model.global_step == 2  # batches 1 and 2 trained; batch 3 could not be made
     backup = torch.load(folder / "backup.pt", weights_only=True)
     assert backup["global_step"] == 2 and backup["step_in_epoch"] == 2

@@ -73,20 +73,22 @@ def test_rows_of_different_lengths_ask_for_a_collator_before_any_step():
         model.fit(sc.dataset(None), batch_size=4, shuffle=False, verbose=0)
     msg = str(info.value)
     # The first 4 texts have 2, 2, 4 and 4 words.
-    assert "Rows of different lengths cannot be stacked into a batch: 'input_ids' has lengths [2, 4]; " \
-           "'attention_mask' has lengths [2, 4]. fitkit does not pad" in msg
+    assert (
+        "Rows of different lengths cannot be stacked into a batch: 'input_ids' has lengths [2, 4]; "
+        "'attention_mask' has lengths [2, 4]. fitkit does not pad" in msg
+    )
     assert "collate_fn=transformers.DataCollatorWithPadding(tokenizer)" in msg
     assert model.global_step == 0 and all(torch.equal(before[k], v) for k, v in sc.params(model).items())
 
 
 def test_a_padding_collator_trains_evaluates_and_predicts_what_the_module_computes():
     model = sc.model()
-    history = model.fit(sc.collated_loader(4, shuffle=True), epochs=2, verbose=0,
-                        validation_data=sc.collated_loader(4))
+    history = model.fit(sc.collated_loader(4, shuffle=True), epochs=2, verbose=0, validation_data=sc.collated_loader(4))
     assert len(history.history["val_loss"]) == 2 and model.global_step == 8
     with torch.no_grad():
-        expected = torch.cat([model.module(**{k: v for k, v in b.items() if k != "labels"})["logits"]
-                              for b in sc.collated_loader(4)])
+        expected = torch.cat(
+            [model.module(**{k: v for k, v in b.items() if k != "labels"})["logits"] for b in sc.collated_loader(4)]
+        )
     pred = model.predict(sc.collated_loader(4), verbose=0)
     torch.testing.assert_close(pred, expected, rtol=0, atol=0)
     # A padded row gives the logits of the row alone (the mask leaves the padding out).
@@ -134,8 +136,16 @@ def _backup_run(folder, crash_step=None, save_freq=1, **fit_kwargs):
             raise _Crash
 
     callbacks = [LambdaCallback(on_train_batch_end=crash), BackupAndRestore(folder, save_freq=save_freq)]
-    model.fit(sc.dataset(), batch_size=4, epochs=3, shuffle=True, validation_data=sc.dataset(), verbose=0,
-              callbacks=callbacks, **fit_kwargs)
+    model.fit(
+        sc.dataset(),
+        batch_size=4,
+        epochs=3,
+        shuffle=True,
+        validation_data=sc.dataset(),
+        verbose=0,
+        callbacks=callbacks,
+        **fit_kwargs,
+    )
     return model
 
 

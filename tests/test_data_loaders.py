@@ -53,8 +53,17 @@ def _fit(data, steps_per_epoch, epochs=4, **kwargs):
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         model = _model()
-        model.fit(x, y, batch_size=4, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False,
-                  callbacks=[count], verbose=0, **kwargs)  # fmt: skip
+        model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=epochs,
+            steps_per_epoch=steps_per_epoch,
+            shuffle=False,
+            callbacks=[count],
+            verbose=0,
+            **kwargs,
+        )
     return model, count, [str(w.message) for w in rec]
 
 
@@ -69,8 +78,11 @@ def test_steps_per_epoch_equal_to_the_data_runs_every_epoch_full(kind):
     assert count.batches == [10, 10, 10, 10] and count.steps == [10, 10, 10, 10] and warned == []
     assert count.logs == [["learning_rate", "loss"]] * 4  # every epoch logs its loss
     _, reference, _ = _fit(data, None)
-    assert all(torch.equal(a, b) for wa, wb in zip(count.weights, reference.weights, strict=True)
-               for a, b in zip(wa, wb, strict=True))  # fmt: skip
+    assert all(
+        torch.equal(a, b)
+        for wa, wb in zip(count.weights, reference.weights, strict=True)
+        for a, b in zip(wa, wb, strict=True)
+    )
 
 
 @pytest.mark.parametrize("kind", ["tensors", "dataloader"])
@@ -80,8 +92,11 @@ def test_half_the_data_per_epoch_is_the_same_run_as_two_plain_epochs(kind):
     _, plain, _ = _fit(data, None, epochs=2)
     assert count.batches == [5, 5, 5, 5] and count.steps == [5, 5, 5, 5] and warned == []
     assert len(count.weights) == len(plain.weights) == 20
-    assert all(torch.equal(a, b) for wa, wb in zip(count.weights, plain.weights, strict=True)
-               for a, b in zip(wa, wb, strict=True))  # fmt: skip
+    assert all(
+        torch.equal(a, b)
+        for wa, wb in zip(count.weights, plain.weights, strict=True)
+        for a, b in zip(wa, wb, strict=True)
+    )
 
 
 @pytest.mark.parametrize("kind", ["tensors", "dataloader"])
@@ -106,7 +121,7 @@ class Sized:
         return 2
 
     def __iter__(self):
-        return iter([(X[i * 4:(i + 1) * 4], Y[i * 4:(i + 1) * 4]) for i in range(3)])
+        return iter([(X[i * 4 : (i + 1) * 4], Y[i * 4 : (i + 1) * 4]) for i in range(3)])
 
 
 def test_an_iterable_with_len_gives_len_batches_per_epoch():
@@ -115,7 +130,7 @@ def test_an_iterable_with_len_gives_len_batches_per_epoch():
 
 
 def test_a_generator_with_steps_per_epoch_runs_on_until_it_is_used_up():
-    batches = ((X[i * 4:(i + 1) * 4], Y[i * 4:(i + 1) * 4]) for i in range(7))
+    batches = ((X[i * 4 : (i + 1) * 4], Y[i * 4 : (i + 1) * 4]) for i in range(7))
     _, count, warned = _fit(batches, 3, epochs=4)
     # 3 + 3 + 1 batches: the third epoch ends early; the fourth finds the generator used up.
     assert count.batches == [3, 3, 1, 0] and count.steps == [3, 3, 3, 3]

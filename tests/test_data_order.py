@@ -54,8 +54,9 @@ def _loader(kind: str):
     if kind == "stateful_workers":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        return StatefulDataLoader(ds, batch_size=BS, shuffle=True, num_workers=2,
-                                  generator=torch.Generator().manual_seed(123))  # fmt: skip
+        return StatefulDataLoader(
+            ds, batch_size=BS, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(123)
+        )
     raise ValueError(kind)
 
 
@@ -140,10 +141,13 @@ class Reversed(Sampler):
         return self.n
 
 
-@pytest.mark.parametrize("make", [
-    lambda: DataLoader(Stream(), batch_size=BS),
-    lambda: DataLoader(TensorDataset(*_data()), batch_size=BS, sampler=Reversed(N)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DataLoader(Stream(), batch_size=BS),
+        lambda: DataLoader(TensorDataset(*_data()), batch_size=BS, sampler=Reversed(N)),
+    ],
+)
 def test_a_resume_inside_an_epoch_warns_where_the_order_cannot_be_restored(make, tmp_path):
     seen: list = []
     model = _model(seen)
@@ -153,8 +157,12 @@ def test_a_resume_inside_an_epoch_warns_where_the_order_cannot_be_restored(make,
             raise Crash
 
     with pytest.raises(Crash):
-        model.fit(make(), epochs=1, verbose=0,
-                  callbacks=[BackupAndRestore(tmp_path, save_freq=1), LambdaCallback(on_train_batch_begin=crash)])
+        model.fit(
+            make(),
+            epochs=1,
+            verbose=0,
+            callbacks=[BackupAndRestore(tmp_path, save_freq=1), LambdaCallback(on_train_batch_begin=crash)],
+        )
     with pytest.warns(FitkitWarning, match=r"Resuming inside epoch 1: .*cannot restore the order.*StatefulDataLoader"):
         _model([]).fit(make(), epochs=1, verbose=0, callbacks=[BackupAndRestore(tmp_path, save_freq=1)])
 
@@ -163,15 +171,18 @@ def test_a_dataloader_built_otherwise_is_refused_before_the_first_resumed_step(t
     seen: list = []
     model = _model(seen)
     with pytest.raises(Crash):
-        model.fit(_loader("generator"), epochs=1, verbose=0, callbacks=[
-            BackupAndRestore(tmp_path, save_freq=1),
-            LambdaCallback(on_train_batch_begin=lambda b, logs: b == 2 and (_ for _ in ()).throw(Crash())),
-        ])  # fmt: skip
+        model.fit(
+            _loader("generator"),
+            epochs=1,
+            verbose=0,
+            callbacks=[
+                BackupAndRestore(tmp_path, save_freq=1),
+                LambdaCallback(on_train_batch_begin=lambda b, logs: b == 2 and (_ for _ in ()).throw(Crash())),
+            ],
+        )
     plain = DataLoader(TensorDataset(*_data()), batch_size=BS, shuffle=True)  # no generator of its own
     with pytest.raises(ValueError, match=r"state of 1 data generator.*has 0 and 0.*Fix: resume with a DataLoader"):
         _model([]).fit(plain, epochs=1, verbose=0, callbacks=[BackupAndRestore(tmp_path, save_freq=1)])
-
-
 
 
 class EpochStream(IterableDataset):
@@ -224,8 +235,12 @@ def _stream_run(tmp_path, crash_at: int | None = None):
     resumed = _model(resumed_seen)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FitkitWarning)  # its order is restorable: no warning
-        resumed.fit(DataLoader(EpochStream(resumed_calls), batch_size=BS), epochs=3, verbose=0,
-                    callbacks=[BackupAndRestore(tmp_path, save_freq=1)])  # fmt: skip
+        resumed.fit(
+            DataLoader(EpochStream(resumed_calls), batch_size=BS),
+            epochs=3,
+            verbose=0,
+            callbacks=[BackupAndRestore(tmp_path, save_freq=1)],
+        )
     return resumed, before + resumed_seen, (before_calls, resumed_calls)
 
 

@@ -18,7 +18,7 @@ def _hand(docs, seq_len, eos):
     stream = [(tok, d) for d, doc in enumerate(docs) for tok in [*doc, *([eos] if eos is not None else [])]]
     out = []
     for s in range(len(stream) // seq_len):
-        part = stream[s * seq_len:(s + 1) * seq_len]
+        part = stream[s * seq_len : (s + 1) * seq_len]
         ids, owner = [t for t, _ in part], [d for _, d in part]
         pos, labels, mask = [], [], []
         for i in range(seq_len):

@@ -42,8 +42,9 @@ def _fit(batch_size, backup, *, crash=False, generator=False, dataset=False):
     return rec.seen, [p.detach().clone() for p in rec.net.parameters()]
 
 
-@pytest.mark.parametrize("generator, dataset", [(False, False), (True, False), (False, True)],
-                         ids=["global_rng", "own_generator", "dataset"])  # fmt: skip
+@pytest.mark.parametrize(
+    "generator, dataset", [(False, False), (True, False), (False, True)], ids=["global_rng", "own_generator", "dataset"]
+)
 def test_a_dataloader_resumes_by_sample_at_another_batch_size(tmp_path, generator, dataset):
     ref_ids, ref_params = _fit(8, None, generator=generator, dataset=dataset)
     _fit(8, tmp_path / "bk", crash=True, generator=generator, dataset=dataset)  # the step-6 backup: 8 samples

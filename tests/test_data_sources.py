@@ -27,9 +27,12 @@ def test_batch_size_with_a_dataloader_is_refused_before_anything_changes():
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
     model = _model()
     w0 = model.module.weight.detach().clone()
-    with pytest.raises(ValueError, match=r"`batch_size` applies to arrays and Datasets only: `x` is a "
-                                         r"DataLoader.*\(batch_size=4\), so batch_size=64 would be ignored\. "
-                                         r"Fix: drop `batch_size=`"):
+    with pytest.raises(
+        ValueError,
+        match=r"`batch_size` applies to arrays and Datasets only: `x` is a "
+        r"DataLoader.*\(batch_size=4\), so batch_size=64 would be ignored\. "
+        r"Fix: drop `batch_size=`",
+    ):
         model.fit(loader, batch_size=64, epochs=1, verbose=0)
     with pytest.raises(ValueError, match=r"`validation_batch_size` .* `validation_data` is a DataLoader"):
         model.fit(x, y, validation_data=loader, validation_batch_size=2, epochs=1, verbose=0)
@@ -40,8 +43,10 @@ def test_shuffle_false_beside_a_dataloader_that_shuffles_is_warned():
     x, y = _data()
     model = _model()
     shuffling = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
-    expected = (r"fit\(shuffle=False\) does not apply to a DataLoader.*RandomSampler.*"
-                r"Fix: build it with `DataLoader\(\.\.\., shuffle=False\)`")
+    expected = (
+        r"fit\(shuffle=False\) does not apply to a DataLoader.*RandomSampler.*"
+        r"Fix: build it with `DataLoader\(\.\.\., shuffle=False\)`"
+    )
     with pytest.warns(fitkit.FitkitWarning, match=expected):
         model.fit(shuffling, shuffle=False, epochs=1, verbose=0)
     with warnings.catch_warnings():

@@ -36,8 +36,12 @@ from fitkit.checks.declared import TABLES, Option
 from fitkit.tools import batch_size_finder, export, lr_finder
 
 N, FEATURES, CLASSES = 12, 4, 3
-for _name in ("fitkit.training.options", "fitkit.tools.lr_finder", "fitkit.tools.batch_size_finder",
-              "fitkit.tools.export"):
+for _name in (
+    "fitkit.training.options",
+    "fitkit.tools.lr_finder",
+    "fitkit.tools.batch_size_finder",
+    "fitkit.tools.export",
+):
     importlib.import_module(_name)
 
 
@@ -52,16 +56,18 @@ def _y() -> torch.Tensor:
 def _model() -> fitkit.Model:
     torch.manual_seed(0)
     model = fitkit.Model(nn.Linear(FEATURES, CLASSES), device="cpu")
-    model.compile(optimizer="adam", loss="cross_entropy",
-                  scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
+    model.compile(
+        optimizer="adam", loss="cross_entropy", scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    )
     model.train_on_batch(_x(), _y())  # optimizer state to protect
     model.scheduler.step()
     return model
 
 
 def _snapshot(model: fitkit.Model) -> Any:
-    return copy.deepcopy((model.module.state_dict(), model.optimizer.state_dict(), model.scheduler.state_dict(),
-                          model.global_step))
+    return copy.deepcopy(
+        (model.module.state_dict(), model.optimizer.state_dict(), model.scheduler.state_dict(), model.global_step)
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -174,8 +180,11 @@ def _edges(o: Option) -> list[Any]:
 
 def _strategy(o: Option) -> st.SearchStrategy | None:
     """Hypothesis draws of wrong values for ``o``'s kind (``None`` for ``"custom"``)."""
-    junk = st.one_of(st.text(max_size=4), st.lists(st.integers(), max_size=2),
-                     st.dictionaries(st.text(max_size=2), st.integers(), max_size=1))
+    junk = st.one_of(
+        st.text(max_size=4),
+        st.lists(st.integers(), max_size=2),
+        st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+    )
     if o.kind == "int":
         low = st.integers(max_value=int(o.minimum) - 1) if o.minimum is not None else st.nothing()
         high = st.integers(min_value=int(o.maximum) + 1) if o.maximum is not None else st.nothing()
@@ -197,8 +206,9 @@ def _strategy(o: Option) -> st.SearchStrategy | None:
 
 
 OPTIONS = sorted((owner, name) for owner, table in TABLES.items() for name in table)
-PAIRS = sorted((owner, name, other) for owner, table in TABLES.items() for name, o in table.items()
-               for other in o.excludes)
+PAIRS = sorted(
+    (owner, name, other) for owner, table in TABLES.items() for name, o in table.items() for other in o.excludes
+)
 DRAWS = 3  # hypothesis draws per option
 
 
@@ -211,8 +221,13 @@ def test_every_declared_option_refuses_wrong_values_before_step_1(owner, name):
         strategy = _strategy(option)
         if strategy is not None:
 
-            @settings(max_examples=DRAWS, derandomize=True, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=DRAWS,
+                derandomize=True,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(strategy)
             def fuzz(value):
                 guarded.refused({name: value})
@@ -252,17 +267,29 @@ def test_the_fuzz_covers_every_public_option():
     """Every keyword of every public entry point is declared, and the sweep is large."""
     import inspect
 
-    entry = {"Model": fitkit.Model.__init__, "Model.compile": fitkit.Model.compile, "Model.fit": fitkit.Model.fit,
-             "Model.evaluate": fitkit.Model.evaluate, "Model.predict": fitkit.Model.predict,
-             "find_lr": lr_finder.find_lr, "find_batch_size": batch_size_finder.find_batch_size,
-             "export": export.export}
-    entry |= {n: getattr(C, n).__init__ for n in C.__all__
-              if isinstance(getattr(C, n), type) and issubclass(getattr(C, n), C.Callback)
-              and getattr(C, n).__init__ is not C.Callback.__init__ and n not in ("LambdaCallback",)}
+    entry = {
+        "Model": fitkit.Model.__init__,
+        "Model.compile": fitkit.Model.compile,
+        "Model.fit": fitkit.Model.fit,
+        "Model.evaluate": fitkit.Model.evaluate,
+        "Model.predict": fitkit.Model.predict,
+        "find_lr": lr_finder.find_lr,
+        "find_batch_size": batch_size_finder.find_batch_size,
+        "export": export.export,
+    }
+    entry |= {
+        n: getattr(C, n).__init__
+        for n in C.__all__
+        if isinstance(getattr(C, n), type)
+        and issubclass(getattr(C, n), C.Callback)
+        and getattr(C, n).__init__ is not C.Callback.__init__
+        and n not in ("LambdaCallback",)
+    }
     skip = {"self", "model", "kwargs", "init_kwargs", "hooks", "console", "trial"}
-    missing = {owner: sorted(n for n in inspect.signature(f).parameters if n not in skip
-                             and n not in TABLES.get(owner, {}))
-               for owner, f in entry.items()}
+    missing = {
+        owner: sorted(n for n in inspect.signature(f).parameters if n not in skip and n not in TABLES.get(owner, {}))
+        for owner, f in entry.items()
+    }
     assert {k: v for k, v in missing.items() if v} == {}
     cases = sum(len(_edges(TABLES[o][n])) + (DRAWS if _strategy(TABLES[o][n]) is not None else 0) for o, n in OPTIONS)
     assert len(OPTIONS) >= 100 and cases + len(PAIRS) >= 500 and POINTLESS, (len(OPTIONS), cases)

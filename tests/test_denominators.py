@@ -66,8 +66,9 @@ def test_nll_with_its_own_ignore_index_counts_its_tokens():
             return torch.log_softmax(super().forward(x), -1)
 
     model = fitkit.Model(LogSoftmaxLM(), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss=nn.NLLLoss(ignore_index=7),
-                  gradient_accumulation_steps=2)  # fmt: skip
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss=nn.NLLLoss(ignore_index=7), gradient_accumulation_steps=2
+    )
     model.fit(X, Y.masked_fill(Y == -100, 7), batch_size=1, shuffle=False, verbose=0)
     assert (B0 - model.module.b.detach()).tolist() == pytest.approx(_hand_gradient(), abs=1e-6)
 
@@ -138,8 +139,9 @@ def test_a_window_whose_weights_are_all_zero_adds_nothing():
     model = fitkit.Model(Bias(), device="cpu")
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse", gradient_accumulation_steps=2)
     y = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
-    h = model.fit(torch.zeros(4, 1), y, batch_size=1, sample_weight=torch.tensor([0.0, 0.0, 1.0, 1.0]),
-                  shuffle=False, verbose=0)  # fmt: skip
+    h = model.fit(
+        torch.zeros(4, 1), y, batch_size=1, sample_weight=torch.tensor([0.0, 0.0, 1.0, 1.0]), shuffle=False, verbose=0
+    )
     # Window 1 weighs 0; window 2 at b = 0: loss (9 + 16) / 2, gradient 2 * (0 - 3.5), b = 0.7.
     assert model.module.b.item() == pytest.approx(0.7)
     assert h.history["loss"] == [12.5]
@@ -190,10 +192,13 @@ def _host_reads(fn) -> int:
 def test_token_denominators_read_nothing_back_per_step(weights):
     def fit(rows: int) -> None:
         y = Y.repeat(rows // 2, 1)
-        kw = {"rows": {"sample_weight": torch.rand(rows) + 0.5},
-              "tokens": {"sample_weight": torch.rand(rows, 4)}}.get(weights, {})  # fmt: skip
-        batches = [(X[:1].expand(2, 4), y[i : i + 2], *(
-            [kw["sample_weight"][i : i + 2]] if kw else [])) for i in range(0, rows, 2)]  # fmt: skip
+        kw = {"rows": {"sample_weight": torch.rand(rows) + 0.5}, "tokens": {"sample_weight": torch.rand(rows, 4)}}.get(
+            weights, {}
+        )
+        batches = [
+            (X[:1].expand(2, 4), y[i : i + 2], *([kw["sample_weight"][i : i + 2]] if kw else []))
+            for i in range(0, rows, 2)
+        ]
         model = fitkit.Model(BiasLM(), device="cpu")
         model.compile(optimizer="sgd", loss="cross_entropy", gradient_accumulation_steps=2)
         model.fit(batches, verbose=0)
@@ -420,9 +425,9 @@ def test_validation_inside_a_fit_on_known_targets_keeps_its_own_guard():
     # (a list) of which one ignores every target still report the loss over the batch that counts.
     x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 1, 0, 2, 1, 0])
     vy = torch.tensor([-100, -100, 1, 2])
-    seen, history, model = _classifier_fit(x, y, batch_size=4,
-                                          validation_data=[(x[:2], vy[:2]), (x[2:4], vy[2:])],
-                                          validation_interval=1)
+    seen, history, model = _classifier_fit(
+        x, y, batch_size=4, validation_data=[(x[:2], vy[:2]), (x[2:4], vy[2:])], validation_interval=1
+    )
     # the validation data's first-batch check; then each of the 2 steps and the 2 validation batches after it
     assert seen == [2, 1, 2, 2, 1, 2, 2]
     with torch.no_grad():
@@ -464,8 +469,10 @@ class _OwnTokenLoss(nn.Module):
         logits = self.linear(x)
         if num_items_in_batch is None:
             return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
-        return {"loss": nn.functional.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch,
-                "logits": logits}
+        return {
+            "loss": nn.functional.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch,
+            "logits": logits,
+        }
 
 
 def _own_token_loss_fits(labels: torch.Tensor):

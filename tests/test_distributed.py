@@ -356,7 +356,7 @@ def test_a_sum_loss_sums_over_the_ranks(job):
     opt = torch.optim.SGD(hand.parameters(), lr=0.001)
     for i in (0, 16):
         opt.zero_grad()
-        ((hand(x[i:i + 16]) - y[i:i + 16]) ** 2).sum().backward()
+        ((hand(x[i : i + 16]) - y[i : i + 16]) ** 2).sum().backward()
         opt.step()
     _assert_close(one["params"], {n: p.detach() for n, p in hand.named_parameters()}, atol=1e-5)
 

@@ -154,8 +154,9 @@ def test_each_rank_writes_its_shards_and_no_rank_gathers(job):
 def test_a_flipped_byte_in_one_ranks_shard_is_refused_on_every_rank_and_nothing_changes(job):
     r0, r1, _ = job
     for r in (r0, r1):
-        assert re.fullmatch(r"'.*ck_flip' is damaged: its file '__1_0\.distcp' does not match its manifest .*",
-                            r["flip_error"])
+        assert re.fullmatch(
+            r"'.*ck_flip' is damaged: its file '__1_0\.distcp' does not match its manifest .*", r["flip_error"]
+        )
         assert r["flip_optim_empty"]
     _equal(r0["flip_after"], r0["flip_before"])
     # net(): Linear(3, 8), Tanh, Linear(8, 1): FSDP shards dim 0 over 2 ranks
@@ -201,8 +202,11 @@ def test_a_tied_weight_is_stored_once_in_the_shards_and_loads_tied(job, tmp_path
     for r in (r0, r1):
         assert r["tied"]["tied"]
         _equal(r["tied"]["loaded"], r["tied"]["saved"])
-    weights = torch.load(tmp_path / "w.pt", weights_only=True) if consolidate_weights(
-        out / "ck_tied", tmp_path / "w.pt") else {}  # fmt: skip
+    weights = (
+        torch.load(tmp_path / "w.pt", weights_only=True)
+        if consolidate_weights(out / "ck_tied", tmp_path / "w.pt")
+        else {}
+    )
     assert weights["lm_head.weight"].data_ptr() == weights["embed.wte.weight"].data_ptr()  # one storage in the file
     assert torch.equal(weights["embed.wte.weight"], r0["tied"]["saved"]["embed.wte.weight"])
 
@@ -225,8 +229,10 @@ def test_a_tied_weight_on_one_process_is_stored_once_and_loads_tied(tmp_path):
     for k, v in g.module.state_dict().items():
         assert torch.equal(fresh.module.state_dict()[k], v), k
     # the optimizer state of the one parameter came back too
-    assert torch.equal(fresh.optimizer.state[fresh.module.lm_head.weight]["exp_avg"],
-                       g.optimizer.state[g.module.lm_head.weight]["exp_avg"])
+    assert torch.equal(
+        fresh.optimizer.state[fresh.module.lm_head.weight]["exp_avg"],
+        g.optimizer.state[g.module.lm_head.weight]["exp_avg"],
+    )
 
 
 @_torchrun_test
@@ -254,8 +260,9 @@ def test_sigkill_during_an_async_backup_resumes_from_the_previous_one(job):
     ref.fit(x, y, batch_size=8, epochs=3, shuffle=True, verbose=0)
     resumed = _plain()
     with pytest.warns(fitkit.checks.FitkitWarning, match="which is no longer running"):  # the killed job's lock
-        resumed.fit(x, y, batch_size=8, epochs=3, shuffle=True, verbose=0,
-                    callbacks=[fitkit.callbacks.BackupAndRestore(bk)])  # fmt: skip
+        resumed.fit(
+            x, y, batch_size=8, epochs=3, shuffle=True, verbose=0, callbacks=[fitkit.callbacks.BackupAndRestore(bk)]
+        )
     for a, b in zip(resumed.module.parameters(), ref.module.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
@@ -294,8 +301,11 @@ def test_a_folder_of_another_model_is_refused_before_anything_is_read(tmp_path):
     other = fitkit.Model(narrow, device="cpu")
     other.compile(optimizer="sgd", loss="mse")
     before = [p.detach().clone() for p in other.module.parameters()]
-    with pytest.raises(ValueError, match=r"(?s)'0.weight': shape \(8, 3\) in the file, \(4, 3\) in the module.*"
-                       r"optimizer: Adam in the file, SGD in the model"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)'0.weight': shape \(8, 3\) in the file, \(4, 3\) in the module.*"
+        r"optimizer: Adam in the file, SGD in the model",
+    ):
         other.load_checkpoint(tmp_path / "ck")
     assert all(torch.equal(a, b) for a, b in zip(before, other.module.parameters(), strict=True))
 
@@ -306,8 +316,9 @@ def test_a_damaged_sharded_backup_falls_back_to_the_previous_one(tmp_path):
     (tmp_path / "backup.pt" / ".metadata").write_bytes(b"garbage")
     resumed = _plain()
     with pytest.warns(fitkit.checks.FitkitWarning, match="is damaged, so training resumes from the previous backup"):
-        history = resumed.fit(*data(16)[:2], batch_size=4, epochs=2, verbose=0,
-                              callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)])  # fmt: skip
+        history = resumed.fit(
+            *data(16)[:2], batch_size=4, epochs=2, verbose=0, callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)]
+        )
     assert history.epoch == [0, 1] and resumed.global_step == 8
 
 
@@ -369,8 +380,13 @@ def test_a_crafted_metadata_is_refused_before_it_runs(tmp_path, nested):
     with pytest.raises(RefusedCheckpointError, match=refused):
         consolidate_weights(tmp_path / "bk" / "backup.pt", tmp_path / "w.pt")
     with pytest.raises(RefusedCheckpointError, match=refused):  # no previous backup to fall back to
-        fresh.fit(*data(16)[:2], batch_size=4, epochs=1, verbose=0,
-                  callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path / "bk")])  # fmt: skip
+        fresh.fit(
+            *data(16)[:2],
+            batch_size=4,
+            epochs=1,
+            verbose=0,
+            callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path / "bk")],
+        )
     assert not marker.exists()
     assert not (tmp_path / "w.pt").exists()
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.module.parameters(), strict=True))
@@ -388,10 +404,14 @@ def test_a_crafted_metadata_over_the_newest_backup_falls_back_to_the_previous_on
     _trained_folder(tmp_path / "backup.pt")
     _craft_metadata(tmp_path / "backup.pt", marker, nested=True)
     resumed = _plain()
-    with pytest.warns(fitkit.checks.FitkitWarning, match=r"(?s)is damaged, so training resumes from the previous.*"
-                      r"Refused to load"):  # fmt: skip
-        history = resumed.fit(*data(16)[:2], batch_size=4, epochs=2, verbose=0,
-                              callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)])  # fmt: skip
+    with pytest.warns(
+        fitkit.checks.FitkitWarning,
+        match=r"(?s)is damaged, so training resumes from the previous.*"
+        r"Refused to load",
+    ):
+        history = resumed.fit(
+            *data(16)[:2], batch_size=4, epochs=2, verbose=0, callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)]
+        )
     assert history.epoch == [0, 1] and resumed.global_step == 8  # as for any damage of the newest
     assert not marker.exists()
 
@@ -414,8 +434,9 @@ def test_a_pickled_item_in_a_shard_is_refused_before_it_runs(tmp_path):
     buf = io.BytesIO()
     torch.save(_WritesMarker(marker), buf)
     (folder / "__0_9.distcp").write_bytes(buf.getvalue())
-    meta.storage_data[index] = dataclasses.replace(meta.storage_data[index], relative_path="__0_9.distcp",
-                                                   offset=0, length=len(buf.getvalue()))  # fmt: skip
+    meta.storage_data[index] = dataclasses.replace(
+        meta.storage_data[index], relative_path="__0_9.distcp", offset=0, length=len(buf.getvalue())
+    )
     (folder / ".metadata").write_bytes(pickle.dumps(meta))  # an index of DCP's own classes only
     write_manifest(folder)  # who can write the folder can rewrite its digests: the refusal still holds
     fresh = _plain()
@@ -459,8 +480,9 @@ def test_a_shard_torch_cannot_read_gives_a_checkpoint_error_and_a_backup_falls_b
         consolidate_weights(tmp_path / "backup.pt", tmp_path / "w.pt")
     assert not (tmp_path / "w.pt").exists()
     with pytest.warns(fitkit.checks.FitkitWarning, match="is damaged, so training resumes from the previous backup"):
-        history = fresh.fit(*data(16)[:2], batch_size=4, epochs=2, verbose=0,
-                            callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)])  # fmt: skip
+        history = fresh.fit(
+            *data(16)[:2], batch_size=4, epochs=2, verbose=0, callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)]
+        )
     assert history.epoch == [0, 1] and fresh.global_step == 8
 
 

@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def test_an_exception_on_rank_1_ends_the_job_with_its_error(tmp_path):
     # The subprocess timeout is a hang guard, not a timing assertion: before the fix rank 1 waited
     # in the exit barrier while rank 0 waited in DDP's all-reduce, for the group's 30 minutes.
-    proc = run_torchrun("""
+    proc = run_torchrun(
+        """
 import torch, fitkit
 from fitkit.distributed import rank
 from _dist_scenarios import data, net
@@ -24,7 +25,11 @@ class Boom(fitkit.callbacks.Callback):
         if rank() == 1 and self.model.global_step == 2:
             raise RuntimeError("rank 1 failed at step 2 on purpose")
 model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[Boom()])
-""", tmp_path, check=False, timeout=120)
+""",
+        tmp_path,
+        check=False,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "rank 1 failed at step 2 on purpose" in proc.stderr
     # a survivor whose collective broke names rank 1 as failed, not as hung or slow

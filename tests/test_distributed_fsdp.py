@@ -271,8 +271,11 @@ def _torchrun_test(f):
 
 
 def _equal(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) if isinstance(a, dict) else \
-        len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b, strict=True))  # fmt: skip
+    return (
+        a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        if isinstance(a, dict)
+        else len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    )
 
 
 @_torchrun_test
@@ -437,8 +440,9 @@ def test_one_process_trains_the_fsdp_object_as_the_string():
         model.fit(torch.ones(8, 2), torch.arange(8.0).unsqueeze(1), batch_size=4, epochs=2, verbose=0)
         return [p.detach() for p in model.module.parameters()]
 
-    assert _equal(run(FSDP(wrap=[nn.Linear], mixed_precision=torch.bfloat16, activation_checkpointing=True)),
-                  run("fsdp"))  # fmt: skip
+    assert _equal(
+        run(FSDP(wrap=[nn.Linear], mixed_precision=torch.bfloat16, activation_checkpointing=True)), run("fsdp")
+    )
 
 
 def test_fsdp_options_are_checked_at_construction():

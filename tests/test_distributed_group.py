@@ -39,9 +39,9 @@ def test_a_hanging_rank_ends_the_job_with_the_timeout_in_torchruns_summary(tmp_p
     assert (tmp_path / "hung").exists()
     # rank 1 left by its own SystemExit(143) on torchrun's SIGTERM, not by the SIGKILL (-9) that
     # follows it after 30 s
-    failures = proc.stderr[proc.stderr.index("Failures:"):proc.stderr.index("Root Cause")]
+    failures = proc.stderr[proc.stderr.index("Failures:") : proc.stderr.index("Root Cause")]
     assert "rank      : 1" in failures and "exitcode  : 143" in failures
-    summary = proc.stderr[proc.stderr.index("Root Cause (first observed failure)"):]
+    summary = proc.stderr[proc.stderr.index("Root Cause (first observed failure)") :]
     assert "rank      : 0" in summary and "error_file: <N/A>" not in summary
     assert "Timed out waiting 1000ms" in summary  # gloo's message, with rank 0's traceback:
     assert "in run_epoch" in summary and "model.fit(x, y" in summary
@@ -77,14 +77,23 @@ model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[Hang(), backup])
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize(("case", "line"), [
-    # 5 steps an epoch: rank 0 waits in the epoch end's metric sync (was: the same place as rank 1)
-    ("last_batch", "fitkit: rank(s) 1 behind rank 0, which was epoch 0, at its end (its metrics): hung or slow "
-                   "there. Where each rank was: rank 0: epoch 0, at its end (its metrics) for "),
-    # the backup after step 2: rank 1 goes on to step 3's all-reduce
-    ("checkpoint", "fitkit: rank(s) 0 behind rank 1, which was epoch 0, in batch 3: hung or slow there. Where "
-                   "each rank was: rank 0: epoch 0, after batch 2 (in its callbacks), writing a checkpoint for "),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("case", "line"),
+    [
+        # 5 steps an epoch: rank 0 waits in the epoch end's metric sync (was: the same place as rank 1)
+        (
+            "last_batch",
+            "fitkit: rank(s) 1 behind rank 0, which was epoch 0, at its end (its metrics): hung or slow "
+            "there. Where each rank was: rank 0: epoch 0, at its end (its metrics) for ",
+        ),
+        # the backup after step 2: rank 1 goes on to step 3's all-reduce
+        (
+            "checkpoint",
+            "fitkit: rank(s) 0 behind rank 1, which was epoch 0, in batch 3: hung or slow there. Where "
+            "each rank was: rank 0: epoch 0, after batch 2 (in its callbacks), writing a checkpoint for ",
+        ),
+    ],
+)
 def test_a_hang_names_the_rank_and_its_phase(tmp_path, case, line):
     proc = run_torchrun(f"CASE = {case!r}\n" + PHASE_HANG, tmp_path, check=False, timeout=150)
     assert proc.returncode != 0
@@ -125,17 +134,20 @@ def test_srun_without_torchrun_is_refused_at_model(monkeypatch):
         fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
 
 
-@pytest.mark.parametrize(("env", "tasks"), [
-    ({"SLURM_STEP_NUM_TASKS": "4"}, 4),  # srun
-    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}, 4),  # a step that sets the job's names only
-    ({"SLURM_STEPID": "3", "SLURM_NPROCS": "4"}, 4),  # older srun: the old names
-    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "", "SLURM_NPROCS": "3"}, 3),  # the first one set counts
-    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "8"}, 2),  # the step's own count first
-    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "8"}, 1),  # srun -n 1 in a job of 8 tasks
-    ({"SLURM_NTASKS": "4", "SLURM_NPROCS": "4"}, 1),  # the batch script itself: no step variable
-    ({"SLURM_STEP_ID": "0"}, 1),  # a step with no count: one task
-    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "many"}, 1),  # not a number: not ours to judge
-])
+@pytest.mark.parametrize(
+    ("env", "tasks"),
+    [
+        ({"SLURM_STEP_NUM_TASKS": "4"}, 4),  # srun
+        ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}, 4),  # a step that sets the job's names only
+        ({"SLURM_STEPID": "3", "SLURM_NPROCS": "4"}, 4),  # older srun: the old names
+        ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "", "SLURM_NPROCS": "3"}, 3),  # the first one set counts
+        ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "8"}, 2),  # the step's own count first
+        ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "8"}, 1),  # srun -n 1 in a job of 8 tasks
+        ({"SLURM_NTASKS": "4", "SLURM_NPROCS": "4"}, 1),  # the batch script itself: no step variable
+        ({"SLURM_STEP_ID": "0"}, 1),  # a step with no count: one task
+        ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "many"}, 1),  # not a number: not ours to judge
+    ],
+)
 def test_srun_detection_reads_every_variable_slurm_sets_for_a_step(env, tasks):
     from fitkit.distributed.group import check_not_bare_srun
 
@@ -165,8 +177,12 @@ def test_where_ranks_were_names_the_ranks_behind(monkeypatch):
             return self.data[key].encode()
 
     now = 1000.0
-    store = Store({f"fitkit/progress/{r}": _json.dumps({"place": place, "since": now - age})
-                   for r, place, age in ((0, [1, 4, 4], 2.0), (1, [1, 4, 5], 2.5), (2, [1, 3, 4], 9.0))})
+    store = Store(
+        {
+            f"fitkit/progress/{r}": _json.dumps({"place": place, "since": now - age})
+            for r, place, age in ((0, [1, 4, 4], 2.0), (1, [1, 4, 5], 2.5), (2, [1, 3, 4], 9.0))
+        }
+    )
     monkeypatch.setattr(progress, "_store", lambda: store)
     monkeypatch.setattr(progress.time, "time", lambda: now)
     monkeypatch.setattr(progress.dist, "get_world_size", lambda: 3)
@@ -207,16 +223,25 @@ def _where(monkeypatch, places, failed=None, me=0):
     return progress.where_ranks_were(me=me)
 
 
-@pytest.mark.parametrize(("hung", "waiting", "said"), [
-    # the last batch's callbacks, while rank 0 syncs the epoch's metrics (was: the same place)
-    ([0, 5, 6, 0, None], [0, 5, 6, 2, None], "epoch 0, after batch 6 (in its callbacks)"),
-    ([0, 5, 6, 2, None], [0, 5, 6, 3, None], "epoch 0, at its end (its metrics)"),  # the epoch end
-    ([0, 5, 6, 3, None], [0, 5, 6, 4, None], "epoch 0, in its validation"),  # validation
-    ([0, 2, 3, 0, "writing a checkpoint"], [0, 3, 3, 0, None],  # a checkpoint write in a batch's callbacks
-     "epoch 0, after batch 3 (in its callbacks), writing a checkpoint"),
-    ([1, 5, 6, 4, "writing a checkpoint"], [2, -1, 0, 0, None],
-     "epoch 1, in its epoch-end callbacks, writing a checkpoint"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("hung", "waiting", "said"),
+    [
+        # the last batch's callbacks, while rank 0 syncs the epoch's metrics (was: the same place)
+        ([0, 5, 6, 0, None], [0, 5, 6, 2, None], "epoch 0, after batch 6 (in its callbacks)"),
+        ([0, 5, 6, 2, None], [0, 5, 6, 3, None], "epoch 0, at its end (its metrics)"),  # the epoch end
+        ([0, 5, 6, 3, None], [0, 5, 6, 4, None], "epoch 0, in its validation"),  # validation
+        (
+            [0, 2, 3, 0, "writing a checkpoint"],
+            [0, 3, 3, 0, None],  # a checkpoint write in a batch's callbacks
+            "epoch 0, after batch 3 (in its callbacks), writing a checkpoint",
+        ),
+        (
+            [1, 5, 6, 4, "writing a checkpoint"],
+            [2, -1, 0, 0, None],
+            "epoch 1, in its epoch-end callbacks, writing a checkpoint",
+        ),
+    ],
+)
 def test_a_hang_is_named_with_its_rank_and_phase(monkeypatch, hung, waiting, said):
     line = _where(monkeypatch, [waiting, hung])
     assert line.startswith(f"fitkit: rank(s) 1 behind rank 0, which was {_describe(waiting)}: hung or slow there. ")
@@ -231,8 +256,11 @@ def _describe(place):
 
 def test_after_an_exception_the_survivors_name_the_failed_rank_as_failed(monkeypatch):
     # rank 1 raised in batch 3; rank 0, whose collective then broke, was in batch 4's step
-    line = _where(monkeypatch, [[0, 3, 3, 0, None], [0, 2, 2, 0, None], [0, 1, 2, 0, None]],
-                  failed={"rank": 1, "error": "RuntimeError"})  # fmt: skip
+    line = _where(
+        monkeypatch,
+        [[0, 3, 3, 0, None], [0, 2, 2, 0, None], [0, 1, 2, 0, None]],
+        failed={"rank": 1, "error": "RuntimeError"},
+    )
     assert line == (
         "fitkit: rank 1 failed (RuntimeError) at epoch 0, in batch 3; rank 0 stopped because of it. rank(s) 2 "
         "behind rank 0, which was epoch 0, in batch 4: hung or slow there. Where each rank was: rank 0: epoch 0, "

@@ -62,11 +62,16 @@ def _operator_env(job: dict, replica: str, index: int, port: int) -> dict[str, s
     nproc = spec["nprocPerNode"]
     return {
         "PYTHONUNBUFFERED": "1",
-        "MASTER_ADDR": "127.0.0.1", "PET_MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port), "PET_MASTER_PORT": str(port),
-        "WORLD_SIZE": str(replicas * int(nproc)), "RANK": str(node), "PET_NODE_RANK": str(node),
-        "PET_NNODES": str(replicas), "PET_NPROC_PER_NODE": nproc,
-    }  # fmt: skip
+        "MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PET_MASTER_PORT": str(port),
+        "WORLD_SIZE": str(replicas * int(nproc)),
+        "RANK": str(node),
+        "PET_NODE_RANK": str(node),
+        "PET_NNODES": str(replicas),
+        "PET_NPROC_PER_NODE": nproc,
+    }
 
 
 def _container(job: dict, replica: str) -> dict:
@@ -81,13 +86,20 @@ def _start_pods(job: dict, folder: Path, port: int) -> dict[str, subprocess.Pope
     for replica, spec in job["spec"]["pytorchReplicaSpecs"].items():
         container = _container(job, replica)
         for index in range(spec.get("replicas", 1)):
-            env = job_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-                          **{e["name"]: str(e["value"]) for e in container.get("env", [])},
-                          **_operator_env(job, replica, index, port))  # fmt: skip
+            env = job_env(
+                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                **{e["name"]: str(e["value"]) for e in container.get("env", [])},
+                **_operator_env(job, replica, index, port),
+            )
             pods[f"{replica}-{index}"] = subprocess.Popen(
-                [*container["command"], *container.get("args", [])], cwd=folder, env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            )  # fmt: skip
+                [*container["command"], *container.get("args", [])],
+                cwd=folder,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
     return pods
 
 
@@ -134,8 +146,11 @@ def test_the_tutorials_pytorchjob_stops_with_a_backup_within_the_grace_period_an
 
     pods = _start_pods(job, tmp_path, port)
     try:
-        wait_at_step_3(tmp_path, lambda: all(p.poll() is None for p in pods.values()),
-                       lambda: (_kill(pods), _wait_all(pods, 30, "a pod ended"))[1][-3000:])  # fmt: skip
+        wait_at_step_3(
+            tmp_path,
+            lambda: all(p.poll() is None for p in pods.values()),
+            lambda: (_kill(pods), _wait_all(pods, 30, "a pod ended"))[1][-3000:],
+        )
         for pod in pods.values():  # the kubelet stops each container: SIGTERM to its main process
             os.kill(pod.pid, signal.SIGTERM)
         (tmp_path / "go").touch()

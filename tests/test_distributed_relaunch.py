@@ -15,20 +15,31 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = EPOCHS * ROWS // 8  # 6 steps an epoch
 #: where each case stops: the optimizer steps done (and the first step of its relaunch)
-STOPPED_AT = {"ddp_mid_epoch": 3, "ddp_after_last_step": 6, "ddp_epoch_end": 6, "ddp_validation_term": 6,
-              "ddp_term_last_step": 6, "fsdp_term_mid_epoch": 3, "fsdp_after_last_step": 6,
-              "fsdp_term_last_step": 6}  # fmt: skip
+STOPPED_AT = {
+    "ddp_mid_epoch": 3,
+    "ddp_after_last_step": 6,
+    "ddp_epoch_end": 6,
+    "ddp_validation_term": 6,
+    "ddp_term_last_step": 6,
+    "fsdp_term_mid_epoch": 3,
+    "fsdp_after_last_step": 6,
+    "fsdp_term_last_step": 6,
+}
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("relaunch")
-    run_torchrun("""
+    run_torchrun(
+        """
 import torch, _relaunch
 from fitkit.distributed import rank
 torch.save(_relaunch.run_all(OUT), OUT / f"rank{rank()}.pt")
 torch.distributed.barrier()
-""", out, timeout=400)
+""",
+        out,
+        timeout=400,
+    )
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 

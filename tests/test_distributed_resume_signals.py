@@ -36,14 +36,18 @@ def _one_process(callbacks=()):
 
 
 def test_a_mid_epoch_backup_from_2_ranks_resumes_exactly_on_1(tmp_path):
-    run_torchrun(SETUP + """
+    run_torchrun(
+        SETUP
+        + """
 class Stop(fitkit.callbacks.Callback):  # ends the run as a crash would, after the last backup
     def on_train_batch_end(self, batch, logs=None):
         if self.model.epoch == 1 and batch == 3:
             self.model.stop_training = True
 model.fit(x, y, sample_weight=w, batch_size=4, epochs=3, shuffle=True, verbose=0,
           callbacks=[fitkit.callbacks.BackupAndRestore(OUT / "bk", save_freq=2, delete_checkpoint=False), Stop()])
-""", tmp_path)
+""",
+        tmp_path,
+    )
     state = torch.load(tmp_path / "bk" / "backup.pt", weights_only=True)
     assert (state["epoch"], state["step_in_epoch"], state["samples_in_epoch"]) == (1, 3, 24)  # 3 global batches of 8
     ref, ref_h = _one_process()
@@ -55,7 +59,9 @@ model.fit(x, y, sample_weight=w, batch_size=4, epochs=3, shuffle=True, verbose=0
 
 
 def test_a_sigterm_to_one_rank_or_twice_to_every_rank_stops_both_at_one_step_with_one_backup(tmp_path):
-    run_torchrun(SETUP + """
+    run_torchrun(
+        SETUP
+        + """
 class Term(fitkit.callbacks.Callback):
     def __init__(self, every_rank):
         super().__init__()
@@ -92,7 +98,10 @@ model.fit(x, y, batch_size=2, epochs=5, verbose=0, callbacks=[fitkit.callbacks.B
 out = {"backup": stopped_at, "first": begun[0], "steps": model.global_step}
 json.dump(out, open(OUT / f"relaunch{rank()}.json", "w"))
 torch.distributed.barrier()
-""", tmp_path, check=False)
+""",
+        tmp_path,
+        check=False,
+    )
     for name, step in (("steps", 9), ("time", 3), ("all", 3)):
         # steps: agreements after step 1, then every 8 steps (1, 9, ...); time: after every step
         r0, r1 = (json.loads((tmp_path / f"{name}{r}.json").read_text()) for r in (0, 1))
@@ -107,7 +116,9 @@ def test_a_restarted_job_resumes_from_the_latest_backup(tmp_path):
     """torchrun --max-restarts=1 (static rendezvous: --master_addr / --master_port): rank 1 is
     SIGKILLed at step 7 of the first attempt; the second attempt resumes from the sharded
     backup of step 6 and ends with the weights of an uninterrupted run."""
-    run_torchrun(SETUP.replace('device="cpu")', 'device="cpu", strategy="fsdp")') + """
+    run_torchrun(
+        SETUP.replace('device="cpu")', 'device="cpu", strategy="fsdp")')
+        + """
 from _dist_scenarios import full_params
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 class Kill(fitkit.callbacks.Callback):
@@ -117,7 +128,11 @@ class Kill(fitkit.callbacks.Callback):
 model.fit(x, y, sample_weight=w, batch_size=4, epochs=3, shuffle=True, verbose=0,
           callbacks=[fitkit.callbacks.BackupAndRestore(OUT / "bk", save_freq=2), Kill()])
 torch.save({"attempt": attempt, "params": full_params(model), "step": model.global_step}, OUT / f"r{rank()}.pt")
-""", tmp_path, args=("--max-restarts=1",), timeout=180)
+""",
+        tmp_path,
+        args=("--max-restarts=1",),
+        timeout=180,
+    )
     r0, r1 = (torch.load(tmp_path / f"r{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["attempt"] == r1["attempt"] == 1 and r0["step"] == r1["step"] == 15
     ref, _ = _one_process()

@@ -28,7 +28,7 @@ def _batch_script(port: int) -> str:
     block = re.search(r"\.\. code-block:: bash\n\n((?:   .*\n|\n)*?   #!/bin/bash\n(?:   .*\n)+)", text)
     assert block is not None, "the tutorial's SLURM script is gone"
     script = "\n".join(line[3:] for line in block.group(1).splitlines() if line.startswith("   "))
-    script = script[script.index("#!/bin/bash"):]
+    script = script[script.index("#!/bin/bash") :]
     assert "--nproc_per_node=8" in script and ":29500" in script and "train.py" in script
     lead = int(re.search(r"--signal=TERM@(\d+)", script)[1])  # torchrun's wait for its workers fits in the lead
     assert int(re.search(r"^export PET_SHUTDOWN_TIMEOUT=(\d+)", script, flags=re.M)[1]) < lead == 120
@@ -39,9 +39,9 @@ def _stand_ins(folder: Path) -> Path:
     """``srun`` (one node, one task: it runs its command) and ``scontrol show hostnames``."""
     bin_dir = folder / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text("#!/bin/bash\nexec \"$@\"\n")
+    (bin_dir / "srun").write_text('#!/bin/bash\nexec "$@"\n')
     (bin_dir / "scontrol").write_text(
-        "#!/bin/bash\nif [ \"$1 $2\" = 'show hostnames' ]; then echo \"$3\"; else exit 1; fi\n"
+        '#!/bin/bash\nif [ "$1 $2" = \'show hostnames\' ]; then echo "$3"; else exit 1; fi\n'
     )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -70,11 +70,18 @@ def _descendants(pid: int) -> list[int]:
 def test_the_tutorials_slurm_requeue_recipe_stops_with_a_backup_and_the_requeued_job_redoes_no_step(tmp_path):
     write_train(tmp_path)
     (tmp_path / "job.sh").write_text(_batch_script(free_port()))
-    env = job_env(PATH=f"{_stand_ins(tmp_path)}{os.pathsep}{os.environ['PATH']}",
-                  SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="127.0.0.1", SLURM_NNODES="1", SLURM_NODEID="0",
-                  SLURM_NTASKS="1", SLURM_STEP_NUM_TASKS="1")  # fmt: skip
-    job = subprocess.Popen(["bash", "job.sh"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    env = job_env(
+        PATH=f"{_stand_ins(tmp_path)}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="127.0.0.1",
+        SLURM_NNODES="1",
+        SLURM_NODEID="0",
+        SLURM_NTASKS="1",
+        SLURM_STEP_NUM_TASKS="1",
+    )
+    job = subprocess.Popen(
+        ["bash", "job.sh"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         wait_at_step_3(tmp_path, lambda: job.poll() is None, lambda: job.communicate(timeout=30)[0][-3000:])
         for pid in _descendants(job.pid):  # --signal=TERM: every process of the step, not the batch shell

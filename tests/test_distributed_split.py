@@ -170,8 +170,13 @@ def _one_process(backup=None, stop_after=None):
     if backup is not None:
         callbacks.append(fitkit.callbacks.BackupAndRestore(backup, save_freq=4, delete_checkpoint=False))
     if stop_after is not None:
-        callbacks.append(fitkit.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: (
-            model.epoch == 1 and b == stop_after - 1 and setattr(model, "stop_training", True))))
+        callbacks.append(
+            fitkit.callbacks.LambdaCallback(
+                on_train_batch_end=lambda b, logs: (
+                    model.epoch == 1 and b == stop_after - 1 and setattr(model, "stop_training", True)
+                )
+            )
+        )
     model.fit(x, y, batch_size=8, epochs=3, shuffle=True, verbose=0, callbacks=callbacks)
     return rec.seen, [p.detach().clone() for p in rec.net.parameters()]
 
@@ -327,8 +332,9 @@ def test_a_mid_epoch_backup_of_one_process_resumes_by_sample_on_two(job, per_ran
 
 
 @_torchrun_test
-@pytest.mark.parametrize("case", ["2to4_tensors", "2to4_loader", "4to2_tensors", "4to2_loader",
-                                  "2to1_tensors", "2to1_loader", "1to2_loader"])  # fmt: skip
+@pytest.mark.parametrize(
+    "case", ["2to4_tensors", "2to4_loader", "4to2_tensors", "4to2_loader", "2to1_tensors", "2to1_loader", "1to2_loader"]
+)
 def test_a_mid_epoch_backup_resumes_by_sample_at_another_world_size(matrix, case):
     """A crash at step 7 after the step-6 backup (8 samples into epoch 1), resumed at another world
     size with the same global batch of 8: the resumed epoch trains each of the other 29 samples
@@ -358,7 +364,8 @@ def test_a_backup_inside_a_pass_carried_over_across_epochs_resumes_it_on_two_ran
     assert [len(ids) for ids in ref["ids"]] == [16, 16, 5]
     resumed = [r[f"spe_{kind}"] for r in job]
     assert [sorted(resumed[0]["ids"][e] + resumed[1]["ids"][e]) for e in range(2)] == [
-        sorted(ref["ids"][1][8:]), sorted(ref["ids"][2])
+        sorted(ref["ids"][1][8:]),
+        sorted(ref["ids"][2]),
     ]
     assert len(resumed[0]["ids"]) == 2
     for a, b in zip(resumed[0]["params"], ref["params"], strict=True):

@@ -25,8 +25,13 @@ from urllib.parse import unquote, urldefrag
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = sorted(p for p in DOCS.rglob("*.rst") if "_build" not in p.parts and "gallery" not in p.parts
-               and p.name not in ("GALLERY_HEADER.rst", "sg_execution_times.rst"))
+PAGES = sorted(
+    p
+    for p in DOCS.rglob("*.rst")
+    if "_build" not in p.parts
+    and "gallery" not in p.parts
+    and p.name not in ("GALLERY_HEADER.rst", "sg_execution_times.rst")
+)
 # The executed tutorials: sphinx-gallery scripts, run by the html build (generated into gallery/).
 SCRIPTS = sorted((DOCS / "tutorials").glob("[0-9][0-9]_*.py"))
 
@@ -34,9 +39,18 @@ pytestmark = pytest.mark.skipif(not DOCS.is_dir(), reason="no docs/ next to the 
 
 
 # Public modules with a reference page in docs/api/ (the page is named after the last part).
-REFERENCE = ("fitkit.callbacks", "fitkit.layers", "fitkit.data", "fitkit.text",
-             "fitkit.losses", "fitkit.metrics", "fitkit.devices", "fitkit.distributed",
-             "fitkit.files", "fitkit.tools.export")
+REFERENCE = (
+    "fitkit.callbacks",
+    "fitkit.layers",
+    "fitkit.data",
+    "fitkit.text",
+    "fitkit.losses",
+    "fitkit.metrics",
+    "fitkit.devices",
+    "fitkit.distributed",
+    "fitkit.files",
+    "fitkit.tools.export",
+)
 
 
 def _public_callables(module_name: str) -> list[str]:
@@ -45,9 +59,11 @@ def _public_callables(module_name: str) -> list[str]:
     names = []
     for name in getattr(module, "__all__", []):
         obj = getattr(module, name)
-        if (inspect.isclass(obj) or inspect.isfunction(obj)) and \
-                obj.__module__.startswith("fitkit") and \
-                not (module_name == "fitkit.data" and obj.__module__ == "fitkit.text"):
+        if (
+            (inspect.isclass(obj) or inspect.isfunction(obj))
+            and obj.__module__.startswith("fitkit")
+            and not (module_name == "fitkit.data" and obj.__module__ == "fitkit.text")
+        ):
             names.append(name)  # fitkit.data re-exports the text helpers, documented there
     return names
 
@@ -58,11 +74,23 @@ def _sphinx(builder: str, out: Path) -> subprocess.CompletedProcess:
     pytest.importorskip("furo")
     env = dict(os.environ, FITKIT_DEVICE="cpu", PYTHONHASHSEED="0", COLUMNS="100")
     # -E: read every source again; -q: only warnings and errors on stderr.
-    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", builder,
-           "-d", str(out / "doctrees"), str(DOCS), str(out / builder)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-E",
+        "-q",
+        "-b",
+        builder,
+        "-d",
+        str(out / "doctrees"),
+        str(DOCS),
+        str(out / builder),
+    ]
     # From the repository root, as a user runs sphinx-build.
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900,
-                          cwd=DOCS.parent)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=DOCS.parent)
 
 
 @pytest.mark.slow
@@ -74,14 +102,19 @@ def test_html_builds_without_warnings(tmp_path):
     # The site renders offline: no page loads a script or stylesheet from the network
     # (e.g. MathJax from a CDN, which `:math:` would pull in).
     for page in (tmp_path / "html").rglob("*.html"):
-        remote = re.findall(r'<(?:script|link)[^>]*(?:src|href)="https?://[^"]*"',
-                            page.read_text(encoding="utf-8"))
+        remote = re.findall(r'<(?:script|link)[^>]*(?:src|href)="https?://[^"]*"', page.read_text(encoding="utf-8"))
         assert not remote, (page.name, remote)
     # The reference is generated from the code: the Model's methods must be on the page...
     api = (tmp_path / "html" / "api" / "fitkit.html").read_text(encoding="utf-8")
-    for name in ("fitkit.Model.compile", "fitkit.Model.fit", "fitkit.Model.evaluate",
-                 "fitkit.Model.predict", "fitkit.Model.summary", "fitkit.Model.train_step",
-                 "fitkit.Model.save_checkpoint"):
+    for name in (
+        "fitkit.Model.compile",
+        "fitkit.Model.fit",
+        "fitkit.Model.evaluate",
+        "fitkit.Model.predict",
+        "fitkit.Model.summary",
+        "fitkit.Model.train_step",
+        "fitkit.Model.save_checkpoint",
+    ):
         assert f'id="{name}"' in api, name
     # The page opens with the Model's verbs, in the order a user calls them.
     members = re.findall(r'id="fitkit\.Model\.([A-Za-z_]+)"', api)
@@ -89,7 +122,7 @@ def test_html_builds_without_warnings(tmp_path):
     # One sidebar entry per page: the executed tutorials are listed once, under "Tutorials".
     index = (tmp_path / "html" / "index.html").read_text(encoding="utf-8")
     start = index.index('class="sidebar-tree"')
-    sidebar = index[start:index.index("<article", start)]
+    sidebar = index[start : index.index("<article", start)]
     assert sidebar.count('href="gallery/01_loop_to_fit.html"') == 1
     assert "Executed tutorials" not in sidebar
     # Test asserts run but stay out of the rendered code (sphinx-gallery's ignore markers).
@@ -99,8 +132,7 @@ def test_html_builds_without_warnings(tmp_path):
     # ... and every public class and function of every module on its module's page.
     missing = []
     for module in REFERENCE:
-        page = (tmp_path / "html" / "api" / f"{module.split('.')[-1]}.html").read_text(
-            encoding="utf-8")
+        page = (tmp_path / "html" / "api" / f"{module.split('.')[-1]}.html").read_text(encoding="utf-8")
         for name in _public_callables(module):
             if f'id="{module}.{name}"' not in page:
                 missing.append(f"{module}.{name}")
@@ -138,10 +170,13 @@ def test_the_link_check_finds_a_missing_page_and_a_missing_anchor(tmp_path):
     (tmp_path / "api").mkdir()
     (tmp_path / "index.html").write_text(
         '<a href="api/a.html#f">ok</a><a href="api/a.html#g">no anchor</a><a href="b.html">no page</a>'
-        '<a href="#top">here</a><a href="https://example.org/x.html#y">external</a><p id="top"></p>')
+        '<a href="#top">here</a><a href="https://example.org/x.html#y">external</a><p id="top"></p>'
+    )
     (tmp_path / "api" / "a.html").write_text('<dt id="f"></dt><a href="../index.html#top">back</a>')
-    assert broken_internal_links(tmp_path) == ["index.html: api/a.html#g (no such anchor)",
-                                               "index.html: b.html (no such file)"]
+    assert broken_internal_links(tmp_path) == [
+        "index.html: api/a.html#g (no such anchor)",
+        "index.html: b.html (no such file)",
+    ]
 
 
 # The figures each executed tutorial must show (sphinx-gallery numbers them per script).
@@ -170,13 +205,13 @@ def _check_executed_tutorials(html: Path) -> None:
         text = page.read_text(encoding="utf-8")
         for block in [*_OUTPUT_BLOCK.findall(text), *_TESTOUTPUT_BLOCK.findall(text)]:
             elided = _ELISION.search(block.replace("&#8230;", "..."))  # "[...]" in a message is text
-            assert elided is None, (page.name, block[max(0, elided.start() - 200):elided.end() + 50])
+            assert elided is None, (page.name, block[max(0, elided.start() - 200) : elided.end() + 50])
 
 
 @pytest.mark.slow
 def test_tutorial_examples_run_and_print_what_the_pages_show(tmp_path):
     result = _sphinx("doctest", tmp_path)
-    report = (tmp_path / "doctest" / "output.txt")
+    report = tmp_path / "doctest" / "output.txt"
     text = report.read_text(encoding="utf-8") if report.is_file() else ""
     assert result.returncode == 0, text[-8000:] + result.stderr[-4000:]
     ran = sum(int(n) for n in re.findall(r"^\s*(\d+) tests$", text, flags=re.M)[-1:])
@@ -211,7 +246,7 @@ def _untested_python_blocks(page: Path) -> list[str]:
         language = m.group(2)
         if language is None:
             continue  # bash, text, ... are given a language explicitly below
-        caption = next((c.group(1) for c in map(_CAPTION.match, lines[i + 1:i + 4]) if c), "")
+        caption = next((c.group(1) for c in map(_CAPTION.match, lines[i + 1 : i + 4]) if c), "")
         if not re.match(r"(Keras|Lightning|PyTorch Lightning|TensorFlow|timm|Ray Train)\b", caption):
             bad.append(f"{page.relative_to(DOCS)}:{i + 1}: {line.strip()} (caption {caption!r})")
     return bad

@@ -90,8 +90,11 @@ class Halve(LearningRateScheduler):
         super().__init__(lambda epoch, lr: lr / 2)
 
 
-@pytest.mark.parametrize("callback", [LearningRateScheduler(lambda epoch, lr: lr), ReduceLROnPlateau("loss"), Halve()],
-                         ids=["LearningRateScheduler", "ReduceLROnPlateau", "subclass"])
+@pytest.mark.parametrize(
+    "callback",
+    [LearningRateScheduler(lambda epoch, lr: lr), ReduceLROnPlateau("loss"), Halve()],
+    ids=["LearningRateScheduler", "ReduceLROnPlateau", "subclass"],
+)
 def test_compiled_scheduler_and_an_lr_callback_are_an_error_before_step_1(callback):
     model = _model(scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1))
     before = model.module.weight.detach().clone()

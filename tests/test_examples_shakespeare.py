@@ -25,9 +25,23 @@ SHAKESPEARE = shakespeare.default_text_path()
 
 
 def test_short_run_on_tinyshakespeare(tmp_path, capsys):
-    result = shakespeare.main([str(SHAKESPEARE), "--steps", "50", "--eval-interval", "25",
-                               "--eval-batches", "5", "--sample-tokens", "40",
-                               "--out", str(tmp_path), "--verbose", "0"])
+    result = shakespeare.main(
+        [
+            str(SHAKESPEARE),
+            "--steps",
+            "50",
+            "--eval-interval",
+            "25",
+            "--eval-batches",
+            "5",
+            "--sample-tokens",
+            "40",
+            "--out",
+            str(tmp_path),
+            "--verbose",
+            "0",
+        ]
+    )
     # 50 steps take the loss well below the uniform guess ln(65) = 4.17 (about 2.9 here).
     assert 2.0 < result["val_loss"] < 3.5
     assert len(result["sample"]) == 40
@@ -77,16 +91,19 @@ def test_random_windows_follow_the_generator():
 def test_fit_matches_a_plain_loop_step_for_step():
     # The recipe's moving parts (param groups, LambdaLR per step, clipping) through fit give
     # the same weights as nanoGPT's loop, bit for bit on the CPU.
-    recipe = Recipe(block_size=8, batch_size=4, n_layer=1, n_head=2, n_embd=16, steps=6,
-                    warmup_steps=2)
+    recipe = Recipe(block_size=8, batch_size=4, n_layer=1, n_head=2, n_embd=16, steps=6, warmup_steps=2)
     tokens = torch.randint(0, 11, (300,), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     initial = build_gpt(11, recipe)
 
     model = fitkit.Model(copy.deepcopy(initial), device="cpu")
-    model.compile(optimizer=build_optimizer(model.module, recipe), loss="cross_entropy",
-                  scheduler=lambda opt: build_scheduler(opt, recipe), scheduler_interval="step",
-                  clip_grad_norm=1.0)
+    model.compile(
+        optimizer=build_optimizer(model.module, recipe),
+        loss="cross_entropy",
+        scheduler=lambda opt: build_scheduler(opt, recipe),
+        scheduler_interval="step",
+        clip_grad_norm=1.0,
+    )
     windows = RandomWindows(tokens, 8, 4, torch.Generator().manual_seed(1))
     history = model.fit(windows, epochs=2, steps_per_epoch=3, verbose=0)
 

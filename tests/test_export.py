@@ -121,8 +121,10 @@ def test_bad_arguments(tmp_path, monkeypatch):
         export(lambda x: x, tmp_path / "x", torch.rand(2, 2))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "onnxscript" else real(n, *a))
-    expected = (r"needs onnxscript\. Install the `onnx` extra: "
-                r"`pip install '\.\[onnx\]'` from a checkout \(`pip install 'torch-fitkit\[onnx\]'`")
+    expected = (
+        r"needs onnxscript\. Install the `onnx` extra: "
+        r"`pip install '\.\[onnx\]'` from a checkout \(`pip install 'torch-fitkit\[onnx\]'`"
+    )
     with pytest.raises(ImportError, match=expected):
         export(nn.Linear(2, 2), tmp_path / "x.onnx", torch.rand(2, 2), format="onnx")
     assert not (tmp_path / "x.onnx").exists()
@@ -153,7 +155,8 @@ def test_a_namedtuple_input_is_one_input_in_torch_and_onnx(tmp_path):
         program = torch.export.load(path).module()
     torch.testing.assert_close(program(three), expected)
     _needs_onnx()
-    _, names, (out,) = _onnx_outputs(model.export(tmp_path / "pair.onnx", example, format="onnx"),
-                                     [(three.a.numpy(), three.b.numpy())])  # fmt: skip
+    _, names, (out,) = _onnx_outputs(
+        model.export(tmp_path / "pair.onnx", example, format="onnx"), [(three.a.numpy(), three.b.numpy())]
+    )
     assert len(names) == 2 and out.shape == (3, 1)
     torch.testing.assert_close(torch.from_numpy(out), expected)

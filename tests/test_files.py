@@ -36,9 +36,10 @@ def _payload(n: int = 256) -> dict:
     return {
         "fitkit_version": fitkit.__version__,
         "module": {"0.weight": torch.randn(n, 4, generator=g), "0.bias": torch.zeros(n)},
-        "epoch": 3, "history": {"history": {"loss": [1.5, 0.25]}, "epoch": [0, 1]},
+        "epoch": 3,
+        "history": {"history": {"loss": [1.5, 0.25]}, "epoch": [0, 1]},
         "rng": {"python": (3, tuple(range(5)), None), "torch": torch.get_rng_state()},
-    }  # fmt: skip
+    }
 
 
 def _listing(folder) -> list[str]:
@@ -139,11 +140,26 @@ def test_a_payload_that_would_not_load_back_is_never_written(tmp_path):
 
 def test_every_type_check_weights_only_accepts_loads_with_weights_only(tmp_path):
     ok = {
-        "s": "x", "b": b"y", "ba": bytearray(b"z"), "i": 1, "f": 0.5, "c": 1j, "t": True, "n": None,
-        "od": collections.OrderedDict(a=1), "l": [1], "tu": (1,), "set": {1}, "size": torch.Size([2]),
-        "dtype": torch.float16, "dev": torch.device("cpu"), "layout": torch.strided,
-        "tensor": torch.ones(2), "param": torch.nn.Parameter(torch.ones(1)), 3: "int key",
-    }  # fmt: skip
+        "s": "x",
+        "b": b"y",
+        "ba": bytearray(b"z"),
+        "i": 1,
+        "f": 0.5,
+        "c": 1j,
+        "t": True,
+        "n": None,
+        "od": collections.OrderedDict(a=1),
+        "l": [1],
+        "tu": (1,),
+        "set": {1},
+        "size": torch.Size([2]),
+        "dtype": torch.float16,
+        "dev": torch.device("cpu"),
+        "layout": torch.strided,
+        "tensor": torch.ones(2),
+        "param": torch.nn.Parameter(torch.ones(1)),
+        3: "int key",
+    }
     check_weights_only(ok, tmp_path / "c.pt")
     torch.save(ok, tmp_path / "c.pt")
     assert set(torch.load(tmp_path / "c.pt", weights_only=True)) == set(ok)
@@ -317,10 +333,17 @@ def _exploits(target) -> list:
     t = str(target)
     code = f"open({t!r}, 'w').close()"
     calls = [
-        _Run(open, t, "w"), _Run(exec, code), _Run(eval, f"__import__('builtins').exec({code!r})"),
-        _Run(os.system, f"touch {t}"), _Run(os.mkdir, t), _Run(os.makedirs, t), _Run(subprocess.call, ["touch", t]),
-        _Run(subprocess.run, ["touch", t]), _Run(subprocess.Popen, ["touch", t]), _Run(compile, code, "x", "exec"),
-    ]  # fmt: skip
+        _Run(open, t, "w"),
+        _Run(exec, code),
+        _Run(eval, f"__import__('builtins').exec({code!r})"),
+        _Run(os.system, f"touch {t}"),
+        _Run(os.mkdir, t),
+        _Run(os.makedirs, t),
+        _Run(subprocess.call, ["touch", t]),
+        _Run(subprocess.run, ["touch", t]),
+        _Run(subprocess.Popen, ["touch", t]),
+        _Run(compile, code, "x", "exec"),
+    ]
     nested = [{"module": c} for c in calls[:4]] + [[1, calls[0]], (calls[3],), {"a": {"b": [calls[1]]}}]
     nested += [{"fitkit_version": fitkit.__version__, "callbacks": {"Cb": calls[6]}}, torch.nn.Linear(1, 1)]
     nested += [{"optimizer": torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)}]

@@ -29,8 +29,9 @@ def _model(lr=0.1):
 
 
 def _snapshot(model):
-    return copy.deepcopy({"module": model.module.state_dict(), "optimizer": model.optimizer.state_dict(),
-                          "step": model.global_step})  # fmt: skip
+    return copy.deepcopy(
+        {"module": model.module.state_dict(), "optimizer": model.optimizer.state_dict(), "step": model.global_step}
+    )
 
 
 def _same(a, b):
@@ -50,13 +51,17 @@ def _trained(tmp_path):
     return torch.load(tmp_path / "c.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("key, value, expected", [
-    ("epoch", "x", "checkpoint\\['epoch'\\] is 'x', expected an int >= 0"),
-    ("epoch", -1, "checkpoint\\['epoch'\\] is -1"),
-    ("global_step", -5, "checkpoint\\['global_step'\\] is -5"),
-    ("step_in_epoch", 1.5, "checkpoint\\['step_in_epoch'\\] is 1.5"),
-    ("callbacks", [], "checkpoint\\['callbacks'\\] is \\[\\]"),
-], ids=["epoch str", "epoch negative", "global_step negative", "position float", "callbacks list"])  # fmt: skip
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("epoch", "x", "checkpoint\\['epoch'\\] is 'x', expected an int >= 0"),
+        ("epoch", -1, "checkpoint\\['epoch'\\] is -1"),
+        ("global_step", -5, "checkpoint\\['global_step'\\] is -5"),
+        ("step_in_epoch", 1.5, "checkpoint\\['step_in_epoch'\\] is 1.5"),
+        ("callbacks", [], "checkpoint\\['callbacks'\\] is \\[\\]"),
+    ],
+    ids=["epoch str", "epoch negative", "global_step negative", "position float", "callbacks list"],
+)
 def test_a_crafted_checkpoint_is_refused_before_anything_changes(tmp_path, key, value, expected):
     state = _trained(tmp_path)
     state[key] = value
@@ -83,14 +88,27 @@ def test_a_callback_state_of_the_wrong_type_is_refused_at_resume_before_step_1(t
     fresh = _model()
     before = _snapshot(fresh)
     with pytest.raises(CheckpointError, match=r"callbacks\['ModelCheckpoint'\]: its state\['kept'\] is 'm1.pt'"):
-        fresh.fit(X, Y, epochs=3, verbose=0, callbacks=[ModelCheckpoint(tmp_path / "m{epoch}.pt", monitor="loss",
-                                                                        save_top_k=1), BackupAndRestore(folder)])
+        fresh.fit(
+            X,
+            Y,
+            epochs=3,
+            verbose=0,
+            callbacks=[
+                ModelCheckpoint(tmp_path / "m{epoch}.pt", monitor="loss", save_top_k=1),
+                BackupAndRestore(folder),
+            ],
+        )
     assert _same(_snapshot(fresh), before)
     # Loaded before fit, the states are checked when fit applies them, before step 1.
     fresh.load_checkpoint(folder / "backup.pt")
     with pytest.raises(ValueError, match=r"ModelCheckpoint'\]: its state\['kept'\]"):
-        fresh.fit(X, Y, epochs=3, verbose=0, callbacks=[ModelCheckpoint(tmp_path / "m{epoch}.pt", monitor="loss",
-                                                                        save_top_k=1)])
+        fresh.fit(
+            X,
+            Y,
+            epochs=3,
+            verbose=0,
+            callbacks=[ModelCheckpoint(tmp_path / "m{epoch}.pt", monitor="loss", save_top_k=1)],
+        )
     assert fresh.global_step == 2  # the loaded position, no step more
 
 
@@ -256,9 +274,11 @@ def test_load_state_dict_is_all_or_nothing(tmp_path):
     model = _model()
     good = {k: v + 1 for k, v in model.module.state_dict().items()}
     before = copy.deepcopy(model.module.state_dict())
-    for bad, expected in [({**good, "extra": torch.zeros(1)}, "'extra': in the file, not in the module"),
-                          ({"weight": good["weight"]}, "'bias': in the module, missing from the file"),
-                          ({**good, "bias": good["bias"].double()}, "'bias': dtype torch.float64 in the file")]:
+    for bad, expected in [
+        ({**good, "extra": torch.zeros(1)}, "'extra': in the file, not in the module"),
+        ({"weight": good["weight"]}, "'bias': in the module, missing from the file"),
+        ({**good, "bias": good["bias"].double()}, "'bias': dtype torch.float64 in the file"),
+    ]:
         with pytest.raises(RuntimeError, match=f"(?s)nothing was loaded.*{expected}"):
             model.load_state_dict(bad)
         assert _same(model.module.state_dict(), before)

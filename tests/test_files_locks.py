@@ -62,15 +62,18 @@ def test_a_second_run_on_a_running_runs_folder_is_refused_before_step_1(tmp_path
     run = tmp_path / "run"
     run.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    first = subprocess.Popen([sys.executable, str(script), str(run)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, str(script), str(run)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         _wait_for(run / "started", first)
         model = _model()
         before = {k: v.clone() for k, v in model.module.state_dict().items()}
         host = socket.gethostname()
-        for cbs, what in [([BackupAndRestore(run / "bk")], "backup folder"),
-                          ([ModelCheckpoint(run / "ep{epoch}.pt")], "checkpoint files")]:  # fmt: skip
+        for cbs, what in [
+            ([BackupAndRestore(run / "bk")], "backup folder"),
+            ([ModelCheckpoint(run / "ep{epoch}.pt")], "checkpoint files"),
+        ]:
             with pytest.raises(LockError, match=f"{what}.*another run: process {first.pid} on host {host}.*Fix"):
                 model.fit(X, Y, epochs=2, callbacks=cbs, verbose=0)
         assert all(torch.equal(before[k], v) for k, v in model.module.state_dict().items())
@@ -109,11 +112,15 @@ def test_a_lock_of_another_host_is_never_taken_over(tmp_path):
     assert lock.read_text() == '{"pid": 1, "host": "elsewhere"}'
 
 
-@pytest.mark.parametrize("make", [
-    lambda tmp: [CSVLogger(tmp / "log.csv"), CSVLogger(tmp / "log.csv")],
-    lambda tmp: [BackupAndRestore(tmp / "bk"), BackupAndRestore(tmp / "bk")],
-    lambda tmp: [ModelCheckpoint(tmp / "m.pt"), ModelCheckpoint(tmp / "m.pt")],
-], ids=["CSVLogger", "BackupAndRestore", "ModelCheckpoint"])  # fmt: skip
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda tmp: [CSVLogger(tmp / "log.csv"), CSVLogger(tmp / "log.csv")],
+        lambda tmp: [BackupAndRestore(tmp / "bk"), BackupAndRestore(tmp / "bk")],
+        lambda tmp: [ModelCheckpoint(tmp / "m.pt"), ModelCheckpoint(tmp / "m.pt")],
+    ],
+    ids=["CSVLogger", "BackupAndRestore", "ModelCheckpoint"],
+)
 def test_two_callbacks_on_one_file_in_one_fit_are_refused_before_step_1(tmp_path, make):
     model = _model()
     before = {k: v.clone() for k, v in model.module.state_dict().items()}
@@ -207,16 +214,22 @@ def test_a_dangling_link_where_the_lock_goes_is_named_and_taken_over(tmp_path):
     # Once: O_EXCL saw the link, reading it found no file, and every run ended in "Fix: try again".
     csv, lock = tmp_path / "log.csv", tmp_path / ".log.csv.lock"
     lock.symlink_to(tmp_path / "gone")
-    with pytest.warns(FitkitWarning, match=r"CSVLogger: a dangling symbolic link was where the lock of .* goes "
-                      r"\('.*\.log\.csv\.lock' -> '.*gone'\); the link is removed and the lock taken\."):
+    with pytest.warns(
+        FitkitWarning,
+        match=r"CSVLogger: a dangling symbolic link was where the lock of .* goes "
+        r"\('.*\.log\.csv\.lock' -> '.*gone'\); the link is removed and the lock taken\.",
+    ):
         _model().fit(X, Y, epochs=2, callbacks=[CSVLogger(csv)], verbose=0)
     assert csv.read_text().count("\n") == 3 and not lock.exists() and not lock.is_symlink()  # header, 2 epochs
     # a link to an existing file is not fitkit's lock: refused, naming both, and the file stays
     target = tmp_path / "notes.txt"
     target.write_text("mine")
     lock.symlink_to(target)
-    with pytest.raises(LockError, match=r"a symbolic link is where its lock file goes \('.*\.lock' -> '.*notes\.txt'"
-                       r"\).*Fix: remove the link"):
+    with pytest.raises(
+        LockError,
+        match=r"a symbolic link is where its lock file goes \('.*\.lock' -> '.*notes\.txt'"
+        r"\).*Fix: remove the link",
+    ):
         FileLock(lock, "x", "CSVLogger").acquire()
     assert target.read_text() == "mine" and lock.is_symlink()
 
@@ -234,8 +247,11 @@ def test_a_requeued_slurm_job_takes_over_its_earlier_attempts_locks_from_another
     folder = tmp_path / "bk"
     folder.mkdir()
     _foreign_lock(folder / ".backup.lock", job="991", attempt=1)
-    with pytest.warns(FitkitWarning, match=r"locked by process 4242 on node-17, an earlier attempt \(1\) of this "
-                                           r"SLURM job 991, requeued since \(attempt 2\); the lock is taken over"):
+    with pytest.warns(
+        FitkitWarning,
+        match=r"locked by process 4242 on node-17, an earlier attempt \(1\) of this "
+        r"SLURM job 991, requeued since \(attempt 2\); the lock is taken over",
+    ):
         _model().fit(X, Y, epochs=1, callbacks=[BackupAndRestore(folder)], verbose=0)
     # The same attempt on another node (or another job) is a live run as far as anyone here knows.
     for extra in ({"job": "991", "attempt": 2}, {"job": "990", "attempt": 0}, {}):
@@ -254,9 +270,12 @@ def test_take_over_locks_takes_every_lock_of_another_host_in_one_rerun_and_never
     _foreign_lock(run / ".other.lock")
     callbacks = [BackupAndRestore(run / "bk"), CSVLogger(run / "log.csv")]
     model = _model()
-    with pytest.raises(LockError, match=r"another host cannot be checked from here\. Other locks near it: "
-                                        r"\['.*run/\.log\.csv\.lock', '.*run/\.other\.lock'\]\. Fix: .* run again "
-                                        r"with FITKIT_TAKE_OVER_LOCKS=1 to take over every lock it left at once"):
+    with pytest.raises(
+        LockError,
+        match=r"another host cannot be checked from here\. Other locks near it: "
+        r"\['.*run/\.log\.csv\.lock', '.*run/\.other\.lock'\]\. Fix: .* run again "
+        r"with FITKIT_TAKE_OVER_LOCKS=1 to take over every lock it left at once",
+    ):
         model.fit(X, Y, epochs=1, callbacks=callbacks, verbose=0)
     assert model.global_step == 0
     monkeypatch.setenv("FITKIT_TAKE_OVER_LOCKS", "1")

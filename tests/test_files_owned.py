@@ -41,8 +41,9 @@ def _callbacks(folder, crash_at=None):
         if epoch == crash_at:
             raise Crash()
 
-    ckpt = ModelCheckpoint(folder / "ep{epoch:02d}.pt", monitor="score", mode="min", save_top_k=1,
-                           save_weights_only=True)  # fmt: skip
+    ckpt = ModelCheckpoint(
+        folder / "ep{epoch:02d}.pt", monitor="score", mode="min", save_top_k=1, save_weights_only=True
+    )
     return [Feed(), ckpt, BackupAndRestore(folder / "bk"), LambdaCallback(on_epoch_begin=crash)], ckpt
 
 
@@ -76,7 +77,10 @@ def test_a_backup_edited_to_list_a_file_outside_the_folder_never_deletes_it(tmp_
     backup = run / "bk" / "backup.pt"
     state = torch.load(backup, weights_only=True)
     state["callbacks"]["ModelCheckpoint"]["kept"] = [
-        [0.1, "../outside/precious.txt"], [0.2, str(precious)], [0.3, "notes.txt"]]  # fmt: skip
+        [0.1, "../outside/precious.txt"],
+        [0.2, str(precious)],
+        [0.3, "notes.txt"],
+    ]
     state["callbacks"]["ModelCheckpoint"]["best_path"] = "../outside/precious.txt"
     atomic_save(state, backup)  # the checksum is recomputed: the file is "intact"
     cbs, ckpt = _callbacks(run)
@@ -92,8 +96,9 @@ def test_an_old_checkpoint_with_absolute_names_is_accepted_inside_the_folder_onl
     ckpt = ModelCheckpoint(tmp_path / "run" / "ep{epoch:02d}.pt", monitor="score", save_top_k=2)
     inside, outside = str(tmp_path / "run" / "ep03.pt"), str(tmp_path / "ep03.pt")
     with pytest.warns(FitkitWarning, match="ignored"):
-        ckpt.load_state_dict({"best": 0.5, "best_path": inside, "kept": [[0.5, inside], [0.7, outside]],
-                              "batches_seen": 0})  # fmt: skip
+        ckpt.load_state_dict(
+            {"best": 0.5, "best_path": inside, "kept": [[0.5, inside], [0.7, outside]], "batches_seen": 0}
+        )
     assert ckpt.kept == [(0.5, inside)] and ckpt.best_path == inside
     assert ckpt.state_dict()["kept"] == [[0.5, "ep03.pt"]]  # stored relative from now on
 

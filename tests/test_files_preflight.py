@@ -31,8 +31,11 @@ def _read_only(monkeypatch, folder):
     """The folder as the OS reports it when it is read-only (the tests may run as root, who may
     write anywhere; a real chmod is tested below for other users)."""
     real = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.path.abspath(p) == str(folder)
-                        and mode & os.W_OK else real(p, mode, **kw))  # fmt: skip
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda p, mode, **kw: False if os.path.abspath(p) == str(folder) and mode & os.W_OK else real(p, mode, **kw),
+    )
 
 
 MAKERS = {
@@ -53,8 +56,9 @@ def test_a_read_only_folder_is_refused_before_step_1_for_every_file_callback(tmp
     _read_only(monkeypatch, tmp_path)
     model = _model()
     before = model.module.weight.clone()
-    with pytest.raises(PermissionError, match=f"{name.split()[0]} writes under `.*`, but the folder '{tmp_path}'.*"
-                                              "not writable.*Fix"):  # fmt: skip
+    with pytest.raises(
+        PermissionError, match=f"{name.split()[0]} writes under `.*`, but the folder '{tmp_path}'.*not writable.*Fix"
+    ):
         model.fit(X, Y, epochs=2, callbacks=[callback], verbose=0)
     assert torch.equal(model.module.weight, before) and model.global_step == 0
     assert os.listdir(tmp_path) == []
@@ -82,8 +86,9 @@ def test_a_really_read_only_folder_is_refused_before_step_1(tmp_path):
         assert not os.access(folder, os.W_OK)  # the OS itself refuses, for this user
         model = _model()
         before = model.module.weight.clone()
-        with pytest.raises(PermissionError, match=f"CSVLogger writes under `.*`, but the folder '{folder}'.*"
-                                                  "not writable.*Fix"):  # fmt: skip
+        with pytest.raises(
+            PermissionError, match=f"CSVLogger writes under `.*`, but the folder '{folder}'.*not writable.*Fix"
+        ):
             model.fit(X, Y, epochs=1, callbacks=[CSVLogger(folder / "log.csv")], verbose=0)
         assert torch.equal(model.module.weight, before) and model.global_step == 0
         assert os.listdir(folder) == []
@@ -100,8 +105,10 @@ def test_save_weights_in_a_read_only_folder_names_the_file_not_its_temp(tmp_path
 
 
 def test_templates_are_formatted_with_values_of_the_planned_types():
-    assert format_with_dummies("{epoch:03d}-{batch}-{val_loss:.3f}.pt", {"epoch", "batch", "val_loss"}, "M", "f") \
+    assert (
+        format_with_dummies("{epoch:03d}-{batch}-{val_loss:.3f}.pt", {"epoch", "batch", "val_loss"}, "M", "f")
         == "001-1-0.500.pt"
+    )
     for template in ["{epoch:s}.pt", "{val_loss:d}.pt", "{epoch.real.x}.pt"]:
         with pytest.raises(ValueError, match="cannot format the values it will get"):
             format_with_dummies(template, {"epoch", "val_loss"}, "ModelCheckpoint", "filepath")

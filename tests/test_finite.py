@@ -76,8 +76,10 @@ def test_nan_targets_with_a_builtin_loss_are_refused_before_step_1():
 
 def test_a_loss_whose_value_or_gradient_is_nan_on_those_rows_is_refused():
     x, y = _tox()
-    for loss, why in ((lambda p, t: F.mse_loss(p, t), "the loss of the rows holding them .* is not finite"),
-                      (where_mse, "the loss .* is finite but its gradient is not")):  # fmt: skip
+    for loss, why in (
+        (lambda p, t: F.mse_loss(p, t), "the loss of the rows holding them .* is not finite"),
+        (where_mse, "the loss .* is finite but its gradient is not"),
+    ):
         model = fitkit.Model(_zero_linear(), device="cpu")
         model.compile(optimizer="sgd", loss=loss)
         with pytest.raises(ValueError, match=rf"`y` holds 5 NaN .*Here {why}.*sample_weight` of 0"):

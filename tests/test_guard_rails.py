@@ -1,4 +1,4 @@
-"""Guard rails that CI runs with the tests: ruff on ``fitkit/``, ``tests/`` and ``benchmarks/``, mypy on ``fitkit/``.
+"""Guard rails that CI runs with the tests: ruff (lint and format) on ``fitkit/``, ``tests/`` and ``benchmarks/``, mypy on ``fitkit/``.
 
 The configuration lives in ``pyproject.toml`` (``[tool.ruff]``, ``[tool.mypy]``); both tools
 come with the ``test`` extra.
@@ -22,6 +22,12 @@ def _run(*cmd: str) -> subprocess.CompletedProcess:
 def test_ruff_is_clean_on_the_package_its_tests_and_benchmarks():
     pytest.importorskip("ruff")
     result = _run(sys.executable, "-m", "ruff", "check", "fitkit", "tests", "benchmarks")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def test_the_package_its_tests_and_benchmarks_are_formatted_by_ruff():
+    pytest.importorskip("ruff")
+    result = _run(sys.executable, "-m", "ruff", "format", "--check", "fitkit", "tests", "benchmarks")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 

@@ -27,9 +27,17 @@ T = 12  # sequence length of the synthetic classification task
 
 
 def _bert_config(num_labels: int = 2, dropout: float = 0.1) -> transformers.BertConfig:
-    return transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                   intermediate_size=64, max_position_embeddings=T, num_labels=num_labels,
-                                   hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=T,
+        num_labels=num_labels,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
 
 
 def _bert(num_labels: int = 2, dropout: float = 0.1) -> nn.Module:
@@ -72,8 +80,7 @@ def test_gpt2_trains_on_tiny_shakespeare_with_its_own_loss():
     x = torch.stack([windows[i][0] for i in range(0, 48_000, 250)])  # (192, 64)
     x_val = torch.stack([windows[i][0] for i in range(50_000, 59_000, 250)])  # (36, 64), held out
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=4, n_head=4, n_embd=128, vocab_size=tokenizer.vocab_size,
-                                     n_positions=64)
+    config = transformers.GPT2Config(n_layer=4, n_head=4, n_embd=128, vocab_size=tokenizer.vocab_size, n_positions=64)
     model = fitkit.Model(transformers.GPT2LMHeadModel(config), device="cpu")
     model.compile(optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), loss=None)
     before = model.evaluate({"input_ids": x_val, "labels": x_val}, batch_size=12, verbose=0)["loss"]
@@ -180,8 +187,11 @@ def test_labels_out_of_range_anywhere_in_memory_fail_before_any_step():
     model = fitkit.Model(_bert(), device="cpu")
     model.compile(optimizer="adam", loss=None)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"Class labels must lie in \[0, 1\] .* Received labels from 0 to 2\. "
-                                         r"Fix: .*`num_labels` of a Hugging Face config"):
+    with pytest.raises(
+        ValueError,
+        match=r"Class labels must lie in \[0, 1\] .* Received labels from 0 to 2\. "
+        r"Fix: .*`num_labels` of a Hugging Face config",
+    ):
         model.fit({"input_ids": ids, "labels": labels}, batch_size=16, verbose=0)
     labels[0] = 5  # in the first batch: the model's own loss fails inside its forward
     with pytest.raises(ValueError, match=r"Received labels from 0 to 5"):
@@ -223,10 +233,12 @@ def test_labels_in_a_dict_batch_are_the_target_of_a_compiled_loss_and_of_metrics
     ids, labels = _token_task(64, seed=4)
     mask = torch.ones(64, T, dtype=torch.long)
     model = fitkit.Model(_Spy(_bert(dropout=0.0)), device="cpu")
-    model.compile(optimizer=torch.optim.SGD(model.module.parameters(), lr=0.1), loss="cross_entropy",
-                  metrics=["accuracy"])
-    history = model.fit({"input_ids": ids, "attention_mask": mask, "labels": labels}, batch_size=16,
-                        epochs=1, shuffle=False, verbose=0)
+    model.compile(
+        optimizer=torch.optim.SGD(model.module.parameters(), lr=0.1), loss="cross_entropy", metrics=["accuracy"]
+    )
+    history = model.fit(
+        {"input_ids": ids, "attention_mask": mask, "labels": labels}, batch_size=16, epochs=1, shuffle=False, verbose=0
+    )
     # The Trainer's way with a custom loss: the model is not given `labels` (no loss of its own).
     assert model.module.calls == [["attention_mask", "input_ids"]] * 5  # the check before step 1, 4 steps
 
@@ -235,7 +247,9 @@ def test_labels_in_a_dict_batch_are_the_target_of_a_compiled_loss_and_of_metrics
     opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     losses = []
     for i in range(0, 64, 16):
-        loss = F.cross_entropy(plain(input_ids=ids[i:i + 16], attention_mask=mask[i:i + 16]).logits, labels[i:i + 16])
+        loss = F.cross_entropy(
+            plain(input_ids=ids[i : i + 16], attention_mask=mask[i : i + 16]).logits, labels[i : i + 16]
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -276,8 +290,18 @@ def test_a_model_with_its_own_loss_still_gets_the_labels():
 # -- a model's own token loss under accumulation: num_items_in_batch --------------------------
 def _gpt2_tiny() -> nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2,
-                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=32,
+        n_positions=8,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -335,8 +359,11 @@ def test_num_items_in_batch_is_passed_only_to_a_module_that_takes_it_and_only_wh
 
     data = {"x": torch.randn(4, 3), "labels": torch.tensor([1, -100, 2, 3])}
     # windows of 2 rows: labels (1, -100) count 1, labels (2, 3) count 2
-    for module, k, expected in ((Takes(True), 2, [1, 1, 2, 2]), (Takes(True), 1, [None] * 4),
-                                (Own(False), 2, [None] * 4)):  # fmt: skip
+    for module, k, expected in (
+        (Takes(True), 2, [1, 1, 2, 2]),
+        (Takes(True), 1, [None] * 4),
+        (Own(False), 2, [None] * 4),
+    ):
         seen.clear()
         model = fitkit.Model(module, device="cpu")
         model.compile(optimizer="sgd", loss=None, gradient_accumulation_steps=k)
@@ -391,11 +418,19 @@ def test_question_answering_positions_are_the_targets_of_a_compiled_loss_by_defa
     torch.manual_seed(0)
     module = _Spy(transformers.BertForQuestionAnswering(_bert_config(dropout=0.0)))
     model = fitkit.Model(module, device="cpu")
-    model.compile(optimizer=torch.optim.SGD(module.parameters(), lr=0.1), loss=_qa_loss,
-                  label_names=fitkit.losses.labels.default_label_names(module.inner))
+    model.compile(
+        optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+        loss=_qa_loss,
+        label_names=fitkit.losses.labels.default_label_names(module.inner),
+    )
     assert model.label_names == ("start_positions", "end_positions")  # the Trainer's default for QA
-    history = model.fit({"input_ids": ids, "start_positions": start, "end_positions": end}, batch_size=8,
-                        epochs=1, shuffle=False, verbose=0)
+    history = model.fit(
+        {"input_ids": ids, "start_positions": start, "end_positions": end},
+        batch_size=8,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+    )
     assert module.calls == [["input_ids"]] * 5  # the positions are targets, not inputs: no loss of its own
 
     # The model's own loss, in a plain loop: the same four SGD steps.
@@ -404,7 +439,7 @@ def test_question_answering_positions_are_the_targets_of_a_compiled_loss_by_defa
     opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     losses = []
     for i in range(0, 32, 8):
-        loss = plain(input_ids=ids[i:i + 8], start_positions=start[i:i + 8], end_positions=end[i:i + 8]).loss
+        loss = plain(input_ids=ids[i : i + 8], start_positions=start[i : i + 8], end_positions=end[i : i + 8]).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -416,6 +451,7 @@ def test_question_answering_positions_are_the_targets_of_a_compiled_loss_by_defa
 
 def test_the_default_label_names_follow_the_trainers_rule():
     from fitkit.losses.labels import default_label_names
+
     cfg = _bert_config(dropout=0.0)
     assert default_label_names(transformers.BertForQuestionAnswering(cfg)) == ("start_positions", "end_positions")
     assert default_label_names(transformers.BertForSequenceClassification(cfg)) == ("labels",)

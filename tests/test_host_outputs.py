@@ -38,7 +38,7 @@ def _by_batches(lin, x, batch_size=4):
     """The reference a batch at a time, as predict runs it: a matmul's last bits may depend on the
     number of rows (BLAS kernels differ by shape on some CPUs), so one matmul of all rows is not
     the bitwise reference."""
-    return torch.cat([lin(x[i:i + batch_size]) for i in range(0, len(x), batch_size)])
+    return torch.cat([lin(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
 
 
 def _x(n=50):

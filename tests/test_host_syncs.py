@@ -84,23 +84,33 @@ CONFIGS = {
     "bf16-mixed": ({"precision": "bf16-mixed"}, {}, lambda d: []),
     "16-mixed": ({"precision": "16-mixed"}, {}, lambda d: []),
     "16-mixed without loss scaling": ({"precision": "16-mixed", "loss_scale": False}, {}, lambda d: []),
-    "16-mixed fused adam": ({"precision": "16-mixed", "optimizer": lambda p: torch.optim.Adam(p, fused=True)}, {},
-                            lambda d: []),  # fmt: skip
-    "16-mixed fused sgd": ({"precision": "16-mixed", "optimizer": lambda p: torch.optim.SGD(p, 0.1, fused=True)}, {},
-                           lambda d: []),  # fmt: skip
+    "16-mixed fused adam": (
+        {"precision": "16-mixed", "optimizer": lambda p: torch.optim.Adam(p, fused=True)},
+        {},
+        lambda d: [],
+    ),
+    "16-mixed fused sgd": (
+        {"precision": "16-mixed", "optimizer": lambda p: torch.optim.SGD(p, 0.1, fused=True)},
+        {},
+        lambda d: [],
+    ),
     "accumulation": ({"gradient_accumulation_steps": 2}, {}, lambda d: []),
     "clip norm": ({"clip_grad_norm": 1.0}, {}, lambda d: []),
     "clip value": ({"clip_grad_value": 0.1}, {}, lambda d: []),
-    "step scheduler": ({"scheduler": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 0.1, total_steps=100),
-                        "scheduler_interval": "step"}, {}, lambda d: []),  # fmt: skip
+    "step scheduler": (
+        {
+            "scheduler": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 0.1, total_steps=100),
+            "scheduler_interval": "step",
+        },
+        {},
+        lambda d: [],
+    ),
     "epoch scheduler": ({"scheduler": lambda o: torch.optim.lr_scheduler.StepLR(o, 1)}, {}, lambda d: []),
-    "plateau scheduler": ({"scheduler": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o)}, {},
-                          lambda d: []),  # fmt: skip
+    "plateau scheduler": ({"scheduler": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o)}, {}, lambda d: []),
     "timm scheduler": ({"scheduler": _Cosine}, {}, lambda d: []),
     "validation split": ({"metrics": ["accuracy"]}, {"validation_split": 0.25}, lambda d: []),
     "validation data": ({"metrics": ["accuracy"]}, {"validation_data": _data()}, lambda d: []),
-    "sample weights": ({}, {"sample_weight": torch.rand(N, generator=torch.Generator().manual_seed(1))},
-                       lambda d: []),  # fmt: skip
+    "sample weights": ({}, {"sample_weight": torch.rand(N, generator=torch.Generator().manual_seed(1))}, lambda d: []),
     "class weights": ({}, {"class_weight": {0: 1.0, 1: 2.0, 2: 0.5}}, lambda d: []),
     "EarlyStopping": ({}, {}, lambda d: [cb.EarlyStopping(monitor="loss")]),
     "ReduceLROnPlateau": ({}, {}, lambda d: [cb.ReduceLROnPlateau(monitor="loss")]),
@@ -111,8 +121,11 @@ CONFIGS = {
     "TensorBoard": ({}, {}, lambda d: [cb.TensorBoard(d / "tb")]),
     "TerminateOnNaN": ({}, {}, lambda d: [cb.TerminateOnNaN()]),
     "TerminateOnNaN 16-mixed": ({"precision": "16-mixed"}, {}, lambda d: [cb.TerminateOnNaN()]),
-    "TerminateOnNaN fused sgd": ({"optimizer": lambda p: torch.optim.SGD(p, 0.1, fused=True)}, {},
-                                 lambda d: [cb.TerminateOnNaN()]),  # fmt: skip
+    "TerminateOnNaN fused sgd": (
+        {"optimizer": lambda p: torch.optim.SGD(p, 0.1, fused=True)},
+        {},
+        lambda d: [cb.TerminateOnNaN()],
+    ),
     "EMA": ({}, {}, lambda d: [cb.EMA()]),
     "EMA 16-mixed": ({"precision": "16-mixed"}, {}, lambda d: [cb.EMA()]),
     "LambdaCallback": ({}, {}, lambda d: [cb.LambdaCallback(on_train_batch_end=lambda batch, logs: None)]),
@@ -121,8 +134,11 @@ CONFIGS = {
     "OptimizerMonitor every 3rd step": ({}, {}, lambda d: [cb.OptimizerMonitor(log_every_n_steps=3)]),
     "LearningRateMonitor": ({"optimizer": "sgd"}, {}, lambda d: [cb.LearningRateMonitor(log_weight_decay=True)]),
     "OptunaPruning": ({}, {}, lambda d: [cb.OptunaPruning(_trial(), monitor="loss")]),
-    "user MulticlassF1Score": ({"metrics": {"f1": torchmetrics.classification.MulticlassF1Score(CLASSES)}}, {},
-                               lambda d: []),  # fmt: skip
+    "user MulticlassF1Score": (
+        {"metrics": {"f1": torchmetrics.classification.MulticlassF1Score(CLASSES)}},
+        {},
+        lambda d: [],
+    ),
 }
 
 
@@ -159,8 +175,8 @@ PENDING = {
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.xfail(reason=PENDING[n], strict=True)) if n in PENDING else n
-             for n in CONFIGS],  # fmt: skip
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(reason=PENDING[n], strict=True)) if n in PENDING else n for n in CONFIGS],
 )
 def test_no_host_read_in_a_steady_training_step(name, tmp_path):
     counter = _fit_counter(name, tmp_path)
@@ -171,8 +187,11 @@ def test_no_host_read_in_a_steady_training_step(name, tmp_path):
 def test_fp16_with_an_optimizer_without_found_inf_reads_the_scalers_verdict_once_per_step(tmp_path):
     # torch's GradScaler.step sums found_inf on the host for an optimizer that cannot take it
     # (here a non-fused Adam): the one documented sync; fitkit's optimizer names are fused.
-    CONFIGS["16-mixed plain adam"] = ({"precision": "16-mixed", "optimizer": lambda p: torch.optim.Adam(p)}, {},
-                                      lambda d: [])  # fmt: skip
+    CONFIGS["16-mixed plain adam"] = (
+        {"precision": "16-mixed", "optimizer": lambda p: torch.optim.Adam(p)},
+        {},
+        lambda d: [],
+    )
     try:
         counter = _fit_counter("16-mixed plain adam", tmp_path)
     finally:
@@ -183,9 +202,15 @@ def test_fp16_with_an_optimizer_without_found_inf_reads_the_scalers_verdict_once
 
 def test_fp16_with_a_per_step_scheduler_reads_the_verdict_once_per_step(tmp_path):
     # The scheduler must not advance on a skipped step, and its learning rate is a host number.
-    CONFIGS["16-mixed step scheduler"] = ({"precision": "16-mixed", "scheduler_interval": "step",
-                                           "scheduler": lambda o: torch.optim.lr_scheduler.StepLR(o, 1)}, {},
-                                          lambda d: [])  # fmt: skip
+    CONFIGS["16-mixed step scheduler"] = (
+        {
+            "precision": "16-mixed",
+            "scheduler_interval": "step",
+            "scheduler": lambda o: torch.optim.lr_scheduler.StepLR(o, 1),
+        },
+        {},
+        lambda d: [],
+    )
     try:
         counter = _fit_counter("16-mixed step scheduler", tmp_path)
     finally:
@@ -234,10 +259,17 @@ def test_the_counter_sees_host_reads_and_data_dependent_shapes():
         t[torch.tensor([0, 2])]  # integer indexing: a fixed output size, not counted
     seen = [e.what for e in counter.events]
     assert seen == [
-        "Tensor.item", "Tensor.__bool__", "Tensor.tolist", "aten.nonzero.default", "aten.index.Tensor",
-        "aten.bincount.default", "aten._unique2.default", "aten.masked_select.default", "Tensor.cpu",
+        "Tensor.item",
+        "Tensor.__bool__",
+        "Tensor.tolist",
+        "aten.nonzero.default",
+        "aten.index.Tensor",
+        "aten.bincount.default",
+        "aten._unique2.default",
+        "aten.masked_select.default",
+        "Tensor.cpu",
         "Tensor.numpy",
-    ]  # fmt: skip
+    ]
     assert "test_host_syncs.py" in counter.events[0].where()
     assert not hasattr(torch.Tensor.__dict__.get("item"), "__wrapped__")  # unpatched afterwards
 
@@ -246,8 +278,9 @@ def test_a_callback_that_reads_the_loss_each_step_is_caught():
     model = _model()
     x, y = _data()
     reader = cb.LambdaCallback(on_train_batch_end=lambda batch, logs: float(logs["loss"]))
-    counter = count_syncs(lambda marks: model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
-                                                  callbacks=[marks, reader]))  # fmt: skip
+    counter = count_syncs(
+        lambda marks: model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[marks, reader])
+    )
     assert counter.per_step() == [1] * 8
     assert "<lambda>" in counter.step_events()[0].where()
 
@@ -256,8 +289,9 @@ def test_log_points_are_counted_apart(tmp_path):
     model = _model()
     x, y = _data()
     board = cb.TensorBoard(tmp_path / "tb", update_freq=2)  # reads the batch logs every 2 batches
-    counter = count_syncs(lambda marks: model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
-                                                  callbacks=[marks, board]))  # fmt: skip
+    counter = count_syncs(
+        lambda marks: model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[marks, board])
+    )
     assert counter.per_step() == [0] * 8
     logged = [e for e in counter.outside_steps() if e.phase[0] == "train"]
     assert {e.phase[2] for e in logged} == {1, 3, 5}  # each second batch of each epoch

@@ -60,7 +60,7 @@ class Cycling:
 
 
 def _validation(kind: str, vx: torch.Tensor, vy: torch.Tensor):
-    batches = [(vx[i:i + 4], vy[i:i + 4]) for i in range(0, len(vx), 4)]
+    batches = [(vx[i : i + 4], vy[i : i + 4]) for i in range(0, len(vx), 4)]
     if kind == "tensors":
         return vx, vy
     if kind == "DataLoader":
@@ -89,8 +89,9 @@ def _run(check: str, on: bool, kind: str, monkeypatch: pytest.MonkeyPatch):
     sanity = 2 if check == "sanity" and on else 0
     epochs = 1 if kind == "generator" else 3  # a generator validates once
     train = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)  # its order draws from the global RNG
-    history = model.fit(train, epochs=epochs, verbose=0, validation_data=_validation(kind, vx, vy),
-                        num_sanity_val_steps=sanity)
+    history = model.fit(
+        train, epochs=epochs, verbose=0, validation_data=_validation(kind, vx, vy), num_sanity_val_steps=sanity
+    )
     monkeypatch.undo()
     return {k: v.clone() for k, v in net.state_dict().items()}, history.history
 
@@ -112,8 +113,12 @@ def test_a_run_with_the_check_equals_the_run_without_it(check, kind, monkeypatch
 
 def test_sanity_validation_leaves_a_shuffling_loaders_generator_where_it_was():
     """The issue's example: the sanity check advanced a validation DataLoader's own generator."""
-    loader = DataLoader(TensorDataset(torch.randn(8, 3), torch.randn(8, 1)), batch_size=4, shuffle=True,
-                        generator=torch.Generator().manual_seed(3))
+    loader = DataLoader(
+        TensorDataset(torch.randn(8, 3), torch.randn(8, 1)),
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(3),
+    )
     before = loader.generator.get_state()
     model = fitkit.Model(nn.Linear(3, 1), device="cpu")
     model.compile(optimizer="sgd", loss="mse")
@@ -138,8 +143,9 @@ def test_sanity_validation_tees_a_one_shot_source():
     with torch.no_grad():
         model.module.weight.fill_(1.0)
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.0), loss="mse")
-    history = model.fit([(torch.zeros(2, 1), torch.zeros(2, 1))], epochs=1, verbose=0, validation_data=source(),
-                        num_sanity_val_steps=2)
+    history = model.fit(
+        [(torch.zeros(2, 1), torch.zeros(2, 1))], epochs=1, verbose=0, validation_data=source(), num_sanity_val_steps=2
+    )
     assert seen == [0, 1, 2]  # each batch drawn once
     assert history.history["val_loss"] == [(0.0 + 1.0 + 4.0) / 3]  # all three batches validated
 
@@ -149,9 +155,11 @@ def test_sanity_all_of_a_one_shot_source_without_len_is_refused_before_step_1():
     model.compile(optimizer="sgd", loss="mse")
     before = [p.detach().clone() for p in model.module.parameters()]
     batches = ((torch.zeros(2, 1), torch.zeros(2, 1)) for _ in range(3))
-    with pytest.raises(ValueError, match=r"Expected `num_sanity_val_steps` >= 1 for `validation_data` \(generator\)"
-                                         r".*Received: num_sanity_val_steps=-1\. Fix: pass num_sanity_val_steps=N"):
-        model.fit([(torch.zeros(2, 1), torch.zeros(2, 1))], validation_data=batches, num_sanity_val_steps=-1,
-                  verbose=0)
+    with pytest.raises(
+        ValueError,
+        match=r"Expected `num_sanity_val_steps` >= 1 for `validation_data` \(generator\)"
+        r".*Received: num_sanity_val_steps=-1\. Fix: pass num_sanity_val_steps=N",
+    ):
+        model.fit([(torch.zeros(2, 1), torch.zeros(2, 1))], validation_data=batches, num_sanity_val_steps=-1, verbose=0)
     assert model.global_step == 0
     assert all(torch.equal(p, b) for p, b in zip(model.module.parameters(), before, strict=True))

@@ -52,9 +52,12 @@ class CrashAt(Callback):
 
 def _fit(tmp, interval: str, crash: CrashAt | None, save_freq):
     model = fitkit.Model(fixed_linear(2, 1, weight=0.25), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=LR), loss="mse",
-                  scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
-                  scheduler_interval=interval)
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+        loss="mse",
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+        scheduler_interval=interval,
+    )
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4 * BATCHES, 2, generator=g), torch.randn(4 * BATCHES, 1, generator=g)
     crashes = [crash] if crash is not None else []

@@ -26,7 +26,7 @@ from tests.conftest import fixed_linear
 N, B = 3, 4  # batches of a pass, rows of a batch
 GEN = torch.Generator().manual_seed(0)
 X, Y = torch.randn(N * B, 2, generator=GEN), torch.randn(N * B, 1, generator=GEN)
-BATCHES = [(X[i * B:(i + 1) * B], Y[i * B:(i + 1) * B]) for i in range(N)]
+BATCHES = [(X[i * B : (i + 1) * B], Y[i * B : (i + 1) * B]) for i in range(N)]
 
 
 class Cycling:
@@ -96,8 +96,14 @@ def _run(phase: str, kind: str):
         return history.history["loss"], [_hand_loss()]
     if phase in ("validation", "named validation", "sanity"):
         val = {"a": source, "b": list(BATCHES)} if phase == "named validation" else source
-        history = model.fit(list(BATCHES), epochs=1, verbose=0, validation_data=val,
-                            validation_steps=N if endless else None, num_sanity_val_steps=2 if phase == "sanity" else 0)
+        history = model.fit(
+            list(BATCHES),
+            epochs=1,
+            verbose=0,
+            validation_data=val,
+            validation_steps=N if endless else None,
+            num_sanity_val_steps=2 if phase == "sanity" else 0,
+        )
         key = "val_a_loss" if phase == "named validation" else "val_loss"
         return history.history[key], [_hand_loss()]
     if phase == "evaluate":

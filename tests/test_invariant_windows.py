@@ -31,7 +31,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     targets = [1.0, 2.0, 5.0, 3.0, -2.0, 4.0, 6.0, 0.0, 1.0, 7.0, 3.0, 2.0]
     out, i = [], 0
     for size in SIZES:
-        out.append((torch.zeros(size, 1), torch.tensor(targets[i:i + size]).reshape(size, 1)))
+        out.append((torch.zeros(size, 1), torch.tensor(targets[i : i + size]).reshape(size, 1)))
         i += size
     return out
 
@@ -44,7 +44,7 @@ def _hand(steps: int) -> tuple[torch.Tensor, list[float]]:
     per_epoch = len(SIZES) // K
     sums = [[0.0, 0] for _ in range(-(-steps // per_epoch))]
     for w in range(steps):
-        window = batches[K * w:K * w + K]
+        window = batches[K * w : K * w + K]
         rows = sum(len(y) for _, y in window)
         for x, y in window:
             loss = torch.nn.functional.mse_loss(net(x), y)
@@ -130,8 +130,18 @@ def _source(name: str, at: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, 
     return {"callbacks": [Sigterm(at)]}, window_end
 
 
-SOURCES = ["on_train_batch_begin", "on_train_batch_end", "on_backward_end", "Timer", "max_time", "EarlyStopping",
-           "max_steps", "min_steps", "min_epochs", "SIGTERM"]
+SOURCES = [
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_backward_end",
+    "Timer",
+    "max_time",
+    "EarlyStopping",
+    "max_steps",
+    "min_steps",
+    "min_epochs",
+    "SIGTERM",
+]
 
 
 @pytest.mark.parametrize("position", [1, 2, 3], ids=lambda p: f"micro{p}")

@@ -21,8 +21,10 @@ def test_binary_crossentropy_is_bce_on_probabilities():
     assert value.item() == pytest.approx(-(math.log(0.5) + math.log(0.2)) / 2, rel=1e-6)
 
 
-@pytest.mark.parametrize(("keras", "fitkit_name"), [("mean_squared_error", "mse"), ("mean_absolute_error", "mae"),
-                                                    ("huber_loss", "huber"), ("mse", "mse")])
+@pytest.mark.parametrize(
+    ("keras", "fitkit_name"),
+    [("mean_squared_error", "mse"), ("mean_absolute_error", "mae"), ("huber_loss", "huber"), ("mse", "mse")],
+)
 def test_regression_loss_aliases_compute_fitkits_loss(keras, fitkit_name):
     y_pred, y = torch.tensor([0.0, 0.0, 0.0]), torch.tensor([1.0, 3.0, 0.5])
     expected = {"mse": (1 + 9 + 0.25) / 3, "mae": (1 + 3 + 0.5) / 3, "huber": (0.5 + 2.5 + 0.125) / 3}[fitkit_name]

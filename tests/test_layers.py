@@ -67,10 +67,10 @@ def test_causal_attention_ignores_the_future():
     x = torch.randn(2, 9, 16)
     t = 4
     x2 = x.clone()
-    x2[:, t + 1:] = torch.randn(2, 9 - t - 1, 16)
+    x2[:, t + 1 :] = torch.randn(2, 9 - t - 1, 16)
     y, y2 = attn(x), attn(x2)
     torch.testing.assert_close(y[:, : t + 1], y2[:, : t + 1])
-    assert not torch.allclose(y[:, t + 1:], y2[:, t + 1:])
+    assert not torch.allclose(y[:, t + 1 :], y2[:, t + 1 :])
 
 
 def test_gpt_is_causal():
@@ -79,10 +79,10 @@ def test_gpt_is_causal():
     idx = torch.randint(0, 11, (2, 8))
     for t in range(7):
         idx2 = idx.clone()
-        idx2[:, t + 1:] = (idx[:, t + 1:] + 1) % 11  # change every later token
+        idx2[:, t + 1 :] = (idx[:, t + 1 :] + 1) % 11  # change every later token
         logits, logits2 = gpt(idx), gpt(idx2)
         torch.testing.assert_close(logits[:, : t + 1], logits2[:, : t + 1])
-        assert not torch.allclose(logits[:, t + 1:], logits2[:, t + 1:])
+        assert not torch.allclose(logits[:, t + 1 :], logits2[:, t + 1 :])
 
 
 # --- parity with a hand-written attention -----------------------------------------------------
@@ -119,8 +119,7 @@ def test_attention_matches_naive_softmax(causal, mask_kind):
     # float64 so that the comparison tests the math, not rounding.
     attn = MultiHeadSelfAttention(C, n_head=3, causal=causal).double()
     x = torch.randn(B, T, C, dtype=torch.float64)
-    mask = {None: None, "bool": _bool_mask(B, T),
-            "float": torch.randn(T, T, dtype=torch.float64)}[mask_kind]
+    mask = {None: None, "bool": _bool_mask(B, T), "float": torch.randn(T, T, dtype=torch.float64)}[mask_kind]
     expected = naive_attention(attn, x, causal, mask)
     torch.testing.assert_close(attn(x, attn_mask=mask), expected)
 
@@ -150,11 +149,13 @@ def test_activation_and_norm_choices():
 
 def test_unknown_names_list_the_valid_ones():
     valid_acts = "gelu, gelu_tanh, identity, relu, sigmoid, silu, tanh"
-    with pytest.raises(ValueError, match=re.escape(f"Unknown activation 'gelux' for `act_layer`. "
-                                                   f"Valid names: {valid_acts}.")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"Unknown activation 'gelux' for `act_layer`. Valid names: {valid_acts}.")
+    ):
         FFN(4, act_layer="gelux")
-    with pytest.raises(ValueError, match=re.escape("Unknown norm 'batchnorm' for `norm_layer`. "
-                                                   "Valid names: layernorm, rmsnorm.")):
+    with pytest.raises(
+        ValueError, match=re.escape("Unknown norm 'batchnorm' for `norm_layer`. Valid names: layernorm, rmsnorm.")
+    ):
         TransformerBlock(8, 2, norm_layer="batchnorm")
     with pytest.raises(TypeError, match="Expected `act_layer` to be a name or an nn.Module"):
         FFN(4, act_layer=42)
@@ -209,10 +210,8 @@ def test_gpt_weight_tying_and_init():
     L = 3
     gpt = GPT(vocab_size=50, block_size=16, n_layer=L, n_head=4, n_embd=128)
     assert gpt.lm_head.weight is gpt.embed.wte.weight
-    assert all(torch.all(m.bias == 0) for m in gpt.modules() if isinstance(m, nn.Linear)
-               and m.bias is not None)
-    proj = torch.cat([torch.cat([b.attn.proj.weight.flatten(), b.mlp.fc2.weight.flatten()])
-                      for b in gpt.blocks])
+    assert all(torch.all(m.bias == 0) for m in gpt.modules() if isinstance(m, nn.Linear) and m.bias is not None)
+    proj = torch.cat([torch.cat([b.attn.proj.weight.flatten(), b.mlp.fc2.weight.flatten()]) for b in gpt.blocks])
     assert proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * L), rel=0.05)
     assert gpt.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert gpt.embed.wpe.weight.std().item() == pytest.approx(0.02, rel=0.1)

@@ -102,8 +102,12 @@ def _grouped(groups) -> fitkit.Model:
 
 
 def test_named_groups_log_learning_rate_slash_name(tmp_path):
-    model = _grouped(lambda net: [{"params": net[0].parameters(), "name": "body", "lr": 0.05},
-                                {"params": net[1].parameters(), "name": "head"}])  # fmt: skip
+    model = _grouped(
+        lambda net: [
+            {"params": net[0].parameters(), "name": "body", "lr": 0.05},
+            {"params": net[1].parameters(), "name": "head"},
+        ]
+    )
     x = torch.randn(8, 2)
     history = model.fit(x, x[:, :1], epochs=2, verbose=0, callbacks=[CSVLogger(tmp_path / "log.csv")])
     assert history.history["learning_rate/body"] == [0.05, 0.05]
@@ -116,21 +120,27 @@ def test_named_groups_log_learning_rate_slash_name(tmp_path):
 
 
 def test_unnamed_groups_keep_pg_keys_beside_named_ones():
-    model = _grouped(lambda net: [{"params": net[0].parameters()},
-                                {"params": net[1].parameters(), "lr": 0.01, "name": "head"}])  # fmt: skip
+    model = _grouped(
+        lambda net: [{"params": net[0].parameters()}, {"params": net[1].parameters(), "lr": 0.01, "name": "head"}]
+    )
     x = torch.randn(8, 2)
     history = model.fit(x, x[:, :1], epochs=1, verbose=0)
     assert history.history["learning_rate/head"] == [0.01] and "learning_rate/pg1" not in history.history
-    model = _grouped(lambda net: [{"params": net[0].parameters(), "name": "body"},
-                                {"params": net[1].parameters(), "lr": 0.01}])  # fmt: skip
+    model = _grouped(
+        lambda net: [{"params": net[0].parameters(), "name": "body"}, {"params": net[1].parameters(), "lr": 0.01}]
+    )
     history = model.fit(x, x[:, :1], epochs=1, verbose=0)
     assert history.history["learning_rate/body"] == [0.1] and history.history["learning_rate/pg1"] == [0.01]
 
 
 @pytest.mark.parametrize("names", [("a", "a"), ("", "b"), (3, "b")])
 def test_bad_group_names_are_an_error_before_step_1(names):
-    model = _grouped(lambda net: [{"params": net[0].parameters(), "name": names[0]},
-                                {"params": net[1].parameters(), "name": names[1]}])  # fmt: skip
+    model = _grouped(
+        lambda net: [
+            {"params": net[0].parameters(), "name": names[0]},
+            {"params": net[1].parameters(), "name": names[1]},
+        ]
+    )
     before = [p.detach().clone() for p in model.module.parameters()]
     x = torch.randn(8, 2)
     with pytest.raises(ValueError, match="distinct, non-empty strings"):

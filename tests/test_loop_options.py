@@ -122,8 +122,9 @@ def test_groups_with_one_learning_rate_log_one_key():
 
     net = GPT(vocab_size=11, block_size=4, n_layer=1, n_head=1, n_embd=8)
     model = fitkit.Model(net, device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.AdamW(param_groups_weight_decay(net, 0.1), lr=1e-3),
-                  loss="cross_entropy")  # fmt: skip
+    model.compile(
+        optimizer=lambda p: torch.optim.AdamW(param_groups_weight_decay(net, 0.1), lr=1e-3), loss="cross_entropy"
+    )
     x = torch.randint(0, 11, (4, 4))
     h = model.fit(x, x, epochs=1, verbose=0)
     assert [k for k in h.history if k.startswith("learning_rate")] == ["learning_rate"]
@@ -166,11 +167,18 @@ def test_fit_shuffle_batch_trains_the_hand_loops_chunks(n, batch_size, weighted)
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"shuffle": "batches"}, TypeError, r"Expected `shuffle` to be a bool\. Received: shuffle='batches'\. Fix: "
-                                            r"pass True, False or 'batch'"),
-        ({"shuffle": "batch", "dataset": True}, ValueError,
-         r"fit\(shuffle='batch'\) shuffles chunks of batch_size rows of in-memory arrays.*Received: x of type "
-         r"TensorDataset\. Fix:"),
+        (
+            {"shuffle": "batches"},
+            TypeError,
+            r"Expected `shuffle` to be a bool\. Received: shuffle='batches'\. Fix: "
+            r"pass True, False or 'batch'",
+        ),
+        (
+            {"shuffle": "batch", "dataset": True},
+            ValueError,
+            r"fit\(shuffle='batch'\) shuffles chunks of batch_size rows of in-memory arrays.*Received: x of type "
+            r"TensorDataset\. Fix:",
+        ),
     ],
 )
 def test_fit_shuffle_batch_errors_before_step_1(kwargs, error, match):

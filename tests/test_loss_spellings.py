@@ -79,42 +79,75 @@ SPELLINGS = {
     "F.cross_entropy": (F.cross_entropy, F.cross_entropy, *_CE),
     "CrossEntropyLoss()": (nn.CrossEntropyLoss(), F.cross_entropy, *_CE),
     "CrossEntropyLoss(), ignored": (nn.CrossEntropyLoss(), F.cross_entropy, "ignored", None),
-    "CrossEntropyLoss(label_smoothing)": (nn.CrossEntropyLoss(label_smoothing=0.1),
-                                          functools.partial(F.cross_entropy, label_smoothing=0.1), *_CE),
-    "CrossEntropyLoss(label_smoothing), ignored": (nn.CrossEntropyLoss(label_smoothing=0.1),
-                                                   functools.partial(F.cross_entropy, label_smoothing=0.1),
-                                                   "ignored", None),
-    "CrossEntropyLoss(weight)": (nn.CrossEntropyLoss(weight=WEIGHTS),
-                                 functools.partial(F.cross_entropy, weight=WEIGHTS), *_CE),
+    "CrossEntropyLoss(label_smoothing)": (
+        nn.CrossEntropyLoss(label_smoothing=0.1),
+        functools.partial(F.cross_entropy, label_smoothing=0.1),
+        *_CE,
+    ),
+    "CrossEntropyLoss(label_smoothing), ignored": (
+        nn.CrossEntropyLoss(label_smoothing=0.1),
+        functools.partial(F.cross_entropy, label_smoothing=0.1),
+        "ignored",
+        None,
+    ),
+    "CrossEntropyLoss(weight)": (
+        nn.CrossEntropyLoss(weight=WEIGHTS),
+        functools.partial(F.cross_entropy, weight=WEIGHTS),
+        *_CE,
+    ),
     "CrossEntropyLoss(weight, ignore_index, label_smoothing), ignored": (
         nn.CrossEntropyLoss(weight=WEIGHTS, ignore_index=7, label_smoothing=0.2),
-        functools.partial(F.cross_entropy, weight=WEIGHTS, ignore_index=7, label_smoothing=0.2), "ignored7", None),
-    "CrossEntropyLoss(weight), ignored": (nn.CrossEntropyLoss(weight=WEIGHTS),
-                                          functools.partial(F.cross_entropy, weight=WEIGHTS), "ignored", None),
+        functools.partial(F.cross_entropy, weight=WEIGHTS, ignore_index=7, label_smoothing=0.2),
+        "ignored7",
+        None,
+    ),
+    "CrossEntropyLoss(weight), ignored": (
+        nn.CrossEntropyLoss(weight=WEIGHTS),
+        functools.partial(F.cross_entropy, weight=WEIGHTS),
+        "ignored",
+        None,
+    ),
     "'nll'": ("nll", F.nll_loss, *_NLL),
     "F.nll_loss": (F.nll_loss, F.nll_loss, *_NLL),
-    "NLLLoss(weight, ignore_index), ignored": (nn.NLLLoss(weight=WEIGHTS, ignore_index=7),
-                                               functools.partial(F.nll_loss, weight=WEIGHTS, ignore_index=7),
-                                               "ignored7", nn.LogSoftmax(1)),
+    "NLLLoss(weight, ignore_index), ignored": (
+        nn.NLLLoss(weight=WEIGHTS, ignore_index=7),
+        functools.partial(F.nll_loss, weight=WEIGHTS, ignore_index=7),
+        "ignored7",
+        nn.LogSoftmax(1),
+    ),
     "'bce_with_logits'": ("bce_with_logits", F.binary_cross_entropy_with_logits, "binary", None),
-    "BCEWithLogitsLoss(pos_weight)": (nn.BCEWithLogitsLoss(pos_weight=POS_WEIGHT),
-                                      functools.partial(F.binary_cross_entropy_with_logits, pos_weight=POS_WEIGHT),
-                                      "binary", None),
+    "BCEWithLogitsLoss(pos_weight)": (
+        nn.BCEWithLogitsLoss(pos_weight=POS_WEIGHT),
+        functools.partial(F.binary_cross_entropy_with_logits, pos_weight=POS_WEIGHT),
+        "binary",
+        None,
+    ),
     "F.binary_cross_entropy": (F.binary_cross_entropy, F.binary_cross_entropy, "binary", nn.Sigmoid()),
     "BCELoss()": (nn.BCELoss(), F.binary_cross_entropy, "binary", nn.Sigmoid()),
     "'mse'": ("mse", F.mse_loss, "regression", None),
     "F.mse_loss": (F.mse_loss, F.mse_loss, "regression", None),
     "MSELoss()": (nn.MSELoss(), F.mse_loss, "regression", None),
     "L1Loss()": (nn.L1Loss(), F.l1_loss, "regression", None),
-    "SmoothL1Loss(beta)": (nn.SmoothL1Loss(beta=0.5), functools.partial(F.smooth_l1_loss, beta=0.5),
-                           "regression", None),
+    "SmoothL1Loss(beta)": (
+        nn.SmoothL1Loss(beta=0.5),
+        functools.partial(F.smooth_l1_loss, beta=0.5),
+        "regression",
+        None,
+    ),
     "HuberLoss(delta)": (nn.HuberLoss(delta=0.5), functools.partial(F.huber_loss, delta=0.5), "regression", None),
-    "KLDivLoss(batchmean)": (nn.KLDivLoss(reduction="batchmean"), functools.partial(F.kl_div, reduction="batchmean"),
-                             "probs", nn.LogSoftmax(1)),
-    "KLDivLoss(batchmean, log_target)": (nn.KLDivLoss(reduction="batchmean", log_target=True),
-                                         functools.partial(F.kl_div, reduction="batchmean", log_target=True),
-                                         "log_probs", nn.LogSoftmax(1)),
-}  # fmt: skip
+    "KLDivLoss(batchmean)": (
+        nn.KLDivLoss(reduction="batchmean"),
+        functools.partial(F.kl_div, reduction="batchmean"),
+        "probs",
+        nn.LogSoftmax(1),
+    ),
+    "KLDivLoss(batchmean, log_target)": (
+        nn.KLDivLoss(reduction="batchmean", log_target=True),
+        functools.partial(F.kl_div, reduction="batchmean", log_target=True),
+        "log_probs",
+        nn.LogSoftmax(1),
+    ),
+}
 
 
 def _case(spelling: str):
@@ -171,11 +204,20 @@ def _fit(spelling: str, source: str) -> tuple[list[torch.Tensor], float]:
 
 #: Every spelling on tensors and on a dataset with ``targets``; the class-index ones whose path
 #: depends on what fitkit knows of the targets on every source (``Opaque``: the guarded mean).
-_ALL_SOURCES = ("CrossEntropyLoss()", "CrossEntropyLoss(), ignored", "CrossEntropyLoss(label_smoothing)",
-                "CrossEntropyLoss(label_smoothing), ignored", "CrossEntropyLoss(weight)")
-RUNS = [(spelling, source) for spelling in SPELLINGS
-        for source in (("tensors", "TensorDataset", "Pairs", "Opaque") if spelling in _ALL_SOURCES
-                       else ("tensors", "Pairs"))]  # fmt: skip
+_ALL_SOURCES = (
+    "CrossEntropyLoss()",
+    "CrossEntropyLoss(), ignored",
+    "CrossEntropyLoss(label_smoothing)",
+    "CrossEntropyLoss(label_smoothing), ignored",
+    "CrossEntropyLoss(weight)",
+)
+RUNS = [
+    (spelling, source)
+    for spelling in SPELLINGS
+    for source in (
+        ("tensors", "TensorDataset", "Pairs", "Opaque") if spelling in _ALL_SOURCES else ("tensors", "Pairs")
+    )
+]
 
 
 @pytest.mark.parametrize(("spelling", "source"), RUNS)
@@ -189,16 +231,31 @@ def test_every_spelling_trains_as_its_hand_loop_on_every_source(spelling, source
 def test_a_module_resolves_to_its_functional_and_options():
     ce = resolve_loss(nn.CrossEntropyLoss(weight=WEIGHTS, ignore_index=7, label_smoothing=0.2, reduction="sum"))
     assert (ce.fn, ce.kind, ce.name, ce.ignore_index, ce.reduction, ce.output) == (
-        F.cross_entropy, "class_index", "CrossEntropyLoss", 7, "sum", "logits")
+        F.cross_entropy,
+        "class_index",
+        "CrossEntropyLoss",
+        7,
+        "sum",
+        "logits",
+    )
     assert ce.options == {"weight": WEIGHTS, "ignore_index": 7, "label_smoothing": 0.2} and ce.class_weights is WEIGHTS
     default = resolve_loss(nn.CrossEntropyLoss())
     named, functional = resolve_loss("cross_entropy"), resolve_loss(F.cross_entropy)
     for loss in (default, functional):
         assert (loss.fn, loss.kind, loss.options, loss.ignore_index, loss.reduction, loss.class_weights) == (
-            named.fn, named.kind, {}, -100, "mean", None)
+            named.fn,
+            named.kind,
+            {},
+            -100,
+            "mean",
+            None,
+        )
     bce = resolve_loss(nn.BCEWithLogitsLoss(pos_weight=POS_WEIGHT))
     assert (bce.fn, bce.options, bce.output) == (
-        F.binary_cross_entropy_with_logits, {"pos_weight": POS_WEIGHT}, "logits")
+        F.binary_cross_entropy_with_logits,
+        {"pos_weight": POS_WEIGHT},
+        "logits",
+    )
     huber = resolve_loss(nn.HuberLoss(delta=0.5, reduction="none"))
     assert (huber.fn, huber.options, huber.reduction) == (F.huber_loss, {"delta": 0.5}, "mean")
     kl = resolve_loss(nn.KLDivLoss(reduction="batchmean", log_target=True))

@@ -35,8 +35,17 @@ def _schedule(start, end, n):
 def test_lrs_losses_and_smoothing_are_exact():
     model = _scalar_model()
     ones = torch.ones(8, 1)
-    result = find_lr(model, ones, torch.zeros(8, 1), batch_size=4, start_lr=1e-3, end_lr=0.3, num_steps=7,
-                     smooth=0.9, diverge_threshold=None)
+    result = find_lr(
+        model,
+        ones,
+        torch.zeros(8, 1),
+        batch_size=4,
+        start_lr=1e-3,
+        end_lr=0.3,
+        num_steps=7,
+        smooth=0.9,
+        diverge_threshold=None,
+    )
     assert result.lrs == _schedule(1e-3, 0.3, 7)  # 2 batches: the data is cycled
     w, raw = 1.0, []
     for lr in result.lrs:
@@ -64,16 +73,16 @@ def test_the_sweep_stops_when_the_smoothed_loss_diverges():
             break
         best = min(best, s)
     assert stop is not None and stop < 29
-    result = find_lr(model, torch.ones(4, 1), torch.zeros(4, 1), start_lr=1e-2, end_lr=100.0, num_steps=30,
-                     smooth=0.5)
+    result = find_lr(model, torch.ones(4, 1), torch.zeros(4, 1), start_lr=1e-2, end_lr=100.0, num_steps=30, smooth=0.5)
     assert len(result.lrs) == stop + 1  # the step that diverged is recorded
     assert result.losses[-1] > 4 * min(result.losses[:-1])
 
 
 def test_a_non_finite_loss_stops_the_sweep():
     model = _scalar_model()
-    result = find_lr(model, torch.ones(4, 1), torch.zeros(4, 1), start_lr=1e10, end_lr=1e300, num_steps=50,
-                     diverge_threshold=None)
+    result = find_lr(
+        model, torch.ones(4, 1), torch.zeros(4, 1), start_lr=1e10, end_lr=1e300, num_steps=50, diverge_threshold=None
+    )
     assert len(result.lrs) < 50 and not math.isfinite(result.losses[-1])
 
 
@@ -110,10 +119,11 @@ def test_the_model_is_left_exactly_as_it_was():
     module[1].eval()  # a frozen submodule stays frozen
     model = fitkit.Model(module, device="cpu")
     model.compile(
-        optimizer=functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1), loss="cross_entropy",
+        optimizer=functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1),
+        loss="cross_entropy",
         scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=20),
         scheduler_interval="step",
-    )  # fmt: skip
+    )
     x, y = torch.randn(40, 4), torch.randint(0, 3, (40,))
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # optimizer state, scheduler at step 5
     model.module(x).sum().backward()  # gradients the user left there
@@ -213,8 +223,11 @@ def test_a_plot_that_cannot_be_written_leaves_the_older_plot_whole(tmp_path, mon
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(Figure, "savefig", full)
-    with pytest.raises(OSError, match=r"No space left on device while writing '.*lr\.png'; the older file, if any, "
-                       r"is unchanged\. Fix"):
+    with pytest.raises(
+        OSError,
+        match=r"No space left on device while writing '.*lr\.png'; the older file, if any, "
+        r"is unchanged\. Fix",
+    ):
         find_lr(model, torch.ones(4, 1), torch.zeros(4, 1), start_lr=1e-3, end_lr=0.4, num_steps=20, path=path)
     assert _png_bytes(path) == older and sorted(p.name for p in tmp_path.iterdir()) == ["lr.png"]  # no temp left
 
@@ -235,8 +248,10 @@ def test_a_plot_on_a_full_disk_leaves_no_empty_png(tmp_path):
 def test_plot_without_matplotlib(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     r = LRFinderResult(lrs=[1e-3, 1e-2], losses=[1.0, 0.5], raw_losses=[1.0, 0.5])
-    expected = (r"Install the `plot` extra: "
-                r"`pip install '\.\[plot\]'` from a checkout \(`pip install 'torch-fitkit\[plot\]'`")
+    expected = (
+        r"Install the `plot` extra: "
+        r"`pip install '\.\[plot\]'` from a checkout \(`pip install 'torch-fitkit\[plot\]'`"
+    )
     with pytest.raises(ImportError, match=expected):
         r.plot()
 
@@ -297,8 +312,17 @@ def test_digits_suggestion_trains_the_cnn_to_097():
 # -- mode="linear" and apply=True --------------------------------------------------------------
 def test_linear_mode_sweeps_evenly_and_suggests_on_the_linear_axis():
     model = _scalar_model()
-    result = find_lr(model, torch.ones(8, 1), torch.zeros(8, 1), batch_size=4, start_lr=0.01, end_lr=0.1,
-                     num_steps=10, diverge_threshold=None, mode="linear")  # fmt: skip
+    result = find_lr(
+        model,
+        torch.ones(8, 1),
+        torch.zeros(8, 1),
+        batch_size=4,
+        start_lr=0.01,
+        end_lr=0.1,
+        num_steps=10,
+        diverge_threshold=None,
+        mode="linear",
+    )
     assert result.lrs == [0.01 + (0.1 - 0.01) * (i / 9) for i in range(10)]
     assert result.mode == "linear"
     lrs, losses = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [4.0, 3.0, 2.6, 2.2, 1.6, 3.0]
@@ -312,9 +336,11 @@ def test_linear_mode_sweeps_evenly_and_suggests_on_the_linear_axis():
 def _two_groups(scheduler=None) -> fitkit.Model:
     torch.manual_seed(0)
     model = fitkit.Model(nn.Linear(2, 1), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD([{"params": [p[0]], "lr": 0.1},
-                                                       {"params": [p[1]], "lr": 0.02}]),
-                  loss="mse", scheduler=scheduler)  # fmt: skip
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD([{"params": [p[0]], "lr": 0.1}, {"params": [p[1]], "lr": 0.02}]),
+        loss="mse",
+        scheduler=scheduler,
+    )
     return model
 
 

@@ -45,8 +45,11 @@ def test_the_value_is_torchmetrics_micro_accuracy_to_the_bit(ignore_index, given
     for preds, target in _batches(ignore_index):
         count = None
         if given_count:  # as the cross-entropy kernel gives it: a float count of the targets that count
-            count = (target != ignore_index).sum().float() if ignore_index is not None else torch.tensor(
-                float(target.numel()))
+            count = (
+                (target != ignore_index).sum().float()
+                if ignore_index is not None
+                else torch.tensor(float(target.numel()))
+            )
         ours.update(preds, target, count)
         theirs.update(preds, target)
         assert torch.equal(ours.compute(), theirs.compute())
@@ -112,8 +115,9 @@ def _fit_saving_at_batch_2(path=None):
     torch.manual_seed(0)
     model = fitkit.Model(nn.Linear(3, C), device="cpu")
     model.compile(functools.partial(torch.optim.SGD, lr=0.5), "cross_entropy", metrics=["accuracy"])
-    save = LambdaCallback(on_train_batch_end=lambda b, logs: path and model.epoch == 1 and b == 2
-                          and model.save_checkpoint(path))  # fmt: skip
+    save = LambdaCallback(
+        on_train_batch_end=lambda b, logs: path and model.epoch == 1 and b == 2 and model.save_checkpoint(path)
+    )
     return model, x, y, save
 
 
@@ -128,7 +132,10 @@ def test_a_checkpoint_with_torchmetrics_stat_scores_resumes_the_epoch_exactly(tm
     correct, total = new["correct"], new["total"].long()
     assert 0 < correct < total
     state["trackers"]["metrics"]["accuracy"] = {
-        "tp": correct, "fp": total - correct, "tn": correct + (C - 2) * total, "fn": total - correct,
+        "tp": correct,
+        "fp": total - correct,
+        "tn": correct + (C - 2) * total,
+        "fn": total - correct,
         "_update_count": new["_update_count"],
     }
     del state["fitkit_checksum"]  # as the earlier fitkit wrote it: no checksum of this content
@@ -225,11 +232,14 @@ def test_nothing_counted_is_torchmetrics_zero():
         assert torch.equal(ours.compute(), theirs.compute()) and ours.compute().item() == 0.0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"stat": "f2"}, "Expected `stat` to be one of precision, recall, f1. Received: stat='f2'"),
-    ({"average": "samples"}, "Expected `average` to be one of 'micro', .* Received: average='samples'"),
-    ({"num_classes": 1}, "Expected `num_classes` to be an int of at least 2. Received: num_classes=1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"stat": "f2"}, "Expected `stat` to be one of precision, recall, f1. Received: stat='f2'"),
+        ({"average": "samples"}, "Expected `average` to be one of 'micro', .* Received: average='samples'"),
+        ({"num_classes": 1}, "Expected `num_classes` to be an int of at least 2. Received: num_classes=1"),
+    ],
+)
 def test_bad_arguments_name_what_was_expected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CountedStatScores(**{"num_classes": K, **kwargs})
@@ -268,8 +278,9 @@ def _fit_with(metrics, path=None):
     torch.manual_seed(0)
     model = fitkit.Model(nn.Linear(3, C), device="cpu")
     model.compile(functools.partial(torch.optim.SGD, lr=0.5), "cross_entropy", metrics=metrics)
-    save = LambdaCallback(on_train_batch_end=lambda b, logs: path and model.epoch == 1 and b == 2
-                          and model.save_checkpoint(path))  # fmt: skip
+    save = LambdaCallback(
+        on_train_batch_end=lambda b, logs: path and model.epoch == 1 and b == 2 and model.save_checkpoint(path)
+    )
     return model, x, y, save
 
 
@@ -322,8 +333,12 @@ torch.save(ce_case("ignored", metrics=metrics)["logs"], OUT / f"rank{rank()}.pt"
 def test_two_ranks_report_the_label_metrics_of_every_row_as_torchmetrics(tmp_path):
     run_torchrun(JOB, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    metrics = {"accuracy": "accuracy", "tm": MulticlassAccuracy(4, average="micro", ignore_index=-100),
-               **{name: name for name in STATS}, **{f"tm_{name}": _theirs(name, -100, num_classes=4) for name in STATS}}
+    metrics = {
+        "accuracy": "accuracy",
+        "tm": MulticlassAccuracy(4, average="micro", ignore_index=-100),
+        **{name: name for name in STATS},
+        **{f"tm_{name}": _theirs(name, -100, num_classes=4) for name in STATS},
+    }
     one = ce_case("ignored", metrics=metrics)["logs"]
     assert one["accuracy"] == one["tm"]
     for logs in ranks:

@@ -121,10 +121,14 @@ def test_ignore_index_for_the_score_metrics():
 
 @pytest.mark.parametrize(
     "num_classes, ignore_index, average, name",
-    list(itertools.product(
-        [3, 5], [-100, 0, 2], ["micro", "macro"],
-        ["MulticlassAccuracy", "MulticlassPrecision", "MulticlassRecall", "MulticlassF1Score"],
-    )),
+    list(
+        itertools.product(
+            [3, 5],
+            [-100, 0, 2],
+            ["micro", "macro"],
+            ["MulticlassAccuracy", "MulticlassPrecision", "MulticlassRecall", "MulticlassF1Score"],
+        )
+    ),
 )
 def test_sync_free_ignore_index_matches_torchmetrics_own(num_classes, ignore_index, average, name):
     g = torch.Generator().manual_seed(num_classes + ignore_index)
@@ -155,8 +159,9 @@ Y_BIN = torch.tensor([1.0, 1.0, 0.0, 1.0])
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("loss, sigmoid", [("bce_with_logits", False), (nn.BCEWithLogitsLoss(), False),
-                                           (nn.BCELoss(), True), ("bce", True)])
+@pytest.mark.parametrize(
+    "loss, sigmoid", [("bce_with_logits", False), (nn.BCEWithLogitsLoss(), False), (nn.BCELoss(), True), ("bce", True)]
+)
 def test_binary_accuracy_follows_the_loss_never_the_values(batch_size, loss, sigmoid):
     # the output is the logit x (or sigmoid(x)): every sample is on the right side
     net = fixed_linear(1, 1, weight=1.0)
@@ -411,8 +416,12 @@ def _ops_of(fn) -> set[str]:
 @pytest.mark.parametrize(
     "loss, metrics, y_pred, y",
     [
-        ("cross_entropy", ["accuracy", "precision", "recall", "f1", real_tokens],
-         torch.randn(2, 4, 3), Y_TOK),  # language-model layout with ignored targets
+        (
+            "cross_entropy",
+            ["accuracy", "precision", "recall", "f1", real_tokens],
+            torch.randn(2, 4, 3),
+            Y_TOK,
+        ),  # language-model layout with ignored targets
         (nn.CrossEntropyLoss(ignore_index=0), ["accuracy", "f1"], torch.randn(2, 3, 4), Y_TOK.clamp(min=0)),
         ("bce_with_logits", ["accuracy", "precision"], torch.randn(4, 1), torch.tensor([1.0, 0.0, 1.0, 1.0])),
         ("mse", ["mae", "rmse", mean_abs_error], torch.randn(4, 1), torch.randn(4)),

@@ -74,11 +74,14 @@ def _fit(source: str, micro: int | None, accumulation: int):
     for p in module.parameters():
         nn.init.normal_(p, std=0.5)
     model = fitkit.Model(module, device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.05), loss=loss, micro_batch_size=micro,
-                  gradient_accumulation_steps=accumulation)  # fmt: skip
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+        loss=loss,
+        micro_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+    )
     counts = Counts()
-    history = model.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2, shuffle=False, callbacks=[counts],
-                        verbose=0)  # fmt: skip
+    history = model.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2, shuffle=False, callbacks=[counts], verbose=0)
     return model, history, counts
 
 
@@ -114,7 +117,7 @@ def test_micro_batches_match_a_hand_loop_exactly_in_one_chunk_per_row_case():
     for lo in (0, 4):
         opt.zero_grad()
         for c in (lo, lo + 2):
-            (nn.functional.mse_loss(hand(x[c:c + 2]), y[c:c + 2]) * (2 / 4)).backward()
+            (nn.functional.mse_loss(hand(x[c : c + 2]), y[c : c + 2]) * (2 / 4)).backward()
         opt.step()
     for a, b in zip(module.parameters(), hand.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -122,8 +125,10 @@ def test_micro_batches_match_a_hand_loop_exactly_in_one_chunk_per_row_case():
 
 @pytest.mark.parametrize(
     ("value", "error", "match"),
-    [(0, ValueError, r"Expected `micro_batch_size` >= 1\. Received: micro_batch_size=0\."),
-     (2.0, TypeError, r"Expected `micro_batch_size` to be an int\. Received: micro_batch_size=2\.0\.")],
+    [
+        (0, ValueError, r"Expected `micro_batch_size` >= 1\. Received: micro_batch_size=0\."),
+        (2.0, TypeError, r"Expected `micro_batch_size` to be an int\. Received: micro_batch_size=2\.0\."),
+    ],
 )
 def test_micro_batch_size_errors(value, error, match):
     model = fitkit.Model(nn.Linear(1, 1), device="cpu")

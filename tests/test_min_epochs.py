@@ -24,11 +24,20 @@ X, Y = torch.randn(8, 2, generator=torch.Generator().manual_seed(0)), torch.zero
 def test_early_stopping_waits_for_min_epochs():
     # the same loss every epoch (lr 0, no shuffling): EarlyStopping(patience=1) stops after epoch
     # index 1 (Keras: the first epoch sets the best, the second does not improve) ...
-    assert _model().fit(X, Y, batch_size=4, epochs=10, shuffle=False, verbose=0,
-                        callbacks=[EarlyStopping(monitor="loss", patience=1)]).epoch == [0, 1]
+    assert _model().fit(
+        X, Y, batch_size=4, epochs=10, shuffle=False, verbose=0, callbacks=[EarlyStopping(monitor="loss", patience=1)]
+    ).epoch == [0, 1]
     # ... and with min_epochs=4 its requests after epochs 2 and 3 are dropped; the one after 4 stops
-    history = _model().fit(X, Y, batch_size=4, epochs=10, min_epochs=4, shuffle=False, verbose=0,
-                           callbacks=[EarlyStopping(monitor="loss", patience=1)])
+    history = _model().fit(
+        X,
+        Y,
+        batch_size=4,
+        epochs=10,
+        min_epochs=4,
+        shuffle=False,
+        verbose=0,
+        callbacks=[EarlyStopping(monitor="loss", patience=1)],
+    )
     assert history.epoch == [0, 1, 2, 3]
 
 
@@ -45,12 +54,15 @@ def test_max_steps_still_ends_training():
     assert model.global_step == 6
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"min_epochs": 5, "epochs": 3}, ValueError, r"min_epochs=5 asks for more than epochs=3"),
-    ({"min_steps": 10, "max_steps": 4}, ValueError, r"min_steps=10 asks for more than max_steps=4"),
-    ({"min_epochs": -1}, ValueError, "min_epochs"),
-    ({"min_steps": 2.5}, TypeError, "min_steps"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"min_epochs": 5, "epochs": 3}, ValueError, r"min_epochs=5 asks for more than epochs=3"),
+        ({"min_steps": 10, "max_steps": 4}, ValueError, r"min_steps=10 asks for more than max_steps=4"),
+        ({"min_epochs": -1}, ValueError, "min_epochs"),
+        ({"min_steps": 2.5}, TypeError, "min_steps"),
+    ],
+)
 def test_bad_minimums_are_refused_before_step_1(kwargs, error, match):
     model = _model()
     with pytest.raises(error, match=match):

@@ -21,8 +21,7 @@ def _net(inputs: int = 3, outputs: int = 1) -> nn.Linear:
 
 def _model(net: nn.Module, precision: str, loss: str = "mse", metrics=("mae",)) -> fitkit.Model:
     model = fitkit.Model(net, device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss=loss, metrics=list(metrics),
-                  precision=precision)
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss=loss, metrics=list(metrics), precision=precision)
     return model
 
 

@@ -474,24 +474,39 @@ def test_hook_order_of_fit_evaluate_and_predict():
     def epoch(e):
         return [
             ("on_epoch_begin", e),
-            ("on_train_batch_begin", 0), ("on_backward_end", 0), ("on_train_batch_end", 0),
-            ("on_train_batch_begin", 1), ("on_backward_end", 1), ("on_train_batch_end", 1),
-            ("on_test_begin",), ("on_test_batch_begin", 0), ("on_test_batch_end", 0), ("on_test_end",),
-            ("on_validation_end",), ("on_epoch_end", e),
-        ]  # fmt: skip
+            ("on_train_batch_begin", 0),
+            ("on_backward_end", 0),
+            ("on_train_batch_end", 0),
+            ("on_train_batch_begin", 1),
+            ("on_backward_end", 1),
+            ("on_train_batch_end", 1),
+            ("on_test_begin",),
+            ("on_test_batch_begin", 0),
+            ("on_test_batch_end", 0),
+            ("on_test_end",),
+            ("on_validation_end",),
+            ("on_epoch_end", e),
+        ]
 
     assert events == [("on_train_begin",), *epoch(0), *epoch(1), ("on_train_end",)]
     events.clear()
     model.evaluate(x, y, batch_size=4, callbacks=[cb], verbose=0)
     assert events == [
-        ("on_test_begin",), ("on_test_batch_begin", 0), ("on_test_batch_end", 0),
-        ("on_test_batch_begin", 1), ("on_test_batch_end", 1), ("on_test_end",),
-    ]  # fmt: skip
+        ("on_test_begin",),
+        ("on_test_batch_begin", 0),
+        ("on_test_batch_end", 0),
+        ("on_test_batch_begin", 1),
+        ("on_test_batch_end", 1),
+        ("on_test_end",),
+    ]
     events.clear()
     model.predict(x, batch_size=6, callbacks=[cb], verbose=0)
     assert events == [
-        ("on_predict_begin",), ("on_predict_batch_begin", 0), ("on_predict_batch_end", 0), ("on_predict_end",),
-    ]  # fmt: skip
+        ("on_predict_begin",),
+        ("on_predict_batch_begin", 0),
+        ("on_predict_batch_end", 0),
+        ("on_predict_end",),
+    ]
 
 
 def test_a_callback_may_add_a_key_that_history_records():

@@ -28,8 +28,9 @@ def _run(notebook, cwd: Path) -> None:
     env_device = os.environ.get("FITKIT_DEVICE")
     os.environ["FITKIT_DEVICE"] = "cpu"  # the kernel inherits it: the pages' numbers are CPU numbers
     try:
-        nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
-                                resources={"metadata": {"path": str(cwd)}}).execute()
+        nbclient.NotebookClient(
+            notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+        ).execute()
     finally:
         if env_device is None:
             os.environ.pop("FITKIT_DEVICE", None)

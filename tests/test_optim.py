@@ -33,10 +33,13 @@ def _model():
     return fitkit.Model(nn.Linear(1, 1), device="cpu")
 
 
-@pytest.mark.parametrize("make", [
-    lambda o: lr_scheduler.ReduceLROnPlateau(o, mode="max", patience=0),
-    lambda o: TimmPlateauLike(o, "max"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda o: lr_scheduler.ReduceLROnPlateau(o, mode="max", patience=0),
+        lambda o: TimmPlateauLike(o, "max"),
+    ],
+)
 def test_a_plateau_scheduler_watching_a_rising_metric_is_refused_before_step_1(make):
     model = _model()
     with pytest.raises(ValueError, match=r"mode='max'\)\) is stepped on val_loss .*Fix: mode='min'"):
@@ -54,8 +57,11 @@ def test_a_plateau_scheduler_watching_a_rising_metric_is_refused_before_step_1(m
 
 def test_a_plateau_scheduler_in_min_mode_holds_the_lr_while_val_loss_falls():
     model = _model()
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse",
-                  scheduler=lambda o: lr_scheduler.ReduceLROnPlateau(o, mode="min", patience=0))  # fmt: skip
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        loss="mse",
+        scheduler=lambda o: lr_scheduler.ReduceLROnPlateau(o, mode="min", patience=0),
+    )
     x = torch.linspace(-1, 1, 16).unsqueeze(1)
     h = model.fit(x, 2 * x, epochs=3, batch_size=4, validation_data=(x, 2 * x), verbose=0)
     assert h.history["val_loss"] == sorted(h.history["val_loss"], reverse=True)

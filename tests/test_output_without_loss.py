@@ -37,7 +37,7 @@ def test_an_output_without_a_loss_trains_on_the_others_labels_alone(y):
     opt = torch.optim.SGD(hand.parameters(), lr=0.1)
     losses = []
     for i in (0, 4):
-        loss = 2.0 * nn.functional.mse_loss(hand(X[i:i + 4])[0], Y[i:i + 4])
+        loss = 2.0 * nn.functional.mse_loss(hand(X[i : i + 4])[0], Y[i : i + 4])
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -56,10 +56,13 @@ def test_a_compiled_loss_without_a_prediction_fails_before_any_step_and_names_th
     model.compile(optimizer="sgd", loss="cross_entropy")
     before = model.module.linear.weight.detach().clone()
     source = (x, y) if data == "in-memory" else ([(x, y)],)
-    with pytest.raises(ValueError, match=r"cannot pick one prediction tensor for the loss 'cross_entropy' out of "
-                                         r"the module's output: a dict with tensor entries 'start', 'end'\. "
-                                         r"The rule .*'logits'.*Fix: return a tensor, or put the prediction under "
-                                         r"'logits'"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot pick one prediction tensor for the loss 'cross_entropy' out of "
+        r"the module's output: a dict with tensor entries 'start', 'end'\. "
+        r"The rule .*'logits'.*Fix: return a tensor, or put the prediction under "
+        r"'logits'",
+    ):
         model.fit(*source, verbose=0)
     assert torch.equal(model.module.linear.weight, before) and model.global_step == 0
 
@@ -71,8 +74,11 @@ def test_metrics_without_a_prediction_fail_before_any_step_and_name_the_fix(data
     model.compile(optimizer="sgd", loss=None, metrics=["accuracy"])  # the module's own loss
     before = model.module.linear.weight.detach().clone()
     batch = {"x": x, "labels": y}
-    with pytest.raises(ValueError, match=r"cannot pick one prediction tensor for the compiled metrics .*"
-                                         r"entries 'start', 'end'.*compute metrics in a custom test_step"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot pick one prediction tensor for the compiled metrics .*"
+        r"entries 'start', 'end'.*compute metrics in a custom test_step",
+    ):
         model.fit(batch if data == "in-memory" else [batch], verbose=0)
     assert torch.equal(model.module.linear.weight, before) and model.global_step == 0
     with pytest.raises(ValueError, match=r"for the compiled metrics"):

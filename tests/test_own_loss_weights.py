@@ -35,7 +35,7 @@ def _hand(w: torch.Tensor, batch: int, accumulation: int) -> tuple[float, float]
     weighted_sum, weight_sum = 0.0, 0.0
     window = batch * accumulation
     for i in range(0, len(T), window):
-        t, ww = T[i:i + window], w[i:i + window]
+        t, ww = T[i : i + window], w[i : i + window]
         loss = (ww * (b - t) ** 2).sum() / ww.sum()  # the window's mean: one step on it
         opt.zero_grad()
         loss.backward()
@@ -72,17 +72,27 @@ def test_a_per_sample_own_loss_without_weights_is_the_mean():
     assert float(model.module.b.detach()) == pytest.approx(b, abs=1e-7) and b == pytest.approx(0.7)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda m: m.fit({"target": T}, sample_weight=W, batch_size=2, verbose=0),
-     r"cannot reach the module's own loss: with compile\(loss=None\) the loss is the module's.*Fix: compile a loss"
-     r".*or return one loss per sample"),
-    (lambda m: m.fit([({"target": T[:3]}, None, W[:3])], verbose=0),  # an iterable of (x, y, w) batches
-     r"cannot reach the module's own loss"),
-    (lambda m: m.evaluate({"target": T}, sample_weight=W, verbose=0), r"cannot reach the module's own loss"),
-    (lambda m: m.fit({"target": T}, class_weight={0: 1.0, 1: 2.0}, verbose=0),
-     r"`class_weight` weighs each sample by the class in `y`, but y=None.*compile\(loss=None\) the loss is the "
-     r"module's.*Fix: pass the class labels as `y=` with a compiled loss"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda m: m.fit({"target": T}, sample_weight=W, batch_size=2, verbose=0),
+            r"cannot reach the module's own loss: with compile\(loss=None\) the loss is the module's"
+            r".*Fix: compile a loss"
+            r".*or return one loss per sample",
+        ),
+        (
+            lambda m: m.fit([({"target": T[:3]}, None, W[:3])], verbose=0),  # an iterable of (x, y, w) batches
+            r"cannot reach the module's own loss",
+        ),
+        (lambda m: m.evaluate({"target": T}, sample_weight=W, verbose=0), r"cannot reach the module's own loss"),
+        (
+            lambda m: m.fit({"target": T}, class_weight={0: 1.0, 1: 2.0}, verbose=0),
+            r"`class_weight` weighs each sample by the class in `y`, but y=None.*compile\(loss=None\) the loss is the "
+            r"module's.*Fix: pass the class labels as `y=` with a compiled loss",
+        ),
+    ],
+)
 def test_weights_that_cannot_reach_a_mean_own_loss_are_refused_before_step_1(call, match):
     model = fitkit.Model(OwnBias(per_sample=False), device="cpu")
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=LR), loss=None)

@@ -37,8 +37,12 @@ def test_build_makes_an_sdist_and_a_wheel_that_install_and_import(tmp_path):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "fitkit", src / "fitkit", ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     version = fitkit.__version__
     wheel = out / f"torch_fitkit-{version}-py3-none-any.whl"
     sdist = out / f"torch_fitkit-{version}.tar.gz"
@@ -55,8 +59,11 @@ def test_build_makes_an_sdist_and_a_wheel_that_install_and_import(tmp_path):
     requires = meta.get_all("Requires-Dist")
     assert {"torch<3,>=2.4", "numpy>=1.24", "rich>=13", "torchmetrics>=1.4"} <= set(requires)
     assert 'wandb>=0.17; extra == "wandb"' in requires and 'peft>=0.10; extra == "peft"' in requires
-    assert {"fitkit/py.typed", "fitkit/examples/data/tinyshakespeare.txt",
-            f"torch_fitkit-{version}.dist-info/licenses/LICENSE"} <= names
+    assert {
+        "fitkit/py.typed",
+        "fitkit/examples/data/tinyshakespeare.txt",
+        f"torch_fitkit-{version}.dist-info/licenses/LICENSE",
+    } <= names
     with tarfile.open(sdist) as tf:
         members = set(tf.getnames())
     assert f"torch_fitkit-{version}/LICENSE" in members
@@ -64,8 +71,9 @@ def test_build_makes_an_sdist_and_a_wheel_that_install_and_import(tmp_path):
 
     # The release check of the package index: both files' metadata render (README as the long
     # description) and pass twine's checks.
-    twine = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(wheel), str(sdist)],
-                           capture_output=True, text=True)
+    twine = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", str(wheel), str(sdist)], capture_output=True, text=True
+    )
     assert twine.returncode == 0, twine.stdout + twine.stderr
     assert twine.stdout.count("PASSED") == 2, twine.stdout
 
@@ -75,22 +83,29 @@ def test_build_makes_an_sdist_and_a_wheel_that_install_and_import(tmp_path):
     python = _fresh_venv(tmp_path / "venv", wheel, meta.get_all("Requires-Dist"), extras={"examples"})
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(PYTHONNOUSERSITE="1", FITKIT_DEVICE="cpu", OMP_NUM_THREADS="1")
-    code = ("import fitkit, importlib.metadata as m, importlib.resources as r, importlib.util as u; "
-            "print(fitkit.__file__); print(fitkit.__version__); print(m.version('torch-fitkit')); "
-            "print(len(r.files('fitkit').joinpath('examples/data/tinyshakespeare.txt').read_text())); "
-            "print(u.find_spec('pytest') is None, u.find_spec('torchvision') is None)")
-    run = subprocess.run([str(python), "-c", code], cwd=tmp_path, env=env, check=True,
-                         capture_output=True, text=True)
+    code = (
+        "import fitkit, importlib.metadata as m, importlib.resources as r, importlib.util as u; "
+        "print(fitkit.__file__); print(fitkit.__version__); print(m.version('torch-fitkit')); "
+        "print(len(r.files('fitkit').joinpath('examples/data/tinyshakespeare.txt').read_text())); "
+        "print(u.find_spec('pytest') is None, u.find_spec('torchvision') is None)"
+    )
+    run = subprocess.run([str(python), "-c", code], cwd=tmp_path, env=env, check=True, capture_output=True, text=True)
     file, imported, installed, chars, no_pytest, no_torchvision = run.stdout.split()
     assert Path(file).parent.parent == python.parent.parent / SITE_PACKAGES
     assert imported == installed == version
     assert int(chars) == len((ROOT / "fitkit/examples/data/tinyshakespeare.txt").read_text())
     assert no_pytest == no_torchvision == "True"  # only what the wheel declares is there
-    job = subprocess.run([str(python), "-m", "fitkit.examples.digits", "--epochs", "1", "--verbose", "0"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    job = subprocess.run(
+        [str(python), "-m", "fitkit.examples.digits", "--epochs", "1", "--verbose", "0"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert job.returncode == 0, job.stderr[-3000:]
-    assert re.fullmatch(r"test accuracy 0\.\d{4} - test loss \d\.\d{4} - trained in \d+\.\ds on cpu\n",
-                        job.stdout), job.stdout
+    assert re.fullmatch(r"test accuracy 0\.\d{4} - test loss \d\.\d{4} - trained in \d+\.\ds on cpu\n", job.stdout), (
+        job.stdout
+    )
 
 
 SITE_PACKAGES = Path("lib", f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages")
@@ -102,8 +117,23 @@ def _fresh_venv(root: Path, wheel: Path, requires: list[str], extras: set[str]) 
     venv.EnvBuilder(with_pip=False).create(root)
     python = root / "bin" / "python"
     site = root / SITE_PACKAGES
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-                    "--quiet", str(wheel)], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--quiet",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     deps = root / "deps"  # the linked dependencies, one folder on the venv's path (a .pth line)
     deps.mkdir()
     (site / "dependencies.pth").write_text(f"{deps}\n")
@@ -134,14 +164,17 @@ def _fake_dist(site: Path, name: str, version: str, files: list[str], top_level:
         (info / "top_level.txt").write_text(top_level)
 
 
-@pytest.mark.parametrize("name, files, top_level, expected", [
-    ("fitkit", ["fitkit/__init__.py", "fitkit/core.py"], None, ["fitkit 0.3.1"]),  # RECORD only
-    ("fitkit", ["fitkit/__init__.py"], "fitkit\n", ["fitkit 0.3.1"]),  # top_level.txt, as setuptools writes
-    ("FitKit", ["fitkit.py"], None, ["FitKit 0.3.1"]),  # a module, and a name that normalizes to fitkit
-    ("fitkit", ["other/__init__.py"], "other\n", []),  # named fitkit, installs something else
-    ("torch-fitkit", ["fitkit/__init__.py"], "fitkit\n", []),  # this library itself
-    ("fitkit-extras", ["fitkit/__init__.py"], None, []),  # another name: not looked up (see the module)
-])
+@pytest.mark.parametrize(
+    "name, files, top_level, expected",
+    [
+        ("fitkit", ["fitkit/__init__.py", "fitkit/core.py"], None, ["fitkit 0.3.1"]),  # RECORD only
+        ("fitkit", ["fitkit/__init__.py"], "fitkit\n", ["fitkit 0.3.1"]),  # top_level.txt, as setuptools writes
+        ("FitKit", ["fitkit.py"], None, ["FitKit 0.3.1"]),  # a module, and a name that normalizes to fitkit
+        ("fitkit", ["other/__init__.py"], "other\n", []),  # named fitkit, installs something else
+        ("torch-fitkit", ["fitkit/__init__.py"], "fitkit\n", []),  # this library itself
+        ("fitkit-extras", ["fitkit/__init__.py"], None, []),  # another name: not looked up (see the module)
+    ],
+)
 def test_namesakes_names_another_distribution_that_installs_fitkit(tmp_path, name, files, top_level, expected):
     from fitkit.checks.namesake import namesakes
 
@@ -159,8 +192,9 @@ def test_namesake_warning_is_given_once_with_the_fix(tmp_path, monkeypatch):
         namesake.warn_about_namesakes(path=[str(tmp_path)])
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert message.startswith(f"Another distribution also installs the import package `fitkit`: "
-                              f"fitkit 0.3.1 ({tmp_path}).")
+    assert message.startswith(
+        f"Another distribution also installs the import package `fitkit`: fitkit 0.3.1 ({tmp_path})."
+    )
     assert "Fix: `pip uninstall -y fitkit torch-fitkit`, then install torch-fitkit again" in message
     monkeypatch.setattr(namesake, "_warned", False)
     with warnings.catch_warnings():
@@ -174,10 +208,13 @@ def test_import_fitkit_warns_once_when_the_namesake_is_on_the_path(tmp_path):
     # a second import (cached) and a second check do not.
     site = tmp_path / "site"
     _fake_dist(site, "fitkit", "0.3.1", ["fitkit/__init__.py", "fitkit/core.py"])
-    code = ("import sys, warnings; warnings.simplefilter('always'); sys.path.insert(0, sys.argv[1]); "
-            "import fitkit; import fitkit; fitkit.checks.namesake.warn_about_namesakes()")
+    code = (
+        "import sys, warnings; warnings.simplefilter('always'); sys.path.insert(0, sys.argv[1]); "
+        "import fitkit; import fitkit; fitkit.checks.namesake.warn_about_namesakes()"
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", code, str(site)], cwd=tmp_path, env=env, check=True,
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(site)], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
+    )
     assert run.stderr.count("FitkitWarning: Another distribution also installs the import package") == 1
     assert f"fitkit 0.3.1 ({site})" in run.stderr

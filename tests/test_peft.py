@@ -21,12 +21,21 @@ T = 8
 
 def _lora_bert(seed: int = 0):
     torch.manual_seed(seed)
-    config = transformers.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=32, max_position_embeddings=T, num_labels=2,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = transformers.BertConfig(
+        vocab_size=30,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=T,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     base = transformers.BertForSequenceClassification(config)
-    lora = peft.LoraConfig(task_type=peft.TaskType.SEQ_CLS, r=4, lora_alpha=8, lora_dropout=0.0,
-                           target_modules=["query", "value"])
+    lora = peft.LoraConfig(
+        task_type=peft.TaskType.SEQ_CLS, r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"]
+    )
     return peft.get_peft_model(base, lora)
 
 

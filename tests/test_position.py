@@ -37,16 +37,22 @@ def _run(epochs, spe, callbacks=()):
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss="mse")  # one step: b = that batch's y
     with warnings.catch_warnings():  # 10 batches, 4 per epoch: the third epoch runs out (one warning)
         warnings.simplefilter("ignore", fitkit.FitkitWarning)
-        h = model.fit(X, Y, batch_size=1, epochs=epochs, steps_per_epoch=spe, shuffle=False, verbose=0,
-                      callbacks=list(callbacks))  # fmt: skip
+        h = model.fit(
+            X, Y, batch_size=1, epochs=epochs, steps_per_epoch=spe, shuffle=False, verbose=0, callbacks=list(callbacks)
+        )
     return model, h
 
 
 @pytest.mark.parametrize(
     "epochs, spe, crash_at, save_freq",
-    [(1, 10, 6, 1), (2, 4, 6, 1), (3, 4, 10, "epoch"), (3, 4, 7, 2),
-     (4, 4, 11, 1),  # the backup after the pass's last batch, in the epoch it ended early: that epoch ends
-     (3, 5, 12, 1)],  # a backup inside the pass opened after one that ended with epoch 2
+    [
+        (1, 10, 6, 1),
+        (2, 4, 6, 1),
+        (3, 4, 10, "epoch"),
+        (3, 4, 7, 2),
+        (4, 4, 11, 1),  # the backup after the pass's last batch, in the epoch it ended early: that epoch ends
+        (3, 5, 12, 1),
+    ],  # a backup inside the pass opened after one that ended with epoch 2
 )
 def test_a_resume_under_steps_per_epoch_equals_the_uninterrupted_run(tmp_path, epochs, spe, crash_at, save_freq):
     ref, ref_h = _run(epochs, spe)
@@ -82,8 +88,16 @@ def test_a_checkpoint_deciding_on_epochs_without_validation_fails_before_step_1(
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss="mse")
     ckpt = ModelCheckpoint(tmp_path / "ep{epoch}.pt", monitor="val_loss", save_best_only=True, every_n_epochs=2)
     with pytest.raises(ValueError, match=r"decides at epochs \[2, 4, 6\].*validation runs at epochs \[1, 3, 5\]"):
-        model.fit(X[:1], Y[:1], epochs=6, batch_size=1, validation_data=(X[:1], Y[:1]),
-                  validation_freq=[1, 3, 5], callbacks=[ckpt], verbose=0)  # fmt: skip
+        model.fit(
+            X[:1],
+            Y[:1],
+            epochs=6,
+            batch_size=1,
+            validation_data=(X[:1], Y[:1]),
+            validation_freq=[1, 3, 5],
+            callbacks=[ckpt],
+            verbose=0,
+        )
     assert model.module.b.item() == 0.0 and list(tmp_path.iterdir()) == []
 
 
@@ -112,8 +126,12 @@ def test_position_counts_global_samples_and_reads_checkpoints_of_every_version()
         old.skip_for(tensors_of_3)
     running.leave()
     running.end_epoch(2)
-    assert running.state_dict(pass_offset=5) == {"epoch": 3, "step_in_epoch": 0, "samples_in_epoch": 0,
-                                                 "pass_offset": 5}  # fmt: skip
+    assert running.state_dict(pass_offset=5) == {
+        "epoch": 3,
+        "step_in_epoch": 0,
+        "samples_in_epoch": 0,
+        "pass_offset": 5,
+    }
 
 
 def test_a_source_resumed_by_batches_at_another_world_size_is_refused_before_a_step(tmp_path):
@@ -137,6 +155,7 @@ def test_a_source_resumed_by_batches_at_another_world_size_is_refused_before_a_s
             yield from zip(torch.randn(12, 2, generator=g), torch.randn(12, 1, generator=g), strict=True)
 
     loader = DataLoader(Rows(), batch_size=4)
+
     def save_at_1(b, logs):
         if b == 1:
             model.save_checkpoint(tmp_path / "c.pt")
@@ -150,8 +169,11 @@ def test_a_source_resumed_by_batches_at_another_world_size_is_refused_before_a_s
     resumed = make()
     start = resumed.load_checkpoint(tmp_path / "c.pt")
     before = [p.detach().clone() for p in resumed.module.parameters()]
-    with pytest.raises(ValueError, match=r"on 2 process\(es\), and this fit runs on 1\. The data cannot be re-split: "
-                       r"fitkit does not know the order of this source \(DataLoader: an iterable"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"on 2 process\(es\), and this fit runs on 1\. The data cannot be re-split: "
+        r"fitkit does not know the order of this source \(DataLoader: an iterable",
+    ):
         resumed.fit(loader, epochs=1, initial_epoch=start, verbose=0)
     assert all(torch.equal(a, b) for a, b in zip(before, resumed.module.parameters(), strict=True))
 
@@ -174,7 +196,8 @@ def test_already_sharded_data_resumed_at_another_world_size_is_refused_before_a_
     x, y = torch.randn(12, 2), torch.randn(12, 1)
     model = make()
     save = fitkit.callbacks.LambdaCallback(
-        on_train_batch_end=lambda b, logs: b == 1 and model.save_checkpoint(tmp_path / "c.pt"))
+        on_train_batch_end=lambda b, logs: b == 1 and model.save_checkpoint(tmp_path / "c.pt")
+    )
     model.fit(already_sharded(x), y, batch_size=4, epochs=1, verbose=0, callbacks=[save])
     state = torch.load(tmp_path / "c.pt", weights_only=True)
     assert (state["step_in_epoch"], state["samples_in_epoch"], state["world_size"]) == (2, 8, 1)
@@ -182,8 +205,11 @@ def test_already_sharded_data_resumed_at_another_world_size_is_refused_before_a_
     resumed = make()
     start = resumed.load_checkpoint(tmp_path / "c.pt")
     before = [p.detach().clone() for p in resumed.module.parameters()]
-    with pytest.raises(ValueError, match=r"on 2 process\(es\), and this fit runs on 1\. The data cannot be re-split: "
-                       r"it is marked already_sharded.*Fix: resume on 2 process\(es\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"on 2 process\(es\), and this fit runs on 1\. The data cannot be re-split: "
+        r"it is marked already_sharded.*Fix: resume on 2 process\(es\)",
+    ):
         resumed.fit(already_sharded(x), y, batch_size=4, epochs=1, initial_epoch=start, verbose=0)
     assert all(torch.equal(a, b) for a, b in zip(before, resumed.module.parameters(), strict=True))
 
@@ -248,8 +274,9 @@ def _fit_ids(kind: str, n: int, spe: int, epochs: int, callbacks=(), model=None,
     args, data_kwargs = _shuffled(kind, n)
     with warnings.catch_warnings():  # a pass that runs out inside an epoch warns
         warnings.simplefilter("ignore", fitkit.FitkitWarning)
-        model.fit(*args, **data_kwargs, epochs=epochs, steps_per_epoch=spe, verbose=0, callbacks=list(callbacks),
-                  **kwargs)  # fmt: skip
+        model.fit(
+            *args, **data_kwargs, epochs=epochs, steps_per_epoch=spe, verbose=0, callbacks=list(callbacks), **kwargs
+        )
     return model
 
 
@@ -287,8 +314,17 @@ def test_a_crash_under_steps_per_epoch_resumes_on_the_samples_of_the_uninterrupt
 def _fit_32(model: _IdModel, epochs: int, initial_epoch: int = 0, callbacks=()) -> _IdModel:
     """32 samples, batches of 4, 2 per epoch: a pass spans 4 epochs."""
     x = torch.arange(32.0).unsqueeze(1)
-    model.fit(x, x, batch_size=4, epochs=epochs, steps_per_epoch=2, shuffle=True, initial_epoch=initial_epoch,
-              verbose=0, callbacks=list(callbacks))  # fmt: skip
+    model.fit(
+        x,
+        x,
+        batch_size=4,
+        epochs=epochs,
+        steps_per_epoch=2,
+        shuffle=True,
+        initial_epoch=initial_epoch,
+        verbose=0,
+        callbacks=list(callbacks),
+    )
     return model
 
 

@@ -24,8 +24,9 @@ class DtypeProbe(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("precision, dtype",
-                         [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16), ("32", torch.float32)])
+@pytest.mark.parametrize(
+    "precision, dtype", [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16), ("32", torch.float32)]
+)
 def test_autocast_dtype_and_float32_weights(precision, dtype):
     torch.manual_seed(0)
     x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
@@ -144,8 +145,11 @@ def test_fp16_with_a_fused_optimizer_skips_on_the_device_and_does_not_count_the_
     model = _fp16_fused(name)
     assert model.optimizer.defaults["fused"] and model._core.stepper.takes_found_inf
     seen = []
-    record = LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(
-        (model.module.w.detach().clone(), copy.deepcopy(model.optimizer.state_dict()["state"]))))
+    record = LambdaCallback(
+        on_train_batch_end=lambda b, logs: seen.append(
+            (model.module.w.detach().clone(), copy.deepcopy(model.optimizer.state_dict()["state"]))
+        )
+    )
     model.fit(x, torch.zeros(3, 1), batch_size=1, epochs=1, shuffle=False, verbose=0, callbacks=[record])
     assert torch.equal(seen[1][0], seen[0][0])  # the skipped step left the weight
     assert seen[1][1].keys() == seen[0][1].keys()  # and the optimizer state (Adam's step and moments)
@@ -158,8 +162,9 @@ def test_fp16_with_a_fused_optimizer_skips_on_the_device_and_does_not_count_the_
 
 def test_fp16_fused_with_a_per_step_scheduler_does_not_advance_it_on_a_skipped_step():
     x = torch.tensor([[99.0], [1.0], [2.0]])
-    model = _fp16_fused("sgd", scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
-                        scheduler_interval="step")  # fmt: skip
+    model = _fp16_fused(
+        "sgd", scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5), scheduler_interval="step"
+    )
     model.optimizer.param_groups[0]["lr"] = model.scheduler.base_lrs[0] = 0.1
     steps_taken = []
     watch = LambdaCallback(on_train_batch_end=lambda b, logs: steps_taken.append(model.module.w.item()))
@@ -188,8 +193,13 @@ def test_fp16_without_loss_scaling_is_the_hand_autocast_loop(accumulation):
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     hand = copy.deepcopy(net)
     model = fitkit.Model(net, device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse", precision="16-mixed",
-                  loss_scale=False, gradient_accumulation_steps=accumulation)
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        loss="mse",
+        precision="16-mixed",
+        loss_scale=False,
+        gradient_accumulation_steps=accumulation,
+    )
     model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
     assert model.grad_scaler is None and model.precision == "16-mixed"
     opt = torch.optim.SGD(hand.parameters(), lr=0.1)
@@ -199,9 +209,9 @@ def test_fp16_without_loss_scaling_is_the_hand_autocast_loop(accumulation):
             opt.zero_grad()
             for lo in range(start, min(start + rows, 12), 4):  # micro-batches, each weighted by its share
                 with torch.autocast("cpu", dtype=torch.float16):
-                    out = hand(x[lo:lo + 4])
+                    out = hand(x[lo : lo + 4])
                     assert out.dtype == torch.float16
-                    loss = nn.functional.mse_loss(out.float(), y[lo:lo + 4])
+                    loss = nn.functional.mse_loss(out.float(), y[lo : lo + 4])
                 (loss * 4 / min(rows, 12 - start)).backward()
             opt.step()
     for a, b in zip(net.parameters(), hand.parameters(), strict=True):
@@ -215,8 +225,9 @@ def test_fp16_without_loss_scaling_takes_every_step():
     steps = {}
     for loss_scale in (True, False):
         model = fitkit.Model(InfOnFirstBatch(), device="cpu")
-        model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse", precision="16-mixed",
-                      loss_scale=loss_scale)
+        model.compile(
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse", precision="16-mixed", loss_scale=loss_scale
+        )
         model.fit(x, y, batch_size=1, shuffle=False, verbose=0)
         steps[loss_scale] = (model.global_step, model.grad_scaler is None)
     assert steps == {True: (2, False), False: (3, True)}

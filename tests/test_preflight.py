@@ -81,8 +81,11 @@ def test_an_iterable_one_row_batch_is_skipped_with_one_warning(source):
 def test_in_memory_batches_of_one_row_each_are_an_error_before_step_1(n, batch_size):
     model = _bn_model()
     before = [t.clone() for t in model.module.state_dict().values()]
-    with pytest.raises(ValueError, match=rf"every training batch here has one row \({n} samples, "
-                       rf"batch_size={batch_size}\)\. Fix: use batch_size >= 2"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"every training batch here has one row \({n} samples, "
+        rf"batch_size={batch_size}\)\. Fix: use batch_size >= 2",
+    ):
         model.fit(torch.randn(n, 3), torch.randn(n, 1), batch_size=batch_size, epochs=2, verbose=0)
     assert model.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.module.state_dict().values(), strict=True))
@@ -144,8 +147,9 @@ def _crashed_run(folder, data=None, seed=None, **kwargs) -> list[list[int]]:
         torch.manual_seed(seed)
     with pytest.raises(_Crash):
         args = (ROWS, TARGETS) if data is None else (data,)
-        model.fit(*args, epochs=2, verbose=0, callbacks=[BackupAndRestore(folder, save_freq=1), _crash_before(3)],
-                  **kwargs)  # fmt: skip
+        model.fit(
+            *args, epochs=2, verbose=0, callbacks=[BackupAndRestore(folder, save_freq=1), _crash_before(3)], **kwargs
+        )
     state = torch.load(folder / "backup.pt", weights_only=True)
     assert (state["epoch"], state["step_in_epoch"], state["samples_in_epoch"], state["batch_size"]) == (0, 3, 12, 4)
     return model.module.seen
@@ -178,8 +182,15 @@ def test_in_memory_resume_with_another_batch_size_replays_the_shuffled_order(tmp
     assert first == [order[0:4], order[4:8], order[8:12]]
     model = _recorder_model()
     torch.manual_seed(99)  # the backup's RNG states replace this one
-    model.fit(ROWS, TARGETS, batch_size=8, epochs=1, shuffle=True, verbose=0,
-              callbacks=[BackupAndRestore(tmp_path, save_freq=1)])  # fmt: skip
+    model.fit(
+        ROWS,
+        TARGETS,
+        batch_size=8,
+        epochs=1,
+        shuffle=True,
+        verbose=0,
+        callbacks=[BackupAndRestore(tmp_path, save_freq=1)],
+    )
     assert model.module.seen == [order[12:20], order[20:28], order[28:36], order[36:40]]
 
 
@@ -218,9 +229,11 @@ def test_dict_batch_with_keys_forward_does_not_take_lists_keys_and_parameters():
         model.fit(DataLoader(_rows(labels=torch.tensor(1)), batch_size=2), verbose=0)
     msg = str(info.value)
     assert msg.startswith("The first training batch failed in the module's forward: TypeError:")
-    assert ("Fix: a dict batch is passed as `forward(**batch)`, so its keys must be forward's parameters. "
-            "Batch keys: ['input_ids', 'attention_mask', 'labels']; forward's parameters: "
-            "(input_ids, attention_mask=None); not taken by forward: ['labels'].") in msg
+    assert (
+        "Fix: a dict batch is passed as `forward(**batch)`, so its keys must be forward's parameters. "
+        "Batch keys: ['input_ids', 'attention_mask', 'labels']; forward's parameters: "
+        "(input_ids, attention_mask=None); not taken by forward: ['labels']."
+    ) in msg
     assert "needs a compiled loss (`compile(loss=...)`): the batch's `labels` are then its targets" in msg
     assert torch.equal(model.module.emb.weight, before) and model.global_step == 0
     # The fix works: with a compiled loss, `labels` are its targets and forward never sees them.
@@ -236,8 +249,10 @@ def test_dict_batch_missing_a_required_parameter_is_named():
     with pytest.raises(ValueError) as info:
         model.fit(DataLoader(rows, batch_size=2), verbose=0)
     msg = str(info.value)
-    assert "Batch keys: ['ids']; forward's parameters: (input_ids, attention_mask=None); not taken by forward: " \
-           "['ids']; required by forward but not in the batch: ['input_ids']." in msg
+    assert (
+        "Batch keys: ['ids']; forward's parameters: (input_ids, attention_mask=None); not taken by forward: "
+        "['ids']; required by forward but not in the batch: ['input_ids']." in msg
+    )
     assert "pop('labels')" not in msg
 
 
@@ -249,12 +264,15 @@ class KwargsTokenNet(TokenNet):
         return self.emb(input_ids).mean(1)
 
 
-@pytest.mark.parametrize("net, extra, refused", [
-    (TokenNet, {"text_len": torch.tensor(3)}, ["text_len"]),  # named parameters only: refused, named
-    (TokenNet, {"text_len": torch.tensor(3), "labels": torch.tensor(1)}, ["text_len", "labels"]),
-    (KwargsTokenNet, {"text_len": torch.tensor(3)}, []),  # **kwargs: passed on, as forward asked
-    (KwargsTokenNet, {"text_len": torch.tensor(3), "labels": torch.tensor(1)}, []),
-])
+@pytest.mark.parametrize(
+    "net, extra, refused",
+    [
+        (TokenNet, {"text_len": torch.tensor(3)}, ["text_len"]),  # named parameters only: refused, named
+        (TokenNet, {"text_len": torch.tensor(3), "labels": torch.tensor(1)}, ["text_len", "labels"]),
+        (KwargsTokenNet, {"text_len": torch.tensor(3)}, []),  # **kwargs: passed on, as forward asked
+        (KwargsTokenNet, {"text_len": torch.tensor(3), "labels": torch.tensor(1)}, []),
+    ],
+)
 def test_a_key_forward_does_not_name_is_refused_unless_forward_takes_kwargs(net, extra, refused):
     # The rule the Hugging Face tutorial states, for both kinds of forward; no compiled loss, so
     # `labels` stays in the batch and goes to forward too.
@@ -322,9 +340,7 @@ def _noisy_loader(**kwargs) -> DataLoader:
     return DataLoader(TensorDataset(NOISY_X, NOISY_Y), batch_size=4, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "source", ["arrays", "dataloader", "shuffled-dataloader", "dataloader-own-generator"]
-)
+@pytest.mark.parametrize("source", ["arrays", "dataloader", "shuffled-dataloader", "dataloader-own-generator"])
 def test_a_fit_with_the_first_batch_check_equals_the_plain_loop_bit_for_bit(source):
     # The check runs the module once more (eval mode: the noise, not dropout or BatchNorm); it
     # puts the RNGs and buffers back, so every training step draws what the plain loop draws.

@@ -56,7 +56,7 @@ def _record(net: Ids) -> LambdaCallback:
 
 
 def _chunks(ids: list[int], size: int) -> list[list[int]]:
-    return [ids[i:i + size] for i in range(0, len(ids), size)]
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
 # -- limit_train_batches / limit_val_batches ------------------------------------------------------
@@ -65,8 +65,9 @@ def test_limit_train_batches_int_takes_the_first_batches_of_every_epoch():
     x, y = _data(20)
     steps = []
     cb = LambdaCallback(on_epoch_begin=lambda e, logs: steps.append(model.history.params["steps"]))
-    model.fit(x, y, batch_size=2, epochs=2, shuffle=False, limit_train_batches=3, verbose=0,
-              callbacks=[_record(net), cb])  # fmt: skip
+    model.fit(
+        x, y, batch_size=2, epochs=2, shuffle=False, limit_train_batches=3, verbose=0, callbacks=[_record(net), cb]
+    )
     assert net.batches("train") == [[0, 1], [2, 3], [4, 5]] * 2
     assert model.global_step == 6 and steps == [3, 3]
 
@@ -77,7 +78,7 @@ def test_limit_train_batches_fraction_is_the_first_batches_of_each_shuffled_epoc
     full.fit(x, y, batch_size=2, epochs=3, verbose=0, callbacks=[_record(fnet)])
     part, pnet = _model()
     part.fit(x, y, batch_size=2, epochs=3, limit_train_batches=0.25, verbose=0, callbacks=[_record(pnet)])
-    per_epoch = [fnet.batches("train")[10 * e:10 * e + 2] for e in range(3)]  # int(0.25 * 10) = 2
+    per_epoch = [fnet.batches("train")[10 * e : 10 * e + 2] for e in range(3)]  # int(0.25 * 10) = 2
     assert pnet.batches("train") == [b for epoch in per_epoch for b in epoch]
     assert per_epoch[0] != per_epoch[1]  # Lightning's rule: shuffled data, another subset each epoch
     assert part.global_step == 6
@@ -88,15 +89,24 @@ def test_limit_val_batches_int_fraction_and_zero():
     vx, vy = _data(10)
     for limit, expected in ((2, [[0, 1], [2, 3]]), (0.6, [[0, 1], [2, 3], [4, 5]])):  # int(0.6 * 5) = 3
         model, net = _model()
-        h = model.fit(x, y, batch_size=2, epochs=1, validation_data=(vx, vy), limit_val_batches=limit,
-                      verbose=0, callbacks=[_record(net)])  # fmt: skip
+        h = model.fit(
+            x,
+            y,
+            batch_size=2,
+            epochs=1,
+            validation_data=(vx, vy),
+            limit_val_batches=limit,
+            verbose=0,
+            callbacks=[_record(net)],
+        )
         assert net.batches("val") == expected
         # val_loss: the exact mean over the limited batches, as evaluate over those samples
         n = sum(len(b) for b in expected)
         assert h.history["val_loss"] == [model.evaluate(vx[:n], vy[:n], batch_size=2, verbose=0)["loss"]]
     model, net = _model()
-    h = model.fit(x, y, batch_size=2, epochs=1, validation_data=(vx, vy), limit_val_batches=0, verbose=0,
-                  callbacks=[_record(net)])  # fmt: skip
+    h = model.fit(
+        x, y, batch_size=2, epochs=1, validation_data=(vx, vy), limit_val_batches=0, verbose=0, callbacks=[_record(net)]
+    )
     assert net.batches("val") == [] and "val_loss" not in h.history  # Lightning: 0 turns validation off
 
 
@@ -129,7 +139,7 @@ def test_limit_batches_bad_values_and_conflicts_change_nothing():
 def test_limit_train_batches_on_an_iterable_without_length():
     model, net = _model()
     x, y = _data(12)
-    batches = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 12, 2)]
+    batches = [(x[i : i + 2], y[i : i + 2]) for i in range(0, 12, 2)]
     model.fit((b for b in batches), limit_train_batches=4, verbose=0, callbacks=[_record(net)])
     assert net.batches("train") == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
@@ -165,8 +175,9 @@ def test_overfit_batches_trains_and_validates_on_the_same_first_batches_every_ep
     x, y = _data(20)
     vx, vy = _data(10)
     model, net = _model()
-    model.fit(x, y, batch_size=2, epochs=3, validation_data=(vx, vy), overfit_batches=2, verbose=0,
-              callbacks=[_record(net)])  # fmt: skip  (shuffle=True, the default, is turned off)
+    model.fit(
+        x, y, batch_size=2, epochs=3, validation_data=(vx, vy), overfit_batches=2, verbose=0, callbacks=[_record(net)]
+    )  # (shuffle=True, the default, is turned off)
     assert net.batches("train") == [[0, 1], [2, 3]] * 3
     assert net.batches("val") == [[0, 1], [2, 3]] * 3  # Lightning: the validation data's first n batches
     model, net = _model()
@@ -180,7 +191,7 @@ def test_overfit_batches_refuses_data_whose_batches_change():
     with pytest.raises(ValueError, match="shuffle=False"):
         model.fit(DataLoader(TensorDataset(x, y), batch_size=2, shuffle=True), overfit_batches=2, verbose=0)
     with pytest.raises(ValueError, match="one-shot iterator"):
-        model.fit(((x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)), overfit_batches=2, verbose=0)
+        model.fit(((x[i : i + 2], y[i : i + 2]) for i in range(0, 8, 2)), overfit_batches=2, verbose=0)
     model.fit(DataLoader(TensorDataset(x, y), batch_size=2), overfit_batches=1, epochs=2, verbose=0)
     assert model.global_step == 2
 
@@ -209,16 +220,18 @@ def test_fast_dev_run_runs_n_batches_writes_no_file_and_overrides_the_budget(tmp
             Writes(),
             _record(net),
         ]
-        h = model.fit(x, y, batch_size=2, validation_data=(vx, vy), shuffle=False, verbose=0, callbacks=callbacks,
-                      **kwargs)  # fmt: skip
+        h = model.fit(
+            x, y, batch_size=2, validation_data=(vx, vy), shuffle=False, verbose=0, callbacks=callbacks, **kwargs
+        )
         return model, net, h
 
     Writes.calls = 0
     run(tmp_path / "real", epochs=1)  # the same callbacks without fast_dev_run: they write
     assert {p.name for p in (tmp_path / "real").iterdir()} == {"ckpt", "backup", "log.csv", "tb"}
     assert Writes.calls == 1
-    model, net, h = run(tmp_path / "dev", epochs=100, max_steps=50, validation_freq=5, num_sanity_val_steps=2,
-                        fast_dev_run=value)  # fmt: skip
+    model, net, h = run(
+        tmp_path / "dev", epochs=100, max_steps=50, validation_freq=5, num_sanity_val_steps=2, fast_dev_run=value
+    )
     assert [ids[0] for ids in net.batches("train")] == list(range(0, 2 * n, 2))  # n batches, one epoch
     assert [ids[0] for ids in net.batches("val")] == list(range(0, 2 * n, 2))  # one validation, n batches
     assert h.epoch == [0] and model.global_step == n and len(h.history["val_loss"]) == 1
@@ -245,13 +258,26 @@ def test_sanity_check_fails_before_the_first_step():
     steps = []
     x, y = _data(8)
     with pytest.raises(RuntimeError, match="broken validation"):
-        model.fit(x, y, batch_size=2, validation_data=(x, y), num_sanity_val_steps=2, verbose=0,
-                  callbacks=[LambdaCallback(on_train_batch_begin=lambda b, logs: steps.append(b))])  # fmt: skip
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            validation_data=(x, y),
+            num_sanity_val_steps=2,
+            verbose=0,
+            callbacks=[LambdaCallback(on_train_batch_begin=lambda b, logs: steps.append(b))],
+        )
     assert steps == [] and model.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
     with pytest.raises(RuntimeError, match="broken validation"):  # without it: after a whole epoch
-        model.fit(x, y, batch_size=2, validation_data=(x, y), verbose=0,
-                  callbacks=[LambdaCallback(on_train_batch_begin=lambda b, logs: steps.append(b))])  # fmt: skip
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            validation_data=(x, y),
+            verbose=0,
+            callbacks=[LambdaCallback(on_train_batch_begin=lambda b, logs: steps.append(b))],
+        )
     assert steps == [0, 1, 2, 3] and model.global_step == 4
 
 
@@ -267,18 +293,28 @@ def test_sanity_check_runs_n_batches_and_changes_nothing(n, batches):
         model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse", metrics=["mae"])
         net.recording = True
         hooks: list[str] = []
-        cb = LambdaCallback(on_test_begin=lambda logs: hooks.append("test_begin"),
-                            on_train_begin=lambda logs: hooks.append("train_begin"))  # fmt: skip
-        model.fit(x, y, batch_size=2, epochs=2, validation_data=(vx, vy), num_sanity_val_steps=sanity,
-                  verbose=0, callbacks=[cb])  # fmt: skip
+        cb = LambdaCallback(
+            on_test_begin=lambda logs: hooks.append("test_begin"),
+            on_train_begin=lambda logs: hooks.append("train_begin"),
+        )
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            epochs=2,
+            validation_data=(vx, vy),
+            num_sanity_val_steps=sanity,
+            verbose=0,
+            callbacks=[cb],
+        )
         return model, net, hooks
 
     plain, pnet, phooks = run(0)
     checked, cnet, chooks = run(n)
     i = next(k for k, (a, b) in enumerate(zip(cnet.seen, pnet.seen, strict=False)) if a != b)
-    assert cnet.seen[i:i + batches] == [("val", ids) for ids in _chunks(list(range(10)), 2)[:batches]]
+    assert cnet.seen[i : i + batches] == [("val", ids) for ids in _chunks(list(range(10)), 2)[:batches]]
     # the same batches, dropout masks and values before and after it
-    assert cnet.seen[:i] + cnet.seen[i + batches:] == pnet.seen
+    assert cnet.seen[:i] + cnet.seen[i + batches :] == pnet.seen
     assert all(torch.equal(a, b) for a, b in zip(plain.module.parameters(), checked.module.parameters(), strict=True))
     assert checked.history.history == plain.history.history  # logs nothing
     assert chooks == phooks  # no hook: no on_test_begin before on_train_begin
@@ -318,12 +354,17 @@ def quick_case(world: int, **kwargs) -> dict:
     model.compile(optimizer=sc.OPTIMIZERS["sgd"], loss="mse")
     steps: list[int] = []
     vals: list[int] = []
-    cb = LambdaCallback(on_train_batch_end=lambda b, logs: steps.append(b),
-                        on_test_batch_end=lambda b, logs: vals.append(b))  # fmt: skip
-    h = model.fit(x, y, batch_size=8 // world, epochs=2, validation_data=(xv, yv), verbose=0, callbacks=[cb],
-                  **kwargs)  # fmt: skip
-    return {"params": sc.full_params(model), "history": h.history, "steps": steps, "vals": vals,
-            "global_step": model.global_step}  # fmt: skip
+    cb = LambdaCallback(
+        on_train_batch_end=lambda b, logs: steps.append(b), on_test_batch_end=lambda b, logs: vals.append(b)
+    )
+    h = model.fit(x, y, batch_size=8 // world, epochs=2, validation_data=(xv, yv), verbose=0, callbacks=[cb], **kwargs)
+    return {
+        "params": sc.full_params(model),
+        "history": h.history,
+        "steps": steps,
+        "vals": vals,
+        "global_step": model.global_step,
+    }
 
 
 @pytest.mark.distributed
@@ -334,9 +375,12 @@ def test_quick_runs_under_torchrun_agree_with_one_process(tmp_path):
     run_torchrun(QUICK_JOB, tmp_path, nproc=2, timeout=150)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     expected = {  # (train batches per epoch, validation batches per validation, epochs)
-        "limits": (3, 2, 2), "fractions": (2, 1, 2), "fast_dev_run": (2, 2, 1), "overfit": (2, 2, 2),
+        "limits": (3, 2, 2),
+        "fractions": (2, 1, 2),
+        "fast_dev_run": (2, 2, 1),
+        "overfit": (2, 2, 2),
         "sanity": (5, 3, 2),
-    }  # fmt: skip
+    }
     for name, kwargs in QUICK_CASES.items():
         one = quick_case(1, **kwargs)
         train, val, epochs = expected[name]

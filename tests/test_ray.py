@@ -24,14 +24,28 @@ TESTS = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ray")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FITKIT_DEVICE": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(TESTS / "_ray_scenario.py"), str(out)], env=env, cwd=out,
-                          capture_output=True, text=True, timeout=480)  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "FITKIT_DEVICE": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "_ray_scenario.py"), str(out)],
+        env=env,
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-10000:]}"
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    return {"ranks": ranks, "result": torch.load(out / "result.pt", weights_only=False), "dir": out,
-            "partial": [torch.load(out / f"partial{r}.pt", weights_only=False) for r in (0, 1)]}
+    return {
+        "ranks": ranks,
+        "result": torch.load(out / "result.pt", weights_only=False),
+        "dir": out,
+        "partial": [torch.load(out / f"partial{r}.pt", weights_only=False) for r in (0, 1)],
+    }
 
 
 @pytest.mark.slow

@@ -24,8 +24,12 @@ def _decay(optimizer, total_steps):
 def _model() -> fitkit.Model:
     torch.manual_seed(0)
     model = fitkit.Model(nn.Linear(1, 1), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9), loss="mse",
-                  scheduler=_decay, scheduler_interval="step")  # fmt: skip
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9),
+        loss="mse",
+        scheduler=_decay,
+        scheduler_interval="step",
+    )
     return model
 
 
@@ -45,7 +49,7 @@ def _hand(plan: list[int]) -> tuple[nn.Linear, list[float]]:
             i = 4 * (batch % 5)
             batch += 1
             opt.zero_grad()
-            nn.functional.mse_loss(layer(X[i:i + 4]), Y[i:i + 4]).backward()
+            nn.functional.mse_loss(layer(X[i : i + 4]), Y[i : i + 4]).backward()
             opt.step()
     return layer, lrs
 
@@ -58,8 +62,9 @@ def test_a_fresh_run_counts_its_steps_from_0_and_rebuilds_the_schedule(tmp_path)
     model, lrs = _model(), []
     model.fit(X, Y, batch_size=4, shuffle=False, epochs=2, verbose=0, callbacks=[_lr_log(model, lrs)])
     assert model.global_step == 10
-    history = model.fit(X, Y, batch_size=4, shuffle=False, max_steps=8, reset_time=True, verbose=0,
-                        callbacks=[_lr_log(model, lrs)])  # fmt: skip
+    history = model.fit(
+        X, Y, batch_size=4, shuffle=False, max_steps=8, reset_time=True, verbose=0, callbacks=[_lr_log(model, lrs)]
+    )
     assert model.global_step == 8 and history.params["total_steps"] == 8 and history.epoch == [0, 1]
     layer, hand_lrs = _hand([10, 8])  # the second schedule: 8 planned steps, from the base LR again
     assert lrs == pytest.approx(hand_lrs, rel=1e-12)
@@ -79,12 +84,25 @@ def test_without_it_max_steps_counts_every_fit_and_epochs_each_call():
 def test_a_fraction_save_freq_follows_the_fresh_run(tmp_path):
     model = _model()
     model.fit(X, Y, batch_size=4, epochs=2, verbose=0)
-    model.fit(X, Y, batch_size=4, epochs=2, reset_time=True, verbose=0,
-              callbacks=[ModelCheckpoint(tmp_path / "a" / "s{step:02d}.pt", save_freq=0.5)])  # fmt: skip
+    model.fit(
+        X,
+        Y,
+        batch_size=4,
+        epochs=2,
+        reset_time=True,
+        verbose=0,
+        callbacks=[ModelCheckpoint(tmp_path / "a" / "s{step:02d}.pt", save_freq=0.5)],
+    )
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["s05.pt", "s10.pt"]
     with pytest.warns(FitkitWarning, match=r"has taken 10 already, so it saves only at the end.*reset_time=True"):
-        model.fit(X, Y, batch_size=4, epochs=2, verbose=0,
-                  callbacks=[ModelCheckpoint(tmp_path / "b" / "s{step:02d}.pt", save_freq=0.5)])  # fmt: skip
+        model.fit(
+            X,
+            Y,
+            batch_size=4,
+            epochs=2,
+            verbose=0,
+            callbacks=[ModelCheckpoint(tmp_path / "b" / "s{step:02d}.pt", save_freq=0.5)],
+        )
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["s20.pt"]
 
 

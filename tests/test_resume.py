@@ -33,9 +33,11 @@ def _model(seed: int = 0, **compile_kwargs) -> fitkit.Model:
     module = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.25), nn.Tanh(), nn.Linear(8, 1))  # dropout: RNG matters
     model = fitkit.Model(module, device="cpu")
     model.compile(
-        optimizer=lambda p: torch.optim.Adam(p, lr=0.1), loss="mse",
-        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), **compile_kwargs,
-    )  # fmt: skip
+        optimizer=lambda p: torch.optim.Adam(p, lr=0.1),
+        loss="mse",
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+        **compile_kwargs,
+    )
     return model
 
 
@@ -110,8 +112,16 @@ def test_a_checkpoint_from_the_last_batch_of_an_epoch_resumes_at_its_end(tmp_pat
     save = LambdaCallback(on_train_batch_end=lambda b, logs: ref.epoch == 1 and b == 2 and ref.save_checkpoint(path))
     ref.fit(x, y, batch_size=4, epochs=3, validation_data=(x, y), verbose=0, callbacks=[save])
     resumed = _model(seed=1)
-    resumed.fit(x, y, batch_size=4, epochs=3, initial_epoch=resumed.load_checkpoint(path),
-                validation_data=(x, y), verbose=0, callbacks=[save])  # fmt: skip
+    resumed.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=3,
+        initial_epoch=resumed.load_checkpoint(path),
+        validation_data=(x, y),
+        verbose=0,
+        callbacks=[save],
+    )
     _assert_same_run(resumed, ref)
 
 
@@ -207,8 +217,11 @@ def test_a_relative_lr_schedule_is_not_applied_twice_by_a_resume_inside_an_epoch
     def run(folder, crash_step=None):
         holder = [_model()]
         holder[0].scheduler = None  # only the callback moves the rate
-        callbacks = [_crash_at_step(holder, -1 if crash_step is None else crash_step),
-                     LearningRateScheduler(halve), BackupAndRestore(folder, save_freq=2)]  # fmt: skip
+        callbacks = [
+            _crash_at_step(holder, -1 if crash_step is None else crash_step),
+            LearningRateScheduler(halve),
+            BackupAndRestore(folder, save_freq=2),
+        ]
         return holder[0].fit(x, y, batch_size=4, epochs=4, verbose=0, callbacks=callbacks)
 
     ref = run(tmp_path / "ref")
@@ -230,10 +243,15 @@ def test_a_resumed_fit_of_a_module_drawing_noise_in_eval_mode_equals_the_uninter
         model = fitkit.Model(NoisyNet(), device="cpu")
         model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss="mse")
         holder.append(model)
-        data, kwargs = ((x, -0.5 * x), {"batch_size": 4}) if source == "arrays" else \
-            ((DataLoader(TensorDataset(x, -0.5 * x), batch_size=4, shuffle=True),), {})  # fmt: skip
-        callbacks = [_crash_at_step(holder, -1 if crash_step is None else crash_step),
-                     BackupAndRestore(folder, save_freq=2)]  # fmt: skip
+        data, kwargs = (
+            ((x, -0.5 * x), {"batch_size": 4})
+            if source == "arrays"
+            else ((DataLoader(TensorDataset(x, -0.5 * x), batch_size=4, shuffle=True),), {})
+        )
+        callbacks = [
+            _crash_at_step(holder, -1 if crash_step is None else crash_step),
+            BackupAndRestore(folder, save_freq=2),
+        ]
         model.fit(*data, epochs=3, verbose=0, callbacks=callbacks, **kwargs)
         return model
 
@@ -343,8 +361,10 @@ def test_sigkill_at_random_steps_then_rerun_equals_the_uninterrupted_run(tmp_pat
     # The reference stops early at 20 steps (4 epochs of 5 batches); each seed picks a kill step.
     plans = {seed: [random.Random(seed).randrange(4, 20)] for seed in range(3)}  # after a first backup
     with ThreadPoolExecutor(len(plans)) as pool:  # one kill-then-rerun chain per seed, side by side
-        futures = {seed: pool.submit(_killed_then_finished, script, tmp_path / f"seed{seed}", kills)
-                   for seed, kills in plans.items()}  # fmt: skip
+        futures = {
+            seed: pool.submit(_killed_then_finished, script, tmp_path / f"seed{seed}", kills)
+            for seed, kills in plans.items()
+        }
         ref = _uninterrupted_in_process(script, tmp_path / "ref")
         results = {seed: f.result() for seed, f in futures.items()}
     assert ref["final"]["steps"] == 20 and ref["final"]["epochs"] == [0, 1, 2, 3]  # EarlyStopping ended it

@@ -50,8 +50,12 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(script, folder, rows: int, crash_at: int, mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), str(folder), str(rows), str(crash_at), mode],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script), str(folder), str(rows), str(crash_at), mode],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _hand(batches: list[tuple[int, int]]) -> list[float]:
@@ -115,7 +119,10 @@ def test_resume_takes_none_or_restart_epoch():
 
     model = fitkit.Model(torch.nn.Linear(2, 1), device="cpu")
     model.compile(loss="mse")
-    with pytest.raises(ValueError, match=r"Expected `resume` to be None or 'restart_epoch'\. Received: "
-                                         r"resume='restart'\. Fix"):
+    with pytest.raises(
+        ValueError,
+        match=r"Expected `resume` to be None or 'restart_epoch'\. Received: "
+        r"resume='restart'\. Fix",
+    ):
         model.fit(torch.zeros(4, 2), torch.zeros(4, 1), resume="restart", verbose=0)
     assert model.global_step == 0

@@ -65,12 +65,15 @@ def _model() -> fitkit.Model:
     return model
 
 
-@pytest.mark.parametrize("kind, loaded_on_resume", [
-    ("dataset", 8),  # the 2 untrained batches only: seeks
-    ("loader", 8),
-    ("shuffled loader", 8),  # the epoch's order drawn again from its saved RNG state, then seeks
-    ("iterable of batches", 20),  # cannot seek: all 5 batches drawn, the first 3 dropped
-])
+@pytest.mark.parametrize(
+    "kind, loaded_on_resume",
+    [
+        ("dataset", 8),  # the 2 untrained batches only: seeks
+        ("loader", 8),
+        ("shuffled loader", 8),  # the epoch's order drawn again from its saved RNG state, then seeks
+        ("iterable of batches", 20),  # cannot seek: all 5 batches drawn, the first 3 dropped
+    ],
+)
 def test_a_resume_loads_only_what_it_trains_where_the_source_can_seek(tmp_path, kind, loaded_on_resume):
     torch.manual_seed(1)
     full = _model()

@@ -19,8 +19,12 @@ def _model(accumulation: int = 1, scheduler=None) -> fitkit.Model:
     module = nn.Linear(2, 1, bias=False)
     nn.init.zeros_(module.weight)
     model = fitkit.Model(module, device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=LR), loss="mse",
-                  gradient_accumulation_steps=accumulation, scheduler=scheduler)
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+        loss="mse",
+        gradient_accumulation_steps=accumulation,
+        scheduler=scheduler,
+    )
     return model
 
 
@@ -40,14 +44,17 @@ def _hand(windows: list[list[tuple[int, int]]]) -> torch.Tensor:
 B4 = [(0, 4), (4, 8), (8, 10)]  # batches of 4, 4, 2 per epoch
 
 
-@pytest.mark.parametrize("accumulation, max_samples, windows, epochs", [
-    (1, 8, [[B4[0]], [B4[1]]], [0]),  # exactly 8: after the second batch
-    (1, 9, [[B4[0]], [B4[1]], [B4[2]]], [0]),  # 9 is inside the short last batch: it completes
-    (2, 9, [B4[:2], B4[2:]], [0]),  # 8 after window 1, 10 after window 2 (the short one)
-    (2, 5, [B4[:2]], [0]),  # the budget ends inside a window: the window (8 samples) completes
-    (2, 12, [B4[:2], B4[2:], B4[:2]], [0, 1]),  # 10 in epoch 0, then one window of epoch 1
-    (3, 14, [B4, B4], [0, 1]),  # one window per epoch of 10 samples: 20 >= 14
-])
+@pytest.mark.parametrize(
+    "accumulation, max_samples, windows, epochs",
+    [
+        (1, 8, [[B4[0]], [B4[1]]], [0]),  # exactly 8: after the second batch
+        (1, 9, [[B4[0]], [B4[1]], [B4[2]]], [0]),  # 9 is inside the short last batch: it completes
+        (2, 9, [B4[:2], B4[2:]], [0]),  # 8 after window 1, 10 after window 2 (the short one)
+        (2, 5, [B4[:2]], [0]),  # the budget ends inside a window: the window (8 samples) completes
+        (2, 12, [B4[:2], B4[2:], B4[:2]], [0, 1]),  # 10 in epoch 0, then one window of epoch 1
+        (3, 14, [B4, B4], [0, 1]),  # one window per epoch of 10 samples: 20 >= 14
+    ],
+)
 def test_the_sample_budget_ends_at_the_window_that_reaches_it(accumulation, max_samples, windows, epochs):
     model = _model(accumulation)
     history = model.fit(X, Y, batch_size=4, max_samples=max_samples, shuffle=False, verbose=0)
@@ -85,8 +92,15 @@ def test_a_resumed_fit_keeps_the_budget_counted_from_epoch_0(tmp_path):
             raise Stop
 
     with pytest.raises(Stop):
-        model.fit(X, Y, batch_size=4, max_samples=25, shuffle=False, verbose=0,
-                  callbacks=[LambdaCallback(on_train_batch_end=crash)])
+        model.fit(
+            X,
+            Y,
+            batch_size=4,
+            max_samples=25,
+            shuffle=False,
+            verbose=0,
+            callbacks=[LambdaCallback(on_train_batch_end=crash)],
+        )
     resumed = _model()
     resumed.load_checkpoint(tmp_path / "ckpt.pt")
     resumed.fit(X, Y, batch_size=4, max_samples=25, shuffle=False, verbose=0)
@@ -98,8 +112,11 @@ def test_a_resumed_fit_keeps_the_budget_counted_from_epoch_0(tmp_path):
 
 def test_a_sample_budget_needs_known_batch_sizes():
     model = _model()
-    with pytest.raises(ValueError, match=r"fit\(max_samples=5\) needs the size of every training batch.*Fix: "
-                                         r"pass max_steps="):
+    with pytest.raises(
+        ValueError,
+        match=r"fit\(max_samples=5\) needs the size of every training batch.*Fix: "
+        r"pass max_steps=",
+    ):
         model.fit(iter([(X[:4], Y[:4])]), max_samples=5, verbose=0)
     with pytest.raises(ValueError, match=r"Expected `max_samples` >= 1\. Received: max_samples=0"):
         model.fit(X, Y, max_samples=0, verbose=0)

@@ -57,8 +57,11 @@ def _same(a, b) -> bool:
         return False
     if oa["state"].keys() != ob["state"].keys():
         return False
-    return all(torch.equal(torch.as_tensor(oa["state"][i][f]), torch.as_tensor(ob["state"][i][f]))
-               for i in oa["state"] for f in oa["state"][i])  # fmt: skip
+    return all(
+        torch.equal(torch.as_tensor(oa["state"][i][f]), torch.as_tensor(ob["state"][i][f]))
+        for i in oa["state"]
+        for f in oa["state"][i]
+    )
 
 
 def _flip(file, where: float) -> None:
@@ -90,7 +93,10 @@ def test_an_async_save_writes_the_manifest_last_in_the_background(tmp_path):
     dcp.wait()
     assert verify_manifest(tmp_path / "ck") is True
     assert sorted(json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text())["files"]) == [
-        ".metadata", "__0_0.distcp", "fitkit_state.pt"]  # fmt: skip
+        ".metadata",
+        "__0_0.distcp",
+        "fitkit_state.pt",
+    ]
 
 
 _FILES = [".metadata", "__0_0.distcp", "fitkit_state.pt"]
@@ -171,10 +177,14 @@ def test_a_newest_backup_with_a_flipped_byte_falls_back_to_the_previous_one(tmp_
     newest.save_checkpoint(tmp_path / "backup.pt", sharded=True)
     _flip(tmp_path / "backup.pt" / "__0_0.distcp", 0.5)
     resumed = _model(seed=3)
-    with pytest.warns(fitkit.checks.FitkitWarning, match=r"(?s)is damaged, so training resumes from the previous "
-                                                         r"backup.*'__0_0\.distcp' does not match its manifest"):
-        history = resumed.fit(*_data(), batch_size=4, epochs=2, verbose=0,
-                              callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)])  # fmt: skip
+    with pytest.warns(
+        fitkit.checks.FitkitWarning,
+        match=r"(?s)is damaged, so training resumes from the previous "
+        r"backup.*'__0_0\.distcp' does not match its manifest",
+    ):
+        history = resumed.fit(
+            *_data(), batch_size=4, epochs=2, verbose=0, callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)]
+        )
     assert history.epoch == [0, 1] and resumed.global_step == 4 + 4  # from the newest: 8 + 4
 
 
@@ -235,6 +245,7 @@ def test_a_save_killed_between_its_renames_loses_nothing(tmp_path, monkeypatch):
     resumed = _model(seed=3)
     assert resumed.load_checkpoint(ck) == 1  # the old checkpoint, found at its kept name
     assert all(torch.equal(v, first[k]) for k, v in resumed.module.state_dict().items())
+
     # The next save puts the old one back before anything else: a failing save leaves it in place.
     def failing_write(self, plan, planner):
         raise OSError(28, "No space left on device", "__0_0.distcp")
@@ -261,8 +272,13 @@ def test_backup_and_restore_resumes_from_a_backup_kept_by_a_cut_swap(tmp_path):
     resumed = _model(seed=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        history = resumed.fit(*_data(), batch_size=4, epochs=2, verbose=0, callbacks=[
-            fitkit.callbacks.BackupAndRestore(tmp_path, delete_checkpoint=False)])  # fmt: skip
+        history = resumed.fit(
+            *_data(),
+            batch_size=4,
+            epochs=2,
+            verbose=0,
+            callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path, delete_checkpoint=False)],
+        )
     assert history.epoch == [0, 1] and resumed.global_step == 8 + 4  # the newest backup, not the previous one
     assert sorted(p for p in os.listdir(tmp_path) if not p.endswith(".lock")) == ["backup.prev.pt", "backup.pt"]
     assert (tmp_path / "backup.pt").is_file()  # one process writes one-file backups

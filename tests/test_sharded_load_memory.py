@@ -54,8 +54,14 @@ def test_a_sharded_load_peaks_at_the_state_plus_one_piece(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(fitkit.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
     import json
 
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ck"), json.dumps(GPT_ARGS)],
-                          capture_output=True, text=True, timeout=300, env=env, check=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ck"), json.dumps(GPT_ARGS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=True,
+    )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["step"] == 1
     assert out["state"] > 140e6  # 12.8 M float32 weights and two AdamW moments
@@ -80,12 +86,19 @@ torch.manual_seed(0)
 model = fitkit.Model(GPT(**{GPT_ARGS!r}), device="cpu", strategy="fsdp")
 model.compile(optimizer="adamw", loss="cross_entropy")
 """
-    run_torchrun(setup + """
+    run_torchrun(
+        setup
+        + """
 ids = torch.randint(0, 256, (4, 16))
 model.fit(ids, ids, batch_size=2, verbose=0)
 model.save_checkpoint(OUT / "ck", sharded=True)
-""", tmp_path, timeout=300)
-    run_torchrun(setup + """
+""",
+        tmp_path,
+        timeout=300,
+    )
+    run_torchrun(
+        setup
+        + """
 def status(field):
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
@@ -101,7 +114,10 @@ moments = local(t for s in model.optimizer.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
 json.dump({"grew": status("VmHWM") - base, "weights": weights, "state": weights + moments,
            "step": model.global_step}, open(OUT / f"r{rank()}.json", "w"))
-""", tmp_path, timeout=300)
+""",
+        tmp_path,
+        timeout=300,
+    )
     import json
 
     for r in (0, 1):

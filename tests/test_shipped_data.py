@@ -34,8 +34,22 @@ def test_pyproject_ships_the_text():
 
 
 def test_the_example_runs_without_a_path(tmp_path, capsys):
-    result = shakespeare.main(["--steps", "2", "--eval-interval", "2", "--eval-batches", "1",
-                               "--sample-tokens", "5", "--out", str(tmp_path), "--verbose", "0"])
+    result = shakespeare.main(
+        [
+            "--steps",
+            "2",
+            "--eval-interval",
+            "2",
+            "--eval-batches",
+            "1",
+            "--sample-tokens",
+            "5",
+            "--out",
+            str(tmp_path),
+            "--verbose",
+            "0",
+        ]
+    )
     assert len(result["sample"]) == 5 and result["val_loss"] > 0
     assert (tmp_path / "best.pt").is_file()
     # A path argument still works (and names the file it could not find).

@@ -315,8 +315,10 @@ def test_sigint_in_process_raises_keyboard_interrupt_after_on_train_end_and_clos
     assert model.global_step == 2  # the step that was running finished; no step after it
     assert not torch.equal(model.module.weight, w0)
     assert closes.events == ["on_train_end at 2", "close"]
-    assert capsys.readouterr().err == ("fitkit: SIGINT received: stopping after optimizer step 2, running "
-                                       "on_train_end, then raising KeyboardInterrupt.\n")  # no backup: none asked
+    assert capsys.readouterr().err == (
+        "fitkit: SIGINT received: stopping after optimizer step 2, running "
+        "on_train_end, then raising KeyboardInterrupt.\n"
+    )  # no backup: none asked
     assert _handlers() == before
     assert model.module.training and torch.is_grad_enabled()
 
@@ -327,8 +329,10 @@ def test_sigterm_in_process_raises_system_exit_143_with_the_backup_of_that_step(
     with pytest.raises(SystemExit) as info:
         model.fit(*_data(), batch_size=4, epochs=3, verbose=0, callbacks=[_SendAt(8, signal.SIGTERM), backup])
     assert info.value.code == 143
-    assert capsys.readouterr().err == ("fitkit: SIGTERM received: stopping after optimizer step 8, writing a "
-                                       "backup, running on_train_end, then exiting with status 143.\n")
+    assert capsys.readouterr().err == (
+        "fitkit: SIGTERM received: stopping after optimizer step 8, writing a "
+        "backup, running on_train_end, then exiting with status 143.\n"
+    )
     assert _handlers() == before
     state = torch.load(tmp_path / "b" / "backup.pt", weights_only=True)
     assert (state["global_step"], state["epoch"], state["step_in_epoch"]) == (8, 1, 2)

@@ -46,35 +46,77 @@ def _fit(model, **kwargs):
 _DICT = {"features": X, "target": Y}
 CASES = {
     # min_epochs / min_steps the fit ends before (the bounds explicit in epochs / max_steps were refused before)
-    "min_epochs, epochs=None": (_model, lambda m, d: _fit(m, min_epochs=2), ValueError,
-                                r"min_epochs=2 asks for more epochs than this fit runs \(1; epochs=None runs 1"),
-    "min_epochs, fractional epochs": (_model, lambda m, d: _fit(m, min_epochs=3, epochs=2.5), ValueError,
-                                      r"min_epochs=3 .*its step budget, 5 steps, ends it before 3 epochs, "
-                                      r"which take 6.*Fix"),
-    "min_epochs beyond max_steps": (_model, lambda m, d: _fit(m, min_epochs=3, epochs=10, max_steps=4), ValueError,
-                                    r"min_epochs=3 .* 4 steps, ends it before 3 epochs, which take 6.*Fix"),
-    "min_epochs beyond max_steps' epochs": (_model, lambda m, d: _fit(m, min_epochs=3, max_steps=4), ValueError,
-                                            r"min_epochs=3 asks for more epochs than this fit runs \(2\)"),
-    "min_steps beyond the epochs": (_model, lambda m, d: _fit(m, min_steps=9, epochs=2), ValueError,
-                                    r"min_steps=9 asks for more optimizer steps than this fit plans \(4\).*Fix"),
-    "label_names matching no key": (lambda: _model(_Keyed(), label_names="targets"),
-                                    lambda m, d: m.fit(_DICT, batch_size=4, verbose=0), ValueError,
-                                    r"compile\(label_names=\['targets'\]\) names no key of the batch \(keys: "
-                                    r"\['features', 'target'\]\).*Fix: .*label_names=\['target'\]"),
-    "label_names with a tensor x": (lambda: _model(label_names="target"), lambda m, d: _fit(m), ValueError,
-                                    r"label_names=\['target'\]\) names no key .* a Tensor \(no dict\).*Fix"),
-    "a loss module's bogus reduction": (lambda: _model(loss=nn.MSELoss(reduction="bogus")), lambda m, d: _fit(m),
-                                        ValueError, r"Expected the loss's `reduction` to be one of .* Received: "
-                                                    r"MSELoss\(reduction='bogus'\)\. Fix"),
-    "trainable_only a string": (_model, lambda m, d: m.save_weights(os.path.join(d, "w.pt"), trainable_only="no"),
-                                TypeError, r"Expected `trainable_only` to be a bool\. Received: "
-                                           r"trainable_only='no'\. Fix"),
-    "trainable_only a string, load": (_model, lambda m, d: m.load_weights(os.path.join(d, "w.pt"),
-                                                                          trainable_only="no"),
-                                      TypeError, r"Received: trainable_only='no'"),
-    "every parameter frozen": (_frozen, lambda m, d: m.save_weights(os.path.join(d, "w.pt"), trainable_only=True),
-                               ValueError, r"would write an empty file to .*w\.pt': no parameter of the module "
-                                           r"requires grad \(all are frozen\)\. Received: trainable_only=True\. Fix"),
+    "min_epochs, epochs=None": (
+        _model,
+        lambda m, d: _fit(m, min_epochs=2),
+        ValueError,
+        r"min_epochs=2 asks for more epochs than this fit runs \(1; epochs=None runs 1",
+    ),
+    "min_epochs, fractional epochs": (
+        _model,
+        lambda m, d: _fit(m, min_epochs=3, epochs=2.5),
+        ValueError,
+        r"min_epochs=3 .*its step budget, 5 steps, ends it before 3 epochs, "
+        r"which take 6.*Fix",
+    ),
+    "min_epochs beyond max_steps": (
+        _model,
+        lambda m, d: _fit(m, min_epochs=3, epochs=10, max_steps=4),
+        ValueError,
+        r"min_epochs=3 .* 4 steps, ends it before 3 epochs, which take 6.*Fix",
+    ),
+    "min_epochs beyond max_steps' epochs": (
+        _model,
+        lambda m, d: _fit(m, min_epochs=3, max_steps=4),
+        ValueError,
+        r"min_epochs=3 asks for more epochs than this fit runs \(2\)",
+    ),
+    "min_steps beyond the epochs": (
+        _model,
+        lambda m, d: _fit(m, min_steps=9, epochs=2),
+        ValueError,
+        r"min_steps=9 asks for more optimizer steps than this fit plans \(4\).*Fix",
+    ),
+    "label_names matching no key": (
+        lambda: _model(_Keyed(), label_names="targets"),
+        lambda m, d: m.fit(_DICT, batch_size=4, verbose=0),
+        ValueError,
+        r"compile\(label_names=\['targets'\]\) names no key of the batch \(keys: "
+        r"\['features', 'target'\]\).*Fix: .*label_names=\['target'\]",
+    ),
+    "label_names with a tensor x": (
+        lambda: _model(label_names="target"),
+        lambda m, d: _fit(m),
+        ValueError,
+        r"label_names=\['target'\]\) names no key .* a Tensor \(no dict\).*Fix",
+    ),
+    "a loss module's bogus reduction": (
+        lambda: _model(loss=nn.MSELoss(reduction="bogus")),
+        lambda m, d: _fit(m),
+        ValueError,
+        r"Expected the loss's `reduction` to be one of .* Received: "
+        r"MSELoss\(reduction='bogus'\)\. Fix",
+    ),
+    "trainable_only a string": (
+        _model,
+        lambda m, d: m.save_weights(os.path.join(d, "w.pt"), trainable_only="no"),
+        TypeError,
+        r"Expected `trainable_only` to be a bool\. Received: "
+        r"trainable_only='no'\. Fix",
+    ),
+    "trainable_only a string, load": (
+        _model,
+        lambda m, d: m.load_weights(os.path.join(d, "w.pt"), trainable_only="no"),
+        TypeError,
+        r"Received: trainable_only='no'",
+    ),
+    "every parameter frozen": (
+        _frozen,
+        lambda m, d: m.save_weights(os.path.join(d, "w.pt"), trainable_only=True),
+        ValueError,
+        r"would write an empty file to .*w\.pt': no parameter of the module "
+        r"requires grad \(all are frozen\)\. Received: trainable_only=True\. Fix",
+    ),
 }
 
 

@@ -96,9 +96,7 @@ def test_optimizer_differences_class_groups_params_and_state_shapes():
         "optimizer group 0: parameters: 2 in the file, 1 in the model"
     ]
     two_groups = torch.optim.Adam([{"params": [w]}, {"params": [b]}])
-    assert optimizer_differences(two_groups, adam, "Adam") == [
-        "optimizer: param groups: 1 in the file, 2 in the model"
-    ]
+    assert optimizer_differences(two_groups, adam, "Adam") == ["optimizer: param groups: 1 in the file, 2 in the model"]
     w5 = nn.Parameter(torch.zeros(5, 4))
     assert optimizer_differences(torch.optim.Adam([w5, b]), adam, "Adam") == [
         "optimizer state 'exp_avg' of parameter 0: shape (10, 4) in the file, parameter shape (5, 4) in the model",
@@ -117,9 +115,12 @@ def test_a_five_class_head_into_a_ten_class_model_changes_nothing(tmp_path):
     _model(classes=5).save_weights(tmp_path / "w5.pt")
     model = _trained(classes=10)
     before = _snapshot(model)
-    with pytest.raises(ValueError, match=r"(?s)does not fit this model, so nothing was loaded:\n"
-                       r"  - '2.weight': shape \(5, 32\) in the file, \(10, 32\) in the module\n"
-                       r"  - '2.bias': shape \(5,\) in the file, \(10,\) in the module\nFix:"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)does not fit this model, so nothing was loaded:\n"
+        r"  - '2.weight': shape \(5, 32\) in the file, \(10, 32\) in the module\n"
+        r"  - '2.bias': shape \(5,\) in the file, \(10,\) in the module\nFix:",
+    ):
         model.load_weights(tmp_path / "w5.pt")
     assert _unchanged(model, before)  # the first layer too, though it would have fit
 
@@ -254,8 +255,11 @@ def test_a_damaged_safetensors_file_is_named(tmp_path):
     path.write_bytes(bytes(flipped))
     with pytest.raises(CheckpointError, match="w.safetensors' is corrupted: its checksum does not match"):
         load_safetensors(path)
-    for bad, what in [(b"", "is empty"), (data[: len(data) // 2], "is truncated, damaged or not a safetensors file"),
-                      (b"hello world, not tensors", "is truncated, damaged or not a safetensors file")]:  # fmt: skip
+    for bad, what in [
+        (b"", "is empty"),
+        (data[: len(data) // 2], "is truncated, damaged or not a safetensors file"),
+        (b"hello world, not tensors", "is truncated, damaged or not a safetensors file"),
+    ]:
         path.write_bytes(bad)
         with pytest.raises(CheckpointError, match=what):
             load_safetensors(path)

@@ -42,9 +42,11 @@ def test_validation_every_n_optimizer_steps_is_recorded_with_its_step_and_exact_
     xv, yv = x[:5], y[:5]
     model, direct = _model(), []
     check = LambdaCallback(
-        on_validation_end=lambda logs: direct.append(model.evaluate(xv, yv, batch_size=2, verbose=0)))
-    h = model.fit(x, y, batch_size=2, epochs=2, validation_data=(xv, yv), validation_interval=4, verbose=0,
-                  callbacks=[check])  # fmt: skip
+        on_validation_end=lambda logs: direct.append(model.evaluate(xv, yv, batch_size=2, verbose=0))
+    )
+    h = model.fit(
+        x, y, batch_size=2, epochs=2, validation_data=(xv, yv), validation_interval=4, verbose=0, callbacks=[check]
+    )
     assert [(r["epoch"], r["step"]) for r in h.validations] == [(0, 4), (1, 8), (1, 12)]
     # each value is the validation of the weights at that step (an evaluate there agrees)
     assert [r["val_loss"] for r in h.validations] == [d["loss"] for d in direct]
@@ -77,19 +79,30 @@ def test_inside_epoch_validation_leaves_the_training_stream_unchanged():
     assert loss0 == loss1 and mae0 == mae1 and order0 == order1
     assert [r["step"] for r in h.validations] == [3, 6, 9, 12, 15]
 
+
 def test_on_validation_end_comes_before_the_batch_hooks_and_at_epoch_ends_without_an_interval():
     x, y = _data(8)
     events: list = []
-    cb = LambdaCallback(on_validation_end=lambda logs: events.append(("val", logs["step"])),
-                        on_train_batch_end=lambda b, logs: events.append(("batch", b)),
-                        on_epoch_end=lambda e, logs: events.append(("epoch", e)))  # fmt: skip
+    cb = LambdaCallback(
+        on_validation_end=lambda logs: events.append(("val", logs["step"])),
+        on_train_batch_end=lambda b, logs: events.append(("batch", b)),
+        on_epoch_end=lambda e, logs: events.append(("epoch", e)),
+    )
     model = _model()
     model.fit(x, y, batch_size=4, epochs=2, validation_data=(x, y), validation_interval=3, verbose=0, callbacks=[cb])
     assert events == [("batch", 0), ("batch", 1), ("epoch", 0), ("val", 3), ("batch", 0), ("batch", 1), ("epoch", 1)]
     events.clear()
     h = _model().fit(x, y, batch_size=4, epochs=2, validation_data=(x, y), verbose=0, callbacks=[cb])
-    assert events == [("batch", 0), ("batch", 1), ("val", 2), ("epoch", 0), ("batch", 0), ("batch", 1), ("val", 4),
-                      ("epoch", 1)]  # fmt: skip
+    assert events == [
+        ("batch", 0),
+        ("batch", 1),
+        ("val", 2),
+        ("epoch", 0),
+        ("batch", 0),
+        ("batch", 1),
+        ("val", 4),
+        ("epoch", 1),
+    ]
     assert [r["val_loss"] for r in h.validations] == h.history["val_loss"]
 
 
@@ -103,8 +116,16 @@ def test_early_stopping_acts_at_each_validation_and_stops_inside_the_epoch():
     x, y = _data()  # 6 steps per epoch; validations every 2 steps
     stop = EarlyStopping(monitor="val_loss", patience=2)
     model = _model()
-    h = model.fit(x, y, batch_size=2, epochs=5, validation_data=(x, y), validation_interval=2, verbose=0,
-                  callbacks=[_script([3.0, 2.0, 2.5, 2.6, 9.0]), stop])  # fmt: skip
+    h = model.fit(
+        x,
+        y,
+        batch_size=2,
+        epochs=5,
+        validation_data=(x, y),
+        validation_interval=2,
+        verbose=0,
+        callbacks=[_script([3.0, 2.0, 2.5, 2.6, 9.0]), stop],
+    )
     # best 2.0 at the 2nd validation; the 4th (step 8, epoch 1) is the 2nd without improvement
     assert model.global_step == 8 and h.epoch == [0, 1]
     assert (stop.best, stop.wait, stop.stopped_epoch) == (2.0, 2, 1)
@@ -113,10 +134,19 @@ def test_early_stopping_acts_at_each_validation_and_stops_inside_the_epoch():
 
 def test_model_checkpoint_names_its_files_by_step_at_each_validation(tmp_path):
     x, y = _data()
-    ckpt = ModelCheckpoint(str(tmp_path / "s{step}.pt"), monitor="val_loss", save_best_only=True,
-                           save_weights_only=True)  # fmt: skip
-    _model().fit(x, y, batch_size=2, epochs=2, validation_data=(x, y), validation_interval=3, verbose=0,
-                 callbacks=[_script([3.0, 2.0, 2.5, 1.0]), ckpt])  # fmt: skip
+    ckpt = ModelCheckpoint(
+        str(tmp_path / "s{step}.pt"), monitor="val_loss", save_best_only=True, save_weights_only=True
+    )
+    _model().fit(
+        x,
+        y,
+        batch_size=2,
+        epochs=2,
+        validation_data=(x, y),
+        validation_interval=3,
+        verbose=0,
+        callbacks=[_script([3.0, 2.0, 2.5, 1.0]), ckpt],
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s12.pt", "s3.pt", "s6.pt"]
     assert ckpt.best == 1.0 and ckpt.best_path.endswith("s12.pt")
 
@@ -129,6 +159,7 @@ def _lr_at_validations(model: fitkit.Model, seen: list) -> LambdaCallback:
 def test_plateau_reductions_follow_the_validations_not_the_epochs(form):
     # The loss stays 0: no validation after the first improves; 6 validations in 2 epochs.
     x = torch.zeros(12, 3)
+
     def plateau(o):
         return torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5)
 
@@ -136,8 +167,16 @@ def test_plateau_reductions_follow_the_validations_not_the_epochs(form):
     nn.init.zeros_(model.module[-1].weight), nn.init.zeros_(model.module[-1].bias)
     callbacks = [ReduceLROnPlateau(monitor="val_loss", patience=1, factor=0.5)] if form == "callback" else []
     seen: list = []
-    model.fit(x, torch.zeros(12, 1), batch_size=2, epochs=2, validation_data=(x, torch.zeros(12, 1)),
-              validation_interval=2, verbose=0, callbacks=[*callbacks, _lr_at_validations(model, seen)])  # fmt: skip
+    model.fit(
+        x,
+        torch.zeros(12, 1),
+        batch_size=2,
+        epochs=2,
+        validation_data=(x, torch.zeros(12, 1)),
+        validation_interval=2,
+        verbose=0,
+        callbacks=[*callbacks, _lr_at_validations(model, seen)],
+    )
     # reductions at validations 2..6; none at the epoch ends (that would give 0.1 * 0.5 ** 7)
     assert model.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**5, abs=0)
 
@@ -145,13 +184,24 @@ def test_plateau_reductions_follow_the_validations_not_the_epochs(form):
 def test_csv_logger_writes_a_row_per_validation_with_its_step(tmp_path):
     x, y = _data()
     path = tmp_path / "log.csv"
-    h = _model().fit(x, y, batch_size=4, epochs=2, validation_data=(x, y), validation_interval=2, verbose=0,
-                     callbacks=[CSVLogger(path)])  # fmt: skip
+    h = _model().fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        validation_data=(x, y),
+        validation_interval=2,
+        verbose=0,
+        callbacks=[CSVLogger(path)],
+    )
     rows = list(csv.DictReader(path.open()))
     assert [(r["epoch"], r["step"], r["loss"] != "NA", r["val_loss"] != "NA") for r in rows] == [
-        ("0", "2", False, True), ("0", "3", True, False), ("1", "4", False, True), ("1", "6", False, True),
+        ("0", "2", False, True),
+        ("0", "3", True, False),
+        ("1", "4", False, True),
+        ("1", "6", False, True),
         ("1", "6", True, False),
-    ]  # fmt: skip
+    ]
     assert [float(r["val_loss"]) for r in rows if r["val_loss"] != "NA"] == pytest.approx(
         [r["val_loss"] for r in h.validations], rel=1e-15
     )
@@ -164,8 +214,16 @@ def test_tensorboard_writes_each_validation_at_its_global_step(tmp_path):
     from fitkit.callbacks import TensorBoard
 
     x, y = _data()
-    h = _model().fit(x, y, batch_size=4, epochs=2, validation_data=(x, y), validation_interval=2, verbose=0,
-                     callbacks=[TensorBoard(tmp_path)])  # fmt: skip
+    h = _model().fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        validation_data=(x, y),
+        validation_interval=2,
+        verbose=0,
+        callbacks=[TensorBoard(tmp_path)],
+    )
     acc = EventAccumulator(str(tmp_path / "validation"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("step_loss")] == [r["step"] for r in h.validations] == [2, 4, 6]
@@ -174,8 +232,15 @@ def test_tensorboard_writes_each_validation_at_its_global_step(tmp_path):
 def test_the_progress_bar_prints_a_line_per_validation():
     x, y = _data()
     console = Console(file=io.StringIO(), force_terminal=False, width=200)
-    _model().fit(x, y, batch_size=4, epochs=1, validation_data=(x, y), validation_interval=2,
-                 callbacks=[ProgressBar(2, console=console)])  # fmt: skip
+    _model().fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=1,
+        validation_data=(x, y),
+        validation_interval=2,
+        callbacks=[ProgressBar(2, console=console)],
+    )
     out = console.file.getvalue()
     assert "Validation at step 2 (epoch 1) - val_loss: " in out and "val_mae: " in out
 
@@ -195,10 +260,10 @@ def _resume_run(folder, crash_at=None):
     stop = EarlyStopping(monitor="val_loss", patience=3)
     by_step = {2: 3.0, 4: 2.0, 6: 2.5, 8: 2.6, 10: 2.7, 12: 2.8}  # keyed by step: the same after a resume
     script = LambdaCallback(on_validation_end=lambda logs: logs.__setitem__("val_loss", by_step[logs["step"]]))
-    callbacks = [script, stop, LambdaCallback(on_train_batch_end=crash),
-                 BackupAndRestore(folder, save_freq=1)]  # fmt: skip
-    model.fit(x, y, batch_size=2, epochs=3, validation_data=(x, y), validation_interval=2, verbose=0,
-              callbacks=callbacks)  # fmt: skip
+    callbacks = [script, stop, LambdaCallback(on_train_batch_end=crash), BackupAndRestore(folder, save_freq=1)]
+    model.fit(
+        x, y, batch_size=2, epochs=3, validation_data=(x, y), validation_interval=2, verbose=0, callbacks=callbacks
+    )
     return model, stop
 
 
@@ -212,8 +277,11 @@ def test_a_backup_taken_after_a_step_validation_resumes_exactly(tmp_path):
     model, stop = _resume_run(tmp_path / "run")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in ref.state_dict().items())
     assert model.history.history == ref.history.history and model.history.validations == ref.history.validations
-    assert (stop.best, stop.wait, stop.stopped_epoch) == (ref_stop.best, ref_stop.wait, ref_stop.stopped_epoch) == (
-        2.0, 3, 1)  # fmt: skip
+    assert (
+        (stop.best, stop.wait, stop.stopped_epoch)
+        == (ref_stop.best, ref_stop.wait, ref_stop.stopped_epoch)
+        == (2.0, 3, 1)
+    )
     assert model.global_step == ref.global_step == 10
 
 
@@ -222,8 +290,12 @@ def test_a_backup_taken_after_a_step_validation_resumes_exactly(tmp_path):
     [
         (0, {}, ValueError, r"`validation_interval` to be a positive number\. Received: validation_interval=0\. Fix:"),
         (1.5, {}, ValueError, r"float `validation_interval` in \(0, 1\]\. Received: validation_interval=1\.5"),
-        ("4", {}, TypeError,
-         r"`validation_interval` to be an int, a float or a timedelta\. Received: validation_interval='4'"),
+        (
+            "4",
+            {},
+            TypeError,
+            r"`validation_interval` to be an int, a float or a timedelta\. Received: validation_interval='4'",
+        ),
         (True, {}, TypeError, r"validation_interval=True of type bool"),
         (2, {"validation_data": None}, ValueError, r"no validation data\. Fix: pass `validation_data="),
         (2, {"validation_freq": 2}, ValueError, r"both say when to validate\. Fix: pass one of them"),
@@ -285,8 +357,17 @@ BATCH = 4
     torch.manual_seed(0)
     x, y, w = data(40)
     xv, yv, _ = data(11, seed=1)
-    scope = {"torch": torch, "fitkit": fitkit, "x": x, "y": y, "w": w, "xv": xv, "yv": yv, "BATCH": 8,
-             "model": fitkit.Model(net(), device="cpu")}  # fmt: skip
+    scope = {
+        "torch": torch,
+        "fitkit": fitkit,
+        "x": x,
+        "y": y,
+        "w": w,
+        "xv": xv,
+        "yv": yv,
+        "BATCH": 8,
+        "model": fitkit.Model(net(), device="cpu"),
+    }
     exec(_DIST_FIT, scope)
     ref = scope["result"]
     # 5 global batches per epoch: epoch 0 at accumulation 2 (3 steps), then 1 per step; 7 steps
@@ -307,13 +388,15 @@ def test_validate_at_end_scores_the_last_step_of_an_epoch_bound_and_of_a_budget(
     # 12 samples, batch 4: 3 steps per epoch; every 2 steps over 2 epochs: 2, 4, 6 (6 is the end anyway)
     x, y = _data()
     model = _model()
-    history = model.fit(x, y, batch_size=4, epochs=2, validation_data=(x, y), validation_interval=2,
-                        validate_at_end=True, verbose=0)
+    history = model.fit(
+        x, y, batch_size=4, epochs=2, validation_data=(x, y), validation_interval=2, validate_at_end=True, verbose=0
+    )
     assert [r["step"] for r in history.validations] == [2, 4, 6]  # no second validation at step 6
     # every 4 steps, budget 7: 4 by the interval, 7 at the end, scored on the final weights
     model = _model()
-    history = model.fit(x, y, batch_size=4, max_steps=7, validation_data=(x, y), validation_interval=4,
-                        validate_at_end=True, verbose=0)
+    history = model.fit(
+        x, y, batch_size=4, max_steps=7, validation_data=(x, y), validation_interval=4, validate_at_end=True, verbose=0
+    )
     assert [(r["epoch"], r["step"]) for r in history.validations] == [(1, 4), (2, 7)]
     assert history.history["val_loss"][-1] == history.validations[-1]["val_loss"]
     assert history.validations[-1]["val_loss"] == model.evaluate(x, y, batch_size=4, verbose=0)["loss"]
@@ -329,12 +412,22 @@ def test_validate_at_end_does_not_validate_after_an_early_stop():
     x, y = _data()
     stop = LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(model, "stop_training", True))
     model = _model()
-    history = model.fit(x, y, batch_size=4, epochs=10, validation_data=(x, y), validation_interval=2,
-                        validate_at_end=True, verbose=0, callbacks=[stop])
+    history = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=10,
+        validation_data=(x, y),
+        validation_interval=2,
+        validate_at_end=True,
+        verbose=0,
+        callbacks=[stop],
+    )
     assert model.global_step == 3 and [r["step"] for r in history.validations] == [2]
     model = _model()
-    history = model.fit(x, y, batch_size=4, epochs=1, validation_data=(x, y), validation_interval=2,
-                        validate_at_end=True, verbose=0)
+    history = model.fit(
+        x, y, batch_size=4, epochs=1, validation_data=(x, y), validation_interval=2, validate_at_end=True, verbose=0
+    )
     assert [r["step"] for r in history.validations] == [2, 3]
 
 
@@ -362,8 +455,16 @@ def test_a_timedelta_interval_validates_once_that_much_training_time_has_passed(
     model = fitkit.Model(nn.Linear(2, 1), device="cpu")
     model.compile(optimizer="sgd", loss="mse")
     x, y = torch.randn(20, 2), torch.randn(20, 1)
-    h = model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[tick], validation_data=(x[:4], y[:4]),
-                  validation_interval=datetime.timedelta(seconds=2.5))  # fmt: skip
+    h = model.fit(
+        x,
+        y,
+        batch_size=2,
+        epochs=1,
+        verbose=0,
+        callbacks=[tick],
+        validation_data=(x[:4], y[:4]),
+        validation_interval=datetime.timedelta(seconds=2.5),
+    )
     assert [v["step"] for v in h.validations] == [3, 6, 9]
     for bad, error in ((datetime.timedelta(0), ValueError), ("30m", TypeError)):
         with pytest.raises(error, match="validation_interval"):
@@ -371,12 +472,15 @@ def test_a_timedelta_interval_validates_once_that_much_training_time_has_passed(
     assert model.global_step == 10
 
 
-@pytest.mark.parametrize("call, kwargs", [
-    ("fit", {"steps_per_epoch": 2.5}),
-    ("fit", {"validation_steps": 0.5, "validation_data": "data"}),
-    ("evaluate", {"steps": 1.5}),
-    ("predict", {"steps": 1.5}),
-])
+@pytest.mark.parametrize(
+    "call, kwargs",
+    [
+        ("fit", {"steps_per_epoch": 2.5}),
+        ("fit", {"validation_steps": 0.5, "validation_data": "data"}),
+        ("evaluate", {"steps": 1.5}),
+        ("predict", {"steps": 1.5}),
+    ],
+)
 def test_a_fractional_step_count_is_refused_with_the_fractions_that_exist(call, kwargs):
     """Keras documents steps as ints (whole batches): a float names the arguments that do take a
     fraction, before anything runs."""
@@ -407,7 +511,7 @@ def _hand_val_losses(steps: set[int], x, y, xv, yv) -> dict[int, float]:
     for step in range(1, max(steps) + 1):
         i = 4 * ((step - 1) % 5)
         opt.zero_grad()
-        nn.functional.mse_loss(layer(x[i:i + 4]), y[i:i + 4]).backward()
+        nn.functional.mse_loss(layer(x[i : i + 4]), y[i : i + 4]).backward()
         opt.step()
         if step in steps:
             with torch.no_grad():
@@ -415,19 +519,30 @@ def _hand_val_losses(steps: set[int], x, y, xv, yv) -> dict[int, float]:
     return out
 
 
-@pytest.mark.parametrize("fit_kwargs, fraction, expected", [
-    ({"epochs": 2}, 0.25, [(0, 3), (0, 5), (1, 8), (1, 10)]),  # 10 planned steps
-    ({"max_steps": 7}, 0.5, [(0, 4), (1, 7)]),  # planned by max_steps: 3.5 -> 4, then the end
-    ({"epochs": 2}, 1.0, [(1, 10)]),
-])
+@pytest.mark.parametrize(
+    "fit_kwargs, fraction, expected",
+    [
+        ({"epochs": 2}, 0.25, [(0, 3), (0, 5), (1, 8), (1, 10)]),  # 10 planned steps
+        ({"max_steps": 7}, 0.5, [(0, 4), (1, 7)]),  # planned by max_steps: 3.5 -> 4, then the end
+        ({"epochs": 2}, 1.0, [(1, 10)]),
+    ],
+)
 def test_run_fraction_validates_at_fractions_of_the_planned_run(fit_kwargs, fraction, expected):
     from fitkit.training.budget import RunFraction
 
     x = torch.linspace(-1, 1, 20).reshape(20, 1)
     y, xv = 3 * x + 1, torch.linspace(-1, 1, 6).reshape(6, 1)
     yv = 3 * xv + 1
-    h = _run_fraction_model().fit(x, y, batch_size=4, shuffle=False, validation_data=(xv, yv), verbose=0,
-                                  validation_interval=RunFraction(fraction), **fit_kwargs)  # fmt: skip
+    h = _run_fraction_model().fit(
+        x,
+        y,
+        batch_size=4,
+        shuffle=False,
+        validation_data=(xv, yv),
+        verbose=0,
+        validation_interval=RunFraction(fraction),
+        **fit_kwargs,
+    )
     assert [(v["epoch"], v["step"]) for v in h.validations] == expected
     hand = _hand_val_losses({s for _, s in expected}, x, y, xv, yv)
     assert [v["val_loss"] for v in h.validations] == pytest.approx([hand[s] for _, s in expected], rel=1e-6)
@@ -443,6 +558,10 @@ def test_run_fraction_bad_values_and_an_unknown_plan_are_refused_before_step_1()
     model = _run_fraction_model()
     batches = ((torch.zeros(4, 1), torch.zeros(4, 1)) for _ in range(3))
     with pytest.raises(ValueError, match=r"RunFraction\(0.5\) is a fraction of the run.*unknown.*Fix: pass `max_"):
-        model.fit(batches, validation_data=(torch.zeros(4, 1), torch.zeros(4, 1)),
-                  validation_interval=RunFraction(0.5), verbose=0)
+        model.fit(
+            batches,
+            validation_data=(torch.zeros(4, 1), torch.zeros(4, 1)),
+            validation_interval=RunFraction(0.5),
+            verbose=0,
+        )
     assert model.global_step == 0

@@ -69,9 +69,12 @@ def test_a_step_the_grad_scaler_skips_does_not_count(tmp_path):
 def test_a_skipped_step_holds_a_per_step_torch_scheduler_back():
     model = fitkit.Model(Scale(), device="cpu")
     model.compile(
-        optimizer=lambda p: torch.optim.SGD(p, lr=1.0), loss="mse", precision="16-mixed",
-        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5), scheduler_interval="step",
-    )  # fmt: skip
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        loss="mse",
+        precision="16-mixed",
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+        scheduler_interval="step",
+    )
     lrs = []
     watch = LambdaCallback(on_train_batch_end=lambda batch, logs: lrs.append(model.optimizer.param_groups[0]["lr"]))
     model.fit(_inf_in_the_middle(), verbose=0, callbacks=[watch])
@@ -231,8 +234,15 @@ class WarmupCosine:
     each call, and is part of the state, so a resumed run's record continues the interrupted one's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, t_initial: int = T_INITIAL, lr_min: float = LR_MIN,
-                 warmup_t: int = WARMUP_T, warmup_lr_init: float = WARMUP_INIT, t_in_epochs: bool = False):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        t_initial: int = T_INITIAL,
+        lr_min: float = LR_MIN,
+        warmup_t: int = WARMUP_T,
+        warmup_lr_init: float = WARMUP_INIT,
+        t_in_epochs: bool = False,
+    ):
         self.optimizer = optimizer
         self.base_values = [g["lr"] for g in optimizer.param_groups]
         self.t_initial, self.lr_min, self.warmup_t, self.warmup_lr_init = t_initial, lr_min, warmup_t, warmup_lr_init
@@ -248,8 +258,10 @@ class WarmupCosine:
         if t >= self.t_initial:  # one cycle (timm's cycle_limit=1), then lr_min
             return [self.lr_min for _ in self.base_values]
         # timm's default warmup_prefix=False: the cosine runs over t in [0, t_initial).
-        return [self.lr_min + 0.5 * (v - self.lr_min) * (1 + math.cos(math.pi * t / self.t_initial))
-                for v in self.base_values]
+        return [
+            self.lr_min + 0.5 * (v - self.lr_min) * (1 + math.cos(math.pi * t / self.t_initial))
+            for v in self.base_values
+        ]
 
     def update_groups(self, values: list[float]) -> None:
         for group, value in zip(self.optimizer.param_groups, values, strict=True):
@@ -283,8 +295,12 @@ def _data(n: int = 20):
 def _model(seed: int = 0, **compile_kwargs) -> fitkit.Model:
     torch.manual_seed(seed)
     model = fitkit.Model(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=BASE_LR, momentum=0.9), loss="mse",
-                  scheduler=WarmupCosine, **compile_kwargs)
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=BASE_LR, momentum=0.9),
+        loss="mse",
+        scheduler=WarmupCosine,
+        **compile_kwargs,
+    )
     return model
 
 
@@ -339,8 +355,11 @@ def test_an_epoch_schedule_moves_the_lr_at_epoch_ends_only():
     x, y = _data()
     torch.manual_seed(0)
     model = fitkit.Model(nn.Linear(3, 1), device="cpu")
-    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=BASE_LR), loss="mse",
-                  scheduler=lambda opt: WarmupCosine(opt, t_in_epochs=True))
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=BASE_LR),
+        loss="mse",
+        scheduler=lambda opt: WarmupCosine(opt, t_in_epochs=True),
+    )
     used = _lr_recorder(model)
     history = model.fit(x, y, batch_size=10, epochs=4, verbose=0)
     assert used == pytest.approx([hand_lr(e) for e in range(4) for _ in range(2)], rel=1e-15)
@@ -392,12 +411,15 @@ def test_timm_cosine_scheduler_gives_the_lr_of_timms_own_loop():
     try:
         from timm.scheduler import CosineLRScheduler
     except Exception as e:  # ImportError, or torchvision failing to load against this torch
-        pytest.skip(f"timm cannot be imported here ({type(e).__name__}: {e}); it needs a torchvision "
-                    "that loads against the installed torch")
+        pytest.skip(
+            f"timm cannot be imported here ({type(e).__name__}: {e}); it needs a torchvision "
+            "that loads against the installed torch"
+        )
 
     def build(opt):
-        return CosineLRScheduler(opt, t_initial=T_INITIAL, lr_min=LR_MIN, warmup_t=WARMUP_T,
-                                 warmup_lr_init=WARMUP_INIT, t_in_epochs=False)
+        return CosineLRScheduler(
+            opt, t_initial=T_INITIAL, lr_min=LR_MIN, warmup_t=WARMUP_T, warmup_lr_init=WARMUP_INIT, t_in_epochs=False
+        )
 
     x, y = _data()
     model = _model()

@@ -1,6 +1,5 @@
 """Tests for fitkit.text: the character tokenizer and the next-token dataset."""
 
-
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -85,8 +84,11 @@ def test_next_token_dataset_smallest_input():
 
 
 def test_next_token_dataset_errors():
-    with pytest.raises(ValueError, match=r"Expected at least block_size \+ 1 = 6 tokens. "
-                                         "Received: 5 tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"Expected at least block_size \+ 1 = 6 tokens. "
+        "Received: 5 tokens",
+    ):
         NextTokenDataset(torch.arange(5), block_size=5)
     with pytest.raises(ValueError, match=r"Expected `tokens` of shape \(N,\)"):
         NextTokenDataset(torch.zeros(2, 10, dtype=torch.long), block_size=3)

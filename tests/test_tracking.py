@@ -56,7 +56,13 @@ def test_a_nested_evaluates_stop_flag_does_not_cut_the_fits_validation():
         if batch == 0:
             model.evaluate(torch.zeros(4, 1), torch.zeros(4, 1), batch_size=1, verbose=0, callbacks=[Stopper()])
 
-    h = model.fit(torch.zeros(4, 1), Y, batch_size=1, shuffle=False, verbose=0,
-                  validation_data=(torch.zeros(4, 1), torch.tensor([[2.0], [2.0], [4.0], [4.0]])),
-                  callbacks=[LambdaCallback(on_test_batch_end=during_validation)])  # fmt: skip
+    h = model.fit(
+        torch.zeros(4, 1),
+        Y,
+        batch_size=1,
+        shuffle=False,
+        verbose=0,
+        validation_data=(torch.zeros(4, 1), torch.tensor([[2.0], [2.0], [4.0], [4.0]])),
+        callbacks=[LambdaCallback(on_test_batch_end=during_validation)],
+    )
     assert seen == [0, 1, 2, 3] and h.history["val_loss"] == [10.0]

@@ -78,8 +78,9 @@ def test_reduce_lr_on_plateau_steps_on_val_loss_and_skips_epochs_without_validat
     driver = SchedulerDriver(opt, lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=1), "epoch")
     lrs = []
     # (val_loss, validated): 1.0 best, 0.5 better, then flat; the unvalidated epoch is no bad epoch.
-    for epoch, (val_loss, validated) in enumerate([(1.0, True), (0.5, True), (0.5, True), (9.0, False),
-                                                   (0.5, True), (0.5, True), (0.5, True)]):  # fmt: skip
+    for epoch, (val_loss, validated) in enumerate(
+        [(1.0, True), (0.5, True), (0.5, True), (9.0, False), (0.5, True), (0.5, True), (0.5, True)]
+    ):
         logs = {"loss": 7.0, "val_loss": val_loss}  # an epoch without validation: a stale val_loss
         driver.step_epoch(epoch, logs, validated=validated, validates=True)
         lrs.append(_lr(opt))
@@ -202,6 +203,12 @@ def test_fit_drives_a_timm_like_scheduler_with_step_counts_and_epoch_losses():
     assert used == [0.25, 0.125, 0.0625, 0.03125]
     # b: 0 -> 0.5 -> 0.625 -> 0.671875 -> ...: losses 1, 0.25 | 0.140625, 0.107666015625
     assert history.history["loss"] == [0.625, 0.1241455078125]
-    assert model.scheduler.calls == [("step_update", 1), ("step_update", 2), ("step", 1, 0.625),
-                                     ("step_update", 3), ("step_update", 4), ("step", 2, 0.1241455078125)]  # fmt: skip
+    assert model.scheduler.calls == [
+        ("step_update", 1),
+        ("step_update", 2),
+        ("step", 1, 0.625),
+        ("step_update", 3),
+        ("step_update", 4),
+        ("step", 2, 0.1241455078125),
+    ]
     assert history.history["learning_rate"] == [0.125, 0.03125]

@@ -42,8 +42,9 @@ class _EvaluateEachSet(Callback):
         self.sets, self.seen = sets, []
 
     def on_epoch_end(self, epoch, logs=None):
-        self.seen.append({name: self.model.evaluate(*data, batch_size=4, verbose=0)
-                          for name, data in self.sets.items()})
+        self.seen.append(
+            {name: self.model.evaluate(*data, batch_size=4, verbose=0) for name, data in self.sets.items()}
+        )
 
 
 def test_each_set_is_validated_alone_and_the_first_also_under_plain_keys():
@@ -51,11 +52,28 @@ def test_each_set_is_validated_alone_and_the_first_also_under_plain_keys():
     x, y = _data(32, 0)
     model = _model()
     ref = _EvaluateEachSet({"clean": (xa, ya), "shifted": (xb, yb)})
-    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[ref], validation_batch_size=4,
-                        validation_data={"clean": (xa, ya), "shifted": (xb, yb)})
+    history = model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=3,
+        verbose=0,
+        callbacks=[ref],
+        validation_batch_size=4,
+        validation_data={"clean": (xa, ya), "shifted": (xb, yb)},
+    )
     h = history.history
-    assert list(h) == ["loss", "mae", "learning_rate", "val_loss", "val_mae", "val_clean_loss", "val_clean_mae",
-                       "val_shifted_loss", "val_shifted_mae"]
+    assert list(h) == [
+        "loss",
+        "mae",
+        "learning_rate",
+        "val_loss",
+        "val_mae",
+        "val_clean_loss",
+        "val_clean_mae",
+        "val_shifted_loss",
+        "val_shifted_mae",
+    ]
     assert history.params["metrics"] == list(h)
     for epoch, alone in enumerate(ref.seen):
         for name in ("clean", "shifted"):
@@ -76,8 +94,18 @@ def test_sets_of_every_kind_in_one_dict():
     xa, ya = _data(12, 3)
     x, y = _data(16, 0)
     model = _model(lr=0.0)  # the weights stay: every value is a hand value of the start
-    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, validation_data={
-        "tuple": (xa, ya), "dataset": TensorDataset(xa, ya), "loader": DataLoader(TensorDataset(xa, ya), batch_size=5)})
+    history = model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        validation_data={
+            "tuple": (xa, ya),
+            "dataset": TensorDataset(xa, ya),
+            "loader": DataLoader(TensorDataset(xa, ya), batch_size=5),
+        },
+    )
     loss, mae = _hand(model.module, xa, ya)
     for name in ("tuple", "dataset", "loader"):
         assert history.history[f"val_{name}_loss"] == [pytest.approx(loss, rel=1e-6)]
@@ -89,9 +117,15 @@ def test_a_monitor_may_name_any_set():
     epoch index 1 (Keras: the first epoch sets the best; one epoch without improvement then)."""
     x, y = _data(16, 0)
     model = _model(lr=0.0)
-    history = model.fit(x, y, batch_size=8, epochs=6, verbose=0,
-                        validation_data={"a": _data(8, 1), "b": _data(8, 2)},
-                        callbacks=[EarlyStopping(monitor="val_b_loss", patience=1)])
+    history = model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=6,
+        verbose=0,
+        validation_data={"a": _data(8, 1), "b": _data(8, 2)},
+        callbacks=[EarlyStopping(monitor="val_b_loss", patience=1)],
+    )
     assert history.epoch == [0, 1]
 
 
@@ -99,8 +133,9 @@ def test_in_epoch_validations_carry_every_set():
     x, y = _data(32, 0)
     (xa, ya), (xb, yb) = _data(8, 1), _data(6, 2)
     model = _model()
-    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, validation_interval=2,
-                        validation_data={"a": (xa, ya), "b": (xb, yb)})
+    history = model.fit(
+        x, y, batch_size=8, epochs=1, verbose=0, validation_interval=2, validation_data={"a": (xa, ya), "b": (xb, yb)}
+    )
     records = history.validations
     assert [r["step"] for r in records] == [2, 4]
     for r in records:
@@ -123,10 +158,16 @@ def test_evaluate_takes_the_same_dict():
     both = model.evaluate({"a": (xa, ya), "b": (xb, yb)}, batch_size=4, verbose=0)
     alone_a = model.evaluate(xa, ya, batch_size=4, verbose=0)
     alone_b = model.evaluate(xb, yb, batch_size=4, verbose=0)
-    assert both == {"a_loss": alone_a["loss"], "a_mae": alone_a["mae"],
-                    "b_loss": alone_b["loss"], "b_mae": alone_b["mae"]}
+    assert both == {
+        "a_loss": alone_a["loss"],
+        "a_mae": alone_a["mae"],
+        "b_loss": alone_b["loss"],
+        "b_mae": alone_b["mae"],
+    }
     assert model.evaluate({"a": (xa, ya), "b": (xb, yb)}, batch_size=4, verbose=0, return_dict=False) == [
-        [alone_a["loss"], alone_a["mae"]], [alone_b["loss"], alone_b["mae"]]]
+        [alone_a["loss"], alone_a["mae"]],
+        [alone_b["loss"], alone_b["mae"]],
+    ]
 
 
 def test_quick_run_flags_apply_to_every_set():
@@ -134,8 +175,16 @@ def test_quick_run_flags_apply_to_every_set():
     x, y = _data(16, 0)
     (xa, ya), (xb, yb) = _data(12, 1), _data(12, 2)
     model = _model(lr=0.0)
-    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, validation_batch_size=4, limit_val_batches=1,
-                        validation_data={"a": (xa, ya), "b": (xb, yb)})
+    history = model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        validation_batch_size=4,
+        limit_val_batches=1,
+        validation_data={"a": (xa, ya), "b": (xb, yb)},
+    )
     assert history.history["val_a_loss"] == [pytest.approx(_hand(model.module, xa[:4], ya[:4])[0], rel=1e-6)]
     assert history.history["val_b_loss"] == [pytest.approx(_hand(model.module, xb[:4], yb[:4])[0], rel=1e-6)]
 
@@ -151,8 +200,16 @@ def test_quick_run_flags_apply_to_every_set():
     model = _model()
     before = [p.clone() for p in model.module.parameters()]
     with pytest.raises(ValueError, match="shaped like the prediction"):  # the second set's second batch
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0, num_sanity_val_steps=-1, validation_batch_size=4,
-                  validation_data={"a": (xa, ya), "b": BrokenAfterFour()})
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=1,
+            verbose=0,
+            num_sanity_val_steps=-1,
+            validation_batch_size=4,
+            validation_data={"a": (xa, ya), "b": BrokenAfterFour()},
+        )
     assert all(torch.equal(p, q) for p, q in zip(model.module.parameters(), before, strict=True))
     assert model.global_step == 0
 
@@ -170,19 +227,23 @@ def test_a_dict_of_tensors_stays_one_set_of_dict_inputs():
     model = fitkit.Model(Two(), device="cpu")
     model.compile(optimizer="sgd", loss="mse")
     xa, ya = _data(8, 1)
-    history = model.fit({"a": xa, "b": xa}, ya, batch_size=4, epochs=1, verbose=0,
-                        validation_data=({"a": xa, "b": xa}, ya))
+    history = model.fit(
+        {"a": xa, "b": xa}, ya, batch_size=4, epochs=1, verbose=0, validation_data=({"a": xa, "b": xa}, ya)
+    )
     assert list(history.history) == ["loss", "learning_rate", "val_loss"]
     assert named_sets({"a": xa, "b": xa}) is None
 
 
-@pytest.mark.parametrize("bad, fragment", [
-    ({}, "empty dict"),
-    ({"a": _data(4, 1), "b": torch.zeros(4, 3)}, "mixes validation sets"),
-    ({"": _data(4, 1)}, "Received: ''"),
-    ({"has space": _data(4, 1)}, "Received: 'has space'"),
-    ({3: _data(4, 1)}, "Received: 3"),
-])
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        ({}, "empty dict"),
+        ({"a": _data(4, 1), "b": torch.zeros(4, 3)}, "mixes validation sets"),
+        ({"": _data(4, 1)}, "Received: ''"),
+        ({"has space": _data(4, 1)}, "Received: 'has space'"),
+        ({3: _data(4, 1)}, "Received: 3"),
+    ],
+)
 def test_bad_dicts_are_refused_before_step_one(bad, fragment):
     x, y = _data(8, 0)
     model = _model()

@@ -73,17 +73,23 @@ def test_model_validated_is_false_until_the_epochs_validation_ran():
     )
     model.fit(X4, Y4, epochs=3, batch_size=4, validation_data=VAL, validation_freq=[2, 3], callbacks=[watch], verbose=0)
     assert seen == [
-        ("begin", 0, False), ("end", 0, False),
-        ("begin", 1, False), ("test", 1, False), ("end", 1, True),
-        ("begin", 2, False), ("test", 2, False), ("end", 2, True),
-    ]  # fmt: skip
+        ("begin", 0, False),
+        ("end", 0, False),
+        ("begin", 1, False),
+        ("test", 1, False),
+        ("end", 1, True),
+        ("begin", 2, False),
+        ("test", 2, False),
+        ("end", 2, True),
+    ]
 
 
 # -- CSVLogger ------------------------------------------------------------------------------------
 def test_csv_logger_keeps_val_columns_with_validation_freq(tmp_path):
     path = tmp_path / "log.csv"
-    _bias_model(0.0).fit(X4, Y4, epochs=4, batch_size=4, validation_data=VAL, validation_freq=2,
-                         callbacks=[CSVLogger(path)], verbose=0)  # fmt: skip
+    _bias_model(0.0).fit(
+        X4, Y4, epochs=4, batch_size=4, validation_data=VAL, validation_freq=2, callbacks=[CSVLogger(path)], verbose=0
+    )
     assert path.read_text() == (
         "epoch,learning_rate,loss,val_loss\n0,0.0,5.0,NA\n1,0.0,5.0,4.0\n2,0.0,5.0,NA\n3,0.0,5.0,4.0\n"
     )
@@ -91,12 +97,23 @@ def test_csv_logger_keeps_val_columns_with_validation_freq(tmp_path):
 
 def test_csv_logger_columns_plan_plus_first_epoch_extras_later_keys_warned_once(tmp_path):
     path = tmp_path / "log.csv"
-    extra = LambdaCallback(on_epoch_end=lambda epoch, logs: logs.update(
-        {"zeta": 1.0, "alpha": 2.0} if epoch == 0 else {"zeta": 1.0, "late": 3.0}))  # fmt: skip
+    extra = LambdaCallback(
+        on_epoch_end=lambda epoch, logs: logs.update(
+            {"zeta": 1.0, "alpha": 2.0} if epoch == 0 else {"zeta": 1.0, "late": 3.0}
+        )
+    )
     model = _bias_model(0.0, metrics=["mae"])
     with pytest.warns(UserWarning, match=r"epoch 2 hold late, which the file's columns .* do not have") as rec:
-        model.fit(X4, Y4, epochs=3, batch_size=4, validation_data=VAL, validation_freq=[3],
-                  callbacks=[extra, CSVLogger(path)], verbose=0)  # fmt: skip
+        model.fit(
+            X4,
+            Y4,
+            epochs=3,
+            batch_size=4,
+            validation_data=VAL,
+            validation_freq=[3],
+            callbacks=[extra, CSVLogger(path)],
+            verbose=0,
+        )
     assert sum("CSVLogger" in str(w.message) for w in rec) == 1  # once, not at epochs 2 and 3
     assert _rows(path) == [
         ["epoch", "alpha", "learning_rate", "loss", "mae", "val_loss", "val_mae", "zeta"],
@@ -111,10 +128,15 @@ def test_csv_logger_append_takes_the_columns_of_the_files_header(tmp_path):
     _bias_model(0.0).fit(X4, Y4, epochs=1, batch_size=4, callbacks=[CSVLogger(path)], verbose=0)
     # The second run validates: its val_loss is not a column of the file, so it is left out.
     with pytest.warns(UserWarning, match="hold val_loss, which the file's columns"):
-        _bias_model(0.0).fit(X4, Y4, epochs=2, batch_size=4, validation_data=VAL,
-                             callbacks=[CSVLogger(path, append=True)], verbose=0)  # fmt: skip
-    assert _rows(path) == [["epoch", "learning_rate", "loss"], ["0", "0.0", "5.0"], ["0", "0.0", "5.0"],
-                           ["1", "0.0", "5.0"]]  # fmt: skip
+        _bias_model(0.0).fit(
+            X4, Y4, epochs=2, batch_size=4, validation_data=VAL, callbacks=[CSVLogger(path, append=True)], verbose=0
+        )
+    assert _rows(path) == [
+        ["epoch", "learning_rate", "loss"],
+        ["0", "0.0", "5.0"],
+        ["0", "0.0", "5.0"],
+        ["1", "0.0", "5.0"],
+    ]
 
 
 class _Crash(RuntimeError):
@@ -134,8 +156,12 @@ def test_csv_logger_column_order_is_stable_across_a_resume(tmp_path):
 
     torch.manual_seed(0)
     with pytest.raises(_Crash):
-        _bias_model(0.1).fit(X4, Y4, callbacks=[extra, CSVLogger(path), LambdaCallback(on_epoch_end=crash),
-                                                BackupAndRestore(backup)], **fit)  # fmt: skip
+        _bias_model(0.1).fit(
+            X4,
+            Y4,
+            callbacks=[extra, CSVLogger(path), LambdaCallback(on_epoch_end=crash), BackupAndRestore(backup)],
+            **fit,
+        )
     torch.manual_seed(0)
     _bias_model(0.1).fit(X4, Y4, callbacks=[extra, CSVLogger(path), BackupAndRestore(backup)], **fit)
     assert _rows(path) == _rows(ref)
@@ -218,8 +244,15 @@ def test_used_up_validation_generator_is_an_error_in_epoch_two():
     watch = LambdaCallback(on_epoch_end=lambda epoch, logs: ends.append((epoch, logs["val_loss"])))
     message = r"`validation_data` \(generator\) yielded no batch\. Fix: .*re-iterable such as a DataLoader or a list"
     with pytest.raises(ValueError, match=message):
-        model.fit(X4, Y4, epochs=3, batch_size=4, validation_data=_one_shot(),
-                  callbacks=[watch, EarlyStopping("val_loss")], verbose=0)  # fmt: skip
+        model.fit(
+            X4,
+            Y4,
+            epochs=3,
+            batch_size=4,
+            validation_data=_one_shot(),
+            callbacks=[watch, EarlyStopping("val_loss")],
+            verbose=0,
+        )
     assert ends == [(0, 4.0)]
 
 
@@ -227,8 +260,9 @@ def test_used_up_validation_generator_fails_at_its_second_scheduled_validation()
     ends = []
     watch = LambdaCallback(on_epoch_end=lambda epoch, logs: ends.append(epoch))
     with pytest.raises(ValueError, match=r"`validation_data` \(generator\) yielded no batch"):
-        _bias_model(0.0).fit(X4, Y4, epochs=4, batch_size=4, validation_data=_one_shot(), validation_freq=2,
-                             callbacks=[watch], verbose=0)  # fmt: skip
+        _bias_model(0.0).fit(
+            X4, Y4, epochs=4, batch_size=4, validation_data=_one_shot(), validation_freq=2, callbacks=[watch], verbose=0
+        )
     assert ends == [0, 1, 2]  # epoch 2 validated; epoch 4's validation found nothing
 
 
@@ -244,8 +278,10 @@ def test_empty_validation_dataloader_is_an_error_before_step_1():
 def test_batch_level_val_monitor_is_an_error_before_step_1(tmp_path):
     model = _bias_model(0.1)
     ckpt = ModelCheckpoint(tmp_path / "m.pt", monitor="val_loss", save_best_only=True, save_freq=2)
-    message = (r"ModelCheckpoint monitors 'val_loss' every 2 batches, but batch logs hold only the running "
-               r"training values \(loss\); 'val_loss' exists at epoch ends only\. Fix: pass save_freq='epoch'")
+    message = (
+        r"ModelCheckpoint monitors 'val_loss' every 2 batches, but batch logs hold only the running "
+        r"training values \(loss\); 'val_loss' exists at epoch ends only\. Fix: pass save_freq='epoch'"
+    )
     with pytest.raises(ValueError, match=message):
         model.fit(X4, Y4, epochs=2, batch_size=1, validation_data=VAL, callbacks=[ckpt], verbose=0)
     assert model.module.b.item() == 0.0 and list(tmp_path.iterdir()) == []
@@ -253,10 +289,19 @@ def test_batch_level_val_monitor_is_an_error_before_step_1(tmp_path):
 
 def test_batch_level_filepath_keys_are_checked_before_step_1(tmp_path):
     model = _bias_model(0.1, metrics=["mae"])
-    with pytest.raises(ValueError, match=r"uses \{learning_rate\} every 2 batches, but batch logs hold only the "
-                                         r"running training values \(loss, mae\)"):  # fmt: skip
-        model.fit(X4, Y4, epochs=1, batch_size=1, verbose=0,
-                  callbacks=[ModelCheckpoint(tmp_path / "{learning_rate}.pt", save_freq=2)])  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"uses \{learning_rate\} every 2 batches, but batch logs hold only the "
+        r"running training values \(loss, mae\)",
+    ):
+        model.fit(
+            X4,
+            Y4,
+            epochs=1,
+            batch_size=1,
+            verbose=0,
+            callbacks=[ModelCheckpoint(tmp_path / "{learning_rate}.pt", save_freq=2)],
+        )
     with pytest.raises(ValueError, match=r"uses \{batch\}, but save_freq='epoch' saves at epoch ends"):
         model.fit(X4, Y4, epochs=1, batch_size=1, verbose=0, callbacks=[ModelCheckpoint(tmp_path / "{batch}.pt")])
     assert model.module.b.item() == 0.0 and list(tmp_path.iterdir()) == []
@@ -272,8 +317,11 @@ def test_unknowable_monitors_and_placeholders_fail_before_step_1(tmp_path):
     before = model.module.weight.detach().clone()
     x, y = torch.zeros(4, 1), torch.tensor([1, 0, 1, 0])
     planned = r"Available keys: accuracy, learning_rate, loss, val_accuracy, val_loss \(params\['metrics'\]"
-    for callback in (EarlyStopping("val_acc"), ReduceLROnPlateau("acc", mode="max"),
-                     ModelCheckpoint(tmp_path / "m.pt", monitor="val_acc", save_best_only=True)):  # fmt: skip
+    for callback in (
+        EarlyStopping("val_acc"),
+        ReduceLROnPlateau("acc", mode="max"),
+        ModelCheckpoint(tmp_path / "m.pt", monitor="val_acc", save_best_only=True),
+    ):
         with pytest.raises(ValueError, match=rf"monitors '(val_)?acc', which the logs will not hold\. {planned}"):
             model.fit(x, y, epochs=1, batch_size=2, validation_data=(x, y), callbacks=[callback], verbose=0)
     with pytest.raises(ValueError, match=r"filepath '.*' uses \{val_acc\}, but fit has no validation data"):
@@ -283,8 +331,9 @@ def test_unknowable_monitors_and_placeholders_fail_before_step_1(tmp_path):
 
 def test_val_placeholder_skips_the_epochs_without_validation(tmp_path):
     ckpt = ModelCheckpoint(tmp_path / "ep{epoch}-{val_loss:.1f}.pt", save_weights_only=True)
-    _bias_model(0.0).fit(X4, Y4, epochs=4, batch_size=4, validation_data=VAL, validation_freq=2,
-                         callbacks=[ckpt], verbose=0)  # fmt: skip
+    _bias_model(0.0).fit(
+        X4, Y4, epochs=4, batch_size=4, validation_data=VAL, validation_freq=2, callbacks=[ckpt], verbose=0
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ep2-4.0.pt", "ep4-4.0.pt"]
 
 
@@ -305,28 +354,49 @@ def test_val_key_from_a_callback_works_without_validation_data(tmp_path):
     model = _bias_model(0.1)
     stop = EarlyStopping("val_f1", mode="max", patience=1)
     ckpt = ModelCheckpoint(tmp_path / "best.pt", monitor="val_f1", mode="max", save_best_only=True)
-    h = model.fit(X4, Y4, epochs=6, batch_size=4, callbacks=[HeldOutF1([0.5, 0.75, 0.75, 0.9, 0.9, 0.9]), stop, ckpt],
-                  verbose=0)  # fmt: skip
+    h = model.fit(
+        X4, Y4, epochs=6, batch_size=4, callbacks=[HeldOutF1([0.5, 0.75, 0.75, 0.9, 0.9, 0.9]), stop, ckpt], verbose=0
+    )
     assert h.epoch == [0, 1, 2] and stop.stopped_epoch == 2 and stop.best == 0.75
     assert ckpt.best == 0.75 and h.history["val_f1"] == [0.5, 0.75, 0.75]
 
 
 def test_val_key_from_a_callback_counts_every_epoch_beside_validation_freq():
     stop = EarlyStopping("val_f1", mode="max", patience=2)
-    h = _bias_model(0.1).fit(X4, Y4, epochs=4, batch_size=4, validation_data=VAL, validation_freq=2, verbose=0,
-                             callbacks=[HeldOutF1([0.5, 0.4, 0.3, 0.2]), stop])  # fmt: skip
+    h = _bias_model(0.1).fit(
+        X4,
+        Y4,
+        epochs=4,
+        batch_size=4,
+        validation_data=VAL,
+        validation_freq=2,
+        verbose=0,
+        callbacks=[HeldOutF1([0.5, 0.4, 0.3, 0.2]), stop],
+    )
     assert h.epoch == [0, 1, 2] and stop.stop_reason.startswith("patience: val_f1 did not improve for 2 epoch(s)")
 
 
 def test_key_missing_at_the_first_decision_lists_the_keys():
     message = r"EarlyStopping monitors 'val_f1', which the logs do not hold\. Available keys: learning_rate, loss\."
     with pytest.raises(ValueError, match=message):
-        _bias_model(0.1).fit(X4, Y4, epochs=3, batch_size=4, verbose=0,
-                             callbacks=[HeldOutF1([0.5, 0.6, 0.7], first_epoch=1), EarlyStopping("val_f1", mode="max")])
+        _bias_model(0.1).fit(
+            X4,
+            Y4,
+            epochs=3,
+            batch_size=4,
+            verbose=0,
+            callbacks=[HeldOutF1([0.5, 0.6, 0.7], first_epoch=1), EarlyStopping("val_f1", mode="max")],
+        )
     # A callback after the monitor adds the key too late for it: the same error at epoch 1.
     with pytest.raises(ValueError, match=message):
-        _bias_model(0.1).fit(X4, Y4, epochs=3, batch_size=4, verbose=0,
-                             callbacks=[EarlyStopping("val_f1", mode="max"), HeldOutF1([0.5, 0.6, 0.7])])
+        _bias_model(0.1).fit(
+            X4,
+            Y4,
+            epochs=3,
+            batch_size=4,
+            verbose=0,
+            callbacks=[EarlyStopping("val_f1", mode="max"), HeldOutF1([0.5, 0.6, 0.7])],
+        )
 
 
 # -- a training source that yields no batch -----------------------------------------------------------

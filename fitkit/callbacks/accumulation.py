@@ -72,8 +72,12 @@ class AccumulationSchedule:
 
 _GRADIENT_ACCUMULATION_SCHEDULER_OPTIONS = declare(
     "GradientAccumulationScheduler",
-    Option("scheduling", "custom", checked_in="fitkit.callbacks.accumulation.AccumulationSchedule",
-           bad=({}, {0: 0}, {-1: 2}, "4", 4, None)),
+    Option(
+        "scheduling",
+        "custom",
+        checked_in="fitkit.callbacks.accumulation.AccumulationSchedule",
+        bad=({}, {0: 0}, {-1: 2}, "4", 4, None),
+    ),
 )
 
 

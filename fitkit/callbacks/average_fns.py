@@ -15,8 +15,13 @@ import torch
 __all__ = ["try_average_fn"]
 
 
-def try_average_fn(who: str, avg_fn: Callable[..., Any] | None, multi_avg_fn: Callable[..., Any] | None,
-                   averaged: torch.Tensor, current: torch.Tensor) -> None:  # fmt: skip
+def try_average_fn(
+    who: str,
+    avg_fn: Callable[..., Any] | None,
+    multi_avg_fn: Callable[..., Any] | None,
+    averaged: torch.Tensor,
+    current: torch.Tensor,
+) -> None:
     """Call the averaging function on clones of ``averaged`` and ``current`` (one weight).
 
     Raises:
@@ -34,7 +39,8 @@ def try_average_fn(who: str, avg_fn: Callable[..., Any] | None, multi_avg_fn: Ca
         return
     name = "avg_fn" if avg_fn is not None else "multi_avg_fn"
     signature = (
-        "avg_fn(averaged, current, num_averaged) -> a tensor of averaged's shape" if avg_fn is not None
+        "avg_fn(averaged, current, num_averaged) -> a tensor of averaged's shape"
+        if avg_fn is not None
         else "multi_avg_fn(averaged_list, current_list, num_averaged) -> None, updating averaged_list in place"
     )
     a, c = averaged.detach().clone(), current.detach().clone()

@@ -28,9 +28,17 @@ __all__ = ["EMA", "SWA", "WeightAveraging"]
 
 _EMA_OPTIONS = declare(
     "EMA",
-    Option("decay", "number", minimum=0.0, maximum=1.0, allow_none=True,
-           pointless=(1.0, "the average keeps the weights it starts from and never moves. Fix: pass decay < 1, "
-                           "e.g. decay=0.999.")),
+    Option(
+        "decay",
+        "number",
+        minimum=0.0,
+        maximum=1.0,
+        allow_none=True,
+        pointless=(
+            1.0,
+            "the average keeps the weights it starts from and never moves. Fix: pass decay < 1, e.g. decay=0.999.",
+        ),
+    ),
     Option("half_life", "custom", checked_in="EMA.__init__", bad=(0, -1.0, float("inf"), "10")),
     Option("update_interval", "custom", checked_in="EMA.__init__", bad=("batch", 1)),
     Option("evaluate_with_ema", "bool"),
@@ -38,8 +46,9 @@ _EMA_OPTIONS = declare(
     Option("use_buffers", "bool"),
     verbose_option(),
     Option("update_every_n_steps", "int", minimum=1),
-    Option("update_starting_at_step", "int", minimum=0, allow_none=True, excludes=("update_starting_at_epoch",),
-           example=2),
+    Option(
+        "update_starting_at_step", "int", minimum=0, allow_none=True, excludes=("update_starting_at_epoch",), example=2
+    ),
     Option("update_starting_at_epoch", "int", minimum=0, allow_none=True, example=1),
     Option("overwrite_every_n_steps", "int", minimum=1, allow_none=True),
 )
@@ -155,11 +164,15 @@ class EMA(WeightAveraging):
         check_bool("evaluate_with_ema", evaluate_with_ema)
         check_int("overwrite_every_n_steps", overwrite_every_n_steps, 1, allow_none=True)
         super().__init__(
-            multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=use_buffers,
-            update_every_n_steps=update_every_n_steps, update_starting_at_step=update_starting_at_step,
-            update_starting_at_epoch=update_starting_at_epoch, evaluate_with_average=evaluate_with_ema,
-            swap_at_end=swap_at_end, verbose=verbose,
-        )  # fmt: skip
+            multi_avg_fn=get_ema_multi_avg_fn(decay),
+            use_buffers=use_buffers,
+            update_every_n_steps=update_every_n_steps,
+            update_starting_at_step=update_starting_at_step,
+            update_starting_at_epoch=update_starting_at_epoch,
+            evaluate_with_average=evaluate_with_ema,
+            swap_at_end=swap_at_end,
+            verbose=verbose,
+        )
         self.decay, self.overwrite_every_n_steps = decay, overwrite_every_n_steps
         self.half_life, self.update_interval = half_life, update_interval
 
@@ -208,8 +221,11 @@ def _check_epoch_interval(interval: str, every: Any, start_step: Any, overwrite:
     """``update_interval="epoch"`` takes none of the step options."""
     if interval != "epoch":
         return
-    for name, value, default in (("update_every_n_steps", every, 1), ("update_starting_at_step", start_step, None),
-                                 ("overwrite_every_n_steps", overwrite, None)):  # fmt: skip
+    for name, value, default in (
+        ("update_every_n_steps", every, 1),
+        ("update_starting_at_step", start_step, None),
+        ("overwrite_every_n_steps", overwrite, None),
+    ):
         if value != default:
             raise ValueError(
                 f"`{name}` counts optimizer steps, but update_interval='epoch' updates at epoch ends. "
@@ -293,8 +309,9 @@ class SWA(WeightAveraging):
         avg_fn: Callable[..., torch.Tensor] | None = None,
         multi_avg_fn: Callable[..., None] | None = None,
     ):
-        super().__init__(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn, use_buffers=False, evaluate_with_average=False,
-                         swap_at_end=True)  # fmt: skip
+        super().__init__(
+            avg_fn=avg_fn, multi_avg_fn=multi_avg_fn, use_buffers=False, evaluate_with_average=False, swap_at_end=True
+        )
         lrs = swa_lrs if isinstance(swa_lrs, (list, tuple)) else [swa_lrs]
         for lr in lrs:
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
@@ -303,8 +320,10 @@ class SWA(WeightAveraging):
                 )
         if isinstance(swa_epoch_start, bool) or not isinstance(swa_epoch_start, (int, float)):
             raise TypeError(f"Expected `swa_epoch_start` to be an int or a float. Received: {swa_epoch_start!r}.")
-        if isinstance(swa_epoch_start, int) and swa_epoch_start < 1 or (
-            isinstance(swa_epoch_start, float) and not 0 < swa_epoch_start <= 1
+        if (
+            isinstance(swa_epoch_start, int)
+            and swa_epoch_start < 1
+            or (isinstance(swa_epoch_start, float) and not 0 < swa_epoch_start <= 1)
         ):
             raise ValueError(
                 "Expected `swa_epoch_start` to be an int >= 1 (an epoch, 1-based) or a float in (0, 1] "
@@ -379,9 +398,11 @@ class SWA(WeightAveraging):
             self._set_aside_state = self._set_aside.state_dict()
             model.scheduler = None  # the loop steps model.scheduler: now it steps nothing
         self.swa_scheduler = SWALR(
-            model.optimizer, swa_lr=self.swa_lrs, anneal_epochs=self.annealing_epochs,
+            model.optimizer,
+            swa_lr=self.swa_lrs,
+            anneal_epochs=self.annealing_epochs,
             anneal_strategy=self.annealing_strategy,
-        )  # fmt: skip
+        )
         if pending is not None and pending.get("swa_scheduler") is not None:
             self.swa_scheduler.load_state_dict(pending["swa_scheduler"])
 
@@ -407,7 +428,8 @@ class SWA(WeightAveraging):
             warnings.warn(
                 "SWA could not recompute the BatchNorm statistics: the training data yields no "
                 "batch after fit (a one-shot generator?). Fix: pass data that can be iterated again.",
-                category=FitkitWarning, stacklevel=2,
+                category=FitkitWarning,
+                stacklevel=2,
             )
             return
         with modes(module, training=None, grad=False):  # update_bn sets train mode; flags come back
@@ -428,5 +450,3 @@ class _FeedX(nn.Module):
         if isinstance(x, dict):
             return self.module(**x)
         return self.module(x)
-
-

@@ -88,8 +88,13 @@ class BackupAndRestore(SavesEveryNBatches, StatefulCallback):
     skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
 
     @declared(_BACKUP_AND_RESTORE_OPTIONS)
-    def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch", delete_checkpoint: bool = True,
-                 async_save: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike,
+        save_freq: str | int = "epoch",
+        delete_checkpoint: bool = True,
+        async_save: bool = False,
+    ):
         super().__init__()
         check_bool("delete_checkpoint", delete_checkpoint)
         if not isinstance(async_save, bool):
@@ -155,7 +160,8 @@ class BackupAndRestore(SavesEveryNBatches, StatefulCallback):
                 warnings.warn(
                     f"The backup {str(self.path)!r} is damaged, so training resumes from the previous "
                     f"backup {str(self.prev_path)!r}, one backup earlier. ({e})",
-                    category=FitkitWarning, stacklevel=2,
+                    category=FitkitWarning,
+                    stacklevel=2,
                 )
         if self.prev_path.exists():  # the newest is damaged, or a crash came between the two
             self.model.load_checkpoint(self.prev_path)
@@ -199,9 +205,10 @@ class BackupAndRestore(SavesEveryNBatches, StatefulCallback):
                 if not moved or e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
                 raise OSError(
-                    e.errno, f"{os.strerror(e.errno)} while writing the backup {str(self.path)!r}. The last good "
+                    e.errno,
+                    f"{os.strerror(e.errno)} while writing the backup {str(self.path)!r}. The last good "
                     f"backup was moved to {str(self.prev_path)!r} before the write and is intact: a re-run "
-                    "resumes from it. Fix: free space or choose another folder."
+                    "resumes from it. Fix: free space or choose another folder.",
                 ) from e
             self._rotate = True
 

@@ -13,11 +13,23 @@ __all__ = ["Callback", "CallbackList", "History", "BatchLogs", "HOOKS"]
 
 #: The names of the callback hooks, in the order of the :class:`Callback` protocol.
 HOOKS = (
-    "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
-    "on_train_batch_begin", "on_train_batch_end", "on_backward_end", "on_validation_end",
-    "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
-    "on_predict_begin", "on_predict_end", "on_predict_batch_begin", "on_predict_batch_end",
-)  # fmt: skip
+    "on_train_begin",
+    "on_train_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_backward_end",
+    "on_validation_end",
+    "on_test_begin",
+    "on_test_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_begin",
+    "on_predict_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+)
 
 
 class Callback:
@@ -316,8 +328,11 @@ class History(Callback):
         self.validations.append(dict(record))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": {k: list(v) for k, v in self.history.items()}, "epoch": list(self.epoch),
-                "validations": [{k: to_python(v) for k, v in r.items()} for r in self.validations]}  # fmt: skip
+        return {
+            "history": {k: list(v) for k, v in self.history.items()},
+            "epoch": list(self.epoch),
+            "validations": [{k: to_python(v) for k, v in r.items()} for r in self.validations],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = {k: list(v) for k, v in state["history"].items()}
@@ -388,8 +403,11 @@ def _overrides(cb: Callback, hook: str) -> bool:
     return hook in vars(cb) or getattr(type(cb), hook, None) is not getattr(Callback, hook)
 
 
-_SAVE_HOOKS = {"on_train_batch_end": "_save_on_batch_end", "on_epoch_end": "_save_on_epoch_end",
-               "on_validation_end": "_save_on_validation_end"}  # fmt: skip
+_SAVE_HOOKS = {
+    "on_train_batch_end": "_save_on_batch_end",
+    "on_epoch_end": "_save_on_epoch_end",
+    "on_validation_end": "_save_on_validation_end",
+}
 _INTERNAL = ("_save_on_interrupt", "_save_on_exception", "close")
 
 
@@ -459,19 +477,44 @@ class CallbackList:
         for fn in self._hooks[hook]:
             fn(*args)
 
-    def on_train_begin(self, logs=None): self._call("on_train_begin", logs)
-    def on_train_end(self, logs=None): self._call("on_train_end", logs)
-    def on_epoch_begin(self, epoch, logs=None): self._call("on_epoch_begin", epoch, logs)
-    def on_train_batch_begin(self, batch, logs=None): self._call("on_train_batch_begin", batch, logs)
-    def on_backward_end(self, batch): self._call("on_backward_end", batch)
-    def on_test_begin(self, logs=None): self._call("on_test_begin", logs)
-    def on_test_end(self, logs=None): self._call("on_test_end", logs)
-    def on_test_batch_begin(self, batch, logs=None): self._call("on_test_batch_begin", batch, logs)
-    def on_test_batch_end(self, batch, logs=None): self._call("on_test_batch_end", batch, logs)
-    def on_predict_begin(self, logs=None): self._call("on_predict_begin", logs)
-    def on_predict_end(self, logs=None): self._call("on_predict_end", logs)
-    def on_predict_batch_begin(self, batch, logs=None): self._call("on_predict_batch_begin", batch, logs)
-    def on_predict_batch_end(self, batch, logs=None): self._call("on_predict_batch_end", batch, logs)
+    def on_train_begin(self, logs=None):
+        self._call("on_train_begin", logs)
+
+    def on_train_end(self, logs=None):
+        self._call("on_train_end", logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._call("on_epoch_begin", epoch, logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._call("on_train_batch_begin", batch, logs)
+
+    def on_backward_end(self, batch):
+        self._call("on_backward_end", batch)
+
+    def on_test_begin(self, logs=None):
+        self._call("on_test_begin", logs)
+
+    def on_test_end(self, logs=None):
+        self._call("on_test_end", logs)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self._call("on_test_batch_begin", batch, logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._call("on_test_batch_end", batch, logs)
+
+    def on_predict_begin(self, logs=None):
+        self._call("on_predict_begin", logs)
+
+    def on_predict_end(self, logs=None):
+        self._call("on_predict_end", logs)
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        self._call("on_predict_batch_begin", batch, logs)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._call("on_predict_batch_end", batch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
         self._call("on_train_batch_end", batch, logs)

@@ -68,8 +68,9 @@ _MODEL_CHECKPOINT_OPTIONS = declare(
     Option("save_last", "custom", checked_in="ModelCheckpoint.__init__", bad=(5, 1.5)),
     Option("keep_last", "int", minimum=0, allow_none=True),
     Option("save_first_step", "bool"),
-    Option("save_on_exception", "custom", checked_in="fitkit.callbacks.checkpoint_options.exception_path",
-           bad=(5, 1.5)),
+    Option(
+        "save_on_exception", "custom", checked_in="fitkit.callbacks.checkpoint_options.exception_path", bad=(5, 1.5)
+    ),
     Option("save_overwrite", "bool"),
     Option("train_time_interval", "custom", checked_in="ModelCheckpoint.__init__", bad=(60, "1h")),
     Option("clock", "callable", bad=(lambda: "now",)),
@@ -312,9 +313,11 @@ class ModelCheckpoint(StatefulCallback):
         # own files, and a restored name is checked against the folder (_set_state).
         rel = self._owned.relative
         return {
-            "best": self.best, "best_path": None if self.best_path is None else rel(self.best_path),
-            "kept": [[v, rel(p)] for v, p in self.kept], "batches_seen": self._batches_seen,
-        } | ({"recent": [rel(p) for p in self.recent]} if self.keep_last is not None else {})  # fmt: skip
+            "best": self.best,
+            "best_path": None if self.best_path is None else rel(self.best_path),
+            "kept": [[v, rel(p)] for v, p in self.kept],
+            "batches_seen": self._batches_seen,
+        } | ({"recent": [rel(p) for p in self.recent]} if self.keep_last is not None else {})
 
     def _set_state(self, state: dict[str, Any]) -> None:
         self.best = state["best"]
@@ -340,8 +343,11 @@ class ModelCheckpoint(StatefulCallback):
 
     def on_train_begin(self, logs=None):
         # Before step 1: every key the decisions read can hold a value when they are taken.
-        batch_level = (1 if self.train_time_interval is not None else None) if self.save_freq == "epoch" \
-            else (1 if self._fraction is not None else self.save_freq)  # fmt: skip
+        batch_level = (
+            (1 if self.train_time_interval is not None else None)
+            if self.save_freq == "epoch"
+            else (1 if self._fraction is not None else self.save_freq)
+        )
         self._since, self._time_agreed = read_clock(self.clock), False  # the interval counts from each fit's start
         if "batch" in self._fields and batch_level is None:
             raise ValueError(
@@ -390,7 +396,8 @@ class ModelCheckpoint(StatefulCallback):
                 f"ModelCheckpoint(save_freq={self.save_freq!r}) saves at fractions of the run's {total} planned "
                 f"steps, counted in `global_step`, and the model has taken {self.model.global_step} already, so it "
                 "saves only at the end. Fix: fit(..., reset_time=True) to start a fresh run, or an int save_freq.",
-                category=FitkitWarning, stacklevel=2,
+                category=FitkitWarning,
+                stacklevel=2,
             )
 
     def _lock(self) -> None:
@@ -415,8 +422,13 @@ class ModelCheckpoint(StatefulCallback):
         """A ``val_`` monitor decided every n epochs needs a validation on one of those epochs."""
         scheduled = self.params.get("validation_epochs")
         epochs = self.params.get("epochs")
-        if not self.monitor.startswith("val_") or self.save_freq != "epoch" or not scheduled or epochs is None \
-                or not self.every_n_epochs:
+        if (
+            not self.monitor.startswith("val_")
+            or self.save_freq != "epoch"
+            or not scheduled
+            or epochs is None
+            or not self.every_n_epochs
+        ):
             return
         if may_add_keys(self.model):
             return  # a callback of the user's may write the key on other epochs
@@ -439,8 +451,12 @@ class ModelCheckpoint(StatefulCallback):
 
     def on_validation_end(self, logs=None):
         # Inside-epoch validation with a val_ monitor: decide at each validation ({step} names it).
-        if self.save_freq == "epoch" and self.every_n_epochs != 0 and per_validation(self) \
-                and self.train_time_interval is None:  # fmt: skip
+        if (
+            self.save_freq == "epoch"
+            and self.every_n_epochs != 0
+            and per_validation(self)
+            and self.train_time_interval is None
+        ):
             self._decide(self.model.epoch, None, logs or {})
 
     def _save_on_validation_end(self, logs=None):
@@ -481,8 +497,11 @@ class ModelCheckpoint(StatefulCallback):
             return
         self._batches_seen += 1
         self._last_batch = batch
-        due = self.model.global_step in self._save_steps if self._fraction is not None \
-            else self._batches_seen >= self.save_freq  # fmt: skip
+        due = (
+            self.model.global_step in self._save_steps
+            if self._fraction is not None
+            else self._batches_seen >= self.save_freq
+        )
         if due and closes:
             self._batches_seen = 0
             self._decide(self.model.epoch, batch, logs or {})
@@ -598,7 +617,7 @@ class ModelCheckpoint(StatefulCallback):
         if len(others) >= k and not is_improvement(cur, self._worst(others)[0], mode):
             return None
         ranked = sorted(others + [(cur, path)], key=lambda vp: vp[0], reverse=mode == "max")
-        self.kept, evicted = ranked[: k], [p for _, p in ranked[k :]]
+        self.kept, evicted = ranked[:k], [p for _, p in ranked[k:]]
         if self.best is None or is_improvement(cur, self.best, mode):
             self.best, self.best_path = cur, path
         return evicted
@@ -641,7 +660,7 @@ class ModelCheckpoint(StatefulCallback):
             return
         self.recent = [p for p in self.recent if p != path] + [path]
         old = self.recent[: max(0, len(self.recent) - max(1, self.keep_last))]
-        self.recent = self.recent[len(old):]
+        self.recent = self.recent[len(old) :]
         self._evict([p for p in old if p != self.best_path])  # never the best one it tracks
 
     def _evict(self, evicted: list[str]) -> None:

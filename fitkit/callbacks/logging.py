@@ -51,8 +51,9 @@ def _append_whole(path: Path, row: bytes, header: bytes) -> int:
         if e.errno != errno.ELOOP:
             raise
         raise OSError(
-            e.errno, f"CSVLogger will not write through the symlink {str(path)!r} (it would change a file "
-            "elsewhere). Fix: pass the real file, or remove the link."
+            e.errno,
+            f"CSVLogger will not write through the symlink {str(path)!r} (it would change a file "
+            "elsewhere). Fix: pass the real file, or remove the link.",
         ) from None
     try:
         size = os.fstat(fd).st_size
@@ -253,7 +254,8 @@ class CSVLogger(StopsWriting, StatefulCallback):
                 f"CSVLogger: the logs of epoch {epoch + 1} hold {', '.join(sorted(new))}, which the file's "
                 f"columns (fixed at its first row: {', '.join(self.keys)}) do not have; left out. Fix: add "
                 "the key from the first epoch on (or write NaN until it has a value).",
-                category=FitkitWarning, stacklevel=2,
+                category=FitkitWarning,
+                stacklevel=2,
             )
         if not is_rank_zero():
             return
@@ -267,10 +269,13 @@ class CSVLogger(StopsWriting, StatefulCallback):
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise
-            self._stop_writing(OSError(
-                e.errno, f"CSVLogger could not write epoch {epoch + 1} to {str(self.filename)!r}: {e.strerror}. "
-                "The file keeps its whole rows."
-            ))  # fmt: skip
+            self._stop_writing(
+                OSError(
+                    e.errno,
+                    f"CSVLogger could not write epoch {epoch + 1} to {str(self.filename)!r}: {e.strerror}. "
+                    "The file keeps its whole rows.",
+                )
+            )
 
     def close(self) -> None:
         """Release the file's lock (the file itself is opened for each row and closed after

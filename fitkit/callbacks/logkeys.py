@@ -17,7 +17,10 @@ __all__ = ["monitor_value", "check_log_key", "check_validation_monitor", "may_ad
 
 
 def monitor_value(
-    logs: Mapping[str, Any] | None, monitor: str, who: str, params: Mapping[str, Any] | None = None,
+    logs: Mapping[str, Any] | None,
+    monitor: str,
+    who: str,
+    params: Mapping[str, Any] | None = None,
     model: Any = None,
 ) -> float | None:
     """The monitored value as a float; ``None`` for a ``val_`` key on an epoch without validation.
@@ -95,7 +98,8 @@ def may_add_keys(model: Any) -> bool:
 def _user_code(cls: type) -> bool:
     # A LambdaCallback runs the user's functions; named here, not imported (no import cycle).
     return not cls.__module__.startswith("fitkit.") or (cls.__module__, cls.__qualname__) == (
-        "fitkit.callbacks.misc", "LambdaCallback"
+        "fitkit.callbacks.misc",
+        "LambdaCallback",
     )
 
 
@@ -104,7 +108,12 @@ def _is_lr_key(key: str) -> bool:
 
 
 def check_log_key(
-    key: str, params: Mapping[str, Any], model: Any, who: str, *, subject: str | None = None,
+    key: str,
+    params: Mapping[str, Any],
+    model: Any,
+    who: str,
+    *,
+    subject: str | None = None,
     batch_level: Any = None,
 ) -> None:
     """Before step 1: ``key`` can hold a value when the callback decides, or ``ValueError``.

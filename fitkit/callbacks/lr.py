@@ -144,9 +144,15 @@ class ReduceLROnPlateau(StatefulCallback):
     def _state_problems(self, state: Any) -> list[str]:
         from fitkit.files.content import is_count, is_number, typed_problems
 
-        return typed_problems(state, {"best": (lambda v: v is None or is_number(v), "a number or None"),
-                                      "wait": (is_count, "an int >= 0"),
-                                      "cooldown_counter": (is_count, "an int >= 0")}, "its state")  # fmt: skip
+        return typed_problems(
+            state,
+            {
+                "best": (lambda v: v is None or is_number(v), "a number or None"),
+                "wait": (is_count, "an int >= 0"),
+                "cooldown_counter": (is_count, "an int >= 0"),
+            },
+            "its state",
+        )
 
     def on_train_begin(self, logs=None):
         check_validation_monitor(self.monitor, self.params, "ReduceLROnPlateau", self.model)
@@ -330,8 +336,16 @@ class LearningRateFinder(Callback):
     skip_in_fast_dev_run = True  # it tunes before training: fit(fast_dev_run=...) leaves it out
 
     @declared(_LEARNING_RATE_FINDER_OPTIONS)
-    def __init__(self, start_lr: float = 1e-7, end_lr: float = 10.0, num_steps: int = 100, smooth: float = 0.98,
-                 diverge_threshold: float | None = 4.0, mode: str = "exponential", verbose: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        start_lr: float = 1e-7,
+        end_lr: float = 10.0,
+        num_steps: int = 100,
+        smooth: float = 0.98,
+        diverge_threshold: float | None = 4.0,
+        mode: str = "exponential",
+        verbose: int = 0,
+    ):
         super().__init__()
         check_sweep(None, start_lr, end_lr, num_steps, smooth, diverge_threshold, mode, False)
         self.start_lr, self.end_lr, self.num_steps, self.smooth = start_lr, end_lr, num_steps, smooth
@@ -345,8 +359,9 @@ class LearningRateFinder(Callback):
         data = self.params.get("train_data")
         if data is None:
             raise ValueError("LearningRateFinder sweeps the training data of `fit`; it runs only inside `fit`.")
-        self.result = sweep(model, data, self.start_lr, self.end_lr, self.num_steps, self.smooth,
-                            self.diverge_threshold, self.mode)  # fmt: skip
+        self.result = sweep(
+            model, data, self.start_lr, self.end_lr, self.num_steps, self.smooth, self.diverge_threshold, self.mode
+        )
         if apply_lr(model, self.result.suggestion):
             say(self.verbose, f"LearningRateFinder: learning rate set to {format_lr(self.result.suggestion)}.")
 

@@ -25,9 +25,9 @@ class StopsWriting:
         warnings.warn(
             f"{type(self).__name__} stopped writing for the rest of this fit, which goes on: {error} "
             "(Fix: free space or keep the folder; the next fit writes again.)",
-            category=FitkitWarning, stacklevel=3,
-        )  # fmt: skip
-
+            category=FitkitWarning,
+            stacklevel=3,
+        )
 
 
 class SavesEveryNBatches:

@@ -38,11 +38,16 @@ def _number(value: Any) -> float | None:
 
 _MLFLOW_LOGGER_OPTIONS = declare(
     "MLflowLogger",
-    Option("tracking_uri", "text", allow_none=True,
-           fix="pass a URI such as 'sqlite:///mlflow.db' or 'http://host:5000', or None for MLFLOW_TRACKING_URI or "
-               "./mlflow.db."),
-    Option("experiment_name", "text", allow_none=True,
-           fix="pass the experiment's name, e.g. experiment_name='digits'."),
+    Option(
+        "tracking_uri",
+        "text",
+        allow_none=True,
+        fix="pass a URI such as 'sqlite:///mlflow.db' or 'http://host:5000', or None for MLFLOW_TRACKING_URI or "
+        "./mlflow.db.",
+    ),
+    Option(
+        "experiment_name", "text", allow_none=True, fix="pass the experiment's name, e.g. experiment_name='digits'."
+    ),
     Option("run_name", "text", allow_none=True, fix="pass the run's display name, e.g. run_name='baseline'."),
     Option("log_every_n_steps", "custom", checked_in="__init__", bad=(0, -1, 1.5, "10", True)),
     Option("checkpoint", "custom", checked_in="MLflowLogger.__init__", bad=(5,)),
@@ -130,8 +135,10 @@ class MLflowLogger(StatefulCallback):
         super().__init__()
         check_bool("log_plot", log_plot)
         if importlib.util.find_spec("mlflow") is None:
-            raise ImportError("MLflowLogger needs mlflow. Install the `mlflow` extra: "
-                "`pip install '.[mlflow]'` from a checkout (`pip install 'torch-fitkit[mlflow]'` once released).")
+            raise ImportError(
+                "MLflowLogger needs mlflow. Install the `mlflow` extra: "
+                "`pip install '.[mlflow]'` from a checkout (`pip install 'torch-fitkit[mlflow]'` once released)."
+            )
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
@@ -139,12 +146,13 @@ class MLflowLogger(StatefulCallback):
                 "Expected `log_every_n_steps` to be a positive int or None. "
                 f"Received: log_every_n_steps={log_every_n_steps!r}."
             )
-        if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)) and not hasattr(
-            checkpoint, "best_path"
+        if (
+            checkpoint is not None
+            and not isinstance(checkpoint, (str, os.PathLike))
+            and not hasattr(checkpoint, "best_path")
         ):
             raise TypeError(
-                "Expected `checkpoint` to be a path or a ModelCheckpoint. "
-                f"Received: {type(checkpoint).__name__}."
+                f"Expected `checkpoint` to be a path or a ModelCheckpoint. Received: {type(checkpoint).__name__}."
             )
         if tracking_uri is None:
             tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
@@ -204,7 +212,8 @@ class MLflowLogger(StatefulCallback):
             warnings.warn(
                 f"MLflowLogger: the run {self.run_id} of the restored state is not in the store "
                 f"{self.tracking_uri}; logging to a new run.",
-                category=FitkitWarning, stacklevel=2,
+                category=FitkitWarning,
+                stacklevel=2,
             )
             return False
         # A crash between this callback's epoch log and the backup leaves steps that the resumed
@@ -232,8 +241,10 @@ class MLflowLogger(StatefulCallback):
             warnings.warn(
                 f"MLflowLogger stopped writing to {self.tracking_uri} for the rest of this fit, which goes on: "
                 f"{what} failed ({type(e).__name__}: {e}). (Fix: free space or fix the store; the next fit "
-                "writes again.)", category=FitkitWarning, stacklevel=3,
-            )  # fmt: skip
+                "writes again.)",
+                category=FitkitWarning,
+                stacklevel=3,
+            )
             return None
 
     def _start(self) -> None:
@@ -355,9 +366,10 @@ class MLflowLogger(StatefulCallback):
             # The fit's callbacks, to find a ModelCheckpoint that ranks its files.
             fit_callbacks = self.model.callbacks
             ranked = [
-                cb for cb in fit_callbacks
+                cb
+                for cb in fit_callbacks
                 if type(cb).__name__ == "ModelCheckpoint" and (cb.save_best_only or cb.save_top_k is not None)
-            ]  # fmt: skip
+            ]
             source = ranked[0] if ranked else None
         if source is None:
             return None
@@ -368,8 +380,10 @@ class MLflowLogger(StatefulCallback):
         if callable(owns) and not owns(path):  # a name a crafted or moved checkpoint restored
             warnings.warn(
                 f"MLflowLogger: {os.fspath(path)!r} is not a file of the ModelCheckpoint's filepath "
-                f"{source.filepath!r}, so it is not uploaded.", category=FitkitWarning, stacklevel=3,
-            )  # fmt: skip
+                f"{source.filepath!r}, so it is not uploaded.",
+                category=FitkitWarning,
+                stacklevel=3,
+            )
             return None
         return os.fspath(path)
 
@@ -393,7 +407,8 @@ class MLflowLogger(StatefulCallback):
                     warnings.warn(
                         "MLflowLogger: the learning curves need matplotlib (the `plot` extra: "
                         "`pip install '.[plot]'` from a checkout); history.png is not logged.",
-                        category=FitkitWarning, stacklevel=3,
+                        category=FitkitWarning,
+                        stacklevel=3,
                     )
                     return
                 client.log_artifact(self.run_id, png)

@@ -20,7 +20,7 @@ def local_sqlite_dir(uri: str) -> Path | None:
     """
     if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
         return None
-    return Path(uri[len("sqlite:///"):]).resolve().parent
+    return Path(uri[len("sqlite:///") :]).resolve().parent
 
 
 @contextlib.contextmanager

@@ -69,13 +69,13 @@ def resolve_mode(monitor: str, mode: str, model: Any = None, who: str = "The cal
     if higher is not None:
         return "max" if higher else "min"
     raise ValueError(
-        f"{who} cannot tell whether a larger or smaller {monitor!r} is better. "
-        "Fix: pass mode='min' or mode='max'."
+        f"{who} cannot tell whether a larger or smaller {monitor!r} is better. Fix: pass mode='min' or mode='max'."
     )
 
 
-def is_improvement(current: float, reference: float, mode: str, min_delta: float = 0.0,
-                   threshold_mode: str = "abs") -> bool:  # fmt: skip
+def is_improvement(
+    current: float, reference: float, mode: str, min_delta: float = 0.0, threshold_mode: str = "abs"
+) -> bool:
     """Whether ``current`` beats ``reference`` by more than ``min_delta`` (NaN never does).
 
     ``threshold_mode="rel"`` counts ``min_delta`` as a fraction of ``reference``, as torch's
@@ -262,8 +262,11 @@ class EarlyStopping(StatefulCallback):
         self.threshold_mode = threshold_mode
         check_int("patience", patience, 0)
         check_mode(mode)
-        for name, value in (("baseline", baseline), ("stopping_threshold", stopping_threshold),
-                            ("divergence_threshold", divergence_threshold)):
+        for name, value in (
+            ("baseline", baseline),
+            ("stopping_threshold", stopping_threshold),
+            ("divergence_threshold", divergence_threshold),
+        ):
             if value is not None:
                 check_number(name, value, minimum=-math.inf)
         check_int("start_from_epoch", start_from_epoch, 0)
@@ -287,10 +290,13 @@ class EarlyStopping(StatefulCallback):
 
     def _get_state(self) -> dict[str, Any]:
         return {
-            "wait": self.wait, "stopped_epoch": self.stopped_epoch, "best": self.best,
-            "best_epoch": self.best_epoch, "best_weights": self.best_weights,
+            "wait": self.wait,
+            "stopped_epoch": self.stopped_epoch,
+            "best": self.best,
+            "best_epoch": self.best_epoch,
+            "best_weights": self.best_weights,
             "stop_reason": self.stop_reason,
-        }  # fmt: skip
+        }
 
     def _set_state(self, state: dict[str, Any]) -> None:
         self.wait, self.stopped_epoch = state["wait"], state["stopped_epoch"]
@@ -302,17 +308,25 @@ class EarlyStopping(StatefulCallback):
         from fitkit.files import state_dict_differences
         from fitkit.files.content import is_count, is_number, typed_problems
 
-        weights = (lambda v: v is None or isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in v.values()),
-                   "None or a dict {name: tensor}")  # fmt: skip
-        spec = {"wait": (is_count, "an int >= 0"), "stopped_epoch": (is_count, "an int >= 0"),
-                "best": (lambda v: v is None or is_number(v), "a number or None"),
-                "best_epoch": (is_count, "an int >= 0"), "best_weights": weights,
-                "stop_reason": (lambda v: v is None or isinstance(v, str), "a str or None")}  # fmt: skip
+        weights = (
+            lambda v: v is None or isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in v.values()),
+            "None or a dict {name: tensor}",
+        )
+        spec = {
+            "wait": (is_count, "an int >= 0"),
+            "stopped_epoch": (is_count, "an int >= 0"),
+            "best": (lambda v: v is None or is_number(v), "a number or None"),
+            "best_epoch": (is_count, "an int >= 0"),
+            "best_weights": weights,
+            "stop_reason": (lambda v: v is None or isinstance(v, str), "a str or None"),
+        }
         out = typed_problems(state, spec, "its state", optional=frozenset({"stop_reason"}))
         model = getattr(self, "model", None)
         if not out and state["best_weights"] is not None and model is not None:
-            out = [f"its state['best_weights']: {d}" for d in state_dict_differences(model.state_dict(),
-                                                                                     state["best_weights"])]
+            out = [
+                f"its state['best_weights']: {d}"
+                for d in state_dict_differences(model.state_dict(), state["best_weights"])
+            ]
         return out
 
     def on_train_begin(self, logs=None):
@@ -363,15 +377,19 @@ class EarlyStopping(StatefulCallback):
         if not before_patience:
             if self.stopping_threshold is not None and is_improvement(current, self.stopping_threshold, mode):
                 better = "<" if mode == "min" else ">"
-                return (f"stopping_threshold: {self.monitor} = {format_value(self.monitor, current)} {better} "
-                        f"{format_value(self.monitor, self.stopping_threshold)}.")
+                return (
+                    f"stopping_threshold: {self.monitor} = {format_value(self.monitor, current)} {better} "
+                    f"{format_value(self.monitor, self.stopping_threshold)}."
+                )
             return None
         if self.check_finite and not math.isfinite(current):
             return f"not finite: {self.monitor} = {current}{self._best_text()}."
         if self.divergence_threshold is not None and is_improvement(self.divergence_threshold, current, mode):
             worse = ">" if mode == "min" else "<"
-            return (f"divergence_threshold: {self.monitor} = {format_value(self.monitor, current)} {worse} "
-                    f"{format_value(self.monitor, self.divergence_threshold)}.")
+            return (
+                f"divergence_threshold: {self.monitor} = {format_value(self.monitor, current)} {worse} "
+                f"{format_value(self.monitor, self.divergence_threshold)}."
+            )
         return None
 
     def _note(self, current: float, epoch: int, mode: str) -> bool:
@@ -384,8 +402,9 @@ class EarlyStopping(StatefulCallback):
             if self.restore_best_weights:
                 self.best_weights = self._snapshot()
             # The wait restarts only on a value that beats the baseline too.
-            if self.baseline is None or is_improvement(current, self.baseline, mode, self.min_delta,
-                                                       self.threshold_mode):  # fmt: skip
+            if self.baseline is None or is_improvement(
+                current, self.baseline, mode, self.min_delta, self.threshold_mode
+            ):
                 self.wait = 0
         return improved
 

@@ -63,8 +63,9 @@ class NEFTune(Callback):
     @declared(_NEFTUNE_OPTIONS)
     def __init__(self, noise_alpha: float = 5.0, embedding: nn.Module | str | None = None):
         super().__init__()
-        check_number("noise_alpha", noise_alpha, positive=True,
-                     fix="pass the paper's alpha, e.g. NEFTune(noise_alpha=5.0).")  # fmt: skip
+        check_number(
+            "noise_alpha", noise_alpha, positive=True, fix="pass the paper's alpha, e.g. NEFTune(noise_alpha=5.0)."
+        )
         if embedding is not None and not isinstance(embedding, (nn.Module, str)):
             raise TypeError(
                 f"Expected `embedding` to be an nn.Module, a submodule's name or None. Received: "

@@ -77,8 +77,14 @@ class OptimizerMonitor(Callback):
     """
 
     @declared(_OPTIMIZER_MONITOR_OPTIONS)
-    def __init__(self, log_every_n_steps: int = 50, norm_type: float = 2.0, *, per_parameter: bool = True,
-                 log_update_norm: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        log_every_n_steps: int = 50,
+        norm_type: float = 2.0,
+        *,
+        per_parameter: bool = True,
+        log_update_norm: bool = True,
+    ):
         super().__init__()
         check_int("log_every_n_steps", log_every_n_steps, 1)
         check_number("norm_type", norm_type, positive=True)
@@ -125,8 +131,9 @@ class OptimizerMonitor(Callback):
             return
         if self.log_update_norm:
             named = self._named()
-            record.update(self._norms("update_norm", [(n, p.detach() - b) for (n, p), b in
-                                                      zip(named, before, strict=True)]))  # fmt: skip
+            record.update(
+                self._norms("update_norm", [(n, p.detach() - b) for (n, p), b in zip(named, before, strict=True)])
+            )
         self._records.append((step, record))
 
     def on_epoch_end(self, epoch, logs=None):
@@ -212,8 +219,12 @@ class LearningRateMonitor(Callback):
             values = [_READERS[quantity](g) for g in groups]
             if values[0] is None:
                 if quantity != "beta2":
-                    warnings.warn(f"LearningRateMonitor: {type(self.model.optimizer).__name__} has no {quantity}; "
-                                  "it is not logged.", FitkitWarning, stacklevel=2)  # fmt: skip
+                    warnings.warn(
+                        f"LearningRateMonitor: {type(self.model.optimizer).__name__} has no {quantity}; "
+                        "it is not logged.",
+                        FitkitWarning,
+                        stacklevel=2,
+                    )
                 continue
             differ = len({repr(v) for v in values}) > 1
             self._keys.append((quantity, 0, quantity))

@@ -82,8 +82,10 @@ class OptunaPruning(Callback):
     def __init__(self, trial: Any, monitor: str = "val_loss", interval: int = 1):
         super().__init__()
         if importlib.util.find_spec("optuna") is None:
-            raise ImportError("OptunaPruning needs optuna. Install the `optuna` extra: "
-                "`pip install '.[optuna]'` from a checkout (`pip install 'torch-fitkit[optuna]'` once released).")
+            raise ImportError(
+                "OptunaPruning needs optuna. Install the `optuna` extra: "
+                "`pip install '.[optuna]'` from a checkout (`pip install 'torch-fitkit[optuna]'` once released)."
+            )
         if not (callable(getattr(trial, "report", None)) and callable(getattr(trial, "should_prune", None))):
             raise TypeError(
                 "Expected `trial` to be an optuna Trial (with `report` and `should_prune`). "

@@ -77,10 +77,21 @@ class Profiler(Callback):
     process_resource = "torch.profiler (one profiler per process: two crash it)"
 
     @declared(_PROFILER_OPTIONS)
-    def __init__(self, dirpath: str | os.PathLike | None = None, *, wait: int = 1, warmup: int = 1, active: int = 3,
-                 repeat: int = 1, trace: str = "tensorboard", record_shapes: bool = False,
-                 profile_memory: bool = False, with_stack: bool = False, row_limit: int = 15,
-                 verbose: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        *,
+        wait: int = 1,
+        warmup: int = 1,
+        active: int = 3,
+        repeat: int = 1,
+        trace: str = "tensorboard",
+        record_shapes: bool = False,
+        profile_memory: bool = False,
+        with_stack: bool = False,
+        row_limit: int = 15,
+        verbose: int = 1,
+    ):
         super().__init__()
         check_bool("record_shapes", record_shapes)
         check_bool("profile_memory", profile_memory)
@@ -121,8 +132,10 @@ class Profiler(Callback):
     def resource_in_use(self) -> str | None:
         """Why the profiler cannot start now (another one runs in this process), or ``None``."""
         if torch.autograd.profiler._is_profiler_enabled:
-            return ("a torch profiler is already running in this process (a torch.profiler.profile block "
-                    "around fit?). Fix: drop the Profiler callback, or end the other profiler before fit.")  # fmt: skip
+            return (
+                "a torch profiler is already running in this process (a torch.profiler.profile block "
+                "around fit?). Fix: drop the Profiler callback, or end the other profiler before fit."
+            )
         return None
 
     def on_train_begin(self, logs=None):
@@ -131,9 +144,12 @@ class Profiler(Callback):
         self._sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         self.table, self.traces = None, []
         self._profiler = profile(
-            activities=activities, on_trace_ready=self._on_trace_ready, acc_events=True, **self.options,
+            activities=activities,
+            on_trace_ready=self._on_trace_ready,
+            acc_events=True,
+            **self.options,
             schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=self.repeat),
-        )  # fmt: skip
+        )
         self._profiler.start()
         self._last_step = self.model.global_step
 

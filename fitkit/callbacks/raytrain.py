@@ -99,8 +99,10 @@ class RayReport(SavesEveryNBatches, Callback):
     def __init__(self, save_freq: str | int = "epoch", checkpoint: bool = True):
         super().__init__()
         if importlib.util.find_spec("ray") is None:
-            raise ImportError("RayReport needs Ray Train. Install the `ray` extra: "
-                "`pip install '.[ray]'` from a checkout (`pip install 'torch-fitkit[ray]'` once released).")
+            raise ImportError(
+                "RayReport needs Ray Train. Install the `ray` extra: "
+                "`pip install '.[ray]'` from a checkout (`pip install 'torch-fitkit[ray]'` once released)."
+            )
         check_every("save_freq", save_freq, "epoch", "batches")
         check_bool("checkpoint", checkpoint)
         self.save_freq, self.checkpoint = save_freq, bool(checkpoint)

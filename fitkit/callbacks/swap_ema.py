@@ -162,8 +162,14 @@ def compiled_ema(use_ema: bool, ema_momentum: float, ema_overwrite_frequency: in
     check_int("ema_overwrite_frequency", ema_overwrite_frequency, 1, allow_none=True)
     if not use_ema:
         return None
-    ema = EMA(decay=ema_momentum, evaluate_with_ema=False, swap_at_end=True, use_buffers=False,
-              update_starting_at_step=0, overwrite_every_n_steps=ema_overwrite_frequency)  # fmt: skip
+    ema = EMA(
+        decay=ema_momentum,
+        evaluate_with_ema=False,
+        swap_at_end=True,
+        use_buffers=False,
+        update_starting_at_step=0,
+        overwrite_every_n_steps=ema_overwrite_frequency,
+    )
     ema._continues = True  # the optimizer's average lives on across fit calls, as in Keras
     return ema
 

@@ -31,8 +31,12 @@ _TENSORBOARD_OPTIONS = declare(
     "TensorBoard",
     Option("log_dir", "path"),
     every_option("update_freq"),
-    Option("histogram_freq", "int", minimum=0,
-           fix="pass every how many epochs to write weight histograms, e.g. histogram_freq=1, or 0 for none."),
+    Option(
+        "histogram_freq",
+        "int",
+        minimum=0,
+        fix="pass every how many epochs to write weight histograms, e.g. histogram_freq=1, or 0 for none.",
+    ),
     Option("write_steps_per_second", "bool"),
     Option("clock", "custom", checked_in="TensorBoard.__init__", bad=(3.0, "now")),  # read with write_steps_per_second
 )
@@ -86,8 +90,14 @@ class TensorBoard(StopsWriting, StatefulCallback):
     skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
 
     @declared(_TENSORBOARD_OPTIONS)
-    def __init__(self, log_dir: str | os.PathLike, update_freq: str | int = "epoch", histogram_freq: int = 0,
-                 write_steps_per_second: bool = False, clock: Callable[[], float] = time.perf_counter):  # fmt: skip
+    def __init__(
+        self,
+        log_dir: str | os.PathLike,
+        update_freq: str | int = "epoch",
+        histogram_freq: int = 0,
+        write_steps_per_second: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         super().__init__()
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -102,8 +112,12 @@ class TensorBoard(StopsWriting, StatefulCallback):
             raise ValueError(
                 f"Expected `update_freq` to be 'epoch' or a positive int. Received: update_freq={update_freq!r}."
             )
-        check_int("histogram_freq", histogram_freq, 0,
-                  fix="pass every how many epochs to write weight histograms, e.g. histogram_freq=1, or 0 for none.")
+        check_int(
+            "histogram_freq",
+            histogram_freq,
+            0,
+            fix="pass every how many epochs to write weight histograms, e.g. histogram_freq=1, or 0 for none.",
+        )
         check_bool("write_steps_per_second", write_steps_per_second)
         if not callable(clock):
             raise TypeError(f"Expected `clock` to be a callable returning seconds. Received: clock={clock!r}.")
@@ -146,8 +160,9 @@ class TensorBoard(StopsWriting, StatefulCallback):
         super().on_train_begin(logs)
         self._stopped = False  # a new fit tries again
         if is_rank_zero():  # before step 1: a folder it can write
-            check_writable_template(str(self.log_dir / "validation" / "events.out.tfevents.0"), None,
-                                    "TensorBoard", "log_dir")  # fmt: skip
+            check_writable_template(
+                str(self.log_dir / "validation" / "events.out.tfevents.0"), None, "TensorBoard", "log_dir"
+            )
 
     def _check_folders(self) -> None:
         """A writer whose folder was deleted fails in its thread with a raw error: name it."""
@@ -155,9 +170,10 @@ class TensorBoard(StopsWriting, StatefulCallback):
         if gone:
             self.close()
             raise FileNotFoundError(
-                errno.ENOENT, f"TensorBoard's folder {str(self.log_dir / gone[0])!r} was deleted while fit was "
+                errno.ENOENT,
+                f"TensorBoard's folder {str(self.log_dir / gone[0])!r} was deleted while fit was "
                 "writing to it, so its event file is gone. Fix: leave `log_dir` in place while fit runs, or "
-                "pass a new one."
+                "pass a new one.",
             )
 
     def _writer(self, name: str):

@@ -170,8 +170,13 @@ class ThroughputMonitor(Callback):
     """
 
     @declared(_THROUGHPUT_MONITOR_OPTIONS)
-    def __init__(self, log_every_n_steps: int | None = None, peak_flops: float | None = None,
-                 count_flops: bool = True, clock: Callable[[], float] = time.perf_counter):  # fmt: skip
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        peak_flops: float | None = None,
+        count_flops: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         super().__init__()
         check_int("log_every_n_steps", log_every_n_steps, 1, allow_none=True)
         check_number("peak_flops", peak_flops, positive=True, allow_none=True)

@@ -50,8 +50,9 @@ def parse_duration(duration: Any) -> float:
         d, h, m, s = (int(p) for p in parts)
         seconds = float(((d * 24 + h) * 60 + m) * 60 + s)
     else:
-        check_number("duration", duration, positive=True,
-                     fix="pass seconds, a timedelta, {'hours': 1} or 'DD:HH:MM:SS'.")  # fmt: skip
+        check_number(
+            "duration", duration, positive=True, fix="pass seconds, a timedelta, {'hours': 1} or 'DD:HH:MM:SS'."
+        )
         seconds = float(duration)
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"Expected `duration` > 0. Received: {duration!r}. Fix: pass a positive duration.")

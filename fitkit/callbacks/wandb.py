@@ -95,14 +95,24 @@ class WandbLogger(Callback):
     """
 
     @declared(_WANDB_LOGGER_OPTIONS)
-    def __init__(self, project: str | None = None, name: str | None = None, *, config: dict[str, Any] | None = None,
-                 log_every_n_steps: int | None = None, log_checkpoints: bool = False, checkpoint: Any = None,
-                 **init_kwargs: Any):  # fmt: skip
+    def __init__(
+        self,
+        project: str | None = None,
+        name: str | None = None,
+        *,
+        config: dict[str, Any] | None = None,
+        log_every_n_steps: int | None = None,
+        log_checkpoints: bool = False,
+        checkpoint: Any = None,
+        **init_kwargs: Any,
+    ):
         super().__init__()
         check_bool("log_checkpoints", log_checkpoints)
         if importlib.util.find_spec("wandb") is None:
-            raise ImportError("WandbLogger needs wandb. Install the `wandb` extra: "
-                "`pip install '.[wandb]'` from a checkout (`pip install 'torch-fitkit[wandb]'` once released).")
+            raise ImportError(
+                "WandbLogger needs wandb. Install the `wandb` extra: "
+                "`pip install '.[wandb]'` from a checkout (`pip install 'torch-fitkit[wandb]'` once released)."
+            )
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
@@ -110,8 +120,10 @@ class WandbLogger(Callback):
                 "Expected `log_every_n_steps` to be a positive int or None. "
                 f"Received: log_every_n_steps={log_every_n_steps!r}. Fix: pass e.g. 50."
             )
-        if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)) and not hasattr(
-            checkpoint, "best_path"
+        if (
+            checkpoint is not None
+            and not isinstance(checkpoint, (str, os.PathLike))
+            and not hasattr(checkpoint, "best_path")
         ):
             raise TypeError(
                 "Expected `checkpoint` to be a path or a ModelCheckpoint. "
@@ -132,8 +144,12 @@ class WandbLogger(Callback):
             return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a logger never stops training
             if not self._quiet:
-                warnings.warn(f"WandbLogger: {what} failed ({type(e).__name__}: {e}); W&B logging stops for this "
-                              "fit, training goes on.", category=FitkitWarning, stacklevel=3)  # fmt: skip
+                warnings.warn(
+                    f"WandbLogger: {what} failed ({type(e).__name__}: {e}); W&B logging stops for this "
+                    "fit, training goes on.",
+                    category=FitkitWarning,
+                    stacklevel=3,
+                )
             self._quiet = True
             return None
 
@@ -145,11 +161,13 @@ class WandbLogger(Callback):
         model, params = self.model, self.params
         optimizer = getattr(model, "optimizer", None)
         found: dict[str, Any] = {
-            "epochs": params.get("epochs"), "batch_size": params.get("batch_size"),
-            "steps_per_epoch": params.get("steps"), "max_steps": params.get("max_steps"),
+            "epochs": params.get("epochs"),
+            "batch_size": params.get("batch_size"),
+            "steps_per_epoch": params.get("steps"),
+            "max_steps": params.get("max_steps"),
             "precision": getattr(model, "precision", None),
             "gradient_accumulation_steps": getattr(model, "gradient_accumulation_steps", None),
-        }  # fmt: skip
+        }
         if optimizer is not None:
             found["optimizer"] = type(optimizer).__name__
             found["lr"] = optimizer.param_groups[0].get("lr")
@@ -218,8 +236,10 @@ class WandbLogger(Callback):
             warnings.warn(
                 f"WandbLogger: the disk holding the run's folder {folder!r} is full (0 bytes free), so W&B "
                 "cannot write the run's file; W&B logging stops for this fit, training goes on. Fix: free "
-                "space, or pass dir= on another disk.", category=FitkitWarning, stacklevel=3,
-            )  # fmt: skip
+                "space, or pass dir= on another disk.",
+                category=FitkitWarning,
+                stacklevel=3,
+            )
 
     def on_train_end(self, logs=None):
         if self.run is None:
@@ -241,8 +261,11 @@ class WandbLogger(Callback):
     def _best_checkpoint(self) -> str | None:
         source = self.checkpoint
         if source is None:
-            ranked = [cb for cb in self.model.callbacks if type(cb).__name__ == "ModelCheckpoint"
-                      and (cb.save_best_only or cb.save_top_k is not None)]  # fmt: skip
+            ranked = [
+                cb
+                for cb in self.model.callbacks
+                if type(cb).__name__ == "ModelCheckpoint" and (cb.save_best_only or cb.save_top_k is not None)
+            ]
             source = ranked[0] if ranked else None
         path = None if source is None else getattr(source, "best_path", source)
         return None if path is None else os.fspath(path)
@@ -250,8 +273,11 @@ class WandbLogger(Callback):
     def _log_checkpoint(self) -> None:
         best = self._best_checkpoint()
         if best is None or not Path(best).is_file():
-            warnings.warn(f"WandbLogger: log_checkpoints=True, but there is no checkpoint file to log ({best!r}).",
-                          category=FitkitWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"WandbLogger: log_checkpoints=True, but there is no checkpoint file to log ({best!r}).",
+                category=FitkitWarning,
+                stacklevel=3,
+            )
             return
         import wandb
 

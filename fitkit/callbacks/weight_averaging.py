@@ -52,8 +52,9 @@ _WEIGHT_AVERAGING_OPTIONS = declare(
     Option("multi_avg_fn", "callable", allow_none=True, example=lambda a, c, n: None),
     Option("use_buffers", "bool"),
     Option("update_every_n_steps", "int", minimum=1),
-    Option("update_starting_at_step", "int", minimum=0, allow_none=True, excludes=("update_starting_at_epoch",),
-           example=2),
+    Option(
+        "update_starting_at_step", "int", minimum=0, allow_none=True, excludes=("update_starting_at_epoch",), example=2
+    ),
     Option("update_starting_at_epoch", "int", minimum=0, allow_none=True, example=1),
     Option("evaluate_with_average", "bool"),
     Option("swap_at_end", "bool"),
@@ -157,8 +158,11 @@ class WeightAveraging(Callback):
         _check_fn("multi_avg_fn", multi_avg_fn)
         if avg_fn is not None and multi_avg_fn is not None:
             raise ValueError("Pass `avg_fn` (per tensor) or `multi_avg_fn` (per list), not both.")
-        for name, flag in (("use_buffers", use_buffers), ("evaluate_with_average", evaluate_with_average),
-                           ("swap_at_end", swap_at_end)):  # fmt: skip
+        for name, flag in (
+            ("use_buffers", use_buffers),
+            ("evaluate_with_average", evaluate_with_average),
+            ("swap_at_end", swap_at_end),
+        ):
             check_bool(name, flag)
         check_int("update_every_n_steps", update_every_n_steps, 1)
         check_int("update_starting_at_step", update_starting_at_step, 0, allow_none=True)
@@ -261,7 +265,7 @@ class WeightAveraging(Callback):
                 get_swa_multi_avg_fn()(avg, cur, self.num_averaged)
         if not self.use_buffers:  # the module's own buffers, as AveragedModel keeps them
             training = self._training()
-            own = [b.detach() for b in self.model.module.buffers()] if training is None else training[self._n_params:]
+            own = [b.detach() for b in self.model.module.buffers()] if training is None else training[self._n_params :]
             copy_tensors([b.detach() for b in averaged.module.buffers()], own)
         averaged.n_averaged += 1
         self.num_averaged += 1
@@ -327,8 +331,12 @@ class WeightAveraging(Callback):
             monitor: the log key whose weights are asked for.
         """
         # A val_ key was scored on the average only if a validation of this fit ran on it.
-        scored = (self._in_fit and self.evaluate_with_average and monitor.startswith("val_")
-                  and bool(self.params.get("do_validation")))  # fmt: skip
+        scored = (
+            self._in_fit
+            and self.evaluate_with_average
+            and monitor.startswith("val_")
+            and bool(self.params.get("do_validation"))
+        )
         give_back = self.lend_average() if scored else no_swap
         try:
             yield
@@ -339,8 +347,11 @@ class WeightAveraging(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.averaged_model is None:
             return {}
-        state = {"averaged": self.averaged_model.state_dict(), "last_step": self._last_step,
-                 "num_averaged": self.num_averaged}  # fmt: skip
+        state = {
+            "averaged": self.averaged_model.state_dict(),
+            "last_step": self._last_step,
+            "num_averaged": self.num_averaged,
+        }
         saved = self._training()
         if saved is not None and self._swap is not None and self._swap.holder is self:
             # A save while this average is in the module: its tensors' training weights, per group.
@@ -367,25 +378,32 @@ class WeightAveraging(Callback):
 
         if isinstance(state, dict) and not state:
             return []  # saved before the average existed
-        tensors = (lambda v: v is None or isinstance(v, list) and all(isinstance(t, torch.Tensor) for t in v),
-                   "None or a list of tensors")  # fmt: skip
-        spec = {"averaged": (lambda v: isinstance(v, dict), "the averaged model's state dict"),
-                "last_step": (is_count, "an int >= 0"),
-                "num_averaged": (lambda v: v is None or is_count(v), "an int >= 0 or None"),
-                "training_weights": tensors}  # fmt: skip
+        tensors = (
+            lambda v: v is None or isinstance(v, list) and all(isinstance(t, torch.Tensor) for t in v),
+            "None or a list of tensors",
+        )
+        spec = {
+            "averaged": (lambda v: isinstance(v, dict), "the averaged model's state dict"),
+            "last_step": (is_count, "an int >= 0"),
+            "num_averaged": (lambda v: v is None or is_count(v), "an int >= 0 or None"),
+            "training_weights": tensors,
+        }
         out = typed_problems(state, spec, "its state", optional=frozenset({"num_averaged", "training_weights"}))
         model = getattr(self, "model", None)
         if out or model is None:
             return out
-        expected = {"n_averaged": torch.zeros((), dtype=torch.long),
-                    **{f"module.{k}": v for k, v in model.module.state_dict().items()}}  # fmt: skip
+        expected = {
+            "n_averaged": torch.zeros((), dtype=torch.long),
+            **{f"module.{k}": v for k, v in model.module.state_dict().items()},
+        }
         out = [f"its state['averaged']: {d}" for d in state_dict_differences(expected, state["averaged"])]
         weights = state.get("training_weights")
         if weights is not None:
             n = len(list(model.module.parameters())) + (len(list(model.module.buffers())) if self.use_buffers else 0)
             if len(weights) != n:
-                out.append(f"its state['training_weights'] holds {len(weights)} tensors, the module's "
-                           f"{n} averaged ones")  # fmt: skip
+                out.append(
+                    f"its state['training_weights'] holds {len(weights)} tensors, the module's {n} averaged ones"
+                )
         return out
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -413,8 +431,9 @@ class WeightAveraging(Callback):
             return
         self._build(module)
         if self._groups:  # a broken function is refused now, not at the second update
-            try_average_fn(type(self).__name__, self.avg_fn, self.multi_avg_fn, self._groups[0][0][0],
-                           self._groups[0][1][0])
+            try_average_fn(
+                type(self).__name__, self.avg_fn, self.multi_avg_fn, self._groups[0][0][0], self._groups[0][1][0]
+            )
         self._last_step = self.model.global_step
         if self._pending is not None:
             state, self._pending = self._pending, None
@@ -459,8 +478,11 @@ class WeightAveraging(Callback):
             return
         restoring = restorer(self.model)
         if restoring is not None:  # the best weights win, in any list order (Keras writes its EMA first)
-            say(self.verbose, f"{type(self).__name__}: {type(restoring).__name__} restores the best weights; "
-                "the averaged ones stay in averaged_model.")  # fmt: skip
+            say(
+                self.verbose,
+                f"{type(self).__name__}: {type(restoring).__name__} restores the best weights; "
+                "the averaged ones stay in averaged_model.",
+            )
             return
         if swap is not None:
             swap.take_out()

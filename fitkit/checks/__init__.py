@@ -16,8 +16,19 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 __all__ = [
-    "check_int", "check_bool", "check_number", "check_choice", "check_callbacks", "check_mode", "check_probability",
-    "check_every", "check_that", "class_not_instance", "unknown_keywords", "known_keywords", "FitkitWarning",
+    "check_int",
+    "check_bool",
+    "check_number",
+    "check_choice",
+    "check_callbacks",
+    "check_mode",
+    "check_probability",
+    "check_every",
+    "check_that",
+    "class_not_instance",
+    "unknown_keywords",
+    "known_keywords",
+    "FitkitWarning",
     "read_clock",
 ]
 
@@ -62,7 +73,12 @@ def check_bool(name: str, value: Any) -> None:
 
 
 def check_number(
-    name: str, value: Any, *, positive: bool = False, minimum: float | None = None, allow_none: bool = False,
+    name: str,
+    value: Any,
+    *,
+    positive: bool = False,
+    minimum: float | None = None,
+    allow_none: bool = False,
     fix: str | None = None,
 ) -> None:
     """Require a real number, not NaN (``> 0`` if ``positive``, ``>= minimum`` if given).
@@ -142,9 +158,7 @@ def check_every(name: str, value: Any, word: str, unit: str) -> None:
     if value == word:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"Expected `{name}` to be {word!r} or a positive int ({unit}). Received: {name}={value!r}."
-        )
+        raise ValueError(f"Expected `{name}` to be {word!r} or a positive int ({unit}). Received: {name}={value!r}.")
 
 
 def check_that(name: str, value: Any, ok: Any, expected: str) -> None:
@@ -176,8 +190,11 @@ def read_clock(clock: Callable[[], Any], name: str = "clock") -> float:
         TypeError: Expected `clock` to return seconds as a number. Received: clock() returned 'now' (str). Fix: pass a function that returns float seconds, e.g. clock=time.perf_counter.
     """  # noqa: E501
     value = clock()
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or math.isnan(value):
+    if (
+        isinstance(value, (bool, np.bool_))
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or math.isnan(value)
+    ):
         raise TypeError(
             f"Expected `{name}` to return seconds as a number. Received: {name}() returned {value!r} "
             f"({type(value).__name__}). Fix: pass a function that returns float seconds, e.g. {name}=time.perf_counter."

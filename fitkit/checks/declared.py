@@ -25,7 +25,14 @@ from typing import Any, TypeVar, cast
 from fitkit.checks import FitkitWarning, check_bool, check_every, check_int, check_mode, check_number
 
 __all__ = [
-    "Option", "Table", "declare", "declared", "check_options", "TABLES", "verbose_option", "every_option",
+    "Option",
+    "Table",
+    "declare",
+    "declared",
+    "check_options",
+    "TABLES",
+    "verbose_option",
+    "every_option",
     "mode_option",
 ]
 
@@ -138,7 +145,11 @@ def _fix(o: Option) -> str:
 
 
 _CHECKS: dict[str, Callable[[Option, Any], None]] = {
-    "int": _int, "number": _number, "bool": _bool, "choice": _choice, "custom": _custom,
+    "int": _int,
+    "number": _number,
+    "bool": _bool,
+    "choice": _choice,
+    "custom": _custom,
     "text": _typed("a str", lambda v: isinstance(v, str)),
     "path": _typed("a str or a path", lambda v: isinstance(v, (str, os.PathLike))),
     "callable": _typed("a callable", callable),
@@ -206,8 +217,12 @@ def check_options(table: Table, values: Mapping[str, Any], defaults: Mapping[str
             _warn_if_pointless(table, table[name], value)
     for name, option in table.items():
         for other in option.excludes:
-            if name in values and other in values and _given(option, values[name], defaults.get(name)) \
-                    and _given(table[other], values[other], defaults.get(other)):
+            if (
+                name in values
+                and other in values
+                and _given(option, values[name], defaults.get(name))
+                and _given(table[other], values[other], defaults.get(other))
+            ):
                 raise ValueError(
                     f"Expected at most one of `{name}` and `{other}`. Received: {name}={values[name]!r}, "
                     f"{other}={values[other]!r}. Fix: pass only `{name}` or only `{other}`."

@@ -40,8 +40,11 @@ def check_tags(name: str, value: Any, example: str) -> None:
         return
     keys = list(value) if isinstance(value, dict) else None
     if keys is None or not all(isinstance(k, str) for k in keys):
-        got = f"{value!r} ({type(value).__name__})" if keys is None else (
-            f"{value!r} (a key of type {next(type(k).__name__ for k in keys if not isinstance(k, str))})")
+        got = (
+            f"{value!r} ({type(value).__name__})"
+            if keys is None
+            else (f"{value!r} (a key of type {next(type(k).__name__ for k in keys if not isinstance(k, str))})")
+        )
         raise TypeError(
             f"Expected `{name}` to be a dict of {{name: value}} with str names, or None. Received: {name}={got}. "
             f"Fix: pass e.g. {example}; for bare labels use {{label: ''}}."

@@ -41,9 +41,7 @@ def is_in_memory(x: Any) -> bool:
         # (x1, x2) of arrays is several inputs; a list of (x, y) tuples is a list of batches,
         # and so is a list of dicts (Hugging Face-style batches {"input_ids": ..., "labels": ...}).
         batch_types = (tuple, list, Mapping) if isinstance(x, list) else (tuple, list)
-        return len(x) > 0 and all(
-            is_in_memory(v) and not isinstance(v, batch_types) for v in x
-        )
+        return len(x) > 0 and all(is_in_memory(v) and not isinstance(v, batch_types) for v in x)
     if isinstance(x, Mapping):
         return len(x) > 0 and all(is_in_memory(v) for v in x.values())
     return False
@@ -101,6 +99,7 @@ def batch_size_of(x: Any) -> int:
     """
     leaves = _leaves(x)
     return int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 1
+
 
 def _check_lengths(named: dict[str, Any]) -> int:
     lengths: dict[str, int] = {}
@@ -295,6 +294,7 @@ def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float
             f"{split_at} for training and {n - split_at} for validation; both need at least one. "
             "Fix: use a split in (0, 1) that keeps samples on both sides."
         )
+
     def part(a, sl):
         return None if a is None else _index(a, sl)
 

@@ -67,8 +67,9 @@ def _kinds(value: Any) -> str:
 
 def _shapes(sample: Any) -> str:
     leaves = nest.leaves(sample)
-    return "(" + ", ".join(str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
-                           for t in leaves) + ")"  # fmt: skip
+    return (
+        "(" + ", ".join(str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves) + ")"
+    )
 
 
 class NamingCollate:

@@ -33,8 +33,13 @@ _PAD_FIX = (
 def is_hf_dataset(x: Any) -> bool:
     """Whether ``x`` is a (map-style) Hugging Face ``datasets.Dataset``, without importing ``datasets``."""
     module = type(x).__module__ or ""
-    return module.startswith("datasets.") and hasattr(x, "column_names") and hasattr(x, "__len__") \
-        and hasattr(x, "__getitem__") and hasattr(x, "with_format")
+    return (
+        module.startswith("datasets.")
+        and hasattr(x, "column_names")
+        and hasattr(x, "__len__")
+        and hasattr(x, "__getitem__")
+        and hasattr(x, "with_format")
+    )
 
 
 def check_hf_dataset(x: Any, name: str = "x") -> None:

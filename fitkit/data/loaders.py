@@ -35,8 +35,15 @@ from fitkit.data.resume_order import resumed_loader
 from fitkit.data.weights import ClassWeights, class_weights, combine
 from fitkit.devices import move_to_device
 
-__all__ = ["as_loader", "validation_loader", "device_batch", "DeviceLoader", "ClassWeights", "unpack_batch",
-           "known_targets"]
+__all__ = [
+    "as_loader",
+    "validation_loader",
+    "device_batch",
+    "DeviceLoader",
+    "ClassWeights",
+    "unpack_batch",
+    "known_targets",
+]
 
 
 def unpack_batch(batch: Any) -> Batch:
@@ -312,8 +319,13 @@ class DeviceLoader:
     def __iter__(self) -> Iterator[Batch]:
         return self.epoch_batches(self.epoch)
 
-    def epoch_batches(self, epoch: int, skip: tuple[int, int | None] = (0, None), pass_offset: int = 0,
-                      pass_start: dict[str, Any] | None = None) -> Iterator[Batch]:  # fmt: skip
+    def epoch_batches(
+        self,
+        epoch: int,
+        skip: tuple[int, int | None] = (0, None),
+        pass_offset: int = 0,
+        pass_start: dict[str, Any] | None = None,
+    ) -> Iterator[Batch]:
         """The batches of (0-based) ``epoch``, on the device.
 
         Args:
@@ -362,8 +374,9 @@ class DeviceLoader:
             yield head
             yield from it
 
-    def _epoch_batches(self, skip: int, skip_samples: int | None, offset: int,
-                       start: dict[str, Any] | None = None) -> Iterator[Batch]:  # fmt: skip
+    def _epoch_batches(
+        self, skip: int, skip_samples: int | None, offset: int, start: dict[str, Any] | None = None
+    ) -> Iterator[Batch]:
         self.ran_out = False
         if self.steps is None:
             yield from self._epoch_pass(skip, skip_samples)
@@ -397,8 +410,11 @@ class DeviceLoader:
         """The batches of one epoch without ``steps``: one pass of the source (its rest, on a resume)."""
         if skip_samples is not None:  # a resume by sample (Position.skip_for)
             src = self.batches
-            it = src.iterate(self.epoch, 0, skip_samples) if isinstance(src, TensorBatches) else \
-                src.iterate_samples(self.epoch, skip_samples)  # fmt: skip
+            it = (
+                src.iterate(self.epoch, 0, skip_samples)
+                if isinstance(src, TensorBatches)
+                else src.iterate_samples(self.epoch, skip_samples)
+            )
             return self._prepare(it)
         it = self._prepare(self.batches.iterate(self.epoch, skip))
         n = self.batches.num_batches
@@ -411,16 +427,17 @@ class DeviceLoader:
             size = (self.batch_size or 1) * getattr(self.batches, "world", 1)
             skip = -(-skip_samples // size)  # the pass's short last batch counts as one
         if start is not None or offset or skip:  # a resume: the pass as it was, fast-forwarded
-            self._persistent = self._prepare(self.batches.iterate(self.epoch, offset + skip)) if start is None \
-                else self._redrawn(offset + skip, start)  # fmt: skip
+            self._persistent = (
+                self._prepare(self.batches.iterate(self.epoch, offset + skip))
+                if start is None
+                else self._redrawn(offset + skip, start)
+            )
             self._pass_done, self.pass_start = offset + skip, start
         return skip
 
     def _prepare(self, it: Iterator[Any]) -> Iterator[Batch]:
         src = self.batches
-        if isinstance(src, TensorBatches) and all(
-            t.device == self.device for t in nest.leaves((src.x, src.y, src.w))
-        ):
+        if isinstance(src, TensorBatches) and all(t.device == self.device for t in nest.leaves((src.x, src.y, src.w))):
             return it  # in-memory data already on the device: its slices are the batches
         return self._moved(it)
 
@@ -432,8 +449,7 @@ class DeviceLoader:
             if cw is not None and not tensor_path:
                 if y is None:
                     raise ValueError(
-                        "`class_weight` needs targets, but a batch had no `y`. "
-                        "Fix: yield `(x, y)` batches."
+                        "`class_weight` needs targets, but a batch had no `y`. Fix: yield `(x, y)` batches."
                     )
                 y = _to_tensor(y) if isinstance(y, np.ndarray) else y
                 if y.device.type == "cpu":  # checked before it moves: no device sync
@@ -445,9 +461,13 @@ class DeviceLoader:
 
 
 def device_batch(
-    x: Any, y: Any = None, sample_weight: Any = None, *, device: torch.device,
+    x: Any,
+    y: Any = None,
+    sample_weight: Any = None,
+    *,
+    device: torch.device,
     class_weight: Mapping | None = None,
-) -> Batch:  # fmt: skip
+) -> Batch:
     """One ``(x, y, sample_weight)`` batch on ``device``, through :class:`DeviceLoader`.
 
     The ``*_on_batch`` methods use it, so a single batch is converted (numpy -> torch), weighted
@@ -575,8 +595,14 @@ def as_loader(
 
 
 def _in_memory_loader(
-    x: Any, y: Any, sample_weight: Any, cw: ClassWeights | None, batch_size: int, shuffle: bool | str,
-    steps: int | None, device: torch.device,
+    x: Any,
+    y: Any,
+    sample_weight: Any,
+    cw: ClassWeights | None,
+    batch_size: int,
+    shuffle: bool | str,
+    steps: int | None,
+    device: torch.device,
 ) -> DeviceLoader:
     """:func:`as_loader` for in-memory ``x``: tensors (on the device when they fit) sliced into batches."""
     if y is not None and not is_in_memory(y):
@@ -684,13 +710,20 @@ def validation_loader(validation_data: Any, *, batch_size: int, device: torch.de
     )
     # A tuple (x_val, y_val) whose parts are themselves tuples of arrays (several inputs or
     # outputs) is still (x_val, y_val), as in Keras; a list of tuples is a list of batches.
-    if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and all(
-        v is None or is_in_memory(v) for v in validation_data
-    ) and _same_rows(validation_data):
+    if (
+        isinstance(validation_data, tuple)
+        and len(validation_data) in (2, 3)
+        and all(v is None or is_in_memory(v) for v in validation_data)
+        and _same_rows(validation_data)
+    ):
         arrays = True
-    if arrays and len(validation_data) in (2, 3) and all(
-        v is None or is_in_memory(v) or i == 0 and _is_map_dataset(v)  # Dataset: validation_split
-        for i, v in enumerate(validation_data)
+    if (
+        arrays
+        and len(validation_data) in (2, 3)
+        and all(
+            v is None or is_in_memory(v) or i == 0 and _is_map_dataset(v)  # Dataset: validation_split
+            for i, v in enumerate(validation_data)
+        )
     ):
         vx, vy, vw = (*validation_data, None)[:3]
         return as_loader(vx, vy, vw, batch_size=batch_size, device=device)

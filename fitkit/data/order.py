@@ -30,15 +30,26 @@ from fitkit.checks import FitkitWarning
 from fitkit.data.resume_order import OrderShare
 
 __all__ = [
-    "capture", "restore", "order_is_restorable", "is_stateful_loader", "at_checkpoint", "resume_inside_epoch",
-    "set_epoch", "dataset_epoch_hook",
+    "capture",
+    "restore",
+    "order_is_restorable",
+    "is_stateful_loader",
+    "at_checkpoint",
+    "resume_inside_epoch",
+    "set_epoch",
+    "dataset_epoch_hook",
 ]
 
 # Samplers whose order is a function of the generators fitkit saves (or of the epoch).
 _KNOWN_SAMPLERS = (
-    tud.SequentialSampler, tud.RandomSampler, tud.SubsetRandomSampler, tud.WeightedRandomSampler,
-    tud.DistributedSampler, tud.BatchSampler, OrderShare,
-)  # fmt: skip
+    tud.SequentialSampler,
+    tud.RandomSampler,
+    tud.SubsetRandomSampler,
+    tud.WeightedRandomSampler,
+    tud.DistributedSampler,
+    tud.BatchSampler,
+    OrderShare,
+)
 
 
 def is_stateful_loader(source: Any) -> bool:
@@ -141,9 +152,10 @@ def dataset_epoch_hook(loader: Any, name: str) -> None:
 
 def _stateful_samplers(source: tud.DataLoader) -> list[Any]:
     return [
-        s for s in _samplers(source)
+        s
+        for s in _samplers(source)
         if callable(getattr(s, "state_dict", None)) and callable(getattr(s, "load_state_dict", None))
-    ]  # fmt: skip
+    ]
 
 
 def capture(loader: Any) -> dict[str, Any] | None:
@@ -257,5 +269,6 @@ def resume_inside_epoch(loader: Any, state: dict[str, Any] | None, epoch: int) -
             "sampler without state_dict), so the skipped batches may not be the trained ones. Fix: use "
             "torchdata's StatefulDataLoader, a sampler with state_dict / load_state_dict, or checkpoint at "
             "epoch ends (save_freq='epoch').",
-            category=FitkitWarning, stacklevel=5,
+            category=FitkitWarning,
+            stacklevel=5,
         )

@@ -68,8 +68,14 @@ class PackedDataset(Dataset):
         (3, [4, 5, 0, 6], [0, 1, 2, 0], [4, 5, 0, -100])
     """
 
-    def __init__(self, documents: Sequence[Any], seq_len: int, *, eos_token_id: int | None = None,
-                 boundaries: str = "position_ids"):  # fmt: skip
+    def __init__(
+        self,
+        documents: Sequence[Any],
+        seq_len: int,
+        *,
+        eos_token_id: int | None = None,
+        boundaries: str = "position_ids",
+    ):
         check_int("seq_len", seq_len, 1)
         check_int("eos_token_id", eos_token_id, 0, allow_none=True)
         check_choice("boundaries", boundaries, ("position_ids", "attention_mask"))
@@ -95,8 +101,8 @@ class PackedDataset(Dataset):
             raise IndexError(f"PackedDataset index {index} out of range for {len(self)} sequences.")
         index %= len(self)
         t = self.seq_len
-        ids = self.tokens[index * t:(index + 1) * t]
-        docs = self.document_ids[index * t:(index + 1) * t]
+        ids = self.tokens[index * t : (index + 1) * t]
+        docs = self.document_ids[index * t : (index + 1) * t]
         starts = torch.ones(t, dtype=torch.bool)
         starts[1:] = docs[1:] != docs[:-1]  # where a document starts (position 0: the sequence does)
         labels = ids.masked_fill(starts & (torch.arange(t) > 0), -100)

@@ -42,8 +42,9 @@ def _advance(sampler: Any) -> None:
                 torch.randperm(sampler.n, generator=sampler.generator)
 
 
-def loader_order(n: int, shuffle: bool, sampler_generator: torch.Generator | None,
-                 loader_generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
+def loader_order(
+    n: int, shuffle: bool, sampler_generator: torch.Generator | None, loader_generator: torch.Generator | None
+) -> torch.Tensor:
     """The ``n`` sample indices one process's iteration of the loader draws now, in order.
 
     A ``DataLoader`` iterator draws its base seed (from ``loader_generator`` or the global
@@ -89,8 +90,9 @@ class OrderShare(Sampler[int]):
         ([3, 1, 4], 3)
     """
 
-    def __init__(self, n: int, rank: int, world: int, shuffle: bool, generator: torch.Generator | None,
-                 exhausts: bool = True):  # fmt: skip
+    def __init__(
+        self, n: int, rank: int, world: int, shuffle: bool, generator: torch.Generator | None, exhausts: bool = True
+    ):
         self.n, self.rank, self.world, self.shuffle, self.generator = n, rank, world, shuffle, generator
         self.rest = torch.arange(n)
         self.exhausts = exhausts
@@ -112,13 +114,21 @@ class OrderShare(Sampler[int]):
 def rebuilt(dl: DataLoader, sampler: Sampler) -> DataLoader:
     """``dl`` with ``sampler`` (everything else as it was)."""
     return DataLoader(
-        dl.dataset, batch_size=dl.batch_size, sampler=sampler, num_workers=dl.num_workers,
-        collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, drop_last=dl.drop_last,
-        timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
-        multiprocessing_context=dl.multiprocessing_context, generator=dl.generator,
-        prefetch_factor=dl.prefetch_factor, persistent_workers=dl.persistent_workers,
+        dl.dataset,
+        batch_size=dl.batch_size,
+        sampler=sampler,
+        num_workers=dl.num_workers,
+        collate_fn=dl.collate_fn,
+        pin_memory=dl.pin_memory,
+        drop_last=dl.drop_last,
+        timeout=dl.timeout,
+        worker_init_fn=dl.worker_init_fn,
+        multiprocessing_context=dl.multiprocessing_context,
+        generator=dl.generator,
+        prefetch_factor=dl.prefetch_factor,
+        persistent_workers=dl.persistent_workers,
         pin_memory_device=dl.pin_memory_device,
-    )  # fmt: skip
+    )
 
 
 def resumed_loader(dl: DataLoader, start: int) -> DataLoader:

@@ -110,9 +110,7 @@ class ClassWeights:
                     "Fix: weights scale each class's loss; use 0 to ignore a class."
                 )
             if index in keys:
-                raise ValueError(
-                    f"`class_weight` gives class {index} twice (key {k!r}). Fix: one key per class."
-                )
+                raise ValueError(f"`class_weight` gives class {index} twice (key {k!r}). Fix: one key per class.")
             keys[index] = float(v)
         self.keys = sorted(keys)
         self.table = torch.full((max(keys) + 1,), float("nan"))
@@ -152,9 +150,7 @@ class ClassWeights:
         labels = self.labels(y)
         present = torch.unique(labels).tolist()
         ignored = IGNORED if self.per_position(y) else None
-        missing = [
-            c for c in present if c != ignored and (c < 0 or c >= len(self.table) or math.isnan(self.table[c]))
-        ]  # fmt: skip
+        missing = [c for c in present if c != ignored and (c < 0 or c >= len(self.table) or math.isnan(self.table[c]))]
         if missing:
             raise ValueError(
                 f"`class_weight` has no entry for class {missing[0]} found in the targets. "

@@ -86,8 +86,9 @@ class SignalAgreement:
         now = time.monotonic()
         pace = (now - self.t0) / self.since  # seconds per step, on this rank's host clock
         proposal = self.every if pace <= 0 else max(1, min(self.every, int(self.seconds / pace)))
-        flags = torch.tensor([int(signalled_here), int(stop_here), *(int(d) for d in dues_here), -proposal],
-                             dtype=torch.int64).to(_comm_device())  # fmt: skip
+        flags = torch.tensor(
+            [int(signalled_here), int(stop_here), *(int(d) for d in dues_here), -proposal], dtype=torch.int64
+        ).to(_comm_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # any signal, any stop, any due; the smallest proposal
         values = flags.tolist()  # one host read per agreement
         signalled, stopped, neg = values[0], values[1], values[-1]

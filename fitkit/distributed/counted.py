@@ -154,8 +154,9 @@ class CountedReduceScatter:
         """A plain buffer (torch's default comm allocates the same way)."""
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                 async_op: bool = False) -> None:  # fmt: skip
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> None:
         """Reduce-scatter ``input_tensor`` into ``output_tensor`` (synchronously, on the caller's
         stream); ``op`` is not read: the reduction is always a sum, divided here."""
         world = dist.get_world_size(group)

@@ -167,8 +167,13 @@ def save(model: Model, state: dict[str, Any], path: str | os.PathLike, async_sav
     if group is not None:
         dist.barrier(group=group)  # nobody writes into the folder before it is cleared
     tensors = _tensor_state(model)
-    state = {**state, "format": "dcp", "world_size": dist.get_world_size() if is_distributed() else 1,
-             "param_groups_names": _group_names(model), "tied": tied_names(model.module)}  # fmt: skip
+    state = {
+        **state,
+        "format": "dcp",
+        "world_size": dist.get_world_size() if is_distributed() else 1,
+        "param_groups_names": _group_names(model),
+        "tied": tied_names(model.module),
+    }
 
     def finish() -> None:
         if is_rank_zero():
@@ -187,10 +192,14 @@ def save(model: Model, state: dict[str, Any], path: str | os.PathLike, async_sav
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     cuda = torch.cuda.is_available()
-    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                          use_async_staging=False, use_non_blocking_copy=cuda))  # fmt: skip
-    future = dcp.async_save(tensors, checkpoint_id=os.fspath(tmp), process_group=group, async_stager=stager,
-                            no_dist=no_dist)  # fmt: skip
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+        )
+    )
+    future = dcp.async_save(
+        tensors, checkpoint_id=os.fspath(tmp), process_group=group, async_stager=stager, no_dist=no_dist
+    )
     _pending = _Pending(future, finish, stager, final)
     if not _atexit:
         _atexit = True
@@ -210,8 +219,9 @@ def differences(model: Model, meta: Any, state: dict[str, Any]) -> list[str]:
     dtypes = {k: v.properties.dtype for k, v in meta.state_dict_metadata.items() if hasattr(v, "properties")}
     shapes = sharded_shapes(meta)
     tied = tied_names(model.module)  # stored once (an older folder may hold them twice: not compared)
-    saved = {k: torch.empty(shape, dtype=dtypes[f"model.{k}"], device="meta") for k, shape in shapes.items()
-             if k not in tied}  # fmt: skip
+    saved = {
+        k: torch.empty(shape, dtype=dtypes[f"model.{k}"], device="meta") for k, shape in shapes.items() if k not in tied
+    }
     mine = {k: v for k, v in model.module.state_dict().items() if k not in tied}
     out = state_dict_differences(mine, saved)  # DTensors: global shapes
     names = state.get("param_groups_names") or []
@@ -241,8 +251,9 @@ def inspect(model: Model, path: str | os.PathLike) -> tuple[dict[str, Any], list
             f"{str(path)!r} is not a fitkit sharded checkpoint. Fix: pass a folder written by save_checkpoint."
         )
     names = state.get("param_groups_names")
-    if names is not None and not (isinstance(names, list) and all(
-            isinstance(g, list) and all(isinstance(n, str) for n in g) for g in names)):  # fmt: skip
+    if names is not None and not (
+        isinstance(names, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g) for g in names)
+    ):
         problem = f"checkpoint['param_groups_names'] is {names!r:.60}, expected a list of lists of parameter names"
         return state, [*_writer_problems(meta, state), problem], []  # nothing to compare the groups with
     return state, _writer_problems(meta, state), differences(model, meta, state)
@@ -305,7 +316,9 @@ def _state_from_index(model: Model, meta: Any) -> None:
         if id(p) not in order:
             continue
         prefix = f"optim.state.{fqn}."
-        entries = {k[len(prefix):]: v for k, v in index.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        entries = {
+            k[len(prefix) :]: v for k, v in index.items() if k.startswith(prefix) and "." not in k[len(prefix) :]
+        }
         if not entries:
             continue
         state: dict[str, Any] = {}
@@ -313,8 +326,11 @@ def _state_from_index(model: Model, meta: Any) -> None:
             if not isinstance(md, TensorStorageMetadata):
                 return  # a pickled state value: the state is left to torch's own way of creating it
             shape, dtype = tuple(md.size), md.properties.dtype
-            state[name] = torch.empty_like(p, dtype=dtype) if shape == tuple(p.shape) and shape else \
-                torch.zeros(shape, dtype=dtype)  # fmt: skip
+            state[name] = (
+                torch.empty_like(p, dtype=dtype)
+                if shape == tuple(p.shape) and shape
+                else torch.zeros(shape, dtype=dtype)
+            )
         states[order[id(p)]] = state
     # all or nothing, through the optimizer's own loader
     optimizer.load_state_dict({"state": states, "param_groups": optimizer.state_dict()["param_groups"]})
@@ -339,8 +355,13 @@ def load_tensors(model: Model, path: str | os.PathLike) -> None:
     try:
         for dry in (True, False):
             with quiet_single_process(), torch_errors(path):
-                dcp.load(state, checkpoint_id=os.fspath(path), storage_reader=safe_reader(path, dry=dry),
-                         process_group=_ckpt_group(), no_dist=not is_distributed())  # fmt: skip
+                dcp.load(
+                    state,
+                    checkpoint_id=os.fspath(path),
+                    storage_reader=safe_reader(path, dry=dry),
+                    process_group=_ckpt_group(),
+                    no_dist=not is_distributed(),
+                )
     except BaseException:
         if unset is not None:  # a failed load leaves the optimizer as it was: no state
             optimizer.load_state_dict(unset)

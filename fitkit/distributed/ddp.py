@@ -60,11 +60,19 @@ class DDP:
         DDP(gradient_as_bucket_view=True, sync_batchnorm=True)
     """
 
-    def __init__(self, find_unused_parameters: bool = False, static_graph: bool = False,
-                 gradient_as_bucket_view: bool = False, sync_batchnorm: bool = False):  # fmt: skip
-        for name, value in (("find_unused_parameters", find_unused_parameters), ("static_graph", static_graph),
-                            ("gradient_as_bucket_view", gradient_as_bucket_view),
-                            ("sync_batchnorm", sync_batchnorm)):  # fmt: skip
+    def __init__(
+        self,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        sync_batchnorm: bool = False,
+    ):
+        for name, value in (
+            ("find_unused_parameters", find_unused_parameters),
+            ("static_graph", static_graph),
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+            ("sync_batchnorm", sync_batchnorm),
+        ):
             check_bool(name, value)
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
         self.gradient_as_bucket_view, self.sync_batchnorm = gradient_as_bucket_view, sync_batchnorm
@@ -118,8 +126,9 @@ def convert_sync_batchnorm(module: nn.Module) -> int:
             f"DDP(sync_batchnorm=True) converts the BatchNorm layers inside the model, but the model is one "
             f"({type(module).__name__}). Fix: wrap it, e.g. nn.Sequential(layer)."
         )
-    count = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
-                for m in module.modules())  # fmt: skip
+    count = sum(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm) for m in module.modules()
+    )
     for name, child in module.named_children():
         converted = nn.SyncBatchNorm.convert_sync_batchnorm(child)
         if converted is not child:

@@ -96,8 +96,13 @@ class FSDP:
         ['Linear']
     """
 
-    def __init__(self, wrap: Any = None, mixed_precision: Any = None, activation_checkpointing: bool = False,
-                 cpu_offload: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        wrap: Any = None,
+        mixed_precision: Any = None,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+    ):
         self.wrap = _check_wrap(wrap)
         self.mixed_precision = _check_precision(mixed_precision)
         for name, value in (("activation_checkpointing", activation_checkpointing), ("cpu_offload", cpu_offload)):
@@ -183,8 +188,9 @@ class FSDP:
 
         mp = self.mixed_precision
         if isinstance(mp, torch.dtype):
-            return MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=torch.float32,
-                                        output_dtype=torch.float32 if root else None)  # fmt: skip
+            return MixedPrecisionPolicy(
+                param_dtype=mp, reduce_dtype=torch.float32, output_dtype=torch.float32 if root else None
+            )
         return mp if mp is not None else MixedPrecisionPolicy()
 
     def shard(self, module: nn.Module) -> None:

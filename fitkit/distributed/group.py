@@ -227,10 +227,18 @@ def _restart_store(timeout: float | None) -> dict[str, Any]:
     if attempt in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     wait = datetime.timedelta(seconds=timeout or 300)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=False, timeout=wait)  # fmt: skip
-    return {"store": dist.PrefixStore(f"fitkit/attempt{attempt}", store), "rank": int(os.environ["RANK"]),
-            "world_size": int(os.environ["WORLD_SIZE"])}  # fmt: skip
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=wait,
+    )
+    return {
+        "store": dist.PrefixStore(f"fitkit/attempt{attempt}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 def _record_uncaught() -> None:
@@ -248,10 +256,16 @@ def _record_uncaught() -> None:
         progress.mark_failed(kind.__name__)  # a peer's SIGTERM then exits at once
         message = f"{kind.__name__}: {value}" + (f"\n{where}" if where else "")
         try:  # the format of torch's ErrorHandler.record_exception, with this exception's stack
-            data = {"message": {"message": message, "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(kind, value, tb)) + (f"{where}\n" if where else ""),
-                "timestamp": str(int(time.time())),
-            }}}  # fmt: skip
+            data = {
+                "message": {
+                    "message": message,
+                    "extraInfo": {
+                        "py_callstack": "".join(traceback.format_exception(kind, value, tb))
+                        + (f"{where}\n" if where else ""),
+                        "timestamp": str(int(time.time())),
+                    },
+                }
+            }
             # whole or not at all: torchrun's agent SIGTERMs this process when another rank died
             # first, and a half-written file makes the agent itself fail to parse it (seen on a
             # loaded machine: the job then ends without its restart)

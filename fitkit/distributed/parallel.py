@@ -116,8 +116,12 @@ class Parallel:
         if self.fsdp or not any(p.requires_grad for p in module.parameters()):
             return None  # FSDP's forward is the module itself; nothing to train: no DDP
         trainable = tuple(p.requires_grad for p in module.parameters())
-        if self.ddp is not None and self.ddp.module is module and _same_device(self.ddp, module) \
-                and trainable == self._trainable:
+        if (
+            self.ddp is not None
+            and self.ddp.module is module
+            and _same_device(self.ddp, module)
+            and trainable == self._trainable
+        ):
             return self.ddp
         import gc
         import inspect
@@ -261,4 +265,3 @@ def _fsdp_no_sync(module: Any) -> Iterator[None]:
         yield
     finally:
         module.set_requires_gradient_sync(True)
-

@@ -33,8 +33,11 @@ _FAILED = "fitkit/failed"
 _PERIOD = 0.5  # seconds between two looks at the loop's counters
 #: The phases of a place after the epoch's batches (``place[3]``), in the order a rank reaches them.
 EPOCH_END, VALIDATION, EPOCH_CALLBACKS = 2, 3, 4
-_PHASES = {EPOCH_END: "at its end (its metrics)", VALIDATION: "in its validation",
-           EPOCH_CALLBACKS: "in its epoch-end callbacks"}  # fmt: skip
+_PHASES = {
+    EPOCH_END: "at its end (its metrics)",
+    VALIDATION: "in its validation",
+    EPOCH_CALLBACKS: "in its epoch-end callbacks",
+}
 _doing: list[str] = []  # what this rank does inside its phase (a checkpoint write), innermost last
 
 
@@ -159,8 +162,9 @@ def where_ranks_were(me: int | None = None) -> str | None:
         at = f" at {_describe(places[gone]['place'])}" if gone in places else ""
         head = f"rank {gone} failed ({failed['error']}){at}; rank {me} stopped because of it. "  # type: ignore[index]
     if behind:
-        head += (f"rank(s) {', '.join(map(str, behind))} behind rank {me}, which was {_describe(mine)}: "
-                 "hung or slow there. ")  # fmt: skip
+        head += (
+            f"rank(s) {', '.join(map(str, behind))} behind rank {me}, which was {_describe(mine)}: hung or slow there. "
+        )
     return f"fitkit: {head}Where each rank was: {'; '.join(parts)}."
 
 

@@ -321,8 +321,14 @@ def _shard_dataloader(dl: DataLoader) -> ShardedLoaderBatches:
             f"shuffled order. {fix}"
         )
     n = len(dl.dataset)  # type: ignore[arg-type]
-    share = OrderShare(n, rank(), world_size(), shuffle, getattr(sampler, "generator", None) if shuffle else None,
-                       exhausts=n % (dl.batch_size * world_size()) != 0)  # as one process with the global batch
+    share = OrderShare(
+        n,
+        rank(),
+        world_size(),
+        shuffle,
+        getattr(sampler, "generator", None) if shuffle else None,
+        exhausts=n % (dl.batch_size * world_size()) != 0,
+    )  # as one process with the global batch
     return ShardedLoaderBatches(rebuilt(dl, share), shuffle=shuffle, generator=dl.generator)
 
 

@@ -117,8 +117,9 @@ def agree_on_epoch_end(loader: Any, it: Iterator[Any], start: int) -> Iterator[A
     if getattr(loader, "sharded", False) != "user" or not is_distributed():
         return it
     counts = all_gather_object(loader.next_epoch_batches)  # one gather per epoch
-    helper = isinstance(getattr(getattr(getattr(loader, "batches", None), "source", None), "dataset", None),
-                        RankWorkerSplit)  # fmt: skip
+    helper = isinstance(
+        getattr(getattr(getattr(loader, "batches", None), "source", None), "dataset", None), RankWorkerSplit
+    )
     if all(c is not None for c in counts):
         shortest = min(counts)
         if shortest != max(counts):
@@ -135,8 +136,13 @@ def check_worker_copies(loader: Any, it: Iterator[Any]) -> Iterator[Any]:
     ``FitkitWarning`` names the fix. Once per training loader (one host read of the comparison).
     """
     dl = getattr(getattr(loader, "batches", None), "source", None)
-    if not isinstance(dl, DataLoader) or not isinstance(dl.dataset, IterableDataset) or dl.num_workers < 2 \
-            or isinstance(dl.dataset, RankWorkerSplit) or getattr(loader, "_workers_checked", False):  # fmt: skip
+    if (
+        not isinstance(dl, DataLoader)
+        or not isinstance(dl.dataset, IterableDataset)
+        or dl.num_workers < 2
+        or isinstance(dl.dataset, RankWorkerSplit)
+        or getattr(loader, "_workers_checked", False)
+    ):
         return it
     loader._workers_checked = True
     head = list(itertools.islice(it, 2))
@@ -147,8 +153,9 @@ def check_worker_copies(loader: Any, it: Iterator[Any]) -> Iterator[Any]:
             f"trained {dl.num_workers} times per epoch. Fix: split by worker too, with "
             "fitkit.distributed.split_by_rank_and_worker(dataset) (ranks x workers; also on one process), or "
             "torch.utils.data.get_worker_info() in __iter__.",
-            category=FitkitWarning, stacklevel=2,
-        )  # fmt: skip
+            category=FitkitWarning,
+            stacklevel=2,
+        )
     return itertools.chain(head, it)
 
 
@@ -157,7 +164,7 @@ def _same(a: Any, b: Any) -> bool:
     return len(la) == len(lb) and all(
         isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.shape == v.shape and torch.equal(u, v)
         for u, v in zip(la, lb, strict=True)
-    )  # fmt: skip
+    )
 
 
 def _stop_together(it: Iterator[Any], start: int, helper: bool = False) -> Iterator[Any]:
@@ -177,14 +184,19 @@ def _stop_together(it: Iterator[Any], start: int, helper: bool = False) -> Itera
 
 def _warn_uneven(what: str, shortest: int, helper: bool = False) -> None:
     if helper:  # split_by_rank_and_worker is in use: its shards differ by one item at most
-        fix = ("The split deals the items one by one, so the shards differ by an item at most, but each worker "
-               "cuts its own last, short batch. Fix: DataLoader(..., drop_last=True) (every batch full; the "
-               "left-over items are not trained that epoch), or steps_per_epoch=N for a count every rank has.")
+        fix = (
+            "The split deals the items one by one, so the shards differ by an item at most, but each worker "
+            "cuts its own last, short batch. Fix: DataLoader(..., drop_last=True) (every batch full; the "
+            "left-over items are not trained that epoch), or steps_per_epoch=N for a count every rank has."
+        )
     else:
-        fix = ("Fix: give every rank the same number of batches (fitkit.distributed.split_by_rank_and_worker, "
-               "or pass the data unsharded and let fitkit split it).")
+        fix = (
+            "Fix: give every rank the same number of batches (fitkit.distributed.split_by_rank_and_worker, "
+            "or pass the data unsharded and let fitkit split it)."
+        )
     warnings.warn(
         f"Uneven data over the ranks: {what}. Every rank ends the epoch after {shortest} batches, so "
         f"the others' extra batches are not trained this epoch (ranks must step together). {fix}",
-        category=FitkitWarning, stacklevel=3,
-    )  # fmt: skip
+        category=FitkitWarning,
+        stacklevel=3,
+    )

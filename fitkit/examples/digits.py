@@ -45,13 +45,18 @@ def build_net() -> nn.Module:
     """A two-layer CNN: (B, 64) pixels -> (B, 10) logits."""
     return nn.Sequential(
         nn.Unflatten(1, (1, 8, 8)),  # (B, 1, 8, 8)
-        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
         nn.MaxPool2d(2),  # (B, 64, 4, 4)
-        nn.Flatten(), nn.Dropout(0.25),
-        nn.Linear(64 * 16, 128), nn.ReLU(), nn.Dropout(0.25),
+        nn.Flatten(),
+        nn.Dropout(0.25),
+        nn.Linear(64 * 16, 128),
+        nn.ReLU(),
+        nn.Dropout(0.25),
         nn.Linear(128, 10),
-    )  # fmt: skip
+    )
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -75,15 +80,16 @@ def main(argv: list[str] | None = None) -> float:
     if verbose:
         model.summary(input_shape=(64,))  # real output shapes: one (1, 64) batch of zeros
     start = time.perf_counter()
-    model.fit(x_train, y_train, epochs=args.epochs, batch_size=args.batch_size,
-              validation_split=0.1, verbose=verbose)  # fmt: skip
+    model.fit(x_train, y_train, epochs=args.epochs, batch_size=args.batch_size, validation_split=0.1, verbose=verbose)
     seconds = time.perf_counter() - start
     result = model.evaluate(x_test, y_test, verbose=0)  # under torchrun: over the whole test set
     procs = distributed.world_size()
     where = f"{model.device}" + (f" x {procs} processes" if procs > 1 else "")
     if distributed.is_rank_zero():  # under torchrun every rank has the result; rank 0 prints it
-        print(f"test accuracy {result['accuracy']:.4f} - test loss {result['loss']:.4f} - "
-              f"trained in {seconds:.1f}s on {where}")  # fmt: skip
+        print(
+            f"test accuracy {result['accuracy']:.4f} - test loss {result['loss']:.4f} - "
+            f"trained in {seconds:.1f}s on {where}"
+        )
     return result["accuracy"]
 
 

@@ -44,9 +44,20 @@ from fitkit.callbacks import ModelCheckpoint
 from fitkit.layers import GPT, param_groups_weight_decay
 from fitkit.text import CharTokenizer
 
-__all__ = ["default_text_path", "Recipe", "RandomWindows", "fixed_windows", "load_text", "build_gpt",
-           "build_optimizer", "build_scheduler", "lr_multiplier", "checkpoint_callbacks",
-           "main"]
+__all__ = [
+    "default_text_path",
+    "Recipe",
+    "RandomWindows",
+    "fixed_windows",
+    "load_text",
+    "build_gpt",
+    "build_optimizer",
+    "build_scheduler",
+    "lr_multiplier",
+    "checkpoint_callbacks",
+    "main",
+]
+
 
 def default_text_path() -> Path:
     """The tiny Shakespeare text that ships in the package (1,115,394 characters, UTF-8).
@@ -128,8 +139,9 @@ class RandomWindows:
         (torch.Size([4, 8]), True)
     """
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int,
-                 generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, tokens: torch.Tensor, block_size: int, batch_size: int, generator: torch.Generator | None = None
+    ) -> None:
         _check_windows(tokens, block_size, batch_size)
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.generator = generator
@@ -138,14 +150,16 @@ class RandomWindows:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
-            start = torch.randint(len(self.tokens) - self.block_size, (self.batch_size,),
-                                  generator=self.generator)  # (B,)
+            start = torch.randint(
+                len(self.tokens) - self.block_size, (self.batch_size,), generator=self.generator
+            )  # (B,)
             idx = start[:, None] + self._arange  # (B, T)
             yield self.tokens[idx], self.tokens[idx + 1]  # (B, T), (B, T)
 
 
-def fixed_windows(tokens: torch.Tensor, block_size: int, num_windows: int,
-                  seed: int = VAL_SEED) -> tuple[torch.Tensor, torch.Tensor]:
+def fixed_windows(
+    tokens: torch.Tensor, block_size: int, num_windows: int, seed: int = VAL_SEED
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed, seeded set of windows: the validation set.
 
     Args:
@@ -167,8 +181,7 @@ def fixed_windows(tokens: torch.Tensor, block_size: int, num_windows: int,
         (torch.Size([3, 4]), True)
     """
     if not isinstance(num_windows, int) or isinstance(num_windows, bool) or num_windows < 1:
-        raise ValueError(f"Expected `num_windows` to be an int >= 1. Received: "
-                         f"num_windows={num_windows!r}.")
+        raise ValueError(f"Expected `num_windows` to be an int >= 1. Received: num_windows={num_windows!r}.")
     windows = RandomWindows(tokens, block_size, num_windows, torch.Generator().manual_seed(seed))
     return next(iter(windows))
 
@@ -178,13 +191,14 @@ def _check_windows(tokens: torch.Tensor, block_size: int, batch_size: int) -> No
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"Expected `{name}` to be an int >= 1. Received: {name}={value!r}.")
     if tokens.dim() != 1 or len(tokens) < block_size + 1:
-        raise ValueError(f"Expected `tokens` of shape (N,) with N >= block_size + 1 = "
-                         f"{block_size + 1}. Received: shape {tuple(tokens.shape)}. Use a longer "
-                         "text or a smaller block_size.")
+        raise ValueError(
+            f"Expected `tokens` of shape (N,) with N >= block_size + 1 = "
+            f"{block_size + 1}. Received: shape {tuple(tokens.shape)}. Use a longer "
+            "text or a smaller block_size."
+        )
 
 
-def load_text(path: str | Path, val_fraction: float = 0.1
-              ) -> tuple[CharTokenizer, torch.Tensor, torch.Tensor]:
+def load_text(path: str | Path, val_fraction: float = 0.1) -> tuple[CharTokenizer, torch.Tensor, torch.Tensor]:
     """Read a text file, build its character vocabulary and split its tokens.
 
     Args:
@@ -200,8 +214,9 @@ def load_text(path: str | Path, val_fraction: float = 0.1
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"No text file at {str(path)!r}. Pass the path of a UTF-8 text "
-                                "file, e.g. tinyshakespeare.txt.")
+        raise FileNotFoundError(
+            f"No text file at {str(path)!r}. Pass the path of a UTF-8 text file, e.g. tinyshakespeare.txt."
+        )
     text = path.read_text(encoding="utf-8")
     tokenizer = CharTokenizer(text)
     tokens = tokenizer.encode(text)  # (N,)
@@ -211,8 +226,15 @@ def load_text(path: str | Path, val_fraction: float = 0.1
 
 def build_gpt(vocab_size: int, recipe: Recipe) -> GPT:
     """The recipe's GPT (initialised from the global RNG: seed it first)."""
-    return GPT(vocab_size, recipe.block_size, recipe.n_layer, recipe.n_head, recipe.n_embd,
-               dropout=recipe.dropout, bias=recipe.bias)
+    return GPT(
+        vocab_size,
+        recipe.block_size,
+        recipe.n_layer,
+        recipe.n_head,
+        recipe.n_embd,
+        dropout=recipe.dropout,
+        bias=recipe.bias,
+    )
 
 
 def build_optimizer(module: torch.nn.Module, recipe: Recipe) -> torch.optim.AdamW:
@@ -220,8 +242,7 @@ def build_optimizer(module: torch.nn.Module, recipe: Recipe) -> torch.optim.Adam
 
     Build it after the module is on its device (``fitkit.Model`` moves it).
     """
-    return torch.optim.AdamW(param_groups_weight_decay(module, recipe.weight_decay),
-                             lr=recipe.lr, betas=recipe.betas)
+    return torch.optim.AdamW(param_groups_weight_decay(module, recipe.weight_decay), lr=recipe.lr, betas=recipe.betas)
 
 
 def lr_multiplier(step: int, recipe: Recipe) -> float:
@@ -244,8 +265,7 @@ def lr_multiplier(step: int, recipe: Recipe) -> float:
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer,
-                    recipe: Recipe) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` over :func:`lr_multiplier`; step it once per optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, recipe))
 
@@ -258,34 +278,48 @@ def checkpoint_callbacks(out: Path) -> list[fitkit.Callback]:
         weights with the lowest ``val_loss`` so far (restore with ``model.load_weights``),
         ``last.pt`` the full training state of the last epoch (``model.load_checkpoint``).
     """
-    return [ModelCheckpoint(out / "best.pt", monitor="val_loss", save_best_only=True,
-                            save_weights_only=True),
-            ModelCheckpoint(out / "last.pt")]
+    return [
+        ModelCheckpoint(out / "best.pt", monitor="val_loss", save_best_only=True, save_weights_only=True),
+        ModelCheckpoint(out / "last.pt"),
+    ]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m fitkit.examples.shakespeare",
         description="Train a character-level GPT on a text file with nanoGPT's "
-                    "Shakespeare-char CPU recipe, then print the validation loss and a sample.")
-    parser.add_argument("path", nargs="?", default=None,
-                        help="a UTF-8 text file (default: the tiny Shakespeare shipped in the "
-                             "package)")
-    parser.add_argument("--steps", type=int, default=Recipe.steps,
-                        help="optimizer steps; the cosine ends here (default: %(default)s)")
-    parser.add_argument("--eval-interval", type=int, default=500,
-                        help="steps per epoch: validation and checkpoint after each")
-    parser.add_argument("--eval-batches", type=int, default=Recipe.eval_batches,
-                        help="validation batches of fixed windows (default: %(default)s)")
+        "Shakespeare-char CPU recipe, then print the validation loss and a sample.",
+    )
+    parser.add_argument(
+        "path", nargs="?", default=None, help="a UTF-8 text file (default: the tiny Shakespeare shipped in the package)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=Recipe.steps, help="optimizer steps; the cosine ends here (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--eval-interval", type=int, default=500, help="steps per epoch: validation and checkpoint after each"
+    )
+    parser.add_argument(
+        "--eval-batches",
+        type=int,
+        default=Recipe.eval_batches,
+        help="validation batches of fixed windows (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="checkpoint directory for best.pt and last.pt "
-                             "(default: a new temporary directory)")
-    parser.add_argument("--sample-tokens", type=int, default=500,
-                        help="characters to generate after training")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="checkpoint directory for best.pt and last.pt (default: a new temporary directory)",
+    )
+    parser.add_argument("--sample-tokens", type=int, default=500, help="characters to generate after training")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, mps, ...")
-    parser.add_argument("--verbose", default="auto", choices=["auto", "0", "1", "2"],
-                        help="1: rich progress bar, 2: a line per epoch, auto: 1 on a terminal")
+    parser.add_argument(
+        "--verbose",
+        default="auto",
+        choices=["auto", "0", "1", "2"],
+        help="1: rich progress bar, 2: a line per epoch, auto: 1 on a terminal",
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "eval_interval", "eval_batches"):
         if getattr(args, name) < 1:
@@ -294,8 +328,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--sample-tokens must be >= 0; got {args.sample_tokens}")
     args.eval_interval = min(args.eval_interval, args.steps)
     if args.steps % args.eval_interval:
-        parser.error(f"--steps ({args.steps}) must be a multiple of --eval-interval "
-                     f"({args.eval_interval}): each epoch is eval-interval steps")
+        parser.error(
+            f"--steps ({args.steps}) must be a multiple of --eval-interval "
+            f"({args.eval_interval}): each epoch is eval-interval steps"
+        )
     if args.verbose != "auto":
         args.verbose = int(args.verbose)
     return args
@@ -316,28 +352,38 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer, train_tokens, val_tokens = load_text(args.path or default_text_path())
     # (W, T) each, W = eval_batches * batch_size; evaluated in batches of batch_size, so the
     # sample-weighted mean that evaluate returns is the mean of the batch means (nanoGPT).
-    x_val, y_val = fixed_windows(val_tokens, recipe.block_size,
-                                 recipe.eval_batches * recipe.batch_size)
-    train = RandomWindows(train_tokens, recipe.block_size, recipe.batch_size,
-                          torch.Generator().manual_seed(args.seed))
+    x_val, y_val = fixed_windows(val_tokens, recipe.block_size, recipe.eval_batches * recipe.batch_size)
+    train = RandomWindows(train_tokens, recipe.block_size, recipe.batch_size, torch.Generator().manual_seed(args.seed))
 
     torch.manual_seed(args.seed)
     net = build_gpt(tokenizer.vocab_size, recipe)
     model = fitkit.Model(net, device=args.device)
-    model.compile(optimizer=build_optimizer(model.module, recipe), loss="cross_entropy",
-                  scheduler=lambda opt: build_scheduler(opt, recipe), scheduler_interval="step",
-                  clip_grad_norm=recipe.clip_grad_norm)
+    model.compile(
+        optimizer=build_optimizer(model.module, recipe),
+        loss="cross_entropy",
+        scheduler=lambda opt: build_scheduler(opt, recipe),
+        scheduler_interval="step",
+        clip_grad_norm=recipe.clip_grad_norm,
+    )
     out = Path(tempfile.mkdtemp(prefix="fitkit-shakespeare-")) if args.out is None else args.out
     out.mkdir(parents=True, exist_ok=True)
     if args.verbose:
-        print(f"{len(train_tokens):,} training and {len(val_tokens):,} validation tokens, "
-              f"vocabulary of {tokenizer.vocab_size}, {net.num_parameters():,} "
-              f"parameters, on {model.device}")
+        print(
+            f"{len(train_tokens):,} training and {len(val_tokens):,} validation tokens, "
+            f"vocabulary of {tokenizer.vocab_size}, {net.num_parameters():,} "
+            f"parameters, on {model.device}"
+        )
 
     start = time.perf_counter()
-    model.fit(train, epochs=args.steps // args.eval_interval, steps_per_epoch=args.eval_interval,
-              validation_data=(x_val, y_val), validation_batch_size=recipe.batch_size,
-              callbacks=checkpoint_callbacks(out), verbose=args.verbose)
+    model.fit(
+        train,
+        epochs=args.steps // args.eval_interval,
+        steps_per_epoch=args.eval_interval,
+        validation_data=(x_val, y_val),
+        validation_batch_size=recipe.batch_size,
+        callbacks=checkpoint_callbacks(out),
+        verbose=args.verbose,
+    )
     seconds = time.perf_counter() - start
     # The last epoch already validated on these windows; evaluating once more (one pass,
     # eval_batches forwards) gives the figure from the API a user would call after training.
@@ -347,11 +393,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sample_tokens:
         prompt = tokenizer.encode("\n")[None]  # (1, 1): nanoGPT's sample.py starts at a newline
         generator = torch.Generator(model.device).manual_seed(args.seed)
-        ids = net.generate(prompt, args.sample_tokens, temperature=0.8, top_k=200,
-                                    generator=generator)  # (1, 1 + sample_tokens)
+        ids = net.generate(
+            prompt, args.sample_tokens, temperature=0.8, top_k=200, generator=generator
+        )  # (1, 1 + sample_tokens)
         sample = tokenizer.decode(ids[0, 1:].cpu())
-    print(f"val loss {val_loss:.4f} - {args.steps} steps in {seconds:.1f}s (with validation) - "
-          f"checkpoints in {out}")
+    print(f"val loss {val_loss:.4f} - {args.steps} steps in {seconds:.1f}s (with validation) - checkpoints in {out}")
     if sample:
         print("-" * 40 + "\n" + sample + "\n" + "-" * 40)
     return {"val_loss": val_loss, "sample": sample, "out": out, "train_seconds": seconds}

@@ -41,9 +41,27 @@ from fitkit.files.writing import (
 )
 
 __all__ = [
-    "CheckpointError", "atomic_save", "safe_load", "remove_stale_temps", "cut_to_last_line",
-    "payload_checksum", "check_weights_only", "to_python", "save_safetensors", "load_safetensors",
-    "state_dict_differences", "optimizer_differences", "check_target", "CHECKSUM_KEY",
-    "consolidate_weights", "check_sharded", "is_sharded", "remove_path", "STATE_NAME",
-    "FileLock", "LockError", "RefusedCheckpointError", "check_state_dict_fits",
-]  # fmt: skip
+    "CheckpointError",
+    "atomic_save",
+    "safe_load",
+    "remove_stale_temps",
+    "cut_to_last_line",
+    "payload_checksum",
+    "check_weights_only",
+    "to_python",
+    "save_safetensors",
+    "load_safetensors",
+    "state_dict_differences",
+    "optimizer_differences",
+    "check_target",
+    "CHECKSUM_KEY",
+    "consolidate_weights",
+    "check_sharded",
+    "is_sharded",
+    "remove_path",
+    "STATE_NAME",
+    "FileLock",
+    "LockError",
+    "RefusedCheckpointError",
+    "check_state_dict_fits",
+]

@@ -26,8 +26,12 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def typed_problems(state: Any, spec: Mapping[str, tuple[Callable[[Any], bool], str]], where: str,
-                   optional: set[str] | frozenset[str] = frozenset()) -> list[str]:  # fmt: skip
+def typed_problems(
+    state: Any,
+    spec: Mapping[str, tuple[Callable[[Any], bool], str]],
+    where: str,
+    optional: set[str] | frozenset[str] = frozenset(),
+) -> list[str]:
     """One line per key of ``spec`` that ``state`` lacks or holds with a value its check refuses.
 
     Example:
@@ -44,8 +48,11 @@ def typed_problems(state: Any, spec: Mapping[str, tuple[Callable[[Any], bool], s
             continue
         value = state[key]
         if not check(value):
-            shown = (repr(value) if not isinstance(value, torch.Tensor)
-                     else f"a {value.dtype} tensor of shape {tuple(value.shape)}")  # fmt: skip
+            shown = (
+                repr(value)
+                if not isinstance(value, torch.Tensor)
+                else f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+            )
             out.append(f"{where}[{key!r}] is {shown[:60]}, expected {expected}")
     return out
 

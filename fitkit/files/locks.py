@@ -52,7 +52,7 @@ def _start_time(pid: int) -> int | None:
     where that cannot be read (not Linux, no such process)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22: starttime
+        return int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22: starttime
     except (OSError, ValueError, IndexError):
         return None
 
@@ -148,8 +148,16 @@ class FileLock:
             )
         self._check_link()
         my_job, my_attempt = _slurm_attempt()
-        record = json.dumps({"pid": os.getpid(), "host": _HOST, "token": _TOKEN, "start": _start_time(os.getpid()),
-                             "job": my_job, "attempt": my_attempt}).encode()  # fmt: skip
+        record = json.dumps(
+            {
+                "pid": os.getpid(),
+                "host": _HOST,
+                "token": _TOKEN,
+                "start": _start_time(os.getpid()),
+                "job": my_job,
+                "attempt": my_attempt,
+            }
+        ).encode()
         for _ in range(3):  # a dead holder's lock is removed, then taken
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -161,8 +169,9 @@ class FileLock:
                 mine = host == _HOST and pid == os.getpid() and token in (None, _TOKEN)
                 why = None if mine else self._ended(pid, host, token, start, job, attempt)
                 if why is not None:
-                    self.took_over = (f"{self.who}: {self.what} was locked by process {pid} on {host}, {why}; "
-                                      "the lock is taken over.")
+                    self.took_over = (
+                        f"{self.who}: {self.what} was locked by process {pid} on {host}, {why}; the lock is taken over."
+                    )
                     try:
                         os.unlink(self.path)
                     except FileNotFoundError:
@@ -190,12 +199,15 @@ class FileLock:
                 "Fix: remove the link (the file it points to stays)."
             )
         self.path.unlink()
-        self.took_over = (f"{self.who}: a dangling symbolic link was where the lock of {self.what} goes "
-                          f"({str(self.path)!r} -> {target!r}); the link is removed and the lock taken.")
+        self.took_over = (
+            f"{self.who}: a dangling symbolic link was where the lock of {self.what} goes "
+            f"({str(self.path)!r} -> {target!r}); the link is removed and the lock taken."
+        )
 
     @classmethod
-    def _ended(cls, pid: int, host: str, token: str | None, start: int | None, job: str | None,
-               attempt: int | None) -> str | None:
+    def _ended(
+        cls, pid: int, host: str, token: str | None, start: int | None, job: str | None, attempt: int | None
+    ) -> str | None:
         """Why the holder's run is known to have ended (then its lock is taken over), or ``None``."""
         if host == _HOST:
             if cls._running(pid, token, start):
@@ -215,8 +227,10 @@ class FileLock:
                 f"{str(self.path)!r}). Two callbacks writing one folder would delete each other's files. Fix: "
                 "give each callback a folder or file of its own."
             )
-        text = (f"{self.who} cannot use {self.what}: it is in use by another run: process {pid} on host {host} "
-                f"(lock file {str(self.path)!r}). Two runs writing one folder would delete each other's files. ")
+        text = (
+            f"{self.who} cannot use {self.what}: it is in use by another run: process {pid} on host {host} "
+            f"(lock file {str(self.path)!r}). Two runs writing one folder would delete each other's files. "
+        )
         if host == _HOST:
             return LockError(text + "Fix: give each run a folder or file of its own, or wait for that run to end.")
         run = self.path.parent.parent  # the run's folder, when callbacks write into its sub-folders
@@ -246,9 +260,14 @@ class FileLock:
         try:
             data: Any = json.loads(self.path.read_text())
             start, job, attempt = data.get("start"), data.get("job"), data.get("attempt")
-            return (int(data["pid"]), str(data["host"]), data.get("token"),
-                    int(start) if isinstance(start, int) else None, job if isinstance(job, str) else None,
-                    attempt if isinstance(attempt, int) else None)  # fmt: skip
+            return (
+                int(data["pid"]),
+                str(data["host"]),
+                data.get("token"),
+                int(start) if isinstance(start, int) else None,
+                job if isinstance(job, str) else None,
+                attempt if isinstance(attempt, int) else None,
+            )
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):

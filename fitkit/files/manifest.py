@@ -102,9 +102,15 @@ def _read(p: Path, where: str) -> dict[str, dict[str, Any]]:
     except ValueError as e:
         raise CheckpointError(f"{bad}is not JSON ({e}). {_FIX_DAMAGED}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT or not isinstance(files, dict) or not all(
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != _FORMAT
+        or not isinstance(files, dict)
+        or not all(
             isinstance(v, dict) and type(v.get("size")) is int and isinstance(v.get("sha256"), str)
-            for v in files.values()):  # fmt: skip
+            for v in files.values()
+        )
+    ):
         raise CheckpointError(
             f"{bad}does not list files as {{name: {{'size': int, 'sha256': str}}}} (format {_FORMAT}). {_FIX_DAMAGED}"
         )

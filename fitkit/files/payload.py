@@ -11,8 +11,14 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CHECKSUM_KEY", "payload_checksum", "check_weights_only", "to_python", "with_weights_checksum",
-           "pop_weights_checksum"]
+__all__ = [
+    "CHECKSUM_KEY",
+    "payload_checksum",
+    "check_weights_only",
+    "to_python",
+    "with_weights_checksum",
+    "pop_weights_checksum",
+]
 
 CHECKSUM_KEY = "fitkit_checksum"
 

@@ -37,8 +37,16 @@ import torch
 from fitkit.files.reading import _FIX_DAMAGED, CheckpointError, RefusedCheckpointError, safe_load
 from fitkit.files.writing import disk_full_errno
 
-__all__ = ["STATE_NAME", "is_sharded", "check_sharded", "sharded_shapes", "consolidate_weights", "remove_path",
-           "read_metadata", "safe_reader"]  # fmt: skip
+__all__ = [
+    "STATE_NAME",
+    "is_sharded",
+    "check_sharded",
+    "sharded_shapes",
+    "consolidate_weights",
+    "remove_path",
+    "read_metadata",
+    "safe_reader",
+]
 
 #: The non-tensor part of a sharded checkpoint, inside its folder.
 STATE_NAME = "fitkit_state.pt"
@@ -64,9 +72,14 @@ _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict"),
-}  # fmt: skip
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("collections", "OrderedDict"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -256,16 +269,23 @@ def torch_errors(folder: str | os.PathLike, saving: bool = False) -> Iterator[No
                 name = f" (file {exc.filename!r})" if exc.filename else ""
                 what = "written" if saving else "read"
                 raise type(exc)(
-                    exc.errno, f"The sharded checkpoint {where} could not be {what}{name}: {exc.strerror or exc}. "
-                    + ("Fix: free space or pick a writable folder; the previous checkpoint is kept." if saving
-                       else "Fix: check that the folder is readable."), exc.filename,  # fmt: skip
+                    exc.errno,
+                    f"The sharded checkpoint {where} could not be {what}{name}: {exc.strerror or exc}. "
+                    + (
+                        "Fix: free space or pick a writable folder; the previous checkpoint is kept."
+                        if saving
+                        else "Fix: check that the folder is readable."
+                    ),
+                    exc.filename,
                 ) from None
         first = failures[0] if failures else e
         full = next((n for n in map(disk_full_errno, failures) if n is not None), None) if saving else None
         if full is not None:  # torch's short write on a full disk: "unexpected pos 704 vs 598"
             raise OSError(
-                full, f"The sharded checkpoint {where} could not be written: {os.strerror(full)} ({first}). "
-                "Fix: free space or pick another folder; the previous checkpoint is kept.", os.fspath(folder),
+                full,
+                f"The sharded checkpoint {where} could not be written: {os.strerror(full)} ({first}). "
+                "Fix: free space or pick another folder; the previous checkpoint is kept.",
+                os.fspath(folder),
             ) from None
         if saving:
             raise RuntimeError(
@@ -339,10 +359,10 @@ def sharded_shapes(meta: Any, prefix: str = "model.") -> dict[str, torch.Size]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     return {
-        k[len(prefix):]: v.size
+        k[len(prefix) :]: v.size
         for k, v in meta.state_dict_metadata.items()
         if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
-    }  # fmt: skip
+    }
 
 
 def consolidate_weights(checkpoint: str | os.PathLike, path: str | os.PathLike) -> list[str]:
@@ -381,12 +401,10 @@ def consolidate_weights(checkpoint: str | os.PathLike, path: str | os.PathLike) 
 
     meta = check_sharded(checkpoint)
     dtypes = {k: v.properties.dtype for k, v in meta.state_dict_metadata.items() if hasattr(v, "properties")}
-    state = {
-        f"model.{k}": torch.empty(shape, dtype=dtypes[f"model.{k}"]) for k, shape in sharded_shapes(meta).items()
-    }
+    state = {f"model.{k}": torch.empty(shape, dtype=dtypes[f"model.{k}"]) for k, shape in sharded_shapes(meta).items()}
     with quiet_single_process(), torch_errors(checkpoint):
         dcp.load(state, checkpoint_id=os.fspath(checkpoint), storage_reader=safe_reader(checkpoint), no_dist=True)
-    weights = {k[len("model."):]: v for k, v in sorted(state.items())}
+    weights = {k[len("model.") :]: v for k, v in sorted(state.items())}
     tied = read_state(checkpoint).get("tied") or {}  # stored once: the other names are the same tensor
     weights.update({a: weights[k] for a, k in sorted(tied.items()) if a not in weights and k in weights})
     if os.fspath(path).endswith(".safetensors"):

@@ -98,8 +98,9 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=".tmp", dir=path.parent)
     except PermissionError as e:  # name the file asked for, not the temp file
         raise PermissionError(
-            e.errno, f"Cannot write {str(path)!r}: the folder {str(path.parent)!r} is not writable "
-            f"({e.strerror}). Fix: choose a folder you can write to, or change its permissions."
+            e.errno,
+            f"Cannot write {str(path)!r}: the folder {str(path.parent)!r} is not writable "
+            f"({e.strerror}). Fix: choose a folder you can write to, or change its permissions.",
         ) from None
     os.close(fd)
     try:
@@ -114,9 +115,10 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None
         full = disk_full_errno(e)
         if full is not None:
             raise OSError(
-                full, f"{os.strerror(full)} while writing {str(path)!r}; the older file, if any, "
-                "is unchanged. Fix: free space or choose another folder."
-            ) from e  # fmt: skip
+                full,
+                f"{os.strerror(full)} while writing {str(path)!r}; the older file, if any, "
+                "is unchanged. Fix: free space or choose another folder.",
+            ) from e
         raise
     sync_folder(path.parent)  # make the rename itself durable
 

@@ -27,5 +27,4 @@ Example:
 from fitkit.layers.blocks import FFN, MultiHeadSelfAttention, TransformerBlock
 from fitkit.layers.gpt import GPT, Embedding, param_groups_weight_decay
 
-__all__ = ["FFN", "MultiHeadSelfAttention", "TransformerBlock", "Embedding", "GPT",
-           "param_groups_weight_decay"]
+__all__ = ["FFN", "MultiHeadSelfAttention", "TransformerBlock", "Embedding", "GPT", "param_groups_weight_decay"]

@@ -16,9 +16,15 @@ from fitkit.checks import check_int, check_probability
 __all__ = ["FFN", "MultiHeadSelfAttention", "TransformerBlock"]
 
 # Factories rather than classes, so that "gelu_tanh" can carry its keyword argument.
-_ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
-                "identity": nn.Identity, "relu": nn.ReLU, "sigmoid": nn.Sigmoid,
-                "silu": nn.SiLU, "tanh": nn.Tanh}
+_ACTIVATIONS = {
+    "gelu": nn.GELU,
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    "identity": nn.Identity,
+    "relu": nn.ReLU,
+    "sigmoid": nn.Sigmoid,
+    "silu": nn.SiLU,
+    "tanh": nn.Tanh,
+}
 _NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}
 
 
@@ -26,14 +32,18 @@ def _lookup(arg: str, kind: str, value: object, table: dict, example: str):
     """Resolve a layer given by name (case-insensitive) or as an nn.Module class."""
     if isinstance(value, str):
         if value.lower() not in table:
-            raise ValueError(f"Unknown {kind} {value!r} for `{arg}`. Valid names: "
-                             f"{', '.join(sorted(table))}. Or pass an nn.Module class, "
-                             f"e.g. {arg}=nn.{example}.")
+            raise ValueError(
+                f"Unknown {kind} {value!r} for `{arg}`. Valid names: "
+                f"{', '.join(sorted(table))}. Or pass an nn.Module class, "
+                f"e.g. {arg}=nn.{example}."
+            )
         return table[value.lower()]
     if isinstance(value, type) and issubclass(value, nn.Module):
         return value
-    raise TypeError(f"Expected `{arg}` to be a name or an nn.Module class. Received: "
-                    f"{arg}={value!r}. Pass e.g. {arg}={sorted(table)[0]!r}.")
+    raise TypeError(
+        f"Expected `{arg}` to be a name or an nn.Module class. Received: "
+        f"{arg}={value!r}. Pass e.g. {arg}={sorted(table)[0]!r}."
+    )
 
 
 def _make_norm(norm_layer: str | type[nn.Module], dim: int, bias: bool) -> nn.Module:
@@ -68,14 +78,23 @@ class FFN(nn.Module):
         torch.Size([2, 5, 8])
     """
 
-    def __init__(self, in_features: int, hidden_features: int | None = None,
-                 out_features: int | None = None, act_layer: str | type[nn.Module] = "gelu",
-                 drop: float = 0.0, bias: bool = True) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int | None = None,
+        out_features: int | None = None,
+        act_layer: str | type[nn.Module] = "gelu",
+        drop: float = 0.0,
+        bias: bool = True,
+    ) -> None:
         super().__init__()
         hidden_features = in_features if hidden_features is None else hidden_features
         out_features = in_features if out_features is None else out_features
-        for name, value in [("in_features", in_features), ("hidden_features", hidden_features),
-                            ("out_features", out_features)]:
+        for name, value in [
+            ("in_features", in_features),
+            ("hidden_features", hidden_features),
+            ("out_features", out_features),
+        ]:
             check_int(name, value, 1)
         check_probability("drop", drop)
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
@@ -120,17 +139,18 @@ class MultiHeadSelfAttention(nn.Module):
         torch.Size([2, 10, 32])
     """
 
-    def __init__(self, n_embd: int, n_head: int, causal: bool = False, dropout: float = 0.0,
-                 bias: bool = True) -> None:
+    def __init__(self, n_embd: int, n_head: int, causal: bool = False, dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
         check_int("n_embd", n_embd, 1)
         check_int("n_head", n_head, 1)
         check_probability("dropout", dropout)
         if n_embd % n_head:
             hint = max(h for h in range(1, n_head + 1) if n_embd % h == 0)
-            raise ValueError(f"Expected `n_embd` to be divisible by `n_head`. Received: "
-                             f"n_embd={n_embd}, n_head={n_head}. Pick a divisor of n_embd, "
-                             f"e.g. n_head={hint}.")
+            raise ValueError(
+                f"Expected `n_embd` to be divisible by `n_head`. Received: "
+                f"n_embd={n_embd}, n_head={n_head}. Pick a divisor of n_embd, "
+                f"e.g. n_head={hint}."
+            )
         self.n_embd, self.n_head, self.causal, self.dropout = n_embd, n_head, causal, dropout
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
@@ -155,17 +175,20 @@ class MultiHeadSelfAttention(nn.Module):
             TypeError: ``attn_mask`` is neither bool nor floating point.
         """
         if x.dim() != 3 or x.size(-1) != self.n_embd:
-            raise ValueError(f"Expected `x` of shape (B, T, {self.n_embd}). Received: "
-                             f"x of shape {tuple(x.shape)}.")
+            raise ValueError(f"Expected `x` of shape (B, T, {self.n_embd}). Received: x of shape {tuple(x.shape)}.")
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, C/H)
-                   for t in self.qkv(x).split(C, dim=-1))
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, C/H)
+            for t in self.qkv(x).split(C, dim=-1)
+        )
         is_causal = self.causal
         if attn_mask is not None:
             if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-                raise TypeError("Expected `attn_mask` of dtype bool (True = attend) or floating "
-                                f"point (added to the scores). Received: {attn_mask.dtype}. "
-                                "Convert it, e.g. attn_mask.bool().")
+                raise TypeError(
+                    "Expected `attn_mask` of dtype bool (True = attend) or floating "
+                    f"point (added to the scores). Received: {attn_mask.dtype}. "
+                    "Convert it, e.g. attn_mask.bool()."
+                )
             if attn_mask.is_floating_point():
                 # SDPA wants a float mask in the query's dtype (bf16 under autocast).
                 attn_mask = attn_mask.to(q.dtype)
@@ -178,8 +201,8 @@ class MultiHeadSelfAttention(nn.Module):
                     attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
                 is_causal = False
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, C/H)
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, H, T, C/H)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.proj_drop(self.proj(y))
 
@@ -211,21 +234,28 @@ class TransformerBlock(nn.Module):
         torch.Size([2, 10, 32])
     """
 
-    def __init__(self, n_embd: int, n_head: int, mlp_ratio: float = 4.0, causal: bool = False,
-                 dropout: float = 0.0, bias: bool = True, act_layer: str | type[nn.Module] = "gelu",
-                 norm_layer: str | type[nn.Module] = "layernorm") -> None:
+    def __init__(
+        self,
+        n_embd: int,
+        n_head: int,
+        mlp_ratio: float = 4.0,
+        causal: bool = False,
+        dropout: float = 0.0,
+        bias: bool = True,
+        act_layer: str | type[nn.Module] = "gelu",
+        norm_layer: str | type[nn.Module] = "layernorm",
+    ) -> None:
         super().__init__()
         check_int("n_embd", n_embd, 1)
-        if not isinstance(mlp_ratio, (int, float)) or isinstance(mlp_ratio, bool) \
-                or int(mlp_ratio * n_embd) < 1:
-            raise ValueError("Expected `mlp_ratio` > 0 with mlp_ratio * n_embd >= 1. "
-                             f"Received: mlp_ratio={mlp_ratio!r}, n_embd={n_embd}.")
+        if not isinstance(mlp_ratio, (int, float)) or isinstance(mlp_ratio, bool) or int(mlp_ratio * n_embd) < 1:
+            raise ValueError(
+                "Expected `mlp_ratio` > 0 with mlp_ratio * n_embd >= 1. "
+                f"Received: mlp_ratio={mlp_ratio!r}, n_embd={n_embd}."
+            )
         self.ln_1 = _make_norm(norm_layer, n_embd, bias)
-        self.attn = MultiHeadSelfAttention(n_embd, n_head, causal=causal, dropout=dropout,
-                                           bias=bias)
+        self.attn = MultiHeadSelfAttention(n_embd, n_head, causal=causal, dropout=dropout, bias=bias)
         self.ln_2 = _make_norm(norm_layer, n_embd, bias)
-        self.mlp = FFN(n_embd, int(mlp_ratio * n_embd), act_layer=act_layer, drop=dropout,
-                       bias=bias)
+        self.mlp = FFN(n_embd, int(mlp_ratio * n_embd), act_layer=act_layer, drop=dropout, bias=bias)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the block.

@@ -23,11 +23,14 @@ __all__ = ["Embedding", "GPT", "param_groups_weight_decay"]
 
 def _check_idx(idx: torch.Tensor) -> None:
     if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
-        raise TypeError(f"Expected `idx` to hold integer token ids. Received dtype {idx.dtype}. "
-                        "Convert it, e.g. idx.long().")
+        raise TypeError(
+            f"Expected `idx` to hold integer token ids. Received dtype {idx.dtype}. Convert it, e.g. idx.long()."
+        )
     if idx.dim() != 2 or idx.size(1) < 1:
-        raise ValueError(f"Expected `idx` of shape (B, T) with T >= 1. Received: shape "
-                         f"{tuple(idx.shape)}. Add a batch dimension, e.g. idx[None].")
+        raise ValueError(
+            f"Expected `idx` of shape (B, T) with T >= 1. Received: shape "
+            f"{tuple(idx.shape)}. Add a batch dimension, e.g. idx[None]."
+        )
 
 
 class Embedding(nn.Module):
@@ -49,11 +52,9 @@ class Embedding(nn.Module):
         torch.Size([2, 8, 32])
     """
 
-    def __init__(self, vocab_size: int, n_embd: int, block_size: int,
-                 dropout: float = 0.0) -> None:
+    def __init__(self, vocab_size: int, n_embd: int, block_size: int, dropout: float = 0.0) -> None:
         super().__init__()
-        for name, value in [("vocab_size", vocab_size), ("n_embd", n_embd),
-                            ("block_size", block_size)]:
+        for name, value in [("vocab_size", vocab_size), ("n_embd", n_embd), ("block_size", block_size)]:
             check_int(name, value, 1)
         check_probability("dropout", dropout)
         self.block_size = block_size
@@ -77,9 +78,11 @@ class Embedding(nn.Module):
         _check_idx(idx)
         T = idx.size(1)
         if T > self.block_size:
-            raise ValueError(f"Expected a sequence length T <= block_size={self.block_size}. "
-                             f"Received: idx of shape {tuple(idx.shape)}. Crop the input, e.g. "
-                             f"idx[:, -{self.block_size}:], or use a larger block_size.")
+            raise ValueError(
+                f"Expected a sequence length T <= block_size={self.block_size}. "
+                f"Received: idx of shape {tuple(idx.shape)}. Crop the input, e.g. "
+                f"idx[:, -{self.block_size}:], or use a larger block_size."
+            )
         pos = torch.arange(T, device=idx.device)  # (T,)
         return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
 
@@ -123,15 +126,23 @@ class GPT(nn.Module):
         27552
     """
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int,
-                 n_embd: int, dropout: float = 0.0, bias: bool = True) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
         super().__init__()
         check_int("n_layer", n_layer, 1)
         self.vocab_size, self.block_size, self.n_layer = vocab_size, block_size, n_layer
         self.embed = Embedding(vocab_size, n_embd, block_size, dropout=dropout)
         self.blocks = nn.ModuleList(
-            TransformerBlock(n_embd, n_head, causal=True, dropout=dropout, bias=bias)
-            for _ in range(n_layer))
+            TransformerBlock(n_embd, n_head, causal=True, dropout=dropout, bias=bias) for _ in range(n_layer)
+        )
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         # Weight tying saves V*C parameters and helps small models (Press & Wolf, 2017).
@@ -180,9 +191,15 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, *,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Sample tokens autoregressively (nanoGPT's ``generate``).
 
         Runs in eval mode without autograd and restores every submodule's ``training`` flag
@@ -209,18 +226,19 @@ class GPT(nn.Module):
         """
         _check_idx(idx)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError("Expected `max_new_tokens` to be an int >= 0. "
-                             f"Received: max_new_tokens={max_new_tokens!r}.")
+            raise ValueError(
+                f"Expected `max_new_tokens` to be an int >= 0. Received: max_new_tokens={max_new_tokens!r}."
+            )
         if not temperature > 0:
-            raise ValueError(f"Expected `temperature` > 0. Received: temperature={temperature}."
-                             " For greedy decoding use top_k=1.")
+            raise ValueError(
+                f"Expected `temperature` > 0. Received: temperature={temperature}. For greedy decoding use top_k=1."
+            )
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"Expected `top_k` to be None or an int >= 1. "
-                             f"Received: top_k={top_k!r}.")
+            raise ValueError(f"Expected `top_k` to be None or an int >= 1. Received: top_k={top_k!r}.")
         idx = idx.to(self.lm_head.weight.device, torch.long)
         with modes(self, training=False, grad=False):  # flags and grad mode come back as they were
             for _ in range(max_new_tokens):
-                logits = self(idx[:, -self.block_size:])  # (B, T', V)
+                logits = self(idx[:, -self.block_size :])  # (B, T', V)
                 logits = logits[:, -1, :] / temperature  # (B, V)
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
@@ -273,10 +291,10 @@ def param_groups_weight_decay(module: nn.Module, weight_decay: float) -> list[di
 
         Then, as in nanoGPT: ``torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95))``.
     """
-    if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) \
-            or not weight_decay >= 0:
-        raise ValueError("Expected `weight_decay` to be a number >= 0. "
-                         f"Received: weight_decay={weight_decay!r}.")
+    if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or not weight_decay >= 0:
+        raise ValueError(f"Expected `weight_decay` to be a number >= 0. Received: weight_decay={weight_decay!r}.")
     params = [p for p in module.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]

@@ -53,10 +53,16 @@ LOSSES: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
 #: The functionals that stand for the named losses: ``compile(loss=F.cross_entropy)`` is
 #: ``compile(loss="cross_entropy")``.
 _FUNCTIONAL_NAMES: dict[int, str] = {
-    id(F.mse_loss): "mse", id(F.l1_loss): "l1", id(F.huber_loss): "huber", id(F.smooth_l1_loss): "smooth_l1",
-    id(F.cross_entropy): "cross_entropy", id(F.nll_loss): "nll", id(F.kl_div): "kl_div",
-    id(F.binary_cross_entropy_with_logits): "bce_with_logits", id(F.binary_cross_entropy): "bce",
-}  # fmt: skip
+    id(F.mse_loss): "mse",
+    id(F.l1_loss): "l1",
+    id(F.huber_loss): "huber",
+    id(F.smooth_l1_loss): "smooth_l1",
+    id(F.cross_entropy): "cross_entropy",
+    id(F.nll_loss): "nll",
+    id(F.kl_div): "kl_div",
+    id(F.binary_cross_entropy_with_logits): "bce_with_logits",
+    id(F.binary_cross_entropy): "bce",
+}
 
 #: The loss modules fitkit knows: their name in :data:`LOSSES`, and the attributes (torch's
 #: constructor arguments) passed on to the functional when they differ from its default.
@@ -101,7 +107,8 @@ def class_layout(y_pred: torch.Tensor, y: torch.Tensor, previous: str | None = N
                 f"Logits {_shape(y_pred)} with class indices {_shape(y)} fit two layouts; fitkit "
                 "treats the last dimension as the classes (B, T, V). If your classes are on dim 1 "
                 "(B, C, L), use an L that differs from C, or pass a callable loss.",
-                category=FitkitWarning, stacklevel=4,
+                category=FitkitWarning,
+                stacklevel=4,
             )
             return "last"
         return previous
@@ -187,9 +194,7 @@ class Loss:
         if self.kind == "custom" or not isinstance(y_pred, torch.Tensor):
             return y_pred, y
         if not isinstance(y, torch.Tensor):
-            raise TypeError(
-                f"Loss '{self.name}' needs tensor targets. Received y of type {type(y).__name__}."
-            )
+            raise TypeError(f"Loss '{self.name}' needs tensor targets. Received y of type {type(y).__name__}.")
         if y_pred.dtype in (torch.float16, torch.bfloat16):
             # Mixed precision: the loss in float32 from the module's output, as autocast computes
             # its losses, so targets are never rounded to the output's half precision.
@@ -200,8 +205,10 @@ class Loss:
             y = y.to(y_pred.dtype)
         if y.shape != y_pred.shape:
             if y_pred.numel() == y.numel() and (
-                y_pred.shape[:-1] == y.shape and y_pred.shape[-1] == 1
-                or y.shape[:-1] == y_pred.shape and y.shape[-1] == 1
+                y_pred.shape[:-1] == y.shape
+                and y_pred.shape[-1] == 1
+                or y.shape[:-1] == y_pred.shape
+                and y.shape[-1] == 1
             ):
                 y = y.reshape(y_pred.shape)
             else:
@@ -251,26 +258,25 @@ class Loss:
             "(B, T, V) with y (B, T)."
         )
 
-    def __call__(
-        self, y_pred: torch.Tensor, y: torch.Tensor, per_sample: bool = False
-    ) -> torch.Tensor:
+    def __call__(self, y_pred: torch.Tensor, y: torch.Tensor, per_sample: bool = False) -> torch.Tensor:
         """Batch-mean loss (0-dim), or ``(B,)`` per-sample losses when ``per_sample``, times ``weight``."""
         out = self._unweighted(y_pred, y, per_sample)
         return out if self.weight == 1.0 else out * self.weight
 
     def _unweighted(self, y_pred: torch.Tensor, y: torch.Tensor, per_sample: bool) -> torch.Tensor:
         matched = (  # targets that already match the prediction: nothing for prepare to do
-            self.kind not in ("class_index", "custom") and type(y_pred) is torch.Tensor and type(y) is torch.Tensor
-            and y.dtype == y_pred.dtype and y.shape == y_pred.shape
-        )  # fmt: skip
+            self.kind not in ("class_index", "custom")
+            and type(y_pred) is torch.Tensor
+            and type(y) is torch.Tensor
+            and y.dtype == y_pred.dtype
+            and y.shape == y_pred.shape
+        )
         if not matched:
             y_pred, y = self.prepare(y_pred, y)
         if self.kind == "custom":
             out = self.fn(y_pred, y)
             if not isinstance(out, torch.Tensor):
-                raise TypeError(
-                    f"The loss callable must return a tensor. Received {type(out).__name__}."
-                )
+                raise TypeError(f"The loss callable must return a tensor. Received {type(out).__name__}.")
             if out.dim() == 0:
                 if per_sample:
                     raise ValueError(
@@ -533,8 +539,7 @@ class MultiLoss:
             parts = dict(enumerate(out))
         else:
             raise ValueError(
-                f"Several losses need `{what}` with one entry per loss ({self.keys}). "
-                f"Received a {type(out).__name__}."
+                f"Several losses need `{what}` with one entry per loss ({self.keys}). Received a {type(out).__name__}."
             )
         missing = [k for k in self.active if k not in parts]
         if missing:

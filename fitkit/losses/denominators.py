@@ -219,10 +219,20 @@ def objective(loss: Any, y_pred: Any, y: Any, sample_weight: torch.Tensor | None
         >>> objective(ce, logits, torch.full((2, 4), -100), None)  # nothing counts: 0, not 0/0
         tensor(0.)
     """
-    if (sample_weight is None and type(y) is torch.Tensor and y.dtype is torch.long and y.dim() == 1
-            and type(y_pred) is torch.Tensor and y_pred.dim() == 2 and y_pred.dtype is torch.float32
-            and y_pred.shape[0] == y.shape[0] and type(loss) is Loss and loss.fn in _NLL
-            and loss.reduction == "mean" and y_pred.shape[1] == loss.classes):  # fmt: skip
+    if (
+        sample_weight is None
+        and type(y) is torch.Tensor
+        and y.dtype is torch.long
+        and y.dim() == 1
+        and type(y_pred) is torch.Tensor
+        and y_pred.dim() == 2
+        and y_pred.dtype is torch.float32
+        and y_pred.shape[0] == y.shape[0]
+        and type(loss) is Loss
+        and loss.fn in _NLL
+        and loss.reduction == "mean"
+        and y_pred.shape[1] == loss.classes
+    ):
         # (B, C) logits and (B,) class indices: the classification step, without prepare's checks
         # (the first batch ran them, and C is the width they saw: another width goes through
         # prepare, which refuses it; torch's kernel checks the class range)
@@ -297,8 +307,13 @@ def counted(y: Any, ignore_index: int | None) -> torch.Tensor | int | None:
         (tensor(2.), None, None)
     """
     last = _last_count
-    if last is not None and last[0] is y and last[1] == y._version \
-            and ignore_index is not None and last[3] == ignore_index:  # fmt: skip
+    if (
+        last is not None
+        and last[0] is y
+        and last[1] == y._version
+        and ignore_index is not None
+        and last[3] == ignore_index
+    ):
         return last[2]
     return None
 
@@ -313,8 +328,9 @@ def _counted_nll(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor, given: Any, 
     return mean
 
 
-def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor,
-                   class_last: bool, ignore: int) -> tuple[torch.Tensor, torch.Tensor | int]:  # fmt: skip
+def _nll_objective(
+    loss: Loss, y_pred: torch.Tensor, y: torch.Tensor, class_last: bool, ignore: int
+) -> tuple[torch.Tensor, torch.Tensor | int]:
     """Cross-entropy / NLL on class indices without weights: the sum over the targets and their
     count from the one kernel (``nll_loss_forward`` returns both), the sum divided by the count
     (at least 1: nothing counted is 0, not 0/0): the ops of a hand ``F.cross_entropy`` plus a
@@ -349,8 +365,9 @@ def _nll_objective(loss: Loss, y_pred: torch.Tensor, y: torch.Tensor,
     return (mean if loss.weight == 1.0 else mean * loss.weight), count
 
 
-def _smoothed(loss: Loss, logits: torch.Tensor, target: torch.Tensor, plain: bool,
-              ignore: int) -> tuple[torch.Tensor, torch.Tensor | int]:  # fmt: skip
+def _smoothed(
+    loss: Loss, logits: torch.Tensor, target: torch.Tensor, plain: bool, ignore: int
+) -> tuple[torch.Tensor, torch.Tensor | int]:
     """Cross-entropy with label smoothing ``eps``: where every target counts and no class weighs,
     ``F.cross_entropy`` itself (a hand loop's ops; the count a host ``int``). Else torch's own
     formula, ``(1 - eps) * nll / n + smooth / n * eps / C`` with ``n`` the count (or the weight)
@@ -370,8 +387,12 @@ def _smoothed(loss: Loss, logits: torch.Tensor, target: torch.Tensor, plain: boo
 def _token_objective(loss: Loss, y_pred: Any, y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     given = y
     y_pred, y = loss.prepare(y_pred, y)
-    if w is None and loss.fn in _NLL and isinstance(y_pred, torch.Tensor) \
-            and (y_pred.dim() == 2 and y.dim() == 1 or loss.class_last):  # fmt: skip
+    if (
+        w is None
+        and loss.fn in _NLL
+        and isinstance(y_pred, torch.Tensor)
+        and (y_pred.dim() == 2 and y.dim() == 1 or loss.class_last)
+    ):
         return _counted_nll(loss, y_pred, y, given, loss.class_last)  # keyed by the caller's y (prepare may copy)
     tw = _token_weights(loss, y, w)
     reduction = "sum" if w is None else "none"
@@ -401,4 +422,3 @@ def _elementwise_objective(loss: Loss, y_pred: Any, y: Any, w: torch.Tensor) -> 
     spread = _spread(w.to(out.dtype), out, "target value")
     mean = _safe_div((out * spread).sum(), spread.sum())
     return mean if loss.weight == 1.0 else mean * loss.weight
-

@@ -36,8 +36,17 @@ from __future__ import annotations
 
 from fitkit.checks import close_matches
 
-__all__ = ["LOSS_ALIASES", "METRIC_ALIASES", "LOSS_ADVICE", "METRIC_ADVICE", "canonical_loss",
-           "canonical_metric", "loss_advice", "metric_advice", "close_matches"]
+__all__ = [
+    "LOSS_ALIASES",
+    "METRIC_ALIASES",
+    "LOSS_ADVICE",
+    "METRIC_ADVICE",
+    "canonical_loss",
+    "canonical_metric",
+    "loss_advice",
+    "metric_advice",
+    "close_matches",
+]
 
 #: Keras loss names that mean exactly a fitkit loss name (with Keras' default arguments).
 LOSS_ALIASES: dict[str, str] = {

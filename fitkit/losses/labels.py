@@ -22,8 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LABELS", "LabelNames", "default_label_names", "resolve_label_names", "check_label_keys", "causal_shift",
-           "shifted"]
+__all__ = [
+    "LABELS",
+    "LabelNames",
+    "default_label_names",
+    "resolve_label_names",
+    "check_label_keys",
+    "causal_shift",
+    "shifted",
+]
 
 LABELS: tuple[str, ...] = ("labels",)
 _SPANS = ("start_positions", "end_positions")
@@ -133,8 +140,13 @@ def decide_shift(names: LabelNames, output: Any, x: Any) -> None:
         return
     labels = x.get(names[0]) if isinstance(x, Mapping) and len(names) == 1 else None
     ids = x.get("input_ids") if isinstance(x, Mapping) else None
-    if (isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor) and labels.shape == ids.shape
-            and labels.dim() >= 2 and bool(((labels == ids) | (labels == names.pad)).all())):  # fmt: skip
+    if (
+        isinstance(labels, torch.Tensor)
+        and isinstance(ids, torch.Tensor)
+        and labels.shape == ids.shape
+        and labels.dim() >= 2
+        and bool(((labels == ids) | (labels == names.pad)).all())
+    ):
         raise ValueError(
             f"The batch's '{names[0]}' repeat its 'input_ids' (a language model's batch), and fitkit cannot tell "
             f"whether {type(output).__name__} outputs at position t predict token t + 1 (a causal LM: the labels "
@@ -166,8 +178,9 @@ def default_label_names(module: nn.Module) -> tuple[str, ...]:
     return names or LABELS
 
 
-def resolve_label_names(label_names: Any, module: nn.Module, shift_labels: Any = None, compiled: bool = True,
-                        pad: int | None = -100) -> LabelNames:  # fmt: skip
+def resolve_label_names(
+    label_names: Any, module: nn.Module, shift_labels: Any = None, compiled: bool = True, pad: int | None = -100
+) -> LabelNames:
     """``compile(label_names=..., shift_labels=...)`` checked: ``None`` (the default above), a key, or keys.
 
     ``shift_labels`` (a compiled loss on a dict batch's labels): ``True`` / ``False``, or ``None``

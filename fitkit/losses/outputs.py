@@ -265,8 +265,9 @@ def takes_num_items(module: Any) -> tuple[bool, bool]:
             # The loss the model's forward calls (its loss_function property, read without its
             # warning): a loss set on it, else its loss_type's, ForCausalLM's when unknown.
             own = getattr(base, "_loss_function", None)
-            chosen = own if own is not None else LOSS_MAPPING.get(str(getattr(base, "loss_type", None)),
-                                                                  ForCausalLMLoss)  # fmt: skip
+            chosen = (
+                own if own is not None else LOSS_MAPPING.get(str(getattr(base, "loss_type", None)), ForCausalLMLoss)
+            )
             shifts = chosen is ForCausalLMLoss
         except ImportError:  # pragma: no cover - a transformers without the loss registry
             shifts = False
@@ -319,5 +320,6 @@ def note_row_weighted(module: Any, x: Any) -> None:
             "counts by its rows, so a micro-batch with few real tokens (labels of -100) weighs as much as a "
             "full one. Fix: accept `num_items_in_batch` in forward (sum the token losses and divide by it, as "
             "Hugging Face models do), or compile a loss (loss='cross_entropy', token-exact).",
-            category=FitkitWarning, stacklevel=4,
-        )  # fmt: skip
+            category=FitkitWarning,
+            stacklevel=4,
+        )

@@ -77,8 +77,9 @@ class CountedAccuracy(_Counted):
     correct: torch.Tensor
     total: torch.Tensor
 
-    def __init__(self, num_classes: int, ignore_index: int | None = None,
-                 count_dtype: torch.dtype = torch.float64, **kwargs: Any):  # fmt: skip
+    def __init__(
+        self, num_classes: int, ignore_index: int | None = None, count_dtype: torch.dtype = torch.float64, **kwargs: Any
+    ):
         super().__init__(**kwargs)
         self.num_classes, self.ignore_index = int(num_classes), ignore_index
         self.add_state("correct", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
@@ -174,8 +175,15 @@ class CountedStatScores(_Counted):
     _one: torch.Tensor
     average: Any  # torchmetrics' Literal of averages
 
-    def __init__(self, num_classes: int, stat: str = "f1", ignore_index: int | None = None,
-                 average: str | None = "macro", zero_division: float = 0.0, **kwargs: Any):  # fmt: skip
+    def __init__(
+        self,
+        num_classes: int,
+        stat: str = "f1",
+        ignore_index: int | None = None,
+        average: str | None = "macro",
+        zero_division: float = 0.0,
+        **kwargs: Any,
+    ):
         if stat not in _STATS:
             raise ValueError(f"Expected `stat` to be one of {', '.join(_STATS)}. Received: stat={stat!r}.")
         if average not in _AVERAGES:

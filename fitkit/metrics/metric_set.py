@@ -313,9 +313,16 @@ class MetricSet:
             entries = self.entries
         if not entries:
             return
-        if (len(entries) == 1 and entries[0].kind == "accuracy" and type(y) is torch.Tensor and y.dim() == 1
-                and y.dtype is torch.long and type(y_pred) is torch.Tensor and y_pred.dim() == 2
-                and y_pred.dtype is torch.float32):  # fmt: skip
+        if (
+            len(entries) == 1
+            and entries[0].kind == "accuracy"
+            and type(y) is torch.Tensor
+            and y.dim() == 1
+            and y.dtype is torch.long
+            and type(y_pred) is torch.Tensor
+            and y_pred.dim() == 2
+            and y_pred.dtype is torch.float32
+        ):
             # the classification step with accuracy alone: what _update does for it, in one call
             # ((B, C) scores, (B,) class indices: no reshape, no cast, no probability targets)
             metric = entries[0].metric

@@ -54,8 +54,9 @@ def _is_metric(obj: Any) -> bool:
     return tm is not None and isinstance(obj, tm.Metric)
 
 
-def _make_classification(name: str, task: str, n: int, ignore_index: int | None,
-                         device: torch.device | None = None) -> Any:  # fmt: skip
+def _make_classification(
+    name: str, task: str, n: int, ignore_index: int | None, device: torch.device | None = None
+) -> Any:
     from torchmetrics import classification
 
     if name == "accuracy" and task == "multiclass":  # torchmetrics' micro accuracy from two counts
@@ -167,16 +168,22 @@ class MetricSpec:
         0.6666666865348816
     """
 
-    def __init__(self, metric: str | Callable[..., torch.Tensor], *, output: str | None = None,
-                 higher_is_better: bool | None = None):
+    def __init__(
+        self,
+        metric: str | Callable[..., torch.Tensor],
+        *,
+        output: str | None = None,
+        higher_is_better: bool | None = None,
+    ):
         given = metric
         if isinstance(metric, str):
             metric = metric if metric in METRIC_NAMES else keras_names.canonical_metric(metric)
             if metric not in METRIC_NAMES:
                 advice = keras_names.metric_advice(metric)
                 raise ValueError(
-                    f"Unknown metric '{metric}': {advice}" if advice is not None else
-                    f"Unknown metric '{metric}'.{keras_names.close_matches(metric, METRIC_NAMES)} "
+                    f"Unknown metric '{metric}': {advice}"
+                    if advice is not None
+                    else f"Unknown metric '{metric}'.{keras_names.close_matches(metric, METRIC_NAMES)} "
                     f"Valid names: {', '.join(METRIC_NAMES)}."
                 )
         elif isinstance(metric, type):

@@ -33,8 +33,10 @@ def metric_states(entries: list[Any], sync: bool) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for e in entries:
         with e.metric.sync_context(should_sync=sync, should_unsync=True):
-            state = {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone())
-                     for k, v in e.metric.metric_state.items()}  # fmt: skip
+            state = {
+                k: ([t.clone() for t in v] if isinstance(v, list) else v.clone())
+                for k, v in e.metric.metric_state.items()
+            }
         state["_update_count"] = e.metric._update_count
         out[e.key] = state
     return out
@@ -51,17 +53,23 @@ def metric_state_problems(entries: list[Any], states: Any) -> list[str]:
         mine = e.metric.metric_state
         names, known = set(saved) - {"_update_count"}, set(mine)
         if names != known:
-            out.append(f"metric {e.key!r}: the checkpoint holds the states {sorted(names)}, the metric "
-                       f"{type(e.metric).__name__} {sorted(known)}")  # fmt: skip
+            out.append(
+                f"metric {e.key!r}: the checkpoint holds the states {sorted(names)}, the metric "
+                f"{type(e.metric).__name__} {sorted(known)}"
+            )
             continue
         for k, v in saved.items():
             now = mine.get(k)
             if isinstance(now, list) != isinstance(v, list):
-                out.append(f"metric {e.key!r}: state {k!r} is a {type(v).__name__} in the checkpoint, a "
-                           f"{type(now).__name__} in the metric")  # fmt: skip
+                out.append(
+                    f"metric {e.key!r}: state {k!r} is a {type(v).__name__} in the checkpoint, a "
+                    f"{type(now).__name__} in the metric"
+                )
             elif hasattr(now, "shape") and hasattr(v, "shape") and tuple(v.shape) != tuple(now.shape):
-                out.append(f"metric {e.key!r}: state {k!r} has the shape {tuple(v.shape)} in the checkpoint, "
-                           f"{tuple(now.shape)} in the metric")  # fmt: skip
+                out.append(
+                    f"metric {e.key!r}: state {k!r} has the shape {tuple(v.shape)} in the checkpoint, "
+                    f"{tuple(now.shape)} in the metric"
+                )
     return out
 
 
@@ -89,7 +97,8 @@ def load_metric_states(entries: list[Any], states: dict[str, dict[str, Any]], ow
         warnings.warn(
             f"The checkpoint holds no running totals for {', '.join(missing)} (compiled since?): in the "
             "resumed epoch they count the remaining batches only. Fix: resume with the same metrics.",
-            category=FitkitWarning, stacklevel=6,
+            category=FitkitWarning,
+            stacklevel=6,
         )
     for e in entries:
         saved = _in_layout(e, states.get(e.key)) or {}

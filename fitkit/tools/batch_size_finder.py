@@ -73,8 +73,16 @@ _FIND_BATCH_SIZE_OPTIONS = declare(
 
 @known_keywords
 @declared(_FIND_BATCH_SIZE_OPTIONS)
-def find_batch_size(model: Any, x: Any, y: Any = None, *, init_val: int = 2, max_trials: int = 25,
-                    steps_per_trial: int = 3, max_val: int | None = None) -> BatchSizeResult:  # fmt: skip
+def find_batch_size(
+    model: Any,
+    x: Any,
+    y: Any = None,
+    *,
+    init_val: int = 2,
+    max_trials: int = 25,
+    steps_per_trial: int = 3,
+    max_val: int | None = None,
+) -> BatchSizeResult:
     """Double the batch size from ``init_val`` until a trial runs out of memory; keep the last that fit.
 
     A trial at size ``b`` trains ``steps_per_trial`` batches of ``b`` samples (shuffled, as

@@ -46,8 +46,9 @@ def _as_call(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 def _batch_of_two(x: Any) -> Any:
     # torch.export specializes dimensions of size 0 and 1, so an example batch of one would
     # pin the batch to 1: repeat it to two rows (the traced graph never reads the values).
-    return nest.map_structure(lambda t: t.expand(2, *t.shape[1:]).contiguous() if t.dim() >= 1 and t.size(0) == 1
-                              else t, x)  # fmt: skip
+    return nest.map_structure(
+        lambda t: t.expand(2, *t.shape[1:]).contiguous() if t.dim() >= 1 and t.size(0) == 1 else t, x
+    )
 
 
 def _batch_specs(x: Any, batch: Any) -> Any:

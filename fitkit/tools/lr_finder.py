@@ -254,8 +254,16 @@ def _check_output(batch_size: Any, plot: Any, path: Any) -> None:
         check_writable_template(target, None, "find_lr", "path")
 
 
-def check_sweep(model: Any, start_lr: float, end_lr: float, num_steps: int, smooth: float,
-                diverge_threshold: float | None, mode: str, apply: bool) -> None:  # fmt: skip
+def check_sweep(
+    model: Any,
+    start_lr: float,
+    end_lr: float,
+    num_steps: int,
+    smooth: float,
+    diverge_threshold: float | None,
+    mode: str,
+    apply: bool,
+) -> None:
     """The checks of :func:`find_lr`'s arguments (also ``LearningRateFinder``'s, at construction).
 
     Raises:
@@ -278,8 +286,16 @@ def check_sweep(model: Any, start_lr: float, end_lr: float, num_steps: int, smoo
     check_bool("apply", apply)
 
 
-def sweep(model: Any, loader: Any, start_lr: float, end_lr: float, num_steps: int, smooth: float,
-          diverge_threshold: float | None, mode: str = "exponential") -> LRFinderResult:  # fmt: skip
+def sweep(
+    model: Any,
+    loader: Any,
+    start_lr: float,
+    end_lr: float,
+    num_steps: int,
+    smooth: float,
+    diverge_threshold: float | None,
+    mode: str = "exponential",
+) -> LRFinderResult:
     """Run the sweep over ``loader`` (batches ``(x, y, sample_weight)``), then restore everything.
 
     Returns:
@@ -323,9 +339,12 @@ def apply_lr(model: Any, lr: float | None) -> bool:
         (True, [0.5, 0.05])
     """
     if lr is None:
-        warnings.warn("The LR finder made no suggestion (too few steps, or a flat loss): the learning rate "
-                      "is left as it was. Fix: widen [start_lr, end_lr] or take more steps.",
-                      category=FitkitWarning, stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "The LR finder made no suggestion (too few steps, or a flat loss): the learning rate "
+            "is left as it was. Fix: widen [start_lr, end_lr] or take more steps.",
+            category=FitkitWarning,
+            stacklevel=2,
+        )
         return False
     scheduler = model.scheduler
     base = getattr(scheduler, "base_lrs", None) or None
@@ -409,10 +428,12 @@ def snapshot(model: Any) -> dict[str, Any]:
         "stepper": _clone(model._core.stepper.state_dict(record=True)),
         "stop_training": model.stop_training,
         "rng": (
-            random.getstate(), np.random.get_state(), torch.get_rng_state(),
+            random.getstate(),
+            np.random.get_state(),
+            torch.get_rng_state(),
             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         ),
-    }  # fmt: skip
+    }
     # Set aside: train_on_batch steps a per-step scheduler, and some (OneCycleLR) refuse to
     # step past their planned length.
     model.scheduler = None

@@ -33,6 +33,7 @@ def _output_shapes(module: nn.Module, example_input: Any) -> dict[str, str]:
     shapes: dict[str, str] = {}
     handles = []
     for name, m in module.named_modules():
+
         def hook(_m, _inp, out, name=name):
             shapes[name] = _shape(out)
 
@@ -106,8 +107,9 @@ def summary_table(module: nn.Module, print_fn: Any = None, example_input: Any = 
     return table
 
 
-def summary_input(module: nn.Module, device: torch.device, input_shape: Any, example_input: Any,
-                  last_example: Any) -> Any:  # fmt: skip
+def summary_input(
+    module: nn.Module, device: torch.device, input_shape: Any, example_input: Any, last_example: Any
+) -> Any:
     """The input ``Model.summary`` runs to find output shapes: zeros of ``(1, *input_shape)`` in the
     module's dtype, ``example_input`` on the device, else the first batch of the last data checked.
 

@@ -40,8 +40,17 @@ if TYPE_CHECKING:
     import fitkit.training.stepper  # named in full: the reference resolves it
     from fitkit.data import DeviceLoader
 
-__all__ = ["PlannedScheduler", "planned_scheduler", "planned_steps", "budget_epochs", "check_max_steps", "fresh_run",
-           "RunFraction", "check_minimums", "sample_budget"]
+__all__ = [
+    "PlannedScheduler",
+    "planned_scheduler",
+    "planned_steps",
+    "budget_epochs",
+    "check_max_steps",
+    "fresh_run",
+    "RunFraction",
+    "check_minimums",
+    "sample_budget",
+]
 
 #: The names under which a scheduler factory asks for the planned number of optimizer steps.
 STEP_KEYWORDS = ("total_steps", "num_training_steps")
@@ -60,8 +69,13 @@ def check_max_steps(max_steps: object, epochs: int | None) -> int | None:
         >>> check_max_steps(None, None), check_max_steps(100, None), check_max_steps(100, 3)
         (1, None, 3)
     """
-    check_int("max_steps", max_steps, 1, allow_none=True,
-              fix="pass the number of optimizer steps to train for, e.g. max_steps=1000, or None.")  # fmt: skip
+    check_int(
+        "max_steps",
+        max_steps,
+        1,
+        allow_none=True,
+        fix="pass the number of optimizer steps to train for, e.g. max_steps=1000, or None.",
+    )
     if epochs is None:
         return 1 if max_steps is None else None
     check_int("epochs", epochs, 0)
@@ -186,8 +200,9 @@ def fraction_budget(batches: int | None, accumulation: Callable[[int], int], epo
     return steps + math.ceil((epochs - whole) * math.ceil(batches / accumulation(whole)))
 
 
-def planned_steps(batches: int | None, accumulation: Callable[[int], int], epochs: int | None,
-                  max_steps: int | None) -> int | None:  # fmt: skip
+def planned_steps(
+    batches: int | None, accumulation: Callable[[int], int], epochs: int | None, max_steps: int | None
+) -> int | None:
     """The optimizer steps a fit plans: ``max_steps``, else the steps of epochs ``0 .. epochs - 1``.
 
     Args:
@@ -229,8 +244,13 @@ def budget_epochs(batches: int | None, accumulation: Callable[[int], int], max_s
     return epoch
 
 
-def check_minimums(min_epochs: int | None, min_steps: int | None, epochs: int | None, total: int | None,
-                   steps_of: Callable[[int], int | None]) -> None:  # fmt: skip
+def check_minimums(
+    min_epochs: int | None,
+    min_steps: int | None,
+    epochs: int | None,
+    total: int | None,
+    steps_of: Callable[[int], int | None],
+) -> None:
     """Refuse ``min_epochs`` / ``min_steps`` that the fit cannot reach before it ends.
 
     Args:
@@ -254,16 +274,21 @@ def check_minimums(min_epochs: int | None, min_steps: int | None, epochs: int | 
     """
     fix = "Fix: lower {0}, or {1} epochs= (or max_steps=){2}."
     needed = steps_of(min_epochs) if min_epochs is not None else None
-    if min_epochs is not None and (epochs is not None and min_epochs > epochs
-                                   or needed is not None and total is not None and needed > total):  # fmt: skip
+    if min_epochs is not None and (
+        epochs is not None and min_epochs > epochs or needed is not None and total is not None and needed > total
+    ):
         runs = f"{epochs}; epochs=None runs 1 without max_steps" if epochs == 1 else f"{epochs}"
         if epochs is not None and min_epochs <= epochs:
             runs = f"its step budget, {total} steps, ends it before {min_epochs} epochs, which take {needed}"
-        raise ValueError(f"min_epochs={min_epochs} asks for more epochs than this fit runs ({runs}). "
-                         + fix.format("min_epochs", "pass", " to train that long"))
+        raise ValueError(
+            f"min_epochs={min_epochs} asks for more epochs than this fit runs ({runs}). "
+            + fix.format("min_epochs", "pass", " to train that long")
+        )
     if min_steps is not None and total is not None and min_steps > total:
-        raise ValueError(f"min_steps={min_steps} asks for more optimizer steps than this fit plans ({total}). "
-                         + fix.format("min_steps", "raise", ""))
+        raise ValueError(
+            f"min_steps={min_steps} asks for more optimizer steps than this fit plans ({total}). "
+            + fix.format("min_steps", "raise", "")
+        )
 
 
 def epoch_sizes(loader: DeviceLoader) -> list[int] | None:
@@ -325,7 +350,7 @@ def sample_budget(loader: DeviceLoader, accumulation: Callable[[int], int], max_
     while True:
         k = accumulation(epoch)
         for start in range(0, len(sizes), k):
-            seen += sum(sizes[start:start + k])
+            seen += sum(sizes[start : start + k])
             steps += 1
             if seen >= max_samples:
                 return steps

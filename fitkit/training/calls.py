@@ -46,8 +46,9 @@ def prepare_fit(model: Model, x: object, y: object, options: Mapping[str, Any]) 
 
 def run_fit(model: Model, plan: planning.FitPlan, history: History) -> History:
     """Run a planned fit with ``history`` (``model.history``) last but the progress bar."""
-    cbs = planning.callback_list(model, list(plan.callbacks), plan.verbose, plan.shown_epochs,
-                                 plan.train.num_batches, history, **plan.params)  # fmt: skip
+    cbs = planning.callback_list(
+        model, list(plan.callbacks), plan.verbose, plan.shown_epochs, plan.train.num_batches, history, **plan.params
+    )
     loop = FitLoop(model, plan, cbs)
     del plan, cbs  # the loop holds the call's data and callbacks; it lets go when it ends
     with model._core.running(loop):
@@ -80,8 +81,15 @@ def evaluate(model: Model, x: object, y: object, o: Mapping[str, Any]) -> Any:
     return _values(model, EvalLoop(model, loader, cbs, steps).run(), return_dict)
 
 
-def _evaluate_sets(model: Model, sets: dict[str, Any], batch_size: int | None, verbose: int, steps: int | None,
-                   callbacks: list[Any], return_dict: bool) -> Any:  # fmt: skip
+def _evaluate_sets(
+    model: Model,
+    sets: dict[str, Any],
+    batch_size: int | None,
+    verbose: int,
+    steps: int | None,
+    callbacks: list[Any],
+    return_dict: bool,
+) -> Any:
     val = planning.validation_loaders(model, sets, batch_size, argument="x")
     for name, loader in val.items():
         planning.check_data(model, loader, f"x[{name!r}]", training=False)
@@ -116,8 +124,14 @@ def predict(model: Model, x: object, o: Mapping[str, Any]) -> Any:
     return out
 
 
-def train_on_batch(model: Model, x: object, y: object, sample_weight: object,
-                   class_weight: Mapping[int, float] | None, return_dict: bool = True) -> Any:  # fmt: skip
+def train_on_batch(
+    model: Model,
+    x: object,
+    y: object,
+    sample_weight: object,
+    class_weight: Mapping[int, float] | None,
+    return_dict: bool = True,
+) -> Any:
     """``Model.train_on_batch``: one optimizer step on one batch, its logs."""
     core = model._core
     stepper = core.require_compiled("train_on_batch")
@@ -126,8 +140,12 @@ def train_on_batch(model: Model, x: object, y: object, sample_weight: object,
     phases = core.phases
     totals = phases.new_totals()
     # targets_count(.., None): one batch's targets are not the scanned ones of a fit it runs within
-    with stepper.step_of_its_own(), modes(model.module, training=None, grad=True), phases.running(totals), \
-            targets_count(model.loss, None):  # fmt: skip
+    with (
+        stepper.step_of_its_own(),
+        modes(model.module, training=None, grad=True),
+        phases.running(totals),
+        targets_count(model.loss, None),
+    ):
         model.train_step(batch)
     phases.adopt(totals)
     return batch_result(totals.result(), return_dict)
@@ -140,8 +158,7 @@ def test_on_batch(model: Model, x: object, y: object, sample_weight: object, ret
     check_bool("return_dict", return_dict)
     batch = _data.device_batch(x, y, sample_weight, device=model.device)
     totals = core.phases.new_totals()
-    with modes(model.module, training=False, grad=False), core.phases.running(totals), \
-            targets_count(model.loss, None):  # fmt: skip
+    with modes(model.module, training=False, grad=False), core.phases.running(totals), targets_count(model.loss, None):
         model.test_step(batch)
     return batch_result(totals.result(), return_dict)
 

@@ -37,8 +37,15 @@ if TYPE_CHECKING:
     from fitkit.model import Model
 
 __all__ = [
-    "atomic_save", "safe_load", "is_rank_zero", "check_path", "checkpoint_state", "load_checkpoint", "ResumePoint",
-    "rng_state", "set_rng_state",
+    "atomic_save",
+    "safe_load",
+    "is_rank_zero",
+    "check_path",
+    "checkpoint_state",
+    "load_checkpoint",
+    "ResumePoint",
+    "rng_state",
+    "set_rng_state",
 ]
 
 
@@ -74,9 +81,7 @@ def load_checkpoint(model: Model, path: str | os.PathLike, taken: tuple[str, ...
     else:
         state = safe_load(path, model.device)
         if not isinstance(state, dict) or "fitkit_version" not in state:
-            raise CheckpointError(
-                f"{str(path)!r} is not a fitkit checkpoint. Fix: use load_weights for a state dict."
-            )
+            raise CheckpointError(f"{str(path)!r} is not a fitkit checkpoint. Fix: use load_weights for a state dict.")
         run = RunState(model)
         run.check(state, path)
     model._core.await_resume(run.load_state_dict(state))
@@ -97,8 +102,9 @@ def _load_partial(model: Model, path: str | os.PathLike, taken: tuple[str, ...])
     run.check(state, path)
     run.load_state_dict(state)
     left = [n for n in _partial.PART_NAMES if n not in taken]
-    logging.getLogger("fitkit").info("Loaded %s from %r; left out: %s.", ", ".join(taken), str(path),
-                                     ", ".join(left) or "nothing")  # fmt: skip
+    logging.getLogger("fitkit").info(
+        "Loaded %s from %r; left out: %s.", ", ".join(taken), str(path), ", ".join(left) or "nothing"
+    )
     following = _partial.for_next_fit(state, taken)
     if following is None:
         return 0  # no position: the next fit starts afresh
@@ -122,8 +128,9 @@ def check_path(path: object) -> None:
         )
 
 
-def save_checkpoint(model: Model, path: str | os.PathLike, sharded: bool | None = None,
-                    async_save: bool = False) -> None:  # fmt: skip
+def save_checkpoint(
+    model: Model, path: str | os.PathLike, sharded: bool | None = None, async_save: bool = False
+) -> None:
     """One file written by rank 0, or (``sharded``; the default under FSDP) a folder of shards."""
     check_path(path)
     if sharded is None:
@@ -174,8 +181,9 @@ def check_trainable_only(value: object) -> None:
         TypeError: Expected `trainable_only` to be a bool. Received: trainable_only='no'. Fix: pass True or False.
     """
     if not isinstance(value, bool):
-        raise TypeError(f"Expected `trainable_only` to be a bool. Received: trainable_only={value!r}. "
-                        "Fix: pass True or False.")
+        raise TypeError(
+            f"Expected `trainable_only` to be a bool. Received: trainable_only={value!r}. Fix: pass True or False."
+        )
 
 
 def save_weights(model: Model, path: str | os.PathLike, trainable_only: bool = False) -> None:
@@ -225,8 +233,9 @@ def load_weights(model: Model, path: str | os.PathLike, strict: bool = True, tra
     model.load_state_dict(state, strict=strict and not trainable_only)
 
 
-def _refuse_a_trainable_only_file(path: str | os.PathLike[str], state: Mapping[str, object], trainable: set[str],
-                                  expected: dict[str, Any]) -> None:
+def _refuse_a_trainable_only_file(
+    path: str | os.PathLike[str], state: Mapping[str, object], trainable: set[str], expected: dict[str, Any]
+) -> None:
     """A file of the trainable parameters alone (``save_weights(..., trainable_only=True)``, e.g.
     LoRA adapters) loaded as a whole model: one line that names ``trainable_only``, instead of one
     line per frozen weight missing from the file."""

@@ -30,8 +30,12 @@ def _accumulation(steps: int | dict[int, int]) -> AccumulationSchedule | int:
     """``gradient_accumulation_steps`` checked: an int >= 1, or a schedule from a dict."""
     if isinstance(steps, dict):
         return AccumulationSchedule(steps, name="gradient_accumulation_steps")
-    check_int("gradient_accumulation_steps", steps, 1,
-              fix="pass an int >= 1, or a dict {first_epoch: micro-batches} such as {0: 8, 4: 4}.")  # fmt: skip
+    check_int(
+        "gradient_accumulation_steps",
+        steps,
+        1,
+        fix="pass an int >= 1, or a dict {first_epoch: micro-batches} such as {0: 8, 4: 4}.",
+    )
     return int(steps)
 
 
@@ -42,9 +46,7 @@ def _check_precision(precision: str, device: torch.device) -> None:
             "Fix: pass one of them, e.g. precision='bf16-mixed'."
         )
     if precision == "16-mixed" and device.type not in ("cuda", "cpu", "mps"):
-        raise ValueError(
-            f"precision='16-mixed' is not supported on {device.type}. Fix: use 'bf16-mixed' or '32'."
-        )
+        raise ValueError(f"precision='16-mixed' is not supported on {device.type}. Fix: use 'bf16-mixed' or '32'.")
 
 
 class Compiled(NamedTuple):
@@ -72,8 +74,13 @@ def compile_model(model: Model, optimizer: object, loss: object, metrics: object
     loss_fn = resolve_loss(loss, o["loss_weights"])
     metric_set = MetricSet(metrics)
     ema = compiled_ema(o["use_ema"], o["ema_momentum"], o["ema_overwrite_frequency"])
-    labels = resolve_label_names(o["label_names"], model.module, o["shift_labels"], compiled=loss_fn is not None,
-                                 pad=getattr(loss_fn, "ignore_index", None))  # fmt: skip
+    labels = resolve_label_names(
+        o["label_names"],
+        model.module,
+        o["shift_labels"],
+        compiled=loss_fn is not None,
+        pad=getattr(loss_fn, "ignore_index", None),
+    )
     # Everything that can be checked is checked: only now does anything change.
     if core.parallel is not None:
         core.parallel.prepare(model.module, optimizer)  # FSDP shards before the optimizer exists
@@ -81,9 +88,18 @@ def compile_model(model: Model, optimizer: object, loss: object, metrics: object
     sched = resolve_scheduler(o["scheduler"], opt, o["scheduler_interval"])
     check_plateau_mode(sched)
     stepper = Stepper(
-        opt, sched, o["scheduler_interval"], o["precision"], device, accumulation,
-        o["clip_grad_norm"], o["clip_grad_value"], core.parallel, weigh=functools.partial(batch_denominator, model),
-        sums=getattr(loss_fn, "reduction", "mean") == "sum", loss_scale=o["loss_scale"],
+        opt,
+        sched,
+        o["scheduler_interval"],
+        o["precision"],
+        device,
+        accumulation,
+        o["clip_grad_norm"],
+        o["clip_grad_value"],
+        core.parallel,
+        weigh=functools.partial(batch_denominator, model),
+        sums=getattr(loss_fn, "reduction", "mean") == "sum",
+        loss_scale=o["loss_scale"],
         micro_batch_size=o["micro_batch_size"],
-    )  # fmt: skip
+    )
     return Compiled(loss_fn, ema, labels, stepper, metric_set.configure(loss_fn, device), jit)

@@ -54,8 +54,9 @@ class EvalLoop:
         what: how errors name the source (``"evaluate"`` or ``"validation_data"``).
     """
 
-    def __init__(self, model: Model, loader: DeviceLoader, callbacks: CallbackList, steps: int | None,
-                 what: str = "evaluate"):
+    def __init__(
+        self, model: Model, loader: DeviceLoader, callbacks: CallbackList, steps: int | None, what: str = "evaluate"
+    ):
         self.model, self.loader, self.callbacks, self.steps, self.what = model, loader, callbacks, steps, what
         self.totals = model._core.phases.new_totals()
         self.batches = 0
@@ -73,8 +74,11 @@ class EvalLoop:
     def _run(self, model: Model, cbs: CallbackList, want: bool) -> dict[str, float]:
         # an overridden step or compute_loss may make targets of its own from y (-100 where masked)
         known = known_targets(self.loader) if model.default_compute_loss and model.default_test_step else None
-        with modes(model.module, training=False, grad=False), model._core.phases.running(self.totals), \
-                targets_count(model.loss, known):  # fmt: skip
+        with (
+            modes(model.module, training=False, grad=False),
+            model._core.phases.running(self.totals),
+            targets_count(model.loss, known),
+        ):
             cbs.on_test_begin({})
             for step, batch in enumerate(self.loader):
                 cbs.on_test_batch_begin(step, {})

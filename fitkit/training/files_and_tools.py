@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch  # noqa: F401  (the examples use it)
 from torch import nn  # noqa: F401  (the examples use it)
 
+from fitkit.files.differences import check_state_dict_fits
 from fitkit.tools.summary import summary_input, summary_table
 from fitkit.training import checkpoint as _checkpoint
 from fitkit.training import partial as _partial
@@ -36,6 +37,53 @@ class FilesAndTools:
         return cast("Model", self)
 
     # -- files -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict (never with ``_orig_mod.`` or ``module.`` prefixes).
+
+        With ``strategy="fsdp"`` under torchrun it is the full, unsharded state: a collective
+        that every rank calls; rank 0 gets the tensors on the CPU, other ranks an empty dict.
+
+        Returns:
+            ``{name: tensor}``, as ``nn.Module.state_dict`` returns it. Without FSDP the tensors
+            share storage with the module's: clone them to keep a snapshot.
+
+        Example:
+            >>> from fitkit import Model
+            >>> sorted(Model(nn.Linear(2, 1), device="cpu").state_dict())
+            ['bias', 'weight']
+        """
+        if self._core.parallel is not None:
+            return self._core.parallel.state_dict(self.module)
+        return self.module.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
+        """Load a module state dict (as ``nn.Module.load_state_dict``; a full one under FSDP).
+
+        Args:
+            state_dict: ``{name: tensor}``, e.g. from :meth:`state_dict`, without ``module.``
+                or ``_orig_mod.`` prefixes; tensors are copied onto the module's device.
+            strict: require the keys to match the module's exactly.
+
+        Returns:
+            ``nn.Module.load_state_dict``'s named tuple of ``missing_keys`` and
+            ``unexpected_keys``.
+
+        Raises:
+            RuntimeError: keys that do not match (with ``strict=True``), or tensors of another
+                shape or dtype; every difference is listed and nothing is loaded (with
+                ``strict=False`` the keys both hold must still fit).
+
+        Example:
+            >>> from fitkit import Model
+            >>> a, b = Model(nn.Linear(2, 1), device="cpu"), Model(nn.Linear(2, 1), device="cpu")
+            >>> b.load_state_dict(a.state_dict())
+            <All keys matched successfully>
+        """
+        if self._core.parallel is not None:
+            return self._core.parallel.load_state_dict(self.module, state_dict, strict=strict)
+        check_state_dict_fits(self.module, state_dict, strict)  # all or nothing, as load_weights
+        return self.module.load_state_dict(state_dict, strict=strict)
+
     def save_weights(self, path: str | os.PathLike, *, trainable_only: bool = False) -> None:
         """Write the module's state dict to ``path`` atomically (under torchrun: rank 0 writes).
 
@@ -113,8 +161,9 @@ class FilesAndTools:
         """
         return _checkpoint.checkpoint_state(self._model())
 
-    def save_checkpoint(self, path: str | os.PathLike | None = None, *, sharded: bool | None = None,
-                        async_save: bool = False) -> None:  # fmt: skip
+    def save_checkpoint(
+        self, path: str | os.PathLike | None = None, *, sharded: bool | None = None, async_save: bool = False
+    ) -> None:
         """Write the full training state (:meth:`checkpoint_state`) to ``path`` atomically.
 
         Under torchrun rank 0 writes (its RNG states); the state is unwrapped, so the file
@@ -142,8 +191,13 @@ class FilesAndTools:
         model = self._model()
         _checkpoint.save_checkpoint(model, _run_files.save_path(model) if path is None else path, sharded, async_save)
 
-    def load_checkpoint(self, path: str | os.PathLike | None = None, *, weights_only: bool = False,
-                        ignore_keys: Sequence[str] | None = None) -> int:  # fmt: skip
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        weights_only: bool = False,
+        ignore_keys: Sequence[str] | None = None,
+    ) -> int:
         """Restore a checkpoint; the next ``fit(..., initial_epoch=k)`` continues from it.
 
         Tensors are mapped onto ``model.device``. RNG states, the position inside the epoch
@@ -180,8 +234,9 @@ class FilesAndTools:
             path = _run_files.load_path(model)
         return _checkpoint.load_checkpoint(model, path, taken)
 
-    def summary(self, print_fn: object = None, *, input_shape: tuple[int, ...] | None = None,
-                example_input: object = None) -> Any:
+    def summary(
+        self, print_fn: object = None, *, input_shape: tuple[int, ...] | None = None, example_input: object = None
+    ) -> Any:
         """Print a rich table of layers: type, output shape, parameters (trainable, frozen).
 
         Output shapes come from one forward pass with hooks (eval mode, ``no_grad``, flags
@@ -215,8 +270,9 @@ class FilesAndTools:
         example = summary_input(self.module, self.device, input_shape, example_input, self._core.example_x)
         return summary_table(self.module, print_fn, example)
 
-    def export(self, path: str | os.PathLike, example_input: object, format: str = "torch",
-               dynamic_batch: bool = True) -> Path:
+    def export(
+        self, path: str | os.PathLike, example_input: object, format: str = "torch", dynamic_batch: bool = True
+    ) -> Path:
         """Export the module for serving: a ``torch.export`` program (``.pt2``) or ONNX.
 
         See :func:`fitkit.tools.export.export`: traced once in eval mode under ``no_grad`` (flags

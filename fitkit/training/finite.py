@@ -90,8 +90,11 @@ def _nonfinite(tensors: list[torch.Tensor]) -> list[int]:
     """How many NaN / inf values each tensor holds: one host read for all of them (none when every
     float tensor was found finite before and not written since)."""
     out = [0] * len(tensors)
-    todo = [i for i, t in enumerate(tensors) if (t.is_floating_point() or t.is_complex()) and t.numel()
-            and _FINITE.get(t) != t._version]  # fmt: skip
+    todo = [
+        i
+        for i, t in enumerate(tensors)
+        if (t.is_floating_point() or t.is_complex()) and t.numel() and _FINITE.get(t) != t._version
+    ]
     if not todo:
         return out
     device = tensors[todo[0]].device
@@ -106,8 +109,11 @@ def _nonfinite(tensors: list[torch.Tensor]) -> list[int]:
 def _scan_parts(parts: dict[str, Any], keep: int) -> dict[str, tuple[int, list[int]]]:
     """``{name: (NaN / inf count, first rows)}`` of the parts that hold some: one host read when
     none does; where some do, more reads find the rows (before an error or a trial)."""
-    leaves = {name: [t for t in nest.leaves(part) if isinstance(t, torch.Tensor)]
-              for name, part in parts.items() if part is not None}  # fmt: skip
+    leaves = {
+        name: [t for t in nest.leaves(part) if isinstance(t, torch.Tensor)]
+        for name, part in parts.items()
+        if part is not None
+    }
     flat = [t for ts in leaves.values() for t in ts]
     counts = iter(_nonfinite(flat))
     found = {}
@@ -165,8 +171,12 @@ def check_in_memory(model: Model | None, source: TensorBatches, training: bool) 
 def _builtin(model: Model | None) -> bool:
     """Whether the loss is one of fitkit's own (they never handle NaN), under the default compute_loss."""
     loss = None if model is None else model.loss
-    return loss is not None and getattr(loss, "kind", "custom") != "custom" and model is not None \
+    return (
+        loss is not None
+        and getattr(loss, "kind", "custom") != "custom"
+        and model is not None
         and model.default_compute_loss
+    )
 
 
 def _trial(model: Model, source: TensorBatches, rows: list[int], training: bool) -> str | None:

@@ -63,13 +63,19 @@ class FitLoop:
         self.model, self.plan, self.callbacks = model, plan, callbacks
         self.history: Any = next(cb for cb in callbacks.callbacks if type(cb).__name__ == "History")
         self.start_epoch = plan.initial_epoch  # a restored backup may move it
-        self.step_val = None if plan.interval is None else StepValidation(
-            model, plan.val, callbacks, self.history, plan.validation_steps, plan.interval)
+        self.step_val = (
+            None
+            if plan.interval is None
+            else StepValidation(model, plan.val, callbacks, self.history, plan.validation_steps, plan.interval)
+        )
         train = plan.train
         batches = getattr(train, "batches", None)
-        self.position = Position(plan.initial_epoch, batch_size=getattr(train, "batch_size", None),
-                                 world=getattr(batches, "world", 1),
-                                 n_used=getattr(batches, "n_used", None))  # fmt: skip
+        self.position = Position(
+            plan.initial_epoch,
+            batch_size=getattr(train, "batch_size", None),
+            world=getattr(batches, "world", 1),
+            n_used=getattr(batches, "n_used", None),
+        )
         # a loaded point, applied once
         self.resume = Resume(train, self.position, model._core.stepper.scheduling, plan.resume)
         self.stop = StopDecision(model, callbacks, plan.max_steps, plan.min_epochs, plan.min_steps)
@@ -126,13 +132,18 @@ class FitLoop:
         try:
             agree = before_step is not None and cbs.host_agreement_after_backward()  # else no per-step agreement
             wants_stop = (lambda: model.stop_training) if agree else None
-            fitting = stepper.fitting(before_step, wants_stop, self.val is not None, self.plan.accumulation,
-                                      self._own_items())  # fmt: skip
+            fitting = stepper.fitting(
+                before_step, wants_stop, self.val is not None, self.plan.accumulation, self._own_items()
+            )
             if self.rows_note and isinstance(getattr(self.train, "batches", None), TensorBatches):
                 self._note_rows(None)  # in-memory data: all its labels now (a loader's: its first batch)
             place = self._place if model._core.parallel is not None else None
-            with modes(model.module, training=None, grad=True), deferred() as self.interrupt, fitting, \
-                    _progress.beating(place):
+            with (
+                modes(model.module, training=None, grad=True),
+                deferred() as self.interrupt,
+                fitting,
+                _progress.beating(place),
+            ):
                 # time triggers, under torchrun: agreed over ranks where signals are
                 self.stop.begin(self.interrupt, self._time_triggers() if model._core.parallel is not None else [])
                 warn_if_all_eval(model.module)
@@ -165,8 +176,9 @@ class FitLoop:
         """The fit's epochs, each with its validation and end hooks, until one ends the fit; the last logs."""
         cbs, stepper = self.callbacks, self.model._core.stepper
         logs: dict[str, float] = {}
-        for epoch in itertools.count(self.start_epoch) if self.plan.epochs is None else \
-                range(self.start_epoch, self.plan.epochs):  # fmt: skip
+        for epoch in (
+            itertools.count(self.start_epoch) if self.plan.epochs is None else range(self.start_epoch, self.plan.epochs)
+        ):
             if self.stop.budget_spent():
                 break
             epoch_logs = self._named_epoch(epoch, first_step)
@@ -179,8 +191,7 @@ class FitLoop:
                 self.position.enter()  # the backup: after the epoch's last step, validating again on resume
                 break
             # inside-epoch validations stepped a plateau scheduler already
-            stepper.scheduling.step_epoch(epoch, logs, self.validated and self.step_val is None,
-                                          stepper.fit.validates)
+            stepper.scheduling.step_epoch(epoch, logs, self.validated and self.step_val is None, stepper.fit.validates)
             self.position.end_epoch(epoch)
             self.phase = _progress.EPOCH_CALLBACKS  # and the stop agreement after them
             cbs.on_epoch_end(epoch, logs)
@@ -322,10 +333,13 @@ class FitLoop:
                     cbs.on_train_batch_end(step, BatchLogs(totals.running))
                 # the loop's invariant 1: every stop waits for the open window's step
                 if stepper.window.micro_last and (
-                    (model.stop_training or not local) and self.stop.now()  # min_epochs / min_steps may hold it
+                    (model.stop_training or not local)
+                    and self.stop.now()  # min_epochs / min_steps may hold it
                     # the step budget (a host-side count): the epoch ends here
-                    or budget is not None and stepper.global_step >= budget
-                    or (not local or interrupt.signum is not None) and self.stop.at_boundary()
+                    or budget is not None
+                    and stepper.global_step >= budget
+                    or (not local or interrupt.signum is not None)
+                    and self.stop.at_boundary()
                 ):
                     break
         position.leave()
@@ -358,7 +372,8 @@ class FitLoop:
                 f"The training data ran out after {self.position.batches} of steps_per_epoch="
                 f"{loader.steps} batches in epoch {epoch + 1}; that epoch ends early and the next "
                 "starts a fresh pass (Keras' rule). Fix: lower `steps_per_epoch` to fit the data.",
-                category=FitkitWarning, stacklevel=5,
+                category=FitkitWarning,
+                stacklevel=5,
             )
 
     def _no_batches(self, epoch: int, skipped: int = 0) -> None:
@@ -373,7 +388,8 @@ class FitLoop:
             f"The training data ({_name(self.train)}) yielded no batch in epoch {epoch + 1}, so training "
             "stops after epoch {epoch}. A generator is used up after one pass. Fix: pass a re-iterable "
             "such as a DataLoader or a list, or a `steps_per_epoch` that one pass can fill.".format(epoch=epoch),
-            category=FitkitWarning, stacklevel=4,
+            category=FitkitWarning,
+            stacklevel=4,
         )
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -401,4 +417,3 @@ class FitLoop:
             if used is not None:
                 state["lrs_used"] = [float(lr) for lr in used]
         return state
-

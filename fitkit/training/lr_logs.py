@@ -46,8 +46,11 @@ def lr_keys(optimizer: torch.optim.Optimizer, scheduler: object) -> list[tuple[i
                 f"A parameter group's 'name' gives its log key learning_rate/<name>, so names must be distinct, "
                 f"non-empty strings. Received: names {names}. Fix: name each group once, e.g. 'head', 'body'."
             )
-    return [(i, f"learning_rate/{n}" if n is not None else f"learning_rate/pg{i}")
-            for i, n in enumerate(names) if n is not None or (per_group and i)]  # fmt: skip
+    return [
+        (i, f"learning_rate/{n}" if n is not None else f"learning_rate/pg{i}")
+        for i, n in enumerate(names)
+        if n is not None or (per_group and i)
+    ]
 
 
 def groups_differ(optimizer: torch.optim.Optimizer, scheduler: object) -> bool:

@@ -50,8 +50,10 @@ def split_rows(batch: Batch, size: int) -> list[Batch]:
     n = nest.rows(x)
     if n <= size:
         return [batch]
-    return [(_rows_of(x, lo, lo + size, n), _rows_of(y, lo, lo + size, n), _rows_of(w, lo, lo + size, n))
-            for lo in range(0, n, size)]  # fmt: skip
+    return [
+        (_rows_of(x, lo, lo + size, n), _rows_of(y, lo, lo + size, n), _rows_of(w, lo, lo + size, n))
+        for lo in range(0, n, size)
+    ]
 
 
 def _nonzero(total: torch.Tensor | float) -> Any:
@@ -101,8 +103,12 @@ def check_micro_batches(model: Model) -> None:
         return
     from fitkit.losses.outputs import takes_num_items
 
-    if model.loss is None and model.default_compute_loss and model.default_train_step \
-            and takes_num_items(model.module)[0]:  # fmt: skip
+    if (
+        model.loss is None
+        and model.default_compute_loss
+        and model.default_train_step
+        and takes_num_items(model.module)[0]
+    ):
         raise ValueError(
             f"compile(micro_batch_size={stepper.micro_batch_size}) splits batches, but this module computes its own "
             "loss over `num_items_in_batch`, which a micro-batch does not know. Fix: use "

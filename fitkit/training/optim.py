@@ -101,8 +101,7 @@ def resolve_optimizer(optimizer: object, module: nn.Module, device: torch.device
         opt = optimizer(_params(module, device))
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(
-                "The `optimizer` factory must return a torch.optim.Optimizer. "
-                f"Received: {type(opt).__name__}."
+                f"The `optimizer` factory must return a torch.optim.Optimizer. Received: {type(opt).__name__}."
             )
     else:
         raise TypeError(
@@ -153,9 +152,7 @@ def resolve_scheduler(scheduler: object, optimizer: torch.optim.Optimizer, inter
         'StepLR'
     """
     if interval not in ("epoch", "step"):
-        raise ValueError(
-            f"Expected `scheduler_interval` to be 'epoch' or 'step'. Received: {interval!r}."
-        )
+        raise ValueError(f"Expected `scheduler_interval` to be 'epoch' or 'step'. Received: {interval!r}.")
     if scheduler is None:
         return None
     planned = planned_scheduler(scheduler)
@@ -190,7 +187,6 @@ def resolve_scheduler(scheduler: object, optimizer: torch.optim.Optimizer, inter
 def current_lr(optimizer: torch.optim.Optimizer) -> float | torch.Tensor:
     """The learning rate of the first parameter group (a float, or a tensor for capturable LRs)."""
     return optimizer.param_groups[0]["lr"]
-
 
 
 def check_plateau_mode(scheduler: object) -> None:

@@ -16,8 +16,11 @@ __all__ = ["MODEL", "COMPILE", "FIT", "EVALUATE", "PREDICT"]
 
 _NAN = float("nan")
 #: The fix for a float step count (as fit's own check says it: Keras documents them as ints).
-_WHOLE = ("steps count whole batches (as in Keras); for a fraction of the data pass "
-          "limit_train_batches= / limit_val_batches= a float, or epochs= a float.")
+_WHOLE = (
+    "steps count whole batches (as in Keras); for a fraction of the data pass "
+    "limit_train_batches= / limit_val_batches= a float, or epochs= a float."
+)
+
 
 def _check_max_time(value: object) -> None:
     """``fit(max_time=)`` is a :class:`~fitkit.callbacks.Timer`'s ``duration``, named as ``max_time``."""
@@ -47,8 +50,12 @@ MODEL = declare(
     Option("device", "custom", checked_in="fitkit.devices.resolve_device", bad=("gpu0", 5)),
     Option("strategy", "custom", checked_in="fitkit.distributed.check_strategy", bad=("ddpp", 5)),
     Option("timeout", "custom", checked_in="fitkit.distributed.check_timeout", bad=(-1, 0, float("inf"), "60")),
-    Option("activation_checkpointing", "custom", checked_in="fitkit.training.recompute.check_recompute",
-           bad=("all_of_them", 5)),
+    Option(
+        "activation_checkpointing",
+        "custom",
+        checked_in="fitkit.training.recompute.check_recompute",
+        bad=("all_of_them", 5),
+    ),
 )
 
 COMPILE = declare(
@@ -58,11 +65,17 @@ COMPILE = declare(
     Option("metrics", "custom", checked_in="fitkit.metrics.MetricSet", bad=("acuracy", 5, ["acuracy"])),
     Option("loss_weights", "custom", checked_in="fitkit.losses.resolve_loss", bad=("1", _NAN)),
     Option("scheduler", "custom", checked_in="fitkit.training.optim.resolve_scheduler", bad=("cosine", 5)),
-    Option("scheduler_interval", "custom", checked_in="fitkit.training.optim.resolve_scheduler",
-           bad=("batch", 1, None)),
+    Option(
+        "scheduler_interval", "custom", checked_in="fitkit.training.optim.resolve_scheduler", bad=("batch", 1, None)
+    ),
     Option("precision", "custom", checked_in="Model.compile", bad=("fp16", 16, "16")),
-    Option("gradient_accumulation_steps", "int", minimum=1, also=(dict,),
-           fix="pass an int >= 1, or a dict {first_epoch: micro-batches} such as {0: 8, 4: 4}."),
+    Option(
+        "gradient_accumulation_steps",
+        "int",
+        minimum=1,
+        also=(dict,),
+        fix="pass an int >= 1, or a dict {first_epoch: micro-batches} such as {0: 8, 4: 4}.",
+    ),
     Option("clip_grad_norm", "number", positive=True, allow_none=True),
     Option("clip_grad_value", "number", positive=True, allow_none=True),
     Option("jit_compile", "custom", checked_in="fitkit.compile.resolve_jit_compile", bad=("yes", 2)),
@@ -83,8 +96,9 @@ FIT = declare(
     Option("epochs", "custom", checked_in="fitkit.training.budget", bad=(-1, "3", _NAN)),
     Option("verbose", "custom", checked_in="fitkit.callbacks.progress.resolve_verbose", bad=("loud", 3, -1)),
     Option("callbacks", "custom", checked_in="fitkit.checks.check_callbacks", bad=("cb", [5])),
-    Option("validation_split", "custom", checked_in="fitkit.training.planning.plan_fit",
-           bad=(-0.1, 1.0, 1.5, "0.2", _NAN)),
+    Option(
+        "validation_split", "custom", checked_in="fitkit.training.planning.plan_fit", bad=(-0.1, 1.0, 1.5, "0.2", _NAN)
+    ),
     Option("validation_data", "custom", check=_check_validation_data, bad=("val", 5)),
     Option("shuffle", "custom", checked_in="fitkit.training.planning._check_shuffle", bad=("yes", 1, None)),
     Option("class_weight", "custom", checked_in="fitkit.data.weights", bad=("balanced", [1.0, 2.0])),
@@ -94,10 +108,19 @@ FIT = declare(
     Option("validation_steps", "int", minimum=1, allow_none=True, fix=_WHOLE),
     Option("validation_batch_size", "int", minimum=1, allow_none=True),
     Option("validation_freq", "custom", checked_in="fitkit.training.planning.plan_fit", bad=(0, "2", -1)),
-    Option("max_steps", "int", minimum=0, allow_none=True,
-           fix="pass the number of optimizer steps to train for, e.g. max_steps=1000, or None."),
-    Option("validation_interval", "custom", checked_in="fitkit.training.planning.plan_fit",
-           bad=(0, -1, "10", datetime.timedelta(0))),
+    Option(
+        "max_steps",
+        "int",
+        minimum=0,
+        allow_none=True,
+        fix="pass the number of optimizer steps to train for, e.g. max_steps=1000, or None.",
+    ),
+    Option(
+        "validation_interval",
+        "custom",
+        checked_in="fitkit.training.planning.plan_fit",
+        bad=(0, -1, "10", datetime.timedelta(0)),
+    ),
     Option("validate_at_end", "bool"),
     Option("min_epochs", "int", minimum=0, allow_none=True),
     Option("min_steps", "int", minimum=0, allow_none=True),

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from fitkit.callbacks.base import CallbackList
     from fitkit.model import Model
 
+
 # -- RNG states ------------------------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
     """Python, numpy, torch and CUDA RNG states, in a ``weights_only``-loadable form.
@@ -130,8 +131,10 @@ class OptimizerPart(Part):
     """The optimizer's state and class (gathered from its shards under FSDP)."""
 
     name = "optimizer"
-    spec = {"optimizer": (optional_check(mapping), "an optimizer state dict or None"),
-            "optimizer_class": (optional_check(is_str), "a class name or None")}  # fmt: skip
+    spec = {
+        "optimizer": (optional_check(mapping), "an optimizer state dict or None"),
+        "optimizer_class": (optional_check(is_str), "a class name or None"),
+    }
     optional = frozenset({"optimizer_class"})
 
     def __init__(self, model: Model, tensors: bool):
@@ -197,8 +200,10 @@ class SchedulerPart(Part):
     """The LR scheduler's state and class; a factory built at the first fit gets it at birth."""
 
     name = "scheduler"
-    spec = {"scheduler": (optional_check(mapping), "a scheduler state dict or None"),
-            "scheduler_class": (optional_check(is_str), "a class name or None")}  # fmt: skip
+    spec = {
+        "scheduler": (optional_check(mapping), "a scheduler state dict or None"),
+        "scheduler_class": (optional_check(is_str), "a class name or None"),
+    }
     optional = frozenset({"scheduler_class"})
 
     def __init__(self, model: Model):
@@ -206,8 +211,10 @@ class SchedulerPart(Part):
 
     def state_dict(self) -> dict[str, Any]:
         sched = None if self.stepper is None else self.stepper.scheduling.scheduler
-        return {"scheduler": sched.state_dict() if sched is not None else None,
-                "scheduler_class": type(sched).__name__ if sched is not None else None}  # fmt: skip
+        return {
+            "scheduler": sched.state_dict() if sched is not None else None,
+            "scheduler_class": type(sched).__name__ if sched is not None else None,
+        }
 
     def content_problems(self, state: Mapping[str, Any]) -> list[str]:
         """The fields every torch scheduler keeps, and for the model's scheduler class (built)
@@ -263,15 +270,29 @@ class PositionPart(Part):
         "pass_offset": (optional_check(is_count), "an int >= 0 or None"),
         "batch_size": (optional_check(positive), "an int >= 1 or None"),
         "world_size": (optional_check(positive), "an int >= 1 or None"),
-        "epoch_rng": (optional_check(torch_rng),
-                      f"a torch RNG state (a uint8 tensor of {TORCH_RNG_SIZE} bytes) or None"),
+        "epoch_rng": (
+            optional_check(torch_rng),
+            f"a torch RNG state (a uint8 tensor of {TORCH_RNG_SIZE} bytes) or None",
+        ),
         "lrs_used": (optional_check(_rates), "a list of floats (each parameter group's rate) or None"),
         "train_length": (optional_check(is_count), "an int >= 0 or None"),
         "train_fingerprint": (optional_check(lambda v: isinstance(v, str)), "a str or None"),
     }
-    optional = frozenset({"samples_in_epoch", "pass_offset", "batch_size", "world_size", "epoch_rng",
-                          "trackers", "data_order", "pass_start", "lrs_used", "train_length",
-                          "train_fingerprint"})  # fmt: skip
+    optional = frozenset(
+        {
+            "samples_in_epoch",
+            "pass_offset",
+            "batch_size",
+            "world_size",
+            "epoch_rng",
+            "trackers",
+            "data_order",
+            "pass_start",
+            "lrs_used",
+            "train_length",
+            "train_fingerprint",
+        }
+    )
 
     def __init__(self, model: Model):
         self.model = model
@@ -325,18 +346,28 @@ class CallbacksPart(Part):
     """The running fit's callback states (by class name) and what each watches."""
 
     name = "callbacks"
-    spec = {"callbacks": (lambda v: mapping(v) and all(isinstance(k, str) for k in v), "a dict of callback states"),
-            "callback_config": (optional_check(lambda v: mapping(v) and all(
-                mapping(w) and all(isinstance(x, str) for x in (*w, *w.values())) for w in v.values())),
-                "a dict {callback key: {'monitor' / 'mode': str}}")}  # fmt: skip
+    spec = {
+        "callbacks": (lambda v: mapping(v) and all(isinstance(k, str) for k in v), "a dict of callback states"),
+        "callback_config": (
+            optional_check(
+                lambda v: (
+                    mapping(v)
+                    and all(mapping(w) and all(isinstance(x, str) for x in (*w, *w.values())) for w in v.values())
+                )
+            ),
+            "a dict {callback key: {'monitor' / 'mode': str}}",
+        ),
+    }
     optional = frozenset({"callback_config"})
 
     def __init__(self, running: CallbackList | None):
         self.callbacks = stateful(running.callbacks if running is not None else [])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"callbacks": {k: cb.state_dict() for k, cb in self.callbacks.items()},
-                "callback_config": {k: cb.watches() for k, cb in self.callbacks.items()}}  # fmt: skip
+        return {
+            "callbacks": {k: cb.state_dict() for k, cb in self.callbacks.items()},
+            "callback_config": {k: cb.watches() for k, cb in self.callbacks.items()},
+        }
 
     def content_problems(self, state: Mapping[str, Any]) -> list[str]:
         out = super().content_problems(state)
@@ -349,8 +380,12 @@ class HistoryPart(Part):
     """The History so far (log values as Python numbers)."""
 
     name = "history"
-    spec = {"history": (lambda v: v is None or mapping(v), "a History state ({'history': {key: [numbers]}, "
-                        "'epoch': [ints]}) or None")}  # fmt: skip
+    spec = {
+        "history": (
+            lambda v: v is None or mapping(v),
+            "a History state ({'history': {key: [numbers]}, 'epoch': [ints]}) or None",
+        )
+    }
 
     def __init__(self, model: Model):
         self.model = model

@@ -44,8 +44,9 @@ if TYPE_CHECKING:
 __all__ = ["FitPlan", "call_args", "plan_fit", "check_data", "planned_keys", "callback_list"]
 
 
-def call_args(batch_size: int | None, steps: int | None, verbose: object, callbacks: object,
-              steps_name: str = "steps") -> tuple[int, int, list[Callback]]:  # fmt: skip
+def call_args(
+    batch_size: int | None, steps: int | None, verbose: object, callbacks: object, steps_name: str = "steps"
+) -> tuple[int, int, list[Callback]]:
     """The arguments ``fit``, ``evaluate`` and ``predict`` share, checked.
 
     Returns:
@@ -63,8 +64,10 @@ def call_args(batch_size: int | None, steps: int | None, verbose: object, callba
 
 
 #: The fix for a float step count (Keras documents them as ints: whole batches).
-_WHOLE_BATCHES = ("steps count whole batches (as in Keras); for a fraction of the data pass "
-                  "limit_train_batches= / limit_val_batches= a float, or epochs= a float.")  # fmt: skip
+_WHOLE_BATCHES = (
+    "steps count whole batches (as in Keras); for a fraction of the data pass "
+    "limit_train_batches= / limit_val_batches= a float, or epochs= a float."
+)
 
 
 @dataclass(frozen=True)
@@ -127,26 +130,39 @@ def plan_fit(model: Model, x: object, y: object, options: Mapping[str, Any]) -> 
     """
     o = dict(options)
     _check_stop_options(o)
-    quick = check_quick(o["fast_dev_run"], o["overfit_batches"], o["limit_train_batches"], o["limit_val_batches"],
-                        o["num_sanity_val_steps"], x=x, steps_per_epoch=o["steps_per_epoch"],
-                        validation_steps=o["validation_steps"])  # fmt: skip
+    quick = check_quick(
+        o["fast_dev_run"],
+        o["overfit_batches"],
+        o["limit_train_batches"],
+        o["limit_val_batches"],
+        o["num_sanity_val_steps"],
+        x=x,
+        steps_per_epoch=o["steps_per_epoch"],
+        validation_steps=o["validation_steps"],
+    )
     callbacks = with_compiled_ema(model.compiled_ema, _with_time_budget(o["max_time"], o["callbacks"]))
     _check_batches_itself(x, o["batch_size"], "x", "batch_size")
-    _check_batches_itself(o["validation_data"], o["validation_batch_size"], "validation_data",
-                          "validation_batch_size")  # fmt: skip
+    _check_batches_itself(o["validation_data"], o["validation_batch_size"], "validation_data", "validation_batch_size")
     _warn_shuffle_not_applied(x, o["shuffle"])
-    o["batch_size"], o["verbose"], o["callbacks"] = call_args(o["batch_size"], o["steps_per_epoch"], o["verbose"],
-                                                              callbacks, "steps_per_epoch")  # fmt: skip
+    o["batch_size"], o["verbose"], o["callbacks"] = call_args(
+        o["batch_size"], o["steps_per_epoch"], o["verbose"], callbacks, "steps_per_epoch"
+    )
     _apply_quick(o, quick)
     o["epochs"], fraction = _budget.fractional_epochs(o["epochs"])  # epochs=2.5: a step budget, below
-    check_int("max_samples", o["max_samples"], 1, allow_none=True,
-              fix="pass the samples to train on, e.g. max_samples=10_000.")  # fmt: skip
+    check_int(
+        "max_samples",
+        o["max_samples"],
+        1,
+        allow_none=True,
+        fix="pass the samples to train on, e.g. max_samples=10_000.",
+    )
     unbounded = o["max_samples"] is not None and o["epochs"] is None  # the sample budget ends the fit
     o["epochs"] = None if unbounded else _budget.check_max_steps(o["max_steps"], o["epochs"])
     _check_scalars(o, x)
     schedule = ValidationSchedule(o["validation_freq"])
-    interval = _check_interval(o["validation_interval"], o["validation_freq"], o["validation_data"],
-                               o["validation_split"])  # fmt: skip
+    interval = _check_interval(
+        o["validation_interval"], o["validation_freq"], o["validation_data"], o["validation_split"]
+    )
     _check_callbacks(model, o["callbacks"], o["validation_data"] is not None or bool(o["validation_split"]))
     train, val, example = _loaders(model, x, y, o)
     if quick.active:
@@ -230,15 +246,22 @@ def _loaders(model: Model, x: object, y: object, o: dict[str, Any]) -> tuple[Any
     sample_weight, validation_data = o["sample_weight"], o["validation_data"]
     if o["validation_split"]:
         if validation_data is not None:
-            warnings.warn("`validation_data` is given, so `validation_split` is ignored.", category=FitkitWarning,
-                          stacklevel=4)  # fmt: skip
+            warnings.warn(
+                "`validation_data` is given, so `validation_split` is ignored.", category=FitkitWarning, stacklevel=4
+            )
         else:
-            (x, y, sample_weight), validation_data = _data.split_validation(x, y, sample_weight,
-                                                                            o["validation_split"])  # fmt: skip
+            (x, y, sample_weight), validation_data = _data.split_validation(x, y, sample_weight, o["validation_split"])
     train = _distributed.sharded(
-        _data.as_loader, x, y, sample_weight, batch_size=o["batch_size"], shuffle=o["shuffle"],
-        class_weight=o["class_weight"], steps=o["steps_per_epoch"], device=model.device,
-    )  # fmt: skip
+        _data.as_loader,
+        x,
+        y,
+        sample_weight,
+        batch_size=o["batch_size"],
+        shuffle=o["shuffle"],
+        class_weight=o["class_weight"],
+        steps=o["steps_per_epoch"],
+        device=model.device,
+    )
     val = None
     if validation_data is not None:
         val = validation_loaders(model, validation_data, o["validation_batch_size"] or o["batch_size"])
@@ -249,10 +272,18 @@ def _loaders(model: Model, x: object, y: object, o: dict[str, Any]) -> tuple[Any
     return train, val, example
 
 
-def _planned(model: Model, o: dict[str, Any], x: object, train: DeviceLoader,
-             val: DeviceLoader | ValidationSets | None, example: object,
-             schedule: ValidationSchedule, interval: ValidationInterval | None, fraction: float | None,
-             quick: QuickRun) -> FitPlan:  # fmt: skip
+def _planned(
+    model: Model,
+    o: dict[str, Any],
+    x: object,
+    train: DeviceLoader,
+    val: DeviceLoader | ValidationSets | None,
+    example: object,
+    schedule: ValidationSchedule,
+    interval: ValidationInterval | None,
+    fraction: float | None,
+    quick: QuickRun,
+) -> FitPlan:
     """The budgets and the callbacks' params of a checked fit: the :class:`FitPlan`."""
     stepper, epochs, max_steps, initial_epoch = model._core.stepper, o["epochs"], o["max_steps"], o["initial_epoch"]
     fit_accumulation = _callback_schedule(stepper, o["callbacks"])
@@ -265,9 +296,16 @@ def _planned(model: Model, o: dict[str, Any], x: object, train: DeviceLoader,
         max_steps = steps if max_steps is None else min(max_steps, steps)
     total, shown = _plan_steps(model, train, epochs, max_steps, accumulation)
     fit_steps = _reach.fit_steps(model.global_step, train.num_batches, accumulation, initial_epoch, epochs, max_steps)
-    _reach.warn_unreachable(model, max_steps=max_steps, interval=interval, validation_interval=o["validation_interval"],
-                            steps=fit_steps, initial_epoch=initial_epoch, epochs=epochs,
-                            callbacks=o["callbacks"])  # fmt: skip
+    _reach.warn_unreachable(
+        model,
+        max_steps=max_steps,
+        interval=interval,
+        validation_interval=o["validation_interval"],
+        steps=fit_steps,
+        initial_epoch=initial_epoch,
+        epochs=epochs,
+        callbacks=o["callbacks"],
+    )
     if interval is not None and interval.fraction:
         interval.plan(train.num_batches)  # ValueError when the epoch's steps are unknown
     if not quick.active:  # a quick run replaces the budgets; fitkit.training.budget
@@ -279,19 +317,38 @@ def _planned(model: Model, o: dict[str, Any], x: object, train: DeviceLoader,
     by_epoch = validates and shown and interval is None
     # A source that makes its own batches (a DataLoader, an iterable of batches) records its own size.
     recorded = train.batch_size if _data.batches_itself(x) else o["batch_size"]
-    params = {"batch_size": recorded, "do_validation": validates, "metrics": planned_keys(model, validates, val),
-              # the (0-based) epochs whose validation is scheduled
-              "validation_epochs": schedule.epochs(initial_epoch, shown) if by_epoch and shown else [],
-              "validation_interval": o["validation_interval"],
-              "max_steps": max_steps, "total_steps": total}  # fmt: skip
+    params = {
+        "batch_size": recorded,
+        "do_validation": validates,
+        "metrics": planned_keys(model, validates, val),
+        # the (0-based) epochs whose validation is scheduled
+        "validation_epochs": schedule.epochs(initial_epoch, shown) if by_epoch and shown else [],
+        "validation_interval": o["validation_interval"],
+        "max_steps": max_steps,
+        "total_steps": total,
+    }
     return FitPlan(
-        train=train, val=val, schedule=schedule, interval=interval, verbose=o["verbose"],
-        callbacks=tuple(o["callbacks"]), params=params, example=example, initial_epoch=initial_epoch,
-        epochs=epochs, shown_epochs=shown, total_steps=total, max_steps=max_steps,
-        accumulation=fit_accumulation, validation_steps=o["validation_steps"],
-        validate_at_end=o["validate_at_end"], min_epochs=o["min_epochs"], min_steps=o["min_steps"],
-        sanity_steps=quick.sanity_steps, resume=o["resume"],
-    )  # fmt: skip
+        train=train,
+        val=val,
+        schedule=schedule,
+        interval=interval,
+        verbose=o["verbose"],
+        callbacks=tuple(o["callbacks"]),
+        params=params,
+        example=example,
+        initial_epoch=initial_epoch,
+        epochs=epochs,
+        shown_epochs=shown,
+        total_steps=total,
+        max_steps=max_steps,
+        accumulation=fit_accumulation,
+        validation_steps=o["validation_steps"],
+        validate_at_end=o["validate_at_end"],
+        min_epochs=o["min_epochs"],
+        min_steps=o["min_steps"],
+        sanity_steps=quick.sanity_steps,
+        resume=o["resume"],
+    )
 
 
 def _check_batches_itself(source: object, size: int | None, name: str, size_name: str) -> None:
@@ -336,7 +393,8 @@ def _warn_shuffle_not_applied(x: object, shuffle: object) -> None:
             "fit(shuffle=False) does not apply to a DataLoader, which draws its own order: this one shuffles "
             "(its sampler is a RandomSampler). Fix: build it with `DataLoader(..., shuffle=False)`, or pass its "
             "Dataset to fit with shuffle=False.",
-            category=FitkitWarning, stacklevel=4,
+            category=FitkitWarning,
+            stacklevel=4,
         )
 
 
@@ -364,8 +422,9 @@ def _accumulation(stepper: Stepper, fit_accumulation: Callable[[int], int] | Non
     return fit_accumulation or stepper.accumulation_schedule or (lambda epoch: k)
 
 
-def _plan_steps(model: Model, train: DeviceLoader, epochs: int | None, max_steps: int | None,
-                accumulation: Callable[[int], int]) -> tuple[int | None, int | None]:  # fmt: skip
+def _plan_steps(
+    model: Model, train: DeviceLoader, epochs: int | None, max_steps: int | None, accumulation: Callable[[int], int]
+) -> tuple[int | None, int | None]:
     """``(total_steps, epochs shown to callbacks)``; ``ValueError`` when a scheduler factory
     asks for the step count and it cannot be known."""
     stepper = model._core.stepper
@@ -398,13 +457,15 @@ def _warn_nothing_to_train(model: Model, initial_epoch: int, epochs: int | None)
         warnings.warn(
             f"initial_epoch={initial_epoch} >= epochs={epochs}: nothing will train (`epochs` is the index "
             "of the last epoch, as in Keras). Fix: pass epochs > initial_epoch.",
-            category=FitkitWarning, stacklevel=4,
+            category=FitkitWarning,
+            stacklevel=4,
         )
     if not any(p.requires_grad for p in model.module.parameters()):
         warnings.warn(
             "The module has no trainable parameter: fit computes and logs the loss and metrics, but "
             "no weight changes. Fix: set `requires_grad=True` on the parameters to train.",
-            category=FitkitWarning, stacklevel=4,
+            category=FitkitWarning,
+            stacklevel=4,
         )
 
 
@@ -436,9 +497,7 @@ def check_data(model: Model, loader: _data.DeviceLoader, name: str, training: bo
             return _check_first_validation_batch(model, loader)
         return None
     if src.n == 0:
-        raise ValueError(
-            f"`{name}` has 0 samples. Fix: pass at least one sample (an empty split or filter?)."
-        )
+        raise ValueError(f"`{name}` has 0 samples. Fix: pass at least one sample (an empty split or filter?).")
     return in_memory_check(model, src, training=training and type(src) is _data.TensorBatches)
 
 
@@ -495,8 +554,15 @@ def planned_keys(model: Model, validates: bool, val: DeviceLoader | ValidationSe
     return keys + lr_names + val_keys
 
 
-def callback_list(model: Model, callbacks: list[Callback], verbose: int, epochs: int | None, steps: int | None,
-                  history: History | None = None, **params: object) -> CallbackList:  # fmt: skip
+def callback_list(
+    model: Model,
+    callbacks: list[Callback],
+    verbose: int,
+    epochs: int | None,
+    steps: int | None,
+    history: History | None = None,
+    **params: object,
+) -> CallbackList:
     """The call's :class:`CallbackList`: the user's callbacks, then ``history`` and the bar."""
     verbose = verbose if _distributed.is_rank_zero() else 0  # torchrun: rank 0 prints
     cbs = list(callbacks)

@@ -56,9 +56,18 @@ class Position:
         10
     """
 
-    def __init__(self, epoch: int = 0, batches: int = 0, samples: int = 0, pass_offset: int = 0,
-                 batch_size: int | None = None, world: int = 1, n_used: int | None = None,
-                 epoch_rng: torch.Tensor | None = None, pass_start: dict[str, Any] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        epoch: int = 0,
+        batches: int = 0,
+        samples: int = 0,
+        pass_offset: int = 0,
+        batch_size: int | None = None,
+        world: int = 1,
+        n_used: int | None = None,
+        epoch_rng: torch.Tensor | None = None,
+        pass_start: dict[str, Any] | None = None,
+    ):
         self.epoch = epoch
         self.batches = batches
         self._samples = samples
@@ -139,9 +148,10 @@ class Position:
             source = type(getattr(loader.batches, "source", loader.batches)).__name__
             why = (
                 "it is marked already_sharded: each rank's share is your own split, which fitkit cannot redo"
-                if user else f"fitkit does not know the order of this source ({source}: an iterable, a sampler "
+                if user
+                else f"fitkit does not know the order of this source ({source}: an iterable, a sampler "
                 "of its own or a DistributedSampler) as one list of samples, so it resumes by batches"
-            )  # fmt: skip
+            )
             raise ValueError(
                 f"The checkpoint was taken inside epoch {self.epoch + 1} on {self.saved_world} process(es), and "
                 f"this fit runs on {now}. The data cannot be re-split: {why}, and batches at another world size "
@@ -180,8 +190,13 @@ class Position:
         """
         state: dict[str, Any]
         if self.in_epoch:
-            state = {"epoch": self.epoch, "step_in_epoch": self.batches, "samples_in_epoch": self.samples,
-                     "pass_offset": pass_offset, "world_size": max(self.world, _processes())}  # fmt: skip
+            state = {
+                "epoch": self.epoch,
+                "step_in_epoch": self.batches,
+                "samples_in_epoch": self.samples,
+                "pass_offset": pass_offset,
+                "world_size": max(self.world, _processes()),
+            }
         else:
             state = {"epoch": self.epochs_done, "step_in_epoch": 0, "samples_in_epoch": 0, "pass_offset": pass_offset}
         if pass_start is not None and (self.in_epoch or pass_offset):
@@ -192,10 +207,14 @@ class Position:
     def load_state_dict(cls, state: dict[str, Any]) -> Position:
         """The position a checkpoint's ``state`` holds (files of every fitkit version read)."""
         return cls(
-            epoch=int(state["epoch"]), batches=int(state["step_in_epoch"]),
-            samples=int(state.get("samples_in_epoch") or 0), pass_offset=int(state.get("pass_offset") or 0),
-            batch_size=state.get("batch_size"), epoch_rng=state.get("epoch_rng"), pass_start=state.get("pass_start"),
-        )._saved_on(state.get("world_size"))  # fmt: skip
+            epoch=int(state["epoch"]),
+            batches=int(state["step_in_epoch"]),
+            samples=int(state.get("samples_in_epoch") or 0),
+            pass_offset=int(state.get("pass_offset") or 0),
+            batch_size=state.get("batch_size"),
+            epoch_rng=state.get("epoch_rng"),
+            pass_start=state.get("pass_start"),
+        )._saved_on(state.get("world_size"))
 
     def _saved_on(self, world: int | None) -> Position:
         self.saved_world = None if world is None else int(world)  # None: a file of an older fitkit

@@ -45,8 +45,14 @@ if TYPE_CHECKING:
     from fitkit.training.stepper import Stepper
 
 __all__ = [
-    "prepare_in_memory", "cast_to_module", "first_batch_check", "wrap", "describe", "has_training_batchnorm",
-    "BatchGuard", "leaves_no_trace",
+    "prepare_in_memory",
+    "cast_to_module",
+    "first_batch_check",
+    "wrap",
+    "describe",
+    "has_training_batchnorm",
+    "BatchGuard",
+    "leaves_no_trace",
 ]
 
 
@@ -79,8 +85,12 @@ def leaves_no_trace(module: nn.Module, loader: Any = None) -> Iterator[None]:
     order = _order.capture(loader) if loader is not None else None
     # A lazy module's uninitialized buffer has no values yet (the check's forward initializes it,
     # as the first step would).
-    buffers = [(m, name, b, _version(b), b.detach().clone()) for m in module.modules()
-               for name, b in m._buffers.items() if b is not None and not is_lazy(b)]  # fmt: skip
+    buffers = [
+        (m, name, b, _version(b), b.detach().clone())
+        for m in module.modules()
+        for name, b in m._buffers.items()
+        if b is not None and not is_lazy(b)
+    ]
     try:
         yield
     finally:
@@ -203,7 +213,8 @@ def prepare_in_memory(source: TensorBatches, module: nn.Module, training: bool, 
             f"{source.n} training samples with batch_size={source.batch_size} leave a last batch of "
             "one row, which BatchNorm cannot train on; that row is left out of each epoch. "
             "Fix: choose a batch_size that does not leave one sample over.",
-            category=FitkitWarning, stacklevel=4,
+            category=FitkitWarning,
+            stacklevel=4,
         )
 
 
@@ -231,8 +242,9 @@ def _first_batch(source: TensorBatches, device: torch.device) -> tuple[Any, Any,
     return device_batch(x, y, w, device=device)  # through DeviceLoader, as every batch
 
 
-def wrap(what: str, batch: Any, e: Exception, module: nn.Module | None = None, y_pred: Any = None,
-         label: str = "first batch") -> Exception:  # fmt: skip
+def wrap(
+    what: str, batch: Any, e: Exception, module: nn.Module | None = None, y_pred: Any = None, label: str = "first batch"
+) -> Exception:
     """The error to raise for ``e``, raised by ``what`` on the first batch: what was fed and a fix.
 
     fitkit's own errors (a ``ValueError`` / ``TypeError`` that names a fix) and out-of-memory
@@ -248,12 +260,16 @@ def wrap(what: str, batch: Any, e: Exception, module: nn.Module | None = None, y
         fix = keys_fix
     elif what == "module's forward" and dtype is not None and any(d != dtype for d in floats):
         other = str(next(d for d in floats if d != dtype)).replace("torch.", "")
-        fix = (f"the module's parameters are {str(dtype).replace('torch.', '')} and x is {other}: convert the "
-               "inputs (e.g. `x.float()`); fitkit converts in-memory arrays, not the batches of a DataLoader")
+        fix = (
+            f"the module's parameters are {str(dtype).replace('torch.', '')} and x is {other}: convert the "
+            "inputs (e.g. `x.float()`); fitkit converts in-memory arrays, not the batches of a DataLoader"
+        )
     elif what == "loss" and y_pred is not None and not isinstance(y_pred, torch.Tensor):
         kind = f"a dict with keys {list(y_pred)}" if isinstance(y_pred, dict) else f"a {type(y_pred).__name__}"
-        fix = (f"the module returns {kind} and the compiled loss takes a tensor: return one tensor, return "
-               "a dict with a \"loss\" entry and compile(loss=None), or override compute_loss")
+        fix = (
+            f"the module returns {kind} and the compiled loss takes a tensor: return one tensor, return "
+            'a dict with a "loss" entry and compile(loss=None), or override compute_loss'
+        )
     return ValueError(
         f"The {label} failed in the {what}: {type(e).__name__}: {str(e).rstrip('.')}. It was fed "
         f"{describe(batch)}. Fix: {fix} (the original error is chained below)."
@@ -292,24 +308,34 @@ def dict_keys_fix(module: Any, x: Any) -> str | None:
         return None
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     extra = [] if any(p.kind is p.VAR_KEYWORD for p in params) else [k for k in x if k not in named]
-    missing = [p.name for p in params if p.default is p.empty and p.name not in x
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.name not in x and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     if not extra and not missing:
         return None
     shown = "(" + str(sig)[1:-1].replace("'", "") + ")"
-    text = (f"a dict batch is passed as `forward(**batch)`, so its keys must be forward's parameters. "
-            f"Batch keys: {list(x)}; forward's parameters: {shown}")
+    text = (
+        f"a dict batch is passed as `forward(**batch)`, so its keys must be forward's parameters. "
+        f"Batch keys: {list(x)}; forward's parameters: {shown}"
+    )
     if extra:
         text += f"; not taken by forward: {extra}"
     if missing:
         text += f"; required by forward but not in the batch: {missing}"
     if missing or [k for k in extra if k != "labels"]:
         # Never "drop `labels`": it is the loss's target, which the next sentence keeps.
-        text += (". Drop or rename the keys forward does not take" + (" (keep `labels`)" if "labels" in extra else "")
-                 + " (e.g. `Dataset.remove_columns` / `rename_column`, or a `collate_fn`), or add them to forward")
+        text += (
+            ". Drop or rename the keys forward does not take"
+            + (" (keep `labels`)" if "labels" in extra else "")
+            + " (e.g. `Dataset.remove_columns` / `rename_column`, or a `collate_fn`), or add them to forward"
+        )
     if "labels" in extra:
-        text += (". Keep `labels`, the loss's target: a module without a `labels` parameter needs a compiled loss "
-                 "(`compile(loss=...)`): the batch's `labels` are then its targets and are not passed to forward")
+        text += (
+            ". Keep `labels`, the loss's target: a module without a `labels` parameter needs a compiled loss "
+            "(`compile(loss=...)`): the batch's `labels` are then its targets and are not passed to forward"
+        )
     return text
 
 
@@ -363,7 +389,13 @@ def first_batch_check(
 
 
 def _check_without_loss(
-    model: Model, batch: tuple[Any, Any, Any], y: Any, y_pred: Any, y_all: Any, label: str, training: bool,
+    model: Model,
+    batch: tuple[Any, Any, Any],
+    y: Any,
+    y_pred: Any,
+    y_all: Any,
+    label: str,
+    training: bool,
     grad: bool,
 ) -> None:
     """``loss=None``: the output's own loss, or (training) the fix, or (evaluation) something to log."""
@@ -551,8 +583,11 @@ class _Same:
         self.refs = [_ref(o) for o in objects]
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and len(self.refs) == len(other.refs) and all(
-            a() is not None and a() is b() for a, b in zip(self.refs, other.refs, strict=True))
+        return (
+            isinstance(other, _Same)
+            and len(self.refs) == len(other.refs)
+            and all(a() is not None and a() is b() for a, b in zip(self.refs, other.refs, strict=True))
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -567,11 +602,21 @@ def _ref(o: Any) -> Any:
 def _checked_signature(model: Model, source: TensorBatches, training: bool) -> tuple[Any, ...]:
     leaves = [t for part in (source.x, source.y, source.w) if part is not None for t in nest.leaves(part)]
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    params = tuple((n, None if is_lazy(p) else tuple(p.shape), p.dtype, p.device, p.requires_grad)
-                   for n, p in model.module.named_parameters())  # fmt: skip
+    params = tuple(
+        (n, None if is_lazy(p) else tuple(p.shape), p.dtype, p.device, p.requires_grad)
+        for n, p in model.module.named_parameters()
+    )
     steps = (model.default_train_step, model.default_test_step, model.default_compute_loss)
-    return (_Same([*tensors, model.loss, model.metrics]), tuple(t._version for t in tensors), source.n,
-            source.batch_size, training, steps, str(model.precision), params)  # fmt: skip
+    return (
+        _Same([*tensors, model.loss, model.metrics]),
+        tuple(t._version for t in tensors),
+        source.n,
+        source.batch_size,
+        training,
+        steps,
+        str(model.precision),
+        params,
+    )
 
 
 class BatchGuard:
@@ -609,7 +654,8 @@ class BatchGuard:
                 f"Batch {step} of epoch {epoch + 1} has one row, which BatchNorm cannot train on; it is "
                 "skipped, as is every later one-row training batch of this fit. Fix: use `drop_last=True` in "
                 "the DataLoader, or a batch size that leaves no single row.",
-                category=FitkitWarning, stacklevel=5,
+                category=FitkitWarning,
+                stacklevel=5,
             )
         return True
 

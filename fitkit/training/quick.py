@@ -88,16 +88,27 @@ class QuickRun:
         sanity_steps: validation batches run before step 1 (-1: all, 0: none).
     """
 
-    def __init__(self, fast_dev_run: int, overfit_batches: int | float, limit_train: int | float | None,
-                 limit_val: int | float | None, sanity_steps: int):  # fmt: skip
+    def __init__(
+        self,
+        fast_dev_run: int,
+        overfit_batches: int | float,
+        limit_train: int | float | None,
+        limit_val: int | float | None,
+        sanity_steps: int,
+    ):
         self.fast_dev_run, self.overfit_batches = fast_dev_run, overfit_batches
         self.limit_train, self.limit_val, self.sanity_steps = limit_train, limit_val, sanity_steps
 
     @property
     def active(self) -> bool:
         """Whether any of the options changes the fit."""
-        return bool(self.fast_dev_run or self.overfit_batches or self.limit_train is not None
-                    or self.limit_val is not None or self.sanity_steps)  # fmt: skip
+        return bool(
+            self.fast_dev_run
+            or self.overfit_batches
+            or self.limit_train is not None
+            or self.limit_val is not None
+            or self.sanity_steps
+        )
 
     def overrides(self, initial_epoch: int) -> dict[str, Any]:
         """The ``fit`` arguments these options replace: ``fast_dev_run`` runs one epoch
@@ -105,8 +116,7 @@ class QuickRun:
         (``validation_freq=1``, no ``validation_interval``); ``overfit_batches`` turns
         shuffling off (the same batches every epoch)."""
         if self.fast_dev_run:
-            return {"epochs": initial_epoch + 1, "max_steps": None, "validation_freq": 1,
-                    "validation_interval": None}  # fmt: skip
+            return {"epochs": initial_epoch + 1, "max_steps": None, "validation_freq": 1, "validation_interval": None}
         if self.overfit_batches:
             return {"shuffle": False}
         return {}
@@ -131,10 +141,17 @@ class QuickRun:
         return val.map(cap) if isinstance(val, ValidationSets) else cap(val)  # each named set capped alike
 
 
-def check_quick(fast_dev_run: bool | int = False, overfit_batches: int | float = 0,
-                limit_train_batches: int | float | None = None, limit_val_batches: int | float | None = None,
-                num_sanity_val_steps: int = 0, *, x: object = None,
-                steps_per_epoch: int | None = None, validation_steps: int | None = None) -> QuickRun:  # fmt: skip
+def check_quick(
+    fast_dev_run: bool | int = False,
+    overfit_batches: int | float = 0,
+    limit_train_batches: int | float | None = None,
+    limit_val_batches: int | float | None = None,
+    num_sanity_val_steps: int = 0,
+    *,
+    x: object = None,
+    steps_per_epoch: int | None = None,
+    validation_steps: int | None = None,
+) -> QuickRun:
     """Check ``fit``'s quick-run arguments before anything runs.
 
     Raises:
@@ -172,8 +189,15 @@ def check_quick(fast_dev_run: bool | int = False, overfit_batches: int | float =
         )
     n = int(fast_dev_run)
     overfit = overfit_batches or 0
-    given = {k: v for k, v in (("overfit_batches", overfit), ("limit_train_batches", limit_train_batches),
-                               ("limit_val_batches", limit_val_batches)) if v not in (None, 0)}  # fmt: skip
+    given = {
+        k: v
+        for k, v in (
+            ("overfit_batches", overfit),
+            ("limit_train_batches", limit_train_batches),
+            ("limit_val_batches", limit_val_batches),
+        )
+        if v not in (None, 0)
+    }
     if n and given:
         k, v = next(iter(given.items()))
         raise ValueError(
@@ -187,8 +211,11 @@ def check_quick(fast_dev_run: bool | int = False, overfit_batches: int | float =
             "limits training and validation alike, as in Lightning). Fix: pass one of them."
         )
     if steps_per_epoch is not None and (limit_train_batches is not None or overfit):
-        k, v = ("limit_train_batches", limit_train_batches) if limit_train_batches is not None else \
-            ("overfit_batches", overfit)  # fmt: skip
+        k, v = (
+            ("limit_train_batches", limit_train_batches)
+            if limit_train_batches is not None
+            else ("overfit_batches", overfit)
+        )
         raise ValueError(
             f"{k}={v!r} and steps_per_epoch={steps_per_epoch!r} both set the batches of an epoch. Fix: pass "
             f"one of them ({k} takes the first batches of every epoch's pass; steps_per_epoch carries the "
@@ -238,8 +265,11 @@ def sanity_check(model: Model, val: DeviceLoader | ValidationSets | None, steps:
     """
     if val is None or not steps:
         return
-    sets = [(f"validation_data[{n!r}]", v) for n, v in val.items()] if isinstance(val, ValidationSets) \
-        else [("validation_data", val)]  # every named set, as Lightning checks each val loader
+    sets = (
+        [(f"validation_data[{n!r}]", v) for n, v in val.items()]
+        if isinstance(val, ValidationSets)
+        else [("validation_data", val)]
+    )  # every named set, as Lightning checks each val loader
     counts = [_sanity_batches(what, loader, steps) for what, loader in sets]  # all refusals before any run
     for (what, loader), n in zip(sets, counts, strict=True):
         batches = loader.batches

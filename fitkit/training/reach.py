@@ -25,8 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["fit_steps", "warn_unreachable"]
 
 
-def fit_steps(global_step: int, batches: int | None, accumulation: Callable[[int], int], initial_epoch: int,
-              epochs: int | None, max_steps: int | None) -> int | None:  # fmt: skip
+def fit_steps(
+    global_step: int,
+    batches: int | None,
+    accumulation: Callable[[int], int],
+    initial_epoch: int,
+    epochs: int | None,
+    max_steps: int | None,
+) -> int | None:
     """The optimizer steps this fit can take (``None``: unknown before it runs).
 
     Args:
@@ -51,24 +57,35 @@ def fit_steps(global_step: int, batches: int | None, accumulation: Callable[[int
     return left if by_epochs is None else min(left, by_epochs)
 
 
-def warn_unreachable(model: Model, *, max_steps: int | None, interval: ValidationInterval | None,
-                     validation_interval: object,
-                     steps: int | None, initial_epoch: int, epochs: int | None,
-                     callbacks: list[Any]) -> None:  # fmt: skip
+def warn_unreachable(
+    model: Model,
+    *,
+    max_steps: int | None,
+    interval: ValidationInterval | None,
+    validation_interval: object,
+    steps: int | None,
+    initial_epoch: int,
+    epochs: int | None,
+    callbacks: list[Any],
+) -> None:
     """A ``FitkitWarning`` for each budget already spent and each interval longer than the fit."""
     step = model.global_step
     if max_steps is not None and step >= max_steps:
-        _warn(f"fit(max_steps={max_steps}) is already spent: the model has taken {step} optimizer steps "
-              "(`max_steps` counts `model.global_step`, across fits), so this fit trains nothing. Fix: pass "
-              f"max_steps > {step}, e.g. max_steps=model.global_step + 100, or drop it and pass `epochs=`.")
+        _warn(
+            f"fit(max_steps={max_steps}) is already spent: the model has taken {step} optimizer steps "
+            "(`max_steps` counts `model.global_step`, across fits), so this fit trains nothing. Fix: pass "
+            f"max_steps > {step}, e.g. max_steps=model.global_step + 100, or drop it and pass `epochs=`."
+        )
         return
     if interval is not None and interval.steps_between and not interval.fraction and steps is not None:
         k = interval.steps_between
         if (step + steps) // k == step // k:  # no step of this fit lands on a multiple of k
-            _warn(f"fit(validation_interval={validation_interval!r}) is longer than this fit: it validates at every "
-                  f"{k}th optimizer step, but the fit goes from step {step} to {step + steps}, so it never "
-                  "validates (and callbacks that monitor `val_` keys never act). Fix: pass validation_interval <= "
-                  f"{max(1, steps)}, a fraction of the epoch such as 0.5, or drop it to validate at each epoch end.")
+            _warn(
+                f"fit(validation_interval={validation_interval!r}) is longer than this fit: it validates at every "
+                f"{k}th optimizer step, but the fit goes from step {step} to {step + steps}, so it never "
+                "validates (and callbacks that monitor `val_` keys never act). Fix: pass validation_interval <= "
+                f"{max(1, steps)}, a fraction of the epoch such as 0.5, or drop it to validate at each epoch end."
+            )
     _warn_early_stopping(callbacks, initial_epoch, epochs, interval is not None)
     _warn_checkpoint_epochs(callbacks, initial_epoch, epochs)
 
@@ -80,11 +97,17 @@ def _warn_checkpoint_epochs(callbacks: list[Any], initial_epoch: int, epochs: in
         return
     for cb in callbacks:
         n = cb.every_n_epochs if isinstance(cb, ModelCheckpoint) else 0
-        if n and cb.save_freq == "epoch" and cb.last_path is None \
-                and not any((e + 1) % n == 0 for e in range(initial_epoch, epochs)):  # fmt: skip
-            _warn(f"ModelCheckpoint(every_n_epochs={n}) writes nothing in this fit: it saves at epochs {n}, "
-                  f"{2 * n}, ... (1-based), and the fit runs epochs {initial_epoch + 1} to {epochs}. Fix: pass "
-                  f"every_n_epochs <= {epochs}, more epochs, or save_last=True for a file at every epoch end.")
+        if (
+            n
+            and cb.save_freq == "epoch"
+            and cb.last_path is None
+            and not any((e + 1) % n == 0 for e in range(initial_epoch, epochs))
+        ):
+            _warn(
+                f"ModelCheckpoint(every_n_epochs={n}) writes nothing in this fit: it saves at epochs {n}, "
+                f"{2 * n}, ... (1-based), and the fit runs epochs {initial_epoch + 1} to {epochs}. Fix: pass "
+                f"every_n_epochs <= {epochs}, more epochs, or save_last=True for a file at every epoch end."
+            )
 
 
 def _warn_early_stopping(callbacks: list[Any], initial_epoch: int, epochs: int | None, by_interval: bool) -> None:
@@ -96,9 +119,11 @@ def _warn_early_stopping(callbacks: list[Any], initial_epoch: int, epochs: int |
         if not isinstance(cb, EarlyStopping) or (by_interval and cb.monitor.startswith("val_")):
             continue
         if epochs <= max(initial_epoch, cb.start_from_epoch):  # no epoch end it decides at
-            _warn(f"EarlyStopping(start_from_epoch={cb.start_from_epoch}) never acts: this fit ends after epoch "
-                  f"index {epochs - 1} (epochs={epochs}), before the first epoch it watches. Fix: pass "
-                  f"start_from_epoch < {epochs}, or more epochs.")
+            _warn(
+                f"EarlyStopping(start_from_epoch={cb.start_from_epoch}) never acts: this fit ends after epoch "
+                f"index {epochs - 1} (epochs={epochs}), before the first epoch it watches. Fix: pass "
+                f"start_from_epoch < {epochs}, or more epochs."
+            )
 
 
 def _warn(message: str) -> None:

@@ -97,15 +97,21 @@ class Resume:
         (None, (0, None))
     """
 
-    def __init__(self, train: DeviceLoader | None, position: Position | None, scheduling: SchedulerDriver | None = None,
-                 mode: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        train: DeviceLoader | None,
+        position: Position | None,
+        scheduling: SchedulerDriver | None = None,
+        mode: str | None = None,
+    ):
         self.train, self.position, self.scheduling, self.mode = train, position, scheduling, mode
         self.pending: ResumePoint | None = None  # taken, not yet applied to an epoch
         # steps_per_epoch: a boundary resume's carried-over pass (offset, what drew it), for its epoch
         self.epoch_pass: tuple[int, dict[str, Any] | None] = (0, None)
 
-    def take(self, before: ResumePoint | None, late: ResumePoint | None, start_epoch: int,
-             callbacks: CallbackList) -> int:  # fmt: skip
+    def take(
+        self, before: ResumePoint | None, late: ResumePoint | None, start_epoch: int, callbacks: CallbackList
+    ) -> int:
         """After ``on_train_begin``: the point loaded before fit (``before``) or by a callback
         (``late``: the fit starts at its epoch). Callback states and the History are loaded now.
 
@@ -123,7 +129,8 @@ class Resume:
                 f"The loaded checkpoint continues at epoch {point.epoch}, but fit starts at "
                 f"initial_epoch={start_epoch}; its position and RNG state are not used. "
                 f"Fix: fit(..., initial_epoch={point.epoch}).",
-                category=FitkitWarning, stacklevel=5,
+                category=FitkitWarning,
+                stacklevel=5,
             )
             return start_epoch
         self.pending = self._same_data(point)
@@ -143,9 +150,11 @@ class Resume:
         changed = [k for k in before if k in now and now[k] != before[k]]
         if not changed:
             return point
-        what = (f"{before['train_length']} samples, and this fit's has {now['train_length']}"
-                if "train_length" in changed else
-                f"the fingerprint {before['train_fingerprint']!r}, and this fit's is {now['train_fingerprint']!r}")
+        what = (
+            f"{before['train_length']} samples, and this fit's has {now['train_length']}"
+            if "train_length" in changed
+            else f"the fingerprint {before['train_fingerprint']!r}, and this fit's is {now['train_fingerprint']!r}"
+        )
         raise ValueError(
             f"The checkpoint was taken inside epoch {point.epoch + 1} ({saved.batches} batch(es) done) of a training "
             f"set of {what}: the saved position and order mean other rows of this data, so some rows would train "
@@ -187,8 +196,9 @@ class Resume:
         it = train.epoch_batches(epoch, skip=skip, pass_offset=saved.pass_offset, pass_start=saved.pass_start)
         first = next(it, None)
         set_rng_state(point.rng)
-        totals.load_state_dict(point.trackers, owner=_distributed.is_rank_zero(), rank=_distributed.rank(),
-                              ranks=_distributed.world_size())
+        totals.load_state_dict(
+            point.trackers, owner=_distributed.is_rank_zero(), rank=_distributed.rank(), ranks=_distributed.world_size()
+        )
         if self.scheduling is not None:
             self.scheduling.keep_lrs_used(point.state.get("lrs_used"))
         return (it if first is None else _chain(first, it)), done

@@ -97,10 +97,16 @@ class RunState:
         self.model = model
         running = model._core.running_fit()
         self.parts: list[Part] = [
-            VersionPart(), ModulePart(model, tensors), OptimizerPart(model, tensors), StepperPart(model),
-            SchedulerPart(model), PositionPart(model), RngPart(),
-            CallbacksPart(running.callbacks if running is not None else None), HistoryPart(model),
-        ]  # fmt: skip
+            VersionPart(),
+            ModulePart(model, tensors),
+            OptimizerPart(model, tensors),
+            StepperPart(model),
+            SchedulerPart(model),
+            PositionPart(model),
+            RngPart(),
+            CallbacksPart(running.callbacks if running is not None else None),
+            HistoryPart(model),
+        ]
         if only is not None:
             self.parts = [p for p in self.parts if p.name in only]
 
@@ -122,8 +128,13 @@ class RunState:
         """What in a well-formed state does not fit this model, over all parts."""
         return [d for part in self.parts for d in part.differences(state)]
 
-    def check(self, state: Mapping[str, object], path: str | os.PathLike[str], problems: Sequence[str] = (),
-              differences: Sequence[str] = ()) -> None:
+    def check(
+        self,
+        state: Mapping[str, object],
+        path: str | os.PathLike[str],
+        problems: Sequence[str] = (),
+        differences: Sequence[str] = (),
+    ) -> None:
         """Raise before any part changes: :class:`~fitkit.files.CheckpointError` for content
         fitkit does not write, ``ValueError`` for a state that does not fit this model
         (``problems`` / ``differences``: found elsewhere, e.g. in a sharded checkpoint's index)."""
@@ -163,8 +174,7 @@ class ResumePoint:
         """This point moved to the start of its epoch (``fit(resume="restart_epoch")``): the
         weights, optimizer, step count, RNG states and history as saved; the epoch's batches done,
         its running totals and its loader's order dropped, so the epoch starts over."""
-        state = {k: v for k, v in self.state.items()
-                 if k not in ("trackers", "data_order", "epoch_rng", "pass_start")}  # fmt: skip
+        state = {k: v for k, v in self.state.items() if k not in ("trackers", "data_order", "epoch_rng", "pass_start")}
         state.update(step_in_epoch=0, samples_in_epoch=0, pass_offset=0)
         return ResumePoint(state)
 
@@ -172,14 +182,19 @@ class ResumePoint:
         """Callback states and the history (after ``on_train_begin``, so they are this fit's)."""
         saved, config = self.state["callbacks"], self.state.get("callback_config", {})
         mine = stateful(callbacks.callbacks)
-        raise_problems("The checkpoint", callback_state_problems(saved, mine), CheckpointError,
-                       "so no callback state and no history was restored (the weights and the optimizer were)")
+        raise_problems(
+            "The checkpoint",
+            callback_state_problems(saved, mine),
+            CheckpointError,
+            "so no callback state and no history was restored (the weights and the optimizer were)",
+        )
         for key, cb in mine.items():
             if key in config and config[key] != cb.watches():
                 warnings.warn(
                     f"{key} was saved watching {config[key]} and now watches {cb.watches()}: its saved "
                     "state (best value, patience) is not restored. Fix: resume with the same settings.",
-                    category=FitkitWarning, stacklevel=4,
+                    category=FitkitWarning,
+                    stacklevel=4,
                 )
                 continue
             if key in saved:
@@ -193,8 +208,9 @@ class ResumePoint:
                 cb.load_state_dict(history)
 
 
-def raise_problems(what: str, problems: list[str], error: type[Exception],
-                   outcome: str = "so nothing was loaded") -> None:  # fmt: skip
+def raise_problems(
+    what: str, problems: list[str], error: type[Exception], outcome: str = "so nothing was loaded"
+) -> None:
     """One error listing every problem of a checkpoint's content (``outcome``: what was not loaded)."""
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)

@@ -53,8 +53,14 @@ U32 = 2**32
 
 def python_rng(py: Any) -> bool:
     # random.getstate(): (3, 624 words + the index, the cached gauss value)
-    if not (isinstance(py, Sequence) and len(py) == 3 and py[0] == 3 and isinstance(py[1], Sequence)
-            and len(py[1]) == 625 and (py[2] is None or isinstance(py[2], float))):  # fmt: skip
+    if not (
+        isinstance(py, Sequence)
+        and len(py) == 3
+        and py[0] == 3
+        and isinstance(py[1], Sequence)
+        and len(py[1]) == 625
+        and (py[2] is None or isinstance(py[2], float))
+    ):
         return False
     words = py[1]
     return all(is_count(w) and w < U32 for w in words) and words[-1] <= 624
@@ -62,11 +68,22 @@ def python_rng(py: Any) -> bool:
 
 def numpy_rng(nps: Any) -> bool:
     # np.random.get_state(): ("MT19937", 624 words, position, has_gauss, cached_gaussian)
-    if not (isinstance(nps, Sequence) and len(nps) == 5 and nps[0] == "MT19937"
-            and isinstance(nps[1], torch.Tensor) and nps[1].dim() == 1 and nps[1].numel() == 624
-            and not nps[1].is_floating_point() and not nps[1].is_complex() and nps[1].dtype != torch.bool
-            and is_count(nps[2]) and nps[2] <= 624 and nps[3] in (0, 1) and isinstance(nps[3], int)
-            and is_number(nps[4])):  # fmt: skip
+    if not (
+        isinstance(nps, Sequence)
+        and len(nps) == 5
+        and nps[0] == "MT19937"
+        and isinstance(nps[1], torch.Tensor)
+        and nps[1].dim() == 1
+        and nps[1].numel() == 624
+        and not nps[1].is_floating_point()
+        and not nps[1].is_complex()
+        and nps[1].dtype != torch.bool
+        and is_count(nps[2])
+        and nps[2] <= 624
+        and nps[3] in (0, 1)
+        and isinstance(nps[3], int)
+        and is_number(nps[4])
+    ):
         return False
     return bool(((nps[1] >= 0) & (nps[1] < U32)).all())
 
@@ -77,14 +94,20 @@ def rng_problems(rng: Any) -> list[str]:
         return [f"checkpoint['rng'] is {type(rng).__name__}, expected the RNG states fitkit saves"]
     out = []
     if not python_rng(rng.get("python")):
-        out.append("checkpoint['rng']['python'] is not a state of Python's random module "
-                   "(random.getstate(): version 3, 625 words < 2**32, a float or None)")  # fmt: skip
+        out.append(
+            "checkpoint['rng']['python'] is not a state of Python's random module "
+            "(random.getstate(): version 3, 625 words < 2**32, a float or None)"
+        )
     if not numpy_rng(rng.get("numpy")):
-        out.append("checkpoint['rng']['numpy'] is not a state of NumPy's global generator "
-                   "(('MT19937', 624 integer words < 2**32, a position <= 624, 0 or 1, a float))")  # fmt: skip
+        out.append(
+            "checkpoint['rng']['numpy'] is not a state of NumPy's global generator "
+            "(('MT19937', 624 integer words < 2**32, a position <= 624, 0 or 1, a float))"
+        )
     if not torch_rng(rng.get("torch")):
-        out.append(f"checkpoint['rng']['torch'] is {shown(rng.get('torch'))}, expected a torch RNG state "
-                   f"(a uint8 tensor of {TORCH_RNG_SIZE} bytes)")  # fmt: skip
+        out.append(
+            f"checkpoint['rng']['torch'] is {shown(rng.get('torch'))}, expected a torch RNG state "
+            f"(a uint8 tensor of {TORCH_RNG_SIZE} bytes)"
+        )
     cuda = rng.get("cuda", [])
     if not (isinstance(cuda, Sequence) and not isinstance(cuda, str) and all(byte_tensor(s) for s in cuda)):
         out.append("checkpoint['rng']['cuda'] is not a list of CUDA RNG states")
@@ -116,8 +139,13 @@ def kind_of(v: Any, lengths: bool = True) -> str | None:
     return None
 
 
-def kind_problems(saved: Mapping[str, Any], live: Mapping[str, Any], where: str,
-                   skip: frozenset[str] = frozenset(), lists: bool = True) -> list[str]:  # fmt: skip
+def kind_problems(
+    saved: Mapping[str, Any],
+    live: Mapping[str, Any],
+    where: str,
+    skip: frozenset[str] = frozenset(),
+    lists: bool = True,
+) -> list[str]:
     """Fields whose kind (number, str, list of n, ...) differs from the live object's same field.
 
     ``lists``: also compare list lengths and items (an optimizer's ``betas``); a scheduler's
@@ -132,9 +160,11 @@ def kind_problems(saved: Mapping[str, Any], live: Mapping[str, Any], where: str,
         if a is not None and b is not None and a != b:
             out.append(f"{where}[{key!r}] is {shown(theirs)}, expected {b} as the model's")
         elif lists and isinstance(mine, (list, tuple)) and isinstance(theirs, (list, tuple)):
-            out += [f"{where}[{key!r}][{i}] is {shown(t)}, expected {kind_of(m)} as the model's"
-                    for i, (t, m) in enumerate(zip(theirs, mine, strict=True))
-                    if kind_of(t) is not None and kind_of(m) is not None and kind_of(t) != kind_of(m)]  # fmt: skip
+            out += [
+                f"{where}[{key!r}][{i}] is {shown(t)}, expected {kind_of(m)} as the model's"
+                for i, (t, m) in enumerate(zip(theirs, mine, strict=True))
+                if kind_of(t) is not None and kind_of(m) is not None and kind_of(t) != kind_of(m)
+            ]
     return out
 
 
@@ -152,8 +182,10 @@ def optimizer_problems(saved: Any, optimizer: Any, saved_class: Any) -> list[str
     """An ``Optimizer.state_dict()``: its structure, and for the model's optimizer class each
     group's hyper-parameters (present, of the model's kinds: ``lr`` a number, ``betas`` two)."""
     where = "checkpoint['optimizer']"
-    spec: Spec = {"state": (mapping, "a dict {parameter id: state}"),
-                  "param_groups": (lambda g: isinstance(g, list) and all(mapping(x) for x in g), "a list of dicts")}
+    spec: Spec = {
+        "state": (mapping, "a dict {parameter id: state}"),
+        "param_groups": (lambda g: isinstance(g, list) and all(mapping(x) for x in g), "a list of dicts"),
+    }
     out = typed_problems(saved, spec, where)
     if out:
         return out
@@ -164,8 +196,11 @@ def optimizer_problems(saved: Any, optimizer: Any, saved_class: Any) -> list[str
         elif not (mapping(pstate) and all(isinstance(k, str) for k in pstate)):
             out.append(f"{at} is {shown(pstate)}, expected a dict {{name: tensor}}")
         else:
-            out += [f"{at}[{k!r}] is {shown(v)}, expected a tensor or a number"
-                    for k, v in pstate.items() if not param_state_value(v)]  # fmt: skip
+            out += [
+                f"{at}[{k!r}] is {shown(v)}, expected a tensor or a number"
+                for k, v in pstate.items()
+                if not param_state_value(v)
+            ]
     ids: list[Any] = []
     for i, group in enumerate(saved["param_groups"]):
         params = group.get("params")
@@ -224,8 +259,7 @@ def _state_tensor_problems(at: str, key: str, v: torch.Tensor, param: torch.Tens
             return [f"{at} is {shown(v)}, expected a scalar ({name} keeps {key!r} as one number)"]
     elif v.dim() != param.dim() or v.is_floating_point() != param.is_floating_point():
         kind = "floating-point" if param.is_floating_point() else str(param.dtype)
-        return [f"{at} is {shown(v)}, expected a {kind} tensor of its parameter's shape "
-                f"{tuple(param.shape)}"]  # fmt: skip
+        return [f"{at} is {shown(v)}, expected a {kind} tensor of its parameter's shape {tuple(param.shape)}"]
     return []
 
 
@@ -237,8 +271,10 @@ def _group_state_key_problems(saved: Mapping[str, Any], name: str) -> list[str]:
         union = set().union(*keys.values())
         for pid, k in keys.items():
             if k != union:
-                out.append(f"checkpoint['optimizer']['state'][{pid}] has no {', '.join(map(repr, sorted(union - k)))} "
-                           f"({name} keeps {sorted(union)} for each parameter of its group)")
+                out.append(
+                    f"checkpoint['optimizer']['state'][{pid}] has no {', '.join(map(repr, sorted(union - k)))} "
+                    f"({name} keeps {sorted(union)} for each parameter of its group)"
+                )
     return out
 
 
@@ -308,9 +344,12 @@ def trackers_problems(v: Any, where: str) -> list[str]:
         if not (mapping(states) and all(isinstance(k, str) for k in states)):
             out.append(f"{at} is {shown(states)}, expected a dict {{state name: tensor}}")
             continue
-        out += [f"{at}[{k!r}] is {shown(s)}, expected "
-                f"{'an int >= 0' if k == '_update_count' else 'a tensor or a list of tensors'}"
-                for k, s in states.items() if not metric_state_value(k, s)]  # fmt: skip
+        out += [
+            f"{at}[{k!r}] is {shown(s)}, expected "
+            f"{'an int >= 0' if k == '_update_count' else 'a tensor or a list of tensors'}"
+            for k, s in states.items()
+            if not metric_state_value(k, s)
+        ]
     return out
 
 
@@ -319,17 +358,23 @@ def data_order_problems(v: Any, where: str) -> list[str]:
     states, or a ``StatefulDataLoader``'s own state."""
     if v is None or (mapping(v) and "stateful" in v):
         return []
-    spec: Spec = {"generators": (lambda g: isinstance(g, list) and all(torch_rng(t) for t in g),
-                                 f"a list of torch Generator states (uint8 tensors of {TORCH_RNG_SIZE} bytes)"),
-                  "samplers": (lambda s: isinstance(s, list), "a list of sampler states")}  # fmt: skip
+    spec: Spec = {
+        "generators": (
+            lambda g: isinstance(g, list) and all(torch_rng(t) for t in g),
+            f"a list of torch Generator states (uint8 tensors of {TORCH_RNG_SIZE} bytes)",
+        ),
+        "samplers": (lambda s: isinstance(s, list), "a list of sampler states"),
+    }
     return typed_problems(v, spec, where)
 
 
 def pass_start_problems(v: Any, where: str) -> list[str]:
     if v is None:
         return []
-    spec: Spec = {"epoch": (is_count, "an int >= 0"),
-                  "rng": (torch_rng, f"a torch RNG state (a uint8 tensor of {TORCH_RNG_SIZE} bytes)")}  # fmt: skip
+    spec: Spec = {
+        "epoch": (is_count, "an int >= 0"),
+        "rng": (torch_rng, f"a torch RNG state (a uint8 tensor of {TORCH_RNG_SIZE} bytes)"),
+    }
     out = typed_problems(v, spec, where)
     return out if out else data_order_problems(v.get("order"), f"{where}['order']")
 
@@ -341,9 +386,11 @@ def history_problems(v: Any, where: str) -> list[str]:
     spec: Spec = {
         "history": (lambda h: mapping(h) and all(isinstance(k, str) for k in h), "a dict {log key: [numbers]}"),
         "epoch": (lambda e: isinstance(e, list) and all(is_count(i) for i in e), "a list of ints >= 0"),
-        "validations": (lambda r: isinstance(r, list) and all(mapping(x) and all(isinstance(k, str) for k in x)
-                                                              for x in r), "a list of dicts"),
-    }  # fmt: skip
+        "validations": (
+            lambda r: isinstance(r, list) and all(mapping(x) and all(isinstance(k, str) for k in x) for x in r),
+            "a list of dicts",
+        ),
+    }
     out = typed_problems(v, spec, where, optional=frozenset({"validations"}))
     if out:
         return out
@@ -352,6 +399,8 @@ def history_problems(v: Any, where: str) -> list[str]:
         if not (isinstance(column, list) and all(is_number(x) for x in column)):
             out.append(f"{where}['history'][{key!r}] is {shown(column)}, expected a list of numbers")
         elif len(column) > epochs:
-            out.append(f"{where}['history'][{key!r}] holds {len(column)} values for {epochs} epoch(s) "
-                       f"({where}['epoch']), expected at most one per epoch")  # fmt: skip
+            out.append(
+                f"{where}['history'][{key!r}] holds {len(column)} values for {epochs} epoch(s) "
+                f"({where}['epoch']), expected at most one per epoch"
+            )
     return out

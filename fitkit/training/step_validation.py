@@ -111,8 +111,10 @@ class ValidationInterval:
     clock = staticmethod(time.monotonic)
 
     def __init__(self, value: object):
-        fix = ("pass an int (every N optimizer steps), a float in (0, 1] (a fraction of the epoch), e.g. 0.25, "
-               "or a datetime.timedelta (training time).")  # fmt: skip
+        fix = (
+            "pass an int (every N optimizer steps), a float in (0, 1] (a fraction of the epoch), e.g. 0.25, "
+            "or a datetime.timedelta (training time)."
+        )
         self.seconds: float | None = None
         self.value: Any
         self.run_steps: frozenset[int] | None = None  # a RunFraction: the global steps it validates after
@@ -133,8 +135,7 @@ class ValidationInterval:
         check_number("validation_interval", value, positive=True, fix=fix)
         if isinstance(value, float) and value > 1:
             raise ValueError(
-                f"Expected a float `validation_interval` in (0, 1]. Received: validation_interval={value!r}. "
-                f"Fix: {fix}"
+                f"Expected a float `validation_interval` in (0, 1]. Received: validation_interval={value!r}. Fix: {fix}"
             )
         self.value = value
         self.fraction = isinstance(value, float)
@@ -177,8 +178,9 @@ class ValidationInterval:
         return counted > 0 and counted % self.steps_between == 0
 
 
-def record_validation(history: History, callbacks: CallbackList, step: int, epoch: int,
-                      val_logs: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+def record_validation(
+    history: History, callbacks: CallbackList, step: int, epoch: int, val_logs: dict[str, float]
+) -> dict[str, Any]:
     """Record a validation at ``global_step`` ``step`` in ``history.validations`` and fire
     ``on_validation_end`` with the record; returns the ``val_`` logs."""
     logs = {f"val_{k}": v for k, v in val_logs.items()}
@@ -200,9 +202,15 @@ class StepValidation:
         interval: the :class:`ValidationInterval`.
     """
 
-    def __init__(self, model: Model, validation: DeviceLoader | ValidationSets, callbacks: CallbackList,
-                 history: Callback, steps: int | None,
-                 interval: ValidationInterval):  # fmt: skip
+    def __init__(
+        self,
+        model: Model,
+        validation: DeviceLoader | ValidationSets,
+        callbacks: CallbackList,
+        history: Callback,
+        steps: int | None,
+        interval: ValidationInterval,
+    ):
         self.model, self.val, self.callbacks, self.steps = model, validation, callbacks, steps
         self.history = cast("History", history)  # the fit's History, found in the callback list by the loop
         self.interval = interval

@@ -133,8 +133,12 @@ class FitHooks:
 
     __slots__ = ("before_step", "stop_training", "validates", "host_rows", "stop_agreed", "check_unused", "items")
 
-    def __init__(self, before_step: Callable[[], None] | None = None,
-                 stop_training: Callable[[], bool] | None = None, validates: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        before_step: Callable[[], None] | None = None,
+        stop_training: Callable[[], bool] | None = None,
+        validates: bool = False,
+    ):
         self.before_step, self.stop_training, self.validates = before_step, stop_training, validates
         self.host_rows: Callable[[int], int] | None = None
         self.stop_agreed = False  # a fit starts with no stop agreed
@@ -245,8 +249,9 @@ class Stepper:
             self._hook.remove()
 
     # -- the accumulation window ---------------------------------------------------------------
-    def micro_batches(self, batches: Iterator[Batch], start: int,
-                      stop: Callable[[], bool]) -> Iterator[tuple[int, Batch]]:  # fmt: skip
+    def micro_batches(
+        self, batches: Iterator[Batch], start: int, stop: Callable[[], bool]
+    ) -> Iterator[tuple[int, Batch]]:
         """``(batch_index, batch)`` from ``start``, each micro-batch's window place set.
 
         ``stop()`` is asked after the last batch of each window; a stop ends the epoch there (a
@@ -314,9 +319,14 @@ class Stepper:
         return _distributed.global_share(sizes, known), None
 
     @contextlib.contextmanager
-    def fitting(self, before_step: Callable[[], None] | None, stop_training: Callable[[], bool] | None,
-                validates: bool, accumulation: AccumulationSchedule | None = None,
-                items: bool | None = None) -> Iterator[None]:  # fmt: skip
+    def fitting(
+        self,
+        before_step: Callable[[], None] | None,
+        stop_training: Callable[[], bool] | None,
+        validates: bool,
+        accumulation: AccumulationSchedule | None = None,
+        items: bool | None = None,
+    ) -> Iterator[None]:
         """Entered once per ``fit``: the fit's :class:`FitHooks` for each of its steps.
 
         ``before_step()`` (``on_backward_end``, or ``None`` when no callback listens) runs
@@ -553,14 +563,21 @@ class Stepper:
             >>> a.global_step = 3; b.load_state_dict(a.state_dict()); b.global_step
             3
         """
-        state: dict[str, Any] = {"scaler": None if self.scaler is None else self.scaler.state_dict(),
-                                 "global_step": self.global_step}  # fmt: skip
+        state: dict[str, Any] = {
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "global_step": self.global_step,
+        }
         if record:
             window = self.window
-            state["record"] = {"grad_norm": self.grad_norm, "lrs_used": self.scheduling.lrs_used,
-                               "micro_last": window.micro_last, "micro_scale": window.micro_scale,
-                               "window_loss": None if window.loss is None else window.loss.detach(),
-                               "skip_requested": window.skip_requested, "count": window.count}  # fmt: skip
+            state["record"] = {
+                "grad_norm": self.grad_norm,
+                "lrs_used": self.scheduling.lrs_used,
+                "micro_last": window.micro_last,
+                "micro_scale": window.micro_scale,
+                "window_loss": None if window.loss is None else window.loss.detach(),
+                "skip_requested": window.skip_requested,
+                "count": window.count,
+            }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["compute_loss", "train_step", "test_step", "predict_step", "update_metrics", "batch_denominator"]
 
 
-def compute_loss(model: Model, x: object, y: object, y_pred: object,
-                 sample_weight: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def compute_loss(
+    model: Model, x: object, y: object, y_pred: object, sample_weight: torch.Tensor | None
+) -> torch.Tensor:
     """The batch's training objective: ``sum(w * l) / sum(w)`` over its loss terms.
 
     The terms are the tokens that count for a class-index loss (``"cross_entropy"``,
@@ -165,8 +166,9 @@ def predict_step(model: Model, batch: tuple[Any, Any, Any]) -> Any:
     return nest.map_structure(lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, out)
 
 
-def update_metrics(model: Model, loss: torch.Tensor | None, y_pred: object, y: object,
-                   sample_weight: torch.Tensor | None = None) -> None:  # fmt: skip
+def update_metrics(
+    model: Model, loss: torch.Tensor | None, y_pred: object, y: object, sample_weight: torch.Tensor | None = None
+) -> None:
     """Add a batch to the running phase's loss and metrics (on the device, no sync).
 
     Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch.

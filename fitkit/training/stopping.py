@@ -35,8 +35,14 @@ class StopDecision:
         (True, False)
     """
 
-    def __init__(self, model: Model, callbacks: CallbackList | None, max_steps: int | None,
-                 min_epochs: int | None = None, min_steps: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: Model,
+        callbacks: CallbackList | None,
+        max_steps: int | None,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
+    ):
         self.model, self.callbacks, self.max_steps = model, callbacks, max_steps
         self.min_epochs, self.min_steps = min_epochs, min_steps  # no stop request is heard before both
         self.agreement: RankAgreement | Any = None  # the fit's RankAgreement while it runs
@@ -65,8 +71,12 @@ class StopDecision:
         name = signal.Signals(signum).name
         backup = "writing a backup, " if self.callbacks is not None and self.callbacks.backs_up else ""
         end = "raising KeyboardInterrupt" if signum == signal.SIGINT else f"exiting with status {128 + signum}"
-        print(f"fitkit: {name} received: stopping after optimizer step {self.model.global_step}, {backup}"
-              f"running on_train_end, then {end}.", file=sys.stderr, flush=True)
+        print(
+            f"fitkit: {name} received: stopping after optimizer step {self.model.global_step}, {backup}"
+            f"running on_train_end, then {end}.",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def budget_spent(self) -> bool:
         """``max_steps`` optimizer steps are done (a resumed fit counts the checkpoint's)."""
@@ -94,8 +104,9 @@ class StopDecision:
         if not model.stop_training or (self.min_epochs is None and self.min_steps is None):
             return False
         done = model.epoch + (1 if epoch_end else 0)  # epochs completed at this point
-        if (self.min_epochs is not None and done < self.min_epochs) or \
-                (self.min_steps is not None and model.global_step < self.min_steps):
+        if (self.min_epochs is not None and done < self.min_epochs) or (
+            self.min_steps is not None and model.global_step < self.min_steps
+        ):
             model.stop_training = False
             return True
         return False

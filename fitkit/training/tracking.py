@@ -43,7 +43,8 @@ def _nothing_counted(what: str | None) -> None:
     warnings.warn(
         f"The loss of this epoch or validation counted nothing: {cause}; it is logged as NaN. Fix: give "
         "some samples a weight > 0 (or targets that count).",
-        category=FitkitWarning, stacklevel=4,
+        category=FitkitWarning,
+        stacklevel=4,
     )
 
 
@@ -80,9 +81,13 @@ class RunningTotals:
         return self.loss_count + w
 
     def update(
-        self, loss: torch.Tensor | None, y_pred: object, y: object, sample_weight: torch.Tensor | None = None,
+        self,
+        loss: torch.Tensor | None,
+        y_pred: object,
+        y: object,
+        sample_weight: torch.Tensor | None = None,
         denominator: int | torch.Tensor | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Add one batch: its mean loss times its denominator, and its metrics.
 
         ``denominator``: what the batch's mean loss divides by (rows, the sum of weights, the
@@ -174,9 +179,12 @@ class RunningTotals:
         metrics = self.metrics.state_dict(sync=self.reduce is not None)
         out = {"loss_total": total, "loss_count": count, "loss_wsum": wsum, "metrics": metrics}
         if self.reduce is not None:
-            own = {"loss_total": self.loss_total.detach().cpu(), "loss_count": self.loss_count,
-                   "loss_wsum": None if self.loss_wsum is None else self.loss_wsum.detach().cpu(),
-                   "metrics": _cpu(self.metrics.state_dict(sync=False))}  # fmt: skip
+            own = {
+                "loss_total": self.loss_total.detach().cpu(),
+                "loss_count": self.loss_count,
+                "loss_wsum": None if self.loss_wsum is None else self.loss_wsum.detach().cpu(),
+                "metrics": _cpu(self.metrics.state_dict(sync=False)),
+            }
             out["shares"] = _distributed.all_gather_object(own)  # once per backup, not per step
         return out
 
@@ -205,6 +213,7 @@ class RunningTotals:
 
 def _cpu(states: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Metric states on the CPU (a gather pickles them; a CUDA tensor would land on rank 0's device)."""
+
     def move(v: object) -> Any:
         if isinstance(v, torch.Tensor):
             return v.detach().cpu()

@@ -150,8 +150,13 @@ class ValidationSets:
         return ValidationSets({name: fn(loader) for name, loader in self.loaders.items()})
 
 
-def run_validation(model: Model, validation: DeviceLoader | ValidationSets, callbacks: CallbackList, steps: int | None,
-                   what: str = "validation_data") -> dict[str, float]:  # fmt: skip
+def run_validation(
+    model: Model,
+    validation: DeviceLoader | ValidationSets,
+    callbacks: CallbackList,
+    steps: int | None,
+    what: str = "validation_data",
+) -> dict[str, float]:
     """Loss and metrics of one validation or evaluation: one :class:`EvalLoop` per set.
 
     For :class:`ValidationSets`, every set's values under ``<name>_<key>``, and inside ``fit``
