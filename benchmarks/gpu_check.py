@@ -10,7 +10,7 @@ on a recent GPU; each part prints its own time and the total)::
     python benchmarks/gpu_check.py --dry-run --compile  # ... and the torch.compile case (about 1 min)
 
 1. **tests**: the CUDA-marked tests (``pytest -m requires_cuda``).
-2. **syncs**: for each configuration (the matrix of ``tests/test_host_syncs.py``: callbacks,
+2. **syncs**: for each configuration (the matrix of ``tests/training/test_host_syncs.py``: callbacks,
    precisions, accumulation, clipping, schedulers, validation, weights, a DataLoader, a user
    torchmetrics object, ``evaluate`` and ``predict``), at least 50 steady-state steps run under
    ``torch.cuda.set_sync_debug_mode("error")``: any host sync in a step raises. Epoch ends and

@@ -1,6 +1,6 @@
 """Training scenarios that run the same way on one process and under torchrun.
 
-``tests/test_distributed.py`` runs them on 2 gloo processes (one torchrun launch) and, as the
+``tests/distributed/test_distributed.py`` runs them on 2 gloo processes (one torchrun launch) and, as the
 reference, on one process in the test itself. Batch sizes are per rank: ``GLOBAL_BATCH //
 world_size()``, so both runs see the same global batches.
 """

@@ -1,4 +1,4 @@
-"""Hugging Face ``datasets`` scenarios shared by one process and torchrun (tests/test_data_hf_datasets.py).
+"""Hugging Face ``datasets`` scenarios shared by one process and torchrun (tests/data/test_data_hf_datasets.py).
 
 The data is built in memory (``Dataset.from_dict``) and tokenized by a word-level tokenizer
 built here (``tokenizers`` + ``PreTrainedTokenizerFast``): nothing is downloaded.

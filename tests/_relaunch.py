@@ -1,6 +1,6 @@
 """Stop a 2-epoch fit at one boundary kind, relaunch it, and compare with the uninterrupted run.
 
-``tests/test_distributed_relaunch.py`` runs every case of :data:`CASES` in one torchrun launch
+``tests/distributed/test_distributed_relaunch.py`` runs every case of :data:`CASES` in one torchrun launch
 (2 gloo ranks): a reference fit per strategy, then per case a fit stopped there (an exception
 both ranks raise, as a crash would end the job, or a SIGTERM to every process, as SLURM sends
 it) and a relaunch with a fresh model from the backup it left. 48 rows in global batches of 8:

@@ -762,5 +762,7 @@ def test_the_tests_mirror_the_packages():
     modules = {p.stem for p in PKG.glob("*.py") if p.stem != "__init__"}  # fitkit's top-level modules
     folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name not in ("__pycache__", "data")}
     assert folders and folders <= packages | modules, folders - packages - modules
-    loose = sorted(p.name for p in tests.glob("test_*.py"))
-    assert loose == [], loose  # every test module lives in its package's folder
+    # every test module lives in its package's folder, but the checks of the project as a whole
+    project = {"test_architecture.py", "test_guard_rails.py", "test_docs.py", "test_notebooks.py", "test_packaging.py"}
+    loose = sorted(p.name for p in tests.glob("test_*.py") if p.name not in project)
+    assert loose == [], loose

@@ -1,4 +1,5 @@
-"""Guard rails that CI runs with the tests: ruff (lint and format) on ``fitkit/``, ``tests/`` and ``benchmarks/``, mypy on ``fitkit/``.
+"""Guard rails that CI runs with the tests: ruff (lint and format) on ``fitkit/``, ``tests/`` and
+``benchmarks/``, mypy on ``fitkit/``.
 
 The configuration lives in ``pyproject.toml`` (``[tool.ruff]``, ``[tool.mypy]``); both tools
 come with the ``test`` extra.

@@ -235,7 +235,7 @@ assert history.history["val_accuracy"][-1] > 0.9
 # ignores it (fitkit cannot tell which). Remove the columns the model does not use yourself
 # (``Dataset.remove_columns``), as the Trainer's ``remove_unused_columns`` does. ``labels`` is
 # never one to remove: with a compiled loss it is the loss's target and is not passed on.
-# ``tests/test_preflight.py`` checks this rule for both kinds of ``forward``.
+# ``tests/training/test_preflight.py`` checks this rule for both kinds of ``forward``.
 #
 # GPT-2 on tiny Shakespeare
 # -------------------------

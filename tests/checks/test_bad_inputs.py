@@ -879,7 +879,7 @@ CASES = [
         r"training DataLoader could not be made after 0 optimizer step\(s\).*default_collate.*equal "
         r"shapes.*Fix: pass DataLoader\(\.\.\., collate_fn=\.\.\.\)",
     ),
-    # -- issue 43's examples, and what the option fuzz (tests/test_declared_options.py) found ---------
+    # -- issue 43's examples, and what the option fuzz (tests/checks/test_declared_options.py) found ---------
     Case(
         "fit min_steps above max_steps",
         fit(max_steps=20, min_steps=50),

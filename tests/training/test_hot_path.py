@@ -84,7 +84,7 @@ LIMITS = {
 
 @pytest.fixture(scope="module")
 def hot_path():
-    path = Path(__file__).parents[1] / "benchmarks" / "hot_path.py"
+    path = Path(__file__).parents[2] / "benchmarks" / "hot_path.py"
     spec = importlib.util.spec_from_file_location("hot_path", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -274,7 +274,7 @@ def test_no_collective_per_step_beyond_ddps_for_fitkits_own_shards(job):
         assert r["count_loader"] == [1, 0, 0, 0]
         # Sample weights, or a target equal to ignore_index: the global denominator rides in DDP's
         # gradient all-reduce, which fitkit's count hook then issues from Python (counted here; the
-        # C++ reducer's is not). Every collective, DDP's included: tests/test_distributed_collectives.py
+        # C++ reducer's is not). Every collective, DDP's included: tests/distributed/test_distributed_collectives.py
         assert r["count_weighted"] == [2, 1, 1, 1]
         assert r["count_ce_index"] == r["count_ce_probabilities"] == [1, 0, 0, 0]
         assert r["count_ce_ignored"] == [2, 1, 1, 1]

@@ -32,7 +32,7 @@ def _fit(callbacks, epochs):
 
 
 def _files(folder):
-    # The lock files a running fit holds (tests/test_files_locks.py) are not checkpoints.
+    # The lock files a running fit holds (tests/files/test_files_locks.py) are not checkpoints.
     return sorted(n for n in os.listdir(folder) if not n.endswith(".lock"))
 
 

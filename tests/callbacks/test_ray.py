@@ -18,7 +18,7 @@ from _ray_scenario import EPOCHS, reference  # noqa: E402
 
 import fitkit  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

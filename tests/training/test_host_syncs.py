@@ -301,7 +301,7 @@ def test_the_gpu_check_runs_the_same_matrix_and_answers_help_without_a_gpu(tmp_p
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+    path = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)

@@ -16,7 +16,7 @@ import fitkit
 from fitkit.callbacks import BackupAndRestore, Callback, CSVLogger, MLflowLogger, ModelCheckpoint
 from fitkit.callbacks import mlflow as mlflow_module
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 mlflow = pytest.importorskip("mlflow")
 from mlflow import MlflowClient  # noqa: E402
 

@@ -24,7 +24,7 @@ def test_default_text_is_karpathys_file_byte_for_byte():
 
 
 def test_pyproject_ships_the_text():
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     if not pyproject.is_file():
         pytest.skip("not a checkout of the repository")
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
