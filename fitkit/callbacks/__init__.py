@@ -28,7 +28,7 @@
 The MLflow, Optuna, W&B and Ray callbacks import their library when they are created, not here.
 """
 
-from fitkit.callbacks.accumulation import GradientAccumulationScheduler
+from fitkit.callbacks.accumulation import AccumulationSchedule, GradientAccumulationScheduler
 from fitkit.callbacks.averaging import EMA, SWA, WeightAveraging
 from fitkit.callbacks.backup import BackupAndRestore
 from fitkit.callbacks.base import BatchLogs, Callback, CallbackList, History
@@ -58,6 +58,7 @@ __all__ = [
     "TokensSeen",
     "Timer",
     "GradientAccumulationScheduler",
+    "AccumulationSchedule",
     "Callback",
     "CallbackList",
     "History",

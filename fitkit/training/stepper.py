@@ -157,7 +157,7 @@ class Stepper:
         precision: ``"16-mixed"`` adds a ``GradScaler`` (unless ``loss_scale`` is ``False``).
         device: the model's device.
         accumulation: micro-batches per optimizer step, or an
-            :class:`~fitkit.callbacks.accumulation.AccumulationSchedule` (by epoch, applied at epoch begin).
+            :class:`~fitkit.callbacks.AccumulationSchedule` (by epoch, applied at epoch begin).
         clip_grad_norm: max global 2-norm of the gradients, or ``None``.
         clip_grad_value: max absolute gradient element, or ``None``.
         parallel: the model's :class:`fitkit.distributed.Parallel` under torchrun, else ``None``.
