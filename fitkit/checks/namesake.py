@@ -16,12 +16,12 @@ takes seconds on a loaded machine: too slow for every ``import fitkit``.
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata as metadata
 import re
 import sys
 import warnings
 from collections.abc import Iterable
+from pathlib import Path
 
 __all__ = ["namesakes", "warn_about_namesakes"]
 
@@ -42,6 +42,19 @@ def _provides_fitkit(dist: metadata.Distribution) -> bool:
     return any(file.parts[:1] in ((NAMESAKE,), (f"{NAMESAKE}.py",)) for file in dist.files or ())
 
 
+def _named_distributions(folders: Iterable[str]) -> list[metadata.Distribution]:
+    """The ``.dist-info`` folders named ``fitkit`` (normalized) in ``folders``, read as they are on
+    disk now (importlib's own search keeps listings of folders it has seen in this process)."""
+    out: list[metadata.Distribution] = []
+    for folder in folders:
+        try:
+            infos = sorted(Path(folder).glob("*.dist-info"))
+        except OSError:  # a path entry that is no folder (a zip, a missing one)
+            continue
+        out += [metadata.PathDistribution(i) for i in infos if _normalized(i.name.split("-")[0]) == NAMESAKE]
+    return out
+
+
 def namesakes(path: Iterable[str] | None = None) -> list[str]:
     """The distributions other than torch-fitkit that install the import package ``fitkit``.
 
@@ -57,9 +70,7 @@ def namesakes(path: Iterable[str] | None = None) -> list[str]:
         []
     """
     found = []
-    if path is not None:  # folders written since this process last listed them: no stale listing
-        importlib.invalidate_caches()
-    for dist in metadata.distributions(name=NAMESAKE, path=list(sys.path if path is None else path)):
+    for dist in _named_distributions(sys.path if path is None else path):
         name = dist.metadata["Name"] or NAMESAKE
         if _normalized(name) != OWN and _provides_fitkit(dist):
             where = getattr(dist, "_path", None)  # the .dist-info folder, for the message

@@ -272,6 +272,24 @@ def _loaders(model: Model, x: object, y: object, o: dict[str, Any]) -> tuple[Any
     return train, val, example
 
 
+def _step_budget(
+    train: DeviceLoader,
+    accumulation: Callable[[int], int],
+    fraction: float | None,
+    max_samples: int | None,
+    max_steps: int | None,
+) -> int | None:
+    """``max_steps`` with the budgets that become one: ``epochs=2.5``'s fraction and ``max_samples``
+    (each the window that reaches it; the smallest budget wins)."""
+    if fraction is not None:  # the fraction's steps, or max_steps if that comes first
+        steps = _budget.fraction_budget(train.num_batches, accumulation, fraction)
+        max_steps = steps if max_steps is None else min(max_steps, steps)
+    if max_samples is not None:  # a step budget: the window that reaches the samples ends the fit
+        steps = _budget.sample_budget(train, accumulation, max_samples)
+        max_steps = steps if max_steps is None else min(max_steps, steps)
+    return max_steps
+
+
 def _planned(
     model: Model,
     o: dict[str, Any],
@@ -288,12 +306,7 @@ def _planned(
     stepper, epochs, max_steps, initial_epoch = model._core.stepper, o["epochs"], o["max_steps"], o["initial_epoch"]
     fit_accumulation = _callback_schedule(stepper, o["callbacks"])
     accumulation = _accumulation(stepper, fit_accumulation)
-    if fraction is not None:  # the fraction's steps, or max_steps if that comes first
-        steps = _budget.fraction_budget(train.num_batches, accumulation, fraction)
-        max_steps = steps if max_steps is None else min(max_steps, steps)
-    if o["max_samples"] is not None:  # a step budget: the window that reaches the samples ends the fit
-        steps = _budget.sample_budget(train, accumulation, o["max_samples"])
-        max_steps = steps if max_steps is None else min(max_steps, steps)
+    max_steps = _step_budget(train, accumulation, fraction, o["max_samples"], max_steps)
     total, shown = _plan_steps(model, train, epochs, max_steps, accumulation)
     fit_steps = _reach.fit_steps(model.global_step, train.num_batches, accumulation, initial_epoch, epochs, max_steps)
     _reach.warn_unreachable(

@@ -322,8 +322,13 @@ def test_sanity_check_runs_n_batches_and_changes_nothing(n, batches):
 
 # -- torchrun: every rank runs the same limited batches ------------------------------------------
 QUICK_JOB = """
+import sys
+from pathlib import Path
+
 import torch
 import _dist_scenarios as sc
+
+sys.path.insert(0, str(Path(sc.__file__).parent / "training"))  # this test module's folder
 import test_quick_runs as q
 from fitkit import distributed
 
