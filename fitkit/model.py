@@ -442,6 +442,7 @@ class Model(FilesAndTools):
         max_time: object = None,
         resume: str | None = None,
         max_samples: int | None = None,
+        max_tokens: int | None = None,
         # quick runs (Lightning's names; fitkit.training.quick)
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0,
@@ -546,6 +547,11 @@ class Model(FilesAndTools):
                 step 1 (the smaller budget wins), so it fills a scheduler's ``total_steps`` and
                 resumes exactly; needs batch sizes known before the fit (see
                 :func:`fitkit.training.budget.sample_budget`).
+            max_tokens: a budget in tokens (Composer's ``max_duration="Ntok"``), counted as
+                :class:`~fitkit.callbacks.TokensSeen` counts them (``B * T`` of the integer input,
+                padding and ``-100`` labels included, over all ranks), with ``max_samples``' rule;
+                needs in-memory tensors (else a ``ValueError`` before step 1); not with
+                ``max_samples``. See :mod:`fitkit.training.token_budget`.
             resume: ``None``: a loaded checkpoint (or ``BackupAndRestore``'s backup) continues where
                 it was taken; one taken inside an epoch needs the training set it was taken on (its
                 length, and a ``datasets.Dataset``'s fingerprint, are in the checkpoint): another

@@ -50,6 +50,7 @@ __all__ = [
     "RunFraction",
     "check_minimums",
     "sample_budget",
+    "window_budget",
 ]
 
 #: The names under which a scheduler factory asks for the planned number of optimizer steps.
@@ -346,15 +347,36 @@ def sample_budget(loader: DeviceLoader, accumulation: Callable[[int], int], max_
             "or on one process a Dataset or DataLoader with a length (no drop_last), without steps_per_epoch or "
             "batch limits. Fix: pass max_steps= (optimizer steps) instead, or such data."
         )
+    return window_budget(sizes, accumulation, max_samples)
+
+
+def window_budget(counts: list[int], accumulation: Callable[[int], int], budget: int) -> int:
+    """The optimizer steps, from epoch 0, up to the end of the window whose ``counts`` (one per
+    batch of every epoch, e.g. its samples or tokens) bring the total to ``budget`` or more; the
+    budget of :func:`sample_budget` and :func:`fitkit.training.token_budget.token_budget`.
+
+    Whole epochs are added at once (their total does not depend on the accumulation), then the
+    windows of the epoch that reaches the budget are walked.
+
+    Example:
+        >>> window_budget([4, 4, 2], lambda e: 2, 5), window_budget([4, 4, 2], lambda e: 2, 21)  # 8; 10+10+8
+        (1, 5)
+    """
+    per_epoch = sum(counts)
+    if per_epoch <= 0:
+        raise ValueError(f"An epoch counts {per_epoch} towards the budget of {budget}: it is never reached.")
     seen, steps, epoch = 0, 0, 0
-    while True:
-        k = accumulation(epoch)
-        for start in range(0, len(sizes), k):
-            seen += sum(sizes[start : start + k])
-            steps += 1
-            if seen >= max_samples:
-                return steps
+    while seen + per_epoch < budget:  # the whole epoch stays below the budget
+        seen += per_epoch
+        steps += math.ceil(len(counts) / accumulation(epoch))
         epoch += 1
+    k = accumulation(epoch)
+    for start in range(0, len(counts), k):
+        seen += sum(counts[start : start + k])
+        steps += 1
+        if seen >= budget:
+            break
+    return steps
 
 
 class PlannedScheduler:

@@ -132,6 +132,9 @@ FIT = declare(
     Option("num_sanity_val_steps", "custom", checked_in="fitkit.training.quick.check_quick", bad=(-2, "1", 1.5)),
     Option("resume", "custom", checked_in="fitkit.training.resume.check_resume_mode", bad=("restart", 1)),
     Option("max_samples", "int", minimum=1, allow_none=True),
+    Option(
+        "max_tokens", "int", minimum=1, allow_none=True, fix="pass the tokens to train on, e.g. max_tokens=1_000_000."
+    ),
     Option("reset_time", "bool"),
 )
 

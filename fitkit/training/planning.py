@@ -34,6 +34,7 @@ from fitkit.training.preflight import first_batch_check, in_memory_check, leaves
 from fitkit.training.quick import QuickRun, check_quick
 from fitkit.training.resume import check_resume_mode
 from fitkit.training.step_validation import ValidationInterval, ValidationSchedule
+from fitkit.training.token_budget import check_data_budgets, token_budget
 from fitkit.training.validation_sets import ValidationSets, named_sets, prefixed_keys
 
 if TYPE_CHECKING:
@@ -149,14 +150,9 @@ def plan_fit(model: Model, x: object, y: object, options: Mapping[str, Any]) -> 
     )
     _apply_quick(o, quick)
     o["epochs"], fraction = _budget.fractional_epochs(o["epochs"])  # epochs=2.5: a step budget, below
-    check_int(
-        "max_samples",
-        o["max_samples"],
-        1,
-        allow_none=True,
-        fix="pass the samples to train on, e.g. max_samples=10_000.",
-    )
-    unbounded = o["max_samples"] is not None and o["epochs"] is None  # the sample budget ends the fit
+    check_data_budgets(o["max_samples"], o["max_tokens"])
+    # the sample or token budget ends the fit
+    unbounded = (o["max_samples"] is not None or o["max_tokens"] is not None) and o["epochs"] is None
     o["epochs"] = None if unbounded else _budget.check_max_steps(o["max_steps"], o["epochs"])
     _check_scalars(o, x)
     schedule = ValidationSchedule(o["validation_freq"])
@@ -278,14 +274,18 @@ def _step_budget(
     fraction: float | None,
     max_samples: int | None,
     max_steps: int | None,
+    max_tokens: int | None,
 ) -> int | None:
-    """``max_steps`` with the budgets that become one: ``epochs=2.5``'s fraction and ``max_samples``
-    (each the window that reaches it; the smallest budget wins)."""
+    """``max_steps`` with the budgets that become one: ``epochs=2.5``'s fraction, ``max_samples`` and
+    ``max_tokens`` (each the window that reaches it; the smallest budget wins)."""
     if fraction is not None:  # the fraction's steps, or max_steps if that comes first
         steps = _budget.fraction_budget(train.num_batches, accumulation, fraction)
         max_steps = steps if max_steps is None else min(max_steps, steps)
     if max_samples is not None:  # a step budget: the window that reaches the samples ends the fit
         steps = _budget.sample_budget(train, accumulation, max_samples)
+        max_steps = steps if max_steps is None else min(max_steps, steps)
+    if max_tokens is not None:  # the same in tokens, counted as TokensSeen counts them
+        steps = token_budget(train, accumulation, max_tokens)
         max_steps = steps if max_steps is None else min(max_steps, steps)
     return max_steps
 
@@ -306,7 +306,7 @@ def _planned(
     stepper, epochs, max_steps, initial_epoch = model._core.stepper, o["epochs"], o["max_steps"], o["initial_epoch"]
     fit_accumulation = _callback_schedule(stepper, o["callbacks"])
     accumulation = _accumulation(stepper, fit_accumulation)
-    max_steps = _step_budget(train, accumulation, fraction, o["max_samples"], max_steps)
+    max_steps = _step_budget(train, accumulation, fraction, o["max_samples"], max_steps, o["max_tokens"])
     total, shown = _plan_steps(model, train, epochs, max_steps, accumulation)
     fit_steps = _reach.fit_steps(model.global_step, train.num_batches, accumulation, initial_epoch, epochs, max_steps)
     _reach.warn_unreachable(
