@@ -131,9 +131,15 @@ FIT = declare(
     Option("limit_val_batches", "custom", checked_in="fitkit.training.quick.check_quick", bad=(-1, 1.5, "2")),
     Option("num_sanity_val_steps", "custom", checked_in="fitkit.training.quick.check_quick", bad=(-2, "1", 1.5)),
     Option("resume", "custom", checked_in="fitkit.training.resume.check_resume_mode", bad=("restart", 1)),
-    Option("max_samples", "int", minimum=1, allow_none=True),
+    Option("max_samples", "int", minimum=1, allow_none=True, example=10),
     Option(
-        "max_tokens", "int", minimum=1, allow_none=True, fix="pass the tokens to train on, e.g. max_tokens=1_000_000."
+        "max_tokens",
+        "int",
+        minimum=1,
+        allow_none=True,
+        excludes=("max_samples",),  # one budget in data (max_steps may cap either)
+        example=100,
+        fix="pass the tokens to train on, e.g. max_tokens=1_000_000.",
     ),
     Option("reset_time", "bool"),
 )

@@ -41,18 +41,17 @@ __all__ = ["check_data_budgets", "epoch_tokens", "token_budget"]
 
 
 def check_data_budgets(max_samples: object, max_tokens: object) -> None:
-    """Check ``fit``'s ``max_samples`` and ``max_tokens``: ints ``>= 1`` or ``None``, not both.
+    """Check ``fit``'s ``max_samples`` and ``max_tokens``: ints ``>= 1`` or ``None`` (``fit``'s table,
+    :mod:`fitkit.training.options`, refuses the two together).
 
     Raises:
-        TypeError: not an int. ValueError: below 1, or both given.
+        TypeError: not an int. ValueError: below 1.
 
     Example:
-        >>> check_data_budgets(None, 1_000), check_data_budgets(100, None)
-        (None, None)
-        >>> check_data_budgets(100, 1_000)  # doctest: +ELLIPSIS
+        >>> check_data_budgets(None, 0)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: Expected one budget in data, `max_samples` or `max_tokens`. Received: max_samples=100, ...
+        ValueError: Expected `max_tokens` >= 1. Received: max_tokens=0. Fix: pass the tokens to train on, ...
     """
     check_int(
         "max_samples", max_samples, 1, allow_none=True, fix="pass the samples to train on, e.g. max_samples=10_000."
@@ -60,12 +59,6 @@ def check_data_budgets(max_samples: object, max_tokens: object) -> None:
     check_int(
         "max_tokens", max_tokens, 1, allow_none=True, fix="pass the tokens to train on, e.g. max_tokens=1_000_000."
     )
-    if max_samples is not None and max_tokens is not None:
-        raise ValueError(
-            "Expected one budget in data, `max_samples` or `max_tokens`. "
-            f"Received: max_samples={max_samples}, max_tokens={max_tokens}. "
-            "Fix: pass one of them (max_steps= may cap either)."
-        )
 
 
 def epoch_tokens(loader: DeviceLoader) -> list[int] | None:

@@ -175,8 +175,8 @@ def _loader_of(x, y):
             (X, Y),
             {"max_tokens": 30, "max_samples": 10},
             ValueError,
-            r"Expected one budget in data, `max_samples` or `max_tokens`\. "
-            r"Received: max_samples=10, max_tokens=30\. Fix: pass one of them",
+            r"Expected at most one of `max_tokens` and `max_samples`\. Received: max_tokens=30, max_samples=10\. "
+            r"Fix: pass only `max_tokens` or only `max_samples`\.",
         ),
         (
             (_loader_of(X, Y), None),
