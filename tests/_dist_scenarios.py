@@ -720,6 +720,35 @@ def tokens_seen() -> dict:
     return {"seen": h.history["num_input_tokens_seen"]}
 
 
+def token_budget() -> dict:
+    """fit(max_tokens=150) over 33 sequences of 3 tokens, accumulation 2: global batches of
+    24, 24, 24, 24 and 3 tokens, windows of 48, 48 and 3 (99 an epoch); the budget is global."""
+    from fitkit.callbacks import TokensSeen
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 1))
+    model = fitkit.Model(module, device="cpu")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.01), loss="mse", gradient_accumulation_steps=2)
+    x = torch.arange(99).remainder(10).reshape(33, 3)
+    y = x.float().mean(1, keepdim=True) / 10
+    h = model.fit(
+        x,
+        y,
+        batch_size=GLOBAL_BATCH // world_size(),
+        max_tokens=150,
+        shuffle=False,
+        verbose=0,
+        callbacks=[TokensSeen()],
+    )
+    return {
+        "steps": model.global_step,
+        "total_steps": h.params["total_steps"],
+        "epochs": h.epoch,
+        "seen": h.history["num_input_tokens_seen"],
+        "params": full_params(model),
+    }
+
+
 class OwnTokenLoss(nn.Module):
     """Linear(3, 4) logits; given ``labels``, its own loss: the summed cross-entropy of the
     labels that are not -100 divided by ``num_items_in_batch`` (the Transformers convention;

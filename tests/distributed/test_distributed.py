@@ -65,6 +65,7 @@ res["time_validation"] = sc.time_validation(OUT / "timed")
 res["own_items"] = sc.own_items()
 res["own_items_compiled"] = sc.own_items("cross_entropy")
 res["tokens_seen"] = sc.tokens_seen()
+res["token_budget"] = sc.token_budget()
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -488,3 +489,17 @@ def test_tokens_seen_counts_every_rank(job):
     """TokensSeen on 2 ranks logs the tokens of every rank's batches (99 per epoch), as one process."""
     r0, r1, _, _ = job
     assert r0["tokens_seen"] == r1["tokens_seen"] == sc.tokens_seen() == {"seen": [99, 198]}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_token_budget_counts_every_ranks_tokens(job):
+    """fit(max_tokens=150) on 2 ranks counts global tokens: 99 in epoch 0 (3 steps), then windows of
+    48 in epoch 1: 147, 195. It stops at step 5 on every rank with the weights of one process (one
+    rank's own tokens, 12 a batch, would reach 150 steps later)."""
+    r0, r1, _, _ = job
+    one = sc.token_budget()
+    for run in (r0["token_budget"], r1["token_budget"], one):
+        assert (run["steps"], run["total_steps"], run["epochs"], run["seen"]) == (5, 5, [0, 1], [99, 195])
+    _assert_identical(r0["token_budget"]["params"], r1["token_budget"]["params"])
+    _assert_close(r0["token_budget"]["params"], one["params"], atol=1e-6)
