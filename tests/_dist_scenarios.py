@@ -720,6 +720,23 @@ def tokens_seen() -> dict:
     return {"seen": h.history["num_input_tokens_seen"]}
 
 
+def data_budget_errors() -> list[str]:
+    """max_tokens / max_samples on data marked already_sharded: this rank's share, so the global
+    counts are unknown before the fit; the messages, or "" where a fit ran."""
+    x, y = torch.arange(24).remainder(10).reshape(8, 3), torch.zeros(8, 1)
+    r, w = rank(), world_size()
+    errors = []
+    for budget in ({"max_tokens": 12}, {"max_samples": 4}):
+        model = fitkit.Model(nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 1)), device="cpu")
+        model.compile(optimizer="sgd", loss="mse")
+        try:
+            model.fit(already_sharded(x[r::w]), y[r::w], batch_size=2, verbose=0, **budget)
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e) if model.global_step == 0 else f"after step {model.global_step}: {e}")
+    return errors
+
+
 def token_budget() -> dict:
     """fit(max_tokens=150) over 33 sequences of 3 tokens, accumulation 2: global batches of
     24, 24, 24, 24 and 3 tokens, windows of 48, 48 and 3 (99 an epoch); the budget is global."""

@@ -19,7 +19,8 @@ or a sized Dataset / DataLoader on one process) and takes the first step at whos
 the samples trained on, over all ranks, reach ``N``. The rule is the step budget's: a window is
 never cut, so a budget that falls inside a window ends at that window's end (up to a window's
 samples more). As ``max_steps`` it fills ``total_steps`` and resumes exactly; with both, the
-smaller wins.
+smaller wins. ``max_tokens=N`` (Composer's ``max_duration`` in tokens) is the same rule in the
+tokens ``TokensSeen`` counts (:mod:`fitkit.training.token_budget`); one of the two per fit.
 """
 
 from __future__ import annotations
@@ -294,8 +295,10 @@ def check_minimums(
 
 def epoch_sizes(loader: DeviceLoader) -> list[int] | None:
     """The samples of each global batch of an epoch of ``loader`` (over all ranks), ``None`` when
-    unknown: in-memory data (any world size), or on one process a DataLoader / Dataset with a
-    length, a batch size and every batch kept; no ``steps_per_epoch`` nor batch limit.
+    unknown: in-memory data (any world size; under torchrun data that fitkit shards, not data
+    marked ``already_sharded``, whose other shards this rank does not know), or on one process a
+    DataLoader / Dataset with a length, a batch size and every batch kept; no ``steps_per_epoch``
+    nor batch limit.
 
     Example:
         >>> from fitkit.data import as_loader
@@ -307,6 +310,8 @@ def epoch_sizes(loader: DeviceLoader) -> list[int] | None:
     from fitkit.distributed.group import world_size
 
     if loader.steps is not None or loader.limit is not None:
+        return None
+    if loader.sharded == "user" and world_size() > 1:  # this rank's share: the global sizes are unknown
         return None
     src = loader.batches
     if isinstance(src, TensorBatches):
@@ -343,9 +348,10 @@ def sample_budget(loader: DeviceLoader, accumulation: Callable[[int], int], max_
     sizes = epoch_sizes(loader)
     if not sizes:
         raise ValueError(
-            f"fit(max_samples={max_samples}) needs the size of every training batch before the fit: in-memory data, "
-            "or on one process a Dataset or DataLoader with a length (no drop_last), without steps_per_epoch or "
-            "batch limits. Fix: pass max_steps= (optimizer steps) instead, or such data."
+            f"fit(max_samples={max_samples}) needs the size of every training batch before the fit: in-memory data "
+            "(under torchrun not already_sharded), or on one process a Dataset or DataLoader with a length (no "
+            "drop_last), without steps_per_epoch or batch limits. Fix: pass max_steps= (optimizer steps) instead, "
+            "or such data."
         )
     return window_budget(sizes, accumulation, max_samples)
 

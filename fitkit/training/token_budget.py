@@ -113,14 +113,18 @@ def token_budget(loader: DeviceLoader, accumulation: Callable[[int], int], max_t
         >>> token_budget(loader, lambda e: 2, 31)  # 30 in epoch 0 (2 steps), 24 more in the first step of epoch 1
         3
     """
+    from fitkit.data import TensorBatches
     from fitkit.data.loaders import source_name
 
     counts = epoch_tokens(loader)
     if counts is None:
+        kind = "in-memory tensors" if isinstance(loader.batches, TensorBatches) else source_name(loader)
         raise ValueError(
             f"fit(max_tokens={max_tokens}) needs the tokens of every training batch before the fit: in-memory "
-            "tensors, without steps_per_epoch or batch limits (a Dataset, DataLoader or iterable may pad each "
-            f"batch to its own length). Received: x of kind {source_name(loader)}"
+            "tensors (under torchrun not already_sharded: the other ranks' tokens are unknown), without "
+            "steps_per_epoch or batch limits (a Dataset, DataLoader or iterable may pad each batch to its own "
+            f"length). Received: x of kind {kind}"
+            f"{', already_sharded' if loader.sharded == 'user' else ''}"
             f"{'' if loader.steps is None else f', steps_per_epoch={loader.steps}'}. Fix: pass max_steps= "
             "(optimizer steps) instead, or max_samples= (for sequences of one length T, N tokens are N / T "
             "samples), or the token ids as in-memory tensors."

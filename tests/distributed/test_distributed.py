@@ -66,6 +66,7 @@ res["own_items"] = sc.own_items()
 res["own_items_compiled"] = sc.own_items("cross_entropy")
 res["tokens_seen"] = sc.tokens_seen()
 res["token_budget"] = sc.token_budget()
+res["data_budget_errors"] = sc.data_budget_errors()
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -503,3 +504,16 @@ def test_the_token_budget_counts_every_ranks_tokens(job):
         assert (run["steps"], run["total_steps"], run["epochs"], run["seen"]) == (5, 5, [0, 1], [99, 195])
     _assert_identical(r0["token_budget"]["params"], r1["token_budget"]["params"])
     _assert_close(r0["token_budget"]["params"], one["params"], atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_budgets_in_data_refuse_already_sharded_data(job):
+    """A rank's own share (already_sharded) does not tell the global samples or tokens: both budgets
+    are refused before step 1 on every rank (they counted the rank's share before)."""
+    r0, r1, _, _ = job
+    for errors in (r0["data_budget_errors"], r1["data_budget_errors"]):
+        tokens, samples = errors
+        assert tokens.startswith("fit(max_tokens=12) needs the tokens of every training batch before the fit")
+        assert "Received: x of kind in-memory tensors, already_sharded. Fix: " in tokens
+        assert samples.startswith("fit(max_samples=4) needs the size of every training batch before the fit")

@@ -195,7 +195,7 @@ def _loader_of(x, y):
             (X, Y),
             {"max_tokens": 30, "steps_per_epoch": 2},
             ValueError,
-            r"fit\(max_tokens=30\) needs the tokens.*Received: x of kind .*, steps_per_epoch=2\. Fix: ",
+            r"fit\(max_tokens=30\) needs the tokens.*Received: x of kind in-memory tensors, steps_per_epoch=2\. Fix: ",
         ),
         (
             (X.float(), Y),
