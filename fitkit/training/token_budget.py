@@ -5,8 +5,8 @@ Tokens are counted as :class:`~fitkit.callbacks.TokensSeen` counts them by defau
 function (:func:`fitkit.callbacks.throughput.token_count`): a batch holds ``B * T`` tokens of its
 integer ``(B, T)`` input (a dict's ``input_ids`` first), every micro-batch of an accumulation
 window counts, and the count is over all ranks. Padding positions and labels set to ``-100``
-count too (the input holds them; Composer and the Trainer's ``num_input_tokens_seen`` count the
-same), so a ``TokensSeen()`` in the same run logs the tokens the budget counted.
+count too (the input holds them, as the Trainer's ``num_input_tokens_seen`` counts them by
+default), so a ``TokensSeen()`` in the same run logs the tokens the budget counted.
 
 The rule is the one of ``max_samples`` (:func:`fitkit.training.budget.sample_budget`): from
 epoch 0, the fit ends with the optimizer step whose accumulation window brings the tokens trained
@@ -17,7 +17,8 @@ given too caps it (the smaller wins), and a resumed fit stops at the step the un
 does. ``max_samples`` and ``max_tokens`` together are refused: one run has one budget in data.
 
 The tokens of each batch must be known before the fit: in-memory tensors (at any world size;
-shuffling moves rows, not the ``B * T`` of a batch). A ``Dataset``, ``DataLoader`` or iterable
+shuffling moves rows, not the ``B * T`` of a batch; under torchrun, data that fitkit shards, as a
+rank's ``already_sharded`` share does not tell the others' tokens). A ``Dataset``, ``DataLoader`` or iterable
 of batches (whose sequences a collator may pad to each batch's own length) is refused before
 step 1, with the fix: ``max_steps=``, or ``max_samples=`` (for sequences of one length ``T``,
 ``N`` tokens are ``N / T`` samples).

@@ -34,7 +34,7 @@ class TokenLinear(nn.Module):
         return self.linear((input_ids if values is None else values).float())
 
 
-def _model(accumulation: int = 1, scheduler=None) -> fitkit.Model:
+def _model(accumulation: int | dict[int, int] = 1, scheduler=None) -> fitkit.Model:
     model = fitkit.Model(TokenLinear(), device="cpu")
     model.compile(
         optimizer=lambda p: torch.optim.SGD(p, lr=LR),
@@ -73,6 +73,7 @@ def _tokens(windows: list[list[tuple[int, int]]]) -> int:
         (3, 20, [B[:3], B[3:]], [0]),  # 18, then inside the short second window (15): 33
         (3, 34, [B[:3], B[3:], B[:3]], [0, 1]),  # 33 in epoch 0, then the first window of epoch 1: 51
         (2, 40, [B[:2], B[2:4], B[4:], B[:2]], [0, 1]),  # 12 + 12 + 9, then 12 more: 45
+        ({0: 3, 1: 2}, 50, [B[:3], B[3:], B[:2], B[2:4]], [0, 1]),  # by epoch (a dict): 18 + 15, then 12 + 12: 57
     ],
 )
 def test_the_token_budget_ends_at_the_window_that_reaches_it(accumulation, max_tokens, windows, epochs):
