@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import pickle
 import re
 import sys
 from collections.abc import Callable
@@ -335,7 +336,7 @@ CLAIMS = (
     claim(
         FILES,
         "refused this way is passed over for ``backup.prev.pt``, with a warning, as any damage",
-        "tests/files/test_sharded_metadata_safety.py::test_a_crafted_index_is_refused_before_it_runs",
+        f"{HERE}::test_a_refused_newest_backup_is_passed_over_for_the_previous_one",
     ),
     claim(
         FILES,
@@ -650,8 +651,8 @@ CLAIMS = (
         "yields no batch.",
         refused("fit-before-compile"),
         BAD_INPUT,
-        "tests/training/test_validation_state.py::test_one_shot_training_generator_ends_training_instead_of_an_empty_"
-        "epoch",
+        ZERO_ROWS,
+        "tests/training/test_validation_state.py::test_used_up_validation_generator_is_an_error_in_epoch_two",
     ),
     claim(
         MODEL,
@@ -1092,3 +1093,39 @@ def test_a_missing_extra_is_named_with_its_install_line(extra, tmp_path, monkeyp
     with pytest.raises(error, match=rf"pip install '\.\[{extra}\]'`? from a checkout"):
         call(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+class _Exec:
+    """Unpickled as ``exec(...)``: writes ``marker`` if it ever runs."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+@pytest.mark.slow  # the first import of torch.distributed.checkpoint
+def test_a_refused_newest_backup_is_passed_over_for_the_previous_one(tmp_path):
+    """files.rst: a sharded backup whose index would run code is refused, and BackupAndRestore
+    resumes from ``backup.prev.pt`` with a warning, as from any damaged backup."""
+    y = X[:, :1]
+    previous = _compiled(nn.Linear(3, 1))
+    previous.fit(X, y, batch_size=4, epochs=1, verbose=0)  # epoch 0 done in 2 steps
+    previous.save_checkpoint(tmp_path / "backup.prev.pt")
+    newest = _compiled(nn.Linear(3, 1))
+    newest.fit(X, y, batch_size=2, epochs=1, verbose=0)  # epoch 0 done in 4 steps
+    newest.save_checkpoint(tmp_path / "backup.pt", sharded=True)
+    marker = tmp_path / "marker"
+    (tmp_path / "backup.pt" / ".metadata").write_bytes(pickle.dumps(_Exec(marker)))
+    resumed = _compiled(nn.Linear(3, 1))
+    with pytest.warns(
+        fitkit.checks.FitkitWarning,
+        match=r"(?s)is damaged, so training resumes from the previous backup .*backup\.prev\.pt'.*"
+        r"Refused to load '.*\.metadata': it names builtins\.exec",
+    ):
+        history = resumed.fit(
+            X, y, batch_size=4, epochs=2, verbose=0, callbacks=[fitkit.callbacks.BackupAndRestore(tmp_path)]
+        )
+    assert not marker.exists()
+    assert history.epoch == [0, 1] and resumed.global_step == 2 + 2  # from the previous backup: 2 + 2, not 4 + 2
