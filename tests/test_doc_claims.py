@@ -19,6 +19,7 @@ the first step, named optional extras), with the page and line in each row's id.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import pickle
 import re
@@ -123,7 +124,7 @@ def refused(name: str) -> str:
     return f"{HERE}::test_documented_refusal_is_raised_before_anything_changes[{name}]"
 
 
-CLAIMS = (
+DOC_CLAIMS = (
     # -- README.md ------------------------------------------------------------------------------------------------
     claim(
         README,
@@ -696,7 +697,531 @@ CLAIMS = (
     ),
 )
 
+
+def cbf(name: str) -> str:
+    return f"fitkit/callbacks/{name}.py"
+
+
+def cbt(name: str, test: str) -> str:
+    return f"tests/callbacks/test_callbacks{'_' + name if name else ''}.py::{test}"
+
+
+AVERAGING_ERRORS = (cbt("averaging", "test_ema_errors"), cbt("averaging", "test_weight_averaging_errors"))
+EMA_ERRORS = (*AVERAGING_ERRORS, cbt("averaging", "test_ema_half_life_and_interval_errors"))
+NOT_SHARDED = f"{HERE}::test_an_average_of_a_sharded_module_is_refused_at_train_begin"
+SAVE_OVERWRITE = (
+    "tests/training/test_checkpoint_run_time.py::test_save_overwrite_false_never_replaces_a_file_that_was_there"
+)
+MONITOR_KEYS = (
+    cbt("", "test_missing_monitor_key_lists_the_available_keys"),
+    "tests/training/test_validation_state.py::test_batch_level_val_monitor_is_an_error_before_step_1",
+    f"{BAD_INPUT}[EarlyStopping monitor never logged]",
+    "tests/training/test_validation_state.py::test_key_missing_at_the_first_decision_lists_the_keys",
+)
+LOGGER_FULL_DISK = (
+    "tests/callbacks/test_callbacks_logging.py::test_a_full_disk_leaves_whole_csv_rows_and_names_the_file",
+    "tests/callbacks/test_callbacks_logging.py::test_tensorboard_on_a_full_disk_warns_once_and_the_run_goes_on",
+)
+CALLBACK_CLAIMS = (
+    claim(
+        cbf("accumulation"),
+        "Raises: TypeError: not a dict, or a key or value that is not an int. ValueError: an empty dict, a key < 0 or "
+        "a value < 1.",
+        cbt("accumulation", "test_a_bad_schedule_is_a_clear_error"),
+    ),
+    claim(
+        cbf("accumulation"),
+        "Raises: TypeError: not a dict, or a key or value that is not an int. ValueError: an empty dict, a key < 0, "
+        "a value < 1; at ``fit``, together with a dict "
+        "``compile(gradient_accumulation_steps=...)``.",
+        cbt("accumulation", "test_a_bad_schedule_is_a_clear_error"),
+        cbt("accumulation", "test_two_schedules_for_one_fit_are_an_error_before_step_1"),
+    ),
+    claim(
+        cbf("average_fns"),
+        "A function that raises, takes the wrong arguments or returns a tensor of the wrong shape is found here "
+        "instead, at ``on_train_begin``",
+        f"{BAD_INPUT}[WeightAveraging avg_fn raises]",
+        f"{BAD_INPUT}[WeightAveraging avg_fn of 2 arguments]",
+        f"{BAD_INPUT}[WeightAveraging avg_fn returns a scalar]",
+    ),
+    claim(
+        cbf("average_fns"),
+        "Raises: ValueError: it raised, or ``avg_fn`` returned no tensor of ``averaged``'s shape.",
+        f"{BAD_INPUT}[WeightAveraging avg_fn raises]",
+        f"{BAD_INPUT}[WeightAveraging avg_fn returns a scalar]",
+    ),
+    claim(
+        cbf("average_fns"),
+        "ValueError: WeightAveraging's `avg_fn` failed when tried before training",
+        'example: try_average_fn("WeightAveraging", lambda a, c: a, None, w, w)',
+    ),
+    claim(cbf("averaging"), "``fit`` refuses more before step 1 (see", SWAPPING),
+    claim(
+        cbf("averaging"),
+        "Raises: TypeError: ``decay`` or ``half_life`` is not a number, a flag not a bool, a step count not an int. "
+        "ValueError: ``decay`` outside ``[0, 1]``, ``half_life`` not positive and finite, both given, an unknown "
+        '``update_interval`` or a step option with ``"epoch"``, a step count below its minimum; at '
+        '``on_train_begin``, a module sharded with ``strategy="fsdp"``; at ``fit``, before step 1, a second average '
+        "to validate on or to swap in at the end.",
+        *EMA_ERRORS,
+        NOT_SHARDED,
+        SWAPPING,
+    ),
+    claim(cbf("averaging"), "so ``fit`` refuses it with another callback that does", SWAPPING),
+    claim(
+        cbf("averaging"),
+        "Raises: TypeError: arguments of the wrong type. ValueError: bad values; at ``on_train_begin``, a "
+        "``swa_lrs`` list whose length is not the number of parameter groups, or a module sharded with "
+        '``strategy="fsdp"``.',
+        cbt("averaging", "test_swa_errors"),
+        cbt("averaging", "test_swa_lrs_per_group_must_match_the_groups"),
+        cbt("averaging", "test_swa_refuses_both_avg_fns"),
+        NOT_SHARDED,
+    ),
+    claim(
+        cbf("backup"),
+        "When the newest backup is damaged (:class:`fitkit.files.CheckpointError`), ``fit`` warns, naming both "
+        "files, and resumes from the previous one.",
+        BACKUP_FALLBACK,
+    ),
+    claim(
+        cbf("backup"),
+        "and kept when ``fit`` raises",
+        "tests/training/test_resume.py::test_backup_and_restore_after_a_crash_equals_the_uninterrupted_run",
+    ),
+    claim(
+        cbf("backup"),
+        "Raises: TypeError: ``backup_dir`` is not a str or a path. ValueError: a bad ``save_freq``; ``backup_dir`` is "
+        "empty or an existing file.",
+        cbt("backup", "test_file_owning_callbacks_check_their_paths_when_built"),
+        f"{BAD_INPUT}[BackupAndRestore dir is a file]",
+        f"{BAD_INPUT}[BackupAndRestore save_freq]",
+    ),
+    claim(
+        cbf("base"),
+        "called once ``fit`` is over, also when it raises. Runs after ``on_train_end`` (or instead of it when ``fit`` "
+        "raises).",
+        cbt("backup", "test_thirty_failing_fits_leak_no_writer_thread"),
+        cbt("mlflow", "test_a_failed_fit_ends_its_run_and_a_second_fit_starts_a_new_one"),
+    ),
+    claim(
+        cbf("base"),
+        "Raises: ImportError: matplotlib is not installed. ValueError: a key that the history does not hold. "
+        "OSError: the PNG cannot be written (a full disk)",
+        f"{HERE}::test_a_missing_extra_is_named_with_its_install_line[plot]",
+        "tests/callbacks/test_callbacks_logging.py::test_history_plot_writes_a_png",
+        "tests/callbacks/test_callbacks_logging.py::test_history_plot_on_a_full_disk_keeps_the_old_png",
+    ),
+    claim(cbf("base"), "Raises: KeyError: ``hook`` is not a hook name.", f"{HERE}::test_the_callback_list_s_promises"),
+    claim(
+        cbf("base"), "``fit`` raised after a step: let the callbacks that ask write a checkpoint first.", ON_EXCEPTION
+    ),
+    claim(
+        cbf("base"),
+        "Call every callback's :meth:`Callback.close`, each even if another one raises.",
+        f"{HERE}::test_the_callback_list_s_promises",
+    ),
+    claim(cbf("checkpoint_options"), "a checkpoint when ``fit`` raises after a step", ON_EXCEPTION),
+    claim(
+        cbf("checkpoint_options"),
+        "Raises: ValueError: a float outside ``(0, 1]``.",
+        "example: check_fraction(1.5)",
+        "tests/training/test_checkpoint_run_time.py::test_a_fraction_of_the_run_saves_at_those_planned_steps",
+    ),
+    claim(
+        cbf("checkpoint_options"), "ValueError: Expected a float `save_freq` in (0, 1]", "example: check_fraction(1.5)"
+    ),
+    claim(
+        cbf("checkpoint_options"),
+        "Raises: TypeError: neither a bool nor a path. ValueError: ``True`` with a folder that changes per save.",
+        "tests/callbacks/test_callback_options.py::test_save_last_with_a_changing_folder_is_refused",
+        "tests/callbacks/test_callback_options.py::test_model_checkpoint_option_errors",
+    ),
+    claim(
+        cbf("checkpoint_options"),
+        "Raises: ValueError: ``keep_last=0`` with neither ``save_best_only`` nor ``save_last``.",
+        "tests/training/test_checkpoint_retention.py::test_bad_keep_last_is_refused",
+    ),
+    claim(
+        cbf("checkpoint_options"),
+        "``save_overwrite=False``: ``FileExistsError`` for a file that was on disk when the fit began",
+        SAVE_OVERWRITE,
+    ),
+    claim(
+        cbf("checkpoint_paths"),
+        "refused where it is one of ``filepath``'s own files",
+        f"{BAD_INPUT}[ModelCheckpoint save_last is its own filepath]",
+        f"{BAD_INPUT}[ModelCheckpoint save_last matches the filepath pattern]",
+    ),
+    claim(
+        cbf("checkpointing"),
+        "``ValueError`` at ``on_train_begin`` when the planned steps are unknown",
+        "tests/training/test_checkpoint_run_time.py::test_a_fraction_of_an_unknown_plan_is_refused_before_step_1",
+    ),
+    claim(
+        cbf("checkpointing"),
+        "A path that ``filepath`` formats to (its own file) is refused",
+        f"{BAD_INPUT}[ModelCheckpoint save_last is its own filepath]",
+        f"{BAD_INPUT}[ModelCheckpoint save_last matches the filepath pattern]",
+    ),
+    claim(cbf("checkpointing"), "writing one raises ``FileExistsError`` and writes nothing", SAVE_OVERWRITE),
+    claim(
+        cbf("checkpointing"),
+        "when ``fit`` raises an ``Exception`` after at least one step, write a full checkpoint of the last completed "
+        "batch there before the error goes on",
+        ON_EXCEPTION,
+    ),
+    claim(
+        cbf("checkpointing"),
+        "under torchrun every rank must raise, as a save is a collective. With ``save_overwrite=False`` a file there "
+        "before the fit began is left as it was (the error goes on, nothing written).",
+        f"{HERE}::test_save_on_exception_keeps_a_file_that_was_there_with_save_overwrite_false",
+    ),
+    claim(
+        cbf("checkpointing"),
+        "Raises: ValueError: a bad ``filepath`` (an existing folder too), ``mode``, ``save_freq``, ``save_top_k`` or "
+        "``every_n_epochs``",
+        "tests/callbacks/test_callback_options.py::test_model_checkpoint_option_errors",
+        f"{BAD_INPUT}[ModelCheckpoint path is a folder]",
+        f"{BAD_INPUT}[ModelCheckpoint save_freq 0]",
+        f"{BAD_INPUT}[ModelCheckpoint monitor never logged]",
+        DECLARED,
+    ),
+    claim(
+        cbf("checkpointing"),
+        "TypeError: ``initial_value_threshold`` is not a number, ``save_last`` neither a bool nor a path, "
+        "``train_time_interval`` not a positive timedelta, ``clock`` not callable.",
+        "tests/callbacks/test_callback_options.py::test_model_checkpoint_option_errors",
+        DECLARED,
+    ),
+    claim(
+        cbf("locking"),
+        "Acquire a :class:`FileLock`; warn when it was a dead run's. Raises: fitkit.files.LockError: a live run (or "
+        "another callback of this fit) holds it.",
+        f"{LOCKS}::test_a_dead_runs_lock_is_taken_over_with_a_warning",
+        f"{LOCKS}::test_a_second_run_on_a_running_runs_folder_is_refused_before_step_1",
+        f"{LOCKS}::test_two_callbacks_on_one_file_in_one_fit_are_refused_before_step_1",
+    ),
+    claim(
+        cbf("locking"),
+        ":meth:`Owned.restore`, warning about a name it refuses.",
+        "tests/files/test_files_owned.py::test_a_backup_edited_to_list_a_file_outside_the_folder_never_deletes_it",
+    ),
+    claim(
+        cbf("logging"),
+        "a key that first appears in a later epoch is left out, with one warning",
+        "tests/training/test_validation_state.py::test_csv_logger_columns_plan_plus_first_epoch_extras_later_keys_"
+        "warned_once",
+    ),
+    claim(
+        cbf("logging"),
+        "Raises: TypeError: ``filename`` is not a str or a path. ValueError: ``separator`` is not such a character; "
+        "``filename`` is empty or a folder.",
+        cbt("backup", "test_file_owning_callbacks_check_their_paths_when_built"),
+        f"{BAD_INPUT}[CSVLogger separator newline]",
+        f"{BAD_INPUT}[CSVLogger file is a folder]",
+    ),
+    claim(
+        cbf("logkeys"), ":func:`check_log_key` refuses, in ``on_train_begin``, a key no log will hold", *MONITOR_KEYS
+    ),
+    claim(cbf("logkeys"), "Any other missing key is an error.", *MONITOR_KEYS),
+    claim(
+        cbf("logkeys"),
+        "Raises: ValueError: ``monitor`` is not in ``logs`` (the message lists the keys there are).",
+        cbt("", "test_missing_monitor_key_lists_the_available_keys"),
+        'example: monitor_value({"loss": 0.5}, "val_acc", "EarlyStopping")',
+    ),
+    claim(
+        cbf("logkeys"),
+        "ValueError: EarlyStopping monitors 'val_acc', which the logs do not hold.",
+        'example: monitor_value({"loss": 0.5}, "val_acc", "EarlyStopping")',
+    ),
+    claim(cbf("logkeys"), "``key`` can hold a value when the callback decides, or ``ValueError``.", *MONITOR_KEYS),
+    claim(cbf("logkeys"), "A key outside the plan is an error unless a callback that may add keys", *MONITOR_KEYS),
+    claim(
+        cbf("logkeys"),
+        "a ``val_`` or learning-rate key there is always an error",
+        "tests/training/test_validation_state.py::test_batch_level_val_monitor_is_an_error_before_step_1",
+        'example: check_log_key("val_loss", params, None, "ModelCheckpoint", batch_level=5)',
+    ),
+    claim(
+        cbf("logkeys"),
+        "Raises: ValueError: a key no log will hold when the callback decides.",
+        *MONITOR_KEYS,
+        'example: check_log_key("val_loss", params, None, "ModelCheckpoint", batch_level=5)',
+    ),
+    claim(
+        cbf("logkeys"),
+        "ValueError: ModelCheckpoint monitors 'val_loss' every 5 batches",
+        'example: check_log_key("val_loss", params, None, "ModelCheckpoint", batch_level=5)',
+    ),
+    claim(
+        cbf("lr"),
+        "Raises: ValueError: ``factor`` not in ``[0, 1)``, bad arguments; at ``on_train_begin``, an unknown direction "
+        "or a monitor the epoch logs will not hold",
+        f"{BAD_INPUT}[ReduceLROnPlateau factor 1.5]",
+        f"{BAD_INPUT}[ReduceLROnPlateau and a compiled scheduler]",
+        refused("reduce-lr-monitor-never-logged"),
+    ),
+    claim(
+        cbf("lr"),
+        "Raises: TypeError: ``schedule`` is not callable, or returns something that is not a number.",
+        f"{BAD_INPUT}[LearningRateScheduler returns str]",
+        DECLARED,
+    ),
+    claim(
+        cbf("lr"),
+        "Raises: TypeError, ValueError: bad arguments, as :func:`fitkit.tools.lr_finder.find_lr` raises them.",
+        cbt("lr", "test_learning_rate_finder_errors"),
+    ),
+    claim(
+        cbf("misc"),
+        "raise_error: raise ``RuntimeError`` at the stop instead of stopping quietly.",
+        cbt("", "test_terminate_on_nan_can_raise"),
+    ),
+    claim(
+        cbf("misc"),
+        "Raises: TypeError: ``raise_error`` is not a bool. RuntimeError: with ``raise_error=True``, at the stop. "
+        "ValueError: ``check_every`` < 1.",
+        f"{BAD_INPUT}[TerminateOnNaN raise_error str]",
+        cbt("", "test_terminate_on_nan_can_raise"),
+        cbt("", "test_terminate_on_nan_check_every_must_be_positive"),
+    ),
+    claim(
+        cbf("misc"),
+        "Raises: TypeError: an unknown hook name, a value that is not callable, or a function that cannot take the "
+        "hook's arguments",
+        f"{BAD_INPUT}[LambdaCallback unknown hook]",
+        f"{BAD_INPUT}[LambdaCallback wrong arity]",
+        f"{BAD_INPUT}[LambdaCallback batch hook of 1 argument]",
+    ),
+    claim(cbf("mixins"), "it warns once, naming the file and the fix, and writes nothing more", *LOGGER_FULL_DISK),
+    claim(
+        cbf("mlflow"),
+        "If ``fit`` raises, :meth:`close` (which fit calls on its callbacks when it fails) marks the run ``FAILED``",
+        cbt("mlflow", "test_a_failed_fit_ends_its_run_and_a_second_fit_starts_a_new_one"),
+    ),
+    claim(
+        cbf("mlflow"),
+        'Raises: ImportError: mlflow is not installed (``pip install ".[mlflow]"`` from a checkout). ValueError: a '
+        "``log_every_n_steps`` that is not a positive int. TypeError: ``checkpoint`` is neither a path nor a "
+        "ModelCheckpoint.",
+        f"{HERE}::test_a_missing_extra_is_named_with_its_install_line[mlflow]",
+        cbt("mlflow", "test_bad_arguments"),
+    ),
+    claim(
+        cbf("monitor"),
+        'and refuses to guess the rest. Raises: ValueError: ``mode`` is not ``"auto"``, ``"min"`` or ``"max"``, '
+        "or ``auto`` cannot tell.",
+        cbt("", "test_mode_auto_refuses_a_metric_without_a_direction_before_the_first_step"),
+        cbt("", "test_unknown_direction_raises_before_the_first_step"),
+    ),
+    claim(
+        cbf("monitor"),
+        "Raises: ValueError: bad arguments (a NaN threshold too); at ``on_train_begin``, a direction ``auto`` cannot "
+        "infer, or a monitor the epoch logs will not hold",
+        "tests/callbacks/test_callback_options.py::test_early_stopping_option_errors",
+        cbt("", "test_mode_auto_refuses_a_metric_without_a_direction_before_the_first_step"),
+        cbt("", "test_val_monitor_without_validation_data_raises_before_the_first_step"),
+    ),
+    claim(
+        cbf("mlflow"),
+        "it warns once (a ``FitkitWarning`` naming the store and the fix) and writes nothing more in that ``fit``, "
+        "which goes on",
+        cbt("mlflow", "test_a_store_that_cannot_be_written_warns_once_and_training_goes_on"),
+        cbt("mlflow", "test_a_full_disk_under_a_real_store_warns_and_training_goes_on"),
+    ),
+    claim(
+        cbf("wandb"),
+        "an error of W&B is turned into one ``FitkitWarning`` and the logger goes quiet for the rest of the fit",
+        cbt("wandb", "test_a_wandb_failure_warns_and_training_goes_on"),
+    ),
+    claim(cbf("neftune"), "(also when it raises)", cbt("neftune", "test_the_hook_comes_off_when_fit_raises")),
+    claim(
+        cbf("neftune"),
+        "Raises: TypeError, ValueError: ``noise_alpha`` not a positive number (at construction); ``ValueError`` before "
+        "step 1 when no embedding is found, the name is unknown, or the module has several ``nn.Embedding`` and no "
+        "``get_input_embeddings``.",
+        cbt("neftune", "test_a_bad_alpha_is_refused"),
+        cbt("neftune", "test_no_embedding_found_is_an_error_before_step_1"),
+        cbt("neftune", "test_a_bad_embedding_argument_is_refused"),
+    ),
+    claim(
+        cbf("optim_monitor"),
+        "Raises: TypeError: a count that is not an int, ``norm_type`` not a number, a flag not a bool. ValueError: "
+        "``log_every_n_steps < 1`` or ``norm_type`` not positive.",
+        cbt("optim_monitor", "test_optimizer_monitor_errors"),
+    ),
+    claim(
+        cbf("optim_monitor"),
+        "gives a warning at the start of ``fit`` and no key",
+        cbt("optim_monitor", "test_learning_rate_monitor_warns_for_an_optimizer_without_momentum"),
+    ),
+    claim(
+        cbf("optim_monitor"),
+        "Raises: TypeError: a flag that is not a bool.",
+        cbt("optim_monitor", "test_learning_rate_monitor_errors"),
+    ),
+    claim(
+        cbf("optuna"),
+        "the callback raises ``optuna.TrialPruned``: ``fit`` ends by that exception",
+        cbt("optuna", "test_prune_raises_trial_pruned_from_fit"),
+    ),
+    claim(
+        cbf("optuna"),
+        'Raises: ImportError: optuna is not installed (``pip install ".[optuna]"`` from a checkout). TypeError: '
+        "``trial`` has no ``report`` / ``should_prune`` methods, ``interval`` is not an int. ValueError: "
+        "``interval`` < 1. ValueError: at ``on_train_begin``, a ``val_`` monitor without validation data",
+        f"{HERE}::test_a_missing_extra_is_named_with_its_install_line[optuna]",
+        cbt("optuna", "test_bad_arguments"),
+        cbt("optuna", "test_interval_errors"),
+    ),
+    claim(
+        cbf("optuna"),
+        "or a ``monitor`` no log will hold; at the first epoch end, when another callback may add keys "
+        "(:func:`~fitkit.callbacks.logkeys.may_add_keys`), a ``monitor`` the logs do not hold.",
+        refused("optuna-monitor-never-logged"),
+        f"{HERE}::test_a_monitor_missing_at_the_first_epoch_end_is_named_there",
+    ),
+    claim(
+        cbf("profiler"),
+        "Raises: TypeError, ValueError: bad arguments (checked when it is created).",
+        cbt("profiler", "test_errors"),
+    ),
+    claim(cbf("progress"), "Raises: ValueError: anything else.", f"{CHECKS}[verbose-invalid]"),
+    claim(
+        cbf("raytrain"),
+        "fitkit refuses ``timeout=`` when the group is already running",
+        "tests/callbacks/test_ray.py::test_model_timeout_is_refused_in_rays_process_group",
+    ),
+    claim(
+        cbf("raytrain"),
+        'Raises: ImportError: Ray is not installed (``pip install ".[ray]"`` from a checkout). TypeError, ValueError: '
+        "a bad ``save_freq`` or ``checkpoint``. RuntimeError: (at ``on_train_begin``) ``fit`` runs outside a Ray "
+        "Train worker. FileNotFoundError: (at ``on_train_begin``) Ray's checkpoint holds no fitkit checkpoint.",
+        f"{HERE}::test_a_missing_extra_is_named_with_its_install_line[ray]",
+        "tests/callbacks/test_ray.py::test_ray_report_checks_its_arguments",
+        "tests/callbacks/test_ray.py::test_ray_report_outside_a_ray_worker_says_so",
+        f"{HERE}::test_a_ray_checkpoint_without_fitkits_file_is_refused_before_step_1",
+    ),
+    claim(
+        cbf("signatures"),
+        "Raises: TypeError: naming the hook, the arguments it is called with and the fix.",
+        f"{BAD_INPUT}[LambdaCallback wrong arity]",
+        'example: check_hook_arity("on_epoch_end", lambda: None)',
+    ),
+    claim(
+        cbf("signatures"),
+        "TypeError: `on_epoch_end` is called as on_epoch_end(epoch, logs), but the function given takes",
+        'example: check_hook_arity("on_epoch_end", lambda: None)',
+    ),
+    claim(
+        cbf("swap_ema"),
+        "another averaging callback that validates on its own average is refused before step 1, as is, with "
+        "``swap_on_epoch``, another one that swaps its average in at the end.",
+        SWAPPING,
+    ),
+    claim(
+        cbf("swap_ema"),
+        "Raises: TypeError: ``swap_on_epoch`` is not a bool. ValueError: at ``on_train_begin`` (or evaluate / "
+        "predict), no EMA to swap with; at ``fit``, before step 1, a second average to validate on or to end with.",
+        cbt("averaging", "test_swap_ema_weights_without_an_ema_is_an_error_before_step_1"),
+        SWAPPING,
+        DECLARED,
+    ),
+    claim(cbf("swap_ema"), "another averaging callback that validates on its own average is refused.", SWAPPING),
+    claim(
+        cbf("swap_ema"),
+        "``SWA`` or a second end swap is refused before step 1. Raises: TypeError: ``use_ema`` not a bool, "
+        "``ema_momentum`` not a number, the frequency not an int. ValueError: ``ema_momentum`` outside ``[0, 1]``, a "
+        "frequency below 1.",
+        SWAPPING,
+        cbt("averaging", "test_compile_ema_errors"),
+    ),
+    claim(cbf("swapping"), ":func:`check_weight_swaps` refuses, before step 1 (nothing changed)", SWAPPING),
+    claim(
+        cbf("swapping"), "``ValueError`` when two averages would be swapped into the module for one purpose.", SWAPPING
+    ),
+    claim(cbf("swapping"), "so ``fit`` refuses them before step 1 (weights and optimizer as they were)", SWAPPING),
+    claim(
+        cbf("swapping"),
+        "Raises: ValueError: two averages validated on, or two swapped in at the end; the message names both callbacks "
+        "and the fix.",
+        SWAPPING,
+        "example: check_weight_swaps(model, [EMA(), EMA()])",
+    ),
+    claim(
+        cbf("swapping"),
+        "ValueError: Expected at most one averaged copy of the weights to validate on.",
+        "example: check_weight_swaps(model, [EMA(), EMA()])",
+    ),
+    claim(
+        cbf("tensorboard"),
+        'Raises: ImportError: the ``tensorboard`` package is missing (``pip install ".[tensorboard]"`` from a '
+        "checkout). ValueError: a bad ``update_freq`` or ``histogram_freq``; ``log_dir`` is empty or an existing file. "
+        "TypeError: ``write_steps_per_second`` not a bool, ``clock`` not callable.",
+        f"{HERE}::test_a_missing_extra_is_named_with_its_install_line[tensorboard]",
+        "tests/callbacks/test_callbacks_tensorboard.py::test_bad_options",
+        f"{BAD_INPUT}[TensorBoard log_dir is a file]",
+    ),
+    claim(
+        cbf("throughput"),
+        "Raises: TypeError, ValueError: bad arguments (checked when it is created).",
+        cbt("throughput", "test_errors"),
+    ),
+    claim(
+        cbf("timer"),
+        "Raises: TypeError, ValueError: anything else, or a duration that is not > 0.",
+        cbt("timer", "test_bad_arguments_are_refused"),
+    ),
+    claim(
+        cbf("tokens"),
+        "Raises: ValueError: at the first batch, when the batch has no token input",
+        cbt("tokens", "test_batches_without_tokens_are_refused_at_the_first_batch"),
+    ),
+    claim(
+        cbf("wandb"),
+        "**init_kwargs: passed on to ``wandb.init``",
+        cbt("wandb", "test_an_offline_run_holds_config_step_and_epoch_logs_and_the_best_checkpoint"),
+    ),
+    claim(
+        cbf("wandb"),
+        'Raises: ImportError: wandb is not installed (``pip install ".[wandb]"`` from a checkout). ValueError: a '
+        "``log_every_n_steps`` that is not a positive int. TypeError: ``checkpoint`` is neither a path nor a "
+        "ModelCheckpoint.",
+        f"{HERE}::test_a_missing_extra_is_named_with_its_install_line[wandb]",
+        cbt("wandb", "test_missing_wandb_and_bad_arguments_are_named"),
+    ),
+    claim(cbf("weight_averaging"), "``fit`` refuses two before step 1", SWAPPING),
+    claim(
+        cbf("weight_averaging"),
+        "so a broken function is refused before step 1 (a ``ValueError``), nothing changed",
+        f"{BAD_INPUT}[WeightAveraging avg_fn raises]",
+        f"{BAD_INPUT}[WeightAveraging multi_avg_fn raises]",
+    ),
+    claim(
+        cbf("weight_averaging"),
+        "Raises: TypeError: a function that is not callable, a flag that is not a bool, a step that is not an int. "
+        "ValueError: both ``avg_fn`` and ``multi_avg_fn``; a count below its minimum; at ``on_train_begin``, a module "
+        'sharded with ``strategy="fsdp"``; at ``fit``, before step 1, another averaging callback that also validates '
+        "on its average, or that also swaps its average in at the end.",
+        *AVERAGING_ERRORS,
+        cbt("averaging", "test_swa_refuses_both_avg_fns"),
+        NOT_SHARDED,
+        SWAPPING,
+    ),
+    claim(
+        cbf("weight_averaging"),
+        "A ``fit`` that raised with an average swapped in (in a validation) gets its training weights back.",
+        f"{HERE}::test_a_fit_that_raises_in_a_validation_on_the_average_gets_its_training_weights_back",
+    ),
+)
+
+
 # Words of the claim vocabulary that say something else (a noun, the user's own code, torch's behaviour).
+CLAIMS = DOC_CLAIMS + CALLBACK_CLAIMS
+
 NOT_CLAIMS = (
     claim(LIGHTNING, "What fitkit counts differently, or refuses", "a section title: the table's rows are the claims"),
     claim(LOSSES, "every token ignored) adds nothing (a 0 loss, never 0/0)", "a value, shown by the example below"),
@@ -710,6 +1235,10 @@ NOT_CLAIMS = (
     claim(SPEED, "and no ignored targets", "a cost"),
     claim(SCALE, "(ignored targets, tokens, weights, a DataLoader's labels)", "a cost"),
     claim(SCALE, "Rank 0 says so on standard error, in one line", "a stream"),
+    claim(cbf("accumulation"), "name: how errors name the argument.", "an argument"),
+    claim(cbf("mlflow"), "the default of MLflow 3, which refuses the old ``file:`` store", "MLflow's behaviour"),
+    claim(cbf("monitor"), "``auto`` is ``min`` for loss / error keys", "a key name"),
+    claim(cbf("monitor"), "any key ending in ``loss`` or ``error``", "a key name"),
 )
 
 CLAIM_WORDS = re.compile(
@@ -725,6 +1254,7 @@ PAGES = sorted(
     ]
     + [p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / "tutorials").glob("[0-9][0-9]_*.py")]
     + [README, MODEL]
+    + [p.relative_to(ROOT).as_posix() for p in (ROOT / "fitkit" / "callbacks").glob("*.py")]
 )
 _CODE_DIRECTIVE = re.compile(r"^\s*\.\. (testcode|testoutput|doctest|testsetup|testcleanup|code-block|code)::")
 _EXECUTED_DIRECTIVE = re.compile(r"^\s*\.\. (testcode|doctest|testsetup)::")
@@ -769,13 +1299,25 @@ def _script_lines(lines: list[str]) -> tuple[list[tuple[int, str]], list[str]]:
     return prose, code
 
 
+def _public(tree: ast.AST) -> list[ast.AST]:
+    """The module and its public classes and functions (``__init__`` of a public class too)."""
+    nodes: list[ast.AST] = [tree]
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and (
+            not node.name.startswith("_") or node.name == "__init__" and not isinstance(tree, ast.Module)
+        ):
+            nodes += _public(node) if isinstance(node, ast.ClassDef) else [node]
+    return nodes
+
+
 def _docstring_lines(source: str) -> tuple[list[tuple[int, str]], list[str]]:
-    """A module of fitkit: its docstrings are prose, their ``>>>`` lines the code doctest runs."""
+    """A module of fitkit: its public docstrings are prose, their ``>>>`` lines the code doctest runs."""
     prose, code = [], []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node, clean=False):
-            first = node.body[0].lineno
-            for i, line in enumerate(ast.get_docstring(node, clean=False).splitlines()):
+    for node in _public(ast.parse(source)):
+        docstring = ast.get_docstring(node, clean=False)  # type: ignore[arg-type]
+        if docstring:
+            first = node.body[0].lineno  # type: ignore[attr-defined]
+            for i, line in enumerate(docstring.splitlines()):
                 stripped = line.strip()
                 (code.append(stripped[4:]) if stripped.startswith(">>> ") else prose.append((first + i, stripped)))
     return sorted(prose), code
@@ -950,6 +1492,19 @@ def _bce(y_pred, y):
     return F.binary_cross_entropy_with_logits(y_pred.squeeze(-1), y.float())
 
 
+class _Trial:
+    """What OptunaPruning asks of an optuna trial: ``report`` and ``should_prune``."""
+
+    def __init__(self):
+        self.reports: list[tuple[float, int]] = []
+
+    def report(self, value, step):
+        self.reports.append((value, step))
+
+    def should_prune(self):
+        return False
+
+
 # name: (the model, the call, the error, fitkit's message)
 REFUSALS: dict[str, tuple[Callable[[], fitkit.Model], Callable[[fitkit.Model], object], type, str]] = {
     "metrics-auroc-without-output": (
@@ -1014,6 +1569,32 @@ REFUSALS: dict[str, tuple[Callable[[], fitkit.Model], Callable[[fitkit.Model], o
         lambda m: m.to("mps"),
         ValueError,
         r"Received: device='mps', but MPS is not available on this machine",
+    ),
+    "reduce-lr-monitor-never-logged": (
+        lambda: _compiled(nn.Linear(3, 1)),
+        lambda m: m.fit(
+            X,
+            X[:, :1],
+            validation_data=(X, X[:, :1]),
+            callbacks=[fitkit.callbacks.ReduceLROnPlateau("val_acc")],
+            verbose=0,
+        ),
+        ValueError,
+        r"ReduceLROnPlateau monitors 'val_acc', which the logs will not hold\. Available keys: learning_rate, loss, "
+        r"val_loss.*Fix",
+    ),
+    "optuna-monitor-never-logged": (
+        lambda: _compiled(nn.Linear(3, 1)),
+        lambda m: m.fit(
+            X,
+            X[:, :1],
+            validation_data=(X, X[:, :1]),
+            callbacks=[fitkit.callbacks.OptunaPruning(_Trial(), "val_acc")],
+            verbose=0,
+        ),
+        ValueError,
+        r"OptunaPruning monitors 'val_acc', which the logs will not hold\. Available keys: learning_rate, loss, "
+        r"val_loss.*Fix",
     ),
     **{
         f"{verb}-before-compile": (
@@ -1129,3 +1710,146 @@ def test_a_refused_newest_backup_is_passed_over_for_the_previous_one(tmp_path):
         )
     assert not marker.exists()
     assert history.epoch == [0, 1] and resumed.global_step == 2 + 2  # from the previous backup: 2 + 2, not 4 + 2
+
+
+def test_a_monitor_missing_at_the_first_epoch_end_is_named_there():
+    """optuna.py: with a callback that may add keys, the monitor is looked for at the first epoch end."""
+    model = _compiled(nn.Linear(3, 1))
+    adds_nothing = fitkit.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: None)
+    trial = _Trial()
+    with pytest.raises(ValueError, match=r"OptunaPruning monitors 'val_acc', which the logs do not hold\. Available"):
+        model.fit(
+            X,
+            X[:, :1],
+            batch_size=4,
+            validation_data=(X, X[:, :1]),
+            verbose=0,
+            callbacks=[adds_nothing, fitkit.callbacks.OptunaPruning(trial, "val_acc")],
+        )
+    assert model.global_step == 2 and trial.reports == []  # the first epoch trained, nothing was reported
+
+
+@pytest.mark.parametrize(
+    "make", [fitkit.callbacks.EMA, lambda: fitkit.callbacks.SWA(0.01), fitkit.callbacks.WeightAveraging]
+)
+def test_an_average_of_a_sharded_module_is_refused_at_train_begin(make, monkeypatch):
+    """averaging.py, weight_averaging.py: under torchrun a strategy='fsdp' module has no full copy to average
+    (the process group is stood in for: on one process fitkit trains plainly)."""
+    model = fitkit.Model(nn.Linear(3, 1), device="cpu", strategy="fsdp")
+    model.compile(optimizer="sgd", loss="mse")
+    callback = make()
+    callback.set_model(model)
+    callback.set_params({"epochs": 1})
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(
+        ValueError,
+        match=rf"^{type(callback).__name__} keeps a full copy of the module, which a sharded "
+        r"\(strategy='fsdp'\) module does not have\. Fix: use strategy='ddp'\.$",
+    ):
+        callback.on_train_begin()
+    assert callback.averaged_model is None
+
+
+class _Closes(fitkit.callbacks.Callback):
+    def __init__(self, error: Exception | None = None):
+        super().__init__()
+        self.error, self.closed = error, 0
+
+    def close(self):
+        self.closed += 1
+        if self.error is not None:
+            raise self.error
+
+
+def test_the_callback_list_s_promises():
+    """base.py: close() closes every callback even if one raises, then raises the first error (not after a
+    failed fit, whose own error goes on); wants() knows only hook names."""
+    first, second = _Closes(RuntimeError("first")), _Closes(RuntimeError("second"))
+    callbacks = fitkit.callbacks.CallbackList([first, second, _Closes()], model=None, params={})
+    with pytest.raises(RuntimeError, match="^first$"):
+        callbacks.close()
+    callbacks.close(finished=False)
+    assert [cb.closed for cb in callbacks.callbacks] == [2, 2, 2]
+    with pytest.raises(KeyError, match="on_epoch_ending"):
+        callbacks.wants("on_epoch_ending")
+
+
+def test_save_on_exception_keeps_a_file_that_was_there_with_save_overwrite_false(tmp_path):
+    """checkpointing.py: the fit's own error goes on, and the file that was there is left as it was."""
+    (tmp_path / "on_exception.pt").write_bytes(b"kept")
+    checkpoint = fitkit.callbacks.ModelCheckpoint(
+        tmp_path / "ep{epoch}.pt", save_on_exception=True, save_overwrite=False
+    )
+
+    def crash(batch, logs):
+        if batch == 1:
+            raise RuntimeError("crash")
+
+    model = _compiled(nn.Linear(3, 1))
+    with pytest.raises(RuntimeError, match="^crash$"):
+        model.fit(
+            X,
+            X[:, :1],
+            batch_size=4,
+            epochs=2,
+            verbose=0,
+            callbacks=[checkpoint, fitkit.callbacks.LambdaCallback(on_train_batch_end=crash)],
+        )
+    assert model.global_step == 2 and (tmp_path / "on_exception.pt").read_bytes() == b"kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["on_exception.pt"]
+
+
+class _RayTrain:
+    """What RayReport asks of ``ray.train`` inside a worker: a context, and a checkpoint to resume from."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def get_context(self):
+        return self
+
+    def get_world_rank(self):
+        return 0
+
+    def get_checkpoint(self):
+        return self
+
+    @contextlib.contextmanager
+    def as_directory(self):
+        yield str(self.folder)
+
+
+def test_a_ray_checkpoint_without_fitkits_file_is_refused_before_step_1(tmp_path, monkeypatch):
+    """raytrain.py: Ray gives back a checkpoint folder without RayReport's file: named, nothing changed."""
+    from fitkit.callbacks import raytrain
+
+    monkeypatch.setattr(raytrain, "_ray_train", lambda: _RayTrain(tmp_path))
+    model = _compiled(nn.Linear(3, 1))
+    before = _state(model)
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"Ray's checkpoint .* holds no 'checkpoint\.pt', so fitkit cannot "
+        r"resume from it\. Fix",
+    ):
+        model.fit(X, X[:, :1], verbose=0, callbacks=[fitkit.callbacks.RayReport()])
+    assert all(torch.equal(a, b) for a, b in zip(_state(model), before, strict=True)) and model.global_step == 0
+
+
+def test_a_fit_that_raises_in_a_validation_on_the_average_gets_its_training_weights_back():
+    """weight_averaging.py: the validation runs on the EMA; a crash there puts the training weights back."""
+    ema = fitkit.callbacks.EMA(0.5)
+    trained: list[torch.Tensor] = []
+
+    def keep(batch, logs):  # after the last step of the epoch: the training weights
+        trained[:] = [p.detach().clone() for p in model.module.parameters()]
+
+    def crash(batch, logs):
+        raise RuntimeError("crash in validation")
+
+    model = _compiled(nn.Linear(3, 1))
+    callbacks = [ema, fitkit.callbacks.LambdaCallback(on_train_batch_end=keep, on_test_batch_begin=crash)]
+    with pytest.raises(RuntimeError, match="^crash in validation$"):
+        model.fit(X, X[:, :1], batch_size=4, validation_data=(X, X[:, :1]), verbose=0, callbacks=callbacks)
+    average = list(ema.averaged_model.module.parameters())
+    assert model.global_step == 2 and not all(torch.equal(a, t) for a, t in zip(average, trained, strict=True))
+    assert all(torch.equal(p, t) for p, t in zip(model.module.parameters(), trained, strict=True))
