@@ -1384,6 +1384,14 @@ def unregistered(page: str, registered: list[str]) -> list[str]:
     return left
 
 
+@cache
+def _functions(path: Path) -> tuple[str, frozenset[str]]:
+    """A test module's source and the names of its functions."""
+    source = path.read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    return source, frozenset(n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+
 def proof_problem(page: str, proof: str) -> str | None:
     """Why ``proof`` proves nothing (no such test, no such case, not executed on ``page``), or ``None``."""
     if proof.startswith("example: "):
@@ -1393,8 +1401,7 @@ def proof_problem(page: str, proof: str) -> str | None:
     name, _, case = name.partition("[")
     if not (ROOT / path).is_file():
         return f"{path}: no such file"
-    source = (ROOT / path).read_text(encoding="utf-8")
-    names = {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    source, names = _functions(ROOT / path)
     if name not in names or not name.startswith("test"):
         return f"{path}: no test {name}"
     if case and case[:-1] not in source:
@@ -1438,6 +1445,7 @@ def test_the_registry_checks_fail_where_they_should(tmp_path, monkeypatch):
     (tmp_path / "tests" / "test_x.py").write_text('def test_a():\n    "case one"\n', encoding="utf-8")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     page_text.cache_clear()
+    _functions.cache_clear()
     try:
         assert line_of("docs/p.rst", "It also warns once.") == 5
         assert unregistered("docs/p.rst", ["It also warns once."]) == [
@@ -1458,6 +1466,7 @@ def test_the_registry_checks_fail_where_they_should(tmp_path, monkeypatch):
         assert proof_problem("docs/p.rst", "tests/test_y.py::test_a") == "tests/test_y.py: no such file"
     finally:
         page_text.cache_clear()
+        _functions.cache_clear()
 
 
 # -- the claims no other test proved ----------------------------------------------------------------------------------
