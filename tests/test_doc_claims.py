@@ -136,6 +136,11 @@ DOC_CLAIMS = (
         "Optional extras, each with a clear error when missing",
         f"{HERE}::test_a_missing_extra_is_named_with_its_install_line",
     ),
+    claim(
+        README,
+        "Where fitkit imports the package itself, a missing one is an error that names its extra's install line",
+        f"{HERE}::test_a_missing_extra_is_named_with_its_install_line",
+    ),
     # -- docs/api ---------------------------------------------------------------------------------------------------
     claim(
         CALLBACKS_API,
