@@ -1576,13 +1576,15 @@ REFUSALS: dict[str, tuple[Callable[[], fitkit.Model], Callable[[fitkit.Model], o
         lambda: _compiled(nn.Linear(3, 1)),
         lambda m: m.to(3),
         TypeError,
-        r"Expected `device` to be 'auto', a device string or a torch\.device\. Received: device=3 of type int",
+        r"Expected `device` to be 'auto', a device string or a torch\.device\. Received: device=3 of type int\. "
+        r"Fix: pass device='auto', 'cpu' or 'cuda:0'\.",
     ),
     "to-device-mps-lacking": (
         lambda: _compiled(nn.Linear(3, 1)),
         lambda m: m.to("mps"),
         ValueError,
-        r"Received: device='mps', but MPS is not available on this machine",
+        r"Expected `device` to name a device this machine has\. Received: device='mps', but MPS is not available on "
+        r"this machine\. Fix: pass device='auto' or 'cpu'\.",
     ),
     "reduce-lr-monitor-never-logged": (
         lambda: _compiled(nn.Linear(3, 1)),
