@@ -380,6 +380,7 @@ DOC_CLAIMS = (
         "``class_weight`` with several targets (a tuple, list or dict ``y``, one per loss) is refused the same way",
         refused("several-losses-class-weight"),
         refused("several-losses-class-weight-dataloader"),
+        refused("several-losses-class-weight-train-on-batch"),
     ),
     claim(
         LOSSES,
@@ -1565,6 +1566,12 @@ REFUSALS: dict[str, tuple[Callable[[], fitkit.Model], Callable[[fitkit.Model], o
         ),
         ValueError,
         r"Expected one target tensor `y` with `class_weight`.*Received: y, a list of 2 targets",
+    ),
+    "several-losses-class-weight-train-on-batch": (
+        lambda: _compiled(Twice(), loss=["cross_entropy", "cross_entropy"]),
+        lambda m: m.train_on_batch(torch.zeros(2, 3), {"a": TOKENS, "b": TOKENS}, class_weight={0: 1, 1: 3}),
+        ValueError,
+        r"Expected one target tensor `y` with `class_weight`.*Received: y, a dict of 2 targets",
     ),
     "validate-at-end-without-interval": (
         lambda: _compiled(nn.Linear(3, 1)),
