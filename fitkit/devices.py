@@ -61,7 +61,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if not isinstance(device, (str, torch.device)):
         raise TypeError(
             "Expected `device` to be 'auto', a device string or a torch.device. "
-            f"Received: device={device!r} of type {type(device).__name__}."
+            f"Received: device={device!r} of type {type(device).__name__}. Fix: pass device='auto', 'cpu' or 'cuda:0'."
         )
     if isinstance(device, str) and device == "auto":
         device = os.environ.get("FITKIT_DEVICE") or _best_available()
@@ -70,19 +70,22 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     except RuntimeError as e:
         raise ValueError(
             f"Expected `device` to be 'auto' or a torch device name such as 'cpu' or 'cuda:0'. "
-            f"Received: device={device!r} ({e})."
+            f"Received: device={device!r} ({e}). Fix: pass device='auto' to pick the best one there is."
         ) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(
+                "Expected `device` to name a device this machine has. "
                 f"Received: device={str(device)!r}, but CUDA is not available on this machine. "
-                "Use device='auto' or 'cpu'."
+                "Fix: pass device='auto' or 'cpu'."
             )
         if dev.index is None:
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     elif dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(
-            f"Received: device={str(device)!r}, but MPS is not available on this machine. Use device='auto' or 'cpu'."
+            "Expected `device` to name a device this machine has. "
+            f"Received: device={str(device)!r}, but MPS is not available on this machine. "
+            "Fix: pass device='auto' or 'cpu'."
         )
     return dev
 

@@ -50,8 +50,10 @@ class OptunaPruning(Callback):
         TypeError: ``trial`` has no ``report`` / ``should_prune`` methods, ``interval`` is
             not an int.
         ValueError: ``interval`` < 1.
-        ValueError: at ``on_train_begin``, a ``val_`` monitor without validation data; at an
-            epoch end, a ``monitor`` that the logs do not hold.
+        ValueError: at ``on_train_begin``, a ``val_`` monitor without validation data, or a
+            ``monitor`` no log will hold; at the first epoch end, when another callback may add
+            keys (:func:`~fitkit.callbacks.logkeys.may_add_keys`), a ``monitor`` the logs do not
+            hold.
 
     Example:
         >>> import optuna, torch, fitkit

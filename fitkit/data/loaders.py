@@ -32,7 +32,7 @@ from fitkit.data.collate import NamingCollate, check_not_empty
 from fitkit.data.hf_datasets import check_hf_dataset, is_hf_dataset
 from fitkit.data.order import capture, is_stateful_loader, restore, set_epoch
 from fitkit.data.resume_order import resumed_loader
-from fitkit.data.weights import ClassWeights, class_weights, combine
+from fitkit.data.weights import ClassWeights, class_weights, combine, single_target
 from fitkit.devices import move_to_device
 
 __all__ = [
@@ -451,7 +451,7 @@ class DeviceLoader:
                     raise ValueError(
                         "`class_weight` needs targets, but a batch had no `y`. Fix: yield `(x, y)` batches."
                     )
-                y = _to_tensor(y) if isinstance(y, np.ndarray) else y
+                y = single_target(_to_tensor(y) if isinstance(y, np.ndarray) else y)
                 if y.device.type == "cpu":  # checked before it moves: no device sync
                     cw.check(y)
                 w = combine(cw(y), w)
@@ -647,6 +647,7 @@ def _class_weighted(cw: ClassWeights, y: Any, w: torch.Tensor | None) -> torch.T
             "loss='cross_entropy'), or have the module return one loss per sample (shape (B,)) and pass "
             "`y=` (or sample_weight=)."
         )
+    y = single_target(y)
     cw.check(y.cpu())
     return combine(cw(y), w)
 

@@ -47,6 +47,27 @@ def combine(class_w: torch.Tensor, sample_w: Any) -> torch.Tensor:
     return class_w * w
 
 
+def single_target(y: Any) -> torch.Tensor:
+    """``y`` itself when it is one tensor of labels; a ``ValueError`` for several targets.
+
+    ``class_weight`` weighs each sample by its class in one target, as Keras' (which a model
+    with several outputs does not take): with a tuple, list or dict of targets (one per loss) it
+    cannot tell whose classes count.
+
+    Example:
+        >>> single_target(torch.tensor([0, 1])).tolist()
+        [0, 1]
+    """
+    if isinstance(y, torch.Tensor):
+        return y
+    kind = f"a {type(y).__name__} of {len(y)} targets" if isinstance(y, (tuple, list, dict)) else type(y).__name__
+    raise ValueError(
+        "Expected one target tensor `y` with `class_weight`, which weighs each sample by its class in "
+        f"that target. Received: y, {kind} (one per loss?). Fix: weigh by the target you mean: "
+        "sample_weight=fitkit.data.ClassWeights(class_weight)(y[0]) for (N,) labels, and no class_weight."
+    )
+
+
 def _class_index(k: Any) -> int | None:
     """A ``class_weight`` key as a class index: ints, integral floats (``1.0``), digit strings."""
     if isinstance(k, (bool, np.bool_)):
