@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -34,33 +34,28 @@ TOTAL_KEY = "loss"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")  # a log key, a CSV column: the rule of validation set names
 
 
-def _check_scalar(name: str, value: Any, loss_name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"Expected every term of the loss '{loss_name}' to be a 0-dim tensor. Received: {name}={value!r} of type "
-            f"{type(value).__name__}. Fix: return a tensor (torch.as_tensor(value)), computed from the prediction."
-        )
-    if value.dim() != 0 or not value.is_floating_point():
-        raise ValueError(
-            f"Expected every term of the loss '{loss_name}' to be a 0-dim floating tensor (the batch's mean). "
-            f"Received: {name} of shape {tuple(value.shape)} and dtype {value.dtype}. Fix: reduce it to the "
-            "batch's mean (e.g. `.mean()`)."
-        )
-    return value
-
-
-def _check_name(key: Any, loss_name: str) -> str:
-    if not isinstance(key, str):
+def _refuse(key: Any, value: Any, named: bool, loss_name: str) -> None:
+    """Raise the error that says what is wrong with the term ``key`` (its name or its value)."""
+    if named and not isinstance(key, str):
         raise TypeError(
             f"Expected the keys of the dict returned by the loss '{loss_name}' to be strings (they name the logged "
             f"terms, loss_<name>). Received: key {key!r} of type {type(key).__name__}. Fix: use string keys."
         )
-    if not _NAME.match(key):
+    if named and not _NAME.match(key):
         raise ValueError(
             f"Expected the term names of the loss '{loss_name}' to be letters, digits, '_', '.' or '-' (they become "
             f"log keys and CSV columns, loss_<name>). Received: {key!r}. Fix: rename the term."
         )
-    return key
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"Expected every term of the loss '{loss_name}' to be a 0-dim tensor. Received: {key}={value!r} of type "
+            f"{type(value).__name__}. Fix: return a tensor (torch.as_tensor(value)), computed from the prediction."
+        )
+    raise ValueError(
+        f"Expected every term of the loss '{loss_name}' to be a 0-dim floating tensor (the batch's mean). "
+        f"Received: {key} of shape {tuple(value.shape)} and dtype {value.dtype}. Fix: reduce it to the "
+        "batch's mean (e.g. `.mean()`)."
+    )
 
 
 def split_terms(out: Any, loss_name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -89,25 +84,35 @@ def split_terms(out: Any, loss_name: str) -> tuple[torch.Tensor, dict[str, torch
         >>> split_terms((torch.tensor(1.0), torch.tensor(3.0)), "pair")
         (tensor(4.), {'0': tensor(1.), '1': tensor(3.)})
     """
-    if isinstance(out, Mapping):
-        items = [(_check_name(k, loss_name), v) for k, v in out.items()]
-    elif isinstance(out, (tuple, list)):
-        items = [(str(i), v) for i, v in enumerate(out)]
-    else:
+    named = isinstance(out, Mapping)
+    if not named and not isinstance(out, (tuple, list)):
         raise TypeError(
             f"Expected the loss '{loss_name}' to return a tensor, a dict of 0-dim tensors or a tuple of them. "
             f"Received: {type(out).__name__}. Fix: return the batch's mean loss, or its terms."
         )
-    terms = {k: _check_scalar(k, v, loss_name) for k, v in items if k != TOTAL_KEY}
-    if TOTAL_KEY in dict(items):
-        return _check_scalar(TOTAL_KEY, dict(items)[TOTAL_KEY], loss_name), terms
+    # one pass, no helper call unless a term is refused: this runs at every step
+    terms: dict[str, torch.Tensor] = {}
+    total: torch.Tensor | None = None
+    for key, value in out.items() if named else enumerate(out):
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.dim() != 0
+            or not value.is_floating_point()
+            or named
+            and not (isinstance(key, str) and _NAME.match(key))
+        ):
+            _refuse(key, value, named, loss_name)
+        if named and key == TOTAL_KEY:
+            total = value
+        else:
+            terms[str(key)] = value  # a dict's key as it is, a tuple's position
+    if total is not None:
+        return total, terms
     if not terms:
         raise ValueError(
             f"Expected the loss '{loss_name}' to return at least one term. Received: an empty "
             f"{type(out).__name__}. Fix: return the batch's mean loss, or its terms."
         )
-    values = list(terms.values())
-    total = values[0]
-    for v in values[1:]:
-        total = total + v
-    return total, terms
+    for value in terms.values():
+        total = value if total is None else total + value
+    return cast(torch.Tensor, total), terms
