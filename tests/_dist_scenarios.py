@@ -804,3 +804,26 @@ def bf16_root(mixed_precision: Any = torch.bfloat16, wrap: Any = None) -> dict:
     for hook in hooks:
         hook.remove()
     return {"loss": h.history["loss"], "params": params, "dtypes": seen}
+
+
+def loss_terms(accumulation: int = 3) -> dict:
+    """A loss of two terms (the MSE and an L1 penalty on the first layer's weights) on ``data(37)``,
+    global batch 8 (the last one 5 rows: 3 + 2 over the ranks), windows of ``accumulation``
+    batches (the second short), 2 epochs of SGD, validation on ``data(11, seed=1)``: the weights,
+    and every term's epoch means (``loss_mse``, ``loss_l1``, ``val_...``) over all ranks."""
+    x, y, _ = data(37)
+    xv, yv, _ = data(11, seed=1)
+    module = net()
+
+    def loss(out, target):
+        return {"mse": nn.functional.mse_loss(out, target), "l1": 0.01 * module[0].weight.abs().sum()}
+
+    model = fitkit.Model(module, device="cpu")
+    model.compile(
+        optimizer=functools.partial(torch.optim.SGD, lr=0.05), loss=loss, gradient_accumulation_steps=accumulation
+    )
+    history = model.fit(
+        x, y, batch_size=GLOBAL_BATCH // world_size(), epochs=2, shuffle=False, verbose=0, validation_data=(xv, yv)
+    )
+    evaluated = model.evaluate(xv, yv, batch_size=GLOBAL_BATCH // world_size(), verbose=0)
+    return {"params": full_params(model), "history": history.history, "evaluate": evaluated, "steps": model.global_step}

@@ -65,6 +65,7 @@ res["time_validation"] = sc.time_validation(OUT / "timed")
 res["own_items"] = sc.own_items()
 res["own_items_compiled"] = sc.own_items("cross_entropy")
 res["tokens_seen"] = sc.tokens_seen()
+res["loss_terms"] = sc.loss_terms()
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -488,3 +489,26 @@ def test_tokens_seen_counts_every_rank(job):
     """TokensSeen on 2 ranks logs the tokens of every rank's batches (99 per epoch), as one process."""
     r0, r1, _, _ = job
     assert r0["tokens_seen"] == r1["tokens_seen"] == sc.tokens_seen() == {"seen": [99, 198]}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_loss_of_terms_logs_the_global_epoch_means_of_every_term(job):
+    """A dict loss (MSE + an L1 penalty) under accumulation 3 on 2 ranks: the same weights on both
+    ranks and as one process on the global batches, and every term's epoch means (training,
+    validation, evaluate) over all ranks, as one process's."""
+    r0, r1, _, _ = job
+    one = sc.loss_terms()
+    assert r0["loss_terms"]["steps"] == one["steps"] == 4  # 2 epochs of windows of 3 + 2 global batches
+    _assert_identical(r0["loss_terms"]["params"], r1["loss_terms"]["params"])
+    _assert_close(r0["loss_terms"]["params"], one["params"])
+    keys = ["loss", "loss_mse", "loss_l1", "learning_rate", "val_loss", "val_loss_mse", "val_loss_l1"]
+    for results in (r0, r1):
+        history, evaluated = results["loss_terms"]["history"], results["loss_terms"]["evaluate"]
+        assert list(history) == list(one["history"]) == keys
+        _assert_close(_tensors(history), _tensors(one["history"]))
+        _assert_close(_tensors(evaluated), _tensors(one["evaluate"]))
+
+
+def _tensors(logs: dict) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(v, dtype=torch.float64) for k, v in logs.items()}
