@@ -171,7 +171,9 @@ def update_metrics(
 ) -> None:
     """Add a batch to the running phase's loss and metrics (on the device, no sync).
 
-    Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch.
+    Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch. The terms
+    of a compiled loss that returned a dict or tuple (:mod:`fitkit.losses.terms`), kept from its
+    last call, are added with the loss (``loss_<name>``) and taken: each call adds them once.
     ``y_pred`` may be a structured output (its prediction is picked as in
     :mod:`fitkit.losses.outputs`).
 
