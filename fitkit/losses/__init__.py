@@ -191,6 +191,19 @@ class Loss:
         #: (:mod:`fitkit.losses.terms`), until ``update_metrics`` takes them into the running totals
         self.terms: dict[str, torch.Tensor] | None = None
 
+    def take_terms(self) -> dict[str, torch.Tensor] | None:
+        """The terms of the last call (a dict or tuple returned by the callable), then none.
+
+        Example:
+            >>> loss = Loss(lambda y_pred, y: {"a": y_pred.mean(), "b": y.mean()})
+            >>> loss(torch.ones(2), torch.zeros(2))
+            tensor(1.)
+            >>> loss.take_terms(), loss.take_terms()
+            ({'a': tensor(1.), 'b': tensor(0.)}, None)
+        """
+        terms, self.terms = self.terms, None
+        return terms
+
     def prepare(self, y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Match ``y`` to ``y_pred`` (dtype and shape); raise ``ValueError`` when they cannot.
 

@@ -191,9 +191,9 @@ def update_metrics(
     if pred is None and y is not None and totals.metrics.entries != []:
         require_prediction(y_pred, "the compiled metrics")  # raises, naming the rule and the fix
     count = denominator(model.loss, y, sample_weight, y_pred) if loss is not None else None
-    compiled, terms = model.loss, None
-    if compiled is not None and compiled.terms is not None:  # a loss of terms: taken once, by this batch
-        terms, compiled.terms = compiled.terms, None
+    compiled = model.loss
+    # a loss of terms: taken once, by this batch (a read of one attribute for every other loss)
+    terms = compiled.take_terms() if compiled is not None and compiled.terms is not None else None
     totals.update(loss, y_pred if pred is None else pred, y, sample_weight, denominator=count, terms=terms)
 
 
