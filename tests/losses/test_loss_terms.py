@@ -177,6 +177,29 @@ def test_the_progress_bar_and_the_csv_log_show_every_term(tmp_path):
             assert float(cells[key]) == history.history[key][epoch]
 
 
+def test_tensorboard_writes_every_term_of_training_and_validation(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x, y, xv, yv = _data()
+    history = _model("tuple").fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        validation_data=(xv, yv),
+        callbacks=[cb.TensorBoard(tmp_path / "tb")],
+    )
+    for run, prefix in (("train", ""), ("validation", "val_")):
+        events = EventAccumulator(str(tmp_path / "tb" / run))
+        events.Reload()
+        for term in ("loss_0", "loss_1"):  # a tuple's terms
+            stored = [e.value for e in events.Scalars(f"epoch_{term}")]
+            assert stored == [float(torch.tensor(v, dtype=torch.float32)) for v in history.history[prefix + term]]
+
+
 class _Crash(Exception):
     pass
 
