@@ -369,3 +369,48 @@ def test_non_finite_values_are_handled_as_for_a_tensor_loss(form):
     reference.fit(x[:6], y[:6], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # the two steps taken
     for mine, theirs in zip(model.module.parameters(), reference.module.parameters(), strict=True):
         torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=0, atol=0)
+
+
+class _TinyVAE(nn.Module):
+    """A deterministic VAE-like module: ``(recon, mu, logvar)`` (a plain tuple reaches the loss whole)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.enc, self.dec = nn.Linear(3, 4), nn.Linear(2, 3)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, x):
+        mu, logvar = self.enc(x).chunk(2, dim=1)
+        return self.dec(mu), mu, logvar
+
+
+def _vae_terms(out, y):
+    recon, mu, logvar = out
+    kl = -0.5 * (1 + logvar - mu.square() - logvar.exp()).sum(1).mean()
+    return {"recon": F.mse_loss(recon, y), "kl": kl}
+
+
+def test_a_vae_trains_on_recon_plus_kl_and_logs_both_as_the_hand_loop():
+    x, _, _, _ = _data()
+    model = fitkit.Model(_TinyVAE(), device="cpu")
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.01), loss=_vae_terms, gradient_accumulation_steps=3)
+    history = model.fit(x, x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    hand = _TinyVAE()
+    opt = torch.optim.SGD(hand.parameters(), lr=0.01)
+    sums = {"loss": 0.0, "loss_recon": 0.0, "loss_kl": 0.0}
+    for window in ([slice(0, 3), slice(3, 6), slice(6, 9)], [slice(9, 11)]):
+        rows = sum(len(x[s]) for s in window)
+        opt.zero_grad()
+        for s in window:
+            terms = _vae_terms(hand(x[s]), x[s])
+            total = terms["recon"] + terms["kl"]
+            (total * (len(x[s]) / rows)).backward()
+            for key, value in (("loss", total), ("loss_recon", terms["recon"]), ("loss_kl", terms["kl"])):
+                sums[key] += float(value.detach()) * len(x[s])
+        opt.step()
+    assert history.history == {k: [v / ROWS] for k, v in sums.items()} | {"learning_rate": [0.01]}
+    for mine, theirs in zip(model.module.parameters(), hand.parameters(), strict=True):
+        torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=0, atol=0)
