@@ -146,6 +146,9 @@ def test_the_batch_calls_return_the_terms_of_their_batch():
     assert model.test_on_batch(x[:3], y[:3]) == expected
     assert model.test_on_batch(x[:3], y[:3], return_dict=False) == list(expected.values())
     assert model.train_on_batch(x[:3], y[:3]) == expected  # the values before the step
+    # loss_weights scales the total alone: the terms are logged as the callable returns them
+    weighted = _model("sum", loss_weights=0.5)
+    assert weighted.test_on_batch(x[:3], y[:3]) == {**expected, "loss": float((mse + l1) * 0.5)}
 
 
 def test_the_progress_bar_and_the_csv_log_show_every_term(tmp_path):
