@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fitkit.callbacks.locking import take_lock
+from fitkit.callbacks.logkeys import is_term_key
 from fitkit.callbacks.mixins import StopsWriting
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.callbacks.tensorboard import TensorBoard
@@ -224,7 +225,11 @@ class CSVLogger(StopsWriting, StatefulCallback):
     def _columns(self, logs: Any) -> list[str]:
         planned = (self.params or {}).get("metrics") or []
         step = ["step"] if (self.params or {}).get("validation_interval") else []
-        return sorted(set(planned) | set(logs) | set(step))
+        # a loss of terms (fitkit.losses.terms): each term beside every planned loss column, so
+        # that a val_loss_<name> of an epoch that did not validate still has its column
+        names = {k.split("loss_", 1)[1] for k in logs if is_term_key(k)}
+        terms = {f"{k}_{n}" for k in planned if k.endswith("loss") for n in names}
+        return sorted(set(planned) | set(logs) | set(step) | terms)
 
     def on_epoch_end(self, epoch, logs=None):
         logs = dict(logs or {})

@@ -17,6 +17,7 @@ from torch import nn
 
 import fitkit
 from fitkit import callbacks as cb
+from fitkit.callbacks.monitor import resolve_mode
 
 ROWS, VAL_ROWS, BATCH, LR = 11, 5, 3, 0.1
 
@@ -417,3 +418,46 @@ def test_a_vae_trains_on_recon_plus_kl_and_logs_both_as_the_hand_loop():
     assert history.history == {k: [v / ROWS] for k, v in sums.items()} | {"learning_rate": [0.01]}
     for mine, theirs in zip(model.module.parameters(), hand.parameters(), strict=True):
         torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=0, atol=0)
+
+
+def test_callbacks_monitor_a_term_and_the_csv_log_keeps_its_column_on_epochs_without_validation(tmp_path):
+    x, y, xv, yv = _data()
+    model = _model("sum")
+    stop = cb.EarlyStopping(monitor="val_loss_l1", patience=0)  # mode "auto": a term is minimised
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=6,
+        shuffle=False,
+        verbose=0,
+        validation_data=(xv, yv),
+        validation_freq=2,
+        callbacks=[stop, cb.CSVLogger(tmp_path / "log.csv")],
+    )
+    # the hand loop's penalty 0.1 * |w|_1 after each epoch: the first rise of it ends the run
+    _, hand = _hand_fit("sum", 1, epochs=6)
+    l1 = hand["val_loss_l1"]
+    validated = [1, 3, 5]
+    first_rise = next(e for a, e in zip(validated, validated[1:], strict=False) if l1[e] >= l1[a])
+    assert resolve_mode("val_loss_l1", "auto") == resolve_mode("val_ones_loss_l1", "auto") == "min"
+    assert history.epoch == list(range(first_rise + 1))
+    assert history.history["val_loss_l1"] == [l1[e] for e in validated if e <= first_rise]
+    rows = [row.split(",") for row in (tmp_path / "log.csv").read_text().splitlines()]
+    column = rows[0].index("val_loss_l1")
+    assert [row[column] for row in rows[1:]] == [
+        "NA" if e not in validated else repr(l1[e]) for e in range(first_rise + 1)
+    ]
+
+
+def test_a_term_key_is_refused_before_the_first_step_unless_the_loss_is_a_callable():
+    x, y, _, _ = _data()
+    model = fitkit.Model(_net(), device="cpu")
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"EarlyStopping monitors 'loss_mse', which the logs will not hold"):
+        model.fit(x, y, verbose=0, callbacks=[cb.EarlyStopping(monitor="loss_mse")])
+    assert model.global_step == 0
+    # a callable may return terms: a key it does not return is refused at the first decision
+    model = _model("sum")
+    with pytest.raises(ValueError, match=r"monitors 'loss_kl', which the logs do not hold\. Available keys: .*loss_l1"):
+        model.fit(x, y, verbose=0, callbacks=[cb.EarlyStopping(monitor="loss_kl")])
