@@ -102,7 +102,8 @@ class CSVLogger(StopsWriting, StatefulCallback):
     The columns are fixed when the first row is written, in sorted order (Keras' order): every
     key of the epoch-log plan ``params["metrics"]`` (loss, metrics, learning rates, and the
     ``val_`` keys whenever fit validates, as Keras adds them up front), plus the keys that a
-    callback earlier in the list adds to the first epoch's logs. A key with no value in an
+    callback earlier in the list adds to the first epoch's logs, and the terms of a loss that
+    returns them (``loss_<name>``) beside every loss column (``val_loss_<name>`` too). A key with no value in an
     epoch is written as ``NA`` (a ``val_`` column on the epochs that ``validation_freq`` leaves
     out); a key that first appears in a later epoch is left out, with one warning.
 

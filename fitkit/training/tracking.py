@@ -1,7 +1,9 @@
 """Running loss and metric totals of one phase: a value object per epoch, validation or evaluate.
 
 ``update`` adds a batch with no host sync: the loss sum and the sample count (or the sum of
-sample weights) stay device tensors, and the torchmetrics states update in place. ``running``
+sample weights) stay device tensors, and the torchmetrics states update in place. The terms of a
+loss that returns them (:mod:`fitkit.losses.terms`) have sums of their own, ``(K,)``, each added
+as the loss is (times the same rows or weights), so their means are weighted as the loss's. ``running``
 (batch logs, computed only when a callback reads them) and ``result`` (one transfer for all
 values, at the end of the phase) turn them into means. Each phase gets its own
 :class:`RunningTotals` with its own copy of the compiled metrics, so an ``evaluate`` nested in
