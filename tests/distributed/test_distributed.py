@@ -65,7 +65,7 @@ res["time_validation"] = sc.time_validation(OUT / "timed")
 res["own_items"] = sc.own_items()
 res["own_items_compiled"] = sc.own_items("cross_entropy")
 res["tokens_seen"] = sc.tokens_seen()
-res["loss_terms"] = sc.loss_terms()
+res["loss_terms"] = sc.loss_terms(checkpoint=OUT / "terms.pt")
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -496,7 +496,7 @@ def test_tokens_seen_counts_every_rank(job):
 def test_a_loss_of_terms_logs_the_global_epoch_means_of_every_term(job):
     """A dict loss (MSE + an L1 penalty) under accumulation 3 on 2 ranks: the same weights on both
     ranks and as one process on the global batches, and every term's epoch means (training,
-    validation, evaluate) over all ranks, as one process's."""
+    validation, evaluate) over all ranks, as one process's; a checkpoint inside an epoch keeps them."""
     r0, r1, _, _ = job
     one = sc.loss_terms()
     assert r0["loss_terms"]["steps"] == one["steps"] == 4  # 2 epochs of windows of 3 + 2 global batches
@@ -508,6 +508,12 @@ def test_a_loss_of_terms_logs_the_global_epoch_means_of_every_term(job):
         assert list(history) == list(one["history"]) == keys
         _assert_close(_tensors(history), _tensors(one["history"]))
         _assert_close(_tensors(evaluated), _tensors(one["evaluate"]))
+    # the checkpoint the 2 ranks took inside epoch 0 holds the terms' sums over both: one process
+    # resumes it and ends with the uninterrupted run's weights and History
+    resumed = sc.loss_terms_resumed(job[3] / "terms.pt")
+    _assert_close(resumed["params"], one["params"])
+    assert list(resumed["history"]) == keys
+    _assert_close(_tensors(resumed["history"]), _tensors(one["history"]))
 
 
 def _tensors(logs: dict) -> dict[str, torch.Tensor]:
