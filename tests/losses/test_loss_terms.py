@@ -211,14 +211,12 @@ class _Crash(Exception):
 def test_a_backup_inside_an_epoch_resumes_the_terms_exactly(tmp_path):
     x, y, xv, yv = _data()
     reference = _model("sum").fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_data=(xv, yv))
-    holder: list = []
 
     def run(crash: bool):
         model = _model("sum")
-        holder[:] = [model]
 
         def crash_at_step_2(batch, logs):
-            if crash and model.global_step == 2:  # epoch 0, after 2 of its 4 batches
+            if crash and model.global_step == 2:  # inside epoch 0 (4 batches)
                 raise _Crash
 
         callbacks = [
@@ -231,6 +229,9 @@ def test_a_backup_inside_an_epoch_resumes_the_terms_exactly(tmp_path):
 
     with pytest.raises(_Crash):
         run(crash=True)
+    backup = torch.load(tmp_path / "backup" / "backup.pt", weights_only=True)
+    assert (backup["epoch"], backup["step_in_epoch"]) == (0, 1)  # a backup inside epoch 0: the resume goes on there
+    assert backup["trackers"]["terms"]["names"] == ["mse", "l1"]
     resumed = run(crash=False)
     assert resumed.history == reference.history
 
