@@ -462,3 +462,32 @@ def test_a_term_key_is_refused_before_the_first_step_unless_the_loss_is_a_callab
     model = _model("sum")
     with pytest.raises(ValueError, match=r"monitors 'loss_kl', which the logs do not hold\. Available keys: .*loss_l1"):
         model.fit(x, y, verbose=0, callbacks=[cb.EarlyStopping(monitor="loss_kl")])
+
+
+def test_several_validation_sets_log_each_sets_terms():
+    net = nn.Linear(1, 1)
+    nn.init.constant_(net.weight, 2.0), nn.init.zeros_(net.bias)  # predictions 2x; SGD at lr 0 keeps them
+    model = fitkit.Model(net, device="cpu")
+    model.compile(
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+        loss=lambda out, y: {"mse": F.mse_loss(out, y), "pen": 0.5 * net.weight.square().sum()},
+    )
+    x = torch.tensor([[1.0], [2.0], [3.0]])
+    sets = {"a": (x, x), "b": (x, 2 * x)}
+    history = model.fit(x, torch.zeros(3, 1), verbose=0, validation_data=sets)
+    mse_zero, mse_a = float(torch.tensor([4.0, 16.0, 36.0]).mean()), float(torch.tensor([1.0, 4.0, 9.0]).mean())
+    a = {"loss": float(torch.tensor(mse_a) + 2.0), "loss_mse": mse_a, "loss_pen": 2.0}
+    b = {"loss": 2.0, "loss_mse": 0.0, "loss_pen": 2.0}
+    assert history.history == {
+        "loss": [float(torch.tensor(mse_zero) + 2.0)],
+        "loss_mse": [mse_zero],
+        "loss_pen": [2.0],
+        "learning_rate": [0.0],
+        **{f"val_{k}": [v] for k, v in a.items()},  # the first set is also the plain val_ keys
+        **{f"val_a_{k}": [v] for k, v in a.items()},
+        **{f"val_b_{k}": [v] for k, v in b.items()},
+    }
+    assert model.evaluate(sets, verbose=0) == {
+        **{f"a_{k}": v for k, v in a.items()},
+        **{f"b_{k}": v for k, v in b.items()},
+    }
