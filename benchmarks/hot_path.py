@@ -153,6 +153,14 @@ CASES.update(
 )
 
 
+def _mse_terms(out: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A loss of two terms (:mod:`fitkit.losses.terms`): the total optimised, each term logged."""
+    return {"mse": F.mse_loss(out, y), "l2": 0.01 * out.square().mean()}
+
+
+CASES["loss terms"] = {"compile": {"loss": _mse_terms}, "classes": 1, "hand": _mse_terms}
+
+
 def _data(classes: int = 1, targets: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, FEATURES, generator=g)
@@ -269,6 +277,7 @@ def _hand(case: str) -> Any:
         opt = torch.optim.Adam(net.parameters(), lr=1e-3)
         perm = torch.randperm(N)
         total, correct = torch.zeros(()), torch.zeros((), dtype=torch.long)
+        term_total = torch.zeros(2)
         # per class: true positives, predictions, targets (F1 = 2 tp / (predictions + targets))
         tp, predicted, actual = (torch.zeros(classes, dtype=torch.long) for _ in range(3))
         ones = torch.ones(BATCH, dtype=torch.long)
@@ -283,6 +292,10 @@ def _hand(case: str) -> Any:
                 out = net(xb)
             out = out.float() if bf16 else out
             loss = hand_loss(out, yb)
+            if isinstance(loss, dict):  # a loss of terms: their sum trains, each is summed for its log
+                parts = torch.stack(list(loss.values())).detach()
+                loss = loss["mse"] + loss["l2"]
+                term_total += parts * len(xb)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -295,6 +308,8 @@ def _hand(case: str) -> Any:
                 predicted.index_add_(0, pred, ones)
                 actual.index_add_(0, yb, ones)
         float(total / N)
+        if "terms" in case:
+            (term_total / N).tolist()
         if config.get("accuracy"):
             float(correct / N)
         if config.get("stat_scores"):  # macro F1 over the classes seen

@@ -352,6 +352,8 @@ class Model(FilesAndTools):
             loss: a name (``"mse"``, ``"cross_entropy"``, ...), an ``nn.Module`` or a callable,
                 called as ``loss(y_pred, y_true)``; ``None`` when the module returns its own
                 loss (a ``ModelOutput`` or dict with ``"loss"``, as Hugging Face models do).
+                A callable may return a dict or tuple of 0-dim terms: the total trains, each
+                term logs as ``loss_<name>`` (:mod:`fitkit.losses.terms`).
                 Metrics and ``predict`` take a structured output's ``"logits"`` (the rule of
                 :mod:`fitkit.losses.outputs`), and metric targets come from ``y`` or ``x["labels"]``.
             metrics: names, ``torchmetrics.Metric`` objects, callables ``fn(y_pred, y_true)``,

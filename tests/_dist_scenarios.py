@@ -850,3 +850,52 @@ def bf16_root(mixed_precision: Any = torch.bfloat16, wrap: Any = None) -> dict:
     for hook in hooks:
         hook.remove()
     return {"loss": h.history["loss"], "params": params, "dtypes": seen}
+
+
+def _terms_model() -> tuple[fitkit.Model, Any]:
+    """``net()`` compiled with a loss of two terms (the MSE and an L1 penalty on the first layer's
+    weights), SGD, windows of 3 batches."""
+    module = net()
+
+    def loss(out, target):
+        return {"mse": nn.functional.mse_loss(out, target), "l1": 0.01 * module[0].weight.abs().sum()}
+
+    model = fitkit.Model(module, device="cpu")
+    model.compile(optimizer=functools.partial(torch.optim.SGD, lr=0.05), loss=loss, gradient_accumulation_steps=3)
+    return model, loss
+
+
+def loss_terms(checkpoint=None) -> dict:
+    """A loss of two terms (``_terms_model``) on ``data(37)``, global batch 8 (the last one 5 rows:
+    3 + 2 over the ranks), windows of 3 batches (the second short), 2 epochs, validation on
+    ``data(11, seed=1)``: the weights, and every term's epoch means (``loss_mse``, ``loss_l1``,
+    ``val_...``) over all ranks. ``checkpoint``: a path where a checkpoint is taken at the end of
+    epoch 0's first window, inside the epoch (every rank calls; rank 0 writes)."""
+    x, y, _ = data(37)
+    xv, yv, _ = data(11, seed=1)
+    model, _ = _terms_model()
+    callbacks = []
+    if checkpoint is not None:
+
+        def save(batch, logs):
+            if batch == 2 and model.epoch == 0:  # the first window's end (step 1), 3 of the 5 batches
+                model.save_checkpoint(checkpoint)
+
+        callbacks.append(LambdaCallback(on_train_batch_end=save))
+    per_rank = GLOBAL_BATCH // world_size()
+    history = model.fit(
+        x, y, batch_size=per_rank, epochs=2, shuffle=False, verbose=0, validation_data=(xv, yv), callbacks=callbacks
+    )
+    evaluated = model.evaluate(xv, yv, batch_size=per_rank, verbose=0)
+    return {"params": full_params(model), "history": history.history, "evaluate": evaluated, "steps": model.global_step}
+
+
+def loss_terms_resumed(checkpoint) -> dict:
+    """``loss_terms`` resumed from its checkpoint inside epoch 0 (on this process)."""
+    x, y, _ = data(37)
+    xv, yv, _ = data(11, seed=1)
+    model, _ = _terms_model()
+    model.load_checkpoint(checkpoint)
+    per_rank = GLOBAL_BATCH // world_size()
+    history = model.fit(x, y, batch_size=per_rank, epochs=2, shuffle=False, verbose=0, validation_data=(xv, yv))
+    return {"params": full_params(model), "history": history.history}

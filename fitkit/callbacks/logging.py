@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fitkit.callbacks.locking import take_lock
+from fitkit.callbacks.logkeys import is_term_key
 from fitkit.callbacks.mixins import StopsWriting
 from fitkit.callbacks.monitor import StatefulCallback
 from fitkit.callbacks.tensorboard import TensorBoard
@@ -101,7 +102,8 @@ class CSVLogger(StopsWriting, StatefulCallback):
     The columns are fixed when the first row is written, in sorted order (Keras' order): every
     key of the epoch-log plan ``params["metrics"]`` (loss, metrics, learning rates, and the
     ``val_`` keys whenever fit validates, as Keras adds them up front), plus the keys that a
-    callback earlier in the list adds to the first epoch's logs. A key with no value in an
+    callback earlier in the list adds to the first epoch's logs, and the terms of a loss that
+    returns them (``loss_<name>``) beside every loss column (``val_loss_<name>`` too). A key with no value in an
     epoch is written as ``NA`` (a ``val_`` column on the epochs that ``validation_freq`` leaves
     out); a key that first appears in a later epoch is left out, with one warning.
 
@@ -224,7 +226,11 @@ class CSVLogger(StopsWriting, StatefulCallback):
     def _columns(self, logs: Any) -> list[str]:
         planned = (self.params or {}).get("metrics") or []
         step = ["step"] if (self.params or {}).get("validation_interval") else []
-        return sorted(set(planned) | set(logs) | set(step))
+        # a loss of terms (fitkit.losses.terms): each term beside every planned loss column, so
+        # that a val_loss_<name> of an epoch that did not validate still has its column
+        names = {k.split("loss_", 1)[1] for k in logs if is_term_key(k)}
+        terms = {f"{k}_{n}" for k in planned if k.endswith("loss") for n in names}
+        return sorted(set(planned) | set(logs) | set(step) | terms)
 
     def on_epoch_end(self, epoch, logs=None):
         logs = dict(logs or {})

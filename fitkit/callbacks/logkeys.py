@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["monitor_value", "check_log_key", "check_validation_monitor", "may_add_keys", "per_validation"]
+__all__ = [
+    "monitor_value",
+    "check_log_key",
+    "check_validation_monitor",
+    "may_add_keys",
+    "may_be_a_term",
+    "is_term_key",
+    "per_validation",
+]
 
 
 def monitor_value(
@@ -103,6 +111,33 @@ def _user_code(cls: type) -> bool:
     )
 
 
+def may_be_a_term(key: str, model: Any) -> bool:
+    """Whether ``key`` may be a loss term's log (``loss_<name>``, ``val_loss_<name>``,
+    ``val_<set>_loss_<name>``) of the compiled loss: a callable, which may return terms
+    (:mod:`fitkit.losses.terms`) that are known only once it runs. The first decision then
+    checks the key, as for a key that a callback may add.
+
+    Example:
+        >>> from fitkit.losses import Loss
+        >>> class Compiled:
+        ...     loss = Loss(lambda y_pred, y: {"kl": y_pred.mean()})
+        >>> may_be_a_term("val_loss_kl", Compiled()), may_be_a_term("val_loss_kl", None)
+        (True, False)
+    """
+    loss = getattr(model, "loss", None)
+    return getattr(loss, "kind", None) == "custom" and is_term_key(key)
+
+
+def is_term_key(key: str) -> bool:
+    """Whether ``key`` names a loss term's log: ``loss_<name>`` after nothing or an ``_``.
+
+    Example:
+        >>> is_term_key("loss_kl"), is_term_key("val_noisy_loss_kl"), is_term_key("val_loss"), is_term_key("closs_x")
+        (True, True, False, False)
+    """
+    return key.startswith("loss_") or "_loss_" in key
+
+
 def _is_lr_key(key: str) -> bool:
     return key == "learning_rate" or key.startswith("learning_rate/")
 
@@ -155,7 +190,7 @@ def check_log_key(
                 f"values ({', '.join(planned)}); {key!r} exists at epoch ends only. Fix: pass "
                 "save_freq='epoch', or use one of those keys."
             )
-    if key in planned or may_add_keys(model):
+    if key in planned or may_add_keys(model) or may_be_a_term(key, model):
         return
     if key.startswith("val_") and not params.get("do_validation"):
         raise ValueError(

@@ -17,6 +17,7 @@ from fitkit.callbacks.base import Callback
 from fitkit.callbacks.logkeys import (
     check_log_key,
     check_validation_monitor,
+    is_term_key,
     may_add_keys,
     monitor_value,
     per_validation,
@@ -47,7 +48,7 @@ def resolve_mode(monitor: str, mode: str, model: Any = None, who: str = "The cal
     """``"min"`` or ``"max"`` for ``monitor``; ``mode="auto"`` infers it.
 
     ``auto`` is ``min`` for loss / error keys (``loss``, ``val_loss``, ``mae``, ``rmse``, any
-    key ending in ``loss`` or ``error``), follows the compiled torchmetrics metric's
+    key ending in ``loss`` or ``error``, a loss term's ``loss_<name>``), follows the compiled torchmetrics metric's
     ``higher_is_better`` otherwise (``val_auroc`` -> ``max``), and refuses to guess the rest.
 
     Raises:
@@ -62,8 +63,8 @@ def resolve_mode(monitor: str, mode: str, model: Any = None, who: str = "The cal
     if mode != "auto":
         return mode
     key = monitor[4:] if monitor.startswith("val_") else monitor
-    if key in _MIN_KEYS or key.endswith("loss") or key.endswith("error"):
-        return "min"
+    if key in _MIN_KEYS or key.endswith("loss") or key.endswith("error") or is_term_key(key):
+        return "min"  # a loss term (loss_<name>) is minimised with its loss
     metrics = getattr(model, "metrics", None)
     higher = metrics.higher_is_better(key) if metrics is not None else None
     if higher is not None:

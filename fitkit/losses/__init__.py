@@ -26,6 +26,7 @@ from torch import nn
 
 from fitkit.checks import FitkitWarning, class_not_instance
 from fitkit.losses import keras_names
+from fitkit.losses.terms import split_terms
 
 __all__ = ["Loss", "MultiLoss", "resolve_loss", "class_layout", "LOSSES", "OUTPUTS"]
 
@@ -120,7 +121,9 @@ class Loss:
 
     Args:
         fn: ``fn(y_pred, y, reduction=...)`` for named / module losses, or any callable
-            ``fn(y_pred, y) -> Tensor`` (a scalar batch mean, or values per sample / element).
+            ``fn(y_pred, y) -> Tensor`` (a scalar batch mean, or values per sample / element),
+            or one that returns a dict / tuple of 0-dim terms: their total is the loss and
+            each term is logged (:mod:`fitkit.losses.terms`).
         kind: ``"regression"``, ``"class_index"``, ``"binary"`` or ``"custom"`` (``fn`` is called
             as given).
         name: for messages (default: ``fn.__name__``).
@@ -184,6 +187,22 @@ class Loss:
         self.reduction = "mean"
         # keyword arguments of fn beyond reduction (a module's label_smoothing, pos_weight, ...)
         self.options: dict[str, Any] = {}
+        #: the named terms of the last call of a callable that returned a dict or a tuple
+        #: (:mod:`fitkit.losses.terms`), until ``update_metrics`` takes them into the running totals
+        self.terms: dict[str, torch.Tensor] | None = None
+
+    def take_terms(self) -> dict[str, torch.Tensor] | None:
+        """The terms of the last call (a dict or tuple returned by the callable), then none.
+
+        Example:
+            >>> loss = Loss(lambda y_pred, y: {"a": y_pred.mean(), "b": y.mean()})
+            >>> loss(torch.ones(2), torch.zeros(2))
+            tensor(1.)
+            >>> loss.take_terms(), loss.take_terms()
+            ({'a': tensor(1.), 'b': tensor(0.)}, None)
+        """
+        terms, self.terms = self.terms, None
+        return terms
 
     def prepare(self, y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Match ``y`` to ``y_pred`` (dtype and shape); raise ``ValueError`` when they cannot.
@@ -275,8 +294,14 @@ class Loss:
             y_pred, y = self.prepare(y_pred, y)
         if self.kind == "custom":
             out = self.fn(y_pred, y)
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"The loss callable must return a tensor. Received {type(out).__name__}.")
+            if not isinstance(out, torch.Tensor):  # a dict or tuple of terms: their total
+                out, self.terms = split_terms(out, self.name)
+                if per_sample:
+                    raise ValueError(
+                        f"Sample weights (or class_weight) need a loss per sample, but the loss '{self.name}' "
+                        "returned terms, one 0-dim value each per batch. Fix: drop sample_weight / class_weight, "
+                        "or return one tensor of per-sample values (e.g. reduction='none')."
+                    )
             if out.dim() == 0:
                 if per_sample:
                     raise ValueError(
@@ -493,6 +518,7 @@ class MultiLoss:
     name = "multi"
     output: str | None = None  # several outputs: nothing that one set of metrics could follow
     ignore_index: int | None = None
+    terms: dict[str, torch.Tensor] | None = None  # several losses log no terms (a term is refused)
 
     def __init__(self, losses: Any, loss_weights: Any = None):
         self.keys = list(losses) if isinstance(losses, Mapping) else list(range(len(losses)))
@@ -549,6 +575,14 @@ class MultiLoss:
     def __call__(self, y_pred: Any, y: Any, per_sample: bool = False) -> torch.Tensor:
         preds, targets = self._parts(y_pred, "y_pred"), self._targets(y)
         terms = [self.losses[k](preds[k], targets[k], per_sample=per_sample) * self.weights[k] for k in self.active]
+        for k in self.active:
+            if self.losses[k].terms is not None:
+                self.losses[k].terms = None
+                raise ValueError(
+                    f"The loss of output {k!r} returned terms (a dict or a tuple), which several losses do not "
+                    "log. Fix: return one tensor from each output's loss, or compile one loss callable that "
+                    "reads every output and returns the terms (loss=fn, fn(y_pred, y) -> dict)."
+                )
         total = terms[0]
         for term in terms[1:]:
             total = total + term

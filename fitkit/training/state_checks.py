@@ -339,6 +339,16 @@ def trackers_problems(v: Any, where: str) -> list[str]:
         return [f"{where}['shares'] is {shown(shares)}, expected a list (one dict of totals per rank)"]
     for r, share in enumerate(shares or []):
         out += trackers_problems(share, f"{where}['shares'][{r}]")
+    terms = v.get("terms")  # a loss of terms (fitkit.losses.terms): their names and sums
+    if terms is not None and not (
+        mapping(terms)
+        and isinstance(terms.get("names"), list)
+        and all(isinstance(n, str) for n in terms["names"])
+        and isinstance(terms.get("total"), torch.Tensor)
+        and terms["total"].is_floating_point()
+        and tuple(terms["total"].shape) == (len(terms["names"]),)
+    ):
+        out.append(f"{where}['terms'] is {shown(terms)}, expected a dict {{'names': [str], 'total': (K,) tensor}}")
     for key, states in v["metrics"].items():
         at = f"{where}['metrics'][{key!r}]"
         if not (mapping(states) and all(isinstance(k, str) for k in states)):

@@ -171,7 +171,9 @@ def update_metrics(
 ) -> None:
     """Add a batch to the running phase's loss and metrics (on the device, no sync).
 
-    Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch.
+    Call it from a custom ``train_step`` / ``test_step`` so the logs see the batch. The terms
+    of a compiled loss that returned a dict or tuple (:mod:`fitkit.losses.terms`), kept from its
+    last call, are added with the loss (``loss_<name>``) and taken: each call adds them once.
     ``y_pred`` may be a structured output (its prediction is picked as in
     :mod:`fitkit.losses.outputs`).
 
@@ -189,7 +191,10 @@ def update_metrics(
     if pred is None and y is not None and totals.metrics.entries != []:
         require_prediction(y_pred, "the compiled metrics")  # raises, naming the rule and the fix
     count = denominator(model.loss, y, sample_weight, y_pred) if loss is not None else None
-    totals.update(loss, y_pred if pred is None else pred, y, sample_weight, denominator=count)
+    compiled = model.loss
+    # a loss of terms: taken once, by this batch (a read of one attribute for every other loss)
+    terms = compiled.take_terms() if compiled is not None and compiled.terms is not None else None
+    totals.update(loss, y_pred if pred is None else pred, y, sample_weight, denominator=count, terms=terms)
 
 
 def _add(model: Model, loss: torch.Tensor, y_pred: object, y: object, sample_weight: object, count: object) -> None:

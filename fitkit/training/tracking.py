@@ -1,7 +1,9 @@
 """Running loss and metric totals of one phase: a value object per epoch, validation or evaluate.
 
 ``update`` adds a batch with no host sync: the loss sum and the sample count (or the sum of
-sample weights) stay device tensors, and the torchmetrics states update in place. ``running``
+sample weights) stay device tensors, and the torchmetrics states update in place. The terms of a
+loss that returns them (:mod:`fitkit.losses.terms`) have sums of their own, ``(K,)``, each added
+as the loss is (times the same rows or weights), so their means are weighted as the loss's. ``running``
 (batch logs, computed only when a callback reads them) and ``result`` (one transfer for all
 values, at the end of the phase) turn them into means. Each phase gets its own
 :class:`RunningTotals` with its own copy of the compiled metrics, so an ``evaluate`` nested in
@@ -13,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -73,6 +75,9 @@ class RunningTotals:
         self.loss_total = torch.zeros((), dtype=self.dtype, device=device)
         self.loss_count = 0
         self.loss_wsum: torch.Tensor | None = None
+        # a loss of terms (fitkit.losses.terms): their names and sums, (K,), weighted as the loss's
+        self.term_names: tuple[str, ...] | None = None
+        self.terms_total: torch.Tensor | None = None
 
     @property
     def samples(self) -> float:
@@ -87,23 +92,27 @@ class RunningTotals:
         y: object,
         sample_weight: torch.Tensor | None = None,
         denominator: int | torch.Tensor | None = None,
+        terms: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Add one batch: its mean loss times its denominator, and its metrics.
 
         ``denominator``: what the batch's mean loss divides by (rows, the sum of weights, the
         tokens that count; see :mod:`fitkit.losses.denominators`); ``None``: its rows, or the sum of
-        its ``sample_weight``.
+        its ``sample_weight``. ``terms``: the 0-dim terms of a loss that returned them
+        (:mod:`fitkit.losses.terms`), each added as the loss is (times the same denominator).
         """
+        factor: int | torch.Tensor = 0  # what the loss was multiplied by: the terms' too
         if loss is not None and denominator is not None:
             if isinstance(denominator, torch.Tensor):
                 # a count of targets or a sum of weights; no cast: the in-place multiply-add (one
                 # kernel, the product taken in the totals' dtype) and the sum below promote
-                d = denominator.detach() if denominator.requires_grad else denominator
+                d = factor = denominator.detach() if denominator.requires_grad else denominator
                 self.loss_total.addcmul_(loss.detach(), d)
                 self.loss_wsum = d.to(self.dtype) if self.loss_wsum is None else self.loss_wsum + d  # float64 sums
             elif denominator:
                 self.loss_total.add_(loss.detach(), alpha=denominator)
                 self.loss_count += denominator
+                factor = denominator
         elif loss is not None:
             if sample_weight is None:
                 part = y if y is not None else y_pred
@@ -112,12 +121,46 @@ class RunningTotals:
                 if n:  # an empty batch (a rank's share of a short last batch) adds nothing, not 0/0
                     self.loss_total.add_(loss.detach(), alpha=n)
                     self.loss_count += n
+                    factor = n
             else:
-                ws = sample_weight.detach().sum()
+                ws = factor = sample_weight.detach().sum()
                 self.loss_total.add_(loss.detach() * ws)
                 self.loss_wsum = ws if self.loss_wsum is None else self.loss_wsum + ws
         if self.metrics.entries != [] and y is not None:
             self.metrics.update(y_pred, y)
+        if terms is not None:
+            self._add_terms(terms, factor)
+
+    def _add_terms(self, terms: dict[str, torch.Tensor], factor: int | torch.Tensor) -> None:
+        """Add a batch's terms times ``factor`` (the loss's), on the device (no host read)."""
+        names = tuple(terms)
+        total = self.terms_total
+        if total is None or names != self.term_names:
+            total = self._start_terms(names)
+        values = torch.stack(list(terms.values())).detach()  # (K,)
+        if isinstance(factor, torch.Tensor):
+            total.addcmul_(values, factor)  # the loss's own multiply-add, term by term
+        elif factor:
+            total.add_(values, alpha=factor)
+
+    def _start_terms(self, names: tuple[str, ...]) -> torch.Tensor:
+        """The phase's first batch of terms: their sums start at 0; later batches must name the same terms."""
+        if self.term_names is not None:
+            raise ValueError(
+                f"Expected the loss to return the same terms at every batch. Received: {list(names)} after "
+                f"{list(self.term_names)} earlier in this epoch or evaluation. Fix: return every term at every "
+                "batch (a 0 where a term does not apply)."
+            )
+        keys = {f"loss_{n}" for n in names}
+        clash = sorted(keys & {e.key for e in self.metrics.entries or []})
+        if clash:
+            raise ValueError(
+                f"Expected the loss's terms and the metrics to log under different names. Received: terms logged as "
+                f"{clash}, which metrics log too. Fix: rename the term or the metric (compile(metrics={{name: ...}}))."
+            )
+        self.term_names = names
+        self.terms_total = torch.zeros(len(names), dtype=self.dtype, device=self.device)
+        return self.terms_total
 
     def _loss(self, total: torch.Tensor, count: float, wsum: Any) -> torch.Tensor | None:
         if not count and wsum is None:
@@ -130,6 +173,9 @@ class RunningTotals:
         loss = self._loss(self.loss_total, self.loss_count, self.loss_wsum)
         if loss is not None:
             logs["loss"] = loss.float()
+            if self.terms_total is not None:
+                means = cast(torch.Tensor, self._loss(self.terms_total, self.loss_count, self.loss_wsum)).float()
+                logs.update(self._term_logs(means))
         for e in self.metrics.entries or []:
             if e.metric.update_count:
                 # Batch logs are rank-local: a distributed sync here could deadlock when only
@@ -137,6 +183,10 @@ class RunningTotals:
                 with e.metric.sync_context(should_sync=False, should_unsync=False):
                     logs[e.key] = e.metric.compute()
         return logs
+
+    def _term_logs(self, means: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"loss_<name>": mean}`` for the terms' means ``(K,)``, in the order the loss returned them."""
+        return {f"loss_{n}": means[i] for i, n in enumerate(self.term_names or ())}
 
     def result(self, what: str | None = None) -> dict[str, float]:
         """The phase's means as Python floats, reduced over ranks: one host sync for all.
@@ -152,6 +202,9 @@ class RunningTotals:
         loss = self._loss(total, count, wsum)
         if loss is not None:
             logs["loss"] = loss
+            if self.terms_total is not None:  # summed over ranks too (one all-reduce per epoch)
+                terms = self.terms_total if self.reduce is None else _distributed.all_reduce_sum(self.terms_total)
+                logs.update(self._term_logs(cast(torch.Tensor, self._loss(terms, count, wsum))))
         logs.update(self.metrics.compute())
         if not logs:
             return {}
@@ -178,6 +231,9 @@ class RunningTotals:
             total, count, wsum = self.reduce(total, count, wsum)
         metrics = self.metrics.state_dict(sync=self.reduce is not None)
         out = {"loss_total": total, "loss_count": count, "loss_wsum": wsum, "metrics": metrics}
+        if self.terms_total is not None:  # a loss of terms: their names and sums (over ranks)
+            terms = self.terms_total if self.reduce is None else _distributed.all_reduce_sum(self.terms_total)
+            out["terms"] = {"names": list(self.term_names or ()), "total": terms}
         if self.reduce is not None:
             own = {
                 "loss_total": self.loss_total.detach().cpu(),
@@ -185,6 +241,8 @@ class RunningTotals:
                 "loss_wsum": None if self.loss_wsum is None else self.loss_wsum.detach().cpu(),
                 "metrics": _cpu(self.metrics.state_dict(sync=False)),
             }
+            if self.terms_total is not None:
+                own["terms"] = {"names": list(self.term_names or ()), "total": self.terms_total.detach().cpu()}
             out["shares"] = _distributed.all_gather_object(own)  # once per backup, not per step
         return out
 
@@ -208,6 +266,11 @@ class RunningTotals:
         else:
             self.loss_total = torch.zeros_like(total)
             self.loss_count, self.loss_wsum = 0, None if wsum is None else torch.zeros_like(wsum)
+        terms = state.get("terms")  # a loss of terms (absent from checkpoints of other losses)
+        if terms is not None:
+            sums = terms["total"].to(self.device, self.dtype)
+            self.term_names = tuple(terms["names"])
+            self.terms_total = sums if owner else torch.zeros_like(sums)
         self.metrics.load_state_dict(state["metrics"], owner=owner)
 
 

@@ -67,6 +67,7 @@ res["own_items_compiled"] = sc.own_items("cross_entropy")
 res["tokens_seen"] = sc.tokens_seen()
 res["token_budget"] = sc.token_budget()
 res["data_budget_errors"] = sc.data_budget_errors()
+res["loss_terms"] = sc.loss_terms(checkpoint=OUT / "terms.pt")
 
 # Console output: rank 0 only (verbose=2 prints one line per epoch).
 x, y, _ = sc.data(16)
@@ -517,3 +518,32 @@ def test_budgets_in_data_refuse_already_sharded_data(job):
         assert tokens.startswith("fit(max_tokens=12) needs the tokens of every training batch before the fit")
         assert "Received: x of kind in-memory tensors, already_sharded. Fix: " in tokens
         assert samples.startswith("fit(max_samples=4) needs the size of every training batch before the fit")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_loss_of_terms_logs_the_global_epoch_means_of_every_term(job):
+    """A dict loss (MSE + an L1 penalty) under accumulation 3 on 2 ranks: the same weights on both
+    ranks and as one process on the global batches, and every term's epoch means (training,
+    validation, evaluate) over all ranks, as one process's; a checkpoint inside an epoch keeps them."""
+    r0, r1, _, _ = job
+    one = sc.loss_terms()
+    assert r0["loss_terms"]["steps"] == one["steps"] == 4  # 2 epochs of windows of 3 + 2 global batches
+    _assert_identical(r0["loss_terms"]["params"], r1["loss_terms"]["params"])
+    _assert_close(r0["loss_terms"]["params"], one["params"])
+    keys = ["loss", "loss_mse", "loss_l1", "learning_rate", "val_loss", "val_loss_mse", "val_loss_l1"]
+    for results in (r0, r1):
+        history, evaluated = results["loss_terms"]["history"], results["loss_terms"]["evaluate"]
+        assert list(history) == list(one["history"]) == keys
+        _assert_close(_tensors(history), _tensors(one["history"]))
+        _assert_close(_tensors(evaluated), _tensors(one["evaluate"]))
+    # the checkpoint the 2 ranks took inside epoch 0 holds the terms' sums over both: one process
+    # resumes it and ends with the uninterrupted run's weights and History
+    resumed = sc.loss_terms_resumed(job[3] / "terms.pt")
+    _assert_close(resumed["params"], one["params"])
+    assert list(resumed["history"]) == keys
+    _assert_close(_tensors(resumed["history"]), _tensors(one["history"]))
+
+
+def _tensors(logs: dict) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(v, dtype=torch.float64) for k, v in logs.items()}

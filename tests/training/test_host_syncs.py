@@ -68,6 +68,11 @@ def _bar(verbose):
     return cb.ProgressBar(verbose, console=Console(file=io.StringIO(), force_terminal=True, width=100))
 
 
+def _terms(y_pred, y):
+    """A loss of two terms (fitkit.losses.terms): logged as loss_ce and loss_l2."""
+    return {"ce": torch.nn.functional.cross_entropy(y_pred, y), "l2": 0.01 * y_pred.square().mean()}
+
+
 def _trial():
     import optuna
 
@@ -134,6 +139,8 @@ CONFIGS = {
     "OptimizerMonitor every 3rd step": ({}, {}, lambda d: [cb.OptimizerMonitor(log_every_n_steps=3)]),
     "LearningRateMonitor": ({"optimizer": "sgd"}, {}, lambda d: [cb.LearningRateMonitor(log_weight_decay=True)]),
     "OptunaPruning": ({}, {}, lambda d: [cb.OptunaPruning(_trial(), monitor="loss")]),
+    "loss terms": ({"loss": _terms, "metrics": ["accuracy"]}, {"validation_split": 0.25}, lambda d: [_bar(1)]),
+    "loss terms with accumulation": ({"loss": _terms, "gradient_accumulation_steps": 2}, {}, lambda d: []),
     "user MulticlassF1Score": (
         {"metrics": {"f1": torchmetrics.classification.MulticlassF1Score(CLASSES)}},
         {},
@@ -180,7 +187,8 @@ PENDING = {
 )
 def test_no_host_read_in_a_steady_training_step(name, tmp_path):
     counter = _fit_counter(name, tmp_path)
-    steps = 8 if name != "validation split" else 6  # 2 epochs x batches 1..4 (validation_split: 36 rows, 5 batches)
+    # 2 epochs x batches 1..4 (validation_split: 36 rows, 5 batches)
+    steps = 6 if name in ("validation split", "loss terms") else 8
     _assert_no_step_reads(counter, steps=steps)
 
 

@@ -43,6 +43,12 @@ the step fails here.
   ``TensorDataset`` is (before: +3 ops, the guarded mean). Its Python against a hand loop over
   the same ``DataLoader`` (+27) is the batch's way through ``DeviceLoader`` (unpacking, moving),
   the same for every loss.
+- ``loss terms``: a callable returning ``{"mse": ..., "l2": ...}`` (:mod:`fitkit.losses.terms`)
+  against a hand loop that sums the terms, steps on the sum and keeps each term's running sum on
+  the device (a stack and a multiply-add per step): two ops fewer (the terms' running sums take
+  the rows with ``alpha``, one kernel). Its Python: the callable's path through ``Loss`` as any
+  callable's (``prepare``), one pass over the terms (``split_terms``), one call to take them from
+  the loss (``take_terms``) and one to add them (``_add_terms``).
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ LIMITS = {
     "SmoothL1Loss(beta)": (-1, 7),
     "HuberLoss(delta)": (-1, 7),
     "KLDivLoss(batchmean)": (-1, 7),
+    "loss terms": (-2, 12),
 }
 
 

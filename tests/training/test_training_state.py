@@ -336,6 +336,11 @@ _CRAFTED = {
         {**_TRACKERS, "metrics": {"mae": 3}},
         r"checkpoint\['trackers'\]\['metrics'\]\['mae'\] is 3, expected a dict",
     ),
+    "trackers terms of 3 sums for 2 names": (
+        "trackers",
+        {**_TRACKERS, "terms": {"names": ["mse", "kl"], "total": torch.zeros(3, dtype=torch.float64)}},
+        r"checkpoint\['trackers'\]\['terms'\] is .*, expected a dict \{'names': \[str\], 'total': \(K,\) tensor\}",
+    ),
     "data_order without generators": ("data_order", {"x": 1}, r"checkpoint\['data_order'\] has no 'generators'"),
     "data_order generator of 3 bytes": (
         "data_order",
