@@ -4,12 +4,20 @@ The docs offer each executed tutorial as a ``.ipynb`` download, made by sphinx-g
 converter from ``docs/tutorials/NN_name.py``; here the same converter makes them and nbclient
 runs every cell in an IPython kernel, as a user's Jupyter would. Needs ``nbclient`` and
 ``ipykernel`` (in the ``test`` extra).
+
+Every script already runs once in the docs' html build (tests/test_docs.py), and a notebook holds
+the same code, cell by cell: here every notebook is made and checked, and the tutorials in
+``IN_A_KERNEL`` (the first one, and one that draws figures) run in a kernel, where a notebook
+differs from a script (the kernel's display, inline figures, no ``__file__``). Running the heavy
+tutorials a second time in a kernel would double the suite's time and test nothing new; what a
+kernel cannot do (``__file__``, ``sys.argv``, a ``__main__`` guard) is refused in every notebook.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -49,6 +57,16 @@ def _gallery_notebook(script: Path, tmp_path: Path):
     return nbformat.read(copy.with_suffix(".ipynb"), as_version=4)
 
 
+# The tutorials run in a kernel here (the others run once, in the docs' html build).
+IN_A_KERNEL = ("01_loop_to_fit", "02_classifier")
+# What a script may use and a notebook's kernel does not have.
+_KERNEL_HAZARDS = re.compile(r"__file__|sys\.argv|__name__\s*==\s*['\"]__main__['\"]")
+
+
+def test_the_kernel_tutorials_exist():
+    assert set(IN_A_KERNEL) <= {s.stem for s in SCRIPTS}, IN_A_KERNEL
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
 def test_every_tutorial_notebook_runs_in_a_kernel(script, tmp_path):
@@ -56,6 +74,10 @@ def test_every_tutorial_notebook_runs_in_a_kernel(script, tmp_path):
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert code, script.name
     assert not any("assert " in cell.source for cell in code)  # the tests' lines stay out of the download
+    hazards = [m.group() for cell in code for m in _KERNEL_HAZARDS.finditer(cell.source)]
+    assert not hazards, f"{script.name}: a notebook's kernel has no {hazards}"
+    if script.stem not in IN_A_KERNEL:
+        return  # the same code ran in the html build
     _run(notebook, tmp_path)  # raises CellExecutionError, with the cell, on any error
     printed = "".join(out.get("text", "") for cell in code for out in cell.outputs if out.output_type == "stream")
     assert printed.strip(), f"{script.name}: nothing printed"
