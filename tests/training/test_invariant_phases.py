@@ -6,14 +6,19 @@ Train, validation (a set, or each named set), the sanity validation, ``evaluate`
 Poutyne's), and at ``steps`` (``steps_per_epoch``, ``validation_steps``, ``steps``) for an endless
 source without a length. Property: every phase x every source kind gives the values of a hand
 computation over exactly the first pass (the model does not learn: ``lr=0``), and a source that
-is pulled past its bound fails instead of hanging. And a SIGTERM during any validation inside
+is pulled past its bound fails instead of hanging. A source fitkit can tell is endless
+(``itertools.cycle`` / ``count`` / ``repeat``) without its phase's steps is refused before step 1,
+naming the argument and the fix, with nothing drawn; a one-shot generator runs its one pass, and is
+refused where validation would need a second one. And a SIGTERM during any validation inside
 ``fit`` ends it after that batch, with the backup at the last optimizer step.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import warnings
 
 import pytest
 import torch
@@ -69,7 +74,9 @@ SOURCES = {
     "generator": lambda: (b for b in BATCHES),
     "cycling iterator with len": lambda: Cycling(),
     "endless generator + steps": _endless,
+    "itertools.cycle + steps": lambda: itertools.cycle(BATCHES),
 }
+STEPPED = {"endless generator + steps", "itertools.cycle + steps"}  # kinds run with the phase's steps
 PHASES = ["train", "validation", "named validation", "sanity", "evaluate", "predict"]
 
 
@@ -89,7 +96,7 @@ def _hand_loss() -> float:
 def _run(phase: str, kind: str):
     """The phase's value over its source, and the value a hand computation gives."""
     model, source = _model(), SOURCES[kind]()
-    endless = kind.startswith("endless")
+    endless = kind in STEPPED
     if phase == "train":
         history = model.fit(source, epochs=1, verbose=0, steps_per_epoch=N if endless else None)
         assert model.global_step == N
@@ -121,6 +128,86 @@ def test_every_phase_stops_at_its_sources_bound(phase, kind):
         assert got.shape == (N * B, 1) and torch.equal(got, expected)
     else:
         assert got == expected  # the batches' float32 losses, summed by rows in float64
+
+
+ENDLESS = {
+    "itertools.cycle": lambda: itertools.cycle(BATCHES),
+    "itertools.repeat": lambda: itertools.repeat(BATCHES[0]),
+}
+# phase -> (argument as the error names it, the steps keyword of the fix, how the phase is called)
+REFUSALS = {
+    "train": ("x", "steps_per_epoch", lambda m, s: m.fit(s, epochs=2, verbose=0)),
+    "validation": ("validation_data", "validation_steps", lambda m, s: m.fit(BATCHES, verbose=0, validation_data=s)),
+    "named validation": (
+        "validation_data['b']",
+        "validation_steps",
+        lambda m, s: m.fit(BATCHES, verbose=0, validation_data={"a": BATCHES, "b": s}),
+    ),
+    "sanity": (
+        "validation_data",
+        "validation_steps",
+        lambda m, s: m.fit(BATCHES, verbose=0, validation_data=s, num_sanity_val_steps=2),
+    ),
+    "evaluate": ("x", "steps", lambda m, s: m.evaluate(s, verbose=0)),
+    "predict": ("x", "steps", lambda m, s: m.predict(s, verbose=0)),
+}
+
+
+@pytest.mark.parametrize("kind", list(ENDLESS))
+@pytest.mark.parametrize("phase", PHASES)
+def test_an_endless_source_without_its_steps_is_refused_before_step_1(phase, kind):
+    argument, steps_name, call = REFUSALS[phase]
+    model, source = _model(), ENDLESS[kind]()
+    model.optimizer.param_groups[0]["lr"] = 0.5  # a step would move the weights
+    before = {k: v.clone() for k, v in model.module.state_dict().items()}
+    message = (
+        rf"Expected `{argument}` to end, or `{steps_name}=` to bound .*Received: {argument}={kind} \(endless.*"
+        rf"with {steps_name}=None.*Fix: pass {steps_name}=N"
+    )
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        call(model, source)
+    assert model.global_step == 0
+    assert all(torch.equal(v, before[k]) for k, v in model.module.state_dict().items())
+    if kind == "itertools.cycle":  # nothing was drawn: the cycle still starts at the first batch
+        assert [torch.equal(next(source)[0], x) for x, _ in BATCHES] == [True] * N
+
+
+def test_an_endless_training_source_runs_with_a_budget_that_ends_the_run():
+    """``max_steps`` ends a run over an endless source without ``steps_per_epoch`` (Lightning's rule)."""
+    model = _model()
+    history = model.fit(itertools.cycle(BATCHES), verbose=0, max_steps=2 * N)
+    assert model.global_step == 2 * N and history.history["loss"] == [_hand_loss()]  # 2 passes of equal means
+
+
+def _one_shot_run(phase: str, model: fitkit.Model):
+    source = (b for b in BATCHES)
+    if phase == "train":  # Keras' rule: the pass runs, the used-up generator stops the fit with a warning
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(source, epochs=3, verbose=0)
+        assert [str(w.message)[:67] for w in caught] == [
+            "The training data (generator) yielded no batch in epoch 2, so train"
+        ]
+        return history.history["loss"], [_hand_loss()]
+    val = {"a": BATCHES, "b": source} if phase == "named validation" else source
+    name = "validation_data['b']" if phase == "named validation" else "validation_data"
+    message = rf"Expected `{name}` to give a pass for each of the 2 validations this fit schedules\. Received: "
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        model.fit(BATCHES, epochs=2, verbose=0, validation_data=val, num_sanity_val_steps=2 if phase == "sanity" else 0)
+    assert torch.equal(next(source)[0], BATCHES[0][0])  # refused before a batch was drawn
+    history = model.fit(BATCHES, epochs=2, verbose=0, validation_data=val, validation_steps=1)  # one batch each time
+    with torch.no_grad():
+        first, second = (torch.nn.functional.mse_loss(model.module(x), y).item() for x, y in BATCHES[1:])
+    return history.history["val_b_loss" if phase == "named validation" else "val_loss"], [first, second]
+
+
+@pytest.mark.parametrize("phase", ["train", "validation", "named validation", "sanity"])
+def test_a_one_shot_generator_where_the_fit_needs_a_second_pass(phase):
+    """``evaluate`` / ``predict`` and a single validation run a generator's one pass
+    (``test_every_phase_stops_at_its_sources_bound``); a fit that needs a second pass stops after
+    the first (training, Keras' rule) or is refused before step 1 (validation)."""
+    got, expected = _one_shot_run(phase, _model())
+    assert got == expected
 
 
 def test_validation_of_a_cycling_iterator_stops_at_its_len_every_epoch():
