@@ -281,6 +281,8 @@ class FitLoop:
         if loader.next_epoch_batches is not None:  # the batches this epoch will really run
             cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
+        if self.step_val is not None and self.resume.validation_due(epoch):
+            self.step_val.run(epoch)  # the one a signal cut short, at the saved step (invariant 2); RNGs put back
         _order.dataset_epoch_hook(loader, "on_epoch_begin")  # Keras' PyDataset hook, before the order is kept
         stepper.begin_epoch(epoch, _distributed.host_rows(loader, model.loss))  # host rows: fitkit's shards
         if self.step_val is not None:
@@ -416,4 +418,6 @@ class FitLoop:
             used = self.model._core.stepper.scheduling.lrs_used  # the epoch's log reads them (invariant 5)
             if used is not None:
                 state["lrs_used"] = [float(lr) for lr in used]
+            if self.step_val is not None and self.step_val.cut:  # the resume runs it again (invariant 2)
+                state["validation_due"] = True
         return state

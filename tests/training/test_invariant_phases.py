@@ -218,7 +218,9 @@ def test_validation_of_a_cycling_iterator_stops_at_its_len_every_epoch():
     assert history.history["val_loss"] == [_hand_loss()] * 3
 
 
-def _val_fit(tmp_path, where: str, source: Cycling):
+def _val_fit(tmp_path, where: str, source: Cycling, signalled: bool = True):
+    """The fit of the signal cases; ``signalled``: it ends by a SIGTERM (``SystemExit``), else it runs
+    through (resuming from the backup in ``tmp_path`` if one is there)."""
     model = fitkit.Model(fixed_linear(2, 1, weight=0.5), device="cpu")
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.125), loss="mse")
     kwargs: dict = {"validation_data": source}
@@ -226,7 +228,12 @@ def _val_fit(tmp_path, where: str, source: Cycling):
         kwargs["validation_data"] = {"a": list(BATCHES), "b": source, "c": list(BATCHES)}
     if where == "inside the epoch":
         kwargs["validation_interval"] = 2
+    if where == "at the run's end":  # steps 4 and 6: the last by validate_at_end
+        kwargs.update(validation_interval=4, validate_at_end=True)
     backup = BackupAndRestore(tmp_path / "backup")
+    if not signalled:
+        model.fit(list(BATCHES), epochs=2, verbose=0, callbacks=[backup], **kwargs)
+        return model, None
     with pytest.raises(SystemExit) as exit_info:
         model.fit(list(BATCHES), epochs=2, verbose=0, callbacks=[backup], **kwargs)
     return model, exit_info.value.code
@@ -249,3 +256,27 @@ def test_a_sigterm_during_validation_ends_it_within_one_batch(tmp_path, where):
     assert model.global_step == steps
     saved = torch.load(tmp_path / "backup" / "backup.pt", weights_only=False)
     assert saved["global_step"] == steps  # the backup holds the last optimizer step
+
+
+@pytest.mark.parametrize("where", ["epoch end", "named sets", "inside the epoch", "at the run's end"])
+def test_the_resume_after_a_sigterm_during_validation_has_the_uninterrupted_history(tmp_path, where):
+    """The cut validation counts nowhere, and the resume runs it again: History (per-epoch logs
+    and every validation's record), weights and steps equal those of the run never signalled."""
+    sent: list[int] = []
+    length = 2 * N  # whole cycles: every validation sees the same batches, wherever its source stands
+    at = length + 2 if where == "at the run's end" else 2  # the second batch of the first / last validation
+
+    def signal_on(pull: int) -> None:
+        if pull == at and not sent:
+            sent.append(pull)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    _val_fit(tmp_path, where, Cycling(length=length, limit=10**6, on_pull=signal_on))
+    assert sent == [at]
+    resumed, _ = _val_fit(tmp_path, where, Cycling(length=length, limit=10**6), signalled=False)
+    reference, _ = _val_fit(tmp_path / "reference", where, Cycling(length=length, limit=10**6), signalled=False)
+    assert resumed.history.history == reference.history.history
+    assert resumed.history.validations == reference.history.validations
+    assert len(reference.history.validations) == (3 if where == "inside the epoch" else 2)  # steps 2, 4, 6; 4, 6
+    assert resumed.global_step == reference.global_step == 2 * N
+    assert torch.equal(resumed.module.weight, reference.module.weight)
