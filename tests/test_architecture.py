@@ -672,9 +672,6 @@ def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 #: pass 20 (the aim is none: ModelCheckpoint's options want an options object of their own).
 OVER_20_ATTRIBUTES = {
     "callbacks/checkpointing.py: ModelCheckpoint": 38,
-    "training/stepper.py: Stepper": 22,
-    "training/loop.py: FitLoop": 21,
-    "callbacks/weight_averaging.py: WeightAveraging": 21,
 }
 
 
