@@ -578,8 +578,9 @@ class Model(FilesAndTools):
                 broken validation fails in seconds; no hook runs, nothing is logged, the RNG
                 states, the loaders' own generators, BatchNorm statistics, modes and metrics
                 are left as they were. A one-shot source (a generator) is teed: the batches
-                checked are validated again; ``-1`` with one that has no ``len()`` is a
-                ``ValueError``. Default 0 (Lightning's is 2; Keras has none). See
+                checked are validated again; ``-1`` checks ``validation_steps`` batches where
+                given, and with a one-shot source that has no ``len()`` and no
+                ``validation_steps`` is a ``ValueError``. Default 0 (Lightning's is 2; Keras has none). See
                 :mod:`fitkit.training.quick`.
             reset_time: start a fresh run on a trained model (Composer's ``reset_time``):
                 ``global_step`` restarts at 0, so ``max_steps``, ``params["total_steps"]`` and

@@ -40,7 +40,9 @@ def prepare_fit(model: Model, x: object, y: object, options: Mapping[str, Any]) 
     with fresh_run(stepper, options["reset_time"]):  # put back if planning raises
         plan = planning.plan_fit(model, x, y, options)
         core.keep_example(plan.example)
-        sanity_check(model, plan.val, plan.sanity_steps)  # before step 1: a broken validation fails now
+        sanity_check(
+            model, plan.val, plan.sanity_steps, plan.validation_steps
+        )  # before step 1: a broken validation fails now
         stepper.scheduling.build_planned(plan.total_steps, resolve_scheduler)
     return plan
 

@@ -280,3 +280,14 @@ def test_the_resume_after_a_sigterm_during_validation_has_the_uninterrupted_hist
     assert len(reference.history.validations) == (3 if where == "inside the epoch" else 2)  # steps 2, 4, 6; 4, 6
     assert resumed.global_step == reference.global_step == 2 * N
     assert torch.equal(resumed.module.weight, reference.module.weight)
+
+
+def test_a_sanity_check_of_all_batches_stops_at_validation_steps():
+    """``num_sanity_val_steps=-1`` checks a validation's batches: ``validation_steps`` of an endless
+    source (it was refused as a one-shot source to hold in memory whole), teed, so the validation
+    after epoch 1 sees the same ``N`` batches and nothing more is drawn."""
+    source = Cycling(length=None)
+    history = _model().fit(
+        list(BATCHES), epochs=1, verbose=0, validation_data=source, validation_steps=N, num_sanity_val_steps=-1
+    )
+    assert source.pulls == N and history.history["val_loss"] == [_hand_loss()]
