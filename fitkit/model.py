@@ -496,10 +496,15 @@ class Model(FilesAndTools):
             steps_per_epoch: batches per epoch (Keras 3): the data iterator then carries over
                 across epochs; an epoch ends early (one warning) when the data runs out, and the
                 next starts a fresh pass (10 batches with ``steps_per_epoch=9``: 9, 1, 9, 1, ...).
-                Needed for infinite iterables. Callbacks find the batches each epoch really runs
+                Needed for an endless source (``itertools.cycle``: refused without it, or without
+                ``max_steps`` / ``max_samples`` / ``max_time`` to end the run; a generator is run
+                one pass, and with ``epochs`` > 1 the fit stops after it with a warning, as in
+                Keras). Callbacks find the batches each epoch really runs
                 in ``params["steps"]``. A checkpoint keeps the running pass: a resume continues
                 it in the same shuffled order.
-            validation_steps: batches per validation.
+            validation_steps: batches per validation. Needed for an endless source (refused
+                without it), and for a generator validated in more than one epoch (refused
+                without it: its one pass would serve the first validation only).
             validation_batch_size: default ``batch_size``.
             validation_freq: validate every n epochs, or at the listed (1-based) epochs.
             max_steps: stop once ``model.global_step`` (optimizer steps, one per accumulation
@@ -581,8 +586,9 @@ class Model(FilesAndTools):
                 broken validation fails in seconds; no hook runs, nothing is logged, the RNG
                 states, the loaders' own generators, BatchNorm statistics, modes and metrics
                 are left as they were. A one-shot source (a generator) is teed: the batches
-                checked are validated again; ``-1`` with one that has no ``len()`` is a
-                ``ValueError``. Default 0 (Lightning's is 2; Keras has none). See
+                checked are validated again; ``-1`` checks ``validation_steps`` batches where
+                given, and with a one-shot source that has no ``len()`` and no
+                ``validation_steps`` is a ``ValueError``. Default 0 (Lightning's is 2; Keras has none). See
                 :mod:`fitkit.training.quick`.
             reset_time: start a fresh run on a trained model (Composer's ``reset_time``):
                 ``global_step`` restarts at 0, so ``max_steps``, ``params["total_steps"]`` and
@@ -663,7 +669,8 @@ class Model(FilesAndTools):
             verbose: 0, 1, 2 or ``"auto"`` (see :meth:`fit`).
             sample_weight: ``(N,)`` weights for the loss.
             steps: evaluate this many batches only (an infinite generator needs it, or a
-                callback that sets ``model.stop_evaluating``).
+                callback that sets ``model.stop_evaluating``; an ``itertools.cycle`` / ``count``
+                / ``repeat`` without it is a ``ValueError``).
             callbacks: callbacks whose ``on_test_*`` hooks run.
             return_dict: ``False`` returns Keras' form: the loss alone (a float) without
                 metrics, else the list ``[loss, *metrics]`` in the order of ``compile``.
@@ -716,7 +723,8 @@ class Model(FilesAndTools):
             x: inputs, as for :meth:`fit` (targets, if any, are ignored).
             batch_size: samples per batch (in-memory ``x`` and Datasets).
             verbose: 0, 1, 2 or ``"auto"`` (see :meth:`fit`).
-            steps: predict this many batches only (or set ``model.stop_predicting``).
+            steps: predict this many batches only (or set ``model.stop_predicting``); an
+                ``itertools.cycle`` / ``count`` / ``repeat`` without it is a ``ValueError``.
             callbacks: callbacks whose ``on_predict_*`` hooks run.
 
         Returns:

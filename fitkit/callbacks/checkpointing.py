@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,72 @@ _MODEL_CHECKPOINT_OPTIONS = declare(
     Option("train_time_interval", "custom", checked_in="ModelCheckpoint.__init__", bad=(60, "1h")),
     Option("clock", "callable", bad=(lambda: "now",)),
 )
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """A :class:`ModelCheckpoint`'s arguments, checked (see the class for each); the callback's
+    read-only attributes of the same names read them.
+
+    Attributes:
+        last_path: ``save_last``'s file, or ``None``.
+        exception_path: ``save_on_exception``'s file, or ``None``.
+        fields: the names ``filepath`` formats (``{epoch}``, ``{val_loss}``, ...).
+        fraction: a float ``save_freq``'s fraction of the run, or ``None``.
+    """
+
+    filepath: str
+    monitor: str
+    mode: str
+    save_best_only: bool
+    save_weights_only: bool
+    save_top_k: int | None
+    save_freq: Any
+    verbose: int
+    initial_value_threshold: float | None
+    every_n_epochs: int
+    last_path: str | None
+    keep_last: int | None
+    exception_path: str | None
+    save_overwrite: bool
+    save_first_step: bool
+    train_time_interval: datetime.timedelta | None
+    clock: Callable[[], float]
+    fields: frozenset[str]
+    fraction: Fraction | None
+
+    @property
+    def ranked(self) -> bool:
+        """Whether files are ranked by ``monitor`` (``save_best_only`` or ``save_top_k``)."""
+        return self.save_best_only or self.save_top_k is not None
+
+
+@dataclass
+class _Running:
+    """What a :class:`ModelCheckpoint` tracks while fits run (not its options, not its kept files)."""
+
+    batches_seen: int = 0  # batches since the last save (an int save_freq)
+    last_batch: int | None = None  # the last batch seen (the final save's {batch})
+    pending: tuple[str, list[str], int] | None = None  # (path, evicted, epoch) to write
+    pending_last: int | None = None  # the epoch whose event writes `last_path`
+    first_done: bool = False  # save_first_step: written in this fit
+    save_steps: frozenset[int] = frozenset()  # a fractional save_freq: the global steps that save
+    since: float = 0.0  # train_time_interval: the clock at the fit's start or the last save
+    time_agreed: bool = False  # under torchrun: the ranks agreed the interval has passed
+    signalled: bool = False  # a SIGTERM / SIGINT stopped this fit
+    writing: bool = False  # writing its own file: not adopted by save_checkpoint (run_files.adopt)
+    existing: set[str] = field(default_factory=set)  # files on disk when the fit began (save_overwrite=False)
+    own: set[str] = field(default_factory=set)  # files this callback wrote (also before a resume)
+
+    def reset(self) -> None:
+        """A fresh start's counts and pending writes (the clock, the signal and the files known are kept)."""
+        self.batches_seen, self.last_batch, self.pending, self.pending_last = 0, None, None, None
+        self.first_done, self.save_steps = False, frozenset()
+
+
+def _option(name: str) -> Any:
+    """A read-only attribute of :class:`ModelCheckpoint` that reads its :class:`CheckpointOptions`."""
+    return property(lambda self: getattr(self.options, name), doc=f"``{name}``, as checked (read-only).")
 
 
 class ModelCheckpoint(StatefulCallback):
@@ -177,6 +244,23 @@ class ModelCheckpoint(StatefulCallback):
     """
 
     skip_in_fast_dev_run = True  # it writes files: fit(fast_dev_run=...) leaves it out
+    filepath = _option("filepath")
+    monitor = _option("monitor")
+    mode = _option("mode")
+    save_best_only = _option("save_best_only")
+    save_weights_only = _option("save_weights_only")
+    save_top_k = _option("save_top_k")
+    save_freq = _option("save_freq")
+    verbose = _option("verbose")
+    initial_value_threshold = _option("initial_value_threshold")
+    every_n_epochs = _option("every_n_epochs")
+    last_path = _option("last_path")
+    keep_last = _option("keep_last")
+    exception_path = _option("exception_path")
+    save_overwrite = _option("save_overwrite")
+    save_first_step = _option("save_first_step")
+    train_time_interval = _option("train_time_interval")
+    clock = _option("clock")
 
     @declared(_MODEL_CHECKPOINT_OPTIONS)
     def __init__(
@@ -201,15 +285,14 @@ class ModelCheckpoint(StatefulCallback):
     ):
         super().__init__()
         _check_time_interval(train_time_interval, save_freq, every_n_epochs, clock)
-        self.train_time_interval, self.clock = train_time_interval, clock
         check_bool("save_best_only", save_best_only)
         check_bool("save_weights_only", save_weights_only)
         if not isinstance(monitor, str):
             raise TypeError(f"Expected `monitor` to be a log key (str). Received: monitor={monitor!r}.")
-        self.filepath = check_target(filepath, "filepath", "ModelCheckpoint")
-        self._fields = _field_names(self.filepath)
+        path = check_target(filepath, "filepath", "ModelCheckpoint")
+        fields = _field_names(path)
         check_mode(mode)
-        self._fraction = self._check_freq(save_freq, verbose, every_n_epochs)
+        fraction = self._check_freq(save_freq, verbose, every_n_epochs)
         if initial_value_threshold is not None:
             check_number("initial_value_threshold", initial_value_threshold, minimum=-math.inf)
             if not save_best_only and save_top_k is None:
@@ -217,14 +300,35 @@ class ModelCheckpoint(StatefulCallback):
                     "`initial_value_threshold` is the value a checkpoint must beat, so it needs "
                     "`save_best_only=True` or `save_top_k=k`. Received neither."
                 )
-        self.last_path = _last_path(self.filepath, save_last)
-        self._check_retention(keep_last, save_top_k, save_best_only)
-        self.monitor, self.mode = monitor, mode
-        self.save_best_only, self.save_weights_only = bool(save_best_only), bool(save_weights_only)
-        self.save_top_k, self.save_freq, self.verbose = save_top_k, save_freq, verbose
-        self.initial_value_threshold, self.every_n_epochs = initial_value_threshold, every_n_epochs
+        last = _last_path(path, save_last)
+        _check_retention(path, fields, last, keep_last, save_top_k, save_best_only)
+        exception = _check_safety(
+            path, fields, save_best_only, save_top_k, save_overwrite, save_on_exception, save_first_step
+        )
+        #: the arguments, checked (read-only attributes of the same names read them)
+        self.options = CheckpointOptions(
+            filepath=path,
+            monitor=monitor,
+            mode=mode,
+            save_best_only=bool(save_best_only),
+            save_weights_only=bool(save_weights_only),
+            save_top_k=save_top_k,
+            save_freq=save_freq,
+            verbose=verbose,
+            initial_value_threshold=initial_value_threshold,
+            every_n_epochs=every_n_epochs,
+            last_path=last,
+            keep_last=keep_last,
+            exception_path=exception,
+            save_overwrite=bool(save_overwrite),
+            save_first_step=bool(save_first_step),
+            train_time_interval=train_time_interval,
+            clock=clock,
+            fields=frozenset(fields),
+            fraction=fraction,
+        )
         self._mode = mode if mode != "auto" else None
-        self._check_safety(save_overwrite, save_on_exception, save_first_step)
+        self._run = _Running()  # what the fits track: counts, files to write, files known
         self._owned = Owned(self.filepath, "ModelCheckpoint")
         self._locks: list[FileLock] = []
         self._reset()
@@ -245,68 +349,17 @@ class ModelCheckpoint(StatefulCallback):
             )
         return fraction
 
-    def _check_retention(self, keep_last: Any, save_top_k: Any, save_best_only: Any) -> None:
-        """``keep_last`` (the newest files) and ``save_top_k`` (the best): one list, of files that differ per save."""
-        if keep_last is not None:
-            check_int("keep_last", keep_last, 0, fix="pass how many newest files to keep, e.g. keep_last=3.")
-            _options.check_retention(keep_last, save_best_only, self.last_path)
-            if save_top_k is not None:
-                raise ValueError(
-                    f"`keep_last={keep_last}` keeps the newest files and `save_top_k={save_top_k}` the best "
-                    "ones; one callback keeps one list. Fix: pass one of them (or two ModelCheckpoint callbacks "
-                    "with different filepaths)."
-                )
-            if not self._fields and keep_last:
-                raise ValueError(
-                    f"`keep_last={keep_last}` keeps several files, so `filepath` must differ per save. Received: "
-                    f"{self.filepath!r}. Fix: add '{{epoch:02d}}' (or '{{batch}}' / '{{step}}') to it."
-                )
-        if save_top_k is not None:
-            check_int("save_top_k", save_top_k, 1)
-            if save_best_only:
-                raise ValueError(
-                    "Pass either `save_best_only=True` (write each new best) or `save_top_k=k` "
-                    "(keep the k best files), not both."
-                )
-            if save_top_k > 1 and not self._fields:
-                raise ValueError(
-                    f"`save_top_k={save_top_k}` keeps several files, so `filepath` must differ per "
-                    f"save. Received: {self.filepath!r}. Fix: add '{{epoch:02d}}' to it."
-                )
-        self.keep_last = keep_last
-
     @property
     def _ranked(self) -> bool:
-        return self.save_best_only or self.save_top_k is not None
-
-    def _check_safety(self, save_overwrite: Any, save_on_exception: Any, save_first_step: Any) -> None:
-        check_bool("save_overwrite", save_overwrite)
-        check_bool("save_first_step", save_first_step)
-        self.exception_path = _options.exception_path(self.filepath, save_on_exception)
-        if save_first_step and (self._ranked or self._fields - {"epoch", "batch", "step"}):
-            raise ValueError(
-                f"`save_first_step=True` writes a file after step 1, where no ranking or log value is known, but "
-                f"filepath={self.filepath!r}, save_best_only={self.save_best_only}, save_top_k={self.save_top_k}. "
-                "Fix: name the file with {epoch}, {batch} or {step} only, and drop the ranking (or use a second "
-                "ModelCheckpoint for the first step)."
-            )
-        self.save_overwrite, self.save_first_step = bool(save_overwrite), bool(save_first_step)
-        self._existing: set[str] = set()  # files on disk when the fit began (save_overwrite=False)
-        self._own: set[str] = set()  # files this callback wrote (also before a resume)
-        self._signalled = False  # a SIGTERM / SIGINT stopped this fit
+        return self.options.ranked
 
     def _reset(self) -> None:
         t = self.initial_value_threshold
         self.best: float | None = None if t is None else float(t)
         self.best_path: str | None = None
         self.kept: list[tuple[float, str]] = []  # (value, path) of the files save_top_k keeps
-        self._batches_seen = 0
         self.recent: list[str] = []  # files written, oldest first (keep_last's rotation)
-        self._last_batch: int | None = None  # the last batch seen (the final save's {batch})
-        self._pending: tuple[str, list[str], int] | None = None  # (path, evicted, epoch) to write
-        self._pending_last: int | None = None  # the epoch whose event writes `last_path`
-        self._first_done = False  # save_first_step: written in this fit
-        self._save_steps: frozenset[int] = frozenset()  # a fractional save_freq: the global steps that save
+        self._run.reset()
 
     def _get_state(self) -> dict[str, Any]:
         # File names relative to the template's folder: a copied run folder resumes with its
@@ -316,7 +369,7 @@ class ModelCheckpoint(StatefulCallback):
             "best": self.best,
             "best_path": None if self.best_path is None else rel(self.best_path),
             "kept": [[v, rel(p)] for v, p in self.kept],
-            "batches_seen": self._batches_seen,
+            "batches_seen": self._run.batches_seen,
         } | ({"recent": [rel(p) for p in self.recent]} if self.keep_last is not None else {})
 
     def _set_state(self, state: dict[str, Any]) -> None:
@@ -325,12 +378,12 @@ class ModelCheckpoint(StatefulCallback):
         self.best_path = None if best is None else restore_name(self._owned, best, "its best file")
         kept = [(float(v), restore_name(self._owned, p, "a kept file")) for v, p in state["kept"]]
         self.kept = [(v, p) for v, p in kept if p is not None]  # never a file outside the folder
-        self._batches_seen = state["batches_seen"]
+        self._run.batches_seen = state["batches_seen"]
         recent = [restore_name(self._owned, p, "a recent file") for p in state.get("recent", [])]
         self.recent = [p for p in recent if p is not None]
         # save_overwrite=False: the files the resumed run wrote are its own to replace
         own = [*self.recent, *(p for _, p in self.kept), self.best_path]
-        self._own |= {os.path.abspath(p) for p in own if p is not None}
+        self._run.own |= {os.path.abspath(p) for p in own if p is not None}
 
     def _state_problems(self, state: Any) -> list[str]:
         return typed_problems(state, _STATE, "its state", _OPTIONAL_STATE)
@@ -346,15 +399,18 @@ class ModelCheckpoint(StatefulCallback):
         batch_level = (
             (1 if self.train_time_interval is not None else None)
             if self.save_freq == "epoch"
-            else (1 if self._fraction is not None else self.save_freq)
+            else (1 if self.options.fraction is not None else self.save_freq)
         )
-        self._since, self._time_agreed = read_clock(self.clock), False  # the interval counts from each fit's start
-        if "batch" in self._fields and batch_level is None:
+        self._run.since, self._run.time_agreed = (
+            read_clock(self.clock),
+            False,
+        )  # the interval counts from each fit's start
+        if "batch" in self.options.fields and batch_level is None:
             raise ValueError(
                 f"ModelCheckpoint's filepath {self.filepath!r} uses {{batch}}, but save_freq='epoch' "
                 "saves at epoch ends, where there is no batch. Fix: pass an int `save_freq`, or drop {batch}."
             )
-        for name in sorted(self._fields - {"epoch", "batch", "step"}):
+        for name in sorted(self.options.fields - {"epoch", "batch", "step"}):
             subject = f"ModelCheckpoint's filepath {self.filepath!r} uses {{{name}}}"
             check_log_key(name, self.params, self.model, "ModelCheckpoint", subject=subject, batch_level=batch_level)
         if self._ranked:
@@ -362,17 +418,17 @@ class ModelCheckpoint(StatefulCallback):
             self._check_schedules_meet()
             self._mode = resolve_mode(self.monitor, self.mode, self.model, "ModelCheckpoint")
         if is_rank_zero():
-            check_writable_template(self.filepath, self._fields, "ModelCheckpoint", "filepath")
+            check_writable_template(self.filepath, self.options.fields, "ModelCheckpoint", "filepath")
             if self.last_path is not None:
                 check_writable_template(self.last_path, None, "ModelCheckpoint", "save_last")
             self._lock()
         super().on_train_begin(logs)
-        self._pending = self._pending_last = None  # never a file decided by a fit that raised
+        self._run.pending = self._run.pending_last = None  # never a file decided by a fit that raised
         self._plan_fraction()  # before step 1 (an unknown plan is refused), after the state's reset above
-        self._first_done = self._signalled = False
+        self._run.first_done = self._run.signalled = False
         if not self.save_overwrite:  # what is on disk now is not this fit's to replace
             paths = [*glob.glob(_glob_of(self.filepath)), self.last_path, self.exception_path]
-            self._existing = {os.path.abspath(p) for p in paths if p is not None and os.path.exists(p)}
+            self._run.existing = {os.path.abspath(p) for p in paths if p is not None and os.path.exists(p)}
         if is_rank_zero():  # temp files of a write a kill interrupted: never a checkpoint
             folders, name = os.path.split(_glob_of(self.filepath))
             for folder in glob.glob(folders or os.curdir):
@@ -380,7 +436,7 @@ class ModelCheckpoint(StatefulCallback):
 
     def _plan_fraction(self) -> None:
         """A fractional ``save_freq``: the global steps that save, from the planned steps."""
-        if self._fraction is None:
+        if self.options.fraction is None:
             return
         total = self.params.get("total_steps")
         if total is None:
@@ -390,7 +446,7 @@ class ModelCheckpoint(StatefulCallback):
                 "without a length and no max_steps). Fix: pass `max_steps=` or `steps_per_epoch=` to fit, or an "
                 "int save_freq."
             )
-        self._save_steps = _options.fraction_steps(self._fraction, int(total))
+        self._run.save_steps = _options.fraction_steps(self.options.fraction, int(total))
         if self.model.global_step >= total:  # a second fit on a trained model, its time not reset
             warnings.warn(
                 f"ModelCheckpoint(save_freq={self.save_freq!r}) saves at fractions of the run's {total} planned "
@@ -445,7 +501,7 @@ class ModelCheckpoint(StatefulCallback):
         if self.train_time_interval is not None:
             return  # saved by training time only
         if self.save_freq == "epoch" and self.every_n_epochs == 0:
-            self._pending_last = epoch if self.last_path is not None else None  # no ranked file (Lightning)
+            self._run.pending_last = epoch if self.last_path is not None else None  # no ranked file (Lightning)
         elif self.save_freq == "epoch" and (epoch + 1) % self.every_n_epochs == 0 and not per_validation(self):
             self._decide(epoch, None, logs or {})
 
@@ -466,53 +522,50 @@ class ModelCheckpoint(StatefulCallback):
     def time_due(self) -> bool:
         """This rank's clock says ``train_time_interval`` has passed since the last save."""
         interval = self.train_time_interval
-        return interval is not None and read_clock(self.clock) - self._since >= interval.total_seconds()
+        return interval is not None and read_clock(self.clock) - self._run.since >= interval.total_seconds()
 
     def time_agreed(self) -> None:
         """Under torchrun: the ranks agreed that the interval has passed; save at the next step."""
-        self._time_agreed = True
+        self._run.time_agreed = True
 
     def _time_save(self, batch: int, logs: Any) -> None:
         if not is_distributed():
             due = self.time_due()
         else:
-            due = self._time_agreed
+            due = self._run.time_agreed
         full = not self.save_weights_only or self.last_path is not None
         if due and (not full or self.model.closes_accumulation_window):  # a window's gradients: wait
-            self._time_agreed, self._since = False, read_clock(self.clock)
+            self._run.time_agreed, self._run.since = False, read_clock(self.clock)
             self._decide(self.model.epoch, batch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
         # A full checkpoint inside an accumulation group would lose its gradients: wait.
-        full = not self.save_weights_only or self.last_path is not None
+        o, run = self.options, self._run  # read per batch: no property call
+        full = not o.save_weights_only or o.last_path is not None
         closes = not full or self.model.closes_accumulation_window
-        if self.save_first_step and not self._first_done and closes:
-            self._first_done = True
+        if o.save_first_step and not run.first_done and closes:
+            run.first_done = True
             path = self._path(self.model.epoch, batch, logs or {})
-            self._pending = None if path is None else (path, [], self.model.epoch)
-        if self.train_time_interval is not None:
+            run.pending = None if path is None else (path, [], self.model.epoch)
+        if o.train_time_interval is not None:
             self._time_save(batch, logs or {})
             return
-        if self.save_freq == "epoch":
+        if o.save_freq == "epoch":
             return
-        self._batches_seen += 1
-        self._last_batch = batch
-        due = (
-            self.model.global_step in self._save_steps
-            if self._fraction is not None
-            else self._batches_seen >= self.save_freq
-        )
+        run.batches_seen += 1
+        run.last_batch = batch
+        due = self.model.global_step in run.save_steps if o.fraction is not None else run.batches_seen >= o.save_freq
         if due and closes:
-            self._batches_seen = 0
+            run.batches_seen = 0
             self._decide(self.model.epoch, batch, logs or {})
 
     def on_train_end(self, logs=None):
         # The final step of a run that ends between two saves is saved too (Trainer, torchtitan).
-        if self.save_freq != "epoch" and self._batches_seen and self._last_batch is not None:
-            self._batches_seen = 0
-            self._decide(self.model.epoch, self._last_batch, logs or {})
+        if self.save_freq != "epoch" and self._run.batches_seen and self._run.last_batch is not None:
+            self._run.batches_seen = 0
+            self._decide(self.model.epoch, self._run.last_batch, logs or {})
             self._write()
-        if self.keep_last == 0 and not self._signalled:  # keep none after the run (a preempted run keeps it)
+        if self.keep_last == 0 and not self._run.signalled:  # keep none after the run (a preempted run keeps it)
             done, self.recent = self.recent, []
             if is_rank_zero():
                 for p in done:
@@ -521,12 +574,12 @@ class ModelCheckpoint(StatefulCallback):
 
     def _save_on_interrupt(self) -> None:
         """A SIGTERM / SIGINT stops the fit: ``keep_last=0`` keeps its newest file for the resume."""
-        self._signalled = True
+        self._run.signalled = True
 
     def _save_on_exception(self) -> None:
         """``fit`` raised after a step: the state of the last completed batch, resumable."""
         path = self.exception_path
-        if path is not None and (self.save_overwrite or os.path.abspath(path) not in self._existing):
+        if path is not None and (self.save_overwrite or os.path.abspath(path) not in self._run.existing):
             self.model.save_checkpoint(path)
             say(self.verbose, f"fit raised: saved {self.exception_path}.")
 
@@ -541,9 +594,9 @@ class ModelCheckpoint(StatefulCallback):
         values: dict[str, Any] = {"epoch": epoch + 1}
         if batch is not None:
             values["batch"] = batch + 1
-        if "step" in self._fields:  # the global_step of the save (a validation's own, if any)
+        if "step" in self.options.fields:  # the global_step of the save (a validation's own, if any)
             values["step"] = int(logs["step"]) if "step" in logs else self.model.global_step
-        for name in sorted(self._fields - values.keys()):
+        for name in sorted(self.options.fields - values.keys()):
             try:
                 value = monitor_value(logs, name, "ModelCheckpoint", self.params if batch is None else None, self.model)
             except ValueError:
@@ -566,7 +619,7 @@ class ModelCheckpoint(StatefulCallback):
     def _decide(self, epoch: int, batch: int | None, logs: Any) -> None:
         """Update the best / kept files and set the file to write, if any."""
         if self.last_path is not None:
-            self._pending_last = epoch  # every save event, ranked file written or not
+            self._run.pending_last = epoch  # every save event, ranked file written or not
         current = None
         if self._ranked:
             current = self._monitored(batch, logs)
@@ -590,7 +643,7 @@ class ModelCheckpoint(StatefulCallback):
             if math.isnan(cur):
                 return
             self.best, self.best_path = cur, path
-        self._pending = (path, evicted, epoch)
+        self._run.pending = (path, evicted, epoch)
 
     def _monitored(self, batch: int | None, logs: Any) -> float | None:
         """The monitored value of this save event (``None``: not logged this epoch); resolves ``mode``."""
@@ -624,21 +677,21 @@ class ModelCheckpoint(StatefulCallback):
 
     def _write(self) -> None:
         self._write_ranked()
-        if self._pending_last is not None:
-            epoch, self._pending_last = self._pending_last, None
+        if self._run.pending_last is not None:
+            epoch, self._run.pending_last = self._run.pending_last, None
             self._refuse_overwrite(self.last_path)
             self.model.save_checkpoint(self.last_path)  # after the ranked file, as Lightning does
             say(self.verbose, f"Epoch {epoch + 1}: saved {self.last_path}.")
 
     def _write_ranked(self) -> None:
-        if self._pending is None:
+        if self._run.pending is None:
             return
-        path, evicted, epoch = self._pending
-        self._pending = None
+        path, evicted, epoch = self._run.pending
+        self._run.pending = None
         # Every rank calls save (gathering FSDP shards is a collective); rank 0 writes. The
         # file first, then the eviction: a crash in between leaves k + 1 files, never k - 1.
         self._refuse_overwrite(path)
-        self._writing = True  # its own file: not adopted by save_checkpoint (run_files.adopt)
+        self._run.writing = True  # its own file: not adopted by save_checkpoint (run_files.adopt)
         try:
             with scored_weights(self.model, self.monitor) if self._ranked else nullcontext():
                 if self.save_weights_only:
@@ -646,7 +699,7 @@ class ModelCheckpoint(StatefulCallback):
                 else:
                     self.model.save_checkpoint(path)
         finally:
-            self._writing = False
+            self._run.writing = False
         self._evict(evicted)
         self.rotate(path)
         say(self.verbose, f"Epoch {epoch + 1}: saved {path}.")
@@ -656,7 +709,7 @@ class ModelCheckpoint(StatefulCallback):
         rotation: the oldest files beyond ``keep_last`` are deleted (``keep_last=0``: beyond 1
         until the run ends), never the best file. ``save_checkpoint(path)`` calls it for a file
         of the pattern that the user writes (:mod:`fitkit.training.run_files`)."""
-        if self.keep_last is None or getattr(self, "_writing", False) or not self._owned.owns(path):
+        if self.keep_last is None or self._run.writing or not self._owned.owns(path):
             return
         self.recent = [p for p in self.recent if p != path] + [path]
         old = self.recent[: max(0, len(self.recent) - max(1, self.keep_last))]
@@ -676,8 +729,8 @@ class ModelCheckpoint(StatefulCallback):
 
     def _refuse_overwrite(self, path: str | None) -> None:
         if not self.save_overwrite and path is not None:
-            _options.refuse_overwrite(path, self._existing, self._own)
-            self._own.add(os.path.abspath(path))
+            _options.refuse_overwrite(path, self._run.existing, self._run.own)
+            self._run.own.add(os.path.abspath(path))
 
     def _worst(self, kept: list[tuple[float, str]]) -> tuple[float, str]:
         pick = max if self._mode == "min" else min
@@ -699,3 +752,59 @@ def _check_time_interval(interval: Any, save_freq: Any, every_n_epochs: Any, clo
             )
     if not callable(clock):
         raise TypeError(f"Expected `clock` to be a callable returning seconds. Received: clock={clock!r}.")
+
+
+def _check_retention(
+    filepath: str, fields: set[str], last_path: str | None, keep_last: Any, save_top_k: Any, save_best_only: Any
+) -> None:
+    """``keep_last`` (the newest files) and ``save_top_k`` (the best): one list, of files that differ per save."""
+    if keep_last is not None:
+        check_int("keep_last", keep_last, 0, fix="pass how many newest files to keep, e.g. keep_last=3.")
+        _options.check_retention(keep_last, save_best_only, last_path)
+        if save_top_k is not None:
+            raise ValueError(
+                f"`keep_last={keep_last}` keeps the newest files and `save_top_k={save_top_k}` the best "
+                "ones; one callback keeps one list. Fix: pass one of them (or two ModelCheckpoint callbacks "
+                "with different filepaths)."
+            )
+        if not fields and keep_last:
+            raise ValueError(
+                f"`keep_last={keep_last}` keeps several files, so `filepath` must differ per save. Received: "
+                f"{filepath!r}. Fix: add '{{epoch:02d}}' (or '{{batch}}' / '{{step}}') to it."
+            )
+    if save_top_k is not None:
+        check_int("save_top_k", save_top_k, 1)
+        if save_best_only:
+            raise ValueError(
+                "Pass either `save_best_only=True` (write each new best) or `save_top_k=k` "
+                "(keep the k best files), not both."
+            )
+        if save_top_k > 1 and not fields:
+            raise ValueError(
+                f"`save_top_k={save_top_k}` keeps several files, so `filepath` must differ per "
+                f"save. Received: {filepath!r}. Fix: add '{{epoch:02d}}' to it."
+            )
+
+
+def _check_safety(
+    filepath: str,
+    fields: set[str],
+    save_best_only: Any,
+    save_top_k: Any,
+    save_overwrite: Any,
+    save_on_exception: Any,
+    save_first_step: Any,
+) -> str | None:
+    """``save_overwrite``, ``save_on_exception`` and ``save_first_step`` checked; returns the exception path."""
+    check_bool("save_overwrite", save_overwrite)
+    check_bool("save_first_step", save_first_step)
+    exception_path = _options.exception_path(filepath, save_on_exception)
+    ranked = bool(save_best_only) or save_top_k is not None
+    if save_first_step and (ranked or fields - {"epoch", "batch", "step"}):
+        raise ValueError(
+            f"`save_first_step=True` writes a file after step 1, where no ranking or log value is known, but "
+            f"filepath={filepath!r}, save_best_only={bool(save_best_only)}, save_top_k={save_top_k}. "
+            "Fix: name the file with {epoch}, {batch} or {step} only, and drop the ranking (or use a second "
+            "ModelCheckpoint for the first step)."
+        )
+    return exception_path

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,6 +61,21 @@ _WEIGHT_AVERAGING_OPTIONS = declare(
     Option("swap_at_end", "bool"),
     verbose_option(),
 )
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The average's tensors beside the module's, grouped by device and dtype (one fused update each).
+
+    Attributes:
+        pairs: ``(averaged, module)`` tensors per group.
+        index: per group, the tensors' places in the module's parameters (+ buffers).
+        n_params: the module's parameter count (its buffers follow in those places).
+    """
+
+    pairs: list[tuple[Tensors, Tensors]] = field(default_factory=list)
+    index: list[list[int]] = field(default_factory=list)
+    n_params: int = 0
 
 
 class WeightAveraging(Callback):
@@ -178,9 +194,7 @@ class WeightAveraging(Callback):
         self._restored = False
         self._in_fit = False
         self._swap: WeightSwap | None = None  # the module's one swap (fitkit.callbacks.swapping)
-        self._groups: list[tuple[Tensors, Tensors]] = []  # (averaged, module) per device and dtype
-        self._index: list[list[int]] = []  # per group, the tensors' places in state_tensors(module)
-        self._n_params = 0
+        self._layout = _Layout()  # the average's tensors beside the module's, built with the average
         self._give_back_test: Callable[[], None] = no_swap
         self._swapped_at_end = False
 
@@ -226,9 +240,11 @@ class WeightAveraging(Callback):
             mine[0].append(a)
             mine[1].append(m)
             mine[2].append(i)
-        self._groups = [(a, m) for a, m, _ in groups.values()]
-        self._index = [i for _, _, i in groups.values()]
-        self._n_params = len(list(module.parameters()))
+        self._layout = _Layout(
+            [(a, m) for a, m, _ in groups.values()],
+            [i for _, _, i in groups.values()],
+            len(list(module.parameters())),
+        )
 
     def _training(self) -> Tensors | None:
         """The training weights while an averaged copy is swapped in (``None``: they are in the module)."""
@@ -238,11 +254,13 @@ class WeightAveraging(Callback):
         """``(averaged, training)`` per group: the module's tensors, or their copies set aside."""
         saved = self._training()
         if saved is None:
-            return self._groups
-        return [(avg, [saved[i] for i in idx]) for (avg, _), idx in zip(self._groups, self._index, strict=True)]
+            return self._layout.pairs
+        return [
+            (avg, [saved[i] for i in idx]) for (avg, _), idx in zip(self._layout.pairs, self._layout.index, strict=True)
+        ]
 
     def _copy_average_in(self) -> None:
-        for avg, cur in self._groups:
+        for avg, cur in self._layout.pairs:
             copy_tensors(cur, avg)
 
     @torch.no_grad()
@@ -265,7 +283,11 @@ class WeightAveraging(Callback):
                 get_swa_multi_avg_fn()(avg, cur, self.num_averaged)
         if not self.use_buffers:  # the module's own buffers, as AveragedModel keeps them
             training = self._training()
-            own = [b.detach() for b in self.model.module.buffers()] if training is None else training[self._n_params :]
+            own = (
+                [b.detach() for b in self.model.module.buffers()]
+                if training is None
+                else training[self._layout.n_params :]
+            )
             copy_tensors([b.detach() for b in averaged.module.buffers()], own)
         averaged.n_averaged += 1
         self.num_averaged += 1
@@ -355,7 +377,7 @@ class WeightAveraging(Callback):
         saved = self._training()
         if saved is not None and self._swap is not None and self._swap.holder is self:
             # A save while this average is in the module: its tensors' training weights, per group.
-            state["training_weights"] = [saved[i] for idx in self._index for i in idx]
+            state["training_weights"] = [saved[i] for idx in self._layout.index for i in idx]
         return state
 
     def loaded_by_fit(self) -> None:
@@ -417,7 +439,7 @@ class WeightAveraging(Callback):
         if state.get("training_weights") is not None:  # saved with the average swapped in
             if self._swap is not None:
                 self._swap.keep()  # the module's weights are the loaded ones: nothing set aside still holds
-            current = [c for _, cs in self._groups for c in cs]
+            current = [c for _, cs in self._layout.pairs for c in cs]
             copy_tensors(current, [t.to(c.device) for t, c in zip(state["training_weights"], current, strict=True)])
 
     # -- hooks -------------------------------------------------------------------------------
@@ -430,9 +452,13 @@ class WeightAveraging(Callback):
             self._group(module)  # loaded into the existing average, or the average goes on (Keras' optimizer EMA)
             return
         self._build(module)
-        if self._groups:  # a broken function is refused now, not at the second update
+        if self._layout.pairs:  # a broken function is refused now, not at the second update
             try_average_fn(
-                type(self).__name__, self.avg_fn, self.multi_avg_fn, self._groups[0][0][0], self._groups[0][1][0]
+                type(self).__name__,
+                self.avg_fn,
+                self.multi_avg_fn,
+                self._layout.pairs[0][0][0],
+                self._layout.pairs[0][1][0],
             )
         self._last_step = self.model.global_step
         if self._pending is not None:

@@ -18,6 +18,7 @@ from fitkit.losses.denominators import targets_count
 from fitkit.modes import modes
 from fitkit.training import planning
 from fitkit.training.batch_results import batch_result
+from fitkit.training.bounds import check_call_bound
 from fitkit.training.budget import fresh_run
 from fitkit.training.loop import EvalLoop, FitLoop, PredictLoop
 from fitkit.training.optim import resolve_scheduler
@@ -39,7 +40,9 @@ def prepare_fit(model: Model, x: object, y: object, options: Mapping[str, Any]) 
     with fresh_run(stepper, options["reset_time"]):  # put back if planning raises
         plan = planning.plan_fit(model, x, y, options)
         core.keep_example(plan.example)
-        sanity_check(model, plan.val, plan.sanity_steps)  # before step 1: a broken validation fails now
+        sanity_check(
+            model, plan.val, plan.sanity_steps, plan.validation_steps
+        )  # before step 1: a broken validation fails now
         stepper.scheduling.build_planned(plan.total_steps, resolve_scheduler)
     return plan
 
@@ -70,6 +73,7 @@ def evaluate(model: Model, x: object, y: object, o: Mapping[str, Any]) -> Any:
     check_bool("return_dict", o["return_dict"])
     steps, return_dict = o["steps"], o["return_dict"]
     batch_size, verbose, callbacks = planning.call_args(o["batch_size"], steps, o["verbose"], o["callbacks"])
+    check_call_bound(x, steps, "evaluate")
     sets = named_sets(x, "x") if y is None and o["sample_weight"] is None else None
     if sets is not None:
         return _evaluate_sets(model, sets, batch_size, verbose, steps, callbacks, return_dict)
@@ -106,6 +110,7 @@ def predict(model: Model, x: object, o: Mapping[str, Any]) -> Any:
     """``Model.predict`` (``o``: its keyword arguments by name)."""
     steps = o["steps"]
     batch_size, verbose, callbacks = planning.call_args(o["batch_size"], steps, o["verbose"], o["callbacks"])
+    check_call_bound(x, steps, "predict")
     loader = _distributed.sharded(_data.as_loader, x, batch_size=batch_size, device=model.device, steps=steps)
     src = loader.batches
     in_memory = isinstance(src, _data.TensorBatches)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +49,20 @@ if TYPE_CHECKING:
     from fitkit.training.planning import FitPlan
 
 __all__ = ["FitLoop", "EvalLoop", "PredictLoop", "ValidationSchedule"]
+
+
+@dataclass
+class _Notes:
+    """What one fit says once.
+
+    Attributes:
+        rows: a module's own loss without ``num_items_in_batch`` under accumulation or torchrun:
+            its labels are still to be looked at for -100 (a note that its means weigh by rows).
+        ran_out: the ``steps_per_epoch`` ran-out warning was given.
+    """
+
+    rows: bool = False
+    ran_out: bool = False
 
 
 class FitLoop:
@@ -88,9 +103,8 @@ class FitLoop:
         self.running = False
         self.batch_index = 0  # the running batch (0-based; on_backward_end's argument)
         self.phase = 0  # 0 in the epoch's batches, else a phase of progress (read by the progress thread)
-        self.rows_note = False  # a module's own loss without num_items_in_batch: note -100 labels once
+        self.notes = _Notes()  # what the fit says once
         self.batch: Any = None  # the running batch (x, y, sample_weight), on the device
-        self.warned_short = False
 
     @property
     def train(self) -> Any:
@@ -135,7 +149,7 @@ class FitLoop:
             fitting = stepper.fitting(
                 before_step, wants_stop, self.val is not None, self.plan.accumulation, self._own_items()
             )
-            if self.rows_note and isinstance(getattr(self.train, "batches", None), TensorBatches):
+            if self.notes.rows and isinstance(getattr(self.train, "batches", None), TensorBatches):
                 self._note_rows(None)  # in-memory data: all its labels now (a loader's: its first batch)
             place = self._place if model._core.parallel is not None else None
             with (
@@ -202,25 +216,25 @@ class FitLoop:
     def _own_items(self) -> bool | None:
         """A module that computes its own loss and takes ``num_items_in_batch``: whether its labels
         shift (:func:`fitkit.losses.outputs.takes_num_items`); ``None`` for any other (then
-        :attr:`rows_note`: its own loss is a mean per micro-batch that fitkit weighs by rows)."""
+        :attr:`_Notes.rows`: its own loss is a mean per micro-batch that fitkit weighs by rows)."""
         model = self.model
         if model.loss is not None or not model.default_compute_loss or not model.default_train_step:
             return None
         accepts, shifts = takes_num_items(model.module)
-        self.rows_note = not accepts
+        self.notes.rows = not accepts
         return shifts if accepts else None
 
     def _first_batch(self, guard: Any, batch: Any) -> None:
         """The first batch of the fit: checked (:class:`BatchGuard`), and its labels looked at."""
         self.example = guard.first(self.model, batch)
-        if self.rows_note:
+        if self.notes.rows:
             self._note_rows(batch)
 
     def _note_rows(self, batch: Any) -> None:
         """Once per fit: a module's own loss, without ``num_items_in_batch``, on labels holding -100,
         under accumulation or torchrun: its micro-batch means are weighed by rows, not tokens.
         In-memory data: all its labels are looked at; else the first batch's."""
-        self.rows_note = False
+        self.notes.rows = False
         if self.model._core.stepper.accumulation == 1 and self.model._core.parallel is None:
             return
         source: Any = getattr(self.train, "batches", None)
@@ -281,6 +295,8 @@ class FitLoop:
         if loader.next_epoch_batches is not None:  # the batches this epoch will really run
             cbs.params["steps"] = loader.next_epoch_batches
         cbs.on_epoch_begin(epoch, {})
+        if self.step_val is not None and self.resume.validation_due(epoch):
+            self.step_val.run(epoch)  # the one a signal cut short, at the saved step (invariant 2); RNGs put back
         _order.dataset_epoch_hook(loader, "on_epoch_begin")  # Keras' PyDataset hook, before the order is kept
         stepper.begin_epoch(epoch, _distributed.host_rows(loader, model.loss))  # host rows: fitkit's shards
         if self.step_val is not None:
@@ -366,8 +382,8 @@ class FitLoop:
 
     def _warn_ran_out(self, epoch: int) -> None:
         loader = self.train
-        if getattr(loader, "ran_out", False) and not self.warned_short:
-            self.warned_short = True
+        if getattr(loader, "ran_out", False) and not self.notes.ran_out:
+            self.notes.ran_out = True
             warnings.warn(
                 f"The training data ran out after {self.position.batches} of steps_per_epoch="
                 f"{loader.steps} batches in epoch {epoch + 1}; that epoch ends early and the next "
@@ -416,4 +432,6 @@ class FitLoop:
             used = self.model._core.stepper.scheduling.lrs_used  # the epoch's log reads them (invariant 5)
             if used is not None:
                 state["lrs_used"] = [float(lr) for lr in used]
+            if self.step_val is not None and self.step_val.cut:  # the resume runs it again (invariant 2)
+                state["validation_due"] = True
         return state

@@ -77,10 +77,10 @@ def train_in_micro_batches(model: Model, batch: Batch, size: int) -> None:
     stepper = model._core.stepper
     window = stepper.window
     base, last = window.micro_scale, window.micro_last
-    if stepper.sums:
+    if stepper.shares.sums:
         shares = [base] * len(chunks)
     else:
-        weigh, scale = stepper.weigh, 1.0 if base is None else base
+        weigh, scale = stepper.shares.weigh, 1.0 if base is None else base
         total = _nonzero(weigh(batch))
         shares = [scale * weigh(chunk) / total for chunk in chunks]
     try:

@@ -277,6 +277,7 @@ class PositionPart(Part):
         "lrs_used": (optional_check(_rates), "a list of floats (each parameter group's rate) or None"),
         "train_length": (optional_check(is_count), "an int >= 0 or None"),
         "train_fingerprint": (optional_check(lambda v: isinstance(v, str)), "a str or None"),
+        "validation_due": (optional_check(lambda v: isinstance(v, bool)), "a bool or None"),
     }
     optional = frozenset(
         {
@@ -291,6 +292,7 @@ class PositionPart(Part):
             "lrs_used",
             "train_length",
             "train_fingerprint",
+            "validation_due",
         }
     )
 

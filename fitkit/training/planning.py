@@ -25,6 +25,7 @@ from fitkit.callbacks.progress import ProgressBar, resolve_verbose
 from fitkit.callbacks.swap_ema import with_compiled_ema
 from fitkit.callbacks.swapping import check_weight_swaps
 from fitkit.checks import FitkitWarning, check_bool, check_callbacks, check_int, check_number
+from fitkit.training import bounds as _bounds
 from fitkit.training import budget as _budget
 from fitkit.training import reach as _reach
 from fitkit.training.lr_logs import lr_keys
@@ -160,6 +161,7 @@ def plan_fit(model: Model, x: object, y: object, options: Mapping[str, Any]) -> 
         o["validation_interval"], o["validation_freq"], o["validation_data"], o["validation_split"]
     )
     _check_callbacks(model, o["callbacks"], o["validation_data"] is not None or bool(o["validation_split"]))
+    _bounds.check_fit_bounds(x, o, quick, schedule, interval)  # before a batch is drawn (invariant 2)
     train, val, example = _loaders(model, x, y, o)
     if quick.active:
         val = quick.limit(train, val)  # the loaders capped; limit_val_batches=0: no validation

@@ -247,7 +247,9 @@ def _check_repeatable(x: object, overfit: int | float) -> None:
         )
 
 
-def sanity_check(model: Model, val: DeviceLoader | ValidationSets | None, steps: int) -> None:
+def sanity_check(
+    model: Model, val: DeviceLoader | ValidationSets | None, steps: int, validation_steps: int | None = None
+) -> None:
     """Run ``steps`` validation batches (-1: all) of every set before training, as Lightning's
     sanity check; an error in validation (the forward, ``test_step``, a metric) is raised here,
     before step 1.
@@ -259,9 +261,12 @@ def sanity_check(model: Model, val: DeviceLoader | ValidationSets | None, steps:
     are as before. A one-shot source (a generator, an iterator) is teed: its first ``steps``
     batches are checked, and the first validation yields them again.
 
+    ``validation_steps`` (fit's) bounds it as it bounds each validation: ``-1`` checks that many
+    batches of a source without ``len()``.
+
     Raises:
-        ValueError: ``steps=-1`` with a one-shot source without ``len()`` (all of it would be
-            held in memory), before any set runs.
+        ValueError: ``steps=-1`` with a one-shot source without ``len()`` and no
+            ``validation_steps`` (all of it would be held in memory), before any set runs.
     """
     if val is None or not steps:
         return
@@ -270,7 +275,9 @@ def sanity_check(model: Model, val: DeviceLoader | ValidationSets | None, steps:
         if isinstance(val, ValidationSets)
         else [("validation_data", val)]
     )  # every named set, as Lightning checks each val loader
-    counts = [_sanity_batches(what, loader, steps) for what, loader in sets]  # all refusals before any run
+    counts = [
+        _sanity_batches(what, loader, steps, validation_steps) for what, loader in sets
+    ]  # all refusals before any run
     for (what, loader), n in zip(sets, counts, strict=True):
         batches = loader.batches
         with contextlib.ExitStack() as kept:
@@ -284,13 +291,15 @@ def sanity_check(model: Model, val: DeviceLoader | ValidationSets | None, steps:
             EvalLoop(model, loader, CallbackList([], model, {}), n, what=what).run()
 
 
-def _sanity_batches(what: str, loader: DeviceLoader, steps: int) -> int | None:
+def _sanity_batches(what: str, loader: DeviceLoader, steps: int, validation_steps: int | None) -> int | None:
     """The batches the sanity check runs of ``loader`` (``None``: all of a re-iterable source)."""
     n = loader.num_batches  # a source with len() stops there (an iterator that cycles too)
+    if validation_steps is not None:  # a validation's bound is its sanity check's too
+        n = validation_steps if n is None else min(validation_steps, n)
     if steps > 0:
         return steps if n is None else min(steps, n)
     if not getattr(loader.batches, "one_shot", False):
-        return None
+        return n
     if n is None:
         raise ValueError(
             f"Expected `num_sanity_val_steps` >= 1 for `{what}` ({source_name(loader)}), a one-shot source "

@@ -172,6 +172,18 @@ class Resume:
             self.epoch_pass = (point.position.pass_offset, point.position.pass_start)  # the carried-over pass
             self.pending = None
 
+    def validation_due(self, epoch: int) -> bool:
+        """Whether the point inside ``epoch`` was taken after a step whose validation a signal cut
+        short (position key ``validation_due``): the resumed epoch runs it before its next batch, so
+        History holds it as in the run never interrupted (the loop's invariant 2)."""
+        point = self.pending
+        return (
+            point is not None
+            and point.epoch == epoch
+            and bool(point.position.batches)
+            and bool(point.state.get("validation_due"))
+        )
+
     def batches(self, epoch: int, totals: RunningTotals | None) -> tuple[Iterator[Any], int]:
         """This epoch's batch iterator and the index of its first batch (a mid-epoch resume)."""
         point, train = self.pending, self.train

@@ -15,7 +15,7 @@ position      ``epoch``, ``step_in_epoch``, ``samples_in_epoch``,          next 
               ``pass_offset``, ``batch_size``, ``world_size``,
               ``epoch_rng``, ``trackers``, ``data_order``,
               ``pass_start``, ``lrs_used``, ``train_length``,
-              ``train_fingerprint``
+              ``train_fingerprint``, ``validation_due``
 rng           ``rng``                                                      next fit
 callbacks     ``callbacks``, ``callback_config``                           after on_train_begin
 history       ``history``                                                  after on_train_begin

@@ -217,6 +217,7 @@ class StepValidation:
         self.last_step = -1  # the global_step of the last validation (a vetoed step does not move it)
         self._since = interval.clock()  # a timedelta interval counts from here, and from each validation
         self.agreed: bool | None = None  # under torchrun: whether the ranks agreed a timedelta is due
+        self.cut = False  # a signal cut the last validation short: a backup now asks the resume to run it
 
     def time_due(self) -> bool:
         """This rank's clock says a timedelta interval has passed (``False`` for other intervals)."""
@@ -263,7 +264,8 @@ class StepValidation:
             val_logs = run_validation(self.model, self.val, self.callbacks, self.steps)
         finally:
             _checkpoint.set_rng_state(rng)
-        if signal_held(self.model):  # a signal cut it short: its partial values count nowhere
+        self.cut = signal_held(self.model)
+        if self.cut:  # a signal cut it short: its partial values count nowhere, the resume runs it again
             return
         stepper.scheduling.step_on_validation(epoch, val_logs)  # a compiled ReduceLROnPlateau
         record_validation(self.history, self.callbacks, self.last_step, epoch, val_logs)

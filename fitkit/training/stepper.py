@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -146,6 +147,30 @@ class FitHooks:
         self.items: bool | None = None  # a module's own loss takes num_items_in_batch: whether its labels shift
 
 
+@dataclass(frozen=True)
+class Clipping:
+    """``compile``'s gradient clipping: a max global 2-norm and a max absolute element (``None``: off)."""
+
+    norm: float | None = None
+    value: float | None = None
+
+
+@dataclass(frozen=True)
+class LossShares:
+    """How a batch's loss is shared out in a window (``compile``'s options, read by
+    :meth:`Stepper.micro_batches` and :mod:`fitkit.training.micro_batches`).
+
+    Attributes:
+        weigh: ``batch -> the denominator of its mean loss`` (rows, weights or tokens).
+        sums: the loss is a sum (``reduction="sum"``): no share, each rank counts whole.
+        micro_batch_size: rows per forward / backward inside a batch, or ``None``.
+    """
+
+    weigh: Callable[[Batch], Any]
+    sums: bool = False
+    micro_batch_size: int | None = None
+
+
 class Stepper:
     """Owns everything between ``loss`` and the next weights.
 
@@ -196,7 +221,9 @@ class Stepper:
         # micro-batches per step by epoch (an AccumulationSchedule), applied at epoch begin
         self.accumulation_schedule = accumulation if isinstance(accumulation, AccumulationSchedule) else None
         self.accumulation = accumulation(0) if isinstance(accumulation, AccumulationSchedule) else accumulation
-        self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
+        # None when neither is set: the step asks one attribute (hot path)
+        both = clip_grad_norm, clip_grad_value
+        self.clipping = None if both == (None, None) else Clipping(clip_grad_norm, clip_grad_value)
         self.parallel = parallel
         self._steps = 0  # steps taken, minus the device-side skips not yet read (see global_step)
         self._device_skips: torch.Tensor | None = None  # steps skipped on the device, not yet read
@@ -204,10 +231,9 @@ class Stepper:
         self.grad_norm: torch.Tensor | None = None
         self.window = Window()  # the coming step's accumulation window
         self.fit = FitHooks()  # the running fit's hooks (see fitting()); outside a fit, none
-        self.weigh: Callable[[Batch], Any] = weigh or _batch_weight  # batch -> the denominator of its mean loss
-        self.sums = sums  # a reduction="sum" loss: a window's gradient is the sum of its micro-batches'
-        #: rows per forward / backward inside a batch (fitkit.training.micro_batches), or None
-        self.micro_batch_size = micro_batch_size
+        # batch -> the denominator of its mean loss; a reduction="sum" loss (a window's gradient is the
+        # sum of its micro-batches'); rows per forward / backward inside a batch (micro_batches), or None
+        self.shares = LossShares(weigh or _batch_weight, sums, micro_batch_size)
         self._stepped = True
         # GradScaler skips optimizer.step() on inf/NaN gradients; a post-hook tells us whether
         # it ran, so a skipped step does not advance the scheduler (no extra host sync).
@@ -216,6 +242,31 @@ class Stepper:
         self._hook = optimizer.register_step_post_hook(self._mark_stepped) if watch else None
         #: one process and float32: train_step's no_sync and autocast contexts do nothing
         self.plain = parallel is None and precision == "32"
+
+    @property
+    def clip_grad_norm(self) -> float | None:
+        """``compile(clip_grad_norm=...)``: max global 2-norm of the gradients, or ``None``."""
+        return None if self.clipping is None else self.clipping.norm
+
+    @property
+    def clip_grad_value(self) -> float | None:
+        """``compile(clip_grad_value=...)``: max absolute gradient element, or ``None``."""
+        return None if self.clipping is None else self.clipping.value
+
+    @property
+    def weigh(self) -> Callable[[Batch], Any]:
+        """``batch -> the denominator of its mean loss`` (:attr:`LossShares.weigh`)."""
+        return self.shares.weigh
+
+    @property
+    def sums(self) -> bool:
+        """Whether the loss is a sum (:attr:`LossShares.sums`)."""
+        return self.shares.sums
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """``compile(micro_batch_size=...)`` (:attr:`LossShares.micro_batch_size`)."""
+        return self.shares.micro_batch_size
 
     @property
     def global_step(self) -> int:
@@ -284,11 +335,11 @@ class Stepper:
                 # else one batch a step on one process: the module's own mean is the step's; its
                 # count (items_here) weighs the batch in the epoch loss, as the count does above
                 shares: list[Any] = [None] * len(group)
-            elif self.sums:  # the sum over the window (and, times W against DDP's average, the ranks)
+            elif self.shares.sums:  # the sum over the window (and, times W against DDP's average, the ranks)
                 scale = float(_distributed.world_size()) if self.parallel is not None else 1.0
                 shares = [scale] * len(group)
             else:
-                sizes = [self.weigh(b) for b in group]
+                sizes = [self.shares.weigh(b) for b in group]
                 # Under torchrun: (global weight of the window) / W, all-reduced on the device, so
                 # each rank's share makes DDP's gradient average the exact global mean.
                 # A window whose denominator is 0 (all weights 0, every token ignored) adds nothing.
@@ -444,8 +495,8 @@ class Stepper:
         veto = None if window.veto is None else self._take_veto()
         if window.skip_requested:  # a callback (e.g. TerminateOnNaN) vetoed this step
             return self._skip_step(window, opt)
-        if self.clip_grad_norm is not None or self.clip_grad_value is not None:
-            self._clip(module)
+        if self.clipping is not None:
+            self._clip(module, self.clipping)
         if self.scaler is None and veto is None:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -475,12 +526,12 @@ class Stepper:
             self.scaler.update()
         return False
 
-    def _clip(self, module: nn.Module) -> None:
+    def _clip(self, module: nn.Module, clipping: Clipping) -> None:
         """``clip_grad_norm`` / ``clip_grad_value`` on the unscaled gradients, before the step."""
-        if self.clip_grad_norm is not None:
-            self.grad_norm = nn.utils.clip_grad_norm_(module.parameters(), self.clip_grad_norm)
-        if self.clip_grad_value is not None:
-            nn.utils.clip_grad_value_(module.parameters(), self.clip_grad_value)
+        if clipping.norm is not None:
+            self.grad_norm = nn.utils.clip_grad_norm_(module.parameters(), clipping.norm)
+        if clipping.value is not None:
+            nn.utils.clip_grad_value_(module.parameters(), clipping.value)
 
     def _take_veto(self) -> torch.Tensor | None:
         """The device veto of the coming step (agreed over ranks), or ``None``."""

@@ -9,6 +9,7 @@ param groups, the scheduler and the step count are as before, and no file appear
 from __future__ import annotations
 
 import copy
+import itertools
 import re
 import warnings
 from dataclasses import dataclass
@@ -867,10 +868,30 @@ CASES = [
     ),
     Case(
         "fit empty validation generator",
-        fit(validation_data=(b for b in [])),
+        fit(validation_data=(b for b in []), epochs=1),  # one validation: two are refused for any generator
         ValueError,
         r"`validation_data` \(generator\) yields no batch, so the first validation, after the first epoch's "
         r"training, would fail\. Fix",
+    ),
+    Case(
+        "fit one-shot validation generator validated twice",
+        fit(validation_data=((torch.zeros(5, 4), torch.zeros(5, dtype=torch.long)) for _ in range(2))),
+        ValueError,
+        r"Expected `validation_data` to give a pass for each of the 2 validations this fit schedules\. "
+        r"Received: validation_data=generator \(one-shot.*Fix: pass a re-iterable source.*validation_steps=N",
+    ),
+    Case(
+        "fit endless training source without steps_per_epoch",
+        fit(x=itertools.cycle([(torch.zeros(5, 4), torch.zeros(5, dtype=torch.long))]), y=None, batch_size=None),
+        ValueError,
+        r"Expected `x` to end, or `steps_per_epoch=` to bound an epoch\. Received: x=itertools\.cycle.*"
+        r"Fix: pass steps_per_epoch=N",
+    ),
+    Case(
+        "evaluate endless source without steps",
+        evaluate(itertools.repeat((torch.zeros(5, 4), torch.zeros(5, dtype=torch.long)))),
+        ValueError,
+        r"Expected `x` to end, or `steps=` to bound evaluate\. Received: x=itertools\.repeat.*Fix: pass steps=N",
     ),
     Case(
         "fit ragged samples in the first batch of a DataLoader",

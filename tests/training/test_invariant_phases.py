@@ -6,14 +6,19 @@ Train, validation (a set, or each named set), the sanity validation, ``evaluate`
 Poutyne's), and at ``steps`` (``steps_per_epoch``, ``validation_steps``, ``steps``) for an endless
 source without a length. Property: every phase x every source kind gives the values of a hand
 computation over exactly the first pass (the model does not learn: ``lr=0``), and a source that
-is pulled past its bound fails instead of hanging. And a SIGTERM during any validation inside
+is pulled past its bound fails instead of hanging. A source fitkit can tell is endless
+(``itertools.cycle`` / ``count`` / ``repeat``) without its phase's steps is refused before step 1,
+naming the argument and the fix, with nothing drawn; a one-shot generator runs its one pass, and is
+refused where validation would need a second one. And a SIGTERM during any validation inside
 ``fit`` ends it after that batch, with the backup at the last optimizer step.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import warnings
 
 import pytest
 import torch
@@ -69,7 +74,9 @@ SOURCES = {
     "generator": lambda: (b for b in BATCHES),
     "cycling iterator with len": lambda: Cycling(),
     "endless generator + steps": _endless,
+    "itertools.cycle + steps": lambda: itertools.cycle(BATCHES),
 }
+STEPPED = {"endless generator + steps", "itertools.cycle + steps"}  # kinds run with the phase's steps
 PHASES = ["train", "validation", "named validation", "sanity", "evaluate", "predict"]
 
 
@@ -89,7 +96,7 @@ def _hand_loss() -> float:
 def _run(phase: str, kind: str):
     """The phase's value over its source, and the value a hand computation gives."""
     model, source = _model(), SOURCES[kind]()
-    endless = kind.startswith("endless")
+    endless = kind in STEPPED
     if phase == "train":
         history = model.fit(source, epochs=1, verbose=0, steps_per_epoch=N if endless else None)
         assert model.global_step == N
@@ -123,6 +130,86 @@ def test_every_phase_stops_at_its_sources_bound(phase, kind):
         assert got == expected  # the batches' float32 losses, summed by rows in float64
 
 
+ENDLESS = {
+    "itertools.cycle": lambda: itertools.cycle(BATCHES),
+    "itertools.repeat": lambda: itertools.repeat(BATCHES[0]),
+}
+# phase -> (argument as the error names it, the steps keyword of the fix, how the phase is called)
+REFUSALS = {
+    "train": ("x", "steps_per_epoch", lambda m, s: m.fit(s, epochs=2, verbose=0)),
+    "validation": ("validation_data", "validation_steps", lambda m, s: m.fit(BATCHES, verbose=0, validation_data=s)),
+    "named validation": (
+        "validation_data['b']",
+        "validation_steps",
+        lambda m, s: m.fit(BATCHES, verbose=0, validation_data={"a": BATCHES, "b": s}),
+    ),
+    "sanity": (
+        "validation_data",
+        "validation_steps",
+        lambda m, s: m.fit(BATCHES, verbose=0, validation_data=s, num_sanity_val_steps=2),
+    ),
+    "evaluate": ("x", "steps", lambda m, s: m.evaluate(s, verbose=0)),
+    "predict": ("x", "steps", lambda m, s: m.predict(s, verbose=0)),
+}
+
+
+@pytest.mark.parametrize("kind", list(ENDLESS))
+@pytest.mark.parametrize("phase", PHASES)
+def test_an_endless_source_without_its_steps_is_refused_before_step_1(phase, kind):
+    argument, steps_name, call = REFUSALS[phase]
+    model, source = _model(), ENDLESS[kind]()
+    model.optimizer.param_groups[0]["lr"] = 0.5  # a step would move the weights
+    before = {k: v.clone() for k, v in model.module.state_dict().items()}
+    message = (
+        rf"Expected `{argument}` to end, or `{steps_name}=` to bound .*Received: {argument}={kind} \(endless.*"
+        rf"with {steps_name}=None.*Fix: pass {steps_name}=N"
+    )
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        call(model, source)
+    assert model.global_step == 0
+    assert all(torch.equal(v, before[k]) for k, v in model.module.state_dict().items())
+    if kind == "itertools.cycle":  # nothing was drawn: the cycle still starts at the first batch
+        assert [torch.equal(next(source)[0], x) for x, _ in BATCHES] == [True] * N
+
+
+def test_an_endless_training_source_runs_with_a_budget_that_ends_the_run():
+    """``max_steps`` ends a run over an endless source without ``steps_per_epoch`` (Lightning's rule)."""
+    model = _model()
+    history = model.fit(itertools.cycle(BATCHES), verbose=0, max_steps=2 * N)
+    assert model.global_step == 2 * N and history.history["loss"] == [_hand_loss()]  # 2 passes of equal means
+
+
+def _one_shot_run(phase: str, model: fitkit.Model):
+    source = (b for b in BATCHES)
+    if phase == "train":  # Keras' rule: the pass runs, the used-up generator stops the fit with a warning
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(source, epochs=3, verbose=0)
+        assert [str(w.message)[:67] for w in caught] == [
+            "The training data (generator) yielded no batch in epoch 2, so train"
+        ]
+        return history.history["loss"], [_hand_loss()]
+    val = {"a": BATCHES, "b": source} if phase == "named validation" else source
+    name = "validation_data['b']" if phase == "named validation" else "validation_data"
+    message = rf"Expected `{name}` to give a pass for each of the 2 validations this fit schedules\. Received: "
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        model.fit(BATCHES, epochs=2, verbose=0, validation_data=val, num_sanity_val_steps=2 if phase == "sanity" else 0)
+    assert torch.equal(next(source)[0], BATCHES[0][0])  # refused before a batch was drawn
+    history = model.fit(BATCHES, epochs=2, verbose=0, validation_data=val, validation_steps=1)  # one batch each time
+    with torch.no_grad():
+        first, second = (torch.nn.functional.mse_loss(model.module(x), y).item() for x, y in BATCHES[1:])
+    return history.history["val_b_loss" if phase == "named validation" else "val_loss"], [first, second]
+
+
+@pytest.mark.parametrize("phase", ["train", "validation", "named validation", "sanity"])
+def test_a_one_shot_generator_where_the_fit_needs_a_second_pass(phase):
+    """``evaluate`` / ``predict`` and a single validation run a generator's one pass
+    (``test_every_phase_stops_at_its_sources_bound``); a fit that needs a second pass stops after
+    the first (training, Keras' rule) or is refused before step 1 (validation)."""
+    got, expected = _one_shot_run(phase, _model())
+    assert got == expected
+
+
 def test_validation_of_a_cycling_iterator_stops_at_its_len_every_epoch():
     """The issue's example: ``fit(validation_data=it)`` validated forever (a regression)."""
     source = Cycling()
@@ -131,7 +218,9 @@ def test_validation_of_a_cycling_iterator_stops_at_its_len_every_epoch():
     assert history.history["val_loss"] == [_hand_loss()] * 3
 
 
-def _val_fit(tmp_path, where: str, source: Cycling):
+def _val_fit(tmp_path, where: str, source: Cycling, signalled: bool = True):
+    """The fit of the signal cases; ``signalled``: it ends by a SIGTERM (``SystemExit``), else it runs
+    through (resuming from the backup in ``tmp_path`` if one is there)."""
     model = fitkit.Model(fixed_linear(2, 1, weight=0.5), device="cpu")
     model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.125), loss="mse")
     kwargs: dict = {"validation_data": source}
@@ -139,7 +228,12 @@ def _val_fit(tmp_path, where: str, source: Cycling):
         kwargs["validation_data"] = {"a": list(BATCHES), "b": source, "c": list(BATCHES)}
     if where == "inside the epoch":
         kwargs["validation_interval"] = 2
+    if where == "at the run's end":  # steps 4 and 6: the last by validate_at_end
+        kwargs.update(validation_interval=4, validate_at_end=True)
     backup = BackupAndRestore(tmp_path / "backup")
+    if not signalled:
+        model.fit(list(BATCHES), epochs=2, verbose=0, callbacks=[backup], **kwargs)
+        return model, None
     with pytest.raises(SystemExit) as exit_info:
         model.fit(list(BATCHES), epochs=2, verbose=0, callbacks=[backup], **kwargs)
     return model, exit_info.value.code
@@ -162,3 +256,38 @@ def test_a_sigterm_during_validation_ends_it_within_one_batch(tmp_path, where):
     assert model.global_step == steps
     saved = torch.load(tmp_path / "backup" / "backup.pt", weights_only=False)
     assert saved["global_step"] == steps  # the backup holds the last optimizer step
+
+
+@pytest.mark.parametrize("where", ["epoch end", "named sets", "inside the epoch", "at the run's end"])
+def test_the_resume_after_a_sigterm_during_validation_has_the_uninterrupted_history(tmp_path, where):
+    """The cut validation counts nowhere, and the resume runs it again: History (per-epoch logs
+    and every validation's record), weights and steps equal those of the run never signalled."""
+    sent: list[int] = []
+    length = 2 * N  # whole cycles: every validation sees the same batches, wherever its source stands
+    at = length + 2 if where == "at the run's end" else 2  # the second batch of the first / last validation
+
+    def signal_on(pull: int) -> None:
+        if pull == at and not sent:
+            sent.append(pull)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    _val_fit(tmp_path, where, Cycling(length=length, limit=10**6, on_pull=signal_on))
+    assert sent == [at]
+    resumed, _ = _val_fit(tmp_path, where, Cycling(length=length, limit=10**6), signalled=False)
+    reference, _ = _val_fit(tmp_path / "reference", where, Cycling(length=length, limit=10**6), signalled=False)
+    assert resumed.history.history == reference.history.history
+    assert resumed.history.validations == reference.history.validations
+    assert len(reference.history.validations) == (3 if where == "inside the epoch" else 2)  # steps 2, 4, 6; 4, 6
+    assert resumed.global_step == reference.global_step == 2 * N
+    assert torch.equal(resumed.module.weight, reference.module.weight)
+
+
+def test_a_sanity_check_of_all_batches_stops_at_validation_steps():
+    """``num_sanity_val_steps=-1`` checks a validation's batches: ``validation_steps`` of an endless
+    source (it was refused as a one-shot source to hold in memory whole), teed, so the validation
+    after epoch 1 sees the same ``N`` batches and nothing more is drawn."""
+    source = Cycling(length=None)
+    history = _model().fit(
+        list(BATCHES), epochs=1, verbose=0, validation_data=source, validation_steps=N, num_sanity_val_steps=-1
+    )
+    assert source.pulls == N and history.history["val_loss"] == [_hand_loss()]

@@ -238,11 +238,12 @@ def _one_shot():
     yield torch.zeros(2, 1), _col([2, 2])
 
 
-def test_used_up_validation_generator_is_an_error_in_epoch_two():
+def test_used_up_validation_generator_is_refused_before_step_1():
+    """A generator validated in 3 epochs would be used up by the first: refused before step 1 (invariant 2)."""
     model = _bias_model(0.0)
     ends = []
     watch = LambdaCallback(on_epoch_end=lambda epoch, logs: ends.append((epoch, logs["val_loss"])))
-    message = r"`validation_data` \(generator\) yielded no batch\. Fix: .*re-iterable such as a DataLoader or a list"
+    message = r"`validation_data` to give a pass for each of the 3 validations.*Fix: pass a re-iterable source"
     with pytest.raises(ValueError, match=message):
         model.fit(
             X4,
@@ -253,17 +254,17 @@ def test_used_up_validation_generator_is_an_error_in_epoch_two():
             callbacks=[watch, EarlyStopping("val_loss")],
             verbose=0,
         )
-    assert ends == [(0, 4.0)]
+    assert ends == [] and model.global_step == 0 and model.module.b.item() == 0.0
 
 
-def test_used_up_validation_generator_fails_at_its_second_scheduled_validation():
+def test_used_up_validation_generator_is_refused_when_two_scheduled_validations_would_need_it():
     ends = []
     watch = LambdaCallback(on_epoch_end=lambda epoch, logs: ends.append(epoch))
-    with pytest.raises(ValueError, match=r"`validation_data` \(generator\) yielded no batch"):
+    with pytest.raises(ValueError, match=r"each of the 2 validations this fit schedules"):
         _bias_model(0.0).fit(
             X4, Y4, epochs=4, batch_size=4, validation_data=_one_shot(), validation_freq=2, callbacks=[watch], verbose=0
         )
-    assert ends == [0, 1, 2]  # epoch 2 validated; epoch 4's validation found nothing
+    assert ends == []  # epochs 2 and 4 validate: refused before epoch 1 trained
 
 
 def test_empty_validation_dataloader_is_an_error_before_step_1():
