@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader
 import fitkit
 
 ROOT = Path(__file__).resolve().parent.parent
+COMPOSER, TRANSFORMERS = "docs/guides/coming_from_composer.rst", "docs/guides/coming_from_transformers.rst"
 README, MODEL = "README.md", "fitkit/model.py"
 API, CALLBACKS_API, FILES_API, METRICS_API = (f"docs/api/{p}.rst" for p in ("fitkit", "callbacks", "files", "metrics"))
 ARCH, CKPT, FILES, LOSSES = (
@@ -104,6 +105,14 @@ ZERO_ROWS = (
     "tests/training/test_validation_state.py::test_zero_rows_of_other_sources_and_predict_keeps_the_output_shape"
 )
 CONTINUOUS_CW = "tests/checks/test_bad_inputs.py::test_class_weight_with_continuous_targets_is_an_error"
+PHASES = "tests/training/test_invariant_phases.py"
+ENDLESS = f"{PHASES}::test_an_endless_source_without_its_steps_is_refused_before_step_1"
+ONE_SHOT = f"{PHASES}::test_a_one_shot_generator_where_the_fit_needs_a_second_pass"
+ONE_PASS = (
+    "tests/training/test_validation_state.py::test_one_shot_training_generator_ends_training_instead_of_an_empty_epoch"
+)
+TOKENS_REFUSED = "tests/training/test_token_budget.py::test_bad_token_budgets_are_refused_before_step_1"
+TERMS = "tests/losses/test_loss_terms.py"
 
 
 @dataclass(frozen=True)
@@ -193,7 +202,7 @@ DOC_CLAIMS = (
     ),
     claim(
         ARCH,
-        "so it needs ``steps`` (not refused: it would run until stopped)",
+        "cannot be told from a long one: it needs ``steps``, else it runs until stopped",
         "tests/training/test_loop_options.py::test_evaluate_steps_on_an_infinite_generator",
         "tests/training/test_loop_options.py::test_predict_steps_on_an_infinite_generator",
     ),
@@ -646,7 +655,7 @@ DOC_CLAIMS = (
     ),
     claim(
         MODEL,
-        "``-1`` with one that has no ``len()`` is a ``ValueError``",
+        "has no ``len()`` and no ``validation_steps`` is a ``ValueError``",
         "tests/training/test_invariant_checks.py::test_sanity_all_of_a_one_shot_source_without_len_is_refused_before_"
         "step_1",
     ),
@@ -659,7 +668,7 @@ DOC_CLAIMS = (
         refused("fit-before-compile"),
         BAD_INPUT,
         ZERO_ROWS,
-        "tests/training/test_validation_state.py::test_used_up_validation_generator_is_an_error_in_epoch_two",
+        "tests/training/test_validation_state.py::test_used_up_validation_generator_is_refused_before_step_1",
     ),
     claim(
         MODEL,
@@ -1226,7 +1235,37 @@ CALLBACK_CLAIMS = (
 
 
 # Words of the claim vocabulary that say something else (a noun, the user's own code, torch's behaviour).
-CLAIMS = DOC_CLAIMS + CALLBACK_CLAIMS
+LATER_CLAIMS = (
+    # -- sources that never end, budgets in tokens, loss terms ---------------------------------------------------------
+    claim(API, "needs ``validation_steps``: refused before step 1 otherwise", ENDLESS, ONE_SHOT),
+    claim(ARCH, "refuses, with the fix and before a batch is drawn", ENDLESS, ONE_SHOT),
+    claim(ARCH, "the fit stops after it with a warning", ONE_SHOT, ONE_PASS),
+    claim(KERAS, "pass (the fit stops after it, with a warning, as Keras does)", ONE_SHOT, ONE_PASS),
+    claim(
+        KERAS, "validation without ``validation_steps``, is refused before step 1, naming the fix", ENDLESS, ONE_SHOT
+    ),
+    claim(MODEL, "``itertools.cycle``: refused without it", ENDLESS),
+    claim(MODEL, "one pass, and with ``epochs`` > 1 the fit stops after it with a warning", ONE_SHOT, ONE_PASS),
+    claim(MODEL, "Needed for an endless source (refused without it)", ENDLESS),
+    claim(MODEL, "for a generator validated in more than one epoch (refused without it", ONE_SHOT),
+    claim(MODEL, "``repeat`` without it is a ``ValueError``", ENDLESS),
+    claim(MODEL, "needs in-memory tensors (else a ``ValueError`` before step 1)", TOKENS_REFUSED),
+    claim(COMPOSER, "other data is refused before step 1 with the fix", TOKENS_REFUSED),
+    claim(TRANSFORMERS, "in-memory token ids only (else refused before step 1)", TOKENS_REFUSED),
+    claim(
+        LOSSES,
+        "a term the loss does not return is refused at the callback's first decision",
+        f"{TERMS}::test_a_term_key_is_refused_before_the_first_step_unless_the_loss_is_a_callable",
+    ),
+    claim(
+        LOSSES,
+        "Each of these is refused at the first batch, before any step.",
+        f"{TERMS}::test_a_loss_of_terms_that_cannot_be_logged_is_refused_before_the_first_step",
+        f"{TERMS}::test_several_losses_refuse_an_output_loss_that_returns_terms",
+    ),
+)
+
+CLAIMS = DOC_CLAIMS + CALLBACK_CLAIMS + LATER_CLAIMS
 
 NOT_CLAIMS = (
     claim(LIGHTNING, "What fitkit counts differently, or refuses", "a section title: the table's rows are the claims"),
@@ -1245,6 +1284,7 @@ NOT_CLAIMS = (
     claim(cbf("mlflow"), "the default of MLflow 3, which refuses the old ``file:`` store", "MLflow's behaviour"),
     claim(cbf("monitor"), "``auto`` is ``min`` for loss / error keys", "a key name"),
     claim(cbf("monitor"), "any key ending in ``loss`` or ``error``", "a key name"),
+    claim(LOSSES, "against 0 the squared errors are 4, 16 and 36", "a value"),
 )
 
 CLAIM_WORDS = re.compile(
