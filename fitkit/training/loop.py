@@ -356,6 +356,7 @@ class FitLoop:
             return None
         self._warn_ran_out(epoch)
         if model._core.parallel is not None:
+            self.stop.agreement.at_metric_sync(totals.synced())  # every rank enters the same syncs, or all raise
             model._core.parallel.sync_buffers(model.module)  # rank 0's BatchNorm statistics on every rank
         logs = totals.result()
         phases.adopt(totals)

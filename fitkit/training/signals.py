@@ -30,8 +30,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
-from fitkit.distributed.agreement import SignalAgreement
-from fitkit.distributed.group import any_rank
+from fitkit.distributed.agreement import METRICS, STOP, SignalAgreement, agree, flag_slots
 from fitkit.distributed.progress import peer_failed
 
 __all__ = ["Interrupt", "deferred", "RankAgreement", "AGREE_EVERY", "REPEAT_GRACE"]
@@ -112,6 +111,9 @@ class RankAgreement:
             as a SIGTERM, so this rank stops and saves the same way).
         distributed: whether the fit runs under torchrun (else every answer is local).
         triggers: objects with ``time_due()`` / ``time_agreed()`` (see :attr:`triggers`).
+        where: ``() -> (epoch, optimizer step)`` of this rank, sent with every agreement: ranks
+            at different places raise a ``RuntimeError`` naming them
+            (:func:`fitkit.distributed.agreement.agree`).
 
     Example:
         >>> agree = RankAgreement(Interrupt(), distributed=False)
@@ -119,8 +121,15 @@ class RankAgreement:
         (False, True)
     """
 
-    def __init__(self, interrupt: Interrupt, distributed: bool, triggers: list[Any] | None = None):
+    def __init__(
+        self,
+        interrupt: Interrupt,
+        distributed: bool,
+        triggers: list[Any] | None = None,
+        where: Callable[[], tuple[int, int]] | None = None,
+    ):
         self.interrupt, self.distributed = interrupt, distributed
+        self.where = where or (lambda: (0, 0))
         self._schedule: SignalAgreement | None = None  # made at the first step (reads the settings)
         self.stop_agreed = False  # a rank's stop_training, agreed at the last step boundary
         #: The fit's time triggers (a timedelta validation_interval, ModelCheckpoint's
@@ -144,7 +153,7 @@ class RankAgreement:
             self.stop_agreed = bool(stop_training)
             return local
         if self._schedule is None:
-            self._schedule = SignalAgreement()
+            self._schedule = SignalAgreement(where=self.where, slots=flag_slots(len(self.triggers)))
         triggers = self.triggers
         agreed = self._schedule.after_step(local, bool(stop_training), [bool(t.time_due()) for t in triggers])
         self.stop_agreed = self._schedule.stopped
@@ -161,7 +170,15 @@ class RankAgreement:
         """Whether training stops after this epoch: any rank's stop (or signal) holds for all."""
         if not self.distributed:
             return stop_training
-        agreed: Any = any_rank(stop_training, self.interrupt.signum is not None)
+        flags = [int(stop_training), int(self.interrupt.signum is not None)]
+        agreed = agree((STOP, *self.where(), 0), flags, flag_slots(len(self.triggers)))
         if agreed[1] and self.interrupt.signum is None:
             self.interrupt.signum = signal.SIGTERM  # another rank was signalled: stop with it
         return bool(agreed[0])
+
+    def at_metric_sync(self, metrics: int) -> None:
+        """Before the epoch's metric sync (its loss totals and ``metrics`` metrics): every rank is
+        there, with as many metrics to sync, or every rank raises a ``RuntimeError`` naming
+        where each one is. Nothing on one process."""
+        if self.distributed:
+            agree((METRICS, *self.where(), metrics), (), flag_slots(len(self.triggers)))

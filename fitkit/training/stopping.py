@@ -53,7 +53,9 @@ class StopDecision:
         """The fit's signal catcher (:func:`~fitkit.training.signals.deferred`): where the ranks
         agree, on signals, stops and the fit's time ``triggers``."""
         self.interrupt = interrupt
-        self.agreement = RankAgreement(interrupt, self.model._core.parallel is not None, triggers)
+        model = self.model
+        where = lambda: (model.epoch, model.global_step)  # noqa: E731 (sent with every agreement)
+        self.agreement = RankAgreement(interrupt, model._core.parallel is not None, triggers, where)
 
     def save_on_signal(self) -> None:
         """At the end of training: a signal not yet acted on writes its backup now."""

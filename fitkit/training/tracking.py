@@ -138,6 +138,10 @@ class RunningTotals:
                     logs[e.key] = e.metric.compute()
         return logs
 
+    def synced(self) -> int:
+        """How many metrics :meth:`result` syncs over the ranks: those updated on this rank."""
+        return sum(1 for e in self.metrics.entries or [] if e.metric.update_count)
+
     def result(self, what: str | None = None) -> dict[str, float]:
         """The phase's means as Python floats, reduced over ranks: one host sync for all.
 
