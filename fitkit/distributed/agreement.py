@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from fitkit.distributed.group import _comm_device
 
-__all__ = ["SignalAgreement", "signal_steps", "signal_seconds", "agree", "STEP", "METRICS", "STOP"]
+__all__ = ["SignalAgreement", "signal_steps", "signal_seconds", "signal_grace", "agree", "STEP", "METRICS", "STOP"]
 
 #: What a rank does next where the ranks agree: a header's first field.
 STEP, METRICS, STOP = 1, 2, 3
@@ -64,6 +64,13 @@ def signal_steps() -> int:
 def signal_seconds() -> float:
     """About the most seconds between two agreements (``FITKIT_SIGNAL_SECONDS``, default 2)."""
     return float(_env("FITKIT_SIGNAL_SECONDS", 2.0, float))
+
+
+def signal_grace() -> float:
+    """Seconds a rank may take, after a SIGTERM / SIGINT, to reach the point where the ranks agree
+    on it (``FITKIT_SIGNAL_GRACE``, default 20: below the 30 s that torchrun, SLURM and
+    Kubernetes wait before they kill); see :func:`fitkit.training.signals.watchdog`."""
+    return float(_env("FITKIT_SIGNAL_GRACE", 20.0, float))
 
 
 class SignalAgreement:

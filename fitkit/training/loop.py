@@ -38,7 +38,7 @@ from fitkit.training.micro_batches import train_in_micro_batches
 from fitkit.training.position import Position
 from fitkit.training.preflight import BatchGuard
 from fitkit.training.resume import Resume, data_identity
-from fitkit.training.signals import deferred
+from fitkit.training.signals import deferred, watchdog
 from fitkit.training.step_validation import StepValidation, ValidationSchedule, record_validation
 from fitkit.training.stopping import StopDecision
 from fitkit.training.tracking import RunningTotals
@@ -143,6 +143,7 @@ class FitLoop:
                 deferred() as self.interrupt,
                 fitting,
                 _progress.beating(place),
+                watchdog(lambda: self.stop.interrupted, enabled=place is not None),  # a signal while a rank waits
             ):
                 # time triggers, under torchrun: agreed over ranks where signals are
                 self.stop.begin(self.interrupt, self._time_triggers() if model._core.parallel is not None else [])

@@ -23,17 +23,21 @@ callbacks such as ``TerminateOnNaN``), and at every epoch end for both.
 from __future__ import annotations
 
 import contextlib
+import os
+import select
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
-from fitkit.distributed.agreement import METRICS, STOP, SignalAgreement, agree, flag_slots
-from fitkit.distributed.progress import peer_failed
+from fitkit.distributed.agreement import METRICS, STOP, SignalAgreement, agree, flag_slots, signal_grace
+from fitkit.distributed.group import rank
+from fitkit.distributed.progress import peer_failed, where_ranks_were
 
-__all__ = ["Interrupt", "deferred", "RankAgreement", "AGREE_EVERY", "REPEAT_GRACE"]
+__all__ = ["Interrupt", "deferred", "watchdog", "RankAgreement", "AGREE_EVERY", "REPEAT_GRACE"]
 
 #: Seconds after a first SIGTERM within which another SIGTERM is the same request (the direct
 #: signal and torchrun's forwarded copy), not an "exit now".
@@ -101,6 +105,85 @@ def deferred(enabled: bool = True, clock: Callable[[], float] = time.monotonic) 
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def watchdog(acted: Callable[[], bool], enabled: bool = True, grace: float | None = None) -> Iterator[None]:
+    """End this process ``grace`` seconds after a SIGTERM / SIGINT that the fit has not acted on.
+
+    Under torchrun a signal is acted on where the ranks next agree. A rank that waits in a
+    collective (its peers are in a long callback, a slow step, or gone) cannot get there, and
+    Python runs no signal handler while a collective waits in C++. So while the body runs (inside
+    :func:`deferred`, in the main thread), a thread hears each signal at once through
+    :func:`signal.set_wakeup_fd` (written by the interpreter's C-level handler whatever the main
+    thread does). When ``acted()`` is still false ``grace`` seconds (``FITKIT_SIGNAL_GRACE``,
+    default 20) after the first one, it writes one line to standard error (the signal, this rank,
+    where every rank was) and ends the process with status ``128 + signum`` (143 for SIGTERM),
+    without the stop backup: the last backup stays the resume point. Nothing when ``enabled`` is
+    false, outside the main thread, or when the wakeup fd is taken (an event loop's).
+
+    Example:
+        >>> with deferred(), watchdog(lambda: False, grace=30):
+        ...     pass  # no signal: nothing happens
+    """
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    grace = signal_grace() if grace is None else grace
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        old: int | None = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        old = None
+    if old != -1:  # not set, or another owner's (an event loop's): theirs is put back
+        if old is not None:
+            signal.set_wakeup_fd(old)
+        for fd in (read, write):
+            os.close(fd)
+        yield
+        return
+    done = threading.Event()
+    thread = threading.Thread(target=_watch, args=(read, done, acted, grace), name="fitkit-signal-grace", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(-1)
+        os.write(write, b"\0")  # wakes the thread: it sees `done`
+        thread.join(timeout=5)
+        for fd in (read, write):
+            os.close(fd)
+
+
+def _watch(fd: int, done: threading.Event, acted: Callable[[], bool], grace: float) -> None:
+    """:func:`watchdog`'s thread: the first SIGTERM / SIGINT read from ``fd`` starts the clock."""
+    first: tuple[int, float] | None = None
+    while not done.is_set():
+        wait = None if first is None else max(0.0, first[1] + grace - time.monotonic())
+        if select.select([fd], [], [], wait)[0]:
+            for byte in os.read(fd, 64):
+                if first is None and byte in (signal.SIGTERM, signal.SIGINT):
+                    first = (byte, time.monotonic())
+            continue
+        if done.is_set() or first is None or acted():
+            return  # the fit ended, or acts on the signal: its stop backup and exit follow
+        _exit_waiting(first[0], grace)
+
+
+def _exit_waiting(signum: int, grace: float) -> None:
+    """The watchdog's end: one line on standard error, then the process exits at once."""
+    where = where_ranks_were()
+    print(
+        f"fitkit: {signal.Signals(signum).name} received {grace:g} s ago, but rank {rank()} could not reach a "
+        "step where the ranks agree to stop: it waits for another rank (in a collective) or runs a long step "
+        f"or callback. Exiting with status {128 + signum} without a stop backup (FITKIT_SIGNAL_GRACE={grace:g}); "
+        "the last backup stays the resume point." + (f"\n{where}" if where else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(128 + signum)
 
 
 class RankAgreement:
