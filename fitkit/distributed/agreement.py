@@ -23,6 +23,7 @@ rank's place. The flags a header carries (a signal, a stop, the time triggers) r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -68,9 +69,18 @@ def signal_seconds() -> float:
 
 def signal_grace() -> float:
     """Seconds a rank may take, after a SIGTERM / SIGINT, to reach the point where the ranks agree
-    on it (``FITKIT_SIGNAL_GRACE``, default 20: below the 30 s that torchrun, SLURM and
-    Kubernetes wait before they kill); see :func:`fitkit.training.signals.watchdog`."""
-    return float(_env("FITKIT_SIGNAL_GRACE", 20.0, float))
+    on it (``FITKIT_SIGNAL_GRACE``); see :func:`fitkit.training.signals.watchdog`. By default 10 s
+    less than torchrun waits for its workers when ``PET_SHUTDOWN_TIMEOUT`` says so, else 20 s
+    (torchrun, SLURM and Kubernetes wait 30 s before they kill); 20 s at least.
+
+    Example:
+        >>> signal_grace() >= 20 or "FITKIT_SIGNAL_GRACE" in os.environ
+        True
+    """
+    default = 20.0
+    with contextlib.suppress(ValueError):
+        default = max(default, float(os.environ.get("PET_SHUTDOWN_TIMEOUT") or 0) - 10)
+    return float(_env("FITKIT_SIGNAL_GRACE", default, float))
 
 
 class SignalAgreement:
