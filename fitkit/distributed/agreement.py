@@ -187,7 +187,7 @@ def mismatch(places: Sequence[Sequence[int]]) -> str:
 
     Example:
         >>> text = mismatch([[METRICS, 0, 6, 1], [STOP, 0, 6, 0]])
-        >>> "rank(s) 1 differ from rank 0" in text, "; rank 1: epoch 0, the stop agreement at" in text
+        >>> "Rank(s) 1 differ from rank 0" in text, "; rank 1: epoch 0, the stop agreement at" in text
         (True, True)
     """
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -198,9 +198,10 @@ def mismatch(places: Sequence[Sequence[int]]) -> str:
         f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {describe(p)}" for p, rs in groups.items()
     )
     return (
-        "fitkit: the ranks reached different collectives where they must run the same one (each would wait for "
-        f"the others until the process group's timeout): rank(s) {', '.join(map(str, odd))} differ from rank 0. "
-        f"{where[0].upper()}{where[1:]}. Every rank raises this error. Fix: run the same collectives on every "
-        "rank in the same order: no collective (a metric's compute, evaluate(), a sync) inside `if rank() == 0:` "
-        "or in a callback that acts on some ranks only, and a run's state restored on every rank alike."
+        "fitkit: the ranks reached different collectives, where each would wait for the others until the process "
+        f"group's timeout. Expected every rank at the same one. Received: {where}. Rank(s) "
+        f"{', '.join(map(str, odd))} differ from rank 0; every rank raises this error. Fix: run the same "
+        "collectives on every rank in the same order: no collective (a metric's compute, evaluate(), a sync) "
+        "inside `if rank() == 0:` or in a callback that acts on some ranks only, and a run's state restored on "
+        "every rank alike."
     )

@@ -109,6 +109,7 @@ for case in {list(MISMATCHES)!r} + ["uncaught"]:
         assert r0["error"] == r1["error"], case  # every rank raises the same error
         assert r0["step"] == r1["step"] == 4, case  # at epoch 0's end: nothing after it ran
         assert "fitkit: the ranks reached different collectives" in r0["error"], case
-        assert "rank(s) 1 differ from rank 0." in r0["error"], case
-        assert f"Rank 0: {at0}, after optimizer step 4; rank 1: {at1}, after optimizer step 4." in r0["error"], case
-    assert "rank(s) 1 differ from rank 0." in proc.stderr  # the uncaught one, in the job's output
+        assert "Expected every rank at the same one. Received: rank 0: " in r0["error"], case
+        assert "Rank(s) 1 differ from rank 0; every rank raises this error. Fix: " in r0["error"], case
+        assert f"rank 0: {at0}, after optimizer step 4; rank 1: {at1}, after optimizer step 4." in r0["error"], case
+    assert "Rank(s) 1 differ from rank 0;" in proc.stderr  # the uncaught one, in the job's output
