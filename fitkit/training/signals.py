@@ -17,7 +17,9 @@ effect where the ranks agree (:class:`RankAgreement`): after at most ``AGREE_EVE
 steps and about every 2 seconds
 for a signal and a stop, also after ``on_backward_end`` when a callback uses that hook and
 may veto on the host (the stepper agrees there; not for ``Callback.device_veto_only``
-callbacks such as ``TerminateOnNaN``), and at every epoch end for both.
+callbacks such as ``TerminateOnNaN``), and at every epoch end for both. A rank that cannot
+get there (it waits in a collective for a peer in a long callback) is ended by :func:`watchdog`
+``FITKIT_SIGNAL_GRACE`` seconds after the signal, with a line naming where every rank was.
 """
 
 from __future__ import annotations
@@ -122,6 +124,12 @@ def watchdog(acted: Callable[[], bool], enabled: bool = True, grace: float | Non
     without the stop backup: the last backup stays the resume point. Nothing when ``enabled`` is
     false, outside the main thread, or when the wakeup fd is taken (an event loop's).
 
+    Args:
+        acted: whether the fit has acted on the signal (its stop and backup under way): asked
+            from the thread, once the grace has passed.
+        enabled: whether to watch (a fit under torchrun).
+        grace: seconds; ``None``: :func:`~fitkit.distributed.agreement.signal_grace`.
+
     Example:
         >>> with deferred(), watchdog(lambda: False, grace=30):
         ...     pass  # no signal: nothing happens
@@ -183,6 +191,8 @@ def _exit_waiting(signum: int, grace: float) -> None:
         file=sys.stderr,
         flush=True,
     )
+    with contextlib.suppress(Exception):  # what the script printed stays (os._exit flushes nothing)
+        sys.stdout.flush()
     os._exit(128 + signum)
 
 
