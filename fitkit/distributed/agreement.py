@@ -33,7 +33,19 @@ import torch.distributed as dist
 
 from fitkit.distributed.group import _comm_device
 
-__all__ = ["SignalAgreement", "signal_steps", "signal_seconds", "signal_grace", "agree", "STEP", "METRICS", "STOP"]
+__all__ = [
+    "SignalAgreement",
+    "signal_steps",
+    "signal_seconds",
+    "signal_grace",
+    "agree",
+    "flag_slots",
+    "describe",
+    "mismatch",
+    "STEP",
+    "METRICS",
+    "STOP",
+]
 
 #: What a rank does next where the ranks agree: a header's first field.
 STEP, METRICS, STOP = 1, 2, 3

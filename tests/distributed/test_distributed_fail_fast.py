@@ -71,7 +71,14 @@ import json, os, torch, fitkit
 os.environ["FITKIT_SIGNAL_SECONDS"] = "1000"  # signal agreements after steps 1, 9, 17, ...: none at step 4
 from fitkit.distributed import rank
 from _dist_scenarios import data, net
+from _loss_cases import CollectivesPerStep
 x, y, w = data(32)
+# first a run that stays in step: its collectives per step, by name (4 steps an epoch)
+model = fitkit.Model(net(), device="cpu", timeout=600)
+model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+counter = CollectivesPerStep()
+model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[counter])
+json.dump([dict(n) for n in counter.names], open(OUT / f"counted{{rank()}}.json", "w"))
 class Astray(fitkit.callbacks.Callback):  # rank 1 leaves the agreed sequence in epoch 0's last batch
     def __init__(self, case):
         super().__init__()
@@ -104,6 +111,13 @@ for case in {list(MISMATCHES)!r} + ["uncaught"]:
         timeout=240,
     )
     assert proc.returncode != 0  # the job ended with the error
+    # all-reduces from one batch's end to the next: DDP's gradients (1 per step); the signal
+    # agreement after step 1 (+1, as before its header); epoch 0's end before step 5: the metric
+    # sync's header (the one collective this check adds), the loss totals and the stop agreement
+    # (its header in the same all-reduce as before)
+    for r in (0, 1):
+        counted = json.loads((tmp_path / f"counted{r}.json").read_text())
+        assert [c.get("allreduce_", 0) for c in counted] == [1, 2, 1, 1, 4, 1, 1, 1], r
     for case, (at0, at1) in [*MISMATCHES.items(), ("uncaught", MISMATCHES["no_metrics"])]:
         r0, r1 = (json.loads((tmp_path / f"{case}{r}.json").read_text()) for r in (0, 1))
         assert r0["error"] == r1["error"], case  # every rank raises the same error
