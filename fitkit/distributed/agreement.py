@@ -39,6 +39,7 @@ __all__ = [
     "signal_seconds",
     "signal_grace",
     "agree",
+    "RankMismatch",
     "flag_slots",
     "describe",
     "mismatch",
@@ -154,6 +155,11 @@ def flag_slots(triggers: int) -> int:
     return max(FLAGS, 3 + triggers)
 
 
+class RankMismatch(RuntimeError):
+    """Ranks at different collectives (:func:`agree`). Nothing that needs every rank can follow
+    it, so ``fit`` writes no checkpoint on it (``save_on_exception``): the last one stays."""
+
+
 def agree(place: Sequence[int], flags: Sequence[int] = (), slots: int = FLAGS) -> list[int]:
     """``flags``' largest values over the ranks, once every rank is at ``place``.
 
@@ -162,7 +168,7 @@ def agree(place: Sequence[int], flags: Sequence[int] = (), slots: int = FLAGS) -
     get its smallest value.
 
     Raises:
-        RuntimeError: the ranks are at different places (every rank raises it, naming each
+        RankMismatch: (a ``RuntimeError``) the ranks are at different places (every rank raises it, naming each
             rank's place; one gather of the headers first, on this path only).
     """
     head = [int(v) for v in place]
@@ -174,7 +180,7 @@ def agree(place: Sequence[int], flags: Sequence[int] = (), slots: int = FLAGS) -
     if out[:_HEAD] != [-v for v in out[_HEAD : 2 * _HEAD]]:  # the largest and smallest differ
         rows = [torch.zeros(_HEAD, dtype=torch.int64, device=t.device) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, torch.tensor(head, dtype=torch.int64, device=t.device))
-        raise RuntimeError(mismatch([r.tolist() for r in rows]))
+        raise RankMismatch(mismatch([r.tolist() for r in rows]))
     return out[2 * _HEAD : 2 * _HEAD + len(flags)]
 
 

@@ -28,6 +28,7 @@ from fitkit.data import order as _order
 from fitkit.data.collate import collate_failure
 from fitkit.data.loaders import known_targets
 from fitkit.distributed import progress as _progress
+from fitkit.distributed.agreement import RankMismatch
 from fitkit.losses.denominators import targets_count
 from fitkit.losses.outputs import note_row_weighted, takes_num_items
 from fitkit.modes import modes, warn_if_all_eval
@@ -161,9 +162,11 @@ class FitLoop:
                 finished = True
             if self.interrupt.signum is not None:
                 self.interrupt.raise_now()
-        except Exception:
-            if finished or model.global_step == first_step:
-                raise  # before step 1 nothing trained (and nothing may change); after the end, nothing to save
+        except Exception as e:
+            if finished or model.global_step == first_step or isinstance(e, RankMismatch):
+                # before step 1 nothing trained (and nothing may change); after the end, nothing to save;
+                # ranks at different collectives: a checkpoint's collectives would not meet either
+                raise
             cbs.save_on_exception()  # a crash, not a kill: the last completed batch, resumable
             raise
         finally:

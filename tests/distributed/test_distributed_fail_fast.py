@@ -98,7 +98,10 @@ for case in {list(MISMATCHES)!r} + ["uncaught"]:
     model = fitkit.Model(net(), device="cpu", timeout=600)
     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     try:
-        model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[Astray(case.replace("uncaught", "no_metrics"))])
+        # a checkpoint on the exception would run collectives that the ranks do not reach alike
+        saves = fitkit.callbacks.ModelCheckpoint(str(OUT / case / "e{{epoch}}.pt"), save_on_exception=True)
+        astray = Astray(case.replace("uncaught", "no_metrics"))
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[astray, saves])
         error = None
     except RuntimeError as e:
         error = str(e)
@@ -122,6 +125,7 @@ for case in {list(MISMATCHES)!r} + ["uncaught"]:
         r0, r1 = (json.loads((tmp_path / f"{case}{r}.json").read_text()) for r in (0, 1))
         assert r0["error"] == r1["error"], case  # every rank raises the same error
         assert r0["step"] == r1["step"] == 4, case  # at epoch 0's end: nothing after it ran
+        assert not (tmp_path / case / "on_exception.pt").exists(), case  # nor a save on the exception
         assert "fitkit: the ranks reached different collectives" in r0["error"], case
         assert "Expected every rank at the same one. Received: rank 0: " in r0["error"], case
         assert "Rank(s) 1 differ from rank 0; every rank raises this error. Fix: " in r0["error"], case
