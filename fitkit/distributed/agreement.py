@@ -12,8 +12,8 @@ all-reduce, is the next interval. The first agreement comes after the first step
 
 **One agreed sequence.** Every agreement, and the metric sync at an epoch's end, begins with
 the same small all-reduce (:func:`agree`): a header of what this rank does next (the signal
-agreement after a step, the epoch's metric sync, the epoch-end stop agreement), its epoch, its
-optimizer step and a detail (the metrics it will sync), sent as the values and their negatives
+agreement after a step, the epoch's metric sync, the epoch-end stop agreement), its epoch, the
+batches it has done in it and a detail (the metrics it will sync), sent as the values and their negatives
 so that one MAX gives every field's largest and smallest value over the ranks. Ranks that
 reached different places pair their headers (same size, same op) instead of waiting in
 different collectives for the process group's timeout: every rank sees the difference in the
@@ -50,7 +50,7 @@ __all__ = [
 
 #: What a rank does next where the ranks agree: a header's first field.
 STEP, METRICS, STOP = 1, 2, 3
-_HEAD = 4  # what comes next, the epoch, the optimizer step, a detail
+_HEAD = 4  # what comes next, the epoch, the epoch's batches done, a detail
 FLAGS = 8  # the flag slots of a header, at least (the same on every rank: a fit's triggers decide)
 
 
@@ -116,7 +116,7 @@ class SignalAgreement:
         slots: int = FLAGS,
     ):
         self.every = signal_steps() if every is None else every
-        self.where = where  # (epoch, optimizer step) of this rank: the header's place
+        self.where = where  # (epoch, batches done in it) of this rank: the header's place
         self.slots = slots
         self.seconds = signal_seconds() if seconds is None else seconds
         self.interval = 1
@@ -139,10 +139,10 @@ class SignalAgreement:
         now = time.monotonic()
         pace = (now - self.t0) / self.since  # seconds per step, on this rank's host clock
         proposal = self.every if pace <= 0 else max(1, min(self.every, int(self.seconds / pace)))
-        epoch, step = self.where() if self.where is not None else (0, 0)
+        epoch, batches = self.where() if self.where is not None else (0, 0)
         flags = [int(signalled_here), int(stop_here), *(int(d) for d in dues_here), -proposal]
         # any signal, any stop, any due; the smallest proposal (one all-reduce, one host read)
-        values = agree((STEP, epoch, step, 0), flags, max(self.slots, len(flags)))
+        values = agree((STEP, epoch, batches, 0), flags, max(self.slots, len(flags)))
         signalled, stopped, neg = values[0], values[1], values[-1]
         self.since, self.t0, self.interval, self.stopped = 0, now, -int(neg), bool(stopped)
         self.dues = [bool(d) for d in values[2:-1]]
@@ -163,13 +163,14 @@ class RankMismatch(RuntimeError):
 def agree(place: Sequence[int], flags: Sequence[int] = (), slots: int = FLAGS) -> list[int]:
     """``flags``' largest values over the ranks, once every rank is at ``place``.
 
-    One all-reduce (MAX) of ``slots`` flags and the header ``place``: ``(what, epoch, step,
-    detail)``, ``what`` one of :data:`STEP`, :data:`METRICS`, :data:`STOP`. Negate a flag to
-    get its smallest value.
+    One all-reduce (MAX) of ``slots`` flags and the header ``place``: ``(what, epoch, batches
+    done in it, detail)``, ``what`` one of :data:`STEP`, :data:`METRICS`, :data:`STOP` (host
+    counts only: reading ``global_step`` may sync after steps skipped on the device). Negate a
+    flag to get its smallest value.
 
     Raises:
-        RankMismatch: (a ``RuntimeError``) the ranks are at different places (every rank raises it, naming each
-            rank's place; one gather of the headers first, on this path only).
+        RankMismatch: (a ``RuntimeError``) the ranks are at different places (every rank raises
+            it, naming each rank's place; one gather of the headers first, on this path only).
     """
     head = [int(v) for v in place]
     values = [*head, *(-v for v in head), *(int(f) for f in flags)]
@@ -189,15 +190,16 @@ def describe(place: Sequence[int]) -> str:
 
     Example:
         >>> describe([METRICS, 1, 12, 2])
-        "epoch 1, the metric sync at the epoch's end (2 metrics), after optimizer step 12"
+        "epoch 1, the metric sync at the epoch's end (2 metrics), after 12 batches"
     """
-    what, epoch, step, detail = place
+    what, epoch, batches, detail = place
     names = {
         STEP: "the signal agreement after an optimizer step",
         METRICS: f"the metric sync at the epoch's end ({detail} metric{'' if detail == 1 else 's'})",
         STOP: "the stop agreement at the epoch's end (after its callbacks)",
     }
-    return f"epoch {epoch}, {names.get(what, f'an unknown collective ({what})')}, after optimizer step {step}"
+    done = f"{batches} batch{'' if batches == 1 else 'es'}"
+    return f"epoch {epoch}, {names.get(what, f'an unknown collective ({what})')}, after {done}"
 
 
 def mismatch(places: Sequence[Sequence[int]]) -> str:

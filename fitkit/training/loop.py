@@ -147,7 +147,8 @@ class FitLoop:
                 watchdog(lambda: self.stop.interrupted, enabled=place is not None),  # a signal while a rank waits
             ):
                 # time triggers, under torchrun: agreed over ranks where signals are
-                self.stop.begin(self.interrupt, self._time_triggers() if model._core.parallel is not None else [])
+                triggers = self._time_triggers() if model._core.parallel is not None else []
+                self.stop.begin(self.interrupt, triggers, lambda: (self.position.epoch, self.position.batches))
                 warn_if_all_eval(model.module)
                 model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
                 cbs.on_train_begin({})

@@ -204,7 +204,7 @@ class RankAgreement:
             as a SIGTERM, so this rank stops and saves the same way).
         distributed: whether the fit runs under torchrun (else every answer is local).
         triggers: objects with ``time_due()`` / ``time_agreed()`` (see :attr:`triggers`).
-        where: ``() -> (epoch, optimizer step)`` of this rank, sent with every agreement: ranks
+        where: ``() -> (epoch, batches done in it)`` of this rank, sent with every agreement: ranks
             at different places raise a ``RuntimeError`` naming them
             (:func:`fitkit.distributed.agreement.agree`).
 

@@ -129,5 +129,5 @@ for case in {list(MISMATCHES)!r} + ["uncaught"]:
         assert "fitkit: the ranks reached different collectives" in r0["error"], case
         assert "Expected every rank at the same one. Received: rank 0: " in r0["error"], case
         assert "Rank(s) 1 differ from rank 0; every rank raises this error. Fix: " in r0["error"], case
-        assert f"rank 0: {at0}, after optimizer step 4; rank 1: {at1}, after optimizer step 4." in r0["error"], case
+        assert f"rank 0: {at0}, after 4 batches; rank 1: {at1}, after 4 batches." in r0["error"], case
     assert "Rank(s) 1 differ from rank 0;" in proc.stderr  # the uncaught one, in the job's output

@@ -295,9 +295,9 @@ def test_a_mismatch_names_every_rank_by_place_grouping_ranks_at_the_same_one():
     assert text.startswith("fitkit: the ranks reached different collectives, where each would wait for the others")
     received = text[text.index("Received: ") : text.index(" Rank(s) ")]
     assert received == (
-        "Received: ranks 0, 1: epoch 1, the metric sync at the epoch's end (2 metrics), after optimizer step 12; "
-        "rank 2: epoch 1, the stop agreement at the epoch's end (after its callbacks), after optimizer step 12; "
-        "rank 3: epoch 1, the signal agreement after an optimizer step, after optimizer step 13; "
-        "rank 4: epoch 1, the metric sync at the epoch's end (0 metrics), after optimizer step 12."
+        "Received: ranks 0, 1: epoch 1, the metric sync at the epoch's end (2 metrics), after 12 batches; "
+        "rank 2: epoch 1, the stop agreement at the epoch's end (after its callbacks), after 12 batches; "
+        "rank 3: epoch 1, the signal agreement after an optimizer step, after 13 batches; "
+        "rank 4: epoch 1, the metric sync at the epoch's end (0 metrics), after 12 batches."
     )
     assert "Rank(s) 2, 3, 4 differ from rank 0; every rank raises this error. Fix: run the same collectives" in text
