@@ -29,6 +29,7 @@ from fitkit.data import order as _order
 from fitkit.data.collate import collate_failure
 from fitkit.data.loaders import known_targets
 from fitkit.distributed import progress as _progress
+from fitkit.distributed.agreement import RankMismatch
 from fitkit.losses.denominators import targets_count
 from fitkit.losses.outputs import note_row_weighted, takes_num_items
 from fitkit.modes import modes, warn_if_all_eval
@@ -39,7 +40,7 @@ from fitkit.training.micro_batches import train_in_micro_batches
 from fitkit.training.position import Position
 from fitkit.training.preflight import BatchGuard
 from fitkit.training.resume import Resume, data_identity
-from fitkit.training.signals import deferred
+from fitkit.training.signals import deferred, watchdog
 from fitkit.training.step_validation import StepValidation, ValidationSchedule, record_validation
 from fitkit.training.stopping import StopDecision
 from fitkit.training.tracking import RunningTotals
@@ -157,9 +158,11 @@ class FitLoop:
                 deferred() as self.interrupt,
                 fitting,
                 _progress.beating(place),
+                watchdog(lambda: self.stop.interrupted, enabled=place is not None),  # a signal while a rank waits
             ):
                 # time triggers, under torchrun: agreed over ranks where signals are
-                self.stop.begin(self.interrupt, self._time_triggers() if model._core.parallel is not None else [])
+                triggers = self._time_triggers() if model._core.parallel is not None else []
+                self.stop.begin(self.interrupt, triggers, lambda: (self.position.epoch, self.position.batches))
                 warn_if_all_eval(model.module)
                 model.optimizer.zero_grad(set_to_none=True)  # gradients from user code never leak in
                 cbs.on_train_begin({})
@@ -174,9 +177,11 @@ class FitLoop:
                 finished = True
             if self.interrupt.signum is not None:
                 self.interrupt.raise_now()
-        except Exception:
-            if finished or model.global_step == first_step:
-                raise  # before step 1 nothing trained (and nothing may change); after the end, nothing to save
+        except Exception as e:
+            if finished or model.global_step == first_step or isinstance(e, RankMismatch):
+                # before step 1 nothing trained (and nothing may change); after the end, nothing to save;
+                # ranks at different collectives: a checkpoint's collectives would not meet either
+                raise
             cbs.save_on_exception()  # a crash, not a kill: the last completed batch, resumable
             raise
         finally:
@@ -372,6 +377,7 @@ class FitLoop:
             return None
         self._warn_ran_out(epoch)
         if model._core.parallel is not None:
+            self.stop.agreement.at_metric_sync(totals.synced())  # every rank enters the same syncs, or all raise
             model._core.parallel.sync_buffers(model.module)  # rank 0's BatchNorm statistics on every rank
         logs = totals.result()
         phases.adopt(totals)

@@ -17,24 +17,29 @@ effect where the ranks agree (:class:`RankAgreement`): after at most ``AGREE_EVE
 steps and about every 2 seconds
 for a signal and a stop, also after ``on_backward_end`` when a callback uses that hook and
 may veto on the host (the stepper agrees there; not for ``Callback.device_veto_only``
-callbacks such as ``TerminateOnNaN``), and at every epoch end for both.
+callbacks such as ``TerminateOnNaN``), and at every epoch end for both. A rank that cannot
+get there (it waits in a collective for a peer in a long callback) is ended by :func:`watchdog`
+``FITKIT_SIGNAL_GRACE`` seconds after the signal, with a line naming where every rank was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import select
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
-from fitkit.distributed.agreement import SignalAgreement
-from fitkit.distributed.group import any_rank
-from fitkit.distributed.progress import peer_failed
+from fitkit.distributed.agreement import METRICS, STOP, SignalAgreement, agree, flag_slots, signal_grace
+from fitkit.distributed.group import rank
+from fitkit.distributed.progress import peer_failed, where_ranks_were
 
-__all__ = ["Interrupt", "deferred", "RankAgreement", "AGREE_EVERY", "REPEAT_GRACE"]
+__all__ = ["Interrupt", "deferred", "watchdog", "RankAgreement", "AGREE_EVERY", "REPEAT_GRACE"]
 
 #: Seconds after a first SIGTERM within which another SIGTERM is the same request (the direct
 #: signal and torchrun's forwarded copy), not an "exit now".
@@ -104,6 +109,93 @@ def deferred(enabled: bool = True, clock: Callable[[], float] = time.monotonic) 
             signal.signal(sig, old)
 
 
+@contextlib.contextmanager
+def watchdog(acted: Callable[[], bool], enabled: bool = True, grace: float | None = None) -> Iterator[None]:
+    """End this process ``grace`` seconds after a SIGTERM / SIGINT that the fit has not acted on.
+
+    Under torchrun a signal is acted on where the ranks next agree. A rank that waits in a
+    collective (its peers are in a long callback, a slow step, or gone) cannot get there, and
+    Python runs no signal handler while a collective waits in C++. So while the body runs (inside
+    :func:`deferred`, in the main thread), a thread hears each signal at once through
+    :func:`signal.set_wakeup_fd` (written by the interpreter's C-level handler whatever the main
+    thread does). When ``acted()`` is still false ``grace`` seconds (``FITKIT_SIGNAL_GRACE``,
+    default 20) after the first one, it writes one line to standard error (the signal, this rank,
+    where every rank was) and ends the process with status ``128 + signum`` (143 for SIGTERM),
+    without the stop backup: the last backup stays the resume point. Nothing when ``enabled`` is
+    false, outside the main thread, or when the wakeup fd is taken (an event loop's).
+
+    Args:
+        acted: whether the fit has acted on the signal (its stop and backup under way): asked
+            from the thread, once the grace has passed.
+        enabled: whether to watch (a fit under torchrun).
+        grace: seconds; ``None``: :func:`~fitkit.distributed.agreement.signal_grace`.
+
+    Example:
+        >>> with deferred(), watchdog(lambda: False, grace=30):
+        ...     pass  # no signal: nothing happens
+    """
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    grace = signal_grace() if grace is None else grace
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        old: int | None = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        old = None
+    if old != -1:  # not set, or another owner's (an event loop's): theirs is put back
+        if old is not None:
+            signal.set_wakeup_fd(old)
+        for fd in (read, write):
+            os.close(fd)
+        yield
+        return
+    done = threading.Event()
+    thread = threading.Thread(target=_watch, args=(read, done, acted, grace), name="fitkit-signal-grace", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(-1)
+        os.write(write, b"\0")  # wakes the thread: it sees `done`
+        thread.join(timeout=5)
+        for fd in (read, write):
+            os.close(fd)
+
+
+def _watch(fd: int, done: threading.Event, acted: Callable[[], bool], grace: float) -> None:
+    """:func:`watchdog`'s thread: the first SIGTERM / SIGINT read from ``fd`` starts the clock."""
+    first: tuple[int, float] | None = None
+    while not done.is_set():
+        wait = None if first is None else max(0.0, first[1] + grace - time.monotonic())
+        if select.select([fd], [], [], wait)[0]:
+            for byte in os.read(fd, 64):
+                if first is None and byte in (signal.SIGTERM, signal.SIGINT):
+                    first = (byte, time.monotonic())
+            continue
+        if done.is_set() or first is None or acted():
+            return  # the fit ended, or acts on the signal: its stop backup and exit follow
+        _exit_waiting(first[0], grace)
+
+
+def _exit_waiting(signum: int, grace: float) -> None:
+    """The watchdog's end: one line on standard error, then the process exits at once."""
+    where = where_ranks_were()
+    print(
+        f"fitkit: {signal.Signals(signum).name} received {grace:g} s ago, but rank {rank()} could not reach a "
+        "step where the ranks agree to stop: it waits for another rank (in a collective) or runs a long step "
+        f"or callback. Exiting with status {128 + signum} without a stop backup (FITKIT_SIGNAL_GRACE={grace:g}); "
+        "the last backup stays the resume point." + (f"\n{where}" if where else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    with contextlib.suppress(Exception):  # what the script printed stays (os._exit flushes nothing)
+        sys.stdout.flush()
+    os._exit(128 + signum)
+
+
 class RankAgreement:
     """Where the ranks of a torchrun ``fit`` agree to stop (one process: at once, alone).
 
@@ -112,6 +204,9 @@ class RankAgreement:
             as a SIGTERM, so this rank stops and saves the same way).
         distributed: whether the fit runs under torchrun (else every answer is local).
         triggers: objects with ``time_due()`` / ``time_agreed()`` (see :attr:`triggers`).
+        where: ``() -> (epoch, batches done in it)`` of this rank, sent with every agreement: ranks
+            at different places raise a ``RuntimeError`` naming them
+            (:func:`fitkit.distributed.agreement.agree`).
 
     Example:
         >>> agree = RankAgreement(Interrupt(), distributed=False)
@@ -119,8 +214,15 @@ class RankAgreement:
         (False, True)
     """
 
-    def __init__(self, interrupt: Interrupt, distributed: bool, triggers: list[Any] | None = None):
+    def __init__(
+        self,
+        interrupt: Interrupt,
+        distributed: bool,
+        triggers: list[Any] | None = None,
+        where: Callable[[], tuple[int, int]] | None = None,
+    ):
         self.interrupt, self.distributed = interrupt, distributed
+        self.where = where or (lambda: (0, 0))
         self._schedule: SignalAgreement | None = None  # made at the first step (reads the settings)
         self.stop_agreed = False  # a rank's stop_training, agreed at the last step boundary
         #: The fit's time triggers (a timedelta validation_interval, ModelCheckpoint's
@@ -144,7 +246,7 @@ class RankAgreement:
             self.stop_agreed = bool(stop_training)
             return local
         if self._schedule is None:
-            self._schedule = SignalAgreement()
+            self._schedule = SignalAgreement(where=self.where, slots=flag_slots(len(self.triggers)))
         triggers = self.triggers
         agreed = self._schedule.after_step(local, bool(stop_training), [bool(t.time_due()) for t in triggers])
         self.stop_agreed = self._schedule.stopped
@@ -161,7 +263,15 @@ class RankAgreement:
         """Whether training stops after this epoch: any rank's stop (or signal) holds for all."""
         if not self.distributed:
             return stop_training
-        agreed: Any = any_rank(stop_training, self.interrupt.signum is not None)
+        flags = [int(stop_training), int(self.interrupt.signum is not None)]
+        agreed = agree((STOP, *self.where(), 0), flags, flag_slots(len(self.triggers)))
         if agreed[1] and self.interrupt.signum is None:
             self.interrupt.signum = signal.SIGTERM  # another rank was signalled: stop with it
         return bool(agreed[0])
+
+    def at_metric_sync(self, metrics: int) -> None:
+        """Before the epoch's metric sync (its loss totals and ``metrics`` metrics): every rank is
+        there, with as many metrics to sync, or every rank raises a ``RuntimeError`` naming
+        where each one is. Nothing on one process."""
+        if self.distributed:
+            agree((METRICS, *self.where(), metrics), (), flag_slots(len(self.triggers)))

@@ -49,11 +49,12 @@ class StopDecision:
         self.interrupted = False  # a signal stopped training at a step boundary; the backup is written
         self.interrupt: Interrupt | Any = None
 
-    def begin(self, interrupt: Interrupt, triggers: list[Any] | None = None) -> None:
+    def begin(self, interrupt: Interrupt, triggers: list[Any] | None = None, where: Any = None) -> None:
         """The fit's signal catcher (:func:`~fitkit.training.signals.deferred`): where the ranks
-        agree, on signals, stops and the fit's time ``triggers``."""
+        agree, on signals, stops and the fit's time ``triggers``; ``where()``: this rank's
+        ``(epoch, batches done in it)``, checked at each agreement."""
         self.interrupt = interrupt
-        self.agreement = RankAgreement(interrupt, self.model._core.parallel is not None, triggers)
+        self.agreement = RankAgreement(interrupt, self.model._core.parallel is not None, triggers, where)
 
     def save_on_signal(self) -> None:
         """At the end of training: a signal not yet acted on writes its backup now."""

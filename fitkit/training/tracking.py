@@ -188,6 +188,10 @@ class RunningTotals:
         """``{"loss_<name>": mean}`` for the terms' means ``(K,)``, in the order the loss returned them."""
         return {f"loss_{n}": means[i] for i, n in enumerate(self.term_names or ())}
 
+    def synced(self) -> int:
+        """How many metrics :meth:`result` syncs over the ranks: those updated on this rank."""
+        return sum(1 for e in self.metrics.entries or [] if e.metric.update_count)
+
     def result(self, what: str | None = None) -> dict[str, float]:
         """The phase's means as Python floats, reduced over ranks: one host sync for all.
 

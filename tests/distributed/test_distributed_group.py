@@ -7,6 +7,7 @@ import pytest
 from _torchrun import run_torchrun
 
 from fitkit.distributed import check_timeout
+from fitkit.distributed.agreement import METRICS, STEP, STOP, mismatch
 
 HANG = """
 import time, fitkit
@@ -286,3 +287,17 @@ def test_timeout_is_refused_for_a_process_group_fitkit_did_not_start():
         assert fitkit.Model(torch.nn.Linear(1, 1), device="cpu").device.type == "cpu"  # without: the group's own
     finally:
         dist.destroy_process_group()
+
+
+def test_a_mismatch_names_every_rank_by_place_grouping_ranks_at_the_same_one():
+    places = [[METRICS, 1, 12, 2], [METRICS, 1, 12, 2], [STOP, 1, 12, 0], [STEP, 1, 13, 0], [METRICS, 1, 12, 0]]
+    text = mismatch(places)
+    assert text.startswith("fitkit: the ranks reached different collectives, where each would wait for the others")
+    received = text[text.index("Received: ") : text.index(" Rank(s) ")]
+    assert received == (
+        "Received: ranks 0, 1: epoch 1, the metric sync at the epoch's end (2 metrics), after 12 batches; "
+        "rank 2: epoch 1, the stop agreement at the epoch's end (after its callbacks), after 12 batches; "
+        "rank 3: epoch 1, the signal agreement after an optimizer step, after 13 batches; "
+        "rank 4: epoch 1, the metric sync at the epoch's end (0 metrics), after 12 batches."
+    )
+    assert "Rank(s) 2, 3, 4 differ from rank 0; every rank raises this error. Fix: run the same collectives" in text

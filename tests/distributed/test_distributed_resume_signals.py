@@ -139,3 +139,52 @@ torch.save({"attempt": attempt, "params": full_params(model), "step": model.glob
     for name, p in ref.module.named_parameters():
         assert torch.equal(r0["params"][name], r1["params"][name]), name
         torch.testing.assert_close(r0["params"][name], p.detach(), rtol=0, atol=1e-6)
+
+
+def test_a_sigterm_while_a_rank_waits_for_a_slow_peer_ends_every_process_with_a_named_line(tmp_path):
+    """Rank 1 sleeps in a batch's hook; rank 0 waits for it in a collective, where no signal
+    handler runs. A SIGTERM to every process (torchrun's agent included) ends both ranks once
+    FITKIT_SIGNAL_GRACE (3 s here) has passed, each with its line, and no stop backup: the last
+    backup stays. The process group's timeout is 600 s and torchrun's kill comes 30 s after its
+    SIGTERM; the subprocess timeout is a hang guard only."""
+    proc = run_torchrun(
+        """
+import os, signal, threading, time, torch, fitkit
+os.environ["FITKIT_SIGNAL_GRACE"] = "3"
+from fitkit.distributed import rank
+from _dist_scenarios import data, net
+(OUT / f"pid{rank()}").write_text(str(os.getpid()))
+x, y, w = data(64)
+class Slow(fitkit.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if rank() == 1 and self.model.global_step == 2:
+            pids = [os.getppid(), int((OUT / "pid0").read_text()), os.getpid()]  # torchrun's agent, both ranks
+            threading.Timer(1.0, lambda: [os.kill(p, signal.SIGTERM) for p in pids]).start()
+            time.sleep(300)
+model = fitkit.Model(net(), device="cpu", timeout=600)
+model.compile(optimizer="sgd", loss="mse")
+backup = fitkit.callbacks.BackupAndRestore(OUT / "backup", save_freq=1)
+model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[Slow(), backup])
+(OUT / f"finished{rank()}").write_text("")
+""",
+        tmp_path,
+        check=False,
+        timeout=200,
+    )
+    assert proc.returncode != 0
+    assert not list(tmp_path.glob("finished*"))
+    for r in (0, 1):
+        line = (
+            f"fitkit: SIGTERM received 3 s ago, but rank {r} could not reach a step where the ranks agree to stop: "
+            "it waits for another rank (in a collective) or runs a long step or callback. Exiting with status 143 "
+            "without a stop backup (FITKIT_SIGNAL_GRACE=3)"
+        )
+        assert line in proc.stderr, r
+    # each line names where every rank was: rank 0 in step 2's backup (a collective of the
+    # running totals), rank 1 in the hook before it
+    where = "fitkit: Where each rank was: rank 0: epoch 0, after batch 2 (in its callbacks), writing a checkpoint for "
+    assert proc.stderr.count(where) == 2
+    assert proc.stderr.count("; rank 1: epoch 0, after batch 2 (in its callbacks) for ") == 2
+    # step 2's backup never completed: step 1's is the newest there is (the resume point)
+    kept = [p for p in (tmp_path / "backup").glob("backup*.pt")]
+    assert kept and max(torch.load(p, weights_only=True)["global_step"] for p in kept) == 1

@@ -23,7 +23,8 @@ from conftest import line_data, line_model
 
 import fitkit
 from fitkit.callbacks import BackupAndRestore, Callback, LambdaCallback
-from fitkit.training.signals import deferred
+from fitkit.distributed.agreement import signal_grace
+from fitkit.training.signals import deferred, watchdog
 
 # Argument 1: the job's folder; 2: SIGTERM, SIGINT or none; 3: where to send it ("7": at the end
 # of optimizer step 7; "a6": at the micro-batch after step 6 that does not close its window;
@@ -388,3 +389,74 @@ def test_deferred_disabled_holds_nothing():
     with deferred(enabled=False) as interrupt:
         assert _handlers() == before
     assert interrupt.signum is None
+
+
+WATCHED = """
+import os, signal, sys, time
+from fitkit.training.signals import deferred, watchdog
+acted = sys.argv[1] == "acted"
+with deferred() as interrupt, watchdog(lambda: acted, grace=0.5):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(3)  # as a rank that waits: its handler holds the signal, the step never ends
+print("held", interrupt.signum)
+"""
+
+
+@pytest.mark.parametrize("acted", ["acted", "waiting"])
+def test_the_watchdog_ends_a_process_that_does_not_act_on_a_signal_within_the_grace(acted):
+    """Not acted on 0.5 s after the SIGTERM: status 143 and the line; acted on (the fit's stop
+    and backup under way): the process goes on and ends as the fit decides."""
+    done = subprocess.run([sys.executable, "-c", WATCHED, acted], capture_output=True, text=True, timeout=120)
+    line = (
+        "fitkit: SIGTERM received 0.5 s ago, but rank 0 could not reach a step where the ranks agree to stop: it "
+        "waits for another rank (in a collective) or runs a long step or callback. Exiting with status 143 without "
+        "a stop backup (FITKIT_SIGNAL_GRACE=0.5); the last backup stays the resume point.\n"
+    )
+    if acted == "acted":
+        assert (done.returncode, done.stdout, done.stderr) == (0, "held 15\n", "")
+    else:
+        assert (done.returncode, done.stdout, done.stderr) == (143, "", line)
+
+
+def test_the_watchdog_leaves_a_wakeup_fd_it_does_not_own_and_puts_back_none():
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        signal.set_wakeup_fd(write)
+        with watchdog(lambda: False, grace=0.5):
+            assert signal.set_wakeup_fd(write) == write  # still the owner's (an event loop's)
+        assert signal.set_wakeup_fd(-1) == write
+        with watchdog(lambda: False, grace=0.5):
+            assert signal.set_wakeup_fd(-1) not in (-1, write)  # the watchdog's own
+        assert signal.set_wakeup_fd(-1) == -1
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(read), os.close(write)
+
+
+@pytest.mark.parametrize(
+    ("env", "grace"),
+    [
+        ({}, 20.0),
+        ({"FITKIT_SIGNAL_GRACE": "3"}, 3.0),
+        ({"PET_SHUTDOWN_TIMEOUT": "110"}, 100.0),
+        ({"PET_SHUTDOWN_TIMEOUT": "25"}, 20.0),
+        ({"PET_SHUTDOWN_TIMEOUT": "110", "FITKIT_SIGNAL_GRACE": "7.5"}, 7.5),
+    ],
+)
+def test_the_grace_follows_torchruns_shutdown_timeout_unless_set(monkeypatch, env, grace):
+    for key in ("FITKIT_SIGNAL_GRACE", "PET_SHUTDOWN_TIMEOUT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert signal_grace() == grace
+
+
+def test_a_grace_that_is_not_a_positive_number_is_refused(monkeypatch):
+    monkeypatch.setenv("FITKIT_SIGNAL_GRACE", "soon")
+    with pytest.raises(
+        ValueError,
+        match=r"Expected FITKIT_SIGNAL_GRACE to be a positive float\. Received: "
+        r"FITKIT_SIGNAL_GRACE='soon'\. Fix: unset it",
+    ):
+        signal_grace()
