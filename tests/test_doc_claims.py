@@ -113,6 +113,10 @@ ONE_PASS = (
 )
 TOKENS_REFUSED = "tests/training/test_token_budget.py::test_bad_token_budgets_are_refused_before_step_1"
 TERMS = "tests/losses/test_loss_terms.py"
+MISMATCH = (
+    "tests/distributed/test_distributed_fail_fast.py::test_ranks_at_different_collectives_raise_a_named_error_at_once_"
+    "on_every_rank"
+)
 
 
 @dataclass(frozen=True)
@@ -1236,6 +1240,24 @@ CALLBACK_CLAIMS = (
 
 # Words of the claim vocabulary that say something else (a noun, the user's own code, torch's behaviour).
 LATER_CLAIMS = (
+    # -- the agreed epoch end and the signal watchdog ------------------------------------------------------------------
+    claim(ARCH, "so ranks at different collectives raise at once", MISMATCH),
+    claim(
+        SCALE,
+        "the headers differ, every rank sees it in the same result and raises a ``RuntimeError``",
+        MISMATCH,
+        "tests/distributed/test_distributed_group.py::test_a_mismatch_names_every_rank_by_place_grouping_ranks_at_the_"
+        "same_one",
+    ),
+    claim(SCALE, "Rank(s) 1 differ from rank 0; every rank raises this error. Fix: ...", MISMATCH),
+    claim(
+        SCALE,
+        "after one line on standard error: ``fitkit: SIGTERM received 20 s",
+        "tests/distributed/test_distributed_resume_signals.py::test_a_sigterm_while_a_rank_waits_for_a_slow_peer_ends_"
+        "every_process_with_a_named_line",
+        "tests/training/test_signals.py::test_the_watchdog_ends_a_process_that_does_not_act_on_a_signal_within_the_"
+        "grace",
+    ),
     # -- sources that never end, budgets in tokens, loss terms ---------------------------------------------------------
     claim(API, "needs ``validation_steps``: refused before step 1 otherwise", ENDLESS, ONE_SHOT),
     claim(ARCH, "refuses, with the fix and before a batch is drawn", ENDLESS, ONE_SHOT),
