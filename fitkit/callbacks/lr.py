@@ -142,12 +142,12 @@ class ReduceLROnPlateau(StatefulCallback):
         self.best, self.wait, self.cooldown_counter = state["best"], state["wait"], state["cooldown_counter"]
 
     def _state_problems(self, state: Any) -> list[str]:
-        from fitkit.files.content import is_count, is_number, typed_problems
+        from fitkit.files.content import is_count, is_score, typed_problems
 
         return typed_problems(
             state,
             {
-                "best": (lambda v: v is None or is_number(v), "a number or None"),
+                "best": (lambda v: v is None or is_score(v), "a number or None (not NaN)"),
                 "wait": (is_count, "an int >= 0"),
                 "cooldown_counter": (is_count, "an int >= 0"),
             },
@@ -261,7 +261,10 @@ class LearningRateScheduler(StatefulCallback):
         from fitkit.files.content import is_number, typed_problems
 
         epoch = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1, "an int >= -1")
-        lrs = (lambda v: isinstance(v, list) and all(is_number(x) for x in v), "a list of numbers")
+        lrs = (
+            lambda v: isinstance(v, list) and all(is_number(x) and 0 <= x < float("inf") for x in v),
+            "a list of numbers (finite, >= 0)",
+        )
         return typed_problems(state, {"epoch": epoch, "lrs_before": lrs}, "its state")
 
     def on_epoch_begin(self, epoch, logs=None):

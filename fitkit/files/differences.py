@@ -142,7 +142,22 @@ def _group_differences(saved_groups: list[Any], groups: list[Any], saved_class: 
             )
         if saved_class is None:
             out += _hyper_parameter_differences(i, saved, group)
+        out += _switch_differences(i, saved, group, skip={"decoupled_weight_decay"} if saved_class is None else set())
     return out
+
+
+#: Switches that choose a kernel, not the update: torch picks them per device, either loads.
+KERNEL_SWITCHES = frozenset({"foreach", "fused"})
+
+
+def _switch_differences(i: int, saved: Mapping[str, Any], group: Mapping[str, Any], skip: set[str]) -> list[str]:
+    """The switches of the update (``maximize``, ``amsgrad``, ``nesterov``, ``capturable``, ...): the
+    file's replace the model's at load, so a file of another setting would change the update."""
+    return [
+        f"optimizer group {i}: {k}={saved[k]!r} in the file, {v!r} in the model (a switch of the update)"
+        for k, v in group.items()
+        if isinstance(v, bool) and k not in KERNEL_SWITCHES and k not in skip and k in saved and saved[k] is not v
+    ]
 
 
 def _state_shape_differences(state: Mapping[str, Any], saved_groups: list[Any], groups: list[Any]) -> list[str]:
