@@ -9,6 +9,7 @@ excluded partners. ``Model``'s methods run them before their bodies; a fit plan 
 from __future__ import annotations
 
 import datetime
+import numbers
 
 from fitkit.checks.declared import Option, declare
 
@@ -35,8 +36,13 @@ def _check_max_time(value: object) -> None:
 
 
 def _check_validation_data(value: object) -> None:
-    """A str or a number is no validation set (the loaders would name it ``x``)."""
-    if isinstance(value, (str, bytes, int, float)):
+    """A str, a number or an object that is neither iterable nor indexable is no validation set
+    (the loaders would name it ``x``)."""
+    if value is None:
+        return
+    if isinstance(value, (str, bytes, numbers.Number)) or not (
+        hasattr(value, "__iter__") or hasattr(value, "__getitem__")
+    ):
         raise TypeError(
             f"Expected `validation_data` to be (x_val, y_val), a Dataset, a DataLoader, an iterable of batches "
             f"or a dict of named sets. Received: validation_data={value!r} ({type(value).__name__}). "

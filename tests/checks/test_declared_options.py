@@ -153,9 +153,13 @@ class _Guarded:
         shutil.rmtree(self.tmp)
 
 
+#: A type no option takes: every option, ``"custom"`` ones included, gets one wrong-type case.
+ALIEN = 1j
+
+
 def _edges(o: Option) -> list[Any]:
-    """Fixed wrong values for ``o``'s kind."""
-    values: list[Any] = [] if o.allow_none or o.kind == "custom" else [None]
+    """Fixed wrong values for ``o``'s kind, and :data:`ALIEN`."""
+    values: list[Any] = [ALIEN] + ([] if o.allow_none or o.kind == "custom" else [None])
     if o.kind in ("int", "number"):
         values += ["1", [1]]
         values += [True] if o.kind == "int" else [math.nan]
