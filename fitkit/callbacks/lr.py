@@ -258,14 +258,23 @@ class LearningRateScheduler(StatefulCallback):
         self._epoch, self._before = state["epoch"], list(state["lrs_before"])
 
     def _state_problems(self, state: Any) -> list[str]:
-        from fitkit.files.content import is_number, typed_problems
+        from fitkit.files.content import is_count, is_number, typed_problems
 
-        epoch = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1, "an int >= -1")
+        epoch = (lambda v: v == -1 or is_count(v), "an int >= -1")
         lrs = (
             lambda v: isinstance(v, list) and all(is_number(x) and 0 <= x < float("inf") for x in v),
             "a list of numbers (finite, >= 0)",
         )
-        return typed_problems(state, {"epoch": epoch, "lrs_before": lrs}, "its state")
+        out = typed_problems(state, {"epoch": epoch, "lrs_before": lrs}, "its state")
+        model = getattr(self, "model", None)
+        groups = None if model is None or model.optimizer is None else len(model.optimizer.param_groups)
+        if not out and state["epoch"] >= 0 and groups is not None and len(state["lrs_before"]) != groups:
+            # a resume inside the epoch schedules from these rates: others would schedule it twice
+            out.append(
+                f"its state['lrs_before'] holds {len(state['lrs_before'])} rate(s), expected one per "
+                f"parameter group ({groups})"
+            )
+        return out
 
     def on_epoch_begin(self, epoch, logs=None):
         groups = self.model.optimizer.param_groups

@@ -151,19 +151,48 @@ def _callbacks(folder) -> list:
     ]
 
 
+def _tokens(seed: int) -> fitkit.Model:
+    torch.manual_seed(seed)
+    model = fitkit.Model(nn.Sequential(nn.Embedding(10, 2), nn.Flatten(), nn.Linear(10, 1)), device="cpu")
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _token_data():
+    x = torch.randint(0, 10, (24, 5), generator=torch.Generator().manual_seed(3))
+    return x, x.float().mean(1, keepdim=True)
+
+
+def _token_callbacks(folder) -> list:
+    from fitkit.callbacks import LearningRateScheduler, TensorBoard, TokensSeen
+
+    return [LearningRateScheduler(lambda epoch, lr: lr * 0.5), TokensSeen(), TensorBoard(folder / "tb")]
+
+
+#: The stateful callbacks, in two runs (a LearningRateScheduler and a ReduceLROnPlateau would
+#: both set the rate; TokensSeen needs token inputs): ``{part: (model, data, callbacks, file)}``.
+_CALLBACK_RUNS = {
+    "callbacks": (_plain, _data, _callbacks, "callbacks.pt"),
+    "callbacks of a token run": (_tokens, _token_data, _token_callbacks, "tokens.pt"),
+}
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """Two checkpoints: inside epoch 2 of a scheduled run with metrics (every part but the
-    callbacks), and after epoch 2 of a run with every stateful callback (their states)."""
+    """The checkpoints: inside epoch 2 of a scheduled run with metrics (every part but the
+    callbacks), and after epoch 2 of each run of :data:`_CALLBACK_RUNS` (their states)."""
     folder = tmp_path_factory.mktemp("crafted")
     model = _scheduled(0)
     inside = LambdaCallback(
         on_train_batch_end=lambda b, logs: model.epoch == 1 and b == 0 and model.save_checkpoint(folder / "inside.pt")
     )
     model.fit(_loader(), epochs=2, verbose=0, callbacks=[inside])
-    plain = _plain(0)
-    after = LambdaCallback(on_epoch_end=lambda e, logs: e == 1 and plain.save_checkpoint(folder / "callbacks.pt"))
-    plain.fit(*_data(), batch_size=8, epochs=2, verbose=0, callbacks=[*_callbacks(folder), after])
+    for make, data, callbacks, name in _CALLBACK_RUNS.values():
+        run = make(0)
+        after = LambdaCallback(
+            on_epoch_end=lambda e, logs, run=run, name=name: e == 1 and run.save_checkpoint(folder / name)
+        )
+        run.fit(*data(), batch_size=8, epochs=2, verbose=0, callbacks=[*callbacks(folder), after])
     return folder
 
 
@@ -289,18 +318,25 @@ def _keys(model, part: str, good: dict) -> list[str]:
     return [k for p in RunState(model).parts if p.name == part for k in p.state_dict() if k in good]
 
 
-@pytest.mark.parametrize("part", PARTS)
+def _callback_results(written, tmp_path, part: str) -> list[tuple[str, str, str]]:
+    """Each crafted callback state loaded inside a fit (the states are checked against the
+    running fit's callbacks), by the callbacks of a run like the one that wrote the file."""
+    make, data, make_callbacks, name = _CALLBACK_RUNS[part]
+    good, path = safe_load(written / name, "cpu"), tmp_path / "c.pt"
+    if (written / "log.csv").exists():
+        shutil.copy(written / "log.csv", tmp_path / "log.csv")  # the log a resume continues
+    model, callbacks, results = make(1), make_callbacks(tmp_path), []
+    keys = ["callbacks", "callback_config"]
+    inside = LambdaCallback(on_train_begin=lambda logs: results.extend(_load_each(model, good, keys, path, callbacks)))
+    model.fit(*data(), batch_size=8, epochs=1, verbose=0, callbacks=[*callbacks, inside])
+    return results
+
+
+@pytest.mark.parametrize("part", [*PARTS, "callbacks of a token run"])
 def test_every_nested_field_of_every_part_crafted_is_refused_before_anything_changes(written, tmp_path, part):
     path = tmp_path / "c.pt"
-    if part == "callbacks":  # checked against the running fit's callbacks: loaded inside a fit
-        good = safe_load(written / "callbacks.pt", "cpu")
-        shutil.copy(written / "log.csv", tmp_path / "log.csv")  # the log a resume continues
-        model, callbacks, results = _plain(1), _callbacks(tmp_path), []
-        keys = ["callbacks", "callback_config"]
-        inside = LambdaCallback(
-            on_train_begin=lambda logs: results.extend(_load_each(model, good, keys, path, callbacks))
-        )
-        model.fit(*_data(), batch_size=8, epochs=1, verbose=0, callbacks=[*callbacks, inside])
+    if part in _CALLBACK_RUNS:
+        results = _callback_results(written, tmp_path, part)
     else:
         good = safe_load(written / "inside.pt", "cpu")
         model = _scheduled(1)
