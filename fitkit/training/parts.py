@@ -31,6 +31,7 @@ from fitkit.training.state_checks import (
     positive,
     rng_problems,
     scheduler_differences,
+    shown,
     torch_rng,
     trackers_problems,
 )
@@ -353,12 +354,7 @@ class CallbacksPart(Part):
     spec = {
         "callbacks": (lambda v: mapping(v) and all(isinstance(k, str) for k in v), "a dict of callback states"),
         "callback_config": (
-            optional_check(
-                lambda v: (
-                    mapping(v)
-                    and all(mapping(w) and all(isinstance(x, str) for x in (*w, *w.values())) for w in v.values())
-                )
-            ),
+            optional_check(lambda v: mapping(v) and all(map(_watches, v.values()))),
             "a dict {callback key: {'monitor' / 'mode': str}}",
         ),
     }
@@ -375,6 +371,13 @@ class CallbacksPart(Part):
 
     def content_problems(self, state: Mapping[str, Any]) -> list[str]:
         out = super().content_problems(state)
+        config: Any = state.get("callback_config")
+        if isinstance(config, Mapping):  # each entry named (the line above shows the dict cut short)
+            out += [
+                f"checkpoint['callback_config'][{key!r}] is {shown(w)}, expected a dict {{'monitor' / 'mode': str}}"
+                for key, w in config.items()
+                if not _watches(w)
+            ]
         if not out:
             out += callback_state_problems(state["callbacks"], self.callbacks)
         return out
@@ -412,6 +415,11 @@ class VersionPart(Part):
         from fitkit import __version__
 
         return {"fitkit_version": __version__}
+
+
+def _watches(v: Any) -> bool:
+    """What a callback watches, as :meth:`~fitkit.callbacks.Callback.watches` returns it."""
+    return mapping(v) and all(isinstance(x, str) for x in (*v, *v.values()))
 
 
 def stateful(callbacks: Sequence[Any]) -> dict[str, Any]:

@@ -7,9 +7,10 @@ is built and then passed to ``fit``. The call must raise a ``TypeError`` or ``Va
 names the option, before step 1: the module's tensors, the optimizer's state and param groups,
 the scheduler, the step count and the files of the tmp folder are as before.
 
-Values per option: fixed edge values for its kind (``None`` where not allowed, a bool for an
-int, NaN, one below the minimum, one above the maximum, a str), its declared ``bad`` values,
-and hypothesis draws (derandomized: the same cases on every run).
+Values per option: a complex number (a type no option takes: every option, ``"custom"`` ones
+included, gets a wrong-type case), fixed edge values for its kind (``None`` where not allowed,
+a bool for an int, NaN, one below the minimum, one above the maximum, a str), its declared
+``bad`` values, and hypothesis draws (derandomized: the same cases on every run).
 """
 
 from __future__ import annotations

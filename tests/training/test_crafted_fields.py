@@ -213,15 +213,26 @@ def _everything(model: fitkit.Model, callbacks=()) -> tuple:
     )
 
 
-def _outcome(model, path, callbacks=()) -> str:
+def _outcome(model, path, where: Path, callbacks=()) -> str:
+    """``"named: ..."`` (a ``ValueError`` / ``TypeError`` / ``RuntimeError`` naming the field
+    and the fix, nothing changed), ``"raw: ..."``, ``"... after a change: ..."`` or ``"accepted"``."""
     before = _everything(model, callbacks)
     try:
         model.load_checkpoint(path)
     except Exception as e:  # noqa: BLE001 - which type, and what it says, is what is checked
         unchanged = _same(_everything(model, callbacks), before) and model._core.pop_resume() is None
-        kind = "named" if isinstance(e, (ValueError, TypeError, RuntimeError)) and "Fix:" in str(e) else "raw"
-        return f"{kind}{'' if unchanged else ' after a change'}: {type(e).__name__}: {str(e)[:300]}"
+        clear = isinstance(e, (ValueError, TypeError, RuntimeError)) and "Fix:" in str(e) and _names(str(e), where)
+        return f"{'named' if clear else 'raw'}{'' if unchanged else ' after a change'}: {type(e).__name__}: {e}"
     return "accepted"
+
+
+def _names(message: str, where: Path) -> bool:
+    """The message names the field: its innermost key (``'exp_avg'``, ``'0.bias'``, ``'wait'``)."""
+    key = [k for k in where if isinstance(k, str)][-1]
+    # or as a difference names it: "decoupled_weight_decay=True in the file", "parameters: 3 in the
+    # file" ('params'), "scheduler: x in the file" ('scheduler_class')
+    forms = (repr(key), key, key.replace("_", " "), key.split("_")[0].rstrip("s"))
+    return any(form in message for form in forms)
 
 
 #: Crafted values a part takes, each harmless for its reason: ``{reason: [(field pattern, craft)]}``
@@ -292,7 +303,7 @@ def _load_each(model, good: dict, keys: list[str], path, callbacks=()) -> list[t
     out = []
     for name, craft, where, crafted in _cases(good, keys):
         _write(_replaced(good, where, crafted), path)
-        outcome = _outcome(model, path, callbacks)
+        outcome = _outcome(model, path, where, callbacks)
         if outcome == "accepted" and where[0] == "data_order":
             _refused_by_the_next_fit(model)
         model._core.pop_resume()  # what an accepted file left for the next fit
