@@ -40,7 +40,8 @@ _EMA_OPTIONS = declare(
             "the average keeps the weights it starts from and never moves. Fix: pass decay < 1, e.g. decay=0.999.",
         ),
     ),
-    Option("half_life", "custom", checked_in="EMA.__init__", bad=(0, -1.0, float("inf"), "10")),
+    # > 0 declared; finite checked in EMA.__init__ (inf: an average that never moves)
+    Option("half_life", "number", positive=True, allow_none=True, bad=(float("inf"),)),
     Option("update_interval", "custom", checked_in="EMA.__init__", bad=("batch", 1)),
     Option("evaluate_with_ema", "bool"),
     Option("swap_at_end", "bool"),

@@ -42,7 +42,8 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
 _REDUCE_LR_ON_PLATEAU_OPTIONS = declare(
     "ReduceLROnPlateau",
     Option("monitor", "text"),
-    Option("factor", "custom", checked_in="ReduceLROnPlateau.__init__", bad=(1, 1.5, -0.1, "0.1")),
+    # >= 0 declared; < 1 checked in ReduceLROnPlateau.__init__ (an open bound)
+    Option("factor", "number", minimum=0.0, bad=(1, 1.5)),
     Option("patience", "int", minimum=0),
     mode_option(),
     Option("min_delta", "number"),
