@@ -86,7 +86,7 @@ COMPILE = declare(
     Option("clip_grad_value", "number", positive=True, allow_none=True),
     Option("jit_compile", "custom", checked_in="fitkit.compile.resolve_jit_compile", bad=("yes", 2)),
     Option("use_ema", "bool"),
-    Option("ema_momentum", "custom", checked_in="fitkit.callbacks.swap_ema.compiled_ema", bad=(1.5, -0.1, "0.9")),
+    Option("ema_momentum", "number", minimum=0.0, maximum=1.0, fix="pass the weight of the old average, e.g. 0.99."),
     Option("ema_overwrite_frequency", "int", minimum=1, allow_none=True),
     Option("label_names", "custom", checked_in="fitkit.losses.labels.resolve_label_names", bad=(5, [5])),
     Option("loss_scale", "bool"),
