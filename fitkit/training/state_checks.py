@@ -348,7 +348,7 @@ def scalar_float(v: Any) -> bool:
 
 TRACKERS: Spec = {
     "loss_total": (scalar_float, "a 0-dim floating-point tensor (the loss sum)"),
-    "loss_count": (lambda v: is_number(v) and 0 <= v < float("inf"), "a count >= 0"),
+    "loss_count": (lambda v: is_number(v) and 0 <= v < COUNT_LIMIT, "a count >= 0"),
     "loss_wsum": (optional_check(scalar_float), "a 0-dim floating-point tensor or None"),
     "metrics": (lambda v: mapping(v) and all(isinstance(k, str) for k in v), "a dict {metric key: states}"),
 }
@@ -357,7 +357,12 @@ TRACKERS: Spec = {
 def metric_state_value(key: str, v: Any) -> bool:
     if key == "_update_count":
         return is_count(v)
-    return isinstance(v, torch.Tensor) or (isinstance(v, list) and all(isinstance(t, torch.Tensor) for t in v))
+    return _real_tensor(v) or (isinstance(v, list) and all(map(_real_tensor, v)))
+
+
+def _real_tensor(v: Any) -> bool:
+    """A metric's state: torchmetrics keeps real tensors (a complex one would compute a complex value)."""
+    return isinstance(v, torch.Tensor) and not v.is_complex()
 
 
 def trackers_problems(v: Any, where: str) -> list[str]:
@@ -377,7 +382,7 @@ def trackers_problems(v: Any, where: str) -> list[str]:
             continue
         out += [
             f"{at}[{k!r}] is {shown(s)}, expected "
-            f"{'an int >= 0' if k == '_update_count' else 'a tensor or a list of tensors'}"
+            f"{'an int >= 0' if k == '_update_count' else 'a tensor or a list of tensors (real)'}"
             for k, s in states.items()
             if not metric_state_value(k, s)
         ]

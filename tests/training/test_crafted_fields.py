@@ -244,6 +244,8 @@ _HARMLESS: dict[str, list[tuple[str, str]]] = {
         (r"\['optimizer'\]\['state'\]\[\d\]\['exp_avg(_sq)?'\]", "nan"),
         (r"\['callbacks'\]\['(EMA|SWA)'\]\['averaged'\]\['module\.[^']+'\]", "nan"),
         (r"\['callbacks'\]\['EarlyStopping'\]\['best_weights'\]\['[^']+'\]", "nan"),
+        (r"\['trackers'\]\['loss_total'\]", "nan"),
+        (r"\['trackers'\]\['metrics'\]\['mae'\]\['sum_abs_error'\]", "nan"),
     ],
     "a kernel switch: fused, foreach and the plain loop compute the same update": [
         (r"\['optimizer'\]\['param_groups'\]\[0\]\['fused'\]", "flipped"),
@@ -326,7 +328,10 @@ def _refused_by_the_next_fit(model) -> None:
 
 
 def _keys(model, part: str, good: dict) -> list[str]:
-    return [k for p in RunState(model).parts if p.name == part for k in p.state_dict() if k in good]
+    """The file's keys that ``part`` owns (those it writes now, and those it writes only inside
+    an epoch or for some loaders: the running totals, the epoch's RNG state, the loader's order)."""
+    owned = {k for p in RunState(model).parts if p.name == part for k in (*p.state_dict(), *p.spec, *p.optional)}
+    return [k for k in good if k in owned]
 
 
 def _callback_results(written, tmp_path, part: str) -> list[tuple[str, str, str]]:
