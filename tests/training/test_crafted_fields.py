@@ -4,8 +4,11 @@ The registry (:class:`fitkit.training.state.RunState`) is enumerated; each field
 saved state (dict values, list items, tensors, numbers, strings, recursively) is replaced by a
 wrong type, an out-of-range value or a value that disagrees with the others, the file written
 again with its checksum recomputed (as whoever can write the file would). Each crafted file is
-refused with an error that names the part's key and the fix, before anything changed, or the
-value is harmless for the reason :data:`_HARMLESS` gives.
+refused with a ``ValueError`` / ``TypeError`` / ``RuntimeError`` that names the field (its
+innermost key) and the fix, before anything changed (the module, the optimizer, the scheduler,
+the step count, the callbacks' states, nothing left for the next fit), or the value is
+harmless for the reason :data:`_HARMLESS` gives. The callbacks' states are loaded inside a fit,
+where they are checked against its callbacks.
 """
 
 from __future__ import annotations
@@ -342,7 +345,7 @@ def _callback_results(written, tmp_path, part: str) -> list[tuple[str, str, str]
     if (written / "log.csv").exists():
         shutil.copy(written / "log.csv", tmp_path / "log.csv")  # the log a resume continues
     model, callbacks, results = make(1), make_callbacks(tmp_path), []
-    keys = ["callbacks", "callback_config"]
+    keys = _keys(model, "callbacks", good)
     inside = LambdaCallback(on_train_begin=lambda logs: results.extend(_load_each(model, good, keys, path, callbacks)))
     model.fit(*data(), batch_size=8, epochs=1, verbose=0, callbacks=[*callbacks, inside])
     return results
