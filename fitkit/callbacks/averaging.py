@@ -21,6 +21,7 @@ from torch.optim.swa_utils import SWALR, get_ema_multi_avg_fn, update_bn
 from fitkit.callbacks.weight_averaging import WeightAveraging
 from fitkit.checks import FitkitWarning, check_bool, check_choice, check_int, check_number
 from fitkit.checks.declared import Option, declare, declared, verbose_option
+from fitkit.files.content import is_count, is_number, typed_problems
 from fitkit.modes import modes
 
 __all__ = ["EMA", "SWA", "WeightAveraging"]
@@ -39,7 +40,8 @@ _EMA_OPTIONS = declare(
             "the average keeps the weights it starts from and never moves. Fix: pass decay < 1, e.g. decay=0.999.",
         ),
     ),
-    Option("half_life", "custom", checked_in="EMA.__init__", bad=(0, -1.0, float("inf"), "10")),
+    # > 0 declared; finite checked in EMA.__init__ (inf: an average that never moves)
+    Option("half_life", "number", positive=True, allow_none=True, bad=(float("inf"),)),
     Option("update_interval", "custom", checked_in="EMA.__init__", bad=("batch", 1)),
     Option("evaluate_with_ema", "bool"),
     Option("swap_at_end", "bool"),
@@ -362,14 +364,18 @@ class SWA(WeightAveraging):
 
     def _state_problems(self, state: Any) -> list[str]:
         """The average's state (:class:`WeightAveraging`), and SWALR's and the set-aside scheduler's."""
-        from fitkit.files.content import typed_problems
-
         out = super()._state_problems(state)
         if out or not state:
             return out
         dict_or_none = (lambda v: v is None or isinstance(v, dict), "a scheduler's state dict or None")
         spec = {"swa_scheduler": dict_or_none, "set_aside": dict_or_none}
-        return typed_problems(state, spec, "its state")
+        out = typed_problems(state, spec, "its state")
+        groups = len(self.model.optimizer.param_groups) if getattr(self, "model", None) is not None else None
+        for key, own in (("swa_scheduler", _SWALR_STATE), ("set_aside", {})):
+            if not out and state[key] is not None:
+                fields = {**_scheduler_state(groups), **own}
+                out = typed_problems(state[key], fields, f"its state[{key!r}]", frozenset(fields))
+        return out
 
     # -- hooks -----------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -435,6 +441,35 @@ class SWA(WeightAveraging):
         with modes(module, training=None, grad=False):  # update_bn sets train mode; flags come back
             # update_bn feeds the first element of each batch to the module it is given.
             update_bn(([b[0]] for b in itertools.chain([first], it)), _FeedX(module))
+
+
+def _rates(groups: int | None) -> tuple[Any, str]:
+    def check(v: Any) -> bool:
+        ok = isinstance(v, list) and all(is_number(x) and 0 <= x < float("inf") for x in v)
+        return ok and (groups is None or len(v) == groups)
+
+    return check, f"a list of {groups or 'the'} finite number(s) >= 0, one per parameter group"
+
+
+def _scheduler_state(groups: int | None) -> dict[str, tuple[Any, str]]:
+    """The fields every torch scheduler keeps (a saved SWALR's, or the scheduler SWA set aside)."""
+    return {
+        "last_epoch": (lambda v: v == -1 or is_count(v), "an int >= -1"),
+        "_step_count": (is_count, "an int >= 0"),
+        "base_lrs": _rates(groups),
+        "_last_lr": _rates(groups),
+        **{flag: (lambda v: v is False, "False (torch sets it only inside step())") for flag in _FLAGS},
+    }
+
+
+_FLAGS = ("_is_initial", "_get_lr_called_within_step")
+
+
+#: SWALR's own fields (its constructor's checks).
+_SWALR_STATE = {
+    "anneal_epochs": (is_count, "an int >= 0"),
+    "_anneal_strategy": (lambda v: v in ("cos", "linear"), "'cos' or 'linear'"),
+}
 
 
 class _FeedX(nn.Module):

@@ -9,7 +9,7 @@ import os
 import string
 from typing import Any
 
-from fitkit.files.content import is_count, is_number
+from fitkit.files.content import is_count, is_score
 
 __all__ = ["field_names", "glob_of", "last_path", "STATE", "OPTIONAL_STATE"]
 
@@ -64,14 +64,14 @@ def last_path(filepath: str, save_last: Any) -> str | None:
 
 def _pairs(kept: Any) -> bool:
     return isinstance(kept, list) and all(
-        isinstance(vp, (list, tuple)) and len(vp) == 2 and is_number(vp[0]) and isinstance(vp[1], str) for vp in kept
+        isinstance(vp, (list, tuple)) and len(vp) == 2 and is_score(vp[0]) and isinstance(vp[1], str) for vp in kept
     )
 
 
 STATE = {
-    "best": (lambda v: v is None or is_number(v), "a number or None"),
+    "best": (lambda v: v is None or is_score(v), "a number or None (not NaN)"),
     "best_path": (lambda v: v is None or isinstance(v, str), "a file name or None"),
-    "kept": (_pairs, "a list of [value, file name] pairs"),
+    "kept": (_pairs, "a list of [value, file name] pairs (values not NaN)"),
     "batches_seen": (is_count, "an int >= 0"),
     "recent": (lambda v: isinstance(v, list) and all(isinstance(p, str) for p in v), "a list of file names"),
 }

@@ -174,7 +174,22 @@ class CSVLogger(StopsWriting, StatefulCallback):
     def _state_problems(self, state: Any) -> list[str]:
         keys = (lambda v: v is None or (isinstance(v, list) and all(isinstance(k, str) for k in v)), "a list of str")
         size = (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "an int >= 0")
-        return typed_problems(state, {"keys": keys, "size": size}, "its state")
+        out = typed_problems(state, {"keys": keys, "size": size}, "its state")
+        header = None if out or state["keys"] is None else self._header()
+        if header is not None and header != ["epoch", *state["keys"]]:
+            out.append(
+                f"its state['keys'] is {state['keys']!r}, but the columns of {str(self.filename)!r} are "
+                f"{header[1:]!r} (the rows it continues)"
+            )
+        return out
+
+    def _header(self) -> list[str] | None:
+        """The first row of the file this logger continues (``None``: no file, or an empty one)."""
+        path = self.filename
+        if path.is_symlink() or not path.is_file():
+            return None
+        with open(path, newline="") as f:
+            return next(csv.reader(f, delimiter=self.separator), None)
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)

@@ -42,7 +42,8 @@ def _set_lr(group: dict[str, Any], lr: float) -> None:
 _REDUCE_LR_ON_PLATEAU_OPTIONS = declare(
     "ReduceLROnPlateau",
     Option("monitor", "text"),
-    Option("factor", "custom", checked_in="ReduceLROnPlateau.__init__", bad=(1, 1.5, -0.1, "0.1")),
+    # >= 0 declared; < 1 checked in ReduceLROnPlateau.__init__ (an open bound)
+    Option("factor", "number", minimum=0.0, bad=(1, 1.5)),
     Option("patience", "int", minimum=0),
     mode_option(),
     Option("min_delta", "number"),
@@ -142,12 +143,12 @@ class ReduceLROnPlateau(StatefulCallback):
         self.best, self.wait, self.cooldown_counter = state["best"], state["wait"], state["cooldown_counter"]
 
     def _state_problems(self, state: Any) -> list[str]:
-        from fitkit.files.content import is_count, is_number, typed_problems
+        from fitkit.files.content import is_count, is_score, typed_problems
 
         return typed_problems(
             state,
             {
-                "best": (lambda v: v is None or is_number(v), "a number or None"),
+                "best": (lambda v: v is None or is_score(v), "a number or None (not NaN)"),
                 "wait": (is_count, "an int >= 0"),
                 "cooldown_counter": (is_count, "an int >= 0"),
             },
@@ -258,11 +259,23 @@ class LearningRateScheduler(StatefulCallback):
         self._epoch, self._before = state["epoch"], list(state["lrs_before"])
 
     def _state_problems(self, state: Any) -> list[str]:
-        from fitkit.files.content import is_number, typed_problems
+        from fitkit.files.content import is_count, is_number, typed_problems
 
-        epoch = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1, "an int >= -1")
-        lrs = (lambda v: isinstance(v, list) and all(is_number(x) for x in v), "a list of numbers")
-        return typed_problems(state, {"epoch": epoch, "lrs_before": lrs}, "its state")
+        epoch = (lambda v: v == -1 or is_count(v), "an int >= -1")
+        lrs = (
+            lambda v: isinstance(v, list) and all(is_number(x) and 0 <= x < float("inf") for x in v),
+            "a list of numbers (finite, >= 0)",
+        )
+        out = typed_problems(state, {"epoch": epoch, "lrs_before": lrs}, "its state")
+        model = getattr(self, "model", None)
+        groups = None if model is None or model.optimizer is None else len(model.optimizer.param_groups)
+        if not out and state["epoch"] >= 0 and groups is not None and len(state["lrs_before"]) != groups:
+            # a resume inside the epoch schedules from these rates: others would schedule it twice
+            out.append(
+                f"its state['lrs_before'] holds {len(state['lrs_before'])} rate(s), expected one per "
+                f"parameter group ({groups})"
+            )
+        return out
 
     def on_epoch_begin(self, epoch, logs=None):
         groups = self.model.optimizer.param_groups

@@ -307,21 +307,24 @@ class EarlyStopping(StatefulCallback):
 
     def _state_problems(self, state: Any) -> list[str]:
         from fitkit.files import state_dict_differences
-        from fitkit.files.content import is_count, is_number, typed_problems
+        from fitkit.files.content import is_count, is_score, typed_problems
 
-        weights = (
-            lambda v: v is None or isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in v.values()),
-            "None or a dict {name: tensor}",
-        )
+        weights = (lambda v: v is None or isinstance(v, dict), "None or a dict {name: tensor}")
         spec = {
             "wait": (is_count, "an int >= 0"),
             "stopped_epoch": (is_count, "an int >= 0"),
-            "best": (lambda v: v is None or is_number(v), "a number or None"),
+            "best": (lambda v: v is None or is_score(v), "a number or None (not NaN)"),
             "best_epoch": (is_count, "an int >= 0"),
             "best_weights": weights,
             "stop_reason": (lambda v: v is None or isinstance(v, str), "a str or None"),
         }
         out = typed_problems(state, spec, "its state", optional=frozenset({"stop_reason"}))
+        if not out and state["best_weights"] is not None:
+            out = [
+                f"its state['best_weights'][{k!r}] is {v!r:.60}, expected a tensor"
+                for k, v in state["best_weights"].items()
+                if not isinstance(v, torch.Tensor)
+            ]
         model = getattr(self, "model", None)
         if not out and state["best_weights"] is not None and model is not None:
             out = [

@@ -24,7 +24,7 @@ __all__ = ["OptimizerMonitor", "LearningRateMonitor"]
 _OPTIMIZER_MONITOR_OPTIONS = declare(
     "OptimizerMonitor",
     Option("log_every_n_steps", "int", minimum=1),
-    Option("norm_type", "custom", checked_in="OptimizerMonitor.__init__", bad=(0, -1.0, "2")),
+    Option("norm_type", "number", positive=True),
     Option("per_parameter", "bool"),
     Option("log_update_norm", "bool"),
 )

@@ -16,7 +16,7 @@ __all__ = ["OptunaPruning"]
 
 _OPTUNA_PRUNING_OPTIONS = declare(
     "OptunaPruning",
-    Option("trial", "custom", checked_in="OptunaPruning.__init__", bad=()),
+    Option("trial", "custom", checked_in="OptunaPruning.__init__", bad=(5, "trial")),
     Option("monitor", "text"),
     Option("interval", "int", minimum=1),
 )

@@ -68,11 +68,19 @@ def format_logs(logs: Mapping[str, Any]) -> str:
     return " - ".join(parts)
 
 
+def _check_console(value: object) -> None:
+    if not isinstance(value, Console):
+        raise TypeError(
+            f"Expected `console` to be a rich.console.Console or None. Received: console={value!r} "
+            f"({type(value).__name__}). Fix: pass console=Console(...), or leave it out for standard output."
+        )
+
+
 _PROGRESS_BAR_OPTIONS = declare(
     "ProgressBar",
     Option("verbose", "int", minimum=0, maximum=2),
     Option("refresh_interval", "number", minimum=0.0, fix="pass seconds between redraws, e.g. refresh_interval=0.1."),
-    Option("console", "custom", checked_in="rich.console.Console", bad=()),
+    Option("console", "custom", check=_check_console, allow_none=True, bad=(5, "stdout")),
 )
 
 

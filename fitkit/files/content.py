@@ -13,17 +13,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["callback_state_problems", "typed_problems", "is_count", "is_number"]
+__all__ = ["callback_state_problems", "typed_problems", "is_count", "is_number", "is_score"]
+
+
+#: Counts past this do not fit the int64 tensors torch keeps them in (no run reaches it).
+COUNT_LIMIT = 2**63
 
 
 def is_count(value: Any) -> bool:
-    """An int ``>= 0`` (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """An int ``>= 0`` (not a bool) below :data:`COUNT_LIMIT`."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < COUNT_LIMIT
 
 
 def is_number(value: Any) -> bool:
     """An int or float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_score(value: Any) -> bool:
+    """A monitored value as a callback keeps it: a number, not NaN (``inf`` is where a best
+    starts; a NaN is never a best, and ranks no file)."""
+    return is_number(value) and value == value
 
 
 def typed_problems(

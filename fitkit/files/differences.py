@@ -127,6 +127,10 @@ def optimizer_differences(
     if len(saved_groups) != len(groups):
         return [*out, f"optimizer: param groups: {len(saved_groups)} in the file, {len(groups)} in the model"]
     out += _group_differences(saved_groups, groups, saved_class)
+    if saved_class == name:
+        out += [
+            d for i, (a, b) in enumerate(zip(saved_groups, groups, strict=True)) for d in _switch_differences(i, a, b)
+        ]
     if out or isinstance(optimizer, torch.optim.LBFGS):
         return out
     return _state_shape_differences(state, saved_groups, groups)
@@ -143,6 +147,21 @@ def _group_differences(saved_groups: list[Any], groups: list[Any], saved_class: 
         if saved_class is None:
             out += _hyper_parameter_differences(i, saved, group)
     return out
+
+
+#: Switches that choose a kernel, not the update: torch picks them per device, either loads.
+KERNEL_SWITCHES = frozenset({"foreach", "fused"})
+
+
+def _switch_differences(i: int, saved: Mapping[str, Any], group: Mapping[str, Any]) -> list[str]:
+    """The switches of the update (``maximize``, ``amsgrad``, ``nesterov``, ``capturable``, ...) of
+    a file of the model's optimizer class: the file's replace the model's at load, so a file of
+    another setting would change the update."""
+    return [
+        f"optimizer group {i}: {k}={saved[k]!r} in the file, {v!r} in the model (a switch of the update)"
+        for k, v in group.items()
+        if isinstance(v, bool) and k not in KERNEL_SWITCHES and k in saved and saved[k] is not v
+    ]
 
 
 def _state_shape_differences(state: Mapping[str, Any], saved_groups: list[Any], groups: list[Any]) -> list[str]:

@@ -9,6 +9,7 @@ excluded partners. ``Model``'s methods run them before their bodies; a fit plan 
 from __future__ import annotations
 
 import datetime
+import numbers
 
 from fitkit.checks.declared import Option, declare
 
@@ -35,8 +36,13 @@ def _check_max_time(value: object) -> None:
 
 
 def _check_validation_data(value: object) -> None:
-    """A str or a number is no validation set (the loaders would name it ``x``)."""
-    if isinstance(value, (str, bytes, int, float)):
+    """A str, a number or an object that is neither iterable nor indexable is no validation set
+    (the loaders would name it ``x``)."""
+    if value is None:
+        return
+    if isinstance(value, (str, bytes, numbers.Number)) or not (
+        hasattr(value, "__iter__") or hasattr(value, "__getitem__")
+    ):
         raise TypeError(
             f"Expected `validation_data` to be (x_val, y_val), a Dataset, a DataLoader, an iterable of batches "
             f"or a dict of named sets. Received: validation_data={value!r} ({type(value).__name__}). "
@@ -80,7 +86,7 @@ COMPILE = declare(
     Option("clip_grad_value", "number", positive=True, allow_none=True),
     Option("jit_compile", "custom", checked_in="fitkit.compile.resolve_jit_compile", bad=("yes", 2)),
     Option("use_ema", "bool"),
-    Option("ema_momentum", "custom", checked_in="fitkit.callbacks.swap_ema.compiled_ema", bad=(1.5, -0.1, "0.9")),
+    Option("ema_momentum", "number", minimum=0.0, maximum=1.0, fix="pass the weight of the old average, e.g. 0.99."),
     Option("ema_overwrite_frequency", "int", minimum=1, allow_none=True),
     Option("label_names", "custom", checked_in="fitkit.losses.labels.resolve_label_names", bad=(5, [5])),
     Option("loss_scale", "bool"),

@@ -5,6 +5,7 @@ checkpoint, checks a state against itself (with :mod:`fitkit.training.state_chec
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from fitkit.files import optimizer_differences, state_dict_differences
 from fitkit.files.content import callback_state_problems, is_count, typed_problems
 from fitkit.training.state_checks import (
     SCALER,
+    SCHEDULER_FLAGS,
     TORCH_RNG_SIZE,
     Spec,
     data_order_problems,
@@ -29,6 +31,7 @@ from fitkit.training.state_checks import (
     positive,
     rng_problems,
     scheduler_differences,
+    shown,
     torch_rng,
     trackers_problems,
 )
@@ -67,7 +70,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def _rates(v: object) -> bool:
     """A list of learning rates, one per parameter group (a checkpoint's ``lrs_used``)."""
-    return isinstance(v, list) and all(isinstance(lr, float) for lr in v)
+    return isinstance(v, list) and all(isinstance(lr, float) and 0 <= lr < float("inf") for lr in v)
 
 
 def _tuples(obj: object) -> Any:
@@ -225,16 +228,18 @@ class SchedulerPart(Part):
             return out
         groups = None if self.model.optimizer is None else len(self.model.optimizer.param_groups)
         lrs = f"a list of {groups} number(s), one per parameter group" if groups else "a list of numbers"
+        lrs += ", each finite and >= 0"
         spec: Spec = {
-            "last_epoch": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1, "an int >= -1"),
+            "last_epoch": (lambda v: v == -1 or is_count(v), "an int >= -1"),
             "_step_count": (is_count, "an int >= 0"),
             "base_lrs": (lambda v: numbers(v) and (groups is None or len(v) == groups), lrs),
             "_last_lr": (lambda v: numbers(v) and (groups is None or len(v) == groups), lrs),
+            **SCHEDULER_FLAGS,
         }
         out = typed_problems(saved, spec, where, optional=frozenset(spec))
         mine = None if self.stepper is None else self.stepper.scheduling.scheduler
         if not out and mine is not None and state.get("scheduler_class") == type(mine).__name__:
-            out = kind_problems(saved, mine.state_dict(), where, lists=False)
+            out = kind_problems(saved, mine.state_dict(), where, frozenset({"last_epoch"}), lists=False)
         return out
 
     def differences(self, state: Mapping[str, Any]) -> list[str]:
@@ -274,7 +279,7 @@ class PositionPart(Part):
             optional_check(torch_rng),
             f"a torch RNG state (a uint8 tensor of {TORCH_RNG_SIZE} bytes) or None",
         ),
-        "lrs_used": (optional_check(_rates), "a list of floats (each parameter group's rate) or None"),
+        "lrs_used": (optional_check(_rates), "a list of finite floats >= 0 (each parameter group's rate) or None"),
         "train_length": (optional_check(is_count), "an int >= 0 or None"),
         "train_fingerprint": (optional_check(lambda v: isinstance(v, str)), "a str or None"),
         "validation_due": (optional_check(lambda v: isinstance(v, bool)), "a bool or None"),
@@ -351,12 +356,7 @@ class CallbacksPart(Part):
     spec = {
         "callbacks": (lambda v: mapping(v) and all(isinstance(k, str) for k in v), "a dict of callback states"),
         "callback_config": (
-            optional_check(
-                lambda v: (
-                    mapping(v)
-                    and all(mapping(w) and all(isinstance(x, str) for x in (*w, *w.values())) for w in v.values())
-                )
-            ),
+            optional_check(lambda v: mapping(v) and all(map(_watches, v.values()))),
             "a dict {callback key: {'monitor' / 'mode': str}}",
         ),
     }
@@ -373,6 +373,13 @@ class CallbacksPart(Part):
 
     def content_problems(self, state: Mapping[str, Any]) -> list[str]:
         out = super().content_problems(state)
+        config: Any = state.get("callback_config")
+        if isinstance(config, Mapping):  # each entry named (the line above shows the dict cut short)
+            out += [
+                f"checkpoint['callback_config'][{key!r}] is {shown(w)}, expected a dict {{'monitor' / 'mode': str}}"
+                for key, w in config.items()
+                if not _watches(w)
+            ]
         if not out:
             out += callback_state_problems(state["callbacks"], self.callbacks)
         return out
@@ -404,12 +411,17 @@ class VersionPart(Part):
     """The fitkit version that wrote the checkpoint."""
 
     name = "version"
-    spec = {"fitkit_version": (is_str, "a version string")}
+    spec = {"fitkit_version": (lambda v: is_str(v) and re.match(r"\d+\.\d+", v) is not None, "a version string")}
 
     def state_dict(self) -> dict[str, Any]:
         from fitkit import __version__
 
         return {"fitkit_version": __version__}
+
+
+def _watches(v: Any) -> bool:
+    """What a callback watches, as :meth:`~fitkit.callbacks.Callback.watches` returns it."""
+    return mapping(v) and all(isinstance(x, str) for x in (*v, *v.values()))
 
 
 def stateful(callbacks: Sequence[Any]) -> dict[str, Any]:

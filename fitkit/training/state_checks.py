@@ -7,12 +7,13 @@ value; nothing here changes anything, so every part can check before any part lo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fitkit.files.content import is_count, is_number, typed_problems
+from fitkit.files.content import COUNT_LIMIT, is_count, is_number, typed_problems
 from fitkit.files.differences import OPTIMIZER_SWITCHES
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ def numpy_rng(nps: Any) -> bool:
         and nps[3] in (0, 1)
         and isinstance(nps[3], int)
         and is_number(nps[4])
+        and math.isfinite(nps[4])
     ):
         return False
     return bool(((nps[1] >= 0) & (nps[1] < U32)).all())
@@ -128,8 +130,12 @@ def kind_of(v: Any, lengths: bool = True) -> str | None:
         return None
     if isinstance(v, bool):
         return "a bool"
-    if is_number(v) or (isinstance(v, torch.Tensor) and v.numel() == 1):
-        return "a number"
+    if is_number(v):
+        return "a number" if math.isfinite(v) and abs(v) < COUNT_LIMIT else "a number out of range"
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return "a number" if not v.is_complex() else "a complex number"
+    if isinstance(v, complex):
+        return "a complex number"
     if isinstance(v, str):
         return "a str"
     if isinstance(v, (list, tuple)):
@@ -159,13 +165,22 @@ def kind_problems(
         a, b = kind_of(theirs, lists), kind_of(mine, lists)
         if a is not None and b is not None and a != b:
             out.append(f"{where}[{key!r}] is {shown(theirs)}, expected {b} as the model's")
+        elif _negated(theirs, mine):
+            out.append(f"{where}[{key!r}] is {shown(theirs)}, expected a number >= 0 as the model's")
         elif lists and isinstance(mine, (list, tuple)) and isinstance(theirs, (list, tuple)):
             out += [
-                f"{where}[{key!r}][{i}] is {shown(t)}, expected {kind_of(m)} as the model's"
+                f"{where}[{key!r}][{i}] is {shown(t)}, expected {kind_of(m)}{' >= 0' if _negated(t, m) else ''} "
+                "as the model's"
                 for i, (t, m) in enumerate(zip(theirs, mine, strict=True))
-                if kind_of(t) is not None and kind_of(m) is not None and kind_of(t) != kind_of(m)
+                if _negated(t, m) or (kind_of(t) is not None and kind_of(m) is not None and kind_of(t) != kind_of(m))
             ]
     return out
+
+
+def _negated(saved: Any, live: Any) -> bool:
+    """A negative number where the live one is >= 0: every rate, factor, size and count of
+    torch's optimizers and schedulers is (their constructors refuse negative ones)."""
+    return kind_of(saved) == kind_of(live) == "a number" and is_number(saved) and is_number(live) and live >= 0 > saved
 
 
 def positive(v: Any) -> bool:
@@ -218,6 +233,11 @@ def optimizer_problems(saved: Any, optimizer: Any, saved_class: Any) -> list[str
         at = f"{where}['param_groups'][{i}]"
         out += [f"{at} has no {k!r}" for k in sorted(needed - set(theirs)) if k in mine]
         out += kind_problems(theirs, mine, at, frozenset({"params"}))
+        out += [
+            f"{at}[{k!r}] is {shown(theirs[k])}, expected None or a bool (a kernel switch)"
+            for k in ("foreach", "fused")
+            if k in theirs and not (theirs[k] is None or isinstance(theirs[k], bool))
+        ]
     return out or param_state_layout_problems(saved, optimizer)
 
 
@@ -257,6 +277,8 @@ def _state_tensor_problems(at: str, key: str, v: torch.Tensor, param: torch.Tens
     if key in SCALAR_STATES:
         if v.numel() != 1:
             return [f"{at} is {shown(v)}, expected a scalar ({name} keeps {key!r} as one number)"]
+        if key == "step" and (v.is_complex() or not math.isfinite(float(v)) or float(v) < 0):
+            return [f"{at} is {v.item()!r}, expected a step count: a real, finite number >= 0"]
     elif v.dim() != param.dim() or v.is_floating_point() != param.is_floating_point():
         kind = "floating-point" if param.is_floating_point() else str(param.dtype)
         return [f"{at} is {shown(v)}, expected a {kind} tensor of its parameter's shape {tuple(param.shape)}"]
@@ -278,6 +300,14 @@ def _group_state_key_problems(saved: Mapping[str, Any], name: str) -> list[str]:
     return out
 
 
+#: Flags torch sets only inside ``step()`` (a saved state has them ``False``): ``_is_initial``
+#: makes several schedulers return their initial rates.
+SCHEDULER_FLAGS: Spec = {
+    flag: (lambda v: v is False, "False (torch sets it only inside step())")
+    for flag in ("_is_initial", "_get_lr_called_within_step")
+}
+
+
 SCALER: Spec = {
     "scale": (lambda v: is_number(v) and v > 0, "a number > 0"),
     "growth_factor": (lambda v: is_number(v) and v > 0, "a number > 0"),
@@ -288,7 +318,8 @@ SCALER: Spec = {
 
 
 def numbers(v: Any) -> bool:
-    return isinstance(v, list) and all(kind_of(x) == "a number" for x in v)
+    """A list of learning rates: finite numbers >= 0."""
+    return isinstance(v, list) and all(kind_of(x) == "a number" and float(x) >= 0 for x in v)
 
 
 def scheduler_differences(scheduler: Any, state: Mapping[str, Any]) -> list[str]:
@@ -317,7 +348,7 @@ def scalar_float(v: Any) -> bool:
 
 TRACKERS: Spec = {
     "loss_total": (scalar_float, "a 0-dim floating-point tensor (the loss sum)"),
-    "loss_count": (lambda v: is_number(v) and 0 <= v < float("inf"), "a count >= 0"),
+    "loss_count": (lambda v: is_number(v) and 0 <= v < COUNT_LIMIT, "a count >= 0"),
     "loss_wsum": (optional_check(scalar_float), "a 0-dim floating-point tensor or None"),
     "metrics": (lambda v: mapping(v) and all(isinstance(k, str) for k in v), "a dict {metric key: states}"),
 }
@@ -326,7 +357,12 @@ TRACKERS: Spec = {
 def metric_state_value(key: str, v: Any) -> bool:
     if key == "_update_count":
         return is_count(v)
-    return isinstance(v, torch.Tensor) or (isinstance(v, list) and all(isinstance(t, torch.Tensor) for t in v))
+    return _real_tensor(v) or (isinstance(v, list) and all(map(_real_tensor, v)))
+
+
+def _real_tensor(v: Any) -> bool:
+    """A metric's state: torchmetrics keeps real tensors (a complex one would compute a complex value)."""
+    return isinstance(v, torch.Tensor) and not v.is_complex()
 
 
 def trackers_problems(v: Any, where: str) -> list[str]:
@@ -356,7 +392,7 @@ def trackers_problems(v: Any, where: str) -> list[str]:
             continue
         out += [
             f"{at}[{k!r}] is {shown(s)}, expected "
-            f"{'an int >= 0' if k == '_update_count' else 'a tensor or a list of tensors'}"
+            f"{'an int >= 0' if k == '_update_count' else 'a tensor or a list of tensors (real)'}"
             for k, s in states.items()
             if not metric_state_value(k, s)
         ]

@@ -584,6 +584,21 @@ def test_swap_ema_weights_without_an_ema_is_an_error_before_step_1():
     assert model.global_step == 0 and model.module.weight.item() == 1.0
 
 
+def test_compile_use_ema_with_an_ema_callback_validates_on_the_callbacks_average():
+    # Issue 43 asked which of the two validates: the callback's (compile's EMA validates on the
+    # training weights, as Keras' optimizer EMA does), and compile's ends fit in the module.
+    model = _scalar_model()
+    model.compile(optimizer=lambda p: torch.optim.SGD(p, lr=0.25), loss="mse", use_ema=True, ema_momentum=0.5)
+    x, y = torch.ones(1, 1), torch.zeros(1, 1)
+    h = model.fit(x, y, epochs=2, validation_data=(x, y), verbose=0, callbacks=[EMA(decay=0.9)])
+    # weights 1 -> 0.5 -> 0.25; the callback's average from 1: 0.9 + 0.05 = 0.95, 0.855 + 0.025 = 0.88
+    assert h.history["val_loss"] == pytest.approx([0.95**2, 0.88**2], rel=1e-6)
+    assert model.module.weight.item() == 0.375  # compile's: 0.5 (the first step's weights), then 0.25 + 0.125
+    with pytest.raises(ValueError, match=r"compile\(use_ema=True\)'s EMA and EMA \(callbacks\[0\]\) would each put"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[EMA(swap_at_end=True)])
+    assert model.global_step == 2 and model.module.weight.item() == 0.375
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fitkit
 from fitkit.callbacks import (
+    EMA,
     SWA,
     BackupAndRestore,
     CSVLogger,
@@ -151,6 +152,31 @@ class _Samples(torch.utils.data.Dataset):
 def _recompile(**kwargs):
     kwargs = {"optimizer": "adam", "loss": "cross_entropy", **kwargs}
     return lambda model, tmp: model.compile(**kwargs)
+
+
+def _crafted_group(name, **changes):
+    """A checkpoint whose optimizer's first parameter group is changed (checksum recomputed)."""
+
+    def setup(model, tmp):
+        model.save_checkpoint(tmp / name)
+        state = torch.load(tmp / name, weights_only=True)
+        state["optimizer"]["param_groups"][0].update(changes)
+        atomic_save(state, tmp / name)
+
+    return setup
+
+
+# StepLR(step_size=1, gamma=0.5)'s state as torch has it inside step() only
+_SCHEDULER_IN_STEP = {
+    "step_size": 1,
+    "gamma": 0.5,
+    "base_lrs": [0.001],
+    "last_epoch": 0,
+    "_step_count": 1,
+    "_is_initial": True,
+    "_get_lr_called_within_step": False,
+    "_last_lr": [0.001],
+}
 
 
 def _crafted_checkpoint(name, **changes):
@@ -1007,6 +1033,55 @@ CASES = [
         TypeError,
         r"Expected `example_input` to be one input batch.*Received: example_input='x' \(str\)\. Fix",
     ),
+    Case(
+        "compile use_ema with an EMA callback that swaps in at the end too",
+        fit_cb(lambda tmp: EMA(swap_at_end=True)),
+        ValueError,
+        r"Expected at most one averaged copy of the weights to put into the module when fit ends\. Received 2: "
+        r"compile\(use_ema=True\)'s EMA and EMA \(callbacks\[0\]\).*Fix",
+        setup=_recompile(use_ema=True),
+    ),
+    Case(
+        "ProgressBar console int",
+        fit_cb(lambda tmp: ProgressBar(console=5)),
+        TypeError,
+        r"Expected `console` to be a rich\.console\.Console or None\. Received: console=5 \(int\)\. Fix",
+    ),
+    Case(
+        "fit validation_data complex",
+        fit(validation_data=1j),
+        TypeError,
+        r"Expected `validation_data` to be \(x_val, y_val\).*Received: validation_data=1j \(complex\)\. Fix",
+    ),
+    # crafted fields the registry test (tests/training/test_crafted_fields.py) found accepted
+    Case(
+        "load_checkpoint global_step 2**64",
+        lambda m, tmp: m.load_checkpoint(tmp / "c.pt"),
+        ValueError,
+        r"checkpoint\['global_step'\] is 18446744073709551616, expected an int >= 0.*Fix",
+        setup=_crafted_checkpoint("c.pt", global_step=2**64),
+    ),
+    Case(
+        "load_checkpoint optimizer lr nan",
+        lambda m, tmp: m.load_checkpoint(tmp / "c.pt"),
+        ValueError,
+        r"checkpoint\['optimizer'\]\['param_groups'\]\[0\]\['lr'\] is nan, expected a number as the model's.*Fix",
+        setup=_crafted_group("c.pt", lr=float("nan")),
+    ),
+    Case(
+        "load_checkpoint optimizer maximize flipped",
+        lambda m, tmp: m.load_checkpoint(tmp / "c.pt"),
+        ValueError,
+        r"does not fit this model.*optimizer group 0: maximize=True in the file, False in the model.*Fix",
+        setup=_crafted_group("c.pt", maximize=True),
+    ),
+    Case(
+        "load_checkpoint scheduler _is_initial set",
+        lambda m, tmp: m.load_checkpoint(tmp / "c.pt"),
+        ValueError,
+        r"checkpoint\['scheduler'\]\['_is_initial'\] is True, expected False.*Fix",
+        setup=_crafted_checkpoint("c.pt", scheduler=_SCHEDULER_IN_STEP),
+    ),
 ]
 
 
@@ -1563,3 +1638,14 @@ def test_evaluate_of_dict_batches_whose_module_returns_no_loss_and_no_metric_is_
     # with a metric and targets there is a value: the fraction of correct predictions, by hand
     correct = (model.module.lin(x).argmax(1) == y).float().mean().item()
     assert model.evaluate({"features": x, "labels": y}, verbose=0) == {"accuracy": pytest.approx(correct)}
+
+
+def test_find_lr_refuses_a_plot_path_in_a_missing_folder_before_the_sweep(tmp_path):
+    # Once a raw FileNotFoundError after the whole sweep had run.
+    model, forwards = _model(), []
+    model.module.register_forward_hook(lambda module, args, out: forwards.append(1))
+    with pytest.raises(
+        ValueError, match=r"find_lr writes its plot at `path`, but the folder .*missing/dir' does not exist"
+    ):
+        find_lr(model, _x(), _y(), num_steps=5, path=tmp_path / "missing" / "dir" / "lr.png")
+    assert forwards == [] and model.global_step == 0 and list(tmp_path.iterdir()) == []

@@ -7,9 +7,10 @@ is built and then passed to ``fit``. The call must raise a ``TypeError`` or ``Va
 names the option, before step 1: the module's tensors, the optimizer's state and param groups,
 the scheduler, the step count and the files of the tmp folder are as before.
 
-Values per option: fixed edge values for its kind (``None`` where not allowed, a bool for an
-int, NaN, one below the minimum, one above the maximum, a str), its declared ``bad`` values,
-and hypothesis draws (derandomized: the same cases on every run).
+Values per option: a complex number (a type no option takes: every option, ``"custom"`` ones
+included, gets a wrong-type case), fixed edge values for its kind (``None`` where not allowed,
+a bool for an int, NaN, one below the minimum, one above the maximum, a str), its declared
+``bad`` values, and hypothesis draws (derandomized: the same cases on every run).
 """
 
 from __future__ import annotations
@@ -153,9 +154,13 @@ class _Guarded:
         shutil.rmtree(self.tmp)
 
 
+#: A type no option takes: every option, ``"custom"`` ones included, gets one wrong-type case.
+ALIEN = 1j
+
+
 def _edges(o: Option) -> list[Any]:
-    """Fixed wrong values for ``o``'s kind."""
-    values: list[Any] = [] if o.allow_none or o.kind == "custom" else [None]
+    """Fixed wrong values for ``o``'s kind, and :data:`ALIEN`."""
+    values: list[Any] = [ALIEN] + ([] if o.allow_none or o.kind == "custom" else [None])
     if o.kind in ("int", "number"):
         values += ["1", [1]]
         values += [True] if o.kind == "int" else [math.nan]
