@@ -133,6 +133,8 @@ def _fresh_venv(root: Path, wheel: Path, requires: list[str], extras: set[str]) 
         check=True,
         capture_output=True,
         text=True,
+        # without PYTHONPATH: a checkout on it (its .egg-info) would look installed to pip
+        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")},
     )
     deps = root / "deps"  # the linked dependencies, one folder on the venv's path (a .pth line)
     deps.mkdir()
