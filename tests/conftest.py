@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
@@ -11,15 +10,6 @@ import torch
 from torch import nn
 
 import fitkit
-
-
-def pytest_configure(config):
-    """Under ``pytest -n N`` (pytest-xdist), each worker takes its share of the cores for torch's
-    intra-op threads: N processes with a thread per core each would wait on each other (see
-    the docs' "Performance on a shared CPU"). Subprocesses (torchrun) set their own."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(autouse=True)
